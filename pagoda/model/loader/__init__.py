@@ -1,0 +1,1 @@
+"""Weight loaders: Hugging Face directories, GGUF files, and dummy weights."""
