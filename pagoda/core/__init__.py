@@ -1,0 +1,1 @@
+"""The torch-free core: request state, block pool, KV cache manager and scheduler."""

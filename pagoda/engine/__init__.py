@@ -1,0 +1,1 @@
+"""The engine: input processing, the step loop, output processing."""

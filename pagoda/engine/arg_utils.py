@@ -1,0 +1,202 @@
+"""`EngineArgs`: the flat, vLLM-named engine arguments, and their turning into an `EngineConfig`.
+
+The same names serve `LLM(...)` keyword arguments and CLI flags (`--max-num-seqs` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    embedded_model_path,
+)
+
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
+_DTYPE_ALIASES["bf16"] = "bfloat16"
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "bfloat16" if _cpu_has_fast_bf16() else "float32"
+    ckpt = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+    ckpt = ckpt.replace("torch.", "")
+    return ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    quantization: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    # Cache
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    # Scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+    # Execution
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    attention_backend: str | None = None
+    disable_log_stats: bool = False
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagoda.model.loader import get_model_config_dict
+
+        model = self.model or embedded_model_path()
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported yet; supported: gguf"
+            )
+        hf_config = get_model_config_dict(model, self.load_format)
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, hf_config, device)
+        derived_max_len = int(hf_config.get("max_position_embeddings") or 2048)
+        max_model_len = self.max_model_len or derived_max_len
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if max_model_len > derived_max_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({derived_max_len}); lower --max-model-len"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_batched = max(max_batched, max_model_len)
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=model,
+                hf_config=hf_config,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                load_format=self.load_format,
+                tokenizer=self.tokenizer,
+                seed=self.seed,
+                quantization=self.quantization,
+                served_model_name=self.served_model_name,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                cache_dtype=self.kv_cache_dtype,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                policy=self.scheduling_policy,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_waiting_requests=self.max_waiting_requests,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device_config=DeviceConfig(
+                device=device,
+                enforce_eager=self.enforce_eager,
+                attention_backend=self.attention_backend,
+            ),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", type=str, default=None, help="HF directory, .gguf file, or "
+                       "config.json with --load-format dummy (default: the embedded SmolLM2-135M)")
+        g.add_argument("--tokenizer", type=str, default=None)
+        g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPES)
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--load-format", type=str, default=d.load_format,
+                       choices=["auto", "gguf", "safetensors", "pt", "dummy"])
+        g.add_argument("--quantization", "-q", type=str, default=None)
+        g.add_argument("--served-model-name", type=str, default=None)
+        g.add_argument("--device", type=str, default=d.device, choices=["auto", "cpu", "cuda"])
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        g.add_argument("--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--scheduling-policy", "--scheduler-policy", dest="scheduling_policy",
+                       type=str, default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=d.enable_chunked_prefill)
+        g.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="bound on queued requests; past it the server answers 503")
+        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        g.add_argument("--distributed-executor-backend", type=str, default=None,
+                       choices=["mp", "ray"])
+        g.add_argument("--attention-backend", type=str, default=None, choices=["torch", "triton"])
+        g.add_argument("--disable-log-stats", action="store_true")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})

@@ -1,0 +1,203 @@
+"""`LLMEngine`: the synchronous engine loop, `schedule()` -> `execute_model()` -> `update()`.
+
+It owns the tokenizer (input processing and validation), the scheduler (torch-free core), the
+executor (model runner on a device) and the output processor (detokenizing, stop strings,
+n > 1 fan-in). `LLM` drives it offline; `AsyncLLM` drives it from its own thread for serving.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import ModelRunnerOutput
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.logger import init_logger
+from pagoda.metrics.loggers import LoggingStatLogger
+from pagoda.metrics.stats import IterationStats, SchedulerStats
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer, get_tokenizer
+
+logger = init_logger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        from pagoda.executor.uniproc import UniProcExecutor
+
+        start = time.perf_counter()
+        self.config = config
+        self.model_config = config.model_config
+        mc = config.model_config
+        self.tokenizer: Tokenizer = get_tokenizer(mc.tokenizer or mc.model)
+        self.executor = UniProcExecutor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_scheduler_stats = SchedulerStats(num_total_blocks=num_blocks)
+        self.last_iteration_stats = IterationStats()
+        self.stat_logger = LoggingStatLogger() if log_stats else None
+        self._log_cache_plan(num_blocks, time.perf_counter() - start)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool | None = None) -> LLMEngine:
+        if log_stats is None:
+            log_stats = not args.disable_log_stats
+        return cls(args.create_engine_config(), log_stats=log_stats)
+
+    def _log_cache_plan(self, num_blocks: int, seconds: float) -> None:
+        block_size = self.config.cache_config.block_size
+        tokens = num_blocks * block_size
+        max_len = self.model_config.max_model_len
+        logger.info(
+            "Model %s (%s, %s) ready in %.1f s. KV cache: %d blocks of %d tokens = %d tokens "
+            "(%.2f GiB); maximum concurrency for %d-token requests: %.1fx",
+            self.model_config.model,
+            self.model_config.architecture,
+            self.model_config.dtype,
+            seconds,
+            num_blocks,
+            block_size,
+            tokens,
+            num_blocks * self.executor.bytes_per_block() / 2**30,
+            max_len,
+            tokens / max_len,
+        )
+
+    # -- requests ----------------------------------------------------------------------------
+    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        prompt_text, prompt_ids = self._process_prompt(prompt)
+        max_len = self.model_config.max_model_len
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) is longer than the maximum model length "
+                f"({max_len}) minus one generated token; shorten it or raise max_model_len"
+            )
+        params.validate_token_ids(vocab)
+        eos = self.tokenizer.eos_token_id
+        params.all_stop_token_ids = set(params.stop_token_ids or [])
+        if eos is not None:
+            params.all_stop_token_ids.add(eos)
+        max_tokens = max_len - len(prompt_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+
+        child_ids, child_params = self._fan_out(request_id, params)
+        self.output_processor.add_request(
+            request_id, prompt_text, prompt_ids, params, child_ids, child_params, arrival_time
+        )
+        for cid, cparams in zip(child_ids, child_params):
+            self.scheduler.add_request(
+                Request(
+                    cid,
+                    prompt_ids,
+                    cparams,
+                    eos_token_id=eos,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    max_tokens=max_tokens,
+                )
+            )
+
+    @staticmethod
+    def _fan_out(request_id: str, params: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
+        if params.n == 1:
+            return [request_id], [params]
+        ids, plist = [], []
+        for i in range(params.n):
+            p = params.clone()
+            p.n = 1
+            if params.seed is not None:
+                p.seed = params.seed + i  # distinct but reproducible samples
+            ids.append(f"{i}_{request_id}")
+            plist.append(p)
+        return ids, plist
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        children = self.output_processor.abort_requests(list(request_ids))
+        if children:
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.last_scheduler_stats.kv_cache_usage
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.last_scheduler_stats.num_used_blocks
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        now = time.time()
+        stats = IterationStats(iteration_timestamp=now)
+        for req in sched_out.scheduled_requests:
+            self.output_processor.mark_scheduled(req.request_id, now)
+            start = sched_out.num_computed_tokens[req.request_id]
+            n = sched_out.num_scheduled_tokens[req.request_id]
+            stats.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+        stats.num_scheduled_tokens = sched_out.total_num_scheduled_tokens
+        if sched_out.total_num_scheduled_tokens > 0 or sched_out.finished_req_ids:
+            runner_out = self.executor.execute_model(sched_out)
+        else:
+            runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, time.time(), stats)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.last_scheduler_stats = self.scheduler.make_stats()
+        self.last_iteration_stats = stats
+        if self.stat_logger is not None:
+            self.stat_logger.record(self.last_scheduler_stats, stats)
+        return outputs

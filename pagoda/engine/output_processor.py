@@ -1,0 +1,293 @@
+"""Turns the scheduler's per-step `EngineCoreOutput`s into user-facing `RequestOutput`s.
+
+Owns, per request: incremental detokenization and stop strings, logprobs (with decoded
+tokens), the cumulative logprob, the fan-in of n > 1 samples into one `RequestOutput`, the
+CUMULATIVE / DELTA / FINAL_ONLY output kinds, and the per-request timing behind the metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.core.outputs import EngineCoreOutput
+from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.metrics.stats import FinishedRequestStats, IterationStats
+from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+
+@dataclass
+class SampleState:
+    """One sample (child request) of a user request."""
+
+    request_id: str
+    index: int
+    parent: ParentState
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # for DELTA outputs
+    num_sent_logprobs: int = 0
+    last_token_time: float | None = None
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    final_sent: bool = False  # DELTA: the finished sample was reported
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ParentState:
+    """A user request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[SampleState] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.samples: dict[str, SampleState] = {}  # child request id -> state
+        self.parents: dict[str, ParentState] = {}  # user request id -> state
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        child_params: list[SamplingParams],
+        arrival_time: float,
+    ) -> None:
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, arrival_time)
+        for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
+            detok = None
+            if p.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens,
+                    stop=list(p.stop or []),
+                    include_stop_str_in_output=p.include_stop_str_in_output,
+                )
+            state = SampleState(child_id, index, parent, p, detok)
+            if p.logprobs is not None:
+                state.logprobs, state.cumulative_logprob = [], 0.0
+            parent.samples.append(state)
+            self.samples[child_id] = state
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        self.parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [s.request_id for s in parent.samples] if parent else []
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget user requests; return the child ids the scheduler must abort."""
+        children: list[str] = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for s in parent.samples:
+                self.samples.pop(s.request_id, None)
+                if not s.finished:
+                    children.append(s.request_id)
+        return children
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def mark_scheduled(self, child_id: str, now: float) -> None:
+        state = self.samples.get(child_id)
+        if state is not None and state.first_scheduled_time is None:
+            state.first_scheduled_time = now
+
+    # -- per step ----------------------------------------------------------------------------
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput], now: float, stats: IterationStats
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs for users, child ids stopped by a stop string: abort them)."""
+        touched: dict[str, ParentState] = {}
+        stopped_by_string: list[str] = []
+        for out in core_outputs:
+            state = self.samples.get(out.request_id)
+            if state is None or state.finished:
+                continue  # aborted meanwhile
+            parent = state.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
+            if out.new_token_ids:
+                self._record_timing(state, now, stats, len(out.new_token_ids))
+                if self._append_tokens(state, out):
+                    stopped_by_string.append(state.request_id)
+            if out.finish_reason is not None and state.finish_reason is None:
+                state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+            touched[parent.request_id] = parent
+
+        outputs: list[RequestOutput] = []
+        for parent in touched.values():
+            for s in parent.samples:
+                if s.finished and s.request_id in self.samples:
+                    self.samples.pop(s.request_id)
+                    stats.finished_requests.append(self._finished_stats(s, now))
+            ro = self._make_output(parent, now)
+            if ro is not None:
+                outputs.append(ro)
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+        return outputs, stopped_by_string
+
+    def _record_timing(self, s: SampleState, now: float, stats: IterationStats, n: int) -> None:
+        stats.num_generation_tokens += n
+        if s.first_token_time is None:
+            s.first_token_time = now
+            stats.time_to_first_tokens_iter.append(now - s.parent.arrival_time)
+        elif s.last_token_time is not None:
+            stats.inter_token_latencies_iter.append(now - s.last_token_time)
+        s.last_token_time = now
+
+    def _append_tokens(self, s: SampleState, out: EngineCoreOutput) -> bool:
+        """Add new tokens; True when a stop string ended the sample."""
+        new_ids = out.new_token_ids
+        if out.new_logprobs is not None and s.logprobs is not None:
+            for tok, entry in zip(new_ids, out.new_logprobs):
+                s.logprobs.append(self._to_logprob_dict(entry))
+                if tok in entry and s.cumulative_logprob is not None:
+                    s.cumulative_logprob += entry[tok][0]
+        if s.detokenizer is None:
+            s.token_ids.extend(new_ids)
+            return False
+        for i, tok in enumerate(new_ids):
+            s.token_ids.append(tok)
+            stop_str = s.detokenizer.update([tok])
+            if stop_str is not None and out.finish_reason is None:
+                # Tokens after the one completing the stop string are dropped.
+                if s.logprobs is not None:
+                    del s.logprobs[len(s.token_ids) :]
+                del new_ids[i + 1 :]
+                s.finish_reason, s.stop_reason = "stop", stop_str
+                return True
+            if stop_str is not None:
+                s.stop_reason = stop_str
+                break
+        return False
+
+    def _to_logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        return {
+            tok: Logprob(lp, rank, decode([tok], skip_special_tokens=False))
+            for tok, (lp, rank) in entry.items()
+        }
+
+    def _to_logprobs(self, entries: list[dict[int, tuple[float, int]]]) -> list[dict[int, Logprob]]:
+        return [self._to_logprob_dict(e) for e in entries]
+
+    def _completion(self, s: SampleState, delta: bool) -> CompletionOutput:
+        text = ""
+        if s.detokenizer is not None:
+            text = s.detokenizer.get_next_output_text(s.finished, delta)
+        if delta:
+            token_ids = s.token_ids[s.num_sent_tokens :]
+            logprobs = s.logprobs[s.num_sent_logprobs :] if s.logprobs is not None else None
+            s.num_sent_tokens = len(s.token_ids)
+            s.num_sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
+        else:
+            token_ids = list(s.token_ids)
+            logprobs = list(s.logprobs) if s.logprobs is not None else None
+        return CompletionOutput(
+            index=s.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+
+    def _make_output(self, parent: ParentState, now: float) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        if delta:
+            samples = [
+                s
+                for s in parent.samples
+                if not s.final_sent and (len(s.token_ids) > s.num_sent_tokens or s.finished)
+            ]
+            for s in samples:
+                s.final_sent = s.finished
+        else:
+            samples = parent.samples
+        prompt_logprobs = parent.prompt_logprobs
+        if delta:
+            if parent.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None and samples:
+                parent.prompt_logprobs_sent = True
+        first = parent.samples[0]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            finished_time=now if parent.finished else None,
+            time_in_queue=(first.first_scheduled_time - parent.arrival_time)
+            if first.first_scheduled_time is not None
+            else None,
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=[self._completion(s, delta) for s in samples],
+            finished=parent.finished,
+            metrics=metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    def _finished_stats(self, s: SampleState, now: float) -> FinishedRequestStats:
+        arrival = s.parent.arrival_time
+        scheduled = s.first_scheduled_time or arrival
+        first_tok = s.first_token_time or now
+        n_gen = len(s.token_ids)
+        decode_time = (s.last_token_time or now) - first_tok
+        return FinishedRequestStats(
+            finish_reason=s.finish_reason or "abort",
+            e2e_latency=now - arrival,
+            num_prompt_tokens=len(s.parent.prompt_token_ids),
+            num_generation_tokens=n_gen,
+            queued_time=scheduled - arrival,
+            prefill_time=first_tok - scheduled,
+            decode_time=decode_time,
+            mean_time_per_output_token=decode_time / (n_gen - 1) if n_gen > 1 else 0.0,
+            num_cached_tokens=s.parent.num_cached_tokens,
+        )

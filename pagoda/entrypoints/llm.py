@@ -1,0 +1,142 @@
+"""`LLM`: offline batched generation and chat, the vLLM Python API users already know."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+# vLLM arguments that select features Pagoda does not have yet: refuse them clearly.
+_UNSUPPORTED = ("speculative_model", "speculative_config", "num_speculative_tokens", "lora_modules")
+
+
+class LLM:
+    """Generate text from prompts with continuous batching over a paged KV cache.
+
+    `LLM()` runs the embedded SmolLM2-135M-Instruct; `LLM(model=PATH)` takes a Hugging Face
+    directory or a .gguf file. Keyword arguments are `EngineArgs` fields (vLLM's names).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        for name in _UNSUPPORTED:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name} is not supported by Pagoda yet")
+            kwargs.pop(name, None)
+        kwargs.setdefault("disable_log_stats", True)
+        fields = set(EngineArgs.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):  # noqa: ANN201 - pagoda.tokenizer.Tokenizer
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("sampling_params must be one object or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must have one value per prompt")
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(
+                    rid, prompt, params, priority=priority[i] if priority else 0
+                )
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.llm_engine.tokenizer
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                chat_template=chat_template,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already holds the special tokens (BOS etc.): do not add them twice.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(
+                total=len(request_ids),
+                desc="Processed prompts",
+                dynamic_ncols=True,
+                postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
+            )
+        finished: dict[str, RequestOutput] = {}
+        n_in = n_out = 0
+        start = time.perf_counter()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    finished[out.request_id] = out
+                    if pbar is not None:
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        pbar.postfix = (
+                            f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                            f"output: {n_out / elapsed:.2f} toks/s"
+                        )
+                        pbar.update(1)
+        except BaseException:
+            engine.abort_request(list(request_ids))
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [finished[rid] for rid in request_ids if rid in finished]

@@ -1,0 +1,1 @@
+"""Engine statistics and their Prometheus exposition."""

@@ -1,0 +1,45 @@
+"""Plain statistics the engine produces each step; loggers (log lines, Prometheus) consume them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    """State of the scheduler after a step. Counters are deltas since the previous step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (delta)
+    prefix_cache_hits: int = 0  # of which found (delta)
+    num_preemptions: int = 0  # (delta)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queued_time: float
+    prefill_time: float
+    decode_time: float
+    mean_time_per_output_token: float
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What happened in one engine step."""
+
+    iteration_timestamp: float = 0.0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_scheduled_tokens: int = 0  # tokens the model ran on this step
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    inter_token_latencies_iter: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,0 +1,67 @@
+"""What a request returns: `RequestOutput` with one `CompletionOutput` per sample (vLLM's fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token, its rank among all tokens (1 = most likely), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per position: {token_id: Logprob} holding the top-k tokens plus the chosen one.
+SampleLogprobs = list[dict[int, Logprob]]
+# Same for the prompt; the first prompt token has no logprob (None).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    encoder_prompt: str | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"outputs={self.outputs!r}, finished={self.finished}, "
+            f"num_cached_tokens={self.num_cached_tokens})"
+        )
