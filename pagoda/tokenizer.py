@@ -1,0 +1,471 @@
+"""The tokenizer: a `tokenizers.Tokenizer` built from a GGUF file or a Hugging Face directory.
+
+This module owns turning text into token ids and back, the special tokens (bos/eos/unk/pad and
+the added control tokens), and rendering chat templates with jinja2 the way transformers does
+(sandboxed, `trim_blocks`/`lstrip_blocks`, `raise_exception`, `strftime_now`, a non-escaping
+`tojson`). It builds GGUF tokenizers itself, as transformers' GGUF converter does (byte-level BPE
+for `tokenizer.ggml.model == "gpt2"`, SentencePiece-style BPE with byte fallback for `"llama"`),
+so that the engine never imports transformers, which alone would blow the cold-start budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+_SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
+
+# `tokenizer.ggml.pre` -> split regex, for vocabularies whose merges were learned on a split other
+# than GPT-2's (same table as transformers' GGUF converter; unlisted names keep GPT-2's split).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+}
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the spelling of byte-level BPE tokens)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
+    best score first (transformers' `generate_merges`, kept in the same stable order)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [
+            (piece[:i], piece[i:], score)
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _post_processor(
+    bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None
+) -> processors.TemplateProcessing:
+    # add_bos/add_eos as transformers' `update_post_processor` expresses them.
+    single = ([f"{bos}:0"] if bos is not None else []) + ["$A:0"]
+    single += [f"{eos}:0"] if eos is not None else []
+    pair = single + ([f"{bos}:1"] if bos is not None else []) + ["$B:1"]
+    pair += [f"{eos}:1"] if eos is not None else []
+    special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its special tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+        chat_template: str | None = None,
+        clean_up_tokenization_spaces: bool = False,
+        name_or_path: str = "",
+    ) -> None:
+        self.backend = backend
+        self.name_or_path = name_or_path
+        self.chat_template = chat_template
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        # bos_token / eos_token / unk_token / pad_token -> their text (None when the model has none).
+        self.special_tokens_map: dict[str, str] = {
+            f"{role}_token": tok
+            for role in _SPECIAL_ROLES
+            if (tok := (special_tokens or {}).get(f"{role}_token")) is not None
+        }
+        # Every special token decodes as itself and is never split, as transformers ensures.
+        named = [
+            AddedToken(t, special=True, normalized=False) for t in self.special_tokens_map.values()
+        ]
+        if named:
+            backend.add_special_tokens(named)
+        if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
+            self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
+        added = backend.get_added_tokens_decoder()
+        self._added_token_ids = frozenset(added)
+        self._special_ids = frozenset(i for i, t in added.items() if t.special) | {
+            i for t in self.special_tokens_map.values() if (i := backend.token_to_id(t)) is not None
+        }
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        bos = self.special_tokens_map.get("bos_token") if add_bos else None
+        eos = self.special_tokens_map.get("eos_token") if add_eos else None
+        self.backend.post_processor = _post_processor(
+            bos, self.backend.token_to_id(bos) if bos else None,
+            eos, self.backend.token_to_id(eos) if eos else None,
+        )  # fmt: skip
+
+    # ---- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: Any) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
+        from pagoda.model.loader.gguf import GGUFReader
+
+        reader = (
+            path_or_reader if isinstance(path_or_reader, GGUFReader) else GGUFReader(path_or_reader)
+        )
+        md = reader.metadata
+        kind, tokens = md.get("tokenizer.ggml.model"), md.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError(
+                f"GGUF file {reader.path} has no tokenizer.ggml.tokens: pass --tokenizer DIR"
+            )
+        token_types = [int(t) for t in md.get("tokenizer.ggml.token_type", ())]
+        merges = md.get("tokenizer.ggml.merges")
+        ids = {role: md.get(f"tokenizer.ggml.{key}_token_id") for role, key in
+               (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}  # fmt: skip
+        special = {f"{r}_token": tokens[i] if i is not None and i < len(tokens) else None
+                   for r, i in ids.items()}  # fmt: skip
+        add_bos = md.get("tokenizer.ggml.add_bos_token")
+        if kind == "gpt2":
+            spelling = _bytes_to_unicode()
+            alphabet = set(spelling.values())
+            # Tokens not spelled in the byte alphabet (added tokens written as plain text) are
+            # respelled byte by byte, so the BPE model can hold them.
+            vocab = {
+                t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+                for i, t in enumerate(tokens)
+            }
+            pairs = [tuple(m.split(" ", 1)) for m in merges or ()]
+            backend = BackendTokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="",
+                                                  end_of_word_suffix="", fuse_unk=False))  # fmt: skip
+            split = _PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre"))
+            if split is None:
+                backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            else:
+                backend.pre_tokenizer = pre_tokenizers.Sequence([
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ])  # fmt: skip
+            backend.decoder = decoders.ByteLevel()
+            # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel.
+            is_control = lambda t: set(t) <= alphabet  # noqa: E731
+        elif kind == "llama":
+            vocab = {t: i for i, t in enumerate(tokens)}
+            if merges:
+                pairs = [tuple(m.split(" ", 1)) for m in merges]
+            else:
+                scores = md.get("tokenizer.ggml.scores")
+                if scores is None:
+                    raise ValueError(f"GGUF file {reader.path} has neither merges nor scores")
+                pairs = _generate_merges(vocab, dict(zip(tokens, (float(s) for s in scores))))
+            backend = BackendTokenizer(models.BPE(vocab, pairs, unk_token=special["unk_token"],
+                                                  fuse_unk=True, byte_fallback=True))  # fmt: skip
+            prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+            )
+            steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            backend.decoder = decoders.Sequence(
+                steps + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+            )
+            add_bos = True if add_bos is None else add_bos  # llama.cpp's default for SentencePiece
+            is_control = lambda t: True  # noqa: E731
+        else:
+            raise ValueError(
+                f"GGUF file {reader.path} has tokenizer.ggml.model={kind!r}; Pagoda builds 'gpt2' "
+                "and 'llama' tokenizers: pass --tokenizer DIR with a tokenizer.json instead"
+            )
+        typed = list(zip(tokens, token_types))
+        control = [t for t, k in typed if k == _TOKEN_TYPE_CONTROL and is_control(t)]
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        user = [t for t, k in typed if k == _TOKEN_TYPE_USER_DEFINED and t in vocab]
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        return cls(
+            backend,
+            special_tokens=special,
+            add_bos_token=bool(add_bos),
+            add_eos_token=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=md.get("tokenizer.chat_template"),
+            name_or_path=reader.path,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load tokenizer.json + tokenizer_config.json (+ special_tokens_map.json,
+        chat_template.jinja) from a Hugging Face model directory."""
+        path = os.fspath(path)
+        tokenizer_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise ValueError(
+                f"{path} has no tokenizer.json: Pagoda needs a fast-tokenizer file (save one with "
+                "transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
+            )
+        backend = BackendTokenizer.from_file(tokenizer_file)
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
+        special = {
+            f"{role}_token": _token_text(
+                config.get(f"{role}_token", special_map.get(f"{role}_token"))
+            )
+            for role in _SPECIAL_ROLES
+        }
+        chat_template = config.get("chat_template")
+        if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in chat_template}
+            chat_template = named.get("default", next(iter(named.values()), None))
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                chat_template = f.read()
+        return cls(
+            backend,
+            special_tokens=special,
+            add_bos_token=config.get("add_bos_token"),
+            add_eos_token=config.get("add_eos_token"),
+            chat_template=chat_template,
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+            name_or_path=path,
+        )
+
+    # ---- ids and text ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def decode(
+        self,
+        ids: Iterable[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
+    ) -> str:
+        """Token ids -> text. `spaces_between_special_tokens` joins added tokens and the text
+        around them with single spaces, as transformers' slow tokenizers (and vLLM) do."""
+        ids = list(ids)
+        if spaces_between_special_tokens and not skip_special_tokens:
+            text = self._decode_spaced(ids)
+        else:
+            text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+
+    def _decode_spaced(self, ids: list[int]) -> str:
+        pieces, run = [], []
+        for i in ids:
+            if i in self._added_token_ids:
+                if run:
+                    pieces.append(self.backend.decode(run, skip_special_tokens=False))
+                    run = []
+                pieces.append(self.backend.id_to_token(i))
+            else:
+                run.append(i)
+        if run:
+            pieces.append(self.backend.decode(run, skip_special_tokens=False))
+        return " ".join(pieces)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> list[int | None]:
+        return [self.backend.token_to_id(t) for t in tokens]
+
+    def is_special_id(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _role_id(self, role: str) -> int | None:
+        token = self.special_tokens_map.get(f"{role}_token")
+        return self.backend.token_to_id(token) if token is not None else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._role_id("bos")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._role_id("eos")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._role_id("unk")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._role_id("pad")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens_map.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens_map.get("eos_token")
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """bos/eos/unk/pad and every added token marked special (what decode skips)."""
+        return sorted(self._special_ids)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [self.backend.id_to_token(i) for i in self.all_special_ids]
+
+    # ---- chat --------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the chat template; token ids when `tokenize`.
+
+        The rendered text already holds the template's special tokens, so it is tokenized
+        without adding bos/eos again (as transformers does).
+        """
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                f"The model {self.name_or_path or ''} has no chat template: pass one with "
+                "chat_template=... (or --chat-template FILE), or use the completion API"
+            )
+        # Keys set to None are dropped: OpenAI clients send content=None, tool_calls=None, and
+        # templates test for presence.
+        chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are exclusive")
+        import jinja2
+
+        try:
+            text = _compile_template(template).render(
+                messages=chat,
+                tools=tools,
+                documents=kwargs.pop("documents", None),
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens_map, **kwargs},
+            )
+        except jinja2.exceptions.TemplateError as e:
+            # raise_exception() in a template rejects the conversation (e.g. roles that do not
+            # alternate): that is the user's request to fix.
+            raise ValueError(f"The chat template rejected the messages: {e}") from None
+        if continue_final_message:
+            # Cut after the final message's content so that generation continues it.
+            final = chat[-1].get("content") if chat else None
+            if not isinstance(final, str) or final.strip() not in text:
+                raise ValueError("continue_final_message needs a final message with text content")
+            text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _token_text(token: Any) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' `clean_up_tokenization`, for tokenizers whose config asks for it.
+    for old, new in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                     (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):  # fmt: skip
+        text = text.replace(old, new)
+    return text
+
+
+@lru_cache(maxsize=8)
+def _compile_template(template: str) -> Any:
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        # jinja's own tojson HTML-escapes; templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)  # fmt: skip
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"The chat template is not valid jinja: {e}") from None
+
+
+def get_tokenizer(model: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of `model`: a .gguf file, or a Hugging Face directory with tokenizer.json
+    (a directory holding one .gguf file and no tokenizer.json is read from that file)."""
+    model = os.fspath(model)
+    if os.path.isfile(model):
+        if model.endswith(".gguf"):
+            return Tokenizer.from_gguf(model)
+        model = os.path.dirname(model) or "."  # e.g. a config.json path
+    if os.path.isdir(model):
+        ggufs = [f for f in os.listdir(model) if f.endswith(".gguf")]
+        if not os.path.isfile(os.path.join(model, "tokenizer.json")) and len(ggufs) == 1:
+            return Tokenizer.from_gguf(os.path.join(model, ggufs[0]))
+        return Tokenizer.from_pretrained(model)
+    raise ValueError(
+        f"Tokenizer path {model} does not exist: pass a .gguf file or a model directory"
+    )
