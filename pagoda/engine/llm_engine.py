@@ -38,13 +38,16 @@ class LLMEngine:
         mc = config.model_config
         self.tokenizer: Tokenizer = get_tokenizer(mc.tokenizer or mc.model)
         self.executor = UniProcExecutor(config)
-        num_blocks = self.executor.determine_num_blocks()
+        num_blocks = (
+            config.cache_config.num_gpu_blocks_override or self.executor.determine_num_blocks()
+        )
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_scheduler_stats = SchedulerStats(num_total_blocks=num_blocks)
         self.last_iteration_stats = IterationStats()
+        self.num_preemptions_total = 0
         self.stat_logger = LoggingStatLogger() if log_stats else None
         self._log_cache_plan(num_blocks, time.perf_counter() - start)
 
@@ -197,6 +200,7 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.last_scheduler_stats = self.scheduler.make_stats()
+        self.num_preemptions_total += self.last_scheduler_stats.num_preemptions
         self.last_iteration_stats = stats
         if self.stat_logger is not None:
             self.stat_logger.record(self.last_scheduler_stats, stats)

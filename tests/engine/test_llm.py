@@ -1,0 +1,163 @@
+"""End-to-end behaviour of `LLM` / `LLMEngine` on the embedded model (real weights, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import RequestOutputKind
+
+PROMPTS = [
+    "The capital of France is",
+    "你是一个AI助手。请回答：什么是机器学习？",
+    "def fibonacci(n):",
+    "Explain paged attention in one sentence.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=512, seed=0)
+
+
+def _texts(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM) -> list[list[int]]:
+    # Each prompt alone: the reference every batching mode must reproduce.
+    return [_texts(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
+
+
+def test_generate_returns_vllm_shaped_outputs(llm: LLM) -> None:
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8))
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    for o in outs:
+        assert o.finished and o.prompt in PROMPTS and o.prompt_token_ids
+        c = o.outputs[0]
+        assert 1 <= len(c.token_ids) <= 8 and c.finish_reason in ("stop", "length")
+        assert isinstance(c.text, str)
+        assert o.metrics is not None and o.metrics.first_token_time >= o.metrics.arrival_time
+
+
+def test_batching_does_not_change_greedy_outputs(llm: LLM, reference) -> None:
+    assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+def test_chunked_prefill_does_not_change_greedy_outputs(reference) -> None:
+    small = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=8, seed=0)
+    assert _texts(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+def test_preemption_does_not_change_greedy_outputs(reference) -> None:
+    # 6 blocks of 16 tokens cannot hold all four requests at once: some get preempted.
+    tiny = LLM(dtype="float32", max_model_len=96, num_gpu_blocks_override=8, seed=0)
+    outs = tiny.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _texts(outs) == reference
+    assert tiny.llm_engine.num_preemptions_total > 0
+
+
+def test_prefix_hit_reuses_500_tokens(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    prefix = list(range(1000, 1500))  # 500 tokens
+    first = llm.generate({"prompt_token_ids": prefix + [7, 8, 9]}, GREEDY, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": prefix + [10, 11]}, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens < 496
+    assert second.num_cached_tokens >= 496
+    assert tok is not None
+
+
+def test_prefix_cache_hit_does_not_change_greedy_outputs(llm: LLM, reference) -> None:
+    again = _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))  # prompts now cached
+    assert again == reference
+
+
+def test_n_samples_and_seed_are_reproducible(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8)
+    a = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    b = llm.generate([PROMPTS[0], PROMPTS[1]], params, use_tqdm=False)[0]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_stop_string_truncates_text(llm: LLM, reference) -> None:
+    full = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full.strip()[3:6]
+    assert stop
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and full.startswith(out.text)
+
+
+def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids)
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        assert tok in lp and lp[tok].rank == 1  # greedy picks the top token
+        assert 3 <= len(lp) <= 4
+    assert comp.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in
+                                                        zip(comp.token_ids, comp.logprobs)))
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert tok in lp and lp[tok].logprob <= 0.0
+
+
+def test_chat_applies_template(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "Say hello."}], GREEDY, use_tqdm=False)[0]
+    assert "<|im_start|>user" in out.prompt and out.prompt.rstrip().endswith("assistant")
+    assert out.outputs[0].token_ids
+
+
+def test_delta_outputs_concatenate_to_final(llm: LLM) -> None:
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("delta-1", PROMPTS[1], params)
+    pieces, tokens = [], []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            pieces.append(o.outputs[0].text if o.outputs else "")
+            tokens += o.outputs[0].token_ids if o.outputs else []
+    final = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert "".join(pieces) == final.text and tokens == final.token_ids
+
+
+def test_abort_frees_everything(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("to-abort", PROMPTS[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort_request("to-abort")
+    assert not engine.has_unfinished_requests()
+    engine.step()
+    assert engine.scheduler.make_stats().num_running_reqs == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", SamplingParams(), "empty"),
+        ({"prompt_token_ids": [10**7]}, SamplingParams(), "token ids"),
+        ("x " * 2000, SamplingParams(), "longer than the maximum model length"),
+        ("hi", SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
+    ],
+)
+def test_bad_input_raises_clear_error(llm: LLM, prompt, params, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+     ({"n": 0}, "n"), ({"logprobs": 100}, "logprobs")],
+)
+def test_sampling_params_validation_names_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
