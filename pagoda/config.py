@@ -49,6 +49,7 @@ class ModelConfig:
     seed: int = 0
     quantization: str | None = None
     served_model_name: str | None = None
+    skip_tokenizer_init: bool = False  # token ids in and out only (e.g. dummy-weight benchmarks)
 
     @property
     def architecture(self) -> str:

@@ -63,6 +63,7 @@ def resolve_device(device: str) -> str:
 class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -130,6 +131,7 @@ class EngineArgs:
                 seed=self.seed,
                 quantization=self.quantization,
                 served_model_name=self.served_model_name,
+                skip_tokenizer_init=self.skip_tokenizer_init,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -165,6 +167,8 @@ class EngineArgs:
         g.add_argument("--model", type=str, default=None, help="HF directory, .gguf file, or "
                        "config.json with --load-format dummy (default: the embedded SmolLM2-135M)")
         g.add_argument("--tokenizer", type=str, default=None)
+        g.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="no tokenizer: prompts are token ids and outputs are not detokenized")
         g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPES)
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--max-model-len", type=int, default=None)

@@ -36,7 +36,9 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         mc = config.model_config
-        self.tokenizer: Tokenizer = get_tokenizer(mc.tokenizer or mc.model)
+        self.tokenizer: Tokenizer | None = (
+            None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer or mc.model)
+        )
         self.executor = UniProcExecutor(config)
         num_blocks = (
             config.cache_config.num_gpu_blocks_override or self.executor.determine_num_blocks()
@@ -77,14 +79,19 @@ class LLMEngine:
         )
 
     # -- requests ----------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("the engine runs with skip_tokenizer_init: give prompt token ids")
+        return self.tokenizer.encode(text)
+
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"])
             raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -116,7 +123,7 @@ class LLMEngine:
                 f"({max_len}) minus one generated token; shorten it or raise max_model_len"
             )
         params.validate_token_ids(vocab)
-        eos = self.tokenizer.eos_token_id
+        eos = self._eos_token_id()
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         if eos is not None:
             params.all_stop_token_ids.add(eos)
@@ -140,6 +147,12 @@ class LLMEngine:
                     max_tokens=max_tokens,
                 )
             )
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None:
+            return self.tokenizer.eos_token_id
+        eos = self.model_config.hf_config.get("eos_token_id")
+        return eos[0] if isinstance(eos, list) else eos
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> tuple[list[str], list[SamplingParams]]:

@@ -63,7 +63,7 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.samples: dict[str, SampleState] = {}  # child request id -> state
         self.parents: dict[str, ParentState] = {}  # user request id -> state
@@ -82,7 +82,7 @@ class OutputProcessor:
         parent = ParentState(request_id, prompt, prompt_token_ids, params, arrival_time)
         for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
             detok = None
-            if p.detokenize:
+            if p.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
                     self.tokenizer,
                     prompt_token_ids,
@@ -200,6 +200,8 @@ class OutputProcessor:
         return False
 
     def _to_logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        if self.tokenizer is None:
+            return {tok: Logprob(lp, rank) for tok, (lp, rank) in entry.items()}
         decode = self.tokenizer.decode
         return {
             tok: Logprob(lp, rank, decode([tok], skip_special_tokens=False))
