@@ -1,0 +1,69 @@
+"""Fused element-wise ops of the model (RMSNorm(+residual), SiLU-and-mul, RoPE).
+
+The functions here pick the Triton kernel for CUDA tensors and the torch reference
+(`pagoda.kernels.reference`) otherwise, so model code calls them on any device; importing
+this package never imports triton. The Triton versions are `*_triton` in `norm_act` and
+`rotary`, called directly by the tests (under TRITON_INTERPRET=1 on a CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(h), h) with h = x + residual, or h = x when residual is None:
+    a decoder layer does `x, residual = rms_norm(x, w, eps, residual)`."""
+    if _use_triton(x):
+        from pagoda.kernels.norm_act import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:]."""
+    if _use_triton(x):
+        from pagoda.kernels.norm_act import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Neox-style RoPE applied in place to q / k ([T, heads * head_size] or [T, heads,
+    head_size]) at positions [T] from cos_sin_cache [max_position, rotary_dim] =
+    cat(cos, sin); returns (q, k)."""
+    if _use_triton(q):
+        from pagoda.kernels.rotary import rotary_embedding_triton
+
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache, head_size)
+    return rotary_embedding_ref(positions, q, k, cos_sin_cache, head_size)
+
+
+__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "triton_available"]
