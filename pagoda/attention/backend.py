@@ -1,0 +1,106 @@
+"""The attention backend interface and a lazy registry that picks an implementation by device.
+
+A backend writes this step's new keys/values into the paged KV cache (at `slot_mapping`) and then
+computes causal attention of every query row over its request's cached prefix plus the rows of
+this step before it, for a flat mixed batch of prefill chunks and decodes (layout in
+`pagoda.attention.metadata`). Implementations: `"torch"` (pure PyTorch, `torch_ref.py`: the CPU
+path and the test oracle) and `"triton"` (GPU kernels under `pagoda/attention/triton/`).
+Backends are imported only when picked, so CPU installs never import Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+import torch
+
+from pagoda.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class AttentionLayer(Protocol):
+    """What a backend may read from the calling layer (`pagoda.model.layers.attention`)."""
+
+    layer_idx: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    head_size: int
+    k_scale: float  # quantized KV cache only: stored = round(x / scale)
+    v_scale: float
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one step of a mixed prefill/decode batch.
+
+    `forward(layer, q, k, v, kv_cache, attn_metadata, scale)`:
+      q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size], the
+      new rows of this step (already rotated). kv_cache: [2, num_blocks, block_size,
+      num_kv_heads, head_size], or None (no cache yet, e.g. a memory-profiling run: every request
+      then attends only within its own rows, which must start at position 0).
+      Writes k/v rows [0, num_actual_tokens) into the cache at slot_mapping (slot -1: skip),
+      then returns out: [num_tokens, num_heads, head_size] in q's dtype; rows past
+      num_actual_tokens are zero. GQA/MQA: query head h reads KV head h // (num_heads /
+      num_kv_heads). Must not synchronise with the device more than needed (CUDA graphs).
+    `prepare(attn_metadata)` is called once per step before the first layer: a backend may
+      precompute per-step values shared by all layers into `attn_metadata.extra`.
+    """
+
+    name: str = "base"
+
+    def prepare(self, attn_metadata: AttentionMetadata) -> None:
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+# name -> (module, class); imported on first use.
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("pagoda.attention.torch_ref", "TorchAttentionBackend"),
+    "triton": ("pagoda.attention.triton.backend", "TritonAttentionBackend"),
+}
+
+
+def register_attention_backend(name: str, module: str, class_name: str) -> None:
+    _BACKENDS[name] = (module, class_name)
+
+
+def available_attention_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_attn_backend(device: str | torch.device, name: str | None = None) -> AttentionBackend:
+    """The backend called `name`, or the best one for `device` (triton on CUDA, else torch)."""
+    device_type = torch.device(device).type
+    if name is None:
+        if device_type == "cuda":
+            try:
+                return _load("triton")
+            except ImportError as e:  # no Triton build for this GPU: the torch path still works
+                logger.warning("Triton attention unavailable (%s); using the torch backend", e)
+        return _load("torch")
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"attention_backend must be one of {available_attention_backends()}, got {name!r}"
+        )
+    if name == "triton" and device_type != "cuda":
+        raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU")
+    return _load(name)
+
+
+def _load(name: str) -> AttentionBackend:
+    module, class_name = _BACKENDS[name]
+    return getattr(importlib.import_module(module), class_name)()

@@ -1,0 +1,208 @@
+"""Paged attention in plain PyTorch: the CPU production path and the oracle for the GPU kernels.
+
+One step's batch is split the way the work differs (layout in `pagoda.attention.metadata`):
+- the leading run of decode requests (one query row each) is served by one padded
+  `scaled_dot_product_attention` call: their blocks are gathered into [num_decodes, max_len]
+  with a key-padding mask, and the query heads that share a KV head are laid along the query
+  axis ([num_decodes, num_kv_heads, group, head_size]) so GQA needs no repeated keys;
+- every other request (a prefill chunk, or speculative rows) runs alone: fresh prompts attend
+  causally over this step's own k/v; chunks with a cached prefix gather their blocks and use an
+  explicit causal mask offset by the prefix length.
+The gather indices and masks depend only on the step, so they are built once (by the first layer)
+and kept in `attn_metadata.extra`, shared by every layer. A quantized cache (int8 / fp8) stores
+round(x / scale) and is read back as stored * scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.attention.backend import AttentionBackend, AttentionLayer
+from pagoda.attention.metadata import AttentionMetadata
+
+_PLAN_KEY = "torch_ref_plan"
+
+
+@dataclass
+class _Chunk:
+    start: int  # query rows [start, end)
+    end: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no cached prefix
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+
+
+@dataclass
+class _Plan:
+    block_size: int
+    write_slots: torch.Tensor | None  # [n] int64 slots of the rows written; None: no cache
+    write_rows: torch.Tensor | None  # rows to write when some slots are -1; None: all rows
+    num_decodes: int
+    decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] int64
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    chunks: list[_Chunk]
+
+
+def _build_plan(md: AttentionMetadata, block_size: int, has_cache: bool) -> _Plan:
+    qsl = md.query_start_loc_cpu or md.query_start_loc.tolist()
+    seq_lens = md.seq_lens_cpu or md.seq_lens.tolist()
+    num_reqs = len(seq_lens)
+    n = md.num_actual_tokens
+    device = md.slot_mapping.device
+    write_slots = write_rows = None
+    if has_cache:
+        slots = md.slot_mapping[:n].long()
+        valid = slots >= 0
+        if bool(valid.all()):
+            write_slots = slots
+        else:
+            write_rows = valid.nonzero().squeeze(1)
+            write_slots = slots.index_select(0, write_rows)
+
+    num_decodes = 0
+    if has_cache:
+        while num_decodes < num_reqs and qsl[num_decodes + 1] - qsl[num_decodes] == 1:
+            num_decodes += 1
+    decode_blocks = decode_mask = None
+    if num_decodes:
+        max_blocks = -(-max(seq_lens[:num_decodes]) // block_size)
+        decode_blocks = md.block_tables[:num_decodes, :max_blocks].reshape(-1).long()
+        key_pos = torch.arange(max_blocks * block_size, device=device)
+        lens = md.seq_lens[:num_decodes].to(device)
+        decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+
+    chunks = []
+    for b in range(num_decodes, num_reqs):
+        start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
+        query_len = end - start
+        context_len = seq_len - query_len
+        if context_len == 0:
+            chunks.append(_Chunk(start, end, seq_len, None, None))
+            continue
+        if not has_cache:
+            raise RuntimeError("a request with a cached prefix needs a KV cache")
+        num_blocks = -(-seq_len // block_size)
+        blocks = md.block_tables[b, :num_blocks].long()
+        key_pos = torch.arange(seq_len, device=device)
+        row_pos = torch.arange(context_len, seq_len, device=device)
+        chunks.append(_Chunk(start, end, seq_len, blocks, key_pos[None, :] <= row_pos[:, None]))
+    return _Plan(
+        block_size, write_slots, write_rows, num_decodes, decode_blocks, decode_mask, chunks
+    )
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.int8:
+        return (x.float() / scale).round_().clamp_(-128, 127).to(dtype)
+    if dtype.itemsize == 1:  # fp8: saturate, as the kernels do, instead of overflowing to NaN
+        bound = torch.finfo(dtype).max
+        return (x.float() / scale).clamp_(-bound, bound).to(dtype)
+    return x.to(dtype)
+
+
+def _from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype == dtype:
+        return x
+    if x.dtype.itemsize == 1:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Store rows k[i], v[i] at flat slot slots[i] of the cache (slot = block * block_size + off)."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    flat[0].index_copy_(0, slots, _to_cache(k, kv_cache.dtype, k_scale))
+    flat[1].index_copy_(0, slots, _to_cache(v, kv_cache.dtype, v_scale))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, attn_metadata: AttentionMetadata) -> None:
+        return None  # the plan needs the cache's block size: built by the first layer
+
+    def _plan(self, md: AttentionMetadata, kv_cache: torch.Tensor | None) -> _Plan:
+        block_size = int(kv_cache.shape[2]) if kv_cache is not None else 0
+        if md.extra is None:
+            md.extra = {}
+        plan = md.extra.get(_PLAN_KEY)
+        if plan is None or plan.block_size != block_size:
+            plan = _build_plan(md, block_size, kv_cache is not None)
+            md.extra[_PLAN_KEY] = plan
+        return plan
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if kv_cache is not None and kv_cache.numel() == 0:
+            kv_cache = None
+        plan = self._plan(attn_metadata, kv_cache)
+        n = attn_metadata.num_actual_tokens
+        num_tokens, num_heads, head_size = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        k_scale, v_scale = getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)
+
+        if kv_cache is not None:
+            k_new, v_new = k[:n], v[:n]
+            if plan.write_rows is not None:
+                k_new, v_new = k_new[plan.write_rows], v_new[plan.write_rows]
+            write_kv_cache(kv_cache, k_new, v_new, plan.write_slots, k_scale, v_scale)
+
+        out = q.new_empty(num_tokens, num_heads, head_size)
+        if n < num_tokens:
+            out[n:].zero_()
+        nd = plan.num_decodes
+        if nd:
+            keys = kv_cache[0].index_select(0, plan.decode_blocks)
+            values = kv_cache[1].index_select(0, plan.decode_blocks)
+            keys = _from_cache(keys, q.dtype, k_scale).view(nd, -1, num_kv_heads, head_size)
+            values = _from_cache(values, q.dtype, v_scale).view(nd, -1, num_kv_heads, head_size)
+            # The `group` query heads of one KV head become `group` query rows over its keys.
+            o = F.scaled_dot_product_attention(
+                q[:nd].view(nd, num_kv_heads, group, head_size),
+                keys.transpose(1, 2),  # [nd, num_kv_heads, max_len, head_size]
+                values.transpose(1, 2),
+                attn_mask=plan.decode_mask,
+                scale=scale,
+            )
+            out[:nd] = o.reshape(nd, num_heads, head_size)
+        for c in plan.chunks:
+            qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, hs]
+            if c.blocks is None:
+                kc, vc = k[c.start : c.end], v[c.start : c.end]
+            else:
+                kc = kv_cache[0].index_select(0, c.blocks).flatten(0, 1)[: c.seq_len]
+                vc = kv_cache[1].index_select(0, c.blocks).flatten(0, 1)[: c.seq_len]
+                kc, vc = _from_cache(kc, q.dtype, k_scale), _from_cache(vc, q.dtype, v_scale)
+            o = F.scaled_dot_product_attention(
+                qc,
+                kc.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, hs]
+                vc.transpose(0, 1).unsqueeze(0),
+                attn_mask=c.mask,
+                is_causal=c.mask is None,
+                scale=scale,
+                enable_gqa=group > 1,
+            )
+            out[c.start : c.end] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,1 @@
+"""Models: Llama-family decoders built from shared layers, their registry, and the weight loaders."""

@@ -1,0 +1,98 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) in the Hugging Face / GPT-NeoX convention.
+
+Each head vector is split in two halves (x1, x2) rotated as (x1 cos - x2 sin, x2 cos + x1 sin),
+Hugging Face's `rotate_half`. The inverse frequencies follow Hugging Face's rope types exactly:
+`default`, `linear` (position interpolation) and `llama3` (Llama 3.1's frequency-dependent
+scaling). The cos/sin table covers `max_position` positions and is built once, in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the middle band smoothed.
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_params(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a config.json of transformers 4 (`rope_theta`,
+    `rope_scaling`) or 5 (`rope_parameters`)."""
+    params = hf_config.get("rope_parameters") or {}
+    theta = float(hf_config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = hf_config.get("rope_scaling") or params or None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+    return theta, scaling
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = _default_inv_freq(head_size, base)
+        rope_type = (rope_scaling or {}).get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type != "default":
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+            )
+        # Built on the CPU in float32 whatever the default device/dtype, then moved.
+        with torch.device("cpu"):
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq.float())  # [max_position, head_size / 2]
+            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer(
+            "cos_sin_cache", cache.to(torch.get_default_device()), persistent=False
+        )
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size] -> rotated copies."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size / 2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def get_rope(hf_config: dict[str, Any], head_size: int) -> RotaryEmbedding:
+    theta, scaling = rope_params(hf_config)
+    if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by this model family")
+    max_position = int(hf_config.get("max_position_embeddings") or 2048)
+    return RotaryEmbedding(head_size, max_position, theta, scaling)

@@ -1,0 +1,164 @@
+"""Checkpoint files -> model parameters: find the weight files of a Hugging Face directory, read
+them (safetensors, or PyTorch .bin with `weights_only=True`), and copy each tensor into its
+parameter through the parameter's own `weight_loader` (fused shards via the model's
+`packed_modules_mapping`). Every problem a user can cause (missing, truncated, unexpected or
+mis-shaped tensors) raises a ValueError naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagoda.model.layers.linear import LinearBase, default_weight_loader
+
+# Buffers some checkpoints carry that the model recomputes.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def find_weight_files(model_dir: str) -> list[str]:
+    """The checkpoint files of a directory: its sharded index if any, else every *.safetensors,
+    else every *.bin."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = os.path.join(model_dir, index_name)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ValueError(f"{index_path} is not a valid shard index ({e})") from None
+            files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise ValueError(
+                    f"{index_path} lists shard(s) that are missing: "
+                    f"{', '.join(os.path.basename(m) for m in missing)}; download them again"
+                )
+            return files
+    names = sorted(os.listdir(model_dir))
+    for ext in (".safetensors", ".bin"):
+        files = [os.path.join(model_dir, n) for n in names if n.endswith(ext)]
+        if files:
+            return files
+    raise ValueError(
+        f"no weights in {model_dir}: expected *.safetensors or pytorch_model*.bin files "
+        "(or pass load_format='dummy' for random weights)"
+    )
+
+
+def iter_weight_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one checkpoint file, read lazily (safetensors) or memory-mapped."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+            keys = list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(
+                f"{path} is not a readable safetensors file ({e}); it may be truncated or "
+                "corrupt: download it again"
+            ) from None
+        for key in keys:
+            try:
+                tensor = f.get_tensor(key)
+            except Exception as e:
+                raise ValueError(f"{path}: cannot read tensor {key!r} ({e})") from None
+            yield key, tensor
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ValueError(
+            f"{path} is not a readable PyTorch checkpoint ({e}); it may be truncated or corrupt"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} does not hold a state dict")
+    yield from state.items()
+
+
+class WeightLoadingState:
+    """Tracks which parameters (and which shards of fused ones) a checkpoint has filled."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+        self.tied = bool(getattr(model, "tie_word_embeddings", False))
+        self.expected: set[tuple[str, object]] = set()
+        for name in self.params:
+            shards = [sid for (fused, sid) in self.mapping.values() if f".{fused}." in name]
+            self.expected.update((name, sid) for sid in (shards or [None]))
+        self.loaded: set[tuple[str, object]] = set()
+
+    def _checkpoint_name(self, name: str, shard_id: object) -> str:
+        for ckpt, (fused, sid) in self.mapping.items():
+            if sid == shard_id and f".{fused}." in name:
+                return name.replace(f".{fused}.", f".{ckpt}.")
+        return name
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
+                continue
+            param_name, shard_id = name, None
+            for ckpt, (fused, sid) in self.mapping.items():
+                if f".{ckpt}." in name:
+                    param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                    break
+            param = self.params.get(param_name)
+            if param is None:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has no place in {type(self.model).__name__}; "
+                    "the checkpoint does not match its config.json (architectures / layer counts)"
+                )
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(
+                    f"{source}: tensor {name!r}: {e}; the checkpoint does not match its "
+                    "config.json (hidden_size / heads / intermediate_size / vocab_size)"
+                ) from None
+            if shard_id is None:
+                self.loaded.update(k for k in self.expected if k[0] == param_name)
+            else:
+                self.loaded.add((param_name, shard_id))
+
+    def finish(self, source: str) -> None:
+        missing = sorted(self._checkpoint_name(n, s) for n, s in self.expected - self.loaded)
+        if missing:
+            shown = ", ".join(missing[:6]) + (
+                f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+            )
+            raise ValueError(f"{source}: the checkpoint lacks tensors the model needs: {shown}")
+        for module in self.model.modules():
+            if isinstance(module, LinearBase):
+                module.linear_method.process_weights_after_loading(module)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights for benchmarks of real shapes: normal(0, std) matrices, unit norm weights,
+    deterministic for a given seed (generated on the parameter's device, so fast on a GPU)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.is_floating_point():
+            param.normal_(0.0, std, generator=gen)
+        else:
+            param.zero_()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.linear_method.process_weights_after_loading(module)

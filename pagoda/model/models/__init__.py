@@ -1,0 +1,1 @@
+"""Model definitions, one file per family; looked up by architecture name in `registry.py`."""

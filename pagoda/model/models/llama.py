@@ -1,0 +1,244 @@
+"""The Llama-family decoder (Touvron et al. 2023): Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3.
+
+One set of blocks with flags read from the config: bias on the q/k/v projections (Qwen2),
+on o_proj (Llama's `attention_bias`), on the MLP (`mlp_bias`), per-head RMSNorm of q and k
+before RoPE (Qwen3), tied input/output embeddings. GQA/MQA come from `num_key_value_heads`.
+Projections are fused (qkv_proj, gate_up_proj); `packed_modules_mapping` tells the loader which
+checkpoint tensor fills which shard. The residual stream follows Hugging Face's order so float32
+logits match `transformers` to rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.attention.backend import AttentionBackend, get_attn_backend
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.model.layers.activation import SiluAndMul
+from pagoda.model.layers.attention import Attention
+from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.linear import (
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagoda.model.layers.rotary_embedding import get_rope
+from pagoda.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any], linear_method: LinearMethodBase | None) -> None:
+        super().__init__()
+        hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        bias = bool(cfg.get("mlp_bias", False))
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, linear_method)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, linear_method)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        flags: dict[str, bool],
+        linear_method: LinearMethodBase | None,
+        attn_backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        total_heads = int(cfg["num_attention_heads"])
+        total_kv_heads = int(cfg.get("num_key_value_heads") or total_heads)
+        head_dim = _head_dim(cfg)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, total_heads, total_kv_heads, flags["qkv_bias"], linear_method
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(
+            total_heads * head_dim, hidden, flags["o_bias"], linear_method
+        )
+        self.rotary_emb = get_rope(cfg, head_dim)
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.qk_norm = flags["qk_norm"]
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        self.attn = Attention(
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_idx, attn_backend
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        flags: dict[str, bool],
+        linear_method: LinearMethodBase | None,
+        attn_backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        hidden = int(cfg["hidden_size"])
+        self.self_attn = LlamaAttention(cfg, layer_idx, flags, linear_method, attn_backend)
+        self.mlp = LlamaMLP(cfg, linear_method)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        flags: dict[str, bool],
+        linear_method: LinearMethodBase | None,
+        attn_backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), hidden)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, flags, linear_method, attn_backend)
+            for i in range(int(cfg["num_hidden_layers"]))
+        )
+        self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            kv_cache = kv_caches[i] if kv_caches else None
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, attn_metadata
+            )
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (fused module name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        bias = bool(cfg.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        linear_method: LinearMethodBase | None = None,
+        attn_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = hf_config
+        window = hf_config.get("sliding_window")
+        if window and hf_config.get("use_sliding_window", True):
+            logger.warning(
+                "sliding_window=%s is ignored: attention spans the whole context, so outputs "
+                "differ from the reference past %s tokens",
+                window,
+                window,
+            )
+        attn_backend = attn_backend or get_attn_backend("cpu", "torch")
+        self.model = LlamaModel(hf_config, self.flags(hf_config), linear_method, attn_backend)
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        self.vocab_size = int(hf_config["vocab_size"])
+        self.lm_head = ParallelLMHead(self.vocab_size, int(hf_config["hidden_size"]))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_attn_backend(self, backend: AttentionBackend) -> None:
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head.compute_logits(hidden_states).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        bias = bool(cfg.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

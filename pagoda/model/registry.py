@@ -1,0 +1,35 @@
+"""Architecture name (config.json's `architectures[0]`) -> model class, imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_LLAMA = "pagoda.model.models.llama"
+
+# architecture -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": (_LLAMA, "Qwen3ForCausalLM"),
+}
+
+
+def register_model(architecture: str, module: str, class_name: str) -> None:
+    _MODELS[architecture] = (module, class_name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    module, class_name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), class_name)
