@@ -1,0 +1,1 @@
+"""`python -m pagoda.entrypoints.openai.api_server`: the OpenAI-compatible server."""

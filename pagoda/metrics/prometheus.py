@@ -1,0 +1,204 @@
+"""Prometheus exposition of the engine's statistics, under vLLM's metric names with `pagoda:`.
+
+`PrometheusStatLogger` owns one `CollectorRegistry` (one per server app, so tests can build
+several) and is fed on the engine thread after every step from `engine.last_scheduler_stats`
+and `engine.last_iteration_stats` (`pagoda.metrics.stats`). Gauges describe the state after
+the step, counters add the step's deltas, histograms observe per-token and per-finished-request
+timings. prometheus_client is thread-safe, so `/metrics` can render while the engine writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagoda.metrics.stats import IterationStats, SchedulerStats
+
+PREFIX = "pagoda:"
+
+# Bucket boundaries as vLLM's (vllm/v1/metrics/buckets.py), so dashboards carry over.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's request-token buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class PrometheusStatLogger:
+    """Engine metrics for one served model; call `record(engine)` on the engine thread."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_config: Any = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        self.num_requests_running = gauge(
+            "num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens.")
+        success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {f: success.labels(model_name, f) for f in FINISH_REASONS}
+        self._request_success_family = success
+        self._model_name = model_name
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )  # fmt: skip
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TIME_TO_FIRST_TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            INTER_TOKEN_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        # An "info" metric as vLLM emits it: a gauge fixed at 1 whose labels carry the values.
+        info = {k: str(v) for k, v in _config_items(cache_config)}
+        if info:
+            g = Gauge(
+                PREFIX + "cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                sorted(info),
+                registry=r,
+            )
+            g.labels(**info).set(1)
+
+    def record(self, engine: Any) -> None:
+        """Publish the statistics of the engine's last step (its state after it, its deltas)."""
+        self.record_scheduler_stats(engine.last_scheduler_stats)
+        self.record_iteration_stats(engine.last_iteration_stats)
+
+    def record_scheduler_stats(self, s: SchedulerStats | None) -> None:
+        if s is None:
+            return
+        self.num_requests_running.set(s.num_running_reqs)
+        self.num_requests_waiting.set(s.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(s.kv_cache_usage)
+        self.prefix_cache_queries.inc(s.prefix_cache_queries)
+        self.prefix_cache_hits.inc(s.prefix_cache_hits)
+        self.num_preemptions.inc(s.num_preemptions)
+
+    def record_iteration_stats(self, it: IterationStats | None) -> None:
+        if it is None:
+            return
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_prompt_tokens or it.num_generation_tokens:
+            self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        for t in it.time_to_first_tokens_iter:
+            self.time_to_first_token.observe(t)
+        for t in it.inter_token_latencies_iter:
+            self.inter_token_latency.observe(t)
+        for f in it.finished_requests:
+            success = self.request_success.get(f.finish_reason)
+            if success is None:
+                success = self._request_success_family.labels(self._model_name, f.finish_reason)
+            success.inc()
+            self.e2e_request_latency.observe(f.e2e_latency)
+            self.request_queue_time.observe(f.queued_time)
+            self.request_prefill_time.observe(f.prefill_time)
+            self.request_decode_time.observe(f.decode_time)
+            self.request_inference_time.observe(f.prefill_time + f.decode_time)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+            if f.num_generation_tokens > 1:
+                self.request_time_per_output_token.observe(f.mean_time_per_output_token)
+
+    def render(self) -> bytes:
+        """The text exposition format of everything in this registry."""
+        return generate_latest(self.registry)
+
+
+def _config_items(cfg: Any) -> list[tuple[str, Any]]:
+    if cfg is None:
+        return []
+    import dataclasses
+
+    if dataclasses.is_dataclass(cfg):
+        return [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
+    return sorted(vars(cfg).items())

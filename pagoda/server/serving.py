@@ -1,0 +1,259 @@
+"""What the completions and chat handlers share: errors, the model check, building
+`SamplingParams` from a request, context-length checks, logprob conversion and merging the
+output streams of several prompts.
+
+Every user error becomes an `APIError` (status, message naming the field, param), rendered by
+the app as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.outputs import Logprob, RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.server.protocol import ErrorInfo, ErrorResponse
+
+
+class APIError(Exception):
+    """A request the server refuses; `param` names the offending field."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def to_response(self) -> ErrorResponse:
+        return error_response(self.message, self.status, self.param)
+
+
+def error_response(message: str, status: int, param: str | None = None) -> ErrorResponse:
+    # "BadRequestError", "NotFoundError", ... as vLLM names them.
+    phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    err_type = phrase if phrase.endswith("Error") else phrase + "Error"
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+
+
+def value_error_to_api_error(e: ValueError, fields: set[str]) -> APIError:
+    """SamplingParams' messages start with the field name: report it as `param`."""
+    msg = str(e)
+    first = msg.split(" ", 1)[0].strip(":,")
+    return APIError(msg, 400, first if first in fields else None)
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs: the engine, the names it answers to and the context size."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    max_model_len: int
+    chat_template: str | None = None
+    model_path: str | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+
+def build_sampling_params(
+    req: Any,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> SamplingParams:
+    """SamplingParams for a completion or chat request; range errors name the field."""
+    kw: dict[str, Any] = dict(
+        n=req.n,
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=_or(req.top_k, 0),
+        min_p=_or(req.min_p, 0.0),
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    fields = set(type(req).model_fields)
+    try:
+        params = SamplingParams(**kw)
+    except ValueError as e:
+        raise value_error_to_api_error(e, fields | {"max_tokens", "logprobs"}) from None
+    except TypeError as e:  # a comparison between wrong types slipped past pydantic
+        raise APIError(f"invalid sampling parameter: {e}", 400) from None
+    return params
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def check_context_length(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    prompt_field: str,
+    max_tokens_field: str = "max_tokens",
+) -> int:
+    """Resolve max_tokens (None: the rest of the context) and reject what cannot fit."""
+    if num_prompt_tokens == 0:
+        raise APIError(f"{prompt_field} must not be empty", 400, prompt_field)
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens, but the "
+            f"{prompt_field} has {num_prompt_tokens} tokens: shorten the {prompt_field} "
+            f"(or restart the server with a larger --max-model-len).",
+            400,
+            prompt_field,
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{prompt_field}, {max_tokens} in the completion). Reduce {max_tokens_field} to at "
+            f"most {room} or shorten the {prompt_field}.",
+            400,
+            max_tokens_field,
+        )
+    return max_tokens
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(
+            f"{field_name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+            400,
+            field_name,
+        )
+
+
+def token_str(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@dataclass
+class ChoiceState:
+    """One choice accumulated from DELTA outputs."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    """All DELTA outputs of one request (one prompt), merged."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids and not self.prompt_token_ids:
+            self.prompt_token_ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs:
+            self.prompt_logprobs.extend(out.prompt_logprobs)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens or 0)
+        for c in out.outputs:
+            st = self.choices.setdefault(c.index, ChoiceState())
+            st.text.append(c.text)
+            st.token_ids.extend(c.token_ids)
+            if c.logprobs:
+                st.logprobs.extend(c.logprobs)
+            if c.finish_reason is not None:
+                st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+
+
+async def merge_async_iterators(
+    *iterators: AsyncIterator[Any],
+) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as (index, item); closing this closes them all."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()  # type: ignore[attr-defined]
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async for item in it:
+                await q.put((i, item))
+            await q.put((i, done))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await q.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def exception_to_api_error(e: BaseException) -> APIError:
+    """Map what the engine raises to the HTTP status a client should see."""
+    from pagoda.engine.async_llm import EngineDeadError, EngineDrainingError, EngineOverloadedError
+
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineOverloadedError | EngineDrainingError):
+        return APIError(str(e), 503)
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 500)
+    if isinstance(e, ValueError):
+        return APIError(str(e), 400)
+    return APIError(f"internal error: {e!r}", 500)
+
+
+def safe_logprob(x: float) -> float:
+    """JSON has no -inf/NaN: clamp as vLLM does."""
+    return max(x, -9999.0) if x == x else -9999.0

@@ -1,0 +1,264 @@
+"""POST /v1/chat/completions: the model's chat template (or --chat-template) turns the messages
+into a prompt; n samples, SSE streaming (role chunk, content deltas, finish chunk, optional
+usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagoda.outputs import Logprob
+from pagoda.server.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatTopLogprob,
+    DeltaMessage,
+    UsageInfo,
+    random_uuid,
+)
+from pagoda.server.serving import (
+    APIError,
+    RequestState,
+    ServingContext,
+    build_sampling_params,
+    check_context_length,
+    exception_to_api_error,
+    merge_async_iterators,
+    safe_logprob,
+    token_str,
+)
+
+
+def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI allows content as a list of parts; text-only models read their text joined."""
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise APIError(f"messages[{i}] must be an object with a 'role'", 400, "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise APIError(
+                        f"messages[{i}].content: only parts of type 'text' are supported",
+                        400,
+                        "messages",
+                    )
+                texts.append(str(part.get("text", "")))
+            m = {**m, "content": "\n".join(texts)}
+        flat.append(m)
+    return flat
+
+
+def render_chat_prompt(
+    ctx: ServingContext,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text the chat template makes of `messages` (errors name `messages`)."""
+    if not messages:
+        raise APIError("messages must not be empty", 400, "messages")
+    kw = dict(chat_template_kwargs or {})
+    if continue_final_message:
+        kw["continue_final_message"] = True
+        add_generation_prompt = False
+    try:
+        return ctx.tokenizer.apply_chat_template(
+            _flatten_content(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template or ctx.chat_template,
+            tools=tools,
+            **kw,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors (jinja) are the user's messages
+        raise APIError(f"messages could not be rendered by the chat template: {e}", 400,
+                       "messages") from None  # fmt: skip
+
+
+def chat_logprobs(
+    tokenizer: Any, token_ids: list[int], step_logprobs: list[dict[int, Logprob]], top_k: int
+) -> ChatCompletionLogProbs:
+    content = []
+    for i, tid in enumerate(token_ids):
+        step = step_logprobs[i] if i < len(step_logprobs) and step_logprobs[i] else {}
+        lp = step.get(tid)
+        tok = token_str(tokenizer, tid, lp)
+        ranked = sorted(step.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:top_k]
+        top = []
+        for t, p in ranked:
+            s = token_str(tokenizer, t, p)
+            top.append(
+                ChatTopLogprob(token=s, logprob=safe_logprob(p.logprob), bytes=list(s.encode()))
+            )
+        content.append(
+            ChatCompletionLogProb(
+                token=tok,
+                logprob=safe_logprob(lp.logprob) if lp is not None else -9999.0,
+                bytes=list(tok.encode()),
+                top_logprobs=top,
+            )
+        )
+    return ChatCompletionLogProbs(content=content)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Any:
+    """Returns a ChatCompletionResponse, or an async iterator of SSE lines when streaming."""
+    ctx.check_model(req.model)
+    top_k = req.top_logprobs or 0
+    if not 0 <= top_k <= 20:
+        raise APIError(f"top_logprobs must be in [0, 20], got {top_k}", 400, "top_logprobs")
+    if top_k and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
+    if req.max_completion_tokens is not None:
+        max_tokens, mt_field = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, mt_field = req.max_tokens, "max_tokens"
+    params = build_sampling_params(req, max_tokens, top_k if req.logprobs else None, None)
+    try:
+        params.validate_token_ids(ctx.tokenizer.vocab_size)
+    except ValueError as e:
+        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    prompt = render_chat_prompt(
+        ctx,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template,
+        req.tools,
+        req.chat_template_kwargs,
+    )
+    prompt_ids = list(ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+    params.max_tokens = check_context_length(
+        len(prompt_ids), max_tokens, ctx.max_model_len, "messages", mt_field
+    )
+    request_id = req.request_id or f"chatcmpl-{random_uuid()}"
+    stream = merge_async_iterators(
+        ctx.engine.generate(prompt_ids, params, request_id, req.priority)
+    )
+    created = int(time.time())
+    if req.stream:
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except BaseException as e:
+            await stream.aclose()
+            raise exception_to_api_error(e) from None
+        return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k)
+
+    state = RequestState()
+    try:
+        async for _, out in stream:
+            state.add(out)
+    except BaseException as e:
+        raise exception_to_api_error(e) from None
+    finally:
+        await stream.aclose()
+    choices, num_gen = [], 0
+    for j in sorted(state.choices):
+        c = state.choices[j]
+        num_gen += len(c.token_ids)
+        logprobs = (
+            chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, top_k) if req.logprobs else None
+        )
+        choices.append(
+            ChatCompletionResponseChoice(
+                index=j,
+                message=ChatMessage(role="assistant", content="".join(c.text)),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
+    usage = UsageInfo(
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=num_gen,
+        total_tokens=len(prompt_ids) + num_gen,
+    )
+    return ChatCompletionResponse(
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+    )
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    num_prompt: int,
+    stream: AsyncIterator[tuple[int, Any]],
+    first: tuple[int, Any] | None,
+    request_id: str,
+    created: int,
+    top_k: int,
+) -> AsyncIterator[str]:
+    model = ctx.model_name
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    num_gen = 0
+
+    def sse(choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> str:
+        chunk = ChatCompletionStreamResponse(
+            id=request_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    # The role goes first, once per choice, as OpenAI sends it.
+    role = DeltaMessage(role="assistant", content="")
+    yield sse([ChatCompletionResponseStreamChoice(index=j, delta=role) for j in range(req.n)])
+
+    def chunks(out: Any) -> list[str]:
+        nonlocal num_gen
+        lines = []
+        for c in out.outputs:
+            num_gen += len(c.token_ids)
+            if not c.text and not c.token_ids and c.finish_reason is None:
+                continue
+            logprobs = None
+            if req.logprobs:
+                logprobs = chat_logprobs(
+                    ctx.tokenizer, list(c.token_ids), list(c.logprobs or []), top_k
+                )
+            choice = ChatCompletionResponseStreamChoice(
+                index=c.index,
+                delta=DeltaMessage(content=c.text),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            lines.append(sse([choice]))
+        return lines
+
+    try:
+        if first is not None:
+            for line in chunks(first[1]):
+                yield line
+        async for _, out in stream:
+            for line in chunks(out):
+                yield line
+        if include_usage:
+            usage = UsageInfo(
+                prompt_tokens=num_prompt,
+                completion_tokens=num_gen,
+                total_tokens=num_prompt + num_gen,
+            )
+            yield sse([], usage)
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        yield f"data: {json.dumps(exception_to_api_error(e).to_response().model_dump())}\n\n"
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"

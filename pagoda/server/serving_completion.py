@@ -1,0 +1,273 @@
+"""POST /v1/completions: batch prompts (strings or token id lists), n samples each, SSE
+streaming, logprobs in the legacy format, and `echo` with prompt logprobs (what lm-eval's
+loglikelihood requests use: echo=True, max_tokens=0 or 1, logprobs=k).
+
+Choice `index` is `prompt_index * n + sample_index`, as OpenAI and vLLM number them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagoda.outputs import Logprob
+from pagoda.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from pagoda.server.serving import (
+    APIError,
+    RequestState,
+    ServingContext,
+    build_sampling_params,
+    check_context_length,
+    check_token_ids,
+    exception_to_api_error,
+    merge_async_iterators,
+    safe_logprob,
+    token_str,
+)
+
+
+def completion_logprobs(
+    tokenizer: Any,
+    token_ids: list[int],
+    step_logprobs: list[dict[int, Logprob] | None],
+    initial_text_offset: int,
+) -> CompletionLogProbs:
+    """The legacy logprobs object: one entry per token; a position without logprobs (the
+    first prompt token) gets None."""
+    out = CompletionLogProbs()
+    offset = initial_text_offset
+    for i, tid in enumerate(token_ids):
+        step = step_logprobs[i] if i < len(step_logprobs) else None
+        lp = step.get(tid) if step else None
+        tok = token_str(tokenizer, tid, lp)
+        out.tokens.append(tok)
+        out.text_offset.append(offset)
+        offset += len(tok)
+        out.token_logprobs.append(safe_logprob(lp.logprob) if lp is not None else None)
+        if step is None:
+            out.top_logprobs.append(None)
+        else:
+            ranked = sorted(step.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
+            out.top_logprobs.append(
+                {token_str(tokenizer, t, p): safe_logprob(p.logprob) for t, p in ranked}
+            )
+    return out
+
+
+class _Prompt:
+    def __init__(self, text: str | None, token_ids: list[int]) -> None:
+        self.text, self.token_ids = text, token_ids
+
+
+def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list[Any] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise APIError("prompt must not be empty", 400, "prompt")
+    tok = ctx.tokenizer
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tok.encode(item, add_special_tokens=req.add_special_tokens)
+            prompts.append(_Prompt(item, list(ids)))
+        else:
+            check_token_ids(item, tok.vocab_size, "prompt")
+            prompts.append(_Prompt(None, list(item)))
+    return prompts
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
+    """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, "suffix")
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
+    base = build_sampling_params(
+        req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
+    )
+    try:
+        base.validate_token_ids(ctx.tokenizer.vocab_size)
+    except ValueError as e:
+        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    prompts = _normalize_prompts(ctx, req)
+    request_id = req.request_id or f"cmpl-{random_uuid()}"
+    generators = []
+    for i, pr in enumerate(prompts):
+        params = base.clone()
+        params.max_tokens = check_context_length(
+            len(pr.token_ids), base.max_tokens, ctx.max_model_len, "prompt"
+        )
+        sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        generators.append(ctx.engine.generate(pr.token_ids, params, sub_id, req.priority))
+    for pr in prompts:
+        if pr.text is None and req.echo:
+            pr.text = ctx.tokenizer.decode(pr.token_ids, skip_special_tokens=False)
+
+    stream = merge_async_iterators(*generators)
+    created = int(time.time())
+    model = ctx.model_name
+    if req.stream:
+        # Wait for the first output so that refusals (503, 400) still get their status code.
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except BaseException as e:
+            await stream.aclose()
+            raise exception_to_api_error(e) from None
+        return _stream(ctx, req, prompts, stream, first, request_id, created, echo_only)
+
+    states = [RequestState() for _ in prompts]
+    try:
+        async for i, out in stream:
+            states[i].add(out)
+    except BaseException as e:
+        raise exception_to_api_error(e) from None
+    finally:
+        await stream.aclose()
+    return _final_response(ctx, req, prompts, states, request_id, created, model, echo_only)
+
+
+def _final_response(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    prompts: list[_Prompt],
+    states: list[RequestState],
+    request_id: str,
+    created: int,
+    model: str,
+    echo_only: bool,
+) -> CompletionResponse:
+    tok = ctx.tokenizer
+    choices: list[CompletionResponseChoice] = []
+    num_prompt = num_gen = 0
+    for i, (pr, st) in enumerate(zip(prompts, states)):
+        num_prompt += len(pr.token_ids)
+        prompt_lps: list[Any] = list(st.prompt_logprobs)
+        for j in sorted(st.choices):
+            c = st.choices[j]
+            text, ids, lps = "".join(c.text), c.token_ids, c.logprobs
+            if echo_only:
+                text, ids, lps = "", [], []
+            num_gen += len(ids)
+            logprobs = None
+            if req.echo:
+                text = (pr.text or "") + text
+                if req.logprobs is not None:
+                    plps = prompt_lps or [None] * len(pr.token_ids)
+                    logprobs = completion_logprobs(tok, pr.token_ids + ids, plps + lps, 0)
+            elif req.logprobs is not None:
+                logprobs = completion_logprobs(tok, ids, lps, len(pr.text or ""))
+            choices.append(
+                CompletionResponseChoice(
+                    index=i * req.n + j,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason="length" if echo_only else c.finish_reason,
+                    stop_reason=None if echo_only else c.stop_reason,
+                )
+            )
+    usage = UsageInfo(
+        prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen
+    )
+    return CompletionResponse(
+        id=request_id, created=created, model=model, choices=choices, usage=usage
+    )
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    prompts: list[_Prompt],
+    stream: AsyncIterator[tuple[int, Any]],
+    first: tuple[int, Any] | None,
+    request_id: str,
+    created: int,
+    echo_only: bool,
+) -> AsyncIterator[str]:
+    tok, model = ctx.tokenizer, ctx.model_name
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    started: set[int] = set()  # choice indices whose first chunk went out (echo goes there)
+    offsets: dict[int, int] = {}
+    num_gen = 0
+
+    def chunks(i: int, out: Any) -> list[str]:
+        nonlocal num_gen
+        pr, lines = prompts[i], []
+        for c in out.outputs:
+            index = i * req.n + c.index
+            text, ids, lps = c.text, list(c.token_ids), list(c.logprobs or [])
+            if echo_only:
+                text, ids, lps = "", [], []
+            num_gen += len(ids)
+            if index not in started:
+                started.add(index)
+                offsets[index] = 0 if req.echo else len(pr.text or "")
+                if req.echo:
+                    text = (pr.text or "") + text
+                    plps = list(out.prompt_logprobs or []) or [None] * len(pr.token_ids)
+                    ids, lps = pr.token_ids + ids, plps + lps
+            finish = c.finish_reason
+            if echo_only and out.finished:
+                finish = "length"
+            if not text and not ids and finish is None:
+                continue  # a prefill chunk or a token that decodes to nothing yet
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(tok, ids, lps, offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionResponseChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=finish,
+                stop_reason=None if echo_only else c.stop_reason,
+            )
+            resp = CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[choice]
+            )
+            lines.append(f"data: {resp.model_dump_json()}\n\n")
+        return lines
+
+    try:
+        if first is not None:
+            for line in chunks(*first):
+                yield line
+        async for i, out in stream:
+            for line in chunks(i, out):
+                yield line
+        if include_usage:
+            num_prompt = sum(len(p.token_ids) for p in prompts)
+            usage = UsageInfo(
+                prompt_tokens=num_prompt,
+                completion_tokens=num_gen,
+                total_tokens=num_prompt + num_gen,
+            )
+            final = CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            )
+            yield f"data: {final.model_dump_json(exclude_unset=False)}\n\n"
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        err = exception_to_api_error(e).to_response()
+        yield f"data: {json.dumps(err.model_dump())}\n\n"
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"

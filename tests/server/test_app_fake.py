@@ -1,0 +1,249 @@
+"""The HTTP protocol against the fake engine, in-process (FastAPI TestClient): response shapes,
+streaming, logprobs, echo, errors, auth and metrics, in milliseconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.server.app import build_app
+from tests.server.fake_engine import FakeEngine
+
+MODEL = "fake-model"
+
+
+@pytest.fixture
+def client():
+    llm = AsyncLLM(FakeEngine(max_model_len=64))
+    with TestClient(build_app(llm)) as c:
+        yield c
+    llm.shutdown()
+
+
+def _sse(resp) -> list:
+    events = [line[len("data: ") :] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _error(resp, status: int, param: str | None) -> str:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["param"] == param, err
+    return err["message"]
+
+
+def test_completion_greedy_text_and_usage(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 4,
+                                             "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"][0]["text"] == "defg"  # <s>ab = 3 tokens -> 'd' onwards
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_batch_prompts_with_n_numbers_choices(client):
+    r = client.post("/v1/completions", json={"prompt": ["a", "ab"], "n": 2,
+                                             "max_tokens": 2, "temperature": 0})  # fmt: skip
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["cd", "cd", "de", "de"]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 8
+    r = client.post("/v1/completions", json={"prompt": [[256, 97], [256, 97, 98]],
+                                             "max_tokens": 1, "temperature": 0})  # fmt: skip
+    assert [c["text"] for c in r.json()["choices"]] == ["c", "d"]
+
+
+def test_completion_logprobs_legacy_format(client):
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "logprobs": 2,
+                                             "temperature": 0})  # fmt: skip
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["d", "e", "f"]
+    assert lp["token_logprobs"] == [-0.5, -0.5, -0.5]
+    assert lp["text_offset"] == [2, 3, 4]  # after the prompt text "ab"
+    assert all(len(t) == 3 and t[tok] == -0.5 for t, tok in zip(lp["top_logprobs"], "def"))
+
+
+def test_echo_with_max_tokens_zero_returns_prompt_logprobs(client):
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0, "echo": True,
+                                             "logprobs": 1, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["text"] == "abc"
+    lp = ch["logprobs"]
+    assert lp["tokens"] == ["<s>", "a", "b", "c"]
+    assert lp["token_logprobs"] == [None, -1.0, -1.0, -1.0]
+    assert lp["top_logprobs"][0] is None
+    assert r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_streaming_completion_with_usage(client):
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "stream": True,
+                                             "temperature": 0,
+                                             "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = _sse(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "def"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_chat_completion_and_logprobs(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2})  # fmt: skip
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["message"]["role"] == "assistant" and len(ch["message"]["content"]) == 2
+    content = ch["logprobs"]["content"]
+    assert [c["token"] for c in content] == list(ch["message"]["content"])
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] == -0.5 for c in content)
+    # <|user|>hi\n<|assistant|> rendered by the default template, no BOS for chat.
+    assert r.json()["usage"]["prompt_tokens"] == len("<|user|>hi\n<|assistant|>")
+
+
+def test_chat_streaming_role_first_then_content(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = _sse(r)
+    assert [c["delta"]["role"] for c in chunks[0]["choices"]] == ["assistant", "assistant"]
+    text = {0: "", 1: ""}
+    for c in chunks[1:-1]:
+        for ch in c["choices"]:
+            text[ch["index"]] += ch["delta"]["content"]
+    assert len(text[0]) == len(text[1]) == 3
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_custom_chat_template(client):
+    tpl = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}],
+                                       "chat_template": tpl})  # fmt: skip
+    assert r.json()["tokens"] == list(b"[x]")
+
+
+def test_seed_reproducible(client):
+    req = {"prompt": "ab", "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    a, b = (client.post("/v1/completions", json=req).json() for _ in range(2))
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    "body,status,param,needle",
+    [
+        ({"prompt": "a", "temperature": "hot"}, 400, "temperature", "temperature"),
+        ({"prompt": "a", "temperature": -1}, 400, "temperature", "temperature"),
+        ({"prompt": "a", "top_p": 0}, 400, "top_p", "top_p"),
+        ({"prompt": "a", "n": 0}, 400, "n", "n must"),
+        ({"prompt": 5}, 400, "prompt", "prompt"),
+        ({"prompt": "a", "model": "gpt-9"}, 404, "model", "gpt-9"),
+        ({"prompt": "a" * 100}, 400, "prompt", "maximum context length"),
+        ({"prompt": "a", "max_tokens": 500}, 400, "max_tokens", "max_tokens"),
+        ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ({"prompt": "a", "logprobs": 50}, 400, "logprobs", "logprobs"),
+        ({"prompt": [1, 999]}, 400, "prompt", "vocabulary"),
+        ({"prompt": "a", "logit_bias": {"999": 1}}, 400, "logit_bias", "logit_bias"),
+        ({}, 400, "prompt", "prompt"),
+    ],
+)
+def test_completion_errors_name_the_field(client, body, status, param, needle):
+    msg = _error(client.post("/v1/completions", json=body), status, param)
+    assert needle in msg
+
+
+def test_chat_errors(client):
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    r = client.post("/v1/chat/completions", json={**base, "max_completion_tokens": 1000})
+    assert "max_completion_tokens" in _error(r, 400, "max_completion_tokens")
+    r = client.post("/v1/chat/completions", json={**base, "top_logprobs": 3})
+    _error(r, 400, "top_logprobs")
+    _error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+    r = client.post("/v1/chat/completions", json={"messages": [{"content": "x"}]})
+    _error(r, 400, "messages")
+
+
+def test_malformed_json_and_unknown_route(client):
+    r = client.post(
+        "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}
+    )
+    assert "Malformed JSON" in _error(r, 400, None)
+    r = client.post(
+        "/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}
+    )
+    _error(r, 400, None)
+    _error(client.get("/v1/nothing"), 404, None)
+
+
+def test_models_version_tokenize_detokenize(client):
+    assert client.get("/health").status_code == 200
+    assert client.get("/version").json()["version"]
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 64
+    tok = client.post("/tokenize", json={"prompt": "ab"}).json()
+    assert tok == {"count": 3, "max_model_len": 64, "tokens": [256, 97, 98]}
+    assert client.post("/detokenize", json={"tokens": [97, 98]}).json() == {"prompt": "ab"}
+    _error(client.post("/detokenize", json={"tokens": [9999]}), 400, "tokens")
+
+
+def test_api_key_guards_everything_but_health_and_metrics():
+    llm = AsyncLLM(FakeEngine())
+    try:
+        with TestClient(build_app(llm, api_key="sekret")) as c:
+            assert c.get("/health").status_code == 200
+            assert c.get("/metrics").status_code == 200
+            _error(c.get("/v1/models"), 401, None)
+            _error(c.post("/v1/completions", json={"prompt": "a"}), 401, None)
+            bad = {"Authorization": "Bearer nope"}
+            _error(c.post("/tokenize", json={"prompt": "a"}, headers=bad), 401, None)
+            ok = {"Authorization": "Bearer sekret"}
+            assert c.get("/v1/models", headers=ok).status_code == 200
+            r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=ok)
+            assert r.status_code == 200
+    finally:
+        llm.shutdown()
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_move_after_requests(client):
+    before = client.get("/metrics").text
+    assert "pagoda:cache_config_info" in before
+    assert _metric(before, "pagoda:generation_tokens_total") == 0
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 5})
+    after = client.get("/metrics").text
+    assert _metric(after, "pagoda:generation_tokens_total") == 5
+    assert _metric(after, "pagoda:prompt_tokens_total") == 3
+    assert _metric(after, "pagoda:request_success_total") == 1
+    assert (
+        'pagoda:request_success_total{finished_reason="length",model_name="fake-model"} 1.0'
+        in after
+    )
+    assert _metric(after, "pagoda:e2e_request_latency_seconds_count") == 1
+    assert _metric(after, "pagoda:time_to_first_token_seconds_count") == 1
+    assert _metric(after, "pagoda:inter_token_latency_seconds_count") == 4
+    assert _metric(after, "pagoda:num_requests_running") == 0
+    assert _metric(after, "pagoda:kv_cache_usage_perc") == 0
+
+
+def test_engine_overload_is_503():
+    llm = AsyncLLM(FakeEngine(), max_waiting_requests=0)
+    try:
+        with TestClient(build_app(llm)) as c:
+            r = c.post("/v1/completions", json={"prompt": "a"})
+            assert "retry" in _error(r, 503, None)
+            r = c.post("/v1/completions", json={"prompt": "a", "stream": True})
+            _error(r, 503, None)
+    finally:
+        llm.shutdown()
