@@ -16,11 +16,14 @@ from pagoda.core.request import Request
 class SchedulerOutput:
     # Requests to run this step, in batch order: running ones first, then newly admitted ones.
     scheduled_requests: list[Request]
-    # req_id -> tokens to compute this step: all_token_ids[num_computed_tokens : +n]
+    # req_id -> tokens to compute this step: all_token_ids[start : start + n] with
+    # start = num_computed_tokens[req_id] below
     # (plus spec_token_ids at the end when the request carries drafts to verify).
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # req_id -> the request's whole block table (physical block ids, in order).
+    # req_id -> the request's whole block table (physical block ids, in order). The KV cache
+    # manager's live list: read it during the step, copy what you keep. Block 0 is the null
+    # block (never allocated), free to use as padding.
     block_ids: dict[str, list[int]]
     # req_id -> number of draft tokens scheduled for verification (speculative decoding).
     scheduled_spec_tokens: dict[str, int] = field(default_factory=dict)
@@ -28,6 +31,10 @@ class SchedulerOutput:
     # the runner drops any per-request state it keeps for them.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> request.num_computed_tokens BEFORE this step: where its scheduled tokens start.
+    # The scheduler has already advanced request.num_computed_tokens past this step when
+    # schedule() returns, so the runner must read the start here, not from the request.
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
