@@ -186,6 +186,13 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks.
+
+        On return every scheduled request's num_computed_tokens already includes this step;
+        the start position is SchedulerOutput.num_computed_tokens[req_id]. Drafts in
+        request.spec_token_ids are scheduled too (cut to what fits) and cleared by
+        update_from_output, so a proposer sets them again before each schedule().
+        """
         token_budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         num_scheduled_tokens: dict[str, int] = {}
