@@ -130,10 +130,9 @@ class Tokenizer:
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         bos = self.special_tokens_map.get("bos_token") if add_bos else None
         eos = self.special_tokens_map.get("eos_token") if add_eos else None
-        self.backend.post_processor = _post_processor(
-            bos, self.backend.token_to_id(bos) if bos else None,
-            eos, self.backend.token_to_id(eos) if eos else None,
-        )  # fmt: skip
+        bos_id = self.backend.token_to_id(bos) if bos else None
+        eos_id = self.backend.token_to_id(eos) if eos else None
+        self.backend.post_processor = _post_processor(bos, bos_id, eos, eos_id)
 
     # ---- construction --------------------------------------------------------------------
 
@@ -153,10 +152,10 @@ class Tokenizer:
             )
         token_types = [int(t) for t in md.get("tokenizer.ggml.token_type", ())]
         merges = md.get("tokenizer.ggml.merges")
-        ids = {role: md.get(f"tokenizer.ggml.{key}_token_id") for role, key in
-               (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}  # fmt: skip
-        special = {f"{r}_token": tokens[i] if i is not None and i < len(tokens) else None
-                   for r, i in ids.items()}  # fmt: skip
+        special = {}
+        for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+            i = md.get(f"tokenizer.ggml.{key}_token_id")
+            special[f"{role}_token"] = tokens[i] if i is not None and i < len(tokens) else None
         add_bos = md.get("tokenizer.ggml.add_bos_token")
         if kind == "gpt2":
             spelling = _bytes_to_unicode()
@@ -168,16 +167,18 @@ class Tokenizer:
                 for i, t in enumerate(tokens)
             }
             pairs = [tuple(m.split(" ", 1)) for m in merges or ()]
-            backend = BackendTokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="",
-                                                  end_of_word_suffix="", fuse_unk=False))  # fmt: skip
+            bpe = models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="")
+            backend = BackendTokenizer(bpe)
             split = _PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre"))
             if split is None:
                 backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
             else:
-                backend.pre_tokenizer = pre_tokenizers.Sequence([
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ])  # fmt: skip
+                backend.pre_tokenizer = pre_tokenizers.Sequence(
+                    [
+                        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                    ]
+                )
             backend.decoder = decoders.ByteLevel()
             # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel.
             is_control = lambda t: set(t) <= alphabet  # noqa: E731
@@ -190,8 +191,9 @@ class Tokenizer:
                 if scores is None:
                     raise ValueError(f"GGUF file {reader.path} has neither merges nor scores")
                 pairs = _generate_merges(vocab, dict(zip(tokens, (float(s) for s in scores))))
-            backend = BackendTokenizer(models.BPE(vocab, pairs, unk_token=special["unk_token"],
-                                                  fuse_unk=True, byte_fallback=True))  # fmt: skip
+            unk = special["unk_token"]
+            bpe = models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
+            backend = BackendTokenizer(bpe)
             prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
             backend.pre_tokenizer = pre_tokenizers.Metaspace(
                 replacement="▁", prepend_scheme="first" if prefix else "never", split=False
@@ -252,8 +254,8 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens=special,
-            add_bos_token=config.get("add_bos_token"),
-            add_eos_token=config.get("add_eos_token"),
+            # add_bos_token/add_eos_token are not read: tokenizer.json's post-processor decides,
+            # as in transformers (v5) and vLLM.
             chat_template=chat_template,
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
             name_or_path=path,

@@ -1,0 +1,260 @@
+"""`pagoda.tokenizer.Tokenizer` against transformers (the oracle) on the embedded GGUF, a tiny
+SentencePiece-style GGUF and a tiny tokenizer.json directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+import gguf
+import numpy as np
+import pytest
+
+from pagoda.config import embedded_model_path
+from pagoda.tokenizer import Tokenizer, get_tokenizer
+
+TEXTS = [
+    "Hello world",
+    "你是一个AI助手。请回答：什么是机器学习？",
+    "def f(x):\n    return x**2  # square\n\tpass",
+    "I ❤️ 🦙 emojis 👨‍👩‍👧 ok",
+    "  leading and trailing  ",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "don't I'm we'll 12345 3.14159",
+    "a\n\n\nb   c",
+    "",
+]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi! 你好"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "What is 2+2?"},
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def hf_tokenizer(path: str, **kwargs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(embedded_model_path())
+
+
+@pytest.fixture(scope="module")
+def ref():
+    path = embedded_model_path()
+    return hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_ids_match_transformers(tok: Tokenizer, ref, text: str) -> None:
+    ids = tok.encode(text)
+    assert ids == ref.encode(text)
+    assert tok.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
+            ids, skip_special_tokens=skip
+        )
+
+
+def test_gguf_special_tokens(tok: Tokenizer, ref) -> None:
+    assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id) == (1, 2)
+    assert tok.vocab_size == len(ref) == 49152
+    assert set(ref.all_special_ids) <= set(tok.all_special_ids)
+    assert set(range(17)) == set(tok.all_special_ids)  # every control token of the file
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # add_bos_token false
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [MESSAGES[:2], MESSAGES, MESSAGES[1:2]],
+    ids=["system_user", "multi_turn", "no_system"],
+)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tok, ref, messages, add_generation_prompt) -> None:
+    kwargs = {"add_generation_prompt": add_generation_prompt}
+    text = tok.apply_chat_template(messages, **kwargs)
+    assert text == ref.apply_chat_template(messages, tokenize=False, **kwargs)
+    expected_ids = ref.apply_chat_template(messages, tokenize=True, **kwargs)
+    if not isinstance(expected_ids, list):
+        expected_ids = expected_ids["input_ids"]
+    assert tok.apply_chat_template(messages, tokenize=True, **kwargs) == expected_ids
+    if add_generation_prompt:
+        assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_helpers(tok: Tokenizer) -> None:
+    template = (
+        "{{ messages | tojson }}|{{ strftime_now('%Y') }}|{{ bos_token }}"
+        "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+    )
+    msgs = [{"role": "user", "content": "é", "tool_calls": None}]
+    text = tok.apply_chat_template(msgs, chat_template=template)
+    # None-valued keys dropped; tojson does not escape non-ASCII; globals available.
+    assert text == f'[{{"role": "user", "content": "é"}}]|{datetime.now().year}|<|im_start|>'
+    with pytest.raises(ValueError, match="one message only"):
+        tok.apply_chat_template(msgs * 2, chat_template=template)
+
+
+def test_continue_final_message(tok: Tokenizer) -> None:
+    msgs = [*MESSAGES[:2], {"role": "assistant", "content": "The answer"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nThe answer")
+
+
+def test_model_without_chat_template_raises(tmp_path) -> None:
+    make_tokenizer_dir(tmp_path, chat_template=None)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_spaces_between_special_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    spaced = tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True)
+    assert spaced == "<|im_start|> user\nhi <|im_end|>"
+
+
+# ---- a SentencePiece-style ("llama") GGUF ---------------------------------------------------
+
+PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "t", "▁h", "▁he", "▁hel", "▁hell", "▁hello",
+          "▁w", "▁wo", "▁wor", "▁worl", "▁world", "ll", "he", "lo", "▁t", "▁th", "th", "▁a", "at"]  # fmt: skip
+
+
+def write_llama_gguf(path: str) -> None:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES + ["<|user|>"]
+    token_types = [2, 3, 3] + [6] * 256 + [1] * len(PIECES) + [4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(PIECES))] + [0.0]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template(CHATML)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path) -> None:
+    path = str(tmp_path / "tiny.gguf")
+    write_llama_gguf(path)
+    tok = Tokenizer.from_gguf(path)
+    ref = hf_tokenizer(str(tmp_path), gguf_file="tiny.gguf")
+    for text in [
+        "hello world",
+        " hello  world",
+        "hello<|user|>at the world",
+        "héllo 你 world",
+        "hello</s>",
+        "",
+    ]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert ids[0] == tok.bos_token_id == 1  # SentencePiece files add bos by default
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip
+            )
+    # Characters outside the vocabulary fall back to their UTF-8 bytes.
+    assert tok.convert_ids_to_tokens(tok.encode("你", add_special_tokens=False))[1:] == [
+        "<0xE4>",
+        "<0xBD>",
+        "<0xA0>",
+    ]
+    assert tok.decode(tok.encode("hello 你")) == "hello 你"
+
+
+# ---- a tokenizer.json directory ---------------------------------------------------------------
+
+
+def make_tokenizer_dir(
+    path, chat_template: str | None = CHATML, jinja_file: str | None = None
+) -> None:
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(
+        ["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer
+    )
+    backend.save(str(path / "tokenizer.json"))
+    eos = {"__type": "AddedToken", "content": "<|im_end|>", "special": True, "lstrip": False,
+           "rstrip": False, "normalized": False, "single_word": False}  # fmt: skip
+    config = {"bos_token": "<|im_start|>", "eos_token": eos, "add_bos_token": True}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "special_tokens_map.json").write_text(json.dumps({"unk_token": "<|endoftext|>"}))
+    if jinja_file is not None:
+        (path / "chat_template.jinja").write_text(jinja_file)
+
+
+def test_tokenizer_json_dir_matches_transformers(tmp_path) -> None:
+    make_tokenizer_dir(tmp_path)
+    tok, ref = Tokenizer.from_pretrained(tmp_path), hf_tokenizer(str(tmp_path))
+    for text in ["hello world", "the lazy fox<|im_end|> 你好 🦙", ""]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text)
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (1, 2, 0)
+    assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    msgs = MESSAGES[:2]
+    assert tok.apply_chat_template(msgs) == ref.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_chat_template_jinja_file_takes_priority(tmp_path) -> None:
+    make_tokenizer_dir(tmp_path, jinja_file="{{ messages[0]['content'] }}!")
+    assert Tokenizer.from_pretrained(tmp_path).apply_chat_template(MESSAGES[1:2]) == "Hi! 你好!"
+
+
+def test_get_tokenizer_picks_by_path(tmp_path) -> None:
+    assert get_tokenizer(embedded_model_path()).eos_token_id == 2
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    make_tokenizer_dir(hf_dir)
+    assert get_tokenizer(str(hf_dir)).encode("hello") == Tokenizer.from_pretrained(hf_dir).encode(
+        "hello"
+    )
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    write_llama_gguf(str(gguf_dir / "m.gguf"))
+    assert get_tokenizer(str(gguf_dir)).bos_token_id == 1
+    with pytest.raises(ValueError, match="does not exist"):
+        get_tokenizer(str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        get_tokenizer(str(empty))
