@@ -1,0 +1,237 @@
+"""The sampler: one step's logits `[num_rows, vocab]` in, one token id (and logprobs) per row out.
+
+It follows vLLM v1's `Sampler`: logprobs come from the raw logits (log_softmax in float32, before
+any processing); then allowed_token_ids, min_tokens, logit_bias and penalties; greedy rows take
+the argmax; random rows get temperature, min_p, top-k/top-p and are sampled with the exponential
+race (argmax of probs / Exponential(1) noise, i.e. the Gumbel-max trick), which needs no host
+sync. A seeded request draws its noise from its own generator, so its tokens do not depend on
+the rest of the batch. `Sampler.sample_on_device` queues all of that on the logits' device;
+`SamplerTensors.tolist` is the one place the host waits. A batch that is all greedy with
+nothing to process or report takes a plain argmax of the raw logits (`is_plain_greedy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.sample import logits_processors as lp
+from pagoda.sample.metadata import SamplingMetadata, to_device_tensor
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplerTensors",
+    "SamplingMetadata",
+    "compute_prompt_logprobs",
+]
+
+# {token_id: (logprob, rank)}: the top-k tokens plus the chosen one; rank is 1-based.
+LogprobsDict = dict[int, tuple[float, int]]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per row
+    logprobs: list[LogprobsDict | None]  # per row; None when the row's params.logprobs is None
+
+
+@dataclass
+class SamplerTensors:
+    """The sampler's results still on the device (no sync has happened yet)."""
+
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    # Over md.logprob_rows; column 0 is the sampled token, then the top max_num_logprobs.
+    logprob_token_ids: torch.Tensor | None = None  # [L, 1 + K] int64
+    logprobs: torch.Tensor | None = None  # [L, 1 + K] float32
+    sampled_token_ranks: torch.Tensor | None = None  # [L] int64
+
+    def tolist(self, md: SamplingMetadata) -> SamplerOutput:
+        sampled = self.sampled_token_ids.tolist()
+        logprobs: list[LogprobsDict | None] = [None] * md.num_rows
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids.tolist()
+            values = self.logprobs.tolist()
+            ranks = self.sampled_token_ranks.tolist()
+            for j, row in enumerate(md.logprob_rows):
+                logprobs[row] = _logprobs_dict(ids[j], values[j], ranks[j], md.num_logprobs[row])
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _logprobs_dict(ids: list[int], values: list[float], rank: int, k: int) -> LogprobsDict:
+    # The chosen token first, then the top-k by position (which wins if the chosen one is in it,
+    # as in vLLM).
+    out = {ids[0]: (values[0], rank)}
+    for r in range(k):
+        out[ids[1 + r]] = (values[1 + r], r + 1)
+    return out
+
+
+def _on_rows(
+    x: torch.Tensor, rows: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Apply `fn` to the given rows of `x` only (all of them when `rows` is None), in place."""
+    if rows is None:
+        out = fn(x)
+        if out is not x:
+            x.copy_(out)
+        return x
+    # x[rows], not index_select: the latter is ~30x slower on CPU (torch 2.x).
+    return x.index_copy_(0, rows, fn(x[rows]))
+
+
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Everything that can change the greedy choice, in vLLM v1's order, in place."""
+    if md.allowed_token_index is not None:
+        lp.apply_allowed_token_ids(logits, md.allowed_rows, md.allowed_token_index)
+    if md.min_tokens_index is not None:
+        lp.apply_token_mask(logits, md.min_tokens_index)
+    if md.logit_bias_index is not None:
+        lp.apply_logit_bias(logits, md.logit_bias_index, md.logit_bias_values)
+    if md.output_token_ids is not None:
+        _on_rows(
+            logits,
+            md.penalty_rows,
+            lambda x: lp.apply_penalties(
+                x,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.repetition_penalties,
+                md.frequency_penalties,
+                md.presence_penalties,
+            ),
+        )
+    return logits
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row from `probs` [rows, vocab] (need not be normalised), no host sync.
+
+    argmax_i p_i / E_i with E_i ~ Exponential(1) picks i with probability p_i / sum(p) (the
+    exponential race). E = -log(U), U ~ Uniform[0, 1): U < 1 so E > 0; U = 0 gives E = inf and
+    p / E = 0. Seeded rows draw their own noise, so it is the same in any batch.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        noise.uniform_()
+    for i, generator in generators.items():
+        noise[i].uniform_(generator=generator)
+    # p / log(U) = -p / E: the race's winner is its argmin (saves negating the noise).
+    return probs.div_(noise.log_()).argmin(dim=-1)
+
+
+def compute_random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top-k/top-p, softmax; `logits` holds only the random rows (edited in
+    place). The result is the distribution each random row samples from (rejection sampling for
+    speculative decoding needs it too)."""
+    lp.apply_temperature(logits, md.temperature)
+    if md.min_p is not None:
+        lp.apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        _on_rows(
+            logits,
+            md.top_k_top_p_rows,
+            lambda x: lp.apply_top_k_top_p(x, md.top_k, md.top_p),
+        )
+    return logits.softmax(dim=-1)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.float32).log_softmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of `token_ids` [rows] and of the top `num_logprobs` tokens of each row.
+
+    Returns ids [rows, 1 + k] and logprobs [rows, 1 + k] (column 0: the given token) and the
+    given token's 1-based rank [rows], counted as vLLM does: the number of tokens whose logprob
+    is >= its own.
+    """
+    token_ids = token_ids[:, None]
+    token_logprobs = logprobs.gather(1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    ids = torch.cat([token_ids, top_ids], dim=1)
+    values = torch.cat([token_logprobs, top_logprobs], dim=1)
+    return ids, values, ranks
+
+
+class Sampler:
+    """Samples one token per row of a step's logits (see the module docstring for the order)."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        return self.sample_on_device(logits, md).tolist(md)
+
+    def sample_on_device(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerTensors:
+        if logits.dim() != 2 or logits.shape[0] != md.num_rows:
+            raise ValueError(
+                f"logits must be [num_rows={md.num_rows}, vocab], got {tuple(logits.shape)}"
+            )
+        if logits.shape[1] != md.vocab_size:
+            raise ValueError(
+                f"logits have {logits.shape[1]} columns but SamplingMetadata was built with "
+                f"vocab_size={md.vocab_size}: pass the logits' width as vocab_size"
+            )
+        if md.is_plain_greedy:
+            return SamplerTensors(sampled_token_ids=logits.argmax(dim=-1))
+        return self.sample_reference(logits, md)
+
+    def sample_reference(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerTensors:
+        """The general path (also the reference for the plain-greedy fast path)."""
+        # A float32 copy: the caller's logits stay untouched and processing happens in place.
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            # From the raw logits, before anything below edits them (vLLM's "raw_logprobs").
+            rows = md.logprob_rows_tensor
+            raw_logprobs = compute_logprobs(logits if rows is None else logits[rows])
+
+        apply_logits_processors(logits, md)
+        if md.all_random:
+            sampled = random_sample(compute_random_probs(logits, md), md.generators)
+        else:
+            sampled = logits.argmax(dim=-1)
+            if not md.all_greedy:
+                random_logits = logits[md.random_rows]
+                probs = compute_random_probs(random_logits, md)
+                sampled.index_copy_(0, md.random_rows, random_sample(probs, md.generators))
+
+        out = SamplerTensors(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            rows_sampled = (
+                sampled if md.logprob_rows_tensor is None else sampled[md.logprob_rows_tensor]
+            )
+            out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = gather_logprobs(
+                raw_logprobs, rows_sampled, md.max_num_logprobs
+            )
+        return out
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: list[int], k: int, chunk_size: int = 1024
+) -> list[LogprobsDict]:
+    """Per row of `logits` [N, vocab]: {token: (logprob, rank)} for the target and the top k.
+
+    Row i predicts `target_token_ids[i]` (the next prompt token). Done in chunks of rows so a
+    long prompt does not need a [N, vocab] float32 copy at once.
+    """
+    n = logits.shape[0]
+    if len(target_token_ids) != n:
+        raise ValueError(
+            f"target_token_ids must have one id per logits row ({n}), got {len(target_token_ids)}"
+        )
+    if k < 0:
+        raise ValueError(f"prompt_logprobs must be >= 0, got {k}")
+    targets = to_device_tensor(target_token_ids, torch.int64, logits.device)
+    out: list[LogprobsDict] = []
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        logprobs = compute_logprobs(logits[start:end])
+        ids, values, ranks = gather_logprobs(logprobs, targets[start:end], k)
+        ids_l, values_l, ranks_l = ids.tolist(), values.tolist(), ranks.tolist()
+        out.extend(_logprobs_dict(ids_l[j], values_l[j], ranks_l[j], k) for j in range(end - start))
+    return out
