@@ -132,21 +132,27 @@ class LLMEngine:
             max_tokens = min(max_tokens, params.max_tokens)
 
         child_ids, child_params = self._fan_out(request_id, params)
+        added: list[str] = []
+        try:
+            for cid, cparams in zip(child_ids, child_params):
+                self.scheduler.add_request(
+                    Request(
+                        cid,
+                        prompt_ids,
+                        cparams,
+                        eos_token_id=eos,
+                        arrival_time=arrival_time,
+                        priority=priority,
+                        max_tokens=max_tokens,
+                    )
+                )
+                added.append(cid)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
         self.output_processor.add_request(
             request_id, prompt_text, prompt_ids, params, child_ids, child_params, arrival_time
         )
-        for cid, cparams in zip(child_ids, child_params):
-            self.scheduler.add_request(
-                Request(
-                    cid,
-                    prompt_ids,
-                    cparams,
-                    eos_token_id=eos,
-                    arrival_time=arrival_time,
-                    priority=priority,
-                    max_tokens=max_tokens,
-                )
-            )
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None:
