@@ -1,0 +1,1 @@
+"""The worker side of a step: model runner, input preparation, KV cache allocation."""

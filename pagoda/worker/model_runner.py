@@ -1,0 +1,206 @@
+"""`ModelRunner`: owns the model, the paged KV cache and one step's execution on one device.
+
+`execute_model(SchedulerOutput) -> ModelRunnerOutput`: build the flat inputs (`input_batch`),
+run the model over every scheduled token, compute logits only for the rows that sample (and the
+prompt rows whose logprobs were asked for), sample, verify speculative drafts, and return plain
+Python lists. Per-request state kept here is only each seeded request's `torch.Generator`,
+created on first sight and dropped when the request finishes. Sizing the cache
+(`determine_num_blocks`) follows vLLM: a fixed budget on CPU, a profiling forward on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.sample.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagoda.worker.input_batch import InputBuilder, StepInputs
+from pagoda.worker.kv_cache import KVCacheSpec, allocate_kv_caches, cpu_kv_cache_bytes
+
+logger = logging.getLogger(__name__)
+
+# Prompt logprobs need a [rows, vocab] float32 block; bound it (49k vocab x 256 rows = 50 MB).
+_PROMPT_LOGPROBS_CHUNK = 256
+
+
+def num_cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.config = engine_config
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.device = torch.device(engine_config.device_config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_cpu_cores())
+        self.block_size = self.cache_config.block_size
+        max_len = self.model_config.max_model_len
+        self.inputs = InputBuilder(
+            max_num_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_reqs=self.scheduler_config.max_num_seqs,
+            max_blocks_per_req=-(-max_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.model: torch.nn.Module | None = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from pagoda.attention.backend import get_attn_backend
+        from pagoda.model.loader import load_model
+
+        backend = get_attn_backend(self.device, self.config.device_config.attention_backend)
+        self.attn_backend = backend
+        self.model = load_model(self.model_config, self.device, attn_backend=backend)
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        from pagoda.model.layers.attention import Attention
+
+        if self.model is None:
+            raise RuntimeError("call load_model() before sizing the KV cache")
+        layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+        return KVCacheSpec.from_config(
+            self.cache_config.cache_dtype,
+            self.model_config.dtype,
+            self.model_config.num_layers,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_size,
+        )
+
+    def bytes_per_block(self) -> int:
+        return self.get_kv_cache_spec().bytes_per_block
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks to allocate: num_gpu_blocks_override if set; on CPU
+        kv_cache_memory_bytes or min(2 GiB, 25% of available RAM); on CUDA what is left of
+        gpu_memory_utilization * total memory after a profiling forward at full batch."""
+        spec = self.get_kv_cache_spec()
+        cc = self.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_cuda_num_blocks(spec)
+        else:
+            budget = cc.kv_cache_memory_bytes or cpu_kv_cache_bytes()
+            num_blocks = budget // spec.bytes_per_block
+        # One max-length request must fit (block 0 is reserved as the null block).
+        needed = -(-self.model_config.max_model_len // self.block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache has room for {num_blocks} blocks of {self.block_size} tokens, "
+                f"fewer than one max_model_len={self.model_config.max_model_len} request needs "
+                f"({needed}); raise kv_cache_memory_bytes / gpu_memory_utilization or lower "
+                "max_model_len"
+            )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_cuda_num_blocks(self, spec: KVCacheSpec) -> int:
+        from pagoda.worker.profiling import profile_peak_memory
+
+        peak, non_torch = profile_peak_memory(self)
+        total = torch.cuda.mem_get_info(self.device)[1]
+        budget = int(total * self.cache_config.gpu_memory_utilization) - peak - non_torch
+        if self.cache_config.kv_cache_memory_bytes is not None:
+            budget = self.cache_config.kv_cache_memory_bytes
+        logger.info(
+            "Profiling: peak %.2f GiB in torch, %.2f GiB outside; KV cache budget %.2f GiB",
+            peak / 2**30,
+            non_torch / 2**30,
+            budget / 2**30,
+        )
+        return max(budget, 0) // spec.bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
+        spec = self.get_kv_cache_spec()
+        self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
+        self.num_blocks = num_blocks
+
+    # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.generators.pop(rid, None)
+        req_ids = [r.request_id for r in so.scheduled_requests]
+        if so.is_empty or not req_ids:
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
+        step = self.inputs.prepare(so)
+        self.attn_backend.prepare(step.attn_metadata)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+
+        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
+        if step.sample_rows:
+            self._sample(step, hidden, output)
+        for rid, (rows, targets) in step.prompt_logprob_rows.items():
+            output.prompt_logprobs[rid] = self._prompt_logprobs(step, hidden, rid, rows, targets)
+        return output
+
+    def _generator(self, req) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(seed)
+            self.generators[req.request_id] = gen
+        return gen
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        rows = torch.tensor(step.sample_rows, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        params, prompts, outputs, generators = [], [], [], []
+        for req, lo, hi in step.sample_reqs:
+            gen = self._generator(req)
+            # Row j verifies draft j: its penalties see the drafts before it as output.
+            drafts = req.spec_token_ids[: hi - lo - 1]
+            for j in range(hi - lo):
+                params.append(req.sampling_params)
+                prompts.append(req.prompt_token_ids)
+                outputs.append(req.output_token_ids + drafts[:j] if j else req.output_token_ids)
+                generators.append(gen)
+        md = SamplingMetadata.from_requests(
+            params, prompts, outputs, generators, logits.shape[1], logits.device
+        )
+        sampled = self.sampler(logits, md)
+        for req, lo, hi in step.sample_reqs:
+            tokens = sampled.sampled_token_ids[lo:hi]
+            logprobs = sampled.logprobs[lo:hi]
+            # Drafts come from a deterministic proposer (n-gram, greedy draft model): sampling
+            # the target and accepting a draft iff it equals the sample is then exact
+            # rejection sampling (accept d with p(d); else a sample of p restricted to != d).
+            num_accepted = 0
+            for draft, token in zip(req.spec_token_ids[: hi - lo - 1], tokens):
+                if draft != token:
+                    break
+                num_accepted += 1
+            keep = num_accepted + 1
+            output.sampled_token_ids[req.request_id] = tokens[:keep]
+            if req.sampling_params.logprobs is not None:
+                output.logprobs[req.request_id] = logprobs[:keep]
+
+    def _prompt_logprobs(
+        self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], targets: list[int]
+    ) -> list[dict[int, tuple[float, int]]]:
+        req = next(r for r in step.requests if r.request_id == rid)
+        k = req.sampling_params.prompt_logprobs or 0
+        result: list[dict[int, tuple[float, int]]] = []
+        for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):
+            chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, chunk))
+            result += compute_prompt_logprobs(logits, targets[i : i + _PROMPT_LOGPROBS_CHUNK], k)
+        return result
