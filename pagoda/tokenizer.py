@@ -106,7 +106,11 @@ class Tokenizer:
         self.backend = backend
         self.name_or_path = name_or_path
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        # The clean-up was designed for WordPiece; transformers ignores it for BPE, where it
+        # would delete real spaces before punctuation.
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces and not isinstance(
+            backend.model, models.BPE
+        )
         # bos_token / eos_token / unk_token / pad_token -> their text (None when the model has none).
         self.special_tokens_map: dict[str, str] = {
             f"{role}_token": tok
@@ -121,10 +125,17 @@ class Tokenizer:
             backend.add_special_tokens(named)
         if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
+        ids = {r: backend.token_to_id(t) for r, t in self.special_tokens_map.items()}
+        self.bos_token_id: int | None = ids.get("bos_token")
+        self.eos_token_id: int | None = ids.get("eos_token")
+        self.unk_token_id: int | None = ids.get("unk_token")
+        self.pad_token_id: int | None = ids.get("pad_token")
+        self.bos_token: str | None = self.special_tokens_map.get("bos_token")
+        self.eos_token: str | None = self.special_tokens_map.get("eos_token")
         added = backend.get_added_tokens_decoder()
         self._added_token_ids = frozenset(added)
         self._special_ids = frozenset(i for i, t in added.items() if t.special) | {
-            i for t in self.special_tokens_map.values() if (i := backend.token_to_id(t)) is not None
+            i for i in ids.values() if i is not None
         }
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
@@ -277,15 +288,19 @@ class Tokenizer:
         ids: Iterable[int],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
     ) -> str:
         """Token ids -> text. `spaces_between_special_tokens` joins added tokens and the text
-        around them with single spaces, as transformers' slow tokenizers (and vLLM) do."""
+        around them with single spaces, as transformers' slow tokenizers (and vLLM) do;
+        `clean_up_tokenization_spaces` defaults to the tokenizer config's value."""
         ids = list(ids)
         if spaces_between_special_tokens and not skip_special_tokens:
             text = self._decode_spaced(ids)
         else:
             text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return _clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        return _clean_up_tokenization(text) if clean_up_tokenization_spaces else text
 
     def _decode_spaced(self, ids: list[int]) -> str:
         pieces, run = [], []
@@ -317,34 +332,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def _role_id(self, role: str) -> int | None:
-        token = self.special_tokens_map.get(f"{role}_token")
-        return self.backend.token_to_id(token) if token is not None else None
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._role_id("bos")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._role_id("eos")
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._role_id("unk")
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._role_id("pad")
-
-    @property
-    def bos_token(self) -> str | None:
-        return self.special_tokens_map.get("bos_token")
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.special_tokens_map.get("eos_token")
 
     @property
     def all_special_ids(self) -> list[int]:

@@ -192,7 +192,7 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path) -> None:
 
 
 def make_tokenizer_dir(
-    path, chat_template: str | None = CHATML, jinja_file: str | None = None
+    path, chat_template: str | None = CHATML, jinja_file: str | None = None, **config_extra
 ) -> None:
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -211,7 +211,7 @@ def make_tokenizer_dir(
     backend.save(str(path / "tokenizer.json"))
     eos = {"__type": "AddedToken", "content": "<|im_end|>", "special": True, "lstrip": False,
            "rstrip": False, "normalized": False, "single_word": False}  # fmt: skip
-    config = {"bos_token": "<|im_start|>", "eos_token": eos, "add_bos_token": True}
+    config = {"bos_token": "<|im_start|>", "eos_token": eos, "add_bos_token": True, **config_extra}
     if chat_template is not None:
         config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -233,6 +233,15 @@ def test_tokenizer_json_dir_matches_transformers(tmp_path) -> None:
     assert tok.apply_chat_template(msgs) == ref.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True
     )
+
+
+def test_clean_up_tokenization_spaces_from_config(tmp_path) -> None:
+    make_tokenizer_dir(tmp_path, clean_up_tokenization_spaces=True)
+    tok, ref = Tokenizer.from_pretrained(tmp_path), hf_tokenizer(str(tmp_path))
+    ids = tok.encode("hello , world .")
+    # Ignored for BPE vocabularies, as transformers does; applied when asked for explicitly.
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "hello , world ."
+    assert tok.decode(ids, clean_up_tokenization_spaces=True) == "hello, world."
 
 
 def test_chat_template_jinja_file_takes_priority(tmp_path) -> None:

@@ -68,6 +68,9 @@ class IncrementalDetokenizer:
             self.token_ids[start:end],
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            # Clean-up rewrites text across token boundaries (" ." -> "."), which would change
+            # characters already streamed; vLLM's incremental path skips it too.
+            clean_up_tokenization_spaces=False,
         )
 
     def _decode_next(self) -> str:
