@@ -24,19 +24,7 @@ GGUF_DEFAULT_ALIGNMENT = 32
 QK_K = 256  # super-block size of the k-quants
 
 # GGUF metadata value types -> struct format (scalars) ; 8 = string, 9 = array.
-_SCALAR_FORMATS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
+_SCALAR_FORMATS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd"))
 _NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
                  6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
 _STRING, _ARRAY = 8, 9
