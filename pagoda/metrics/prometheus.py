@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagoda.metrics.stats import IterationStats, SchedulerStats
@@ -49,7 +50,10 @@ class PrometheusStatLogger:
         max_model_len: int,
         cache_config: Any = None,
         registry: CollectorRegistry | None = None,
+        num_gpu_blocks: int | None = None,
     ) -> None:
+        # No `*_created` series beside every counter and histogram, as vLLM.
+        prometheus_client.disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
@@ -139,6 +143,8 @@ class PrometheusStatLogger:
         )  # fmt: skip
         # An "info" metric as vLLM emits it: a gauge fixed at 1 whose labels carry the values.
         info = {k: str(v) for k, v in _config_items(cache_config)}
+        if info and num_gpu_blocks is not None:
+            info["num_gpu_blocks"] = str(num_gpu_blocks)
         if info:
             g = Gauge(
                 PREFIX + "cache_config_info",

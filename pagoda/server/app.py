@@ -113,7 +113,12 @@ def build_app(
         model_path=getattr(mc, "model", None),
     )
     cache_config = getattr(getattr(engine.engine, "config", None), "cache_config", None)
-    stat_logger = PrometheusStatLogger(names[0], mc.max_model_len, cache_config)
+    stat_logger = PrometheusStatLogger(
+        names[0],
+        mc.max_model_len,
+        cache_config,
+        num_gpu_blocks=getattr(engine.engine, "num_blocks", None),
+    )
     engine.stats_hooks.append(stat_logger.record)
 
     app = FastAPI(title="Pagoda OpenAI-compatible server", version=_version())

@@ -1,7 +1,7 @@
 """`python -m pagoda.entrypoints.openai.api_server --model PATH ...`: vLLM's module path for
-the server; the implementation is `pagoda.server.api_server` (same flags as `pagoda serve`)."""
+the server; the implementation is `pagoda.server.cli` (same flags as `pagoda serve`)."""
 
-from pagoda.server.api_server import main
+from pagoda.server.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,340 @@
+"""`pagoda bench serve`: load-test any OpenAI-compatible server the way `vllm bench serve` does.
+
+Requests go to the streaming completions endpoint (aiohttp), sent all at once
+(`--request-rate inf`) or as a Poisson process, at most `--max-concurrency` in flight. Per
+request it records TTFT, the gaps between streamed chunks (ITL; our server sends one token per
+chunk), E2E latency and the output token count (the server's `usage` when it reports one, else
+the number of chunks). The report has vLLM's layout and names, so results compare line by line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+from pagoda.bench.datasets import (
+    LocalTokenizer,
+    SampleRequest,
+    ServerTokenizer,
+    prefix_repetition_dataset,
+    random_dataset,
+    sharegpt_dataset,
+)
+
+
+@dataclass
+class RequestFuncOutput:
+    success: bool = False
+    generated_text: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    error: str = ""
+
+
+async def request_completion(
+    session: Any, url: str, model: str, req: SampleRequest, ignore_eos: bool,
+    headers: dict[str, str],
+) -> RequestFuncOutput:  # fmt: skip
+    """One streaming /v1/completions request, timed chunk by chunk."""
+    payload = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.expected_output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
+    out = RequestFuncOutput(prompt_len=req.prompt_len)
+    chunks: list[str] = []
+    st = time.perf_counter()
+    out.start_time, last = st, st
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return out
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    continue
+                msg = json.loads(data)
+                if "error" in msg:
+                    out.error = str(msg["error"])
+                    return out
+                if choices := msg.get("choices"):
+                    now = time.perf_counter()
+                    if not chunks:
+                        out.ttft = now - st
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    chunks.append(choices[0].get("text") or "")
+                if usage := msg.get("usage"):
+                    out.output_tokens = int(usage.get("completion_tokens") or 0)
+        out.generated_text = "".join(chunks)
+        out.output_tokens = out.output_tokens or len(chunks)
+        out.latency = last - st
+        out.success = bool(chunks)
+        if not out.success:
+            out.error = "the stream had no completion chunks"
+    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    slos: dict[str, float] = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS tpot:MS e2el:MS, got {item!r}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of ms") from None
+    return slos
+
+
+def calculate_metrics(
+    outputs: list[RequestFuncOutput], duration: float, percentiles: list[float],
+    goodput: dict[str, float],
+) -> dict[str, Any]:  # fmt: skip
+    ok = [o for o in outputs if o.success]
+    ttfts = [o.ttft for o in ok]
+    e2els = [o.latency for o in ok]
+    itls = [x for o in ok for x in o.itl]
+    all_tpots = [
+        (o.latency - o.ttft) / (o.output_tokens - 1) if o.output_tokens > 1 else 0.0 for o in ok
+    ]
+    tpots = [t for o, t in zip(ok, all_tpots) if o.output_tokens > 1]
+    total_in = sum(o.prompt_len for o in ok)
+    total_out = sum(o.output_tokens for o in ok)
+    good = 0
+    for o, tpot in zip(ok, all_tpots):
+        vals = {"ttft": o.ttft, "tpot": tpot, "e2el": o.latency}
+        good += all(vals[k] * 1000 <= slo for k, slo in goodput.items())
+    m: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": good / duration if goodput else None,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+    for key, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        arr = np.asarray(vals or [0.0]) * 1000
+        m[f"mean_{key}_ms"] = float(arr.mean())
+        m[f"median_{key}_ms"] = float(np.median(arr))
+        m[f"std_{key}_ms"] = float(arr.std())
+        for p in percentiles:
+            m[f"p{_pword(p)}_{key}_ms"] = float(np.percentile(arr, p))
+    return m
+
+
+def _pword(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def print_report(m: dict[str, Any], args: argparse.Namespace, percentiles: list[float]) -> None:
+    def row(label: str, value: Any, fmt: str = "{:<10.2f}") -> None:
+        print(f"{label:<40} " + fmt.format(value))
+
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    row("Successful requests:", m["completed"], "{:<10}")
+    row("Failed requests:", m["failed"], "{:<10}")
+    if args.max_concurrency is not None:
+        row("Maximum request concurrency:", args.max_concurrency, "{:<10}")
+    if args.request_rate != float("inf"):
+        row("Request rate configured (RPS):", args.request_rate)
+    row("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"], "{:<10}")
+    row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
+    row("Request throughput (req/s):", m["request_throughput"])
+    if m["request_goodput"] is not None:
+        row("Request goodput (req/s):", m["request_goodput"])
+    row("Output token throughput (tok/s):", m["output_throughput"])
+    row("Total token throughput (tok/s):", m["total_token_throughput"])
+    for key, name, header in (
+        ("ttft", "TTFT", "Time to First Token"),
+        ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+        ("itl", "ITL", "Inter-token Latency"),
+        ("e2el", "E2EL", "End-to-end Latency"),
+    ):
+        print("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        row(f"Mean {name} (ms):", m[f"mean_{key}_ms"])
+        row(f"Median {name} (ms):", m[f"median_{key}_ms"])
+        for p in percentiles:
+            row(f"P{_pword(p)} {name} (ms):", m[f"p{_pword(p)}_{key}_ms"])
+    print("=" * 50)
+
+
+async def benchmark(
+    args: argparse.Namespace, requests: list[SampleRequest], url: str, headers: dict[str, str]
+) -> tuple[list[RequestFuncOutput], float]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        # One request first: a misconfigured run fails here, before the clock starts.
+        probe = await request_completion(
+            session, url, args.model, requests[0], args.ignore_eos, headers
+        )
+        if not probe.success:
+            raise ValueError(f"the initial test request failed: {probe.error}")
+        print("Initial test run completed. Starting main benchmark run...")
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        rng = random.Random(args.seed)
+
+        async def one(req: SampleRequest) -> RequestFuncOutput:
+            if sem is None:
+                return await request_completion(
+                    session, url, args.model, req, args.ignore_eos, headers
+                )
+            async with sem:
+                return await request_completion(
+                    session, url, args.model, req, args.ignore_eos, headers
+                )
+
+        start = time.perf_counter()
+        tasks = []
+        for i, req in enumerate(requests):
+            if i and args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+            tasks.append(asyncio.create_task(one(req)))
+        outputs = await asyncio.gather(*tasks)
+        return list(outputs), time.perf_counter() - start
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of `pagoda bench serve` (vLLM's names); the lead wires it to `run_bench_serve`."""
+    a = parser.add_argument
+    a("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (else host/port)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--endpoint", default="/v1/completions")
+    a("--model", default=None, help="model name to send (default: the server's first model)")
+    a("--tokenizer", default=None, help="local tokenizer path (default: the server's /tokenize)")
+    a("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    a("--dataset-name", default="random", choices=["random", "prefix_repetition", "sharegpt"])
+    a("--dataset-path", default=None, help="ShareGPT JSON file for --dataset-name sharegpt")
+    a("--num-prompts", type=int, default=1000)
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=128)
+    a("--random-range-ratio", type=float, default=0.0)
+    a("--prefix-repetition-prefix-len", type=int, default=256)
+    a("--prefix-repetition-suffix-len", type=int, default=256)
+    a("--prefix-repetition-num-prefixes", type=int, default=10)
+    a("--prefix-repetition-output-len", type=int, default=128)
+    a("--sharegpt-output-len", type=int, default=None)
+    a("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
+    a("--max-concurrency", type=int, default=None)
+    a("--seed", type=int, default=0)
+    a("--ignore-eos", action="store_true")
+    a("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
+    a("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
+    a("--save-result", action="store_true")
+    a("--result-dir", default=None)
+    a("--result-filename", default=None)
+    parser.set_defaults(func=run_bench_serve)
+    return parser
+
+
+def _build_requests(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> list:
+    tok = (
+        LocalTokenizer(args.tokenizer)
+        if args.tokenizer
+        else ServerTokenizer(base_url, args.model, headers)
+    )
+    if args.dataset_name == "random":
+        return random_dataset(tok, args.num_prompts, args.random_input_len,
+                              args.random_output_len, args.random_range_ratio, args.seed)  # fmt: skip
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_dataset(
+            tok, args.num_prompts, args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len, args.seed,
+        )  # fmt: skip
+    if not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
+    return sharegpt_dataset(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len,
+                            args.seed)  # fmt: skip
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    import httpx
+
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    goodput = parse_goodput(args.goodput)
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if args.model is None:
+        try:
+            r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+            r.raise_for_status()
+            args.model = r.json()["data"][0]["id"]
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(
+                f"cannot reach {base_url}/v1/models ({e}); is the server up?"
+            ) from None
+    print(f"Building {args.num_prompts} '{args.dataset_name}' prompts ...", file=sys.stderr)
+    requests = _build_requests(args, base_url, headers)
+    print(f"Traffic request rate: {args.request_rate}  max concurrency: {args.max_concurrency}")
+    outputs, duration = asyncio.run(benchmark(args, requests, base_url + args.endpoint, headers))
+    failed = [o for o in outputs if not o.success]
+    if failed:
+        print(f"Failed requests: {len(failed)}; first error: {failed[0].error}")
+    m = calculate_metrics(outputs, duration, percentiles, goodput)
+    print_report(m, args, percentiles)
+    if args.save_result or args.result_filename:
+        result = {
+            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": "openai",
+            "model_id": args.model,
+            "base_url": base_url,
+            "dataset_name": args.dataset_name,
+            "num_prompts": args.num_prompts,
+            "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+            "max_concurrency": args.max_concurrency,
+            "goodput": goodput or None,
+            **m,
+            "input_lens": [o.prompt_len for o in outputs],
+            "output_lens": [o.output_tokens for o in outputs],
+            "ttfts": [o.ttft for o in outputs],
+            "itls": [o.itl for o in outputs],
+            "errors": [o.error for o in outputs],
+        }
+        name = args.result_filename or (
+            f"pagoda-{result['request_rate']}qps-concurrency{args.max_concurrency}-"
+            f"{os.path.basename(str(args.model))}-{result['date']}.json"
+        )
+        if args.result_dir:
+            os.makedirs(args.result_dir, exist_ok=True)
+            name = os.path.join(args.result_dir, name)
+        with open(name, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        print(f"Saved the result to {name}")
+    return 0 if m["completed"] else 1
