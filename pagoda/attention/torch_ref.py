@@ -123,9 +123,23 @@ def write_kv_cache(
 ) -> None:
     """Store rows k[i], v[i] at flat slot slots[i] of the cache (slot = block * block_size + off)."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    k, v = _to_cache(k, kv_cache.dtype, k_scale), _to_cache(v, kv_cache.dtype, v_scale)
+    if _is_fp8(kv_cache.dtype):  # CPU index ops lack fp8 kernels; move the bytes instead
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slots, _to_cache(k, kv_cache.dtype, k_scale))
-    flat[1].index_copy_(0, slots, _to_cache(v, kv_cache.dtype, v_scale))
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for one of K/V: [num_blocks, block_size, ...] -> [len(blocks), ...]."""
+    if _is_fp8(cache.dtype):
+        return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
+    return cache.index_select(0, blocks)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -174,8 +188,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[n:].zero_()
         nd = plan.num_decodes
         if nd:
-            keys = kv_cache[0].index_select(0, plan.decode_blocks)
-            values = kv_cache[1].index_select(0, plan.decode_blocks)
+            keys = _gather_blocks(kv_cache[0], plan.decode_blocks)
+            values = _gather_blocks(kv_cache[1], plan.decode_blocks)
             keys = _from_cache(keys, q.dtype, k_scale).view(nd, -1, num_kv_heads, head_size)
             values = _from_cache(values, q.dtype, v_scale).view(nd, -1, num_kv_heads, head_size)
             # The `group` query heads of one KV head become `group` query rows over its keys.
@@ -192,8 +206,8 @@ class TorchAttentionBackend(AttentionBackend):
             if c.blocks is None:
                 kc, vc = k[c.start : c.end], v[c.start : c.end]
             else:
-                kc = kv_cache[0].index_select(0, c.blocks).flatten(0, 1)[: c.seq_len]
-                vc = kv_cache[1].index_select(0, c.blocks).flatten(0, 1)[: c.seq_len]
+                kc = _gather_blocks(kv_cache[0], c.blocks).flatten(0, 1)[: c.seq_len]
+                vc = _gather_blocks(kv_cache[1], c.blocks).flatten(0, 1)[: c.seq_len]
                 kc, vc = _from_cache(kc, q.dtype, k_scale), _from_cache(vc, q.dtype, v_scale)
             o = F.scaled_dot_product_attention(
                 qc,

@@ -27,7 +27,16 @@ logger = logging.getLogger(__name__)
 _PROMPT_LOGPROBS_CHUNK = 256
 
 
-def num_cpu_cores() -> int:
+def num_cpu_threads() -> int:
+    """Threads for CPU kernels: $PAGODA_CPU_THREADS, else every core this process may use.
+
+    On a machine shared with other busy processes, fewer threads can be much faster: each
+    parallel op waits at a barrier for its slowest thread, which may be waiting for a core."""
+    env = os.environ.get("PAGODA_CPU_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"PAGODA_CPU_THREADS must be a positive integer, got {env!r}")
+        return int(env)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -42,7 +51,7 @@ class ModelRunner:
         self.scheduler_config = engine_config.scheduler_config
         self.device = torch.device(engine_config.device_config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(num_cpu_cores())
+            torch.set_num_threads(num_cpu_threads())
         self.block_size = self.cache_config.block_size
         max_len = self.model_config.max_model_len
         self.inputs = InputBuilder(
