@@ -130,8 +130,11 @@ def make_paged_batch(
         for pos in range(ctx, ctx + ql):
             slots.append(int(block_tables[b, pos // block_size]) * block_size + pos % block_size)
     num_tokens = sum(query_lens)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
-    q = torch.randn(num_tokens, num_heads, head_size, generator=gen)
+    # Values drawn on the target device (GPU-sized caches are too slow to draw on a CPU).
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+    cache = torch.randn(shape, generator=dgen, device=device, dtype=torch.float32)
+    q = torch.randn(num_tokens, num_heads, head_size, generator=dgen, device=device)
     qsl = [0]
     for ql in query_lens:
         qsl.append(qsl[-1] + ql)

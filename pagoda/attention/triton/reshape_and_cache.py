@@ -23,7 +23,8 @@ from pagoda.attention.triton.common import (
 
 @triton.jit
 def _quantize(x, scale, QUANT: tl.constexpr, Q_MIN: tl.constexpr, Q_MAX: tl.constexpr):
-    y = x.to(tl.float32) / scale
+    # IEEE division (plain `/` is div.full, ~2 ulp): the same codes as torch's x / scale.
+    y = tl.math.div_rn(x.to(tl.float32), scale)
     if QUANT == 2:  # INT8: round half to even, like torch.round
         r = tl.floor(y + 0.5)
         r = tl.where((r - y == 0.5) & (r % 2.0 != 0.0), r - 1.0, r)

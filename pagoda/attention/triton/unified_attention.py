@@ -32,8 +32,8 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.con
     # Request b owns q blocks [query_start_loc[b] // BLOCK_Q + b, ...): an upper bound of
     # sum(cdiv(query_len, BLOCK_Q)) that needs no host sync. Binary search for the last b
     # whose first q block is <= q_block_global.
-    lo = 0
-    hi = num_reqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -252,7 +252,7 @@ def unified_attention(
     seq_lens = attn_metadata.seq_lens
     block_tables = attn_metadata.block_tables
     max_query_len = attn_metadata.max_query_len
-    num_actual_tokens = attn_metadata.num_actual_tokens
+    num_actual = attn_metadata.num_actual_tokens
     num_tokens, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
     if cache_head_size != head_size or num_heads % num_kv_heads != 0:
@@ -262,7 +262,6 @@ def unified_attention(
         )
     if q.stride(-1) != 1 or out.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q, out and kv_cache need a contiguous last (head_size) dimension")
-    num_actual = num_actual_tokens
     num_reqs = seq_lens.shape[0]
     if num_actual == 0 or num_reqs == 0:
         return out
@@ -276,10 +275,13 @@ def unified_attention(
     quant = cache_quant_mode(kv_cache.dtype)
     if tile_size is None:
         tile_size = 32 if quant else (16 if max_query_len == 1 else 32)
+    for name, value in (("block_m", block_m), ("tile_size", tile_size)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
     head_size_padded = max(16, triton.next_power_of_2(head_size))
     if split_kv is None:
         split_kv = use_split_kv(num_reqs, num_kv_heads, max_query_len)
-    num_segments = triton.next_power_of_2(num_segments) if split_kv else 1
+    num_segments = max(2, triton.next_power_of_2(num_segments)) if split_kv else 1
     # Upper bound of sum(cdiv(query_len_b, BLOCK_Q)) over requests; spare programs exit.
     num_q_blocks = num_actual // block_q + num_reqs
     dev = q.device
