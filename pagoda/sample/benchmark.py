@@ -2,7 +2,7 @@
 
 The batch cycles through greedy, plain random, top-p, top-k + top-p, min-p, seeded and
 penalised/logprob requests, like a busy server's, with 200-token prompts and 100 output tokens
-each. It reports the median time of `SamplingMetadata.from_requests` and of one sampler call
+each. It reports the median wall and CPU time of `SamplingMetadata.from_requests` and of one sampler call
 (metadata excluded), and the plain-greedy fast path for comparison.
 """
 
@@ -29,18 +29,22 @@ MIXED_PARAMS = [
 ]
 
 
-def _time(fn, device: torch.device, iters: int) -> float:
-    """Median wall time of `fn` in milliseconds (synchronising the device around each call)."""
-    times = []
+def _time(fn, device: torch.device, iters: int) -> tuple[float, float]:
+    """Median wall time and median process CPU time (all threads) of `fn`, in milliseconds.
+
+    On a shared CPU the CPU time is the steadier number: it leaves out time spent descheduled.
+    """
+    wall, cpu = [], []
     for _ in range(iters + 2):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[2:])
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    return statistics.median(wall[2:]), statistics.median(cpu[2:])
 
 
 def main() -> None:
@@ -51,6 +55,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's op table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,11 +82,24 @@ def main() -> None:
     greedy = [SamplingParams(temperature=0.0)] * b
     md_greedy = SamplingMetadata.from_requests(greedy, prompts, outputs, [None] * b, v, device)
     t_greedy = _time(lambda: sampler(logits, md_greedy), device, args.iters)
-    print(
-        f"batch {b} x vocab {v} on {device} ({args.dtype}, {torch.get_num_threads()} threads): "
-        f"metadata {t_md:.2f} ms, sampler (mixed) {t_sample:.2f} ms, "
-        f"sampler (plain greedy) {t_greedy:.2f} ms"
-    )
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                sampler(logits, md)
+        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=25))
+    print(f"batch {b} x vocab {v} on {device} ({args.dtype}, {torch.get_num_threads()} threads)")
+    for name, (wall, cpu) in (
+        ("metadata (from_requests)", t_md),
+        ("sampler, mixed params", t_sample),
+        ("sampler, plain greedy", t_greedy),
+    ):
+        print(f"  {name:26s} wall {wall:8.2f} ms   cpu {cpu:8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ class SamplingMetadata:
     # Random sampling, over the rows with temperature > 0 ("random rows", in batch order).
     random_rows: torch.Tensor | None = None  # [R] int64 batch rows; None: every row
     temperature: torch.Tensor | None = None  # [R] float32
-    min_p: torch.Tensor | None = None  # [R] float32; None when no row uses min_p
+    # Min-p, over the random rows that use it (indices into the random rows).
+    min_p_rows: torch.Tensor | None = None  # [M] int64; None: every random row
+    min_p: torch.Tensor | None = None  # [M] float32; None when no row uses min_p
     # Top-k / top-p, over the random rows that use either (indices into the random rows).
     top_k_top_p_rows: torch.Tensor | None = None  # [S] int64; None: every random row
     top_k: torch.Tensor | None = None  # [S] int64, vocab_size where unused; None: no top-k
@@ -170,8 +172,10 @@ class SamplingMetadata:
         rp = [params[i] for i in random_rows]
         self.random_rows = _rows_or_none(random_rows, self.num_rows, device)
         self.temperature = to_device_tensor([p.temperature for p in rp], torch.float32, device)
-        if any(p.min_p > 0.0 for p in rp):
-            self.min_p = to_device_tensor([p.min_p for p in rp], torch.float32, device)
+        min_p_rows = [j for j, p in enumerate(rp) if p.min_p > 0.0]
+        if min_p_rows:
+            self.min_p_rows = _rows_or_none(min_p_rows, len(rp), device)
+            self.min_p = to_device_tensor([rp[j].min_p for j in min_p_rows], torch.float32, device)
         # top_k >= vocab_size keeps everything, so treat it as unset (no sort needed).
         use_k = [0 < p.top_k < self.vocab_size for p in rp]
         use_p = [p.top_p < 1.0 for p in rp]

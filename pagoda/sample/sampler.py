@@ -128,7 +128,7 @@ def compute_random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Te
     speculative decoding needs it too)."""
     lp.apply_temperature(logits, md.temperature)
     if md.min_p is not None:
-        lp.apply_min_p(logits, md.min_p)
+        _on_rows(logits, md.min_p_rows, lambda x: lp.apply_min_p(x, md.min_p))
     if md.top_k is not None or md.top_p is not None:
         _on_rows(
             logits,
