@@ -247,3 +247,65 @@ def test_engine_overload_is_503():
             _error(r, 503, None)
     finally:
         llm.shutdown()
+
+
+def test_load_chat_template(tmp_path):
+    from pagoda.server.cli import load_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(f)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{% for m in messages %}x{% endfor %}").startswith("{%")
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="--chat-template"):
+        load_chat_template("/no/such/template.jinja")
+
+
+def test_server_chat_template_overrides_the_model_one():
+    llm = AsyncLLM(FakeEngine())
+    try:
+        app = build_app(
+            llm, chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+        )
+        with TestClient(app) as c:
+            r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "q"}]})
+            assert r.json()["tokens"] == list(b"<q>")
+    finally:
+        llm.shutdown()
+
+
+def test_request_fields_reach_sampling_params():
+    from pagoda.server.protocol import CompletionRequest
+    from pagoda.server.serving import build_sampling_params
+
+    req = CompletionRequest(
+        prompt="x", n=2, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+        temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["\n"], ignore_eos=True,
+        min_tokens=2, logit_bias={"7": 5.0}, stop_token_ids=[9], include_stop_str_in_output=True,
+    )  # fmt: skip
+    p = build_sampling_params(req, max_tokens=8, logprobs=1, prompt_logprobs=None)
+    got = {k: getattr(p, k) for k in ("n", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+           "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "max_tokens", "logprobs",
+           "include_stop_str_in_output")}  # fmt: skip
+    assert got == dict(n=2, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                       temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["\n"],
+                       ignore_eos=True, min_tokens=2, logit_bias={7: 5.0}, stop_token_ids=[9],
+                       max_tokens=8, logprobs=1, include_stop_str_in_output=True)  # fmt: skip
+    # Unset OpenAI fields get vLLM's defaults.
+    d = build_sampling_params(CompletionRequest(prompt="x"), None, None, None)
+    assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
+def test_streaming_echo_with_logprobs_and_stop(client):
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 5, "echo": True,
+                                             "logprobs": 0, "stream": True, "temperature": 0,
+                                             "stop": ["f"]})  # fmt: skip
+    chunks = _sse(r)
+    first = chunks[0]["choices"][0]
+    assert first["text"] == "abd"  # the prompt comes first, then the first token
+    assert first["logprobs"]["tokens"] == ["<s>", "a", "b", "d"]
+    assert first["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abdef"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["stop_reason"] == "f"

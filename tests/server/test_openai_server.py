@@ -94,6 +94,9 @@ def test_completion_and_chat(client):
                                   max_tokens=4, temperature=0)  # fmt: skip
     assert "Paris" in r.choices[0].text
     assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 0
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=8, temperature=0, stop=["."])  # fmt: skip
+    assert r.choices[0].text == " Paris" and r.choices[0].finish_reason == "stop"
     c = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=12,
         temperature=0,
@@ -225,6 +228,20 @@ def test_disconnects_abort_and_free_the_kv_cache(server):
     assert server.metric("pagoda:num_requests_running") == 0
     assert server.metric("pagoda:num_requests_waiting") == 0
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(server):
+    gen0 = server.metric("pagoda:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    deadline = time.time() + 10
+    while time.time() < deadline and server.metric("pagoda:num_requests_running") != 0:
+        time.sleep(0.1)
+    assert server.metric("pagoda:num_requests_running") == 0
+    assert server.metric("pagoda:kv_cache_usage_perc") == 0
+    assert server.metric("pagoda:generation_tokens_total") - gen0 < 200
 
 
 def test_overload_answers_503(server):
