@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class AsyncLLM:
         self._idle_poll_s = idle_poll_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # Owned by the engine thread: request id -> where its outputs go.
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, _Add] = {}
         # Written by the engine thread, read (racily, which is fine for admission) by the loop.
         self._engine_waiting = 0
         self._num_pending_adds = 0  # handed over but not yet added by the engine thread
@@ -234,12 +234,13 @@ class AsyncLLM:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
-                live = [r for r in cmd.request_ids if r in self._streams]
-                for rid in live:
-                    self._streams.pop(rid)
+                live = [self._streams.pop(r) for r in cmd.request_ids if r in self._streams]
                 if live:
-                    self.engine.abort_request(live)
+                    self.engine.abort_request([a.request_id for a in live])
                     self._needs_flush = True
+                # A caller still iterating (abort() from elsewhere) gets a final "abort" output.
+                for a in live:
+                    self._send(a.loop, [(a.out, _aborted_output(a))])
             self._engine_waiting = self.engine.num_waiting_requests
 
     def _add(self, cmd: _Add) -> None:
@@ -258,20 +259,30 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001 - a rejected request must not kill the loop
             cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, e)
             return
-        self._streams[cmd.request_id] = (cmd.out, cmd.loop)
+        self._streams[cmd.request_id] = cmd
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up per event loop per step, not one per request: at a few hundred running
+        # requests, per-output call_soon_threadsafe calls would cost a syscall each.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is None:
                 continue  # aborted by its caller meanwhile
             if out.finished:
                 del self._streams[out.request_id]
-            q, loop = target
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the caller's loop is closed
-                self._streams.pop(out.request_id, None)
+            batches.setdefault(target.loop, []).append((target.out, out))
+        for loop, items in batches.items():
+            self._send(loop, items)
+
+    def _send(
+        self, loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]
+    ) -> None:
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the callers' loop is closed: nobody is listening any more
+            for _, out in items:
+                self._streams.pop(getattr(out, "request_id", ""), None)
 
     def _report_stats(self) -> None:
         for hook in self.stats_hooks:
@@ -287,11 +298,8 @@ class AsyncLLM:
                 self.engine.abort_request(list(streams))
             except Exception:  # noqa: BLE001
                 pass
-        for q, loop in streams.values():
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, error)
-            except RuntimeError:
-                pass
+        for a in streams.values():
+            self._send(a.loop, [(a.out, error)])
         # Adds still in the inbox never reach the engine: tell their callers too.
         while True:
             try:
@@ -299,14 +307,16 @@ class AsyncLLM:
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                try:
-                    cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, error)
-                except RuntimeError:
-                    pass
+                self._send(cmd.loop, [(cmd.out, error)])
 
 
-def delta_params(params: SamplingParams) -> SamplingParams:
-    """Copy of `params` asking for DELTA outputs (what the server consumes)."""
-    p = params.clone()
-    p.output_kind = RequestOutputKind.DELTA
-    return p
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _aborted_output(a: _Add) -> RequestOutput:
+    samples = [
+        CompletionOutput(i, "", [], None, None, finish_reason="abort") for i in range(a.params.n)
+    ]
+    return RequestOutput(a.request_id, None, [], None, samples, finished=True)

@@ -155,3 +155,24 @@ def test_engine_failure_reaches_callers():
             asyncio.run(_collect(llm, "r2"))
     finally:
         llm.shutdown()
+
+
+def test_abort_from_elsewhere_ends_the_stream_with_finish_reason_abort():
+    engine = FakeEngine(step_delay=0.01)
+    llm = AsyncLLM(engine)
+
+    async def main() -> list:
+        outs = []
+        async for o in llm.generate("hi", _params(max_tokens=1000, n=2), "r1"):
+            outs.append(o)
+            if len(outs) == 2:
+                await llm.abort("r1")
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished
+        assert [c.finish_reason for c in outs[-1].outputs] == ["abort", "abort"]
+        assert len(outs) < 10 and not engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
