@@ -2,7 +2,8 @@
 
 `make_tiny_checkpoint(path, "qwen3")` saves a two-layer model (safetensors + config.json) whose
 norms and biases are perturbed away from HF's 1/0 initialisation, and returns the HF model as
-the numerical reference. Needs `transformers` (a test dependency).
+the numerical reference. `PagedRunner` drives a model one sequence at a time through a paged KV
+cache with shuffled blocks, without the model runner. Needs `transformers` (a test dependency).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from pagoda.attention.metadata import AttentionMetadata
 
 TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
@@ -63,3 +66,43 @@ def make_tiny_checkpoint(path: Any, case: str, seed: int = 0, **overrides: Any) 
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(path))
     return model
+
+
+class PagedRunner:
+    """Drives a Pagoda model one sequence at a time through a paged cache with shuffled blocks."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: dict[str, Any],
+        num_blocks: int = 64,
+        seed: int = 0,
+        block_size: int = 4,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        shape = (2, num_blocks, self.block_size, cfg["num_key_value_heads"], head_dim)
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg["num_hidden_layers"])]
+        g = torch.Generator().manual_seed(seed)
+        self.block_table = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+
+    def step(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Compute `tokens` at positions start.. (cache holds 0..start-1) -> logits [n, V]."""
+        n = len(tokens)
+        pos = torch.arange(start, start + n)
+        bt = torch.tensor(self.block_table, dtype=torch.int32)
+        slots = bt[pos // self.block_size].long() * self.block_size + pos % self.block_size
+        md = AttentionMetadata(
+            num_actual_tokens=n,
+            slot_mapping=slots,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([start + n], dtype=torch.int32),
+            block_tables=bt[None],
+            max_query_len=n,
+            max_seq_len=start + n,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(tokens), pos, self.kv_caches, md)
+            return self.model.compute_logits(hidden)

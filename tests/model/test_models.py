@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
-from pagoda.model.testing import TINY_CASES, TINY_CONFIG, make_tiny_checkpoint
+from pagoda.model.testing import TINY_CASES, TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
-BLOCK_SIZE = 4
 SMALL = TINY_CONFIG
 CASES = TINY_CASES
 
@@ -25,37 +23,6 @@ def load_pagoda(path, dtype: str = "float32"):
     hf_config = get_model_config_dict(str(path))
     mc = ModelConfig(model=str(path), hf_config=hf_config, dtype=dtype, max_model_len=256)
     return load_model(mc, "cpu")
-
-
-class PagedRunner:
-    """Drives a Pagoda model one sequence at a time through a paged cache with shuffled blocks."""
-
-    def __init__(self, model, cfg: dict, num_blocks: int = 64, seed: int = 0) -> None:
-        self.model = model
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        shape = (2, num_blocks, BLOCK_SIZE, cfg["num_key_value_heads"], head_dim)
-        self.kv_caches = [torch.zeros(shape) for _ in range(cfg["num_hidden_layers"])]
-        g = torch.Generator().manual_seed(seed)
-        self.block_table = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-
-    def step(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Compute `tokens` at positions start.. (cache holds 0..start-1) -> logits [n, V]."""
-        n = len(tokens)
-        pos = torch.arange(start, start + n)
-        bt = torch.tensor(self.block_table, dtype=torch.int32)
-        slots = bt[pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-        md = AttentionMetadata(
-            num_actual_tokens=n,
-            slot_mapping=slots,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n], dtype=torch.int32),
-            block_tables=bt[None],
-            max_query_len=n,
-            max_seq_len=start + n,
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(tokens), pos, self.kv_caches, md)
-            return self.model.compute_logits(hidden)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -107,7 +74,7 @@ def test_bfloat16_model_stays_close_to_float32(tmp_path):
     bf16 = load_pagoda(tmp_path, "bfloat16")
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     runner = PagedRunner(bf16, cfg)
-    runner.kv_caches = [c.bfloat16() for c in runner.kv_caches]
+    assert runner.kv_caches[0].dtype == torch.bfloat16
     out = runner.step(prompt, 0)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max().item() < 0.1 * ref.abs().max().item()

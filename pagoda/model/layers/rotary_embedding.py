@@ -90,9 +90,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
 def get_rope(hf_config: dict[str, Any], head_size: int) -> RotaryEmbedding:
+    """The rotary embedding for a config; layers share one instance (one cos/sin table)."""
     theta, scaling = rope_params(hf_config)
     if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by this model family")
     max_position = int(hf_config.get("max_position_embeddings") or 2048)
-    return RotaryEmbedding(head_size, max_position, theta, scaling)
+    key = (
+        head_size,
+        max_position,
+        theta,
+        repr(sorted((scaling or {}).items())),
+        str(torch.get_default_device()),
+    )
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_size, max_position, theta, scaling)
+    return rope
