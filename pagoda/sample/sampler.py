@@ -110,8 +110,9 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     """One token per row from `probs` [rows, vocab] (need not be normalised), no host sync.
 
     argmax_i p_i / E_i with E_i ~ Exponential(1) picks i with probability p_i / sum(p) (the
-    exponential race). E = -log(U), U ~ Uniform[0, 1): U < 1 so E > 0; U = 0 gives E = inf and
-    p / E = 0. Seeded rows draw their own noise, so it is the same in any batch.
+    exponential race). E = -log(U), U ~ Uniform[0, 1); the edge draws are harmless: U = 0 gives
+    E = inf (that token cannot win) and U = 1 would give E = 0 (p / log U = +inf, never the
+    argmin). Seeded rows draw their own noise, so it is the same in any batch.
     """
     noise = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:

@@ -64,6 +64,8 @@ def test_penalties_match_per_row_python():
     ]
     logits = _logits(len(params), seed=3)
     prompts, outputs = _history(len(params), 10, 4), _history(len(params), 12, 5)
+    outputs[0] = []  # first step: repetition penalty over the prompt alone
+    outputs[1] = []  # nothing generated yet: no frequency penalty
     md = make_md(params, V, prompts, outputs)
     got = apply_logits_processors(logits.clone(), md)
     for i, p in enumerate(params):
