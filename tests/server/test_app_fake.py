@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.server.app import build_app
-from tests.server.fake_engine import FakeEngine
 
 MODEL = "fake-model"
 

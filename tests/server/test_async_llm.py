@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from fake_engine import FakeEngine
 
 from pagoda.engine.async_llm import (
     AsyncLLM,
@@ -15,7 +16,6 @@ from pagoda.engine.async_llm import (
     EngineOverloadedError,
 )
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
-from tests.server.fake_engine import FakeEngine
 
 
 def _params(**kw) -> SamplingParams:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import uvicorn
+from fake_engine import FakeEngine
 
 from pagoda.bench.datasets import ServerTokenizer, prefix_repetition_dataset, random_dataset
 from pagoda.bench.serve import (
@@ -21,7 +22,6 @@ from pagoda.bench.serve import (
 )
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.server.app import build_app
-from tests.server.fake_engine import FakeEngine
 
 
 def _free_port() -> int:
