@@ -35,7 +35,11 @@ if __name__ == "__main__":
     start_s = time.perf_counter() - t0
     vocab = llm.get_tokenizer().vocab_size
     reqs = make_requests(
-        args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed
+        args.num_prompts,
+        parse_range(args.input_len),
+        parse_range(args.output_len),
+        vocab,
+        args.seed,
     )
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
