@@ -51,9 +51,9 @@ def _lens(n: int, lo: int, hi: int, seed: int) -> list[int]:
     return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
 
 
-def _attend(batch, **kwargs) -> torch.Tensor:
+def _attend(batch, scale: float = SCALE, **kwargs) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
-    unified_attention(batch.q, batch.kv_cache, out, batch.metadata(), SCALE, **kwargs)
+    unified_attention(batch.q, batch.kv_cache, out, batch.metadata(), scale, **kwargs)
     return out
 
 
@@ -112,8 +112,9 @@ def test_gqa_1to1_mqa_and_padded_head_sizes() -> None:
             device="cuda",
             seed=3,
         )
-        _check(_attend(batch, split_kv=False), batch.reference(head_size**-0.5), torch.bfloat16)
-        _check(_attend(batch, split_kv=True), batch.reference(head_size**-0.5), torch.bfloat16)
+        scale = head_size**-0.5
+        _check(_attend(batch, scale, split_kv=False), batch.reference(scale), torch.bfloat16)
+        _check(_attend(batch, scale, split_kv=True), batch.reference(scale), torch.bfloat16)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
