@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -228,7 +229,7 @@ def run_peer(
 
 
 def main() -> int:
-    sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from pagoda.bench.throughput import make_requests
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
