@@ -15,7 +15,7 @@ round(x / scale) and is read back as stored * scale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ class _Plan:
     decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     chunks: list[_Chunk]
+    workspace: dict = field(default_factory=dict)  # gather buffers shared by all layers
 
 
 def _build_plan(md: AttentionMetadata, block_size: int, has_cache: bool) -> _Plan:
@@ -135,11 +136,19 @@ def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache[blocks] for one of K/V: [num_blocks, block_size, ...] -> [len(blocks), ...]."""
-    if _is_fp8(cache.dtype):
-        return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
-    return cache.index_select(0, blocks)
+def _gather_kv(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, workspace: dict, key: object
+) -> torch.Tensor:
+    """kv_cache[:, blocks] -> [2, len(blocks), block_size, num_kv_heads, head_size].
+
+    The result lands in a buffer kept in the step's plan and reused by every layer (the layers
+    run one after another), so a step allocates it once instead of once per layer."""
+    raw = kv_cache.view(torch.uint8) if _is_fp8(kv_cache.dtype) else kv_cache
+    buf = workspace.get(key)
+    if buf is None or buf.dtype != raw.dtype or buf.shape[2:] != raw.shape[2:]:
+        buf = workspace[key] = raw.new_empty((2, blocks.shape[0], *raw.shape[2:]))
+    torch.index_select(raw, 1, blocks, out=buf)
+    return buf.view(kv_cache.dtype) if raw is not kv_cache else buf
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -188,8 +197,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[n:].zero_()
         nd = plan.num_decodes
         if nd:
-            keys = _gather_blocks(kv_cache[0], plan.decode_blocks)
-            values = _gather_blocks(kv_cache[1], plan.decode_blocks)
+            kv = _gather_kv(kv_cache, plan.decode_blocks, plan.workspace, "decode")
+            keys, values = kv[0], kv[1]
             keys = _from_cache(keys, q.dtype, k_scale).view(nd, -1, num_kv_heads, head_size)
             values = _from_cache(values, q.dtype, v_scale).view(nd, -1, num_kv_heads, head_size)
             # The `group` query heads of one KV head become `group` query rows over its keys.
@@ -201,13 +210,13 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=scale,
             )
             out[:nd] = o.reshape(nd, num_heads, head_size)
-        for c in plan.chunks:
+        for i, c in enumerate(plan.chunks):
             qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, hs]
             if c.blocks is None:
                 kc, vc = k[c.start : c.end], v[c.start : c.end]
             else:
-                kc = _gather_blocks(kv_cache[0], c.blocks).flatten(0, 1)[: c.seq_len]
-                vc = _gather_blocks(kv_cache[1], c.blocks).flatten(0, 1)[: c.seq_len]
+                kv = _gather_kv(kv_cache, c.blocks, plan.workspace, i)
+                kc, vc = kv[0].flatten(0, 1)[: c.seq_len], kv[1].flatten(0, 1)[: c.seq_len]
                 kc, vc = _from_cache(kc, q.dtype, k_scale), _from_cache(vc, q.dtype, v_scale)
             o = F.scaled_dot_product_attention(
                 qc,

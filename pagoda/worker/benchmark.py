@@ -1,0 +1,148 @@
+"""Step-time benchmark of the model runner: decode at batch B with C-token contexts, and prefill.
+
+    python -m pagoda.worker.benchmark [--model PATH] [--dtype bfloat16] [--batch 1 64]
+        [--context 300] [--prefill 512] [--iters 10] [--profile]
+
+Runs `ModelRunner.execute_model` on hand-made SchedulerOutputs (no scheduler, no tokenizer),
+so the time is inputs + model + logits + sampling. Prints ms per step (median of --iters), and
+with --profile the share of time spent in matmuls vs attention vs everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagoda.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagoda.core.outputs import SchedulerOutput
+from pagoda.core.request import Request
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.model_runner import ModelRunner
+
+
+def build_runner(
+    model: str, dtype: str, device: str, max_tokens: int, max_seqs: int
+) -> ModelRunner:
+    from pagoda.model.loader import get_model_config_dict
+
+    load_format = "dummy" if model.endswith(".json") else "auto"
+    hf_config = get_model_config_dict(model, load_format)
+    max_len = min(int(hf_config.get("max_position_embeddings") or 2048), 4096)
+    config = EngineConfig(
+        model_config=ModelConfig(
+            model=model,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_len,
+            load_format=load_format,
+        ),
+        cache_config=CacheConfig(block_size=16, kv_cache_memory_bytes=1 << 30),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_len
+        ),
+        device_config=DeviceConfig(device=device),
+    )
+    runner = ModelRunner(config)
+    runner.load_model()
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    return runner
+
+
+def _step(runner: ModelRunner, reqs: list[Request], counts: list[int], tables) -> float:
+    so = SchedulerOutput(
+        scheduled_requests=reqs,
+        num_scheduled_tokens={r.request_id: n for r, n in zip(reqs, counts)},
+        total_num_scheduled_tokens=sum(counts),
+        block_ids={r.request_id: t for r, t in zip(reqs, tables)},
+        num_computed_tokens={r.request_id: r.num_computed_tokens for r in reqs},
+    )
+    start = time.perf_counter()
+    runner.execute_model(so)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_decode(runner: ModelRunner, batch: int, context: int, iters: int) -> float:
+    """Median ms of a decode step of `batch` requests whose caches hold `context` tokens."""
+    bs = runner.block_size
+    blocks_per_req = -(-(context + iters + 2) // bs)
+    if batch * blocks_per_req + 1 > runner.num_blocks:
+        raise ValueError("KV cache too small for this batch/context: lower --batch or --context")
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    reqs, tables = [], []
+    for b in range(batch):
+        prompt = torch.randint(0, vocab, (context + 1,), generator=g).tolist()
+        r = Request(f"d{b}", prompt, SamplingParams(temperature=0.0, max_tokens=10**6), None)
+        r.num_computed_tokens = context  # cache content is irrelevant to the timing
+        reqs.append(r)
+        tables.append(list(range(1 + b * blocks_per_req, 1 + (b + 1) * blocks_per_req)))
+    times = []
+    for _ in range(iters + 2):
+        times.append(_step(runner, reqs, [1] * batch, tables))
+        for r in reqs:
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(0)
+    return statistics.median(times[2:]) * 1e3
+
+
+def bench_prefill(runner: ModelRunner, num_tokens: int, iters: int) -> float:
+    bs = runner.block_size
+    vocab = runner.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (num_tokens,)).tolist()
+    table = list(range(1, 2 + num_tokens // bs))
+    times = []
+    for i in range(iters + 1):
+        r = Request(f"p{i}", prompt, SamplingParams(temperature=0.0), None)
+        times.append(_step(runner, [r], [num_tokens], [table]))
+    return statistics.median(times[1:]) * 1e3
+
+
+def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    bench_decode(runner, batch, context, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        bench_decode(runner, batch, context, 3)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pagoda.config import embedded_model_path
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir, .gguf, or config.json (dummy weights)")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--prefill", type=int, nargs="*", default=[512])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    model = args.model or embedded_model_path()
+    for dtype in args.dtype:
+        runner = build_runner(
+            model, dtype, args.device, max(args.prefill + [max(args.batch)]), max(args.batch)
+        )
+        print(f"{dtype}, {torch.get_num_threads()} threads:")
+        for batch in args.batch:
+            ms = bench_decode(runner, batch, args.context, args.iters)
+            print(
+                f"  decode batch {batch:4d} ctx {args.context}: {ms:8.2f} ms/step "
+                f"({batch / ms * 1e3:8.1f} tok/s)"
+            )
+        for n in args.prefill:
+            ms = bench_prefill(runner, n, max(args.iters // 3, 2))
+            print(f"  prefill {n:5d} tokens:          {ms:8.2f} ms ({n / ms * 1e3:8.1f} tok/s)")
+        if args.profile:
+            profile_decode(runner, max(args.batch), args.context)
+        del runner
+
+
+if __name__ == "__main__":
+    main()
