@@ -86,6 +86,27 @@ def _manager(model: Any, max_prompt: int, max_new: int, num_requests: int) -> An
         return model.continuous_batching_context_manager(**kwargs)
 
 
+def _cb_settings(manager: Any) -> dict[str, Any]:
+    """The manager's resolved sizing (known once its cache exists): explains the peer's rate."""
+    config = getattr(manager, "continuous_batching_config", None)
+    names = ("num_blocks", "block_size", "max_batch_tokens", "max_requests_per_batch")
+    names += ("use_cuda_graph", "use_async_batching")
+    return {n: str(getattr(config, n)) for n in names if hasattr(config, n)}
+
+
+def _free_device_memory_gib(device: str) -> float | None:
+    """Free memory after dropping the previous manager's cache (None on a CPU)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()
+    return round(torch.cuda.mem_get_info()[0] / 2**30, 1)
+
+
 def _collect(manager: Any, expected: set[str], deadline: float) -> tuple[dict[str, Any], bool]:
     """Wait for `expected` request ids to finish; returns (results, timed_out)."""
     if None in expected:  # add_request returns None when the manager refuses a request
@@ -126,6 +147,7 @@ def hf_offline_throughput(
         if timed_out:
             for rid in ids - set(done):
                 manager.cancel_request(rid)
+        settings = _cb_settings(manager)
     n_in = sum(len(r.prompt_ids) for r in done.values())
     n_out = sum(len(r.generated_tokens) for r in done.values())
     return {
@@ -138,6 +160,7 @@ def hf_offline_throughput(
         # A timed-out run counts finished requests only: a lower bound on the rate.
         "output_tokens_per_s": round(n_out / elapsed, 1),
         "total_tokens_per_s": round((n_in + n_out) / elapsed, 1),
+        "manager": settings,
     }
 
 
@@ -172,9 +195,11 @@ def hf_single_stream(
                 run["decode_tokens_per_s"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
             if i > 0:
                 runs.append(run)
+        settings = _cb_settings(manager)
     if not runs:
         raise RuntimeError(f"no single-stream run finished within {time_limit_s:.0f} s")
     result: dict[str, Any] = {"repeats": len(runs), "tokens": runs[0]["tokens"]}
+    result["manager"] = settings
     for key in ("decode_tokens_per_s", "overall_tokens_per_s", "ttft_ms"):
         values = [r[key] for r in runs if key in r]
         if values:
@@ -209,6 +234,7 @@ def run_peer(
     if single_stream is not None:
         prompt_len, output_len, repeats = single_stream
         left = time_limit_s - (time.perf_counter() - start)
+        result["free_gib_before_single_stream"] = _free_device_memory_gib(device)
         try:
             result["single_stream"] = hf_single_stream(
                 model, prompt_len, output_len, repeats, vocab, min(left / 3, 120)
@@ -219,6 +245,7 @@ def run_peer(
             record(result)
     if requests is not None:
         left = time_limit_s - (time.perf_counter() - start)
+        result["free_gib_before_offline_throughput"] = _free_device_memory_gib(device)
         try:
             result["offline_throughput"] = hf_offline_throughput(model, requests, left)
         except Exception as e:  # noqa: BLE001
