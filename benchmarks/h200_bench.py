@@ -19,6 +19,7 @@ import argparse
 import importlib.metadata as md
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,15 +74,25 @@ def collect_environment(device: str) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
         env["sm_count"] = props.multi_processor_count
-        try:
-            smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-            env["driver"] = subprocess.run(smi, capture_output=True, timeout=20).stdout.decode()
-            env["driver"] = env["driver"].strip().splitlines()[0]
-        except (OSError, IndexError, subprocess.TimeoutExpired) as e:
-            env["driver"] = f"unknown ({type(e).__name__})"
+        env["driver"] = _driver_version()
     else:
         env["gpu"] = f"none ({device}: a dry run, not a measurement)"
     return env
+
+
+def _driver_version() -> str:
+    try:
+        smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out = subprocess.run(smi, capture_output=True, timeout=20).stdout.decode().split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:  # containers without nvidia-smi still see the kernel module's version line
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip()
+    except OSError:
+        return "unknown (no nvidia-smi, no /proc/driver/nvidia/version)"
 
 
 def _time_op(fn: Any, device: str, repeats: int, warmup: int = 3) -> float:
@@ -199,7 +210,8 @@ def run_worker(part: str, args: argparse.Namespace, w: Workloads, record: Any) -
         record(res)
         # Short parts first, so that a slow throughput run cannot starve them.
         if "b" in args.only:
-            attempt("b_single_stream", pb.bench_single_stream, llm, w, box(60))
+            # 90 s: its warm-up run may be where the prefill kernels compile.
+            attempt("b_single_stream", pb.bench_single_stream, llm, w, box(90))
         if "c" in args.only:
             attempt("c_ttft", pb.bench_ttft, llm, w, box(60))
         if "a" in args.only:
@@ -236,13 +248,17 @@ def spawn(part: str, argv: list[str], timeout_s: float, tmp_dir: str) -> dict[st
     cmd += ["--result-file", path, "--deadline", str(deadline)]
     print(f"\n=== {part}: child process, time box {timeout_s:.0f} s ===", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
+    # Its own process group, so the kill also reaches compiler workers it may have started.
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         exit_status: int | str = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         exit_status = f"killed after {timeout_s:.0f} s (time box)"
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     res: dict[str, Any] = {}
     if os.path.exists(path):
         with open(path) as f:

@@ -75,13 +75,18 @@ def _params(max_tokens: int, kind: str = "FINAL_ONLY") -> Any:
     )
 
 
+def _abort_all(engine: Any) -> None:
+    """Abort every request the engine still holds (the ones a deadline cut short)."""
+    engine.abort_request(list(getattr(engine.output_processor, "parents", {})))
+
+
 def _drain(engine: Any, deadline: float, on_output: Any = None) -> tuple[dict[str, Any], bool]:
     """Step until every request finished or `deadline` (perf_counter) passed, in which case
     the rest is aborted. Returns (finished outputs by request id, timed_out)."""
     finished: dict[str, Any] = {}
     while engine.has_unfinished_requests():
         if time.perf_counter() > deadline:
-            engine.abort_request(list(engine.output_processor.parents))
+            _abort_all(engine)
             return finished, True
         for out in engine.step():
             if on_output is not None:
@@ -272,7 +277,7 @@ def profile_decode_step(llm: Any, w: Workloads, deadline: float) -> dict[str, An
     with profile(activities=acts) as prof, StepTimer(engine) as timer:
         for _ in range(3):
             engine.step()
-    engine.abort_request(list(engine.output_processor.parents))
+    _abort_all(engine)
     keys = ["self_device_time_total", "self_cuda_time_total"] if len(acts) > 1 else []
     table = ""
     for key in [*keys, "self_cpu_time_total"]:
