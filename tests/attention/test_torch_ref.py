@@ -216,3 +216,13 @@ def test_registry_picks_torch_on_cpu_and_rejects_unknown_names():
         get_attn_backend("cpu", "flash")
     with pytest.raises(ValueError, match="CUDA"):
         get_attn_backend("cpu", "triton")
+
+
+def test_decodes_split_into_cache_sized_groups_match_oracle(monkeypatch):
+    import pagoda.attention.torch_ref as torch_ref
+
+    # 4 KB per group = 32 tokens of K+V (2 KV heads x 8 dims, float32): groups of 1 to 4 rows.
+    monkeypatch.setattr(torch_ref, "_DECODE_GROUP_BYTES", 4096)
+    specs = [(c, 1) for c in (3, 40, 7, 7, 1, 25, 12, 0)] + [(9, 5)]
+    out, expected = run_case(11, 4, 8, 2, specs)
+    assert (out - expected).abs().max().item() < 1e-5
