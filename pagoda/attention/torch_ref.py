@@ -177,6 +177,19 @@ def _gather_kv(
     return buf.view(kv_cache.dtype) if raw is not kv_cache else buf
 
 
+def _additive_mask(
+    mask: torch.Tensor, dtype: torch.dtype, workspace: dict, key: object
+) -> torch.Tensor:
+    """A boolean mask as 0 / -inf in the query dtype, built once per step: SDPA would otherwise
+    convert the boolean mask again in every layer."""
+    additive = workspace.get(key)
+    if additive is None or additive.dtype != dtype:
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        additive.masked_fill_(~mask, float("-inf"))
+        workspace[key] = additive
+    return additive
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -221,7 +234,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, head_size)
         if n < num_tokens:
             out[n:].zero_()
-        for g in plan.decode_groups:
+        for gi, g in enumerate(plan.decode_groups):
             nd = g.end - g.start
             kv = _gather_kv(kv_cache, g.blocks, plan.workspace, "decode")
             keys = _from_cache(kv[0], q.dtype, k_scale).view(nd, -1, num_kv_heads, head_size)
@@ -231,7 +244,7 @@ class TorchAttentionBackend(AttentionBackend):
                 q[g.start : g.end].view(nd, num_kv_heads, group, head_size),
                 keys.transpose(1, 2),  # [nd, num_kv_heads, max_len, head_size]
                 values.transpose(1, 2),
-                attn_mask=g.mask,
+                attn_mask=_additive_mask(g.mask, q.dtype, plan.workspace, ("decode_mask", gi)),
                 scale=scale,
             )
             out[g.start : g.end] = o.reshape(nd, num_heads, head_size)
@@ -247,7 +260,9 @@ class TorchAttentionBackend(AttentionBackend):
                 qc,
                 kc.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, hs]
                 vc.transpose(0, 1).unsqueeze(0),
-                attn_mask=c.mask,
+                attn_mask=None
+                if c.mask is None
+                else _additive_mask(c.mask, q.dtype, plan.workspace, ("mask", i)),
                 is_causal=c.mask is None,
                 scale=scale,
                 enable_gqa=group > 1,
