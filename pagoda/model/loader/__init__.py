@@ -14,12 +14,16 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pagoda.attention.backend import AttentionBackend
+    from pagoda.model.layers.linear import LinearMethodBase
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _TORCH_DTYPES = {
@@ -100,11 +104,14 @@ def load_model(
     model_config: ModelConfig,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
-    attn_backend: Any = None,
-    linear_method: Any = None,
+    attn_backend: AttentionBackend | None = None,
+    linear_method: LinearMethodBase | None = None,
 ) -> nn.Module:
     """Build `model_config.architecture` on `device` in `dtype` (default: model_config.dtype)
-    and fill it from the checkpoint (or with dummy weights). Returns the model in eval mode."""
+    and fill it from the checkpoint (or with dummy weights). Returns the model in eval mode.
+
+    `attn_backend` defaults to the registry's pick for the device; `linear_method` (None:
+    unquantized) is how every linear layer stores and multiplies its weight."""
     from pagoda.attention.backend import get_attn_backend
     from pagoda.model.loader.weights import (
         WeightLoadingState,
