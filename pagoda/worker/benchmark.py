@@ -24,7 +24,12 @@ from pagoda.worker.model_runner import ModelRunner
 
 
 def build_runner(
-    model: str, dtype: str, device: str, max_tokens: int, max_seqs: int
+    model: str,
+    dtype: str,
+    device: str,
+    max_tokens: int,
+    max_seqs: int,
+    attention_backend: str | None = None,
 ) -> ModelRunner:
     from pagoda.model.loader import get_model_config_dict
 
@@ -39,11 +44,16 @@ def build_runner(
             max_model_len=max_len,
             load_format=load_format,
         ),
-        cache_config=CacheConfig(block_size=16, kv_cache_memory_bytes=1 << 30),
+        # CPU: 1 GiB of KV; CUDA: sized by the profiling run, as the engine does.
+        cache_config=CacheConfig(
+            block_size=16,
+            kv_cache_memory_bytes=(1 << 30) if device == "cpu" else None,
+            gpu_memory_utilization=0.8,
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_len
         ),
-        device_config=DeviceConfig(device=device),
+        device_config=DeviceConfig(device=device, attention_backend=attention_backend),
     )
     runner = ModelRunner(config)
     runner.load_model()
@@ -122,14 +132,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--prefill", type=int, nargs="*", default=[512])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--attention-backend", default=None, help="torch | triton (default: by device)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     model = args.model or embedded_model_path()
     for dtype in args.dtype:
         runner = build_runner(
-            model, dtype, args.device, max(args.prefill + [max(args.batch)]), max(args.batch)
+            model,
+            dtype,
+            args.device,
+            max(args.prefill + [max(args.batch)]),
+            max(args.batch),
+            args.attention_backend,
         )
-        print(f"{dtype}, {torch.get_num_threads()} threads:")
+        print(f"{dtype}, {runner.attn_backend.name} attention, {torch.get_num_threads()} threads:")
         for batch in args.batch:
             ms = bench_decode(runner, batch, args.context, args.iters)
             print(

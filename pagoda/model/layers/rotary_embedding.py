@@ -57,18 +57,19 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_size = head_size
-        inv_freq = _default_inv_freq(head_size, base)
-        rope_type = (rope_scaling or {}).get("rope_type", "default")
-        if rope_type == "linear":
-            inv_freq = inv_freq / float(rope_scaling["factor"])
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
-        elif rope_type != "default":
-            raise ValueError(
-                f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
-            )
         # Built on the CPU in float32 whatever the default device/dtype, then moved.
         with torch.device("cpu"):
+            inv_freq = _default_inv_freq(head_size, base)
+            rope_type = (rope_scaling or {}).get("rope_type", "default")
+            if rope_type == "linear":
+                inv_freq = inv_freq / float(rope_scaling["factor"])
+            elif rope_type == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            elif rope_type != "default":
+                raise ValueError(
+                    f"rope_scaling type {rope_type!r} is not supported; "
+                    "supported: default, linear, llama3"
+                )
             t = torch.arange(max_position, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq.float())  # [max_position, head_size / 2]
             cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
