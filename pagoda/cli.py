@@ -56,7 +56,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-        prompt = {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        prompt = {
+            "prompt": text,
+            "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False),
+        }
     for piece in _stream(engine, "generate-0", prompt, _sampling_params(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()

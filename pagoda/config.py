@@ -99,7 +99,9 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
 
@@ -111,7 +113,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
-    max_waiting_requests: int | None = None  # bound on the waiting queue (server answers 503 past it)
+    max_waiting_requests: int | None = (
+        None  # bound on the waiting queue (server answers 503 past it)
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

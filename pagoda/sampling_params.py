@@ -105,7 +105,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or list of them, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
         for v in (self.logit_bias or {}).values():
             if not -100.0 <= v <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
@@ -125,7 +127,9 @@ class SamplingParams:
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                raise ValueError(
+                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+                )
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -53,7 +53,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t_process
     vocab = llm.llm_engine.model_config.vocab_size
     reqs = make_requests(
-        args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed
+        args.num_prompts,
+        parse_range(args.input_len),
+        parse_range(args.output_len),
+        vocab,
+        args.seed,
     )
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [

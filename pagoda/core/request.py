@@ -58,14 +58,18 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         # Resolved by the engine: min(sampling_params.max_tokens, max_model_len - prompt_len).
-        self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 16)
+        self.max_tokens = (
+            max_tokens if max_tokens is not None else (sampling_params.max_tokens or 16)
+        )
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; set when first scheduled
+        self.num_cached_tokens = (
+            -1
+        )  # prompt tokens found in the prefix cache; set when first scheduled
         self.num_preemptions = 0
         # Speculative decoding: draft tokens to verify this step (appended after all_token_ids).
         self.spec_token_ids: list[int] = []

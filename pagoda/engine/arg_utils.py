@@ -164,38 +164,69 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", type=str, default=None, help="HF directory, .gguf file, or "
-                       "config.json with --load-format dummy (default: the embedded SmolLM2-135M)")
+        g.add_argument(
+            "--model",
+            type=str,
+            default=None,
+            help="HF directory, .gguf file, or "
+            "config.json with --load-format dummy (default: the embedded SmolLM2-135M)",
+        )
         g.add_argument("--tokenizer", type=str, default=None)
-        g.add_argument("--skip-tokenizer-init", action="store_true",
-                       help="no tokenizer: prompts are token ids and outputs are not detokenized")
+        g.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="no tokenizer: prompts are token ids and outputs are not detokenized",
+        )
         g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPES)
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--load-format", type=str, default=d.load_format,
-                       choices=["auto", "gguf", "safetensors", "pt", "dummy"])
+        g.add_argument(
+            "--load-format",
+            type=str,
+            default=d.load_format,
+            choices=["auto", "gguf", "safetensors", "pt", "dummy"],
+        )
         g.add_argument("--quantization", "-q", type=str, default=None)
         g.add_argument("--served-model-name", type=str, default=None)
         g.add_argument("--device", type=str, default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        g.add_argument("--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching)
+        g.add_argument(
+            "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES
+        )
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
+        )
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
-        g.add_argument("--scheduling-policy", "--scheduler-policy", dest="scheduling_policy",
-                       type=str, default=d.scheduling_policy, choices=["fcfs", "priority"])
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=d.enable_chunked_prefill)
-        g.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="bound on queued requests; past it the server answers 503")
+        g.add_argument(
+            "--scheduling-policy",
+            "--scheduler-policy",
+            dest="scheduling_policy",
+            type=str,
+            default=d.scheduling_policy,
+            choices=["fcfs", "priority"],
+        )
+        g.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_chunked_prefill,
+        )
+        g.add_argument(
+            "--max-waiting-requests",
+            type=int,
+            default=None,
+            help="bound on queued requests; past it the server answers 503",
+        )
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
-        g.add_argument("--distributed-executor-backend", type=str, default=None,
-                       choices=["mp", "ray"])
+        g.add_argument(
+            "--distributed-executor-backend", type=str, default=None, choices=["mp", "ray"]
+        )
         g.add_argument("--attention-backend", type=str, default=None, choices=["torch", "triton"])
         g.add_argument("--disable-log-stats", action="store_true")
         return parser

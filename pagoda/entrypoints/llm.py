@@ -100,7 +100,9 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             # The template already holds the special tokens (BOS etc.): do not add them twice.
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            prompts.append(
+                {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+            )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -32,7 +32,9 @@ class LoggingStatLogger:
         if elapsed < self.interval_s:
             return
         if self.prompt_tokens or self.generation_tokens or sched.num_running_reqs:
-            hit_rate = 100.0 * self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            hit_rate = (
+                100.0 * self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            )
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "

@@ -87,8 +87,9 @@ def test_stop_string_truncates_text(llm: LLM, reference) -> None:
     full = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full.strip()[3:6]
     assert stop
-    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert stop not in out.text and full.startswith(out.text)
 
@@ -101,8 +102,9 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
     for tok, lp in zip(comp.token_ids, comp.logprobs):
         assert tok in lp and lp[tok].rank == 1  # greedy picks the top token
         assert 3 <= len(lp) <= 4
-    assert comp.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in
-                                                        zip(comp.token_ids, comp.logprobs)))
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs))
+    )
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
@@ -155,8 +157,13 @@ def test_bad_input_raises_clear_error(llm: LLM, prompt, params, match) -> None:
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-     ({"n": 0}, "n"), ({"logprobs": 100}, "logprobs")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 100}, "logprobs"),
+    ],
 )
 def test_sampling_params_validation_names_field(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
