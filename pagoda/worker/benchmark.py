@@ -1,16 +1,21 @@
 """Step-time benchmark of the model runner: decode at batch B with C-token contexts, and prefill.
 
     python -m pagoda.worker.benchmark [--model PATH] [--dtype bfloat16] [--batch 1 64]
-        [--context 300] [--prefill 512] [--iters 10] [--profile]
+        [--context 300] [--prefill 512] [--iters 10] [--graphs on|off|both] [--profile]
+        [--engine-batch 256]
 
 Runs `ModelRunner.execute_model` on hand-made SchedulerOutputs (no scheduler, no tokenizer),
-so the time is inputs + model + logits + sampling. Prints ms per step (median of --iters), and
-with --profile the share of time spent in matmuls vs attention vs everything else.
+so the time is inputs + model + logits + sampling. Prints ms per step (median of --iters), on
+CUDA with decode CUDA graphs on and/or off, and with --profile the host-side operators of a
+step. --engine-batch N runs N requests through the whole `LLMEngine` and splits one decode
+step into its host parts (schedule, prepare inputs, launch, output handling) and the wait for
+the GPU (`pagoda.worker.host_benchmark`).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -30,6 +35,7 @@ def build_runner(
     max_tokens: int,
     max_seqs: int,
     attention_backend: str | None = None,
+    enforce_eager: bool = False,
 ) -> ModelRunner:
     from pagoda.model.loader import get_model_config_dict
 
@@ -53,7 +59,9 @@ def build_runner(
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_len
         ),
-        device_config=DeviceConfig(device=device, attention_backend=attention_backend),
+        device_config=DeviceConfig(
+            device=device, attention_backend=attention_backend, enforce_eager=enforce_eager
+        ),
     )
     runner = ModelRunner(config)
     runner.load_model()
@@ -121,6 +129,14 @@ def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def _release(runner: ModelRunner) -> None:
+    # The graphs reference the runner (a cycle): collect it before the next one sizes its cache.
+    del runner.model, runner.kv_caches, runner.cuda_graphs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     from pagoda.config import embedded_model_path
 
@@ -133,31 +149,52 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, nargs="*", default=[512])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--attention-backend", default=None, help="torch | triton (default: by device)")
+    p.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="CUDA only")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--engine-batch", type=int, default=0, help="engine step breakdown at N")
     args = p.parse_args(argv)
     model = args.model or embedded_model_path()
+    modes = (
+        [False]
+        if args.device == "cpu"
+        else {"on": [False], "off": [True]}.get(args.graphs, [True, False])
+    )
     for dtype in args.dtype:
-        runner = build_runner(
-            model,
-            dtype,
-            args.device,
-            max(args.prefill + [max(args.batch)]),
-            max(args.batch),
-            args.attention_backend,
-        )
-        print(f"{dtype}, {runner.attn_backend.name} attention, {torch.get_num_threads()} threads:")
-        for batch in args.batch:
-            ms = bench_decode(runner, batch, args.context, args.iters)
-            print(
-                f"  decode batch {batch:4d} ctx {args.context}: {ms:8.2f} ms/step "
-                f"({batch / ms * 1e3:8.1f} tok/s)"
+        for eager in modes:
+            runner = build_runner(
+                model,
+                dtype,
+                args.device,
+                max(args.prefill + [max(args.batch)]),
+                max(args.batch),
+                args.attention_backend,
+                enforce_eager=eager,
             )
-        for n in args.prefill:
-            ms = bench_prefill(runner, n, max(args.iters // 3, 2))
-            print(f"  prefill {n:5d} tokens:          {ms:8.2f} ms ({n / ms * 1e3:8.1f} tok/s)")
-        if args.profile:
-            profile_decode(runner, max(args.batch), args.context)
-        del runner
+            graphs = "CUDA graphs" if runner.cuda_graphs is not None else "eager"
+            print(
+                f"{dtype}, {runner.attn_backend.name} attention, {graphs}, "
+                f"{torch.get_num_threads()} threads:",
+                flush=True,
+            )
+            for batch in args.batch:
+                ms = bench_decode(runner, batch, args.context, args.iters)
+                print(
+                    f"  decode batch {batch:4d} ctx {args.context}: {ms:8.2f} ms/step "
+                    f"({batch / ms * 1e3:8.1f} tok/s)",
+                    flush=True,
+                )
+            for n in args.prefill:
+                ms = bench_prefill(runner, n, max(args.iters // 3, 2))
+                print(f"  prefill {n:5d} tokens:          {ms:8.2f} ms ({n / ms * 1e3:8.1f} tok/s)")
+            if args.profile:
+                profile_decode(runner, max(args.batch), args.context)
+            _release(runner)
+    if args.engine_batch:
+        from pagoda.worker.host_benchmark import bench_engine_step
+
+        bench_engine_step(
+            model, args.dtype[-1], args.device, args.engine_batch, args.context, args.iters
+        )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,22 @@
-"""Turns a `SchedulerOutput` into one step's flat model inputs.
+"""Turns a `SchedulerOutput` into one step's flat model inputs, in persistent buffers.
 
 The scheduled tokens of all requests are laid end to end (decodes first, so attention backends
 can batch them): input ids, positions, the KV-cache slot of every token, query start offsets,
-sequence lengths and block tables, written into persistent numpy buffers with vectorised
-arithmetic (Python touches each request, not each token) and handed to torch without copies
-(on a GPU: one copy each from pinned memory). It also says which rows need logits: the rows
-that sample (the last row of a request that reaches its end, plus one row per draft token) and
-the prompt rows whose next-token logprobs were asked for.
+sequence lengths and block tables. They are written into host buffers allocated once (pinned
+on a GPU) with vectorised numpy arithmetic (Python touches each request, not each token), then
+copied without blocking into device buffers that are also allocated once: the tensors a step
+hands to the model are always slices of the same memory, which is what lets a CUDA graph
+captured over them (`pagoda.worker.cuda_graphs`) replay with new inputs. On a CPU the host
+buffers are the device buffers (no copy). A pure-decode step may be padded to a CUDA-graph
+batch size: padded rows get token 0 at position 0, slot -1 (nothing written) and a one-token
+context in the null block 0. The builder also says which rows need logits: the rows that
+sample (the last row of a request that reaches its end, plus one row per draft token) and the
+prompt rows whose next-token logprobs were asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,16 +29,39 @@ from pagoda.core.request import Request
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_padded_tokens] int64
+    positions: torch.Tensor  # [num_padded_tokens] int64
     attn_metadata: AttentionMetadata
     requests: list[Request]  # batch order (decodes first)
+    num_tokens: int = 0  # scheduled tokens (rows past it are CUDA-graph padding)
+    # Batch size of the CUDA graph this step is padded for; None: run eagerly.
+    cuda_graph_size: int | None = None
     # Rows of the hidden states to compute logits for, and for each sampling request the
     # slice of those rows it owns (1 + number of drafts).
     sample_rows: list[int] = field(default_factory=list)
     sample_reqs: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, lo, hi)
+    # sample_rows on the device; None when they are rows 0 .. len(sample_rows) - 1 in order.
+    logits_indices: torch.Tensor | None = None
     # request -> (rows, target token ids) for prompt logprobs.
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+class _Buffer:
+    """A host array (pinned on a GPU) and its device twin of the same shape; on a CPU one
+    tensor plays both parts."""
+
+    def __init__(self, shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        on_cpu = device.type == "cpu"
+        self.host_t = torch.zeros(shape, dtype=dtype, pin_memory=not on_cpu)
+        self.host = self.host_t.numpy()
+        self.dev = self.host_t if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+        self._copies = not on_cpu
+
+    def commit(self, n: int) -> torch.Tensor:
+        """Queue the copy of the first n rows to the device; returns the device rows."""
+        if self._copies:
+            self.dev[:n].copy_(self.host_t[:n], non_blocking=True)
+        return self.dev[:n]
 
 
 class InputBuilder:
@@ -46,31 +75,37 @@ class InputBuilder:
     ) -> None:
         self.block_size = block_size
         self.device = device
+        self.max_num_tokens = 0
         self.max_num_reqs = max_num_reqs
-        self._on_cpu = device.type == "cpu"
+        self.max_blocks_per_req = 0
+        # Bumped whenever buffers are reallocated: graphs captured over the old ones are stale.
+        self.generation = 0
+        # The host buffers are reused every step: before writing them, wait until the copies
+        # queued from them by the previous step have run (normally long done: the previous
+        # step waited for its sampled tokens, which were queued after them).
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        # req_id -> (the KV cache manager's live block list, ids copied, those ids as int32):
+        # the list only grows while the request runs, so a step copies only new block ids.
+        self._block_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}
         self._alloc_tokens(max_num_tokens)
         self._alloc_reqs(max_num_reqs, max_blocks_per_req)
 
-    def _zeros(self, shape: int | tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        # On a GPU the host buffers are pinned, so the per-step copies are asynchronous.
-        if self._on_cpu:
-            return np.zeros(shape, dtype=dtype)
-        t = torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, pin_memory=True)
-        return t.numpy()
-
     def _alloc_tokens(self, num_tokens: int) -> None:
         self.max_num_tokens = num_tokens
-        self.input_ids = self._zeros(num_tokens, np.int64)
-        self.positions = self._zeros(num_tokens, np.int64)
-        self.slot_mapping = self._zeros(num_tokens, np.int64)
+        self.input_ids = _Buffer(num_tokens, torch.int64, self.device)
+        self.positions = _Buffer(num_tokens, torch.int64, self.device)
+        self.slot_mapping = _Buffer(num_tokens, torch.int64, self.device)
+        self.logits_indices = _Buffer(num_tokens, torch.int64, self.device)
         self._arange = np.arange(max(num_tokens, self.max_num_reqs + 1), dtype=np.int64)
+        self.generation += 1
 
     def _alloc_reqs(self, num_reqs: int, num_blocks: int) -> None:
         self.max_num_reqs, self.max_blocks_per_req = num_reqs, num_blocks
-        self.block_table = np.zeros((num_reqs, num_blocks), dtype=np.int32)
-        self.query_start_loc = self._zeros(num_reqs + 1, np.int32)
-        self.seq_lens = self._zeros(num_reqs, np.int32)
+        self.block_table = _Buffer((num_reqs, num_blocks), torch.int32, self.device)
+        self.query_start_loc = _Buffer(num_reqs + 1, torch.int32, self.device)
+        self.seq_lens = _Buffer(num_reqs, torch.int32, self.device)
         self._arange = np.arange(max(self.max_num_tokens, num_reqs + 1), dtype=np.int64)
+        self.generation += 1
 
     def _grow(self, num_tokens: int, num_reqs: int, num_blocks: int) -> None:
         # Buffers are sized from the config; grow (rarely) rather than fail on a larger step.
@@ -81,11 +116,92 @@ class InputBuilder:
                 max(num_reqs, self.max_num_reqs), max(num_blocks, self.max_blocks_per_req)
             )
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        return t if self._on_cpu else t.to(self.device, non_blocking=True)
+    # -- CUDA-graph views --------------------------------------------------------------------
+    def decode_metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
+        """Attention metadata of a (padded) pure-decode batch of `batch_size` rows whose tensors
+        are the device buffers themselves: what a CUDA graph is captured with. No CPU copies
+        of the lengths: they would be baked into the graph."""
+        return AttentionMetadata(
+            num_actual_tokens=batch_size,
+            slot_mapping=self.slot_mapping.dev[:batch_size],
+            query_start_loc=self.query_start_loc.dev[: batch_size + 1],
+            seq_lens=self.seq_lens.dev[:batch_size],
+            block_tables=self.block_table.dev[:batch_size],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            num_decodes=batch_size,
+        )
 
-    def prepare(self, so: SchedulerOutput) -> StepInputs:
+    def prepare_padding_only(self, batch_size: int) -> None:
+        """Fill the first `batch_size` rows with padding (what graph capture runs on)."""
+        self._wait_for_copies()
+        self._pad(0, 0, batch_size)
+        self.block_table.host[:batch_size, 0] = 0
+        self._commit(batch_size, batch_size)
+        if self._copies_done is not None:
+            self._copies_done.record()
+
+    # -- one step ----------------------------------------------------------------------------
+    def _block_row(self, req_id: str, blocks: list[int]) -> np.ndarray:
+        """The request's block ids as an int32 array, converting only the ids added since the
+        last step (a different list object, e.g. after preemption, starts over)."""
+        n = len(blocks)
+        cached = self._block_rows.get(req_id)
+        if cached is not None and cached[0] is blocks and 0 < cached[1] <= n:
+            _, done, row = cached
+            if done == n and row[n - 1] == blocks[n - 1]:
+                return row[:n]
+            if row[done - 1] == blocks[done - 1]:
+                if n > len(row):
+                    row = np.resize(row, 2 * n)
+                row[done:n] = blocks[done:n]
+                self._block_rows[req_id] = (blocks, n, row)
+                return row[:n]
+        row = np.empty(max(2 * n, 16), dtype=np.int32)
+        row[:n] = blocks
+        self._block_rows[req_id] = (blocks, n, row)
+        return row[:n]
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Drop what is kept for requests that finished or were preempted."""
+        for rid in req_ids:
+            self._block_rows.pop(rid, None)
+
+    def _wait_for_copies(self) -> None:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+
+    def _pad(self, num_tokens: int, num_reqs: int, batch_size: int) -> None:
+        """Rows [num_reqs, batch_size) become one-token requests at position 0 of the null
+        block that write nothing; `num_tokens` must equal `num_reqs` (a pure-decode batch)."""
+        n_pad = batch_size - num_reqs
+        self.input_ids.host[num_tokens:batch_size] = 0
+        self.positions.host[num_tokens:batch_size] = 0
+        self.slot_mapping.host[num_tokens:batch_size] = -1
+        qsl = self.query_start_loc.host
+        qsl[num_reqs + 1 : batch_size + 1] = num_tokens + 1 + self._arange[:n_pad]
+        if num_reqs == 0:
+            qsl[0] = 0
+        self.seq_lens.host[num_reqs:batch_size] = 1
+
+    def _commit(self, num_tokens: int, num_reqs: int) -> None:
+        for buf in (self.input_ids, self.positions, self.slot_mapping):
+            buf.commit(num_tokens)
+        self.query_start_loc.commit(num_reqs + 1)
+        self.seq_lens.commit(num_reqs)
+        # Whole rows: one contiguous copy (a CUDA graph also reads the table at full width).
+        self.block_table.commit(num_reqs)
+
+    def prepare(
+        self, so: SchedulerOutput, cuda_graph_size: Callable[[int], int | None] | None = None
+    ) -> StepInputs:
+        """Build the step's inputs. `cuda_graph_size(num_reqs)` gives the padded batch size of
+        a pure-decode step that can replay a CUDA graph (None: run it eagerly)."""
+        self._wait_for_copies()
+        self.forget(so.finished_req_ids)
+        self.forget(so.preempted_req_ids)
+        if len(self._block_rows) > 4 * self.max_num_reqs:  # ids never reported finished
+            self._block_rows.clear()
         n_sched = so.num_scheduled_tokens
         # Decodes (one token, no drafts) first, the rest after, each group in scheduler order.
         reqs = [r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
@@ -100,21 +216,29 @@ class InputBuilder:
         seq_lens = starts + counts
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
         self._grow(num_tokens, num_reqs, max_blocks)
+        graph_size = None
+        if cuda_graph_size is not None and num_decodes == num_reqs > 0:
+            # After _grow: a graph over reallocated buffers is stale and declines (None).
+            graph_size = cuda_graph_size(num_reqs)
+        padded = graph_size or num_reqs
 
-        qsl = self.query_start_loc
+        qsl = self.query_start_loc.host
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1 : num_reqs + 1])
-        self.seq_lens[:num_reqs] = seq_lens
-        table = self.block_table
-        ids = self.input_ids
-        out = StepInputs(None, None, None, reqs)  # type: ignore[arg-type]
+        self.seq_lens.host[:num_reqs] = seq_lens
+        table = self.block_table.host
+        ids = self.input_ids.host
+        out = StepInputs(None, None, None, reqs, num_tokens)  # type: ignore[arg-type]
+        # Python ints: indexing numpy scalars in this per-request loop costs more than it does.
+        los, ns, start_list = qsl[:num_reqs].tolist(), counts.tolist(), starts.tolist()
         for i, req in enumerate(reqs):
             rid = req.request_id
-            blocks = so.block_ids[rid]
-            nb = min(len(blocks), max_blocks)
-            table[i, :nb] = blocks[:nb]
-            table[i, nb:max_blocks] = 0  # the null block: padding, never attended
-            lo, n, start = int(qsl[i]), int(counts[i]), int(starts[i])
+            blocks = self._block_row(rid, so.block_ids[rid])[:max_blocks]
+            nb = len(blocks)
+            table[i, :nb] = blocks
+            if nb < max_blocks:
+                table[i, nb:max_blocks] = 0  # the null block: padding, never attended
+            lo, n, start = los[i], ns[i], start_list[i]
             end = start + n
             all_ids = req.all_token_ids
             num_known = len(all_ids)
@@ -142,32 +266,47 @@ class InputBuilder:
 
         # Per-token values, vectorised: request index, position and cache slot of every token.
         req_of_token = np.repeat(self._arange[:num_reqs], counts)
-        positions = self.positions[:num_tokens]
+        positions = self.positions.host[:num_tokens]
         np.add(np.repeat(starts - qsl[:num_reqs], counts), self._arange[:num_tokens], out=positions)
         block_idx = positions // self.block_size
         blocks = table[req_of_token, block_idx].astype(np.int64)
         np.add(
             blocks * self.block_size,
             positions % self.block_size,
-            out=self.slot_mapping[:num_tokens],
+            out=self.slot_mapping.host[:num_tokens],
         )
+        if graph_size is not None:
+            self._pad(num_tokens, num_reqs, graph_size)
+            table[num_reqs:graph_size, 0] = 0
 
-        qsl_list = qsl[: num_reqs + 1].tolist()
-        seq_lens_list = seq_lens.tolist()
-        out.input_ids = self._to_device(ids[:num_tokens])
-        out.positions = self._to_device(positions)
-        out.attn_metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            slot_mapping=self._to_device(self.slot_mapping[:num_tokens]),
-            query_start_loc=self._to_device(qsl[: num_reqs + 1]),
-            seq_lens=self._to_device(self.seq_lens[:num_reqs]),
-            block_tables=self._to_device(np.ascontiguousarray(table[:num_reqs, :max_blocks])),
-            max_query_len=int(counts.max()) if num_reqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-            query_start_loc_cpu=qsl_list,
-            seq_lens_cpu=seq_lens_list,
-            num_decodes=num_decodes,
-        )
+        num_rows = max(num_tokens, padded)
+        self._commit(num_rows, padded)
+        rows = out.sample_rows
+        if rows and (rows[-1] != len(rows) - 1 or rows[0] != 0):
+            # Not simply the first len(rows) rows (rows are increasing, so ends suffice).
+            self.logits_indices.host[: len(rows)] = rows
+            out.logits_indices = self.logits_indices.commit(len(rows))
+        if self._copies_done is not None:
+            self._copies_done.record()
+
+        out.input_ids = self.input_ids.dev[:num_rows]
+        out.positions = self.positions.dev[:num_rows]
+        out.cuda_graph_size = graph_size
+        if graph_size is not None:
+            out.attn_metadata = self.decode_metadata(graph_size, int(seq_lens.max()))
+        else:
+            out.attn_metadata = AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                slot_mapping=self.slot_mapping.dev[:num_tokens],
+                query_start_loc=self.query_start_loc.dev[: num_reqs + 1],
+                seq_lens=self.seq_lens.dev[:num_reqs],
+                block_tables=self.block_table.dev[:num_reqs, :max_blocks],
+                max_query_len=int(counts.max()) if num_reqs else 0,
+                max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+                query_start_loc_cpu=qsl[: num_reqs + 1].tolist(),
+                seq_lens_cpu=seq_lens.tolist(),
+                num_decodes=num_decodes,
+            )
         return out
 
 

@@ -1,11 +1,14 @@
 """`ModelRunner`: owns the model, the paged KV cache and one step's execution on one device.
 
 `execute_model(SchedulerOutput) -> ModelRunnerOutput`: build the flat inputs (`input_batch`),
-run the model over every scheduled token, compute logits only for the rows that sample (and the
-prompt rows whose logprobs were asked for), sample, verify speculative drafts, and return plain
-Python lists. Per-request state kept here is only each seeded request's `torch.Generator`,
-created on first sight and dropped when the request finishes. Sizing the cache
-(`determine_num_blocks`) follows vLLM: a fixed budget on CPU, a profiling forward on CUDA.
+run the model over every scheduled token (a pure-decode step on CUDA replays a captured CUDA
+graph, `cuda_graphs`), compute logits only for the rows that sample (and the prompt rows whose
+logprobs were asked for), sample, verify speculative drafts, and return plain Python lists. The
+only device-to-host wait of a step is reading the sampled token ids. Per-request state kept
+here is only each seeded request's `torch.Generator`, created on first sight and dropped when
+the request finishes. Sizing the cache (`determine_num_blocks`) follows vLLM: a fixed budget on
+CPU; on CUDA the weights, a profiling forward at full batch and the CUDA-graph reserve are
+taken from gpu_memory_utilization and the rest goes to KV blocks (`memory_plan`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import os
 
 import torch
 
+from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.sample.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagoda.worker.cuda_graphs import CaptureFn, CUDAGraphRunner, cuda_graph_capture_sizes
 from pagoda.worker.input_batch import InputBuilder, StepInputs
 from pagoda.worker.kv_cache import KVCacheSpec, allocate_kv_caches, cpu_kv_cache_bytes
+from pagoda.worker.memory_plan import MemoryPlan, check_fits_one_request, plan_kv_cache_memory
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,20 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
+        self.weights_bytes = 0
+        self.memory_plan: MemoryPlan | None = None
+        # Decode CUDA graphs: CUDA only, unless enforce_eager; captured with the KV cache.
+        self.use_cuda_graphs = (
+            self.device.type == "cuda" and not engine_config.device_config.enforce_eager
+        )
+        self.cuda_graph_sizes = (
+            cuda_graph_capture_sizes(
+                self.scheduler_config.max_num_seqs, self.scheduler_config.max_num_batched_tokens
+            )
+            if self.use_cuda_graphs
+            else []
+        )
+        self.cuda_graphs: CUDAGraphRunner | None = None
 
     # -- setup ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -73,7 +93,29 @@ class ModelRunner:
 
         backend = get_attn_backend(self.device, self.config.device_config.attention_backend)
         self.attn_backend = backend
-        self.model = load_model(self.model_config, self.device, attn_backend=backend)
+        on_cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if on_cuda else 0
+        try:
+            self.model = load_model(self.model_config, self.device, attn_backend=backend)
+        except torch.OutOfMemoryError as e:
+            total = torch.cuda.mem_get_info(self.device)[1]
+            raise ValueError(
+                f"the model weights do not fit on {self.device} ({total / 2**30:.2f} GiB, "
+                f"{torch.cuda.memory_allocated(self.device) / 2**30:.2f} GiB allocated when "
+                "loading failed): use a smaller or quantized model or more GPUs "
+                "(--tensor-parallel-size)"
+            ) from e
+        if on_cuda:
+            self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
+        # The torch attention backend is the reference path: the whole model runs in plain
+        # torch then. Otherwise CUDA tensors take the fused Triton norm / activation / RoPE.
+        set_fused = getattr(self.model, "set_fused_ops", None)
+        if set_fused is not None:
+            set_fused(backend.name != "torch")
+        if self.use_cuda_graphs and backend.name != "triton":
+            # Graphs bake in host-side choices; only the Triton backend makes none per step.
+            logger.info("CUDA graphs off: the %s attention backend runs eagerly", backend.name)
+            self.use_cuda_graphs, self.cuda_graph_sizes = False, []
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         from pagoda.model.layers.attention import Attention
@@ -95,50 +137,89 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """KV blocks to allocate: num_gpu_blocks_override if set; on CPU
-        kv_cache_memory_bytes or min(2 GiB, 25% of available RAM); on CUDA what is left of
-        gpu_memory_utilization * total memory after a profiling forward at full batch."""
+        kv_cache_memory_bytes or min(2 GiB, 25% of available RAM); on CUDA what
+        gpu_memory_utilization * total memory leaves after the weights, a profiling forward at
+        full batch and the CUDA-graph reserve (`memory_plan`, logged)."""
         spec = self.get_kv_cache_spec()
         cc = self.cache_config
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_num_blocks(spec)
+            self.memory_plan = self._plan_cuda_memory(spec)
+            logger.info("%s", self.memory_plan.summary())
+            num_blocks = self.memory_plan.num_blocks
         else:
             budget = cc.kv_cache_memory_bytes or cpu_kv_cache_bytes()
             num_blocks = budget // spec.bytes_per_block
-        # One max-length request must fit (block 0 is reserved as the null block).
-        needed = -(-self.model_config.max_model_len // self.block_size) + 1
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache has room for {num_blocks} blocks of {self.block_size} tokens, "
-                f"fewer than one max_model_len={self.model_config.max_model_len} request needs "
-                f"({needed}); raise kv_cache_memory_bytes / gpu_memory_utilization or lower "
-                "max_model_len"
-            )
+        check_fits_one_request(num_blocks, self.block_size, self.model_config.max_model_len)
         return int(num_blocks)
 
     @torch.inference_mode()
-    def _profile_cuda_num_blocks(self, spec: KVCacheSpec) -> int:
-        from pagoda.worker.profiling import profile_peak_memory
+    def _plan_cuda_memory(self, spec: KVCacheSpec) -> MemoryPlan:
+        from pagoda.worker.profiling import estimate_cuda_graph_memory, profile_peak_memory
 
-        peak, non_torch = profile_peak_memory(self)
-        total = torch.cuda.mem_get_info(self.device)[1]
-        budget = int(total * self.cache_config.gpu_memory_utilization) - peak - non_torch
-        if self.cache_config.kv_cache_memory_bytes is not None:
-            budget = self.cache_config.kv_cache_memory_bytes
-        logger.info(
-            "Profiling: peak %.2f GiB in torch, %.2f GiB outside; KV cache budget %.2f GiB",
-            peak / 2**30,
-            non_torch / 2**30,
-            budget / 2**30,
+        sc = self.scheduler_config
+        try:
+            activations, non_torch = profile_peak_memory(self)
+            graphs = estimate_cuda_graph_memory(self, self.cuda_graph_sizes)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(
+                f"the profiling forward of a {sc.max_num_batched_tokens}-token step (and "
+                f"{sc.max_num_seqs} sampled rows) ran out of GPU memory next to "
+                f"{self.weights_bytes / 2**30:.2f} GiB of weights: lower "
+                "--max-num-batched-tokens / --max-num-seqs"
+            ) from e
+        return plan_kv_cache_memory(
+            total_bytes=torch.cuda.mem_get_info(self.device)[1],
+            gpu_memory_utilization=self.cache_config.gpu_memory_utilization,
+            weights_bytes=self.weights_bytes,
+            activation_bytes=activations,
+            non_torch_bytes=non_torch,
+            cuda_graph_bytes=graphs,
+            bytes_per_block=spec.bytes_per_block,
+            block_size=self.block_size,
+            max_model_len=self.model_config.max_model_len,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
         )
-        return max(budget, 0) // spec.bytes_per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
         spec = self.get_kv_cache_spec()
         self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.num_blocks = num_blocks
+        if self.use_cuda_graphs:
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self, capture_fn: CaptureFn | None = None) -> None:
+        """Capture the decode graphs over the current KV cache (`capture_fn`: a stand-in for
+        torch.cuda graphs, so the bookkeeping can be tested on a CPU)."""
+        sc = self.scheduler_config
+        self.cuda_graphs = CUDAGraphRunner(
+            self._forward_for_graph,
+            self.inputs,
+            self.cuda_graph_sizes
+            or cuda_graph_capture_sizes(sc.max_num_seqs, sc.max_num_batched_tokens),
+            self.model_config.max_model_len,
+            capture_fn=capture_fn,
+        )
+        self.cuda_graphs.capture()
+        plan = self.memory_plan
+        if plan is not None and self.cuda_graphs.memory_bytes > plan.cuda_graph_bytes:
+            logger.warning(
+                "CUDA graphs took %.2f GiB, more than the %.2f GiB reserved for them",
+                self.cuda_graphs.memory_bytes / 2**30,
+                plan.cuda_graph_bytes / 2**30,
+            )
+
+    def _forward_for_graph(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        # A backend's per-step plan is rebuilt from the buffers (only matters when a stand-in
+        # re-runs this function; a real capture runs it once).
+        attn_metadata.extra = None
+        self.attn_backend.prepare(attn_metadata)
+        return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -148,9 +229,13 @@ class ModelRunner:
         req_ids = [r.request_id for r in so.scheduled_requests]
         if so.is_empty or not req_ids:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
-        step = self.inputs.prepare(so)
-        self.attn_backend.prepare(step.attn_metadata)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        graphs = self.cuda_graphs
+        step = self.inputs.prepare(so, graphs.padded_size if graphs is not None else None)
+        if step.cuda_graph_size is not None:
+            hidden = graphs.replay(step.cuda_graph_size)
+        else:
+            self.attn_backend.prepare(step.attn_metadata)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
 
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
         if step.sample_rows:
@@ -170,8 +255,10 @@ class ModelRunner:
         return gen
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        rows = torch.tensor(step.sample_rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if step.logits_indices is None:  # rows 0 .. n-1: no gather
+            logits = self.model.compute_logits(hidden[: len(step.sample_rows)])
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         params, prompts, outputs, generators = [], [], [], []
         for req, lo, hi in step.sample_reqs:
             gen = self._generator(req)

@@ -4,6 +4,8 @@ Each head vector is split in two halves (x1, x2) rotated as (x1 cos - x2 sin, x2
 Hugging Face's `rotate_half`. The inverse frequencies follow Hugging Face's rope types exactly:
 `default`, `linear` (position interpolation) and `llama3` (Llama 3.1's frequency-dependent
 scaling). The cos/sin table covers `max_position` positions and is built once, in float32.
+With `fused=True` on CUDA one Triton kernel (`pagoda.kernels.rotary_embedding`) rotates q and k
+in place, in float32; the torch code (rounding like Hugging Face) is the CPU path and reference.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pagoda.kernels import rotary_embedding
 
 
 def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -78,9 +82,12 @@ class RotaryEmbedding(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size] -> rotated copies."""
+        """q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size] -> rotated copies, or
+        q and k rotated in place when `fused` and on CUDA."""
+        if fused and q.is_cuda:
+            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size / 2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

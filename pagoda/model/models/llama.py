@@ -84,6 +84,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_idx, attn_backend
         )
+        # RoPE by the fused kernel on CUDA (the rotary module is shared by all layers and
+        # models with the same table, so the choice lives here).
+        self.fused_ops = True
 
     def forward(
         self,
@@ -100,7 +103,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, fused=self.fused_ops)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -215,6 +218,13 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = backend
+
+    def set_fused_ops(self, enabled: bool) -> None:
+        """Fused Triton RMSNorm / SiLU-and-mul / RoPE on CUDA (True, the default), or the plain
+        torch ops everywhere (the reference path)."""
+        for module in self.modules():
+            if hasattr(module, "fused_ops"):
+                module.fused_ops = enabled
 
     def forward(
         self,

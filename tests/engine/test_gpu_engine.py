@@ -1,0 +1,87 @@
+"""The whole engine on a GPU with dummy weights: decode CUDA graphs and the fused Triton path
+give the same greedy tokens as eager execution and as the plain-torch reference path (float32,
+where random weights' near-ties do not flip), and impossible memory settings fail at start.
+Marked `gpu`: `pytest tests/engine -m gpu`."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PRESET = Path(__file__).parents[2] / "benchmarks/presets/llama-3.2-1b/config.json"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    cfg = json.loads(PRESET.read_text())
+    cfg["num_hidden_layers"] = 4
+    path = tmp_path_factory.mktemp("llama-1b-4l")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _llm(model_dir: str, **kwargs) -> LLM:
+    return LLM(
+        model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=1024,
+        kv_cache_memory_bytes=2 << 30,
+        **kwargs,
+    )
+
+
+def _generate(model_dir: str, prompts, **kwargs) -> list[list[int]]:
+    llm = _llm(model_dir, **kwargs)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 2 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_graphs_and_fused_ops_keep_greedy_tokens(model_dir):
+    rng = random.Random(0)
+    # 11 requests of 8..28 tokens: decode batches shrink through padded buckets as they end.
+    prompts = [[rng.randrange(128000) for _ in range(rng.randint(5, 300))] for _ in range(11)]
+    graphs = _generate(model_dir, prompts, dtype="float32")
+    eager = _generate(model_dir, prompts, dtype="float32", enforce_eager=True)
+    reference = _generate(
+        model_dir, prompts, dtype="float32", enforce_eager=True, attention_backend="torch"
+    )
+    assert [len(t) for t in graphs] == [8 + 2 * i for i in range(11)]
+    assert graphs == eager
+    assert graphs == reference
+
+
+def test_start_fails_with_the_numbers_when_weights_do_not_fit(model_dir):
+    with pytest.raises(ValueError, match=r"weights take \d+\.\d+ GiB.*--gpu-memory-utilization"):
+        LLM(
+            model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            device="cuda",
+            max_model_len=1024,
+            gpu_memory_utilization=0.002,
+        )
+    gc.collect()
+    torch.cuda.empty_cache()
