@@ -47,12 +47,16 @@ def _llm(model_dir: str, **kwargs) -> LLM:
 
 
 def _generate(model_dir: str, prompts, **kwargs) -> list[list[int]]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     llm = _llm(model_dir, **kwargs)
     params = [
         SamplingParams(temperature=0.0, max_tokens=8 + 2 * i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # The torch reference's attention in plain float32 math (fused SDPA may use TF32).
+    with sdpa_kernel(SDPBackend.MATH):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm
     gc.collect()
     torch.cuda.empty_cache()

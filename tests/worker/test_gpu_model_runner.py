@@ -35,6 +35,13 @@ PROMPTS = [
 ]  # lengths: a few blocks of 16, some partial
 
 
+def exact_sdpa():
+    """The reference's attention in plain float32 math (the fused SDPA kernels may use TF32)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def hf_config() -> dict:
     cfg = json.loads(PRESET.read_text())
     cfg["num_hidden_layers"] = 4
@@ -123,10 +130,10 @@ def assert_close_logits(got: torch.Tensor, ref: torch.Tensor, rel_rms: float, re
     assert err.pow(2).mean().sqrt() <= rel_rms * scale, (err.pow(2).mean().sqrt(), scale)
     max_err = err.abs().max()
     assert max_err <= rel_max * ref.abs().max(), (max_err, ref.abs().max())
-    # Greedy choices agree wherever the reference is decided by more than the error.
+    # Greedy choices agree wherever the reference is decided by more than the row's error.
     top2 = ref.topk(2, dim=-1).values
-    decided = (top2[..., 0] - top2[..., 1]) > 2 * max_err
-    assert decided.float().mean() > 0.5
+    decided = (top2[..., 0] - top2[..., 1]) > 2 * err.abs().amax(dim=-1)
+    assert decided.float().mean() > 0.2
     assert torch.equal(got.argmax(-1)[decided], ref.argmax(-1)[decided])
 
 
@@ -136,7 +143,8 @@ def test_fp32_fast_path_greedy_equals_torch_reference():
     assert fast.cuda_graphs is not None and ref.cuda_graphs is None
     replays = count_replays(fast)
     for batch in ([PROMPTS[2]], PROMPTS):  # batch 1, and 5 padded to the graph of 8
-        want = Driver(ref).generate([req(f"r{i}", p) for i, p in enumerate(batch)], 10)
+        with exact_sdpa():
+            want = Driver(ref).generate([req(f"r{i}", p) for i, p in enumerate(batch)], 10)
         got = Driver(fast).generate([req(f"f{i}", p) for i, p in enumerate(batch)], 10)
         assert got == want
     assert replays[0] >= 2 * 9  # every decode step of both batches replayed a graph
