@@ -1,8 +1,8 @@
 """Step-time benchmark of the model runner: decode at batch B with C-token contexts, and prefill.
 
     python -m pagoda.worker.benchmark [--model PATH] [--dtype bfloat16] [--batch 1 64]
-        [--context 300] [--prefill 512] [--iters 10] [--graphs on|off|both] [--profile]
-        [--engine-batch 256]
+        [--context 300] [--prefill 512] [--cached-prefix 500] [--iters 10]
+        [--graphs on|off|both] [--profile 1 256] [--engine-batch 1 256]
 
 Runs `ModelRunner.execute_model` on hand-made SchedulerOutputs (no scheduler, no tokenizer),
 so the time is inputs + model + logits + sampling. Prints ms per step (median of --iters), on
@@ -108,7 +108,9 @@ def bench_decode(runner: ModelRunner, batch: int, context: int, iters: int) -> f
     return statistics.median(times[2:]) * 1e3
 
 
-def bench_prefill(runner: ModelRunner, num_tokens: int, iters: int) -> float:
+def bench_prefill(runner: ModelRunner, num_tokens: int, iters: int, cached: int = 0) -> float:
+    """Median ms of a step that prefills `num_tokens` prompt tokens (the last `num_tokens -
+    cached` of them when a `cached`-token prefix is already in the cache) and samples one."""
     bs = runner.block_size
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (num_tokens,)).tolist()
@@ -116,17 +118,23 @@ def bench_prefill(runner: ModelRunner, num_tokens: int, iters: int) -> float:
     times = []
     for i in range(iters + 1):
         r = Request(f"p{i}", prompt, SamplingParams(temperature=0.0), None)
-        times.append(_step(runner, [r], [num_tokens], [table]))
+        r.num_computed_tokens = cached  # the prefix's cache content is irrelevant to the timing
+        times.append(_step(runner, [r], [num_tokens - cached], [table]))
     return statistics.median(times[1:]) * 1e3
 
 
 def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
+    """The operators of 5 decode steps: host time, and on CUDA the kernels' device time."""
     from torch.profiler import ProfilerActivity, profile
 
+    on_cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     bench_decode(runner, batch, context, 1)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities) as prof:
         bench_decode(runner, batch, context, 3)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print(f"profile of 5 decode steps at batch {batch}:")
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
 
 
 def _release(runner: ModelRunner) -> None:
@@ -150,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--attention-backend", default=None, help="torch | triton (default: by device)")
     p.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="CUDA only")
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--engine-batch", type=int, default=0, help="engine step breakdown at N")
+    p.add_argument("--cached-prefix", type=int, default=0, help="also prefill after N cached")
+    p.add_argument("--profile", type=int, nargs="*", default=None, help="profile these batches")
+    p.add_argument("--engine-batch", type=int, nargs="*", default=[], help="engine breakdown")
     args = p.parse_args(argv)
     model = args.model or embedded_model_path()
     modes = (
@@ -184,17 +193,21 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
             for n in args.prefill:
-                ms = bench_prefill(runner, n, max(args.iters // 3, 2))
+                ms = bench_prefill(runner, n, args.iters)
                 print(f"  prefill {n:5d} tokens:          {ms:8.2f} ms ({n / ms * 1e3:8.1f} tok/s)")
-            if args.profile:
-                profile_decode(runner, max(args.batch), args.context)
+                if 0 < args.cached_prefix < n:
+                    ms = bench_prefill(runner, n, args.iters, args.cached_prefix)
+                    print(f"  prefill {n:5d} tokens, {args.cached_prefix} cached: {ms:8.2f} ms")
+            for batch in args.profile or []:
+                profile_decode(runner, batch, args.context)
             _release(runner)
-    if args.engine_batch:
+    for batch in args.engine_batch:
         from pagoda.worker.host_benchmark import bench_engine_step
 
-        bench_engine_step(
-            model, args.dtype[-1], args.device, args.engine_batch, args.context, args.iters
-        )
+        bench_engine_step(model, args.dtype[-1], args.device, batch, args.context, args.iters)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -261,21 +261,32 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         params, prompts, outputs, generators = [], [], [], []
         for req, lo, hi in step.sample_reqs:
-            gen = self._generator(req)
+            sp = req.sampling_params
+            gen = self._generator(req) if sp.seed is not None else None
+            params.append(sp)
+            prompts.append(req.prompt_token_ids)
+            outputs.append(req.output_token_ids)
+            generators.append(gen)
             # Row j verifies draft j: its penalties see the drafts before it as output.
             drafts = req.spec_token_ids[: hi - lo - 1]
-            for j in range(hi - lo):
-                params.append(req.sampling_params)
+            for j in range(1, hi - lo):
+                params.append(sp)
                 prompts.append(req.prompt_token_ids)
-                outputs.append(req.output_token_ids + drafts[:j] if j else req.output_token_ids)
+                outputs.append(req.output_token_ids + drafts[:j])
                 generators.append(gen)
         md = SamplingMetadata.from_requests(
             params, prompts, outputs, generators, logits.shape[1], logits.device
         )
         sampled = self.sampler(logits, md)
+        token_ids, sampled_logprobs = sampled.sampled_token_ids, sampled.logprobs
         for req, lo, hi in step.sample_reqs:
-            tokens = sampled.sampled_token_ids[lo:hi]
-            logprobs = sampled.logprobs[lo:hi]
+            if hi - lo == 1:  # no drafts: the common case, kept short
+                output.sampled_token_ids[req.request_id] = [token_ids[lo]]
+                if req.sampling_params.logprobs is not None:
+                    output.logprobs[req.request_id] = [sampled_logprobs[lo]]
+                continue
+            tokens = token_ids[lo:hi]
+            logprobs = sampled_logprobs[lo:hi]
             # Drafts come from a deterministic proposer (n-gram, greedy draft model): sampling
             # the target and accepting a draft iff it equals the sample is then exact
             # rejection sampling (accept d with p(d); else a sample of p restricted to != d).

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 # Device memory of one instantiated graph outside torch's allocator (kernel nodes, launch
 # parameters): an allowance, compared with the measured total in the capture log.
 _PER_GRAPH_OVERHEAD_BYTES = 2 << 20
-# The pool's segments are rounded up by the caching allocator.
-_POOL_SLACK_BYTES = 64 << 20
+# The pool's segments are rounded up by the caching allocator, and the first capture in a
+# process also allocates the capture stream's cuBLAS workspaces (0.21 GiB measured in all for
+# 35 Llama-3-8B graphs on an H200 against 0.07 GiB for a later capture).
+_POOL_SLACK_BYTES = 256 << 20
 
 
 def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
