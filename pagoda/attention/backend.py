@@ -3,9 +3,11 @@
 A backend writes this step's new keys/values into the paged KV cache (at `slot_mapping`) and then
 computes causal attention of every query row over its request's cached prefix plus the rows of
 this step before it, for a flat mixed batch of prefill chunks and decodes (layout in
-`pagoda.attention.metadata`). Implementations: `"torch"` (pure PyTorch, `torch_ref.py`: the CPU
-path and the test oracle) and `"triton"` (GPU kernels under `pagoda/attention/triton/`).
-Backends are imported only when picked, so CPU installs never import Triton.
+`pagoda.attention.metadata`). Implementations: `"torch"` (pure PyTorch, `torch_ref.py`: the test
+oracle and the fallback), `"cpu"` (a C kernel built at first use, `pagoda/attention/cpu/`: the
+CPU default when a C compiler is present) and `"triton"` (GPU kernels under
+`pagoda/attention/triton/`). Backends are imported only when picked, so CPU installs never import
+Triton.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class AttentionBackend(ABC):
 # name -> (module, class); imported on first use.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("pagoda.attention.torch_ref", "TorchAttentionBackend"),
+    "cpu": ("pagoda.attention.cpu.backend", "CpuAttentionBackend"),
     "triton": ("pagoda.attention.triton.backend", "TritonAttentionBackend"),
 }
 
@@ -83,7 +86,8 @@ def available_attention_backends() -> list[str]:
 
 
 def get_attn_backend(device: str | torch.device, name: str | None = None) -> AttentionBackend:
-    """The backend called `name`, or the best one for `device` (triton on CUDA, else torch)."""
+    """The backend called `name`, or the best one for `device` (triton on CUDA, the C kernel on
+    CPU, torch when those are unavailable)."""
     device_type = torch.device(device).type
     if name is None:
         if device_type == "cuda":
@@ -91,6 +95,13 @@ def get_attn_backend(device: str | torch.device, name: str | None = None) -> Att
                 return _load("triton")
             except ImportError as e:  # no Triton build for this GPU: the torch path still works
                 logger.warning("Triton attention unavailable (%s); using the torch backend", e)
+        elif device_type == "cpu":
+            from pagoda.attention.cpu.build import CpuKernelUnavailable
+
+            try:
+                return _load("cpu")
+            except CpuKernelUnavailable as e:  # no C compiler or a failed build
+                logger.warning("CPU attention kernel unavailable (%s); using torch", _first_line(e))
         return _load("torch")
     if name not in _BACKENDS:
         raise ValueError(
@@ -98,7 +109,13 @@ def get_attn_backend(device: str | torch.device, name: str | None = None) -> Att
         )
     if name == "triton" and device_type != "cuda":
         raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU")
+    if name == "cpu" and device_type != "cpu":
+        raise ValueError(f"attention_backend='cpu' needs device 'cpu', got {device_type!r}")
     return _load(name)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _load(name: str) -> AttentionBackend:

@@ -211,7 +211,7 @@ def test_quantized_cache_round_trips_through_scales(cache_dtype):
 
 
 def test_registry_picks_torch_on_cpu_and_rejects_unknown_names():
-    assert get_attn_backend("cpu").name == "torch"
+    assert get_attn_backend("cpu").name in ("cpu", "torch")  # torch when the C kernel can't build
     with pytest.raises(ValueError, match="attention_backend"):
         get_attn_backend("cpu", "flash")
     with pytest.raises(ValueError, match="CUDA"):

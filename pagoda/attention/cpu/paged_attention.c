@@ -1,0 +1,271 @@
+/* Paged attention on CPU, reading keys/values in place from Pagoda's paged KV cache.
+ *
+ * Layout (pagoda/attention/metadata.py): one layer's cache is [2, num_blocks, block_size,
+ * num_kv_heads, head_size]; token t of request b lives at slot
+ * block_tables[b][t / block_size] * block_size + t % block_size. Query row i of request b sits
+ * at position seq_lens[b] - query_len_b + i and attends causally to keys 0 ..= that position.
+ *
+ * The work is a list of items (request, kv heads [h0, h1), query rows [r0, r1)) built by the
+ * Python side and shared out over OpenMP threads. An item walks its keys in tiles of 16
+ * positions (one vector lane per key): for each KV head it scores the tile against every query
+ * vector of that head (the GQA group x the item's rows, so each K/V row is read from memory
+ * once per item), then does an online-softmax update (running max m, sum l, fp32 accumulator)
+ * as in FlashAttention (Dao et al., 2022) and Milakov & Gimelshein (2018).
+ *
+ * Vectors are GCC vector extensions (16 floats), so the same source compiles to AVX-512,
+ * AVX2 or NEON; x86 intrinsics serve fp16 conversion and the AVX512_BF16 path (tile.h).
+ */
+#include "tile.h"
+
+
+/* ---- tile dispatch ------------------------------------------------------------------- */
+/* Head sizes 64 and 128 get code specialised on the group size (loops unrolled, accumulators
+ * in registers); other head sizes and dtypes share one generic body per dtype, which keeps the
+ * first-use compile under 2 s. */
+typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float *, float *,
+                        const int *);
+
+#define DEFINE_TILE(NAME, DT, CC)                                                                 \
+    static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,        \
+                     float *l, const int *nv) {                                                  \
+        float *const *qf = (float *const *)q;                                                    \
+        switch (CC ? nq : 0) {                                                                   \
+        case 0: attend_tile(tl, DT, nq, 0, qf, acc, m, l, nv); break;                           \
+        case 1: attend_tile(tl, DT, 1, CC, qf, acc, m, l, nv); break;                           \
+        case 2: attend_tile(tl, DT, 2, CC, qf, acc, m, l, nv); break;                           \
+        case 3: attend_tile(tl, DT, 3, CC, qf, acc, m, l, nv); break;                           \
+        default: attend_tile(tl, DT, 4, CC, qf, acc, m, l, nv); break;                          \
+        }                                                                                        \
+    }
+
+DEFINE_TILE(tile_f32_4, DT_F32, 4) /* head 64 */
+DEFINE_TILE(tile_f32_8, DT_F32, 8) /* head 128 */
+DEFINE_TILE(tile_f32_n, DT_F32, 0)
+DEFINE_TILE(tile_f16_n, DT_F16, 0)
+DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
+
+#if HAVE_BF16DP
+#define DEFINE_TILE_BF16DP(NAME, CC)                                                              \
+    static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,        \
+                     float *l, const int *nv) {                                                  \
+        const uint16_t *const *qb = (const uint16_t *const *)q;                                  \
+        switch (CC ? nq : 0) {                                                                   \
+        case 0: attend_tile_bf16dp(tl, nq, 0, qb, acc, m, l, nv); break;                        \
+        case 1: attend_tile_bf16dp(tl, 1, CC, qb, acc, m, l, nv); break;                        \
+        case 2: attend_tile_bf16dp(tl, 2, CC, qb, acc, m, l, nv); break;                        \
+        case 3: attend_tile_bf16dp(tl, 3, CC, qb, acc, m, l, nv); break;                        \
+        default: attend_tile_bf16dp(tl, 4, CC, qb, acc, m, l, nv); break;                       \
+        }                                                                                        \
+    }
+DEFINE_TILE_BF16DP(tile_bf16dp_2, 2) /* head 64 */
+DEFINE_TILE_BF16DP(tile_bf16dp_4, 4) /* head 128 */
+DEFINE_TILE_BF16DP(tile_bf16dp_n, 0)
+#else
+DEFINE_TILE(tile_bf16_4, DT_BF16, 4)
+DEFINE_TILE(tile_bf16_8, DT_BF16, 8)
+#endif
+
+/* Whether (dtype, head size) takes the AVX512_BF16 path: raw bf16 q, permuted accumulator. */
+static int uses_bf16dp(int dt, int d) { return HAVE_BF16DP && dt == DT_BF16 && d % 32 == 0; }
+
+static tile_fn pick_tile(int dt, int d) {
+#if HAVE_BF16DP
+    if (uses_bf16dp(dt, d)) return d == 64 ? tile_bf16dp_2 : d == 128 ? tile_bf16dp_4 : tile_bf16dp_n;
+#else
+    if (dt == DT_BF16) return d == 64 ? tile_bf16_4 : d == 128 ? tile_bf16_8 : tile_bf16_n;
+#endif
+    if (dt == DT_F32) return d == 64 ? tile_f32_4 : d == 128 ? tile_f32_8 : tile_f32_n;
+    return dt == DT_F16 ? tile_f16_n : tile_bf16_n;
+}
+
+/* ---- one work item --------------------------------------------------------------------- */
+typedef struct {
+    char *out;
+    const char *q;
+    int64_t q_stride_token, q_stride_head; /* elements */
+    const char *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *seq_lens, *query_start_loc;
+    int num_heads, num_kv_heads, head_size, block_size, dt, es, bf16dp;
+    float scale;
+    tile_fn tile;
+} Params;
+
+/* Floats of per-thread scratch an item of nqv query vectors needs (see run_item). */
+static size_t scratch_floats(int nqv, int d) {
+    const int cp = (d + 31) / 32 * 32;
+    return (size_t)nqv * (2 * cp + 3) + 64;
+}
+
+/* Slots of key positions [t0, t0 + 16) clipped to num_keys > t0 (lanes past it repeat lane 0);
+ * returns the number of valid lanes. */
+static int tile_slots(const Params *P, const int32_t *table, int t0, int num_keys, int64_t *slot) {
+    const int nt = num_keys - t0 < LANES ? num_keys - t0 : LANES;
+    int b = t0 / P->block_size, o = t0 % P->block_size;
+    for (int t = 0; t < nt; t++) {
+        slot[t] = (int64_t)table[b] * P->block_size + o;
+        if (++o == P->block_size) o = 0, b++;
+    }
+    for (int t = nt; t < LANES; t++) slot[t] = slot[0];
+    return nt;
+}
+
+/* Position of an item's first query row; its last row sees keys [0, first + rows). */
+static int first_position(const Params *P, const int32_t *item) {
+    const int req = item[0], qstart = P->query_start_loc[req];
+    return P->seq_lens[req] - (P->query_start_loc[req + 1] - qstart) + (item[3] - qstart);
+}
+
+/* Runs one item; `next` (or NULL) is the item this thread runs after it, whose first tile is
+ * prefetched during this one's last. */
+static void run_item(const Params *P, const int32_t *item, const int32_t *next_item,
+                     float *scratch) {
+    const int req = item[0], h0 = item[1], h1 = item[2], r0 = item[3], r1 = item[4];
+    const int d = P->head_size, es = P->es, dt = P->dt;
+    const int group = P->num_heads / P->num_kv_heads, nrows = r1 - r0;
+    const int per_head = nrows * group; /* query vectors per KV head */
+    const int nqv = (h1 - h0) * per_head;
+    const int cp = (d + 31) / 32 * 32; /* padded head size */
+    const int first_pos = first_position(P, item);
+    const int num_keys = first_pos + nrows; /* the last row sees keys [0, num_keys) */
+    const int32_t *table = P->block_tables + (int64_t)req * P->block_table_stride;
+    const int64_t head_bytes = (int64_t)d * es, token_bytes = head_bytes * P->num_kv_heads;
+
+    /* Per query vector i = (kv head - h0) * per_head + row * group + g: its q (fp32 pre-scaled,
+     * or raw bf16 for bf16dp), accumulator, running max and sum, and position. */
+    float *qf = scratch, *acc = qf + (size_t)nqv * cp, *m = acc + (size_t)nqv * cp, *l = m + nqv;
+    int *pos = (int *)(l + nqv);
+    for (int h = h0; h < h1; h++)
+        for (int r = 0; r < nrows; r++)
+            for (int g = 0; g < group; g++) {
+                const int i = (h - h0) * per_head + r * group + g;
+                const char *src = P->q + ((int64_t)(r0 + r) * P->q_stride_token +
+                                          (int64_t)(h * group + g) * P->q_stride_head) * es;
+                if (P->bf16dp)
+                    memcpy((uint16_t *)(qf + (size_t)i * cp), src, (size_t)d * 2);
+                else
+                    for (int e = 0; e < cp; e++)
+                        qf[(size_t)i * cp + e] = e < d ? load_scalar(src, dt, e) * P->scale : 0;
+                memset(acc + (size_t)i * cp, 0, sizeof(float) * cp);
+                m[i] = -INFINITY;
+                l[i] = 0.0f;
+                pos[i] = first_pos + r;
+            }
+
+    Tile tl;
+    tl.es = es, tl.d = d, tl.scale = P->scale;
+    int64_t slot[LANES], next[LANES];
+    int nt_next = tile_slots(P, table, 0, num_keys, next);
+    for (int t0 = 0; t0 < num_keys; t0 += LANES) {
+        const int nt = nt_next;
+        memcpy(slot, next, sizeof slot);
+        int next_h0 = h0, next_h1 = h1; /* kv heads of the rows in `next` */
+        if (t0 + LANES < num_keys) {
+            nt_next = tile_slots(P, table, t0 + LANES, num_keys, next);
+        } else if (next_item != NULL) {
+            const int32_t *next_table = P->block_tables + next_item[0] * P->block_table_stride;
+            const int next_keys = first_position(P, next_item) + next_item[4] - next_item[3];
+            tile_slots(P, next_table, 0, next_keys, next);
+            next_h0 = next_item[1], next_h1 = next_item[2];
+        }
+        for (int h = h0; h < h1; h++) {
+            const int next_h = next_h0 + (h - h0) < next_h1 ? next_h0 + (h - h0) : next_h0;
+            for (int t = 0; t < LANES; t++) {
+                const int64_t off = slot[t] * token_bytes + h * head_bytes;
+                const int64_t next_off = next[t] * token_bytes + next_h * head_bytes;
+                tl.krow[t] = P->k_cache + off;
+                tl.vrow[t] = P->v_cache + off;
+                tl.next_krow[t] = P->k_cache + next_off;
+                tl.next_vrow[t] = P->v_cache + next_off;
+            }
+            for (int i0 = 0; i0 < per_head; i0 += MAX_GROUP) {
+                const int nq = per_head - i0 < MAX_GROUP ? per_head - i0 : MAX_GROUP;
+                void *qp[MAX_GROUP];
+                float *ap[MAX_GROUP];
+                int nvalid[MAX_GROUP];
+                const int base = (h - h0) * per_head + i0;
+                for (int j = 0; j < nq; j++) {
+                    qp[j] = qf + (size_t)(base + j) * cp;
+                    ap[j] = acc + (size_t)(base + j) * cp;
+                    const int n = pos[base + j] - t0 + 1;
+                    nvalid[j] = n < nt ? n : nt;
+                }
+                P->tile(&tl, nq, qp, ap, m + base, l + base, nvalid);
+            }
+        }
+    }
+
+    for (int h = h0; h < h1; h++)
+        for (int r = 0; r < nrows; r++)
+            for (int g = 0; g < group; g++) {
+                const int i = (h - h0) * per_head + r * group + g;
+                const int head = h * group + g;
+                char *dst = P->out + ((int64_t)(r0 + r) * P->num_heads + head) * d * es;
+                const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+                const float *a = acc + (size_t)i * cp;
+#if HAVE_BF16DP
+                if (P->bf16dp) {
+                    for (int j = 0; j < d; j++) store_scalar(dst, dt, bf16dp_column(j), a[j] * inv);
+                    continue;
+                }
+#endif
+                for (int e = 0; e < d; e++) store_scalar(dst, dt, e, a[e] * inv);
+            }
+}
+
+/* ---- entry point ----------------------------------------------------------------------- */
+/* out: [num_tokens, num_heads, head_size] contiguous, same dtype as q and the cache.
+ * items: [num_items, 5] int32 rows (request, kv_head_begin, kv_head_end, row_begin, row_end).
+ * Returns 0, or a negative code for arguments it cannot serve (checked before any work). */
+int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
+                           int64_t q_stride_head, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t block_table_stride,
+                           const int32_t *seq_lens, const int32_t *query_start_loc,
+                           const int32_t *items, int32_t num_items, int32_t num_heads,
+                           int32_t num_kv_heads, int32_t head_size, int32_t block_size,
+                           int32_t dtype, float scale, int32_t num_threads) {
+    if (dtype < 0 || dtype > 2) return -1;
+    if (head_size <= 0 || head_size > LANES * MAX_CHUNKS) return -2;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return -3;
+    Params P = {(char *)out, (const char *)q, q_stride_token, q_stride_head,
+                (const char *)k_cache, (const char *)v_cache, block_tables, block_table_stride,
+                seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, block_size,
+                dtype, dtype == DT_F32 ? 4 : 2, uses_bf16dp(dtype, head_size), scale,
+                pick_tile(dtype, head_size)};
+    const int group = num_heads / num_kv_heads;
+    int max_qv = 0;
+    for (int i = 0; i < num_items; i++) {
+        const int32_t *it = items + 5 * i;
+        const int n = (it[2] - it[1]) * (it[4] - it[3]) * group;
+        max_qv = n > max_qv ? n : max_qv;
+    }
+    const size_t scratch_bytes = scratch_floats(max_qv, head_size) * sizeof(float);
+    int failed = 0, next_item = 0;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
+    {
+        /* 64-byte aligned, rounded to whole cache lines: no line shared between threads. */
+        float *scratch = (float *)aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Dynamic scheduling, one item at a time (they come longest first), each thread
+         * claiming its next item before running the current one so it can prefetch it. */
+        int cur = scratch != NULL ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : num_items;
+        while (cur < num_items) {
+            const int nxt = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
+            run_item(&P, items + 5 * cur, nxt < num_items ? items + 5 * nxt : NULL, scratch);
+            cur = nxt;
+        }
+        free(scratch);
+    }
+    return failed ? -4 : 0;
+}
+
+/* Lets the loader check it has the library it built (bump when the signature changes). */
+int pagoda_paged_attention_abi(void) { return 1; }
+
+/* 1 when bf16 caches take the AVX512_BF16 path (p.v rounds p to bf16), for tests and logs. */
+int pagoda_paged_attention_bf16dp(void) { return HAVE_BF16DP; }

@@ -1,0 +1,219 @@
+"""The C paged-attention kernel (`"cpu"` backend) against the torch backend and a naive loop.
+
+Batches mix decodes of various context lengths, fresh prompts and chunks with a cached prefix,
+over shuffled (non-contiguous) block tables, block sizes 16 and 32 (and odd ones), GQA 3:1 and
+4:1, MHA and MQA, head sizes 64 and 128 (and odd ones that take the kernel's generic path).
+float32 must match tightly; bfloat16 and float16 within their rounding.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagoda.attention.backend import get_attn_backend
+from pagoda.attention.cpu.build import CpuKernelUnavailable, load_library
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.torch_ref import TorchAttentionBackend
+
+try:
+    load_library()
+except CpuKernelUnavailable as e:  # no compiler on this machine: nothing here can run
+    pytest.skip(f"CPU kernel unavailable: {e}", allow_module_level=True)
+
+from pagoda.attention.cpu.backend import CpuAttentionBackend, build_items  # noqa: E402
+
+
+class Layer:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int) -> None:
+        self.layer_idx, self.num_heads, self.num_kv_heads = 0, num_heads, num_kv_heads
+        self.head_size, self.k_scale, self.v_scale = head_size, 1.0, 1.0
+
+
+def make_case(seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype):
+    """specs: (context_len, query_len) per request. Returns (q, k, v, cache, md, history) where
+    history[b] = (keys, values) of request b for positions 0 .. seq_len - 1 (float32)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-(c + n) // block_size) for c, n in specs]
+    num_blocks = sum(blocks_needed) + 8
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)  # scattered blocks; block 0 is the null block used as padding
+    max_blocks = max(blocks_needed)
+    tables, qs, ks, vs, slots, history = [], [], [], [], [], []
+    for (context, n), nb in zip(specs, blocks_needed):
+        table = [free.pop() for _ in range(nb)]
+        tables.append(table + [0] * (max_blocks - nb))
+        keys = torch.randn(context + n, num_kv_heads, head_size, generator=g).to(dtype)
+        vals = torch.randn(context + n, num_kv_heads, head_size, generator=g).to(dtype)
+        pos = torch.arange(context + n)
+        flat_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        flat = cache.view(2, -1, num_kv_heads, head_size)
+        flat[0, flat_slots[:context]] = keys[:context]  # the prefix earlier steps wrote
+        flat[1, flat_slots[:context]] = vals[:context]
+        slots += flat_slots[context:].tolist()
+        ks.append(keys[context:])
+        vs.append(vals[context:])
+        qs.append(torch.randn(n, num_heads, head_size, generator=g).to(dtype))
+        history.append((keys.float(), vals.float()))
+    qsl = [0]
+    for _, n in specs:
+        qsl.append(qsl[-1] + n)
+    seq_lens = [c + n for c, n in specs]
+    md = AttentionMetadata(
+        num_actual_tokens=qsl[-1],
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_query_len=max(n for _, n in specs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, history
+
+
+def naive_attention(q, md, history, num_heads, num_kv_heads, scale):
+    """One query row and head at a time: softmax(q . K[:pos + 1] * scale) V[:pos + 1]."""
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    qsl = md.query_start_loc_cpu
+    for b, (keys, vals) in enumerate(history):
+        query_len = qsl[b + 1] - qsl[b]
+        for i in range(query_len):
+            pos = keys.shape[0] - query_len + i
+            for h in range(num_heads):
+                kv = h // group
+                scores = keys[: pos + 1, kv] @ q[qsl[b] + i, h].float() * scale
+                out[qsl[b] + i, h] = torch.softmax(scores, 0) @ vals[: pos + 1, kv]
+    return out
+
+
+def run_both(seed, block_size, heads, head_size, specs, dtype=torch.float32):
+    num_heads, num_kv_heads = heads
+    q, k, v, cache, md, history = make_case(
+        seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype
+    )
+    layer, scale = Layer(num_heads, num_kv_heads, head_size), head_size**-0.5
+    ref_cache = cache.clone()
+    out = CpuAttentionBackend().forward(layer, q, k, v, cache, md, scale)
+    md.extra = None
+    ref = TorchAttentionBackend().forward(layer, q, k, v, ref_cache, md, scale)
+    assert torch.equal(cache, ref_cache)  # the new rows landed at the same slots
+    assert out.dtype == dtype and out.shape == q.shape
+    return out.float(), ref.float(), naive_attention(q, md, history, *heads, scale)
+
+
+MIXED = [(37, 1), (5, 1), (0, 1), (300, 1), (16, 1), (0, 19), (21, 6), (16, 16), (40, 33)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "heads", [(9, 3), (8, 2), (4, 4), (4, 1)], ids=["gqa3", "gqa4", "mha", "mqa"]
+)
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_float32_mixed_batch_matches_oracles(block_size, heads, head_size):
+    out, ref, naive = run_both(block_size + head_size, block_size, heads, head_size, MIXED)
+    assert (out - naive).abs().max().item() < 2e-5
+    assert (out - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_decode_batches_match_torch_backend(seed):
+    rng = random.Random(seed)
+    specs = [(rng.randrange(0, 400), 1) for _ in range(rng.randrange(1, 40))]
+    specs += [(rng.randrange(0, 50), rng.randrange(1, 20)) for _ in range(seed % 3)]
+    heads = rng.choice([(9, 3), (8, 2), (6, 6), (5, 1)])
+    head_size = rng.choice([64, 128])
+    out, ref, _ = run_both(seed, rng.choice([16, 32]), heads, head_size, specs)
+    assert (out - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
+def test_half_precision_stays_close(dtype, heads):
+    out, ref, naive = run_both(3, 16, heads, 64, MIXED, dtype)
+    # One rounding of the output (2^-8 relative for bf16) on values of magnitude <~ 1.
+    assert (out - naive).abs().max().item() < 2e-2
+    assert (out - ref).abs().max().item() < 3e-2
+
+
+@pytest.mark.parametrize("head_size", [8, 40, 80])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_generic_head_and_block_sizes(head_size, block_size):
+    out, _, naive = run_both(head_size, block_size, (6, 2), head_size, MIXED[:6])
+    assert (out - naive).abs().max().item() < 2e-5
+
+
+def test_padding_rows_are_zero_and_skipped_slots_unwritten():
+    torch.manual_seed(0)
+    cache = torch.zeros(2, 4, 4, 1, 64)
+    q, k, v = torch.randn(4, 2, 64), torch.randn(4, 1, 64), torch.randn(4, 1, 64)
+    cache[0, 1, :2], cache[1, 1, :2] = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    md = AttentionMetadata(
+        num_actual_tokens=2,
+        slot_mapping=torch.tensor([6, -1, 9, 9]),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 1], dtype=torch.int32),
+        block_tables=torch.tensor([[1], [2]], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=3,
+    )
+    expected_cache = cache.clone()
+    expected_cache[0, 1, 2], expected_cache[1, 1, 2] = k[0], v[0]
+    out = CpuAttentionBackend().forward(Layer(2, 1, 64), q, k, v, cache, md, 0.125)
+    assert torch.equal(out[2:], torch.zeros(2, 2, 64))
+    assert torch.equal(cache, expected_cache)  # slot -1 (row 1) wrote nothing
+    keys, vals = cache[0, 1, :3, 0], cache[1, 1, :3, 0]
+    for h in range(2):
+        expected = torch.softmax(keys @ q[0, h] * 0.125, 0) @ vals
+        assert (out[0, h] - expected).abs().max() < 1e-5
+
+
+def test_strided_query_view_is_read_in_place():
+    """q as the model makes it: a column slice of the fused qkv projection."""
+    q, k, v, cache, md, history = make_case(5, 16, 9, 3, 64, MIXED, torch.float32)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_view = qkv[:, : 9 * 64].view(-1, 9, 64)
+    assert not q_view.is_contiguous()
+    out = CpuAttentionBackend().forward(Layer(9, 3, 64), q_view, k, v, cache, md, 0.125)
+    assert (out - naive_attention(q, md, history, 9, 3, 0.125)).abs().max().item() < 2e-5
+
+
+def test_no_cache_and_quantized_cache_fall_back_to_torch():
+    q, k, v = torch.randn(5, 4, 64), torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    md = AttentionMetadata(
+        num_actual_tokens=5,
+        slot_mapping=torch.full((5,), -1),
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        max_query_len=5,
+        max_seq_len=5,
+    )
+    out = CpuAttentionBackend().forward(Layer(4, 2, 64), q, k, v, None, md, 0.125)
+    md.extra = None
+    ref = TorchAttentionBackend().forward(Layer(4, 2, 64), q, k, v, None, md, 0.125)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_items_split_heads_only_when_requests_are_few():
+    # 9 decodes of 50 tokens, a 4-row chunk over a 16-token prefix, a fresh 3-token prompt.
+    qsl, seq_lens = list(range(10)) + [13, 16], [50] * 9 + [20, 3]
+    items, fresh = build_items(qsl, seq_lens, num_kv_heads=3, group=3, threads=2)
+    assert fresh == [(13, 16)]
+    decodes = [it for it in items if it[4] - it[3] == 1]
+    assert sorted(decodes) == [(b, 0, 3, b, b + 1) for b in range(9)]  # 9 >= 4 x 2 threads
+    assert sorted(it for it in items if it[0] == 9) == [(9, h, h + 1, 9, 13) for h in range(3)]
+    assert items[0][:3] == (0, 0, 3)  # the costliest (whole decodes) go first
+    items, _ = build_items(qsl, seq_lens, num_kv_heads=3, group=3, threads=4)
+    assert sum(1 for it in items if it[4] - it[3] == 1) == 27  # too few for 4 threads: split
+
+
+def test_registry_picks_cpu_kernel_by_default_on_cpu():
+    assert get_attn_backend("cpu").name == "cpu"
+    assert get_attn_backend("cpu", "torch").name == "torch"
