@@ -4,7 +4,8 @@ The scheduled tokens of all requests are laid end to end (decodes first, so atte
 can batch them): input ids, positions, the KV-cache slot of every token, query start offsets,
 sequence lengths and block tables. They are written into host buffers allocated once (pinned
 on a GPU) with vectorised numpy arithmetic (Python touches each request, not each token), then
-copied without blocking into device buffers that are also allocated once: the tensors a step
+sent with two non-blocking copies (token arrays, request arrays: each a prefix of one
+allocation) into device buffers that are also allocated once: the tensors a step
 hands to the model are always slices of the same memory, which is what lets a CUDA graph
 captured over them (`pagoda.worker.cuda_graphs`) replay with new inputs. On a CPU the host
 buffers are the device buffers (no copy). A pure-decode step may be padded to a CUDA-graph
@@ -46,22 +47,47 @@ class StepInputs:
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
-class _Buffer:
-    """A host array (pinned on a GPU) and its device twin of the same shape; on a CPU one
-    tensor plays both parts."""
+class _Array:
+    """One input array: `host` (numpy, written by the builder) and `dev` (the tensor the model
+    reads), views into a `_Staging` allocation."""
 
-    def __init__(self, shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        on_cpu = device.type == "cpu"
-        self.host_t = torch.zeros(shape, dtype=dtype, pin_memory=not on_cpu)
-        self.host = self.host_t.numpy()
-        self.dev = self.host_t if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
-        self._copies = not on_cpu
+    def __init__(self, host: np.ndarray, dev: torch.Tensor) -> None:
+        self.host, self.dev = host, dev
 
-    def commit(self, n: int) -> torch.Tensor:
-        """Queue the copy of the first n rows to the device; returns the device rows."""
+
+class _Staging:
+    """Arrays of one dtype at fixed offsets of one host allocation (pinned on a GPU) and one
+    device allocation: a step sends all of them with a single copy of a prefix, since every
+    host-to-device copy is a driver call that costs tens of microseconds of host time. Without
+    copies (a CPU run) the host memory is the device memory."""
+
+    _ALIGN = 64  # elements: each array starts at least 256-byte aligned
+
+    def __init__(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, copies: bool
+    ) -> None:
+        self.offsets, total = [], 0
+        for shape in shapes:
+            total = -(-total // self._ALIGN) * self._ALIGN
+            self.offsets.append(total)
+            total += int(np.prod(shape))
+        pin = copies and device.type == "cuda"
+        self.host_t = torch.zeros(total, dtype=dtype, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=dtype, device=device) if copies else self.host_t
+        self._copies = copies
+        host = self.host_t.numpy()
+        self.arrays = [
+            _Array(
+                host[o : o + int(np.prod(sh))].reshape(sh),
+                self.dev[o : o + int(np.prod(sh))].view(sh),
+            )
+            for o, sh in zip(self.offsets, shapes)
+        ]
+
+    def commit(self, end: int) -> None:
+        """Queue the copy of elements [0, end) to the device."""
         if self._copies:
-            self.dev[:n].copy_(self.host_t[:n], non_blocking=True)
-        return self.dev[:n]
+            self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
 
 
 class InputBuilder:
@@ -72,18 +98,23 @@ class InputBuilder:
         max_blocks_per_req: int,
         block_size: int,
         device: torch.device,
+        copy_to_device: bool | None = None,
     ) -> None:
+        """`copy_to_device` (default: not on a CPU) keeps separate host and device buffers;
+        tests turn it on for a CPU to run the copies a GPU needs."""
         self.block_size = block_size
         self.device = device
+        self._copies = device.type != "cpu" if copy_to_device is None else copy_to_device
         self.max_num_tokens = 0
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = 0
         # Bumped whenever buffers are reallocated: graphs captured over the old ones are stale.
         self.generation = 0
         # The host buffers are reused every step: before writing them, wait until the copies
-        # queued from them by the previous step have run (normally long done: the previous
-        # step waited for its sampled tokens, which were queued after them).
+        # queued from them by the previous step have run, unless the runner has waited for the
+        # device since (`copies_done`), as every step that samples does.
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        self._copies_pending = False
         # req_id -> (the KV cache manager's live block list, ids copied, those ids as int32):
         # the list only grows while the request runs, so a step copies only new block ids.
         self._block_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}
@@ -92,18 +123,23 @@ class InputBuilder:
 
     def _alloc_tokens(self, num_tokens: int) -> None:
         self.max_num_tokens = num_tokens
-        self.input_ids = _Buffer(num_tokens, torch.int64, self.device)
-        self.positions = _Buffer(num_tokens, torch.int64, self.device)
-        self.slot_mapping = _Buffer(num_tokens, torch.int64, self.device)
-        self.logits_indices = _Buffer(num_tokens, torch.int64, self.device)
+        # Copied as one prefix: ids, positions and slots of a step's tokens, then (rarely
+        # needed) the rows to compute logits for.
+        self._tokens = _Staging([(num_tokens,)] * 4, torch.int64, self.device, self._copies)
+        self.input_ids, self.positions, self.slot_mapping, self.logits_indices = self._tokens.arrays
         self._arange = np.arange(max(num_tokens, self.max_num_reqs + 1), dtype=np.int64)
         self.generation += 1
 
     def _alloc_reqs(self, num_reqs: int, num_blocks: int) -> None:
         self.max_num_reqs, self.max_blocks_per_req = num_reqs, num_blocks
-        self.block_table = _Buffer((num_reqs, num_blocks), torch.int32, self.device)
-        self.query_start_loc = _Buffer(num_reqs + 1, torch.int32, self.device)
-        self.seq_lens = _Buffer(num_reqs, torch.int32, self.device)
+        # Copied as one prefix up to the last block-table row of the step.
+        self._reqs = _Staging(
+            [(num_reqs + 1,), (num_reqs,), (num_reqs, num_blocks)],
+            torch.int32,
+            self.device,
+            self._copies,
+        )
+        self.query_start_loc, self.seq_lens, self.block_table = self._reqs.arrays
         self._arange = np.arange(max(self.max_num_tokens, num_reqs + 1), dtype=np.int64)
         self.generation += 1
 
@@ -137,9 +173,7 @@ class InputBuilder:
         self._wait_for_copies()
         self._pad(0, 0, batch_size)
         self.block_table.host[:batch_size, 0] = 0
-        self._commit(batch_size, batch_size)
-        if self._copies_done is not None:
-            self._copies_done.record()
+        self._commit(batch_size, batch_size, 0)
 
     # -- one step ----------------------------------------------------------------------------
     def _block_row(self, req_id: str, blocks: list[int]) -> np.ndarray:
@@ -168,8 +202,14 @@ class InputBuilder:
             self._block_rows.pop(rid, None)
 
     def _wait_for_copies(self) -> None:
-        if self._copies_done is not None:
+        if self._copies_pending and self._copies_done is not None:
             self._copies_done.synchronize()
+        self._copies_pending = False
+
+    def copies_done(self) -> None:
+        """Tell the builder that the host has waited for the device since the last step's
+        inputs were queued (e.g. for sampled tokens): its next step need not wait again."""
+        self._copies_pending = False
 
     def _pad(self, num_tokens: int, num_reqs: int, batch_size: int) -> None:
         """Rows [num_reqs, batch_size) become one-token requests at position 0 of the null
@@ -184,13 +224,17 @@ class InputBuilder:
             qsl[0] = 0
         self.seq_lens.host[num_reqs:batch_size] = 1
 
-    def _commit(self, num_tokens: int, num_reqs: int) -> None:
-        for buf in (self.input_ids, self.positions, self.slot_mapping):
-            buf.commit(num_tokens)
-        self.query_start_loc.commit(num_reqs + 1)
-        self.seq_lens.commit(num_reqs)
-        # Whole rows: one contiguous copy (a CUDA graph also reads the table at full width).
-        self.block_table.commit(num_reqs)
+    def _commit(self, num_tokens: int, num_reqs: int, num_logits_indices: int) -> None:
+        """Queue this step's two copies: token arrays, then request arrays (block-table rows
+        at full width: a CUDA graph reads them with the captured row stride)."""
+        tok_end = self._tokens.offsets[2] + num_tokens
+        if num_logits_indices:
+            tok_end = self._tokens.offsets[3] + num_logits_indices
+        self._tokens.commit(tok_end)
+        self._reqs.commit(self._reqs.offsets[2] + num_reqs * self.max_blocks_per_req)
+        if self._copies_done is not None:
+            self._copies_done.record()
+            self._copies_pending = True
 
     def prepare(
         self, so: SchedulerOutput, cuda_graph_size: Callable[[int], int | None] | None = None
@@ -280,14 +324,14 @@ class InputBuilder:
             table[num_reqs:graph_size, 0] = 0
 
         num_rows = max(num_tokens, padded)
-        self._commit(num_rows, padded)
         rows = out.sample_rows
+        num_indices = 0
         if rows and (rows[-1] != len(rows) - 1 or rows[0] != 0):
             # Not simply the first len(rows) rows (rows are increasing, so ends suffice).
-            self.logits_indices.host[: len(rows)] = rows
-            out.logits_indices = self.logits_indices.commit(len(rows))
-        if self._copies_done is not None:
-            self._copies_done.record()
+            num_indices = len(rows)
+            self.logits_indices.host[:num_indices] = rows
+            out.logits_indices = self.logits_indices.dev[:num_indices]
+        self._commit(num_rows, padded, num_indices)
 
         out.input_ids = self.input_ids.dev[:num_rows]
         out.positions = self.positions.dev[:num_rows]

@@ -240,6 +240,7 @@ class ModelRunner:
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
         if step.sample_rows:
             self._sample(step, hidden, output)
+            self.inputs.copies_done()  # the host waited for the sampled ids, queued after them
         for rid, (rows, targets) in step.prompt_logprob_rows.items():
             output.prompt_logprobs[rid] = self._prompt_logprobs(step, hidden, rid, rows, targets)
         return output
