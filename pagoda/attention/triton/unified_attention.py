@@ -274,7 +274,9 @@ def unified_attention(
     block_q = block_m // group
     quant = cache_quant_mode(kv_cache.dtype)
     if tile_size is None:
-        tile_size = 32 if quant else (16 if max_query_len == 1 else 32)
+        # Decode reads are bandwidth-bound: 64-token tiles keep more loads in flight (measured
+        # on the H200 at 256 x 512-1024 contexts: 2.4 -> 3.65-4.0 TB/s of KV read).
+        tile_size = 32 if quant else (64 if max_query_len == 1 else 32)
     for name, value in (("block_m", block_m), ("tile_size", tile_size)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
