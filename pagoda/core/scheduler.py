@@ -17,73 +17,22 @@ Waiting requests never preempt running ones (vLLM's optional priority preemption
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
+from pagoda.core.request_queue import (
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    RequestQueue,
+    create_request_queue,
+)
 from pagoda.metrics.stats import SchedulerStats
 
-
-class FCFSRequestQueue:
-    """Waiting requests in arrival order; preempted ones go back to the front."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def add(self, request: Request) -> None:
-        self._queue.append(request)
-
-    def prepend(self, request: Request) -> None:
-        self._queue.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        return self._queue.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-
-class PriorityRequestQueue:
-    """Waiting requests as a heap on (priority, arrival_time, request_id): lowest first."""
-
-    def __init__(self) -> None:
-        self._heap: list[Request] = []
-
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, request)
-
-    # A preempted request's place is set by its priority and arrival, not by the preemption.
-    prepend = add
-
-    def peek(self) -> Request:
-        return self._heap[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)
-
-    def remove(self, request: Request) -> None:
-        self._heap.remove(request)
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(sorted(self._heap))
+__all__ = ["FCFSRequestQueue", "PriorityRequestQueue", "Scheduler"]
 
 
 class Scheduler:
@@ -105,9 +54,7 @@ class Scheduler:
         )
         # Every unfinished request, by id.
         self.requests: dict[str, Request] = {}
-        self.waiting: FCFSRequestQueue | PriorityRequestQueue = (
-            PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
-        )
+        self.waiting: RequestQueue = create_request_queue(self.policy)
         # fcfs: admission order; priority: sorted by (priority, arrival_time, request_id).
         self.running: list[Request] = []
         # Reported (and cleared) by the next schedule().
