@@ -1,6 +1,6 @@
 """What the completions and chat handlers share: errors, the model check, building
-`SamplingParams` from a request, context-length checks, logprob conversion and merging the
-output streams of several prompts.
+`SamplingParams` from a request, context-length checks, logprob conversion, merging the
+output streams of several prompts, collecting them, usage, and the SSE stream's framing.
 
 Every user error becomes an `APIError` (status, message naming the field, param), rendered by
 the app as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
@@ -9,7 +9,8 @@ the app as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
-from pagoda.server.protocol import ErrorInfo, ErrorResponse
+from pagoda.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 
 
 class APIError(Exception):
@@ -107,6 +108,14 @@ def build_sampling_params(
     except TypeError as e:  # a comparison between wrong types slipped past pydantic
         raise APIError(f"invalid sampling parameter: {e}", 400) from None
     return params
+
+
+def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Reject stop_token_ids / logit_bias / allowed_token_ids outside the vocabulary."""
+    try:
+        params.validate_token_ids(vocab_size)
+    except ValueError as e:
+        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -237,6 +246,78 @@ async def merge_async_iterators(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def first_output(
+    stream: AsyncIterator[tuple[int, Any]],
+) -> tuple[int, Any] | None:
+    """Wait for a stream's first output before answering, so that refusals (503, 400) still
+    get their status code; None when the stream ends at once."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+    except BaseException as e:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise exception_to_api_error(e) from None
+
+
+async def collect_outputs(
+    stream: AsyncIterator[tuple[int, RequestOutput]], states: list[RequestState]
+) -> None:
+    """Merge every output of a (non-streaming) request into `states[prompt_index]`."""
+    try:
+        async for i, out in stream:
+            states[i].add(out)
+    except BaseException as e:
+        raise exception_to_api_error(e) from None
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def usage_info(num_prompt_tokens: int, num_generated_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_generated_tokens,
+        total_tokens=num_prompt_tokens + num_generated_tokens,
+    )
+
+
+def sse_line(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def sse_stream(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput] | None,
+    chunks: Callable[[int, RequestOutput], Iterable[str]],
+    usage_chunk: Callable[[], str] | None = None,
+    head: Iterable[str] = (),
+) -> AsyncIterator[str]:
+    """The SSE lines of a streaming response: `head`, the `chunks` of every (prompt index,
+    output), the usage chunk if asked for, then `[DONE]`. An error after the status line went
+    out is reported in-band, as an error object in a data line."""
+    for line in head:
+        yield line
+    try:
+        if first is not None:
+            for line in chunks(*first):
+                yield line
+        async for i, out in stream:
+            for line in chunks(i, out):
+                yield line
+        if usage_chunk is not None:
+            yield usage_chunk()
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        yield sse_line(json.dumps(exception_to_api_error(e).to_response().model_dump()))
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield sse_line("[DONE]")
+
+
+def ranked_logprobs(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """A position's candidate tokens, best rank first."""
+    return sorted(step.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
 
 
 def exception_to_api_error(e: BaseException) -> APIError:

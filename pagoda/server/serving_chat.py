@@ -5,7 +5,6 @@ usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +21,6 @@ from pagoda.server.protocol import (
     ChatMessage,
     ChatTopLogprob,
     DeltaMessage,
-    UsageInfo,
     random_uuid,
 )
 from pagoda.server.serving import (
@@ -31,10 +29,16 @@ from pagoda.server.serving import (
     ServingContext,
     build_sampling_params,
     check_context_length,
-    exception_to_api_error,
+    collect_outputs,
+    first_output,
     merge_async_iterators,
+    ranked_logprobs,
     safe_logprob,
+    sse_line,
+    sse_stream,
     token_str,
+    usage_info,
+    validate_token_ids,
 )
 
 
@@ -100,9 +104,8 @@ def chat_logprobs(
         step = step_logprobs[i] if i < len(step_logprobs) and step_logprobs[i] else {}
         lp = step.get(tid)
         tok = token_str(tokenizer, tid, lp)
-        ranked = sorted(step.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:top_k]
         top = []
-        for t, p in ranked:
+        for t, p in ranked_logprobs(step)[:top_k]:
             s = token_str(tokenizer, t, p)
             top.append(
                 ChatTopLogprob(token=s, logprob=safe_logprob(p.logprob), bytes=list(s.encode()))
@@ -131,10 +134,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     else:
         max_tokens, mt_field = req.max_tokens, "max_tokens"
     params = build_sampling_params(req, max_tokens, top_k if req.logprobs else None, None)
-    try:
-        params.validate_token_ids(ctx.tokenizer.vocab_size)
-    except ValueError as e:
-        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    validate_token_ids(params, ctx.tokenizer.vocab_size)
     prompt = render_chat_prompt(
         ctx,
         req.messages,
@@ -154,23 +154,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     )
     created = int(time.time())
     if req.stream:
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None
-        except BaseException as e:
-            await stream.aclose()
-            raise exception_to_api_error(e) from None
+        first = await first_output(stream)
         return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k)
 
     state = RequestState()
-    try:
-        async for _, out in stream:
-            state.add(out)
-    except BaseException as e:
-        raise exception_to_api_error(e) from None
-    finally:
-        await stream.aclose()
+    await collect_outputs(stream, [state])
     choices, num_gen = [], 0
     for j in sorted(state.choices):
         c = state.choices[j]
@@ -187,17 +175,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 stop_reason=c.stop_reason,
             )
         )
-    usage = UsageInfo(
-        prompt_tokens=len(prompt_ids),
-        completion_tokens=num_gen,
-        total_tokens=len(prompt_ids) + num_gen,
-    )
+    usage = usage_info(len(prompt_ids), num_gen)
     return ChatCompletionResponse(
         id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
     )
 
 
-async def _stream(
+def _stream(
     ctx: ServingContext,
     req: ChatCompletionRequest,
     num_prompt: int,
@@ -208,20 +192,15 @@ async def _stream(
     top_k: int,
 ) -> AsyncIterator[str]:
     model = ctx.model_name
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     num_gen = 0
 
     def sse(choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> str:
         chunk = ChatCompletionStreamResponse(
             id=request_id, created=created, model=model, choices=choices, usage=usage
         )
-        return f"data: {chunk.model_dump_json()}\n\n"
+        return sse_line(chunk.model_dump_json())
 
-    # The role goes first, once per choice, as OpenAI sends it.
-    role = DeltaMessage(role="assistant", content="")
-    yield sse([ChatCompletionResponseStreamChoice(index=j, delta=role) for j in range(req.n)])
-
-    def chunks(out: Any) -> list[str]:
+    def chunks(_: int, out: Any) -> list[str]:
         nonlocal num_gen
         lines = []
         for c in out.outputs:
@@ -243,22 +222,11 @@ async def _stream(
             lines.append(sse([choice]))
         return lines
 
-    try:
-        if first is not None:
-            for line in chunks(first[1]):
-                yield line
-        async for _, out in stream:
-            for line in chunks(out):
-                yield line
-        if include_usage:
-            usage = UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=num_gen,
-                total_tokens=num_prompt + num_gen,
-            )
-            yield sse([], usage)
-    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-        yield f"data: {json.dumps(exception_to_api_error(e).to_response().model_dump())}\n\n"
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+    def usage_chunk() -> str:
+        return sse([], usage_info(num_prompt, num_gen))
+
+    # The role goes first, once per choice, as OpenAI sends it.
+    role = DeltaMessage(role="assistant", content="")
+    head = [sse([ChatCompletionResponseStreamChoice(index=j, delta=role) for j in range(req.n)])]
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return sse_stream(stream, first, chunks, usage_chunk if include_usage else None, head)

@@ -7,7 +7,6 @@ Choice `index` is `prompt_index * n + sample_index`, as OpenAI and vLLM number t
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,7 +18,6 @@ from pagoda.server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    UsageInfo,
     random_uuid,
 )
 from pagoda.server.serving import (
@@ -29,10 +27,16 @@ from pagoda.server.serving import (
     build_sampling_params,
     check_context_length,
     check_token_ids,
-    exception_to_api_error,
+    collect_outputs,
+    first_output,
     merge_async_iterators,
+    ranked_logprobs,
     safe_logprob,
+    sse_line,
+    sse_stream,
     token_str,
+    usage_info,
+    validate_token_ids,
 )
 
 
@@ -57,9 +61,11 @@ def completion_logprobs(
         if step is None:
             out.top_logprobs.append(None)
         else:
-            ranked = sorted(step.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
             out.top_logprobs.append(
-                {token_str(tokenizer, t, p): safe_logprob(p.logprob) for t, p in ranked}
+                {
+                    token_str(tokenizer, t, p): safe_logprob(p.logprob)
+                    for t, p in ranked_logprobs(step)
+                }
             )
     return out
 
@@ -103,10 +109,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
     base = build_sampling_params(
         req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
     )
-    try:
-        base.validate_token_ids(ctx.tokenizer.vocab_size)
-    except ValueError as e:
-        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    validate_token_ids(base, ctx.tokenizer.vocab_size)
     prompts = _normalize_prompts(ctx, req)
     request_id = req.request_id or f"cmpl-{random_uuid()}"
     generators = []
@@ -125,24 +128,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
     created = int(time.time())
     model = ctx.model_name
     if req.stream:
-        # Wait for the first output so that refusals (503, 400) still get their status code.
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None
-        except BaseException as e:
-            await stream.aclose()
-            raise exception_to_api_error(e) from None
+        first = await first_output(stream)
         return _stream(ctx, req, prompts, stream, first, request_id, created, echo_only)
 
     states = [RequestState() for _ in prompts]
-    try:
-        async for i, out in stream:
-            states[i].add(out)
-    except BaseException as e:
-        raise exception_to_api_error(e) from None
-    finally:
-        await stream.aclose()
+    await collect_outputs(stream, states)
     return _final_response(ctx, req, prompts, states, request_id, created, model, echo_only)
 
 
@@ -185,15 +175,16 @@ def _final_response(
                     stop_reason=None if echo_only else c.stop_reason,
                 )
             )
-    usage = UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen
-    )
     return CompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=usage
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage_info(num_prompt, num_gen),
     )
 
 
-async def _stream(
+def _stream(
     ctx: ServingContext,
     req: CompletionRequest,
     prompts: list[_Prompt],
@@ -204,7 +195,6 @@ async def _stream(
     echo_only: bool,
 ) -> AsyncIterator[str]:
     tok, model = ctx.tokenizer, ctx.model_name
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     started: set[int] = set()  # choice indices whose first chunk went out (echo goes there)
     offsets: dict[int, int] = {}
     num_gen = 0
@@ -244,30 +234,15 @@ async def _stream(
             resp = CompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=[choice]
             )
-            lines.append(f"data: {resp.model_dump_json()}\n\n")
+            lines.append(sse_line(resp.model_dump_json()))
         return lines
 
-    try:
-        if first is not None:
-            for line in chunks(*first):
-                yield line
-        async for i, out in stream:
-            for line in chunks(i, out):
-                yield line
-        if include_usage:
-            num_prompt = sum(len(p.token_ids) for p in prompts)
-            usage = UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=num_gen,
-                total_tokens=num_prompt + num_gen,
-            )
-            final = CompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[], usage=usage
-            )
-            yield f"data: {final.model_dump_json(exclude_unset=False)}\n\n"
-    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-        err = exception_to_api_error(e).to_response()
-        yield f"data: {json.dumps(err.model_dump())}\n\n"
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+    def usage_chunk() -> str:
+        usage = usage_info(sum(len(p.token_ids) for p in prompts), num_gen)
+        final = CompletionStreamResponse(
+            id=request_id, created=created, model=model, choices=[], usage=usage
+        )
+        return sse_line(final.model_dump_json())
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return sse_stream(stream, first, chunks, usage_chunk if include_usage else None)
