@@ -28,6 +28,33 @@ INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort")
 
+# The histograms: (attribute of PrometheusStatLogger, metric name, help, buckets); None buckets
+# are 1-2-5 token counts up to max_model_len. Names and help texts are vLLM's.
+_HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...] | None], ...] = (
+    ("request_prompt_tokens", "request_prompt_tokens",
+     "Number of prefill tokens processed.", None),
+    ("request_generation_tokens", "request_generation_tokens",
+     "Number of generation tokens processed.", None),
+    ("iteration_tokens", "iteration_tokens_total",
+     "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS),
+    ("time_to_first_token", "time_to_first_token_seconds",
+     "Histogram of time to first token in seconds.", TIME_TO_FIRST_TOKEN_BUCKETS),
+    ("inter_token_latency", "inter_token_latency_seconds",
+     "Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS),
+    ("request_time_per_output_token", "request_time_per_output_token_seconds",
+     "Histogram of time_per_output_token_seconds per request.", INTER_TOKEN_LATENCY_BUCKETS),
+    ("e2e_request_latency", "e2e_request_latency_seconds",
+     "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    ("request_queue_time", "request_queue_time_seconds",
+     "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("request_inference_time", "request_inference_time_seconds",
+     "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("request_prefill_time", "request_prefill_time_seconds",
+     "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("request_decode_time", "request_decode_time_seconds",
+     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+)  # fmt: skip
+
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's request-token buckets)."""
@@ -97,50 +124,8 @@ class PrometheusStatLogger:
         self._model_name = model_name
 
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKENS_BUCKETS,
-        )  # fmt: skip
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            TIME_TO_FIRST_TOKEN_BUCKETS,
-        )  # fmt: skip
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            INTER_TOKEN_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.request_time_per_output_token = histogram(
-            "request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            INTER_TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.request_inference_time = histogram(
-            "request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_prefill_time = histogram(
-            "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.request_decode_time = histogram(
-            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
+        for attr, name, doc, buckets in _HISTOGRAMS:
+            setattr(self, attr, histogram(name, doc, token_buckets if buckets is None else buckets))
         # An "info" metric as vLLM emits it: a gauge fixed at 1 whose labels carry the values.
         info = {k: str(v) for k, v in _config_items(cache_config)}
         if info and num_gpu_blocks is not None:
