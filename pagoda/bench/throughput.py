@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -41,6 +42,28 @@ def make_requests(
     return reqs
 
 
+def throughput_stats(outs: list[Any], elapsed: float, engine_start_s: float) -> dict[str, Any]:
+    """Rates of a finished `generate` call (RequestOutputs of Pagoda or vLLM alike)."""
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "engine_start_s": round(engine_start_s, 2),
+        "requests_per_s": round(len(outs) / elapsed, 3),
+        "input_tokens_per_s": round(n_in / elapsed, 2),
+        "output_tokens_per_s": round(n_out / elapsed, 2),
+        "total_tokens_per_s": round((n_in + n_out) / elapsed, 2),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+    }
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     t_process = time.perf_counter()
     from pagoda.engine.arg_utils import EngineArgs
@@ -67,29 +90,18 @@ def run_throughput(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(o.prompt_token_ids) for o in outs)
-    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     result = {
         "model": llm.llm_engine.model_config.model,
         "dtype": llm.llm_engine.model_config.dtype,
         "num_prompts": len(outs),
-        "elapsed_s": round(elapsed, 3),
-        "engine_start_s": round(load_s, 2),
-        "requests_per_s": round(len(outs) / elapsed, 3),
-        "input_tokens_per_s": round(n_in / elapsed, 2),
-        "output_tokens_per_s": round(n_out / elapsed, 2),
-        "total_tokens_per_s": round((n_in + n_out) / elapsed, 2),
-        "input_tokens": n_in,
-        "output_tokens": n_out,
+        **throughput_stats(outs, elapsed, load_s),
     }
     print(
         f"Throughput: {result['requests_per_s']:.2f} requests/s, "
         f"{result['total_tokens_per_s']:.2f} total tokens/s, "
         f"{result['output_tokens_per_s']:.2f} output tokens/s "
-        f"(input {result['input_tokens_per_s']:.2f} tokens/s; {n_in} in / {n_out} out "
-        f"in {elapsed:.2f} s)"
+        f"(input {result['input_tokens_per_s']:.2f} tokens/s; {result['input_tokens']} in / "
+        f"{result['output_tokens']} out in {elapsed:.2f} s)"
     )
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_json, result)
     return 0
