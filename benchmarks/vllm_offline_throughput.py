@@ -12,8 +12,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pagoda.bench.throughput import (  # noqa: E402  (stdlib-only module)
-    make_requests,
-    parse_range,
+    make_requests_from_args,
     throughput_stats,
     write_json,
 )
@@ -39,13 +38,7 @@ if __name__ == "__main__":
     llm = LLM(model=args.model, dtype=args.dtype, seed=0)
     start_s = time.perf_counter() - t0
     vocab = llm.get_tokenizer().vocab_size
-    reqs = make_requests(
-        args.num_prompts,
-        parse_range(args.input_len),
-        parse_range(args.output_len),
-        vocab,
-        args.seed,
-    )
+    reqs = make_requests_from_args(args, vocab)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     start = time.perf_counter()

@@ -42,6 +42,17 @@ def make_requests(
     return reqs
 
 
+def make_requests_from_args(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    """`make_requests` from the --num-prompts / --input-len / --output-len / --seed flags."""
+    return make_requests(
+        args.num_prompts,
+        parse_range(args.input_len),
+        parse_range(args.output_len),
+        vocab,
+        args.seed,
+    )
+
+
 def throughput_stats(outs: list[Any], elapsed: float, engine_start_s: float) -> dict[str, Any]:
     """Rates of a finished `generate` call (RequestOutputs of Pagoda or vLLM alike)."""
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -75,13 +86,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm = LLM(engine_args.model, **kwargs)
     load_s = time.perf_counter() - t_process
     vocab = llm.llm_engine.model_config.vocab_size
-    reqs = make_requests(
-        args.num_prompts,
-        parse_range(args.input_len),
-        parse_range(args.output_len),
-        vocab,
-        args.seed,
-    )
+    reqs = make_requests_from_args(args, vocab)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
