@@ -8,6 +8,7 @@ float32 must match tightly; bfloat16 and float16 within their rounding.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -174,6 +175,17 @@ def test_padding_rows_are_zero_and_skipped_slots_unwritten():
         assert (out[0, h] - expected).abs().max() < 1e-5
 
 
+def test_fresh_prompt_with_unwritten_rows_attends_to_its_own_rows():
+    """A slot of -1 means "not cached": a fresh prompt then reads its k/v from this step."""
+    q, k, v, cache, md, history = make_case(9, 16, 8, 2, 64, [(20, 1), (0, 7)], torch.float32)
+    md.slot_mapping[3] = -1  # a row of the fresh prompt that is not written
+    out = CpuAttentionBackend().forward(Layer(8, 2, 64), q, k, v, cache, md, 0.125)
+    assert md.extra["cpu_plan"].fresh == [(1, 8)]
+    assert (out - naive_attention(q, md, history, 8, 2, 0.125)).abs().max().item() < 2e-5
+    slot = int(md.block_tables[1, 0]) * 16 + 2
+    assert torch.equal(cache.view(2, -1, 2, 64)[:, slot], torch.zeros(2, 2, 64))
+
+
 def test_strided_query_view_is_read_in_place():
     """q as the model makes it: a column slice of the fused qkv projection."""
     q, k, v, cache, md, history = make_case(5, 16, 9, 3, 64, MIXED, torch.float32)
@@ -205,15 +217,73 @@ def test_items_split_heads_only_when_requests_are_few():
     # 9 decodes of 50 tokens, a 4-row chunk over a 16-token prefix, a fresh 3-token prompt.
     qsl, seq_lens = list(range(10)) + [13, 16], [50] * 9 + [20, 3]
     items, fresh = build_items(qsl, seq_lens, num_kv_heads=3, group=3, threads=2)
-    assert fresh == [(13, 16)]
+    assert fresh == []  # fresh prompts go to the kernel too ...
+    assert sorted(it for it in items if it[0] == 10) == [(10, h, h + 1, 13, 16) for h in range(3)]
     decodes = [it for it in items if it[4] - it[3] == 1]
     assert sorted(decodes) == [(b, 0, 3, b, b + 1) for b in range(9)]  # 9 >= 4 x 2 threads
     assert sorted(it for it in items if it[0] == 9) == [(9, h, h + 1, 9, 13) for h in range(3)]
     assert items[0][:3] == (0, 0, 3)  # the costliest (whole decodes) go first
     items, _ = build_items(qsl, seq_lens, num_kv_heads=3, group=3, threads=4)
     assert sum(1 for it in items if it[4] - it[3] == 1) == 27  # too few for 4 threads: split
+    _, fresh = build_items(qsl, seq_lens, num_kv_heads=3, group=3, threads=2, fresh_to_sdpa=True)
+    assert fresh == [(13, 16)]  # ... unless some rows were not written to the cache
 
 
 def test_registry_picks_cpu_kernel_by_default_on_cpu():
     assert get_attn_backend("cpu").name == "cpu"
     assert get_attn_backend("cpu", "torch").name == "torch"
+
+
+def test_registry_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, caplog):
+    import pagoda.attention.cpu.backend as cpu_backend
+    from pagoda.attention.cpu import build
+
+    def no_compiler():
+        raise CpuKernelUnavailable("no C compiler found (set $CC or install gcc)")
+
+    monkeypatch.setattr(cpu_backend, "load_library", no_compiler)
+    with caplog.at_level("WARNING"):
+        assert get_attn_backend("cpu").name == "torch"
+    assert "CPU attention kernel unavailable (no C compiler found" in caplog.text
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(CpuKernelUnavailable, match="no C compiler"):
+        build._find_compiler()
+
+
+def test_cpu_backend_needs_a_cpu_device():
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        get_attn_backend("cuda", "cpu")
+
+
+@pytest.mark.slow
+def test_concurrent_first_builds_leave_one_library(tmp_path):
+    """Two processes building into an empty cache at once: both load, no temp file is left."""
+    import subprocess
+    import sys
+
+    code = "from pagoda.attention.cpu.build import load_library; load_library()"
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_tokens_match_torch_backend():
+    """The embedded SmolLM2 (float32) generates the same greedy tokens with either backend."""
+    from pagoda.attention.torch_ref import TorchAttentionBackend as Torch
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.model.layers.attention import Attention
+    from pagoda.sampling_params import SamplingParams
+
+    llm = LLM(None, dtype="float32", attention_backend="cpu")
+    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model = llm.llm_engine.executor.model_runner.model
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            layer.backend = Torch()
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert cpu == ref

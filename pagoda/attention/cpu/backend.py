@@ -3,11 +3,12 @@
 Per step (the plan, built by the first layer and shared by all through `attn_metadata.extra`),
 the batch is cut into work items for the kernel (`paged_attention.c`): a decode is one item
 per request (all its KV heads) when there are enough requests to keep every thread busy, else
-one per (request, KV head); a chunk with a cached prefix is one item per (KV head, run of a few
-query rows). Items go out longest first, so the threads finish together. Fresh prompts (no
-cached prefix) attend only to this step's own rows, where `scaled_dot_product_attention`'s
-blocked matmuls beat a per-row kernel, so they stay on SDPA. New K/V rows are written with
-`torch_ref.write_kv_cache`. What the kernel does not cover (no cache yet, an int8/fp8 cache,
+one per (request, KV head); a prompt chunk (with or without a cached prefix) is one item per
+(KV head, run of a few query rows). Items go out longest first, so the threads finish
+together. New K/V rows are first written with `torch_ref.write_kv_cache`, and the kernel reads
+every key from the cache, fresh prompts included (measured ~2x faster than SDPA for a 512-token
+prompt on a 2-core Zen 4); only when some row was not written (slot -1) do fresh prompts use
+SDPA over the step's own rows. What the kernel does not cover (no cache yet, an int8/fp8 cache,
 a head size over 256, a non-CPU tensor) goes to the torch backend, which stays the oracle.
 """
 
@@ -50,7 +51,7 @@ class _Plan:
     write_slots: torch.Tensor  # [n] int64 slots of the rows written
     write_rows: torch.Tensor | None  # rows to write when some slots are -1; None: all rows
     items: torch.Tensor  # [num_items, 5] int32: request, kv head range, query row range
-    fresh: list[tuple[int, int]]  # query rows [start, end) of prompts with no cached prefix
+    fresh: list[tuple[int, int]]  # query rows [start, end) of prompts left to SDPA
     seq_lens: torch.Tensor  # [num_reqs] int32, contiguous
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, contiguous
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, contiguous
@@ -63,13 +64,16 @@ def build_items(
     num_kv_heads: int,
     group: int,
     threads: int,
+    fresh_to_sdpa: bool = False,
 ) -> tuple[list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
-    """Work items for the kernel, longest first, and the fresh-prompt row ranges left to SDPA."""
+    """Work items for the kernel, longest first, and the row ranges of fresh prompts (no cached
+    prefix) left to SDPA: none, unless `fresh_to_sdpa` (some rows were not written to the
+    cache, so the kernel cannot read them back)."""
     num_reqs = len(seq_lens)
-    decodes = [b for b in range(num_reqs) if query_start_loc[b + 1] - query_start_loc[b] == 1]
+    num_decodes = sum(query_start_loc[b + 1] - query_start_loc[b] == 1 for b in range(num_reqs))
     # Whole requests read their blocks as contiguous runs; split by KV head only when the
     # requests alone are too few to spread over the threads.
-    whole = len(decodes) >= 4 * threads
+    whole = num_decodes >= 4 * threads
     rows_per_item = max(1, _CHUNK_QUERY_VECTORS // group)
     costed, fresh = [], []
     for b in range(num_reqs):
@@ -82,7 +86,7 @@ def build_items(
             for h0, h1 in heads:
                 costed.append((seq_len * (h1 - h0), (b, h0, h1, start, start + 1)))
             continue
-        if seq_len == query_len:
+        if seq_len == query_len and fresh_to_sdpa:
             fresh.append((start, end))
             continue
         for r0 in range(start, end, rows_per_item):
@@ -105,7 +109,9 @@ def _build_plan(md: AttentionMetadata, kv_cache: torch.Tensor, group: int) -> _P
         write_rows = valid.nonzero().squeeze(1)
         slots = slots.index_select(0, write_rows)
     threads = num_threads()
-    items, fresh = build_items(qsl, seq_lens, int(kv_cache.shape[3]), group, threads)
+    items, fresh = build_items(
+        qsl, seq_lens, int(kv_cache.shape[3]), group, threads, fresh_to_sdpa=write_rows is not None
+    )
     return _Plan(
         block_size=int(kv_cache.shape[2]),
         group=group,
