@@ -136,8 +136,9 @@ def test_random_decode_batches_match_torch_backend(seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
-def test_half_precision_stays_close(dtype, heads):
-    out, ref, naive = run_both(3, 16, heads, 64, MIXED, dtype)
+@pytest.mark.parametrize("head_size", [64, 96, 128, 40])  # 96: generic bf16dp; 40: generic
+def test_half_precision_stays_close(dtype, heads, head_size):
+    out, ref, naive = run_both(3, 16, heads, head_size, MIXED, dtype)
     # One rounding of the output (2^-8 relative for bf16) on values of magnitude <~ 1.
     assert (out - naive).abs().max().item() < 2e-2
     assert (out - ref).abs().max().item() < 3e-2

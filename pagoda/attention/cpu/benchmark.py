@@ -94,13 +94,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"])
     args = p.parse_args(argv)
+    from pagoda.attention.cpu.build import load_library
+
     elem = torch_dtype(args.dtype).itemsize
+    bf16dp = bool(load_library().pagoda_paged_attention_bf16dp())
     kv_bytes = 2 * (args.context + 1) * args.heads[1] * args.head_size * elem
     kv_bytes *= args.batch + bool(args.prefill)
     print(
         f"batch {args.batch} x ctx {args.context}, prefill {args.prefill}, heads {args.heads}, "
         f"head {args.head_size}, block {args.block_size}, {args.dtype}, "
-        f"{torch.get_num_threads()} threads; K/V {kv_bytes / 1e6:.2f} MB per layer"
+        f"{torch.get_num_threads()} threads; K/V {kv_bytes / 1e6:.2f} MB per layer; "
+        f"kernel bf16 path: {'AVX512_BF16' if bf16dp else 'fp32 FMA'}"
     )
     for name in args.backends:
         ms = bench(name, args)

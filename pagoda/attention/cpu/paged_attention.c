@@ -17,7 +17,6 @@
  */
 #include "tile.h"
 
-
 /* ---- tile dispatch ------------------------------------------------------------------- */
 /* Head sizes 64 and 128 get code specialised on the group size (loops unrolled, accumulators
  * in registers); other head sizes and dtypes share one generic body per dtype, which keeps the
@@ -25,17 +24,17 @@
 typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float *, float *,
                         const int *);
 
-#define DEFINE_TILE(NAME, DT, CC)                                                                 \
-    static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,        \
-                     float *l, const int *nv) {                                                  \
-        float *const *qf = (float *const *)q;                                                    \
-        switch (CC ? nq : 0) {                                                                   \
-        case 0: attend_tile(tl, DT, nq, 0, qf, acc, m, l, nv); break;                           \
-        case 1: attend_tile(tl, DT, 1, CC, qf, acc, m, l, nv); break;                           \
-        case 2: attend_tile(tl, DT, 2, CC, qf, acc, m, l, nv); break;                           \
-        case 3: attend_tile(tl, DT, 3, CC, qf, acc, m, l, nv); break;                           \
-        default: attend_tile(tl, DT, 4, CC, qf, acc, m, l, nv); break;                          \
-        }                                                                                        \
+#define DEFINE_TILE(NAME, DT, CC)                                                                  \
+    static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,          \
+                     float *l, const int *nv) {                                                    \
+        float *const *qf = (float *const *)q;                                                      \
+        if (CC == 0) attend_tile(tl, DT, nq, 0, qf, acc, m, l, nv);                                \
+        else switch (nq) {                                                                         \
+        case 1: attend_tile(tl, DT, 1, CC, qf, acc, m, l, nv); break;                              \
+        case 2: attend_tile(tl, DT, 2, CC, qf, acc, m, l, nv); break;                              \
+        case 3: attend_tile(tl, DT, 3, CC, qf, acc, m, l, nv); break;                              \
+        default: attend_tile(tl, DT, 4, CC, qf, acc, m, l, nv); break;                             \
+        }                                                                                          \
     }
 
 DEFINE_TILE(tile_f32_4, DT_F32, 4) /* head 64 */
@@ -45,17 +44,17 @@ DEFINE_TILE(tile_f16_n, DT_F16, 0)
 DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
 
 #if HAVE_BF16DP
-#define DEFINE_TILE_BF16DP(NAME, CC)                                                              \
-    static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,        \
-                     float *l, const int *nv) {                                                  \
-        const uint16_t *const *qb = (const uint16_t *const *)q;                                  \
-        switch (CC ? nq : 0) {                                                                   \
-        case 0: attend_tile_bf16dp(tl, nq, 0, qb, acc, m, l, nv); break;                        \
-        case 1: attend_tile_bf16dp(tl, 1, CC, qb, acc, m, l, nv); break;                        \
-        case 2: attend_tile_bf16dp(tl, 2, CC, qb, acc, m, l, nv); break;                        \
-        case 3: attend_tile_bf16dp(tl, 3, CC, qb, acc, m, l, nv); break;                        \
-        default: attend_tile_bf16dp(tl, 4, CC, qb, acc, m, l, nv); break;                       \
-        }                                                                                        \
+#define DEFINE_TILE_BF16DP(NAME, CC)                                                               \
+    static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,          \
+                     float *l, const int *nv) {                                                    \
+        const uint16_t *const *qb = (const uint16_t *const *)q;                                    \
+        if (CC == 0) attend_tile_bf16dp(tl, nq, 0, qb, acc, m, l, nv);                             \
+        else switch (nq) {                                                                         \
+        case 1: attend_tile_bf16dp(tl, 1, CC, qb, acc, m, l, nv); break;                           \
+        case 2: attend_tile_bf16dp(tl, 2, CC, qb, acc, m, l, nv); break;                           \
+        case 3: attend_tile_bf16dp(tl, 3, CC, qb, acc, m, l, nv); break;                           \
+        default: attend_tile_bf16dp(tl, 4, CC, qb, acc, m, l, nv); break;                          \
+        }                                                                                          \
     }
 DEFINE_TILE_BF16DP(tile_bf16dp_2, 2) /* head 64 */
 DEFINE_TILE_BF16DP(tile_bf16dp_4, 4) /* head 128 */
@@ -70,7 +69,8 @@ static int uses_bf16dp(int dt, int d) { return HAVE_BF16DP && dt == DT_BF16 && d
 
 static tile_fn pick_tile(int dt, int d) {
 #if HAVE_BF16DP
-    if (uses_bf16dp(dt, d)) return d == 64 ? tile_bf16dp_2 : d == 128 ? tile_bf16dp_4 : tile_bf16dp_n;
+    if (uses_bf16dp(dt, d))
+        return d == 64 ? tile_bf16dp_2 : d == 128 ? tile_bf16dp_4 : tile_bf16dp_n;
 #else
     if (dt == DT_BF16) return d == 64 ? tile_bf16_4 : d == 128 ? tile_bf16_8 : tile_bf16_n;
 #endif

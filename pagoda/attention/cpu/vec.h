@@ -164,26 +164,27 @@ INLINE float hmax(vf v) {
 /* p[t] holds 16 partial sums of key t's dot product; returns r with r[t] = sum(p[t]).
  * A transpose-and-add tree: each level halves the vectors and doubles the keys per vector. */
 INLINE vf reduce16(const vf *p) {
+    /* Level k pairs up vectors holding 2^(k-1) keys each and adds the halves that belong to
+     * the same key; the index vectors pick those halves out of the pair (a | b). */
+    const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     vf a[8], b[4], c[2];
     for (int j = 0; j < 8; j++)
-        a[j] = __builtin_shuffle(p[2 * j], p[2 * j + 1],
-                                 (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-               __builtin_shuffle(p[2 * j], p[2 * j + 1],
-                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+        a[j] = __builtin_shuffle(p[2 * j], p[2 * j + 1], lo1) +
+               __builtin_shuffle(p[2 * j], p[2 * j + 1], hi1);
     for (int j = 0; j < 4; j++)
-        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1],
-                                 (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-               __builtin_shuffle(a[2 * j], a[2 * j + 1],
-                                 (vi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], lo2) +
+               __builtin_shuffle(a[2 * j], a[2 * j + 1], hi2);
     for (int j = 0; j < 2; j++)
-        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1],
-                                 (vi){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-               __builtin_shuffle(b[2 * j], b[2 * j + 1],
-                                 (vi){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-    return __builtin_shuffle(c[0], c[1],
-                             (vi){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-           __builtin_shuffle(c[0], c[1],
-                             (vi){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], lo3) +
+               __builtin_shuffle(b[2 * j], b[2 * j + 1], hi3);
+    return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
 }
 
 /* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp).
