@@ -227,7 +227,9 @@ class EngineArgs:
         g.add_argument(
             "--distributed-executor-backend", type=str, default=None, choices=["mp", "ray"]
         )
-        g.add_argument("--attention-backend", type=str, default=None, choices=["torch", "triton"])
+        g.add_argument(
+            "--attention-backend", type=str, default=None, choices=["cpu", "torch", "triton"]
+        )
         g.add_argument("--disable-log-stats", action="store_true")
         return parser
 
