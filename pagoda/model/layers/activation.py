@@ -1,7 +1,8 @@
 """SwiGLU's gate (Shazeer, 2020): silu(gate) * up on a fused [.., 2 * d] gate_up projection.
 
-On CUDA (unless `fused_ops` is off) one Triton kernel (`pagoda.kernels.silu_and_mul`) replaces
-the slice, the silu and the product; the torch line is the CPU path and the reference.
+Unless `fused_ops` is off, one kernel replaces the slice, the silu and the product: Triton on
+CUDA (`pagoda.kernels.silu_and_mul`), C on CPU (`pagoda.kernels.cpu.silu_and_mul`); the torch
+line is the reference.
 """
 
 from __future__ import annotations
@@ -10,16 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fused_ops = True  # use the fused kernel on CUDA tensors
+        self.fused_ops = True  # use the fused kernel on CUDA / the C op on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_ops and x.is_cuda:
-            return silu_and_mul(x)
+        if self.fused_ops:
+            if x.is_cuda:
+                return silu_and_mul(x)
+            if cpu_ops.elementwise_supported(x):
+                return cpu_ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

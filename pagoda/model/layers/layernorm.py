@@ -1,8 +1,9 @@
 """RMSNorm (Zhang & Sennrich, 2019), with the residual add fused in as vLLM/HF Llama do it.
 
-The torch code below is the CPU path and the reference; on CUDA (unless `fused_ops` is turned
-off) one Triton kernel does the add, the statistics and the scaling
-(`pagoda.kernels.rms_norm`, same rounding points).
+The torch code below is the reference; unless `fused_ops` is turned off, one kernel does the
+add, the statistics and the scaling with the same rounding points: Triton on CUDA
+(`pagoda.kernels.rms_norm`), C on CPU (`pagoda.kernels.cpu.rms_norm`, in place on x and the
+residual like vLLM's `fused_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import rms_norm
 
 
@@ -18,7 +20,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.variance_epsilon = eps
-        self.fused_ops = True  # use the fused kernel on CUDA tensors
+        self.fused_ops = True  # use the fused kernel on CUDA / the C op on CPU
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 whatever the model dtype, as Hugging Face computes them.
@@ -31,9 +33,15 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if self.fused_ops and x.is_cuda:
-            out, h = rms_norm(x, self.weight, self.variance_epsilon, residual)
-            return out if residual is None else (out, h)
+        if self.fused_ops:
+            if x.is_cuda:
+                out, h = rms_norm(x, self.weight, self.variance_epsilon, residual)
+                return out if residual is None else (out, h)
+            if x.dtype is self.weight.dtype and cpu_ops.rms_norm_supported(
+                x, self.weight, residual
+            ):
+                out, h = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
+                return out if residual is None else (out, h)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -8,6 +8,8 @@ checkpoint tensor into the right slice of them. Fused layers (`QKVParallelLinear
 index of `gate_proj` / `up_proj`), which is how one loader serves every checkpoint (nano-vllm's
 `packed_modules_mapping`). Tensor parallelism follows Megatron-LM: column layers split their
 outputs across ranks, row layers their inputs and sum the partial products with an all-reduce.
+On CPU, a bf16 product of a few rows (decode) goes to the C skinny GEMM of `pagoda.kernels.cpu`
+unless the layer's `fused_ops` is off; `F.linear` stays the reference and handles the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import cpu as cpu_ops
 from pagoda.model.parallel import (
     divide,
     get_tp_rank,
@@ -91,6 +94,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        # A decode's few rows: one streaming pass over the weight in C beats oneDNN's setup.
+        if getattr(layer, "fused_ops", False) and cpu_ops.linear_supported(x, layer.weight):
+            return cpu_ops.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
@@ -124,6 +130,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         for p in self.parameters(recurse=False):
             set_weight_attrs(p, {"weight_loader": self.weight_loader})
+        self.fused_ops = True  # the C skinny GEMM on CPU (see the module docstring)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None

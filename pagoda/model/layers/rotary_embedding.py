@@ -4,8 +4,9 @@ Each head vector is split in two halves (x1, x2) rotated as (x1 cos - x2 sin, x2
 Hugging Face's `rotate_half`. The inverse frequencies follow Hugging Face's rope types exactly:
 `default`, `linear` (position interpolation) and `llama3` (Llama 3.1's frequency-dependent
 scaling). The cos/sin table covers `max_position` positions and is built once, in float32.
-With `fused=True` on CUDA one Triton kernel (`pagoda.kernels.rotary_embedding`) rotates q and k
-in place, in float32; the torch code (rounding like Hugging Face) is the CPU path and reference.
+With `fused=True` one kernel rotates q and k in place, in float32: Triton on CUDA
+(`pagoda.kernels.rotary_embedding`), C on CPU (`pagoda.kernels.cpu.rotary_embedding`); the torch
+code (rounding like Hugging Face) is the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import rotary_embedding
 
 
@@ -85,9 +87,12 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size] -> rotated copies, or
-        q and k rotated in place when `fused` and on CUDA."""
-        if fused and q.is_cuda:
-            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
+        q and k rotated in place when `fused` (on CUDA, or on CPU with the C ops)."""
+        if fused:
+            if q.is_cuda:
+                return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
+            if cpu_ops.rotary_embedding_supported(q, k, self.cos_sin_cache, self.head_size):
+                return cpu_ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size / 2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend, get_attn_backend
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kernels import cpu as cpu_ops
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.layernorm import RMSNorm
@@ -84,8 +85,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_idx, attn_backend
         )
-        # RoPE by the fused kernel on CUDA (the rotary module is shared by all layers and
-        # models with the same table, so the choice lives here).
+        # RoPE by the fused kernel on CUDA / the C op on CPU (the rotary module is shared by
+        # all layers and models with the same table, so the choice lives here).
         self.fused_ops = True
 
     def forward(
@@ -213,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.vocab_size, int(hf_config["hidden_size"]))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused_ops = True  # logits by the C skinny GEMM on CPU (compute_logits)
 
     def set_attn_backend(self, backend: AttentionBackend) -> None:
         for module in self.modules():
@@ -220,8 +222,9 @@ class LlamaForCausalLM(nn.Module):
                 module.backend = backend
 
     def set_fused_ops(self, enabled: bool) -> None:
-        """Fused Triton RMSNorm / SiLU-and-mul / RoPE on CUDA (True, the default), or the plain
-        torch ops everywhere (the reference path)."""
+        """Fused Triton RMSNorm / SiLU-and-mul / RoPE on CUDA and the C ops on CPU (skinny
+        GEMM for linear layers and logits, RMSNorm, SiLU-and-mul, RoPE: `pagoda.kernels.cpu`)
+        (True, the default), or the plain torch ops everywhere (the reference path)."""
         for module in self.modules():
             if hasattr(module, "fused_ops"):
                 module.fused_ops = enabled
@@ -238,6 +241,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""
+        weight = self.lm_head.weight
+        if (
+            self.fused_ops
+            and self.lm_head.tp_size == 1
+            and cpu_ops.linear_supported(hidden_states, weight)
+        ):
+            # Straight to float32 from the fp32 accumulators: no bf16 rounding of the logits.
+            return cpu_ops.linear(hidden_states, weight, out_dtype=torch.float32)
         return self.lm_head.compute_logits(hidden_states).float()
 
 

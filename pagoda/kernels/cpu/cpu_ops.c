@@ -1,0 +1,138 @@
+/* CPU ops of a Llama block for small batches: the skinny bf16 GEMM of the linear layers
+ * (gemv.h) and the element-wise ops between them, each one pass over its rows in a single
+ * call: residual add + RMSNorm, SiLU-and-mul, and neox-style RoPE in place on q and k.
+ *
+ * The element-wise ops round where the torch references in `pagoda.kernels.reference` round
+ * (bf16 models: the residual sum, the normalised value, silu's output; statistics and RoPE in
+ * fp32), so they agree with them to one bf16 ulp. Rows are addressed by a stride (in elements),
+ * so views into a fused projection's output (q and k inside qkv) need no copy. Large inputs
+ * (prefill) are split over OpenMP threads by rows; a decode's few rows run on the calling
+ * thread, where a fork/join would cost more than the work. Every entry point returns 0, or -1
+ * for arguments it does not handle (the Python side checks first; this is a last guard). */
+#include "gemv.h"
+
+#define PAGODA_CPU_OPS_ABI 1
+
+int pagoda_cpu_ops_abi(void) { return PAGODA_CPU_OPS_ABI; }
+
+int pagoda_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                     void *y, int64_t y_stride, int y_fp32, int64_t M, int64_t N, int64_t K,
+                     int nthreads) {
+    if (M < 0 || N < 0 || K <= 0 || x_stride < K || y_stride < N) return -1;
+    GemvArgs a = {x, x_stride, w, bias, y, y_stride, y_fp32, M, N, K};
+    if (M > 0 && N > 0) gemv_bf16(&a, nthreads);
+    return 0;
+}
+
+/* ---- RMSNorm (Zhang & Sennrich, 2019) with the residual add fused ---------------------- */
+/* With `res`: res <- x + res (rounded to the dtype), out <- w * norm(res). Without: out <- w *
+ * norm(x). `out` may be `x` (in place). The weight has its own dtype `w_dt`. */
+static void rms_norm_row(const char *x, char *res, const char *w, char *out, int64_t cols,
+                         float eps, const int dt, int w_dt) {
+    const int es = dt == DT_BF16 ? 2 : 4, ws = w_dt == DT_BF16 ? 2 : 4;
+    __m512 ss = _mm512_setzero_ps();
+    const char *h = res ? res : x;
+    for (int64_t c = 0; c < cols; c += 16) {
+        __mmask16 m = tail_mask16(cols - c);
+        __m512 v = load16(x + c * es, dt, m);
+        if (res) {
+            v = round_to(_mm512_add_ps(v, load16(res + c * es, dt, m)), dt);
+            store16(res + c * es, v, dt, m);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)cols + eps));
+    for (int64_t c = 0; c < cols; c += 16) {
+        __mmask16 m = tail_mask16(cols - c);
+        __m512 v = round_to(_mm512_mul_ps(load16(h + c * es, dt, m), rstd), dt);
+        store16(out + c * es, _mm512_mul_ps(v, load16(w + c * ws, w_dt, m)), dt, m);
+    }
+}
+
+int pagoda_rms_norm(const void *x, int64_t x_stride, void *res, int64_t res_stride, const void *w,
+                    void *out, int64_t out_stride, int64_t rows, int64_t cols, float eps, int dt,
+                    int w_dt, int nthreads) {
+    if ((dt != DT_F32 && dt != DT_BF16) || (w_dt != DT_F32 && w_dt != DT_BF16)) return -1;
+    const int64_t es = dt == DT_BF16 ? 2 : 4;
+    int nt = pick_threads(nthreads, rows, cols * es * 3);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        char *rr = res ? (char *)res + r * res_stride * es : NULL;
+        const char *xr = (const char *)x + r * x_stride * es;
+        char *orow = (char *)out + r * out_stride * es;
+        if (dt == DT_BF16) rms_norm_row(xr, rr, (const char *)w, orow, cols, eps, DT_BF16, w_dt);
+        else rms_norm_row(xr, rr, (const char *)w, orow, cols, eps, DT_F32, w_dt);
+    }
+    return 0;
+}
+
+/* ---- SwiGLU's gate (Shazeer, 2020): out = silu(x[:, :d]) * x[:, d:] --------------------- */
+static void silu_and_mul_row(const char *x, char *out, int64_t d, const int dt) {
+    const int es = dt == DT_BF16 ? 2 : 4;
+    for (int64_t c = 0; c < d; c += 16) {
+        __mmask16 m = tail_mask16(d - c);
+        __m512 g = load16(x + c * es, dt, m), u = load16(x + (d + c) * es, dt, m);
+        __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 silu = round_to(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), dt);
+        store16(out + c * es, _mm512_mul_ps(silu, u), dt, m);
+    }
+}
+
+int pagoda_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
+                        int64_t rows, int64_t d, int dt, int nthreads) {
+    if (dt != DT_F32 && dt != DT_BF16) return -1;
+    const int64_t es = dt == DT_BF16 ? 2 : 4;
+    int nt = pick_threads(nthreads, rows, d * es * 3);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = (const char *)x + r * x_stride * es;
+        char *orow = (char *)out + r * out_stride * es;
+        if (dt == DT_BF16) silu_and_mul_row(xr, orow, d, DT_BF16);
+        else silu_and_mul_row(xr, orow, d, DT_F32);
+    }
+    return 0;
+}
+
+/* ---- Rotary embedding (Su et al., 2021), GPT-NeoX / rotate_half layout ------------------ */
+/* Heads of one token: the first `rot` dims of each head, halves (x1, x2), become
+ * (x1 cos - x2 sin, x2 cos + x1 sin) in fp32, rounded once to the dtype. */
+static void rope_heads(char *x, int heads, int head_size, int rot, const float *cos_sin,
+                       const int dt) {
+    const int es = dt == DT_BF16 ? 2 : 4, half = rot / 2;
+    for (int h = 0; h < heads; h++) {
+        char *p = x + (int64_t)h * head_size * es;
+        for (int c = 0; c < half; c += 16) {
+            __mmask16 m = tail_mask16(half - c);
+            __m512 x1 = load16(p + c * es, dt, m), x2 = load16(p + (half + c) * es, dt, m);
+            __m512 cs = _mm512_maskz_loadu_ps(m, cos_sin + c);
+            __m512 sn = _mm512_maskz_loadu_ps(m, cos_sin + half + c);
+            store16(p + c * es, _mm512_fmsub_ps(x1, cs, _mm512_mul_ps(x2, sn)), dt, m);
+            store16(p + (half + c) * es, _mm512_fmadd_ps(x2, cs, _mm512_mul_ps(x1, sn)), dt, m);
+        }
+    }
+}
+
+int pagoda_rotary_embedding(const int64_t *positions, void *q, int64_t q_stride, int num_heads,
+                            void *k, int64_t k_stride, int num_kv_heads, int head_size, int rot,
+                            const float *cos_sin_cache, int64_t max_position, int64_t tokens,
+                            int dt, int nthreads) {
+    if ((dt != DT_F32 && dt != DT_BF16) || rot > head_size || rot % 2) return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+    const int64_t es = dt == DT_BF16 ? 2 : 4;
+    int nt = pick_threads(nthreads, tokens, (int64_t)(num_heads + num_kv_heads) * head_size * es);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_sin_cache + positions[t] * rot;
+        char *qt = (char *)q + t * q_stride * es;
+        char *kt = k ? (char *)k + t * k_stride * es : NULL;
+        if (dt == DT_BF16) {
+            rope_heads(qt, num_heads, head_size, rot, cs, DT_BF16);
+            if (kt) rope_heads(kt, num_kv_heads, head_size, rot, cs, DT_BF16);
+        } else {
+            rope_heads(qt, num_heads, head_size, rot, cs, DT_F32);
+            if (kt) rope_heads(kt, num_kv_heads, head_size, rot, cs, DT_F32);
+        }
+    }
+    return 0;
+}

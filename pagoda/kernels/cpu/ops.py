@@ -1,0 +1,282 @@
+"""ctypes wrappers of the C CPU ops (`cpu_ops.c`): skinny bf16 linear, RMSNorm(+residual),
+SiLU-and-mul and RoPE, with the checks that pick them over torch.
+
+The library is built at first use by the attention kernel's helper
+(`pagoda.attention.cpu.build.build_library`: gcc -O3 -march=native -fopenmp, cached on disk).
+It needs AVX512_BF16; on other CPUs, without a compiler, or with `PAGODA_CPU_FAST_OPS=0`,
+`cpu_ops_available()` is False and the model layers keep their torch code, which stays the
+reference. Each `*_supported` check is what a layer asks before calling the op; the ops
+themselves assume it passed. They run with torch's intra-op thread count (the same libgomp pool).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pagoda.attention.cpu.build import CpuKernelUnavailable, build_library, cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+HEADERS = ("simd.h", "gemv.h")
+_ABI = 1
+# Largest row count (tokens) the skinny GEMM takes; above it torch's GEMM (oneDNN) is faster.
+# Measured on a 2-core Zen 4 for the SmolLM2 shapes (pagoda/kernels/cpu/benchmark.py).
+MAX_GEMV_ROWS = 16
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def fast_ops_enabled_by_env() -> bool:
+    """False when $PAGODA_CPU_FAST_OPS is 0 / false / off (the torch path everywhere)."""
+    value = os.environ.get("PAGODA_CPU_FAST_OPS", "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes", ""):
+        return True
+    raise ValueError(f"PAGODA_CPU_FAST_OPS must be 0 or 1, got {value!r}")
+
+
+@functools.cache
+def load_cpu_ops() -> ctypes.CDLL:
+    """The compiled ops library (built on first call, ~2 s). Raises CpuKernelUnavailable."""
+    if "avx512_bf16" not in cpu_flags().split():
+        raise CpuKernelUnavailable("this CPU lacks AVX512_BF16")
+    lib_path = build_library(SOURCE, HEADERS)
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:
+        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
+    if lib.pagoda_cpu_ops_abi() != _ABI:
+        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    signatures = {
+        "pagoda_gemv_bf16": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32],
+        "pagoda_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32, i32],
+        "pagoda_silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32, i32],
+        "pagoda_rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, i32, i32, ptr, i64, i64]
+        + [i32, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+@functools.cache
+def cpu_ops_available() -> bool:
+    """Whether the C ops are on: allowed by $PAGODA_CPU_FAST_OPS and built for this CPU."""
+    if not fast_ops_enabled_by_env():
+        return False
+    try:
+        load_cpu_ops()
+    except CpuKernelUnavailable as e:
+        logger.warning("CPU fast ops unavailable (%s); using torch for linear/norm/rope", e)
+        return False
+    return True
+
+
+def _lib() -> ctypes.CDLL:
+    return load_cpu_ops()
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name} rejected its arguments (a bug in the Python-side checks)")
+
+
+# ---- skinny linear ------------------------------------------------------------------------
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [..., K] bf16 with at most MAX_GEMV_ROWS rows, weight [N, K] bf16 contiguous, on CPU."""
+    return (
+        x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and not x.is_cuda
+        and x.numel() <= MAX_GEMV_ROWS * x.shape[-1]
+        and cpu_ops_available()
+        and weight.is_contiguous()
+        and weight.device.type == "cpu"
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x [..., K], weight [N, K] (bf16): [..., N] in `out_dtype`
+    (bf16, or float32 for logits); fp32 accumulation either way."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    rc = _lib().pagoda_gemv_bf16(
+        x2.data_ptr(),
+        x2.stride(0),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        out_dtype is torch.float32,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    _check(rc, "pagoda_gemv_bf16")
+    return out
+
+
+# ---- element-wise ops ---------------------------------------------------------------------
+
+
+def elementwise_supported(x: torch.Tensor) -> bool:
+    """A float32 / bf16 CPU tensor with a contiguous last dimension, and the ops built."""
+    return x.dtype in _DTYPES and not x.is_cuda and x.stride(-1) == 1 and cpu_ops_available()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(h), h), h = x + residual, as `pagoda.kernels.reference.rms_norm_ref`.
+
+    With `residual` the op is in place, like vLLM's `fused_add_rms_norm`: `residual` becomes h
+    and `x` the normalised output (both must be 2-D rows with a unit last stride). Without, x
+    is left alone and a new tensor returned."""
+    cols = x.shape[-1]
+    if residual is None:
+        src = x.reshape(-1, cols)
+        if src.stride(-1) != 1:
+            src = src.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype).view(-1, cols)
+        res_ptr, res_stride = None, 0
+    else:
+        src = out = x
+        res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
+    rc = _lib().pagoda_rms_norm(
+        src.data_ptr(),
+        src.stride(0),
+        res_ptr,
+        res_stride,
+        weight.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        src.shape[0],
+        cols,
+        eps,
+        _DTYPES[x.dtype],
+        _DTYPES[weight.dtype],
+        torch.get_num_threads(),
+    )
+    _check(rc, "pagoda_rms_norm")
+    if residual is None:
+        return out.view(x.shape), x
+    return out, residual
+
+
+def rms_norm_supported(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> bool:
+    if not (elementwise_supported(x) and weight.dtype in _DTYPES and weight.is_contiguous()):
+        return False
+    if residual is None:
+        return True
+    return (
+        x.dim() == 2
+        and residual.shape == x.shape
+        and residual.dtype is x.dtype
+        and residual.stride(-1) == 1
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:], as `silu_and_mul_ref`."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    rc = _lib().pagoda_silu_and_mul(
+        x2.data_ptr(),
+        x2.stride(0),
+        out.data_ptr(),
+        d,
+        x2.shape[0],
+        d,
+        _DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    _check(rc, "pagoda_silu_and_mul")
+    return out
+
+
+def _heads_layout(x: torch.Tensor, head_size: int) -> tuple[int, int] | None:
+    """(row stride, heads) when x's rows are [T, heads * head_size] or [T, heads, head_size]
+    with heads back to back; None otherwise."""
+    if x.stride(-1) != 1:
+        return None
+    if x.dim() == 2 and x.shape[1] % head_size == 0:
+        return x.stride(0), x.shape[1] // head_size
+    if x.dim() == 3 and x.shape[2] == head_size and x.stride(1) == head_size:
+        return x.stride(0), x.shape[1]
+    return None
+
+
+def rotary_embedding_supported(
+    q: torch.Tensor, k: torch.Tensor | None, cos_sin_cache: torch.Tensor, head_size: int
+) -> bool:
+    return (
+        elementwise_supported(q)
+        and (k is None or (k.dtype is q.dtype and _heads_layout(k, head_size) is not None))
+        and _heads_layout(q, head_size) is not None
+        and cos_sin_cache.dtype is torch.float32
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.shape[-1] <= head_size
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Neox-style RoPE in place on q / k at `positions` [T], as `rotary_embedding_ref`;
+    returns (q, k). Raises ValueError for a position outside the cos/sin table."""
+    if positions.dtype is not torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    q_stride, num_heads = _heads_layout(q, head_size)
+    k_stride, num_kv_heads = (0, 0) if k is None else _heads_layout(k, head_size)
+    rc = _lib().pagoda_rotary_embedding(
+        positions.data_ptr(),
+        q.data_ptr(),
+        q_stride,
+        num_heads,
+        None if k is None else k.data_ptr(),
+        k_stride,
+        num_kv_heads,
+        head_size,
+        cos_sin_cache.shape[-1],
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[0],
+        q.shape[0],
+        _DTYPES[q.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"a position is outside the rotary table [0, {cos_sin_cache.shape[0]}): raise "
+            "max_position_embeddings or shorten the request"
+        )
+    return q, k
