@@ -41,20 +41,19 @@ def _cycle(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.
     return fn(x, weights[0])
 
 
-def bench_linear(shapes: list[str], rows: list[int], iters: int) -> None:
+def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dtype) -> None:
     print("linear [N x K], M rows: torch F.linear us | C us (GB/s of weights) | speedup")
     for shape in shapes:
         n, k = (int(v) for v in shape.split("x"))
         # Cycle through copies of the weight that overflow the L3, so every call streams its
         # weight from DRAM as a decode step does.
-        copies = [
-            torch.randn(n, k).to(torch.bfloat16) for _ in range(1 + _COLD_BYTES // (n * k * 2))
-        ]
+        size = dtype.itemsize
+        copies = [torch.randn(n, k).to(dtype) for _ in range(1 + _COLD_BYTES // (n * k * size))]
         for m in rows:
-            x = torch.randn(m, k).to(torch.bfloat16)
+            x = torch.randn(m, k).to(dtype)
             t_ref = time_us(functools.partial(_cycle, F.linear, x, copies), iters)
             t_c = time_us(functools.partial(_cycle, cpu.linear, x, copies), iters)
-            gbs = n * k * 2 / t_c / 1e3
+            gbs = n * k * size / t_c / 1e3
             print(
                 f"  {n:6d}x{k:<5d} M={m:3d}: {t_ref:9.1f} | {t_c:9.1f} ({gbs:5.1f}) | "
                 f"{t_ref / t_c:5.2f}x"
@@ -91,11 +90,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--shapes", nargs="+", default=_SHAPES, help="NxK weight shapes")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     if not cpu.cpu_ops_available():
         raise SystemExit("the C CPU ops are not available here (see the warning above)")
     print(f"{torch.get_num_threads()} threads")
-    bench_linear(args.shapes, args.rows, args.iters)
+    bench_linear(args.shapes, args.rows, args.iters, getattr(torch, args.dtype))
     bench_elementwise(args.rows, args.iters)
 
 

@@ -15,12 +15,15 @@
 
 int pagoda_cpu_ops_abi(void) { return PAGODA_CPU_OPS_ABI; }
 
-int pagoda_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                     void *y, int64_t y_stride, int y_fp32, int64_t M, int64_t N, int64_t K,
-                     int nthreads) {
-    if (M < 0 || N < 0 || K <= 0 || x_stride < K || y_stride < N) return -1;
+/* x, w and bias share the dtype `dt`; y is that dtype, or fp32 when `y_fp32`. */
+int pagoda_gemv(const void *x, int64_t x_stride, const void *w, const void *bias, void *y,
+                int64_t y_stride, int y_fp32, int64_t M, int64_t N, int64_t K, int dt,
+                int nthreads) {
+    if ((dt != DT_F32 && dt != DT_BF16) || M < 0 || N < 0 || K <= 0 || x_stride < K ||
+        y_stride < N)
+        return -1;
     GemvArgs a = {x, x_stride, w, bias, y, y_stride, y_fp32, M, N, K};
-    if (M > 0 && N > 0) gemv_bf16(&a, nthreads);
+    if (M > 0 && N > 0) gemv(&a, dt, nthreads);
     return 0;
 }
 

@@ -26,10 +26,11 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 HEADERS = ("simd.h", "gemv.h")
 _ABI = 1
-# Largest row count (tokens) the skinny GEMM takes; above it torch's GEMM (oneDNN) is faster.
-# Measured on a 2-core Zen 4 for the SmolLM2 shapes (pagoda/kernels/cpu/benchmark.py).
-MAX_GEMV_ROWS = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Largest row count (tokens) the skinny GEMM takes; above it torch's GEMM (oneDNN for bf16,
+# MKL for float32) is as fast or faster. Measured on a 2-core Zen 4 for the SmolLM2 shapes
+# (`python -m pagoda.kernels.cpu.benchmark [--dtype float32]`).
+MAX_GEMV_ROWS = {torch.bfloat16: 16, torch.float32: 32}
 
 
 def fast_ops_enabled_by_env() -> bool:
@@ -56,7 +57,7 @@ def load_cpu_ops() -> ctypes.CDLL:
         raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "pagoda_gemv_bf16": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32],
+        "pagoda_gemv": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32, i32],
         "pagoda_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32, i32],
         "pagoda_silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32, i32],
         "pagoda_rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, i32, i32, ptr, i64, i64]
@@ -94,12 +95,13 @@ def _check(rc: int, name: str) -> None:
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [..., K] bf16 with at most MAX_GEMV_ROWS rows, weight [N, K] bf16 contiguous, on CPU."""
+    """x [..., K] with at most MAX_GEMV_ROWS[dtype] rows and weight [N, K] contiguous, both
+    bf16 or both float32, on CPU."""
     return (
-        x.dtype is torch.bfloat16
-        and weight.dtype is torch.bfloat16
+        x.dtype is weight.dtype
+        and x.dtype in MAX_GEMV_ROWS
         and not x.is_cuda
-        and x.numel() <= MAX_GEMV_ROWS * x.shape[-1]
+        and x.numel() <= MAX_GEMV_ROWS[x.dtype] * x.shape[-1]
         and cpu_ops_available()
         and weight.is_contiguous()
         and weight.device.type == "cpu"
@@ -110,19 +112,21 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x [..., K], weight [N, K] (bf16): [..., N] in `out_dtype`
-    (bf16, or float32 for logits); fp32 accumulation either way."""
+    """x @ weight.T (+ bias) for x [..., K], weight [N, K]: [..., N] in x's dtype, or float32
+    (`out_dtype`, for logits); fp32 accumulation either way."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
     out = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
     if bias is not None:
-        bias = bias.to(torch.bfloat16).contiguous()
-    rc = _lib().pagoda_gemv_bf16(
+        bias = bias.to(x.dtype).contiguous()
+    rc = _lib().pagoda_gemv(
         x2.data_ptr(),
         x2.stride(0),
         weight.data_ptr(),
@@ -130,12 +134,13 @@ def linear(
         out.data_ptr(),
         n,
         out_dtype is torch.float32,
-        m,
+        x2.shape[0],
         n,
         k,
+        _DTYPES[x.dtype],
         torch.get_num_threads(),
     )
-    _check(rc, "pagoda_gemv_bf16")
+    _check(rc, "pagoda_gemv")
     return out
 
 
