@@ -8,6 +8,7 @@ float32 must match tightly; bfloat16 and float16 within their rounding.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
@@ -243,6 +244,8 @@ def test_registry_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, 
         raise CpuKernelUnavailable("no C compiler found (set $CC or install gcc)")
 
     monkeypatch.setattr(cpu_backend, "load_library", no_compiler)
+    # The "pagoda" logger stops propagation once set up; let caplog (on the root) see it.
+    monkeypatch.setattr(logging.getLogger("pagoda"), "propagate", True)
     with caplog.at_level("WARNING"):
         assert get_attn_backend("cpu").name == "torch"
     assert "CPU attention kernel unavailable (no C compiler found" in caplog.text
