@@ -193,9 +193,15 @@ def test_metrics_move(server, client):
     assert server.metric("pagoda:request_success_total") >= 1
 
 
-async def _stream_some(url: str, n_chunks: int | None) -> int:
-    """Stream a long completion; read n_chunks then drop the connection (None: read all)."""
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": STREAM_TOKENS,
+async def _stream_some(
+    url: str,
+    n_chunks: int | None,
+    max_tokens: int = STREAM_TOKENS,
+    started: asyncio.Event | None = None,
+) -> int:
+    """Stream a long completion; read n_chunks then drop the connection (None: read all).
+    `started` is set once the first chunk arrived."""
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True}  # fmt: skip
     h = {"Authorization": f"Bearer {KEY}"}
     got = 0
@@ -205,6 +211,8 @@ async def _stream_some(url: str, n_chunks: int | None) -> int:
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     got += 1
+                    if started is not None:
+                        started.set()
                     if n_chunks is not None and got >= n_chunks:
                         return got  # leaving the block closes the connection mid-stream
     return got
@@ -261,9 +269,15 @@ def test_overload_answers_503(server):
 
 
 def test_sigterm_drains_then_exits(server):
+    # Long enough to still be running when the late request arrives, however fast the engine.
+    drain_tokens = MAX_MODEL_LEN - 16
+
     async def scenario() -> tuple[int, int]:
-        running = asyncio.ensure_future(_stream_some(server.url, None))
-        await asyncio.sleep(1.0)  # the stream is under way
+        started = asyncio.Event()
+        running = asyncio.ensure_future(
+            _stream_some(server.url, None, max_tokens=drain_tokens, started=started)
+        )
+        await asyncio.wait_for(started.wait(), 60)  # the stream is under way
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         async with httpx.AsyncClient() as c:
@@ -273,5 +287,5 @@ def test_sigterm_drains_then_exits(server):
 
     got, late_status = asyncio.run(scenario())
     assert late_status == 503
-    assert got == STREAM_TOKENS  # the running request finished
+    assert got == drain_tokens  # the running request finished
     assert server.proc.wait(30) == 0
