@@ -1,19 +1,27 @@
-"""CUDA graphs for pure-decode steps: capture once per batch-size bucket, replay every step.
+"""CUDA graphs for decode steps and small mixed/prefill steps: capture once per bucket, replay.
 
-A decode step of a large model is ~1,000 kernel launches; launching them from Python costs
-more than the GPU needs to run them at small batches. `CUDAGraphRunner` captures the model's
-forward (not the logits or the sampler) once for each batch size in `cuda_graph_capture_sizes`
-(vLLM's buckets: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs, at most 512), over the
-`InputBuilder`'s persistent device buffers, and a step replays the graph of the smallest bucket
-that holds its batch: the builder pads the batch to that size (padded rows write no KV and
-attend to one token of the null block 0). The graphs are captured from the largest bucket down
-into one shared memory pool, so the smaller ones reuse the largest one's activations. What a
-graph bakes in must not change between replays: tensor addresses (the buffers are allocated
-once; `InputBuilder.generation` tells when they were not), shapes, and host-side choices made
-at launch (the attention metadata of a captured step therefore carries no CPU copies, and its
-`max_seq_len` is max_model_len). The Triton attention kernel fits that: its grid is an upper
-bound computed from host values fixed per bucket, and it finds each program's request in the
-device-side `query_start_loc` (see `pagoda.attention.triton.unified_attention`).
+A step of a large model is ~1,000 kernel launches; launching them from Python costs more than
+the GPU needs to run them unless the step has thousands of tokens. `CUDAGraphRunner` captures
+the model's forward (not the logits or the sampler) over the `InputBuilder`'s persistent device
+buffers, once per bucket, into one shared memory pool (largest first, so the smaller graphs
+reuse the largest one's activations), and a step replays the smallest bucket that holds it:
+- **decode graphs**, one per batch size in `cuda_graph_capture_sizes` (vLLM's buckets: 1, 2, 4,
+  8, 16, 24, ... up to max_num_seqs, at most 512), for steps where every request has one token;
+  padded rows are one-token requests on the null block 0 that write nothing;
+- **mixed graphs**, one per (token bucket, request bucket) of `mixed_graph_shapes` (tokens 16 ..
+  512 doubling, requests 4, 16, 64, 256 up to the token bucket), for any other step of at most
+  512 tokens: prefill chunks with or without a cached prefix, decodes, speculative rows. The
+  builder pads the step with empty requests and one extra request that owns the padding tokens
+  (`pagoda.worker.input_batch.pad_mixed_requests`); `max_query_len` is the token bucket, so
+  the attention kernel's tiling is fixed at capture and valid for any query lengths within it.
+What a graph bakes in must not change between replays: tensor addresses (the buffers are
+allocated once; `InputBuilder.generation` tells when they were not), shapes, and host-side
+choices made at launch (the attention metadata of a captured step therefore carries no CPU
+copies). The Triton attention kernel fits that: its grid is an upper bound computed from the
+bucket (num_tokens // BLOCK_Q + num_reqs), it finds each program's request in the device-side
+`query_start_loc`, and programs of empty requests exit at once (see
+`pagoda.attention.triton.unified_attention`). Graphs are on for CUDA with the Triton backend
+unless `enforce_eager`; a failed mixed capture only turns the mixed graphs off.
 """
 
 from __future__ import annotations
@@ -22,19 +30,34 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.worker.input_batch import InputBuilder
+
+if TYPE_CHECKING:  # input_batch imports the padding functions below
+    from pagoda.worker.input_batch import InputBuilder
 
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
+# Mixed graphs: token buckets, and request buckets per token bucket (capped at the token
+# bucket and max_num_seqs, the cap included). The attention grid has a program per request
+# slot, so a step with few requests should not run in a graph with hundreds of empty ones;
+# a factor of 4 between request buckets keeps the spare programs below 3/4 of the slots while
+# the whole set stays ~20 graphs (~2 s of capture for Llama-3-8B next to 35 decode graphs).
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+MIXED_REQ_SIZES = (4, 16, 64, 256)
+# Device memory of one instantiated graph outside torch's allocator (kernel nodes, launch
+# parameters): the same allowance as the decode graphs' in `pagoda.worker.profiling`.
+PER_GRAPH_OVERHEAD_BYTES = 2 << 20
 
-# forward(input_ids, positions, attn_metadata) -> hidden states [batch_size, hidden_size]
+# forward(input_ids, positions, attn_metadata) -> hidden states [num_tokens, hidden_size]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# A decode graph's batch size, or a mixed graph's (num_tokens, num_reqs) bucket.
+GraphKey = int | tuple[int, int]
 
 
 class Graph(Protocol):
@@ -63,6 +86,101 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
     return capture_sizes[i] if i < len(capture_sizes) and num_reqs > 0 else None
 
 
+def _buckets(sizes: Sequence[int], cap: int) -> list[int]:
+    out = [s for s in sizes if s <= cap]
+    if not out or out[-1] != cap:
+        out.append(cap)
+    return out
+
+
+def mixed_graph_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """The (num_tokens, num_reqs) buckets of the mixed graphs, ascending: token buckets
+    `MIXED_TOKEN_SIZES` up to min(max_num_batched_tokens, 512) (the cap included), and for each
+    request buckets `MIXED_REQ_SIZES` up to min(token bucket, max_num_seqs) (the cap included:
+    every scheduled request has a token, so no step needs more)."""
+    token_cap = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
+    if token_cap < 2 or max_num_seqs < 1:  # a step that is not pure decode has >= 2 tokens
+        return []
+    return [
+        (t, r)
+        for t in _buckets(MIXED_TOKEN_SIZES, token_cap)
+        for r in _buckets(MIXED_REQ_SIZES, min(t, max_num_seqs))
+    ]
+
+
+def mixed_graph_shape(
+    num_tokens: int, num_reqs: int, shapes: Sequence[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """The smallest bucket (fewest tokens, then fewest requests) of `shapes` (ascending) that
+    holds a step of num_tokens tokens over num_reqs requests, or None."""
+    if num_reqs < 1:
+        return None
+    for t, r in shapes:
+        if t >= num_tokens and r >= num_reqs:
+            return t, r
+    return None
+
+
+def mixed_graph_reserve_bytes(
+    forward_peak_bytes: int, shapes: Sequence[tuple[int, int]], row_bytes: int
+) -> int:
+    """Memory to reserve for the mixed graphs: the activations of the largest one (the pool
+    shares them), every graph's output (`row_bytes` per token row) and per-graph overhead."""
+    if not shapes:
+        return 0
+    outputs = sum(t for t, _ in shapes) * row_bytes
+    return forward_peak_bytes + outputs + len(shapes) * PER_GRAPH_OVERHEAD_BYTES
+
+
+def describe_mixed_shapes(shapes: Sequence[tuple[int, int]]) -> str:
+    """`16x{4,16} 32x{4,16,32}`: request buckets per token bucket, for the capture log."""
+    by_tokens: dict[int, list[int]] = {}
+    for t, r in shapes:
+        by_tokens.setdefault(t, []).append(r)
+    return " ".join(f"{t}x{{{','.join(map(str, rs))}}}" for t, rs in by_tokens.items())
+
+
+def pad_tokens(
+    input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, start: int, end: int
+) -> None:
+    """Token rows [start, end) become padding: token 0 at position 0, slot -1 (not written)."""
+    input_ids[start:end] = 0
+    positions[start:end] = 0
+    slot_mapping[start:end] = -1
+
+
+def pad_mixed_requests(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    num_tokens: int,
+    num_reqs: int,
+    graph_tokens: int,
+    graph_reqs: int,
+    block_size: int,
+) -> None:
+    """Pad a step's request arrays (rows [0, num_reqs) written, [0, num_tokens) tokens) to a
+    mixed graph of `graph_reqs` request slots plus one: slots [num_reqs, graph_reqs) become
+    empty requests (no query rows, no keys: their attention programs exit at once), and slot
+    `graph_reqs` owns the padding tokens [num_tokens, graph_tokens) as a fresh prompt on the
+    null block 0 (never written, zeros), so every token row belongs to a request and computes
+    finite values. query_start_loc then has graph_reqs + 2 entries ending at graph_tokens."""
+    num_pad = graph_tokens - num_tokens
+    if not (0 <= num_reqs <= graph_reqs and num_pad >= 0) or (
+        -(-num_pad // block_size) > block_table.shape[1] or graph_reqs >= len(seq_lens)
+    ):
+        raise ValueError(
+            f"a step of {num_tokens} tokens / {num_reqs} requests does not fit the mixed graph "
+            f"({graph_tokens} tokens, {graph_reqs} requests) or its buffers"
+        )
+    query_start_loc[0] = 0  # a step with no requests (graph capture)
+    query_start_loc[num_reqs + 1 : graph_reqs + 1] = num_tokens
+    query_start_loc[graph_reqs + 1] = graph_tokens
+    seq_lens[num_reqs:graph_reqs] = 0
+    seq_lens[graph_reqs] = num_pad
+    block_table[graph_reqs, : -(-num_pad // block_size)] = 0
+
+
 def torch_cuda_capture(pool: object) -> CaptureFn:
     """Capture into `pool` (a `torch.cuda.graph_pool_handle()`) with torch.cuda.CUDAGraph."""
 
@@ -76,11 +194,13 @@ def torch_cuda_capture(pool: object) -> CaptureFn:
 
 
 class CUDAGraphRunner:
-    """Decode graphs over an `InputBuilder`'s device buffers.
+    """Decode and mixed graphs over an `InputBuilder`'s device buffers.
 
     `capture()` once the KV cache exists (its address is baked in); then each step asks
-    `padded_size(num_reqs)` (the builder pads the step to it) and calls `replay(size)`, which
-    returns the captured output tensor: valid until the next replay.
+    `padded_size(num_reqs)` (pure decode) or `mixed_shape(num_tokens, num_reqs)` (any other
+    step), the builder pads the step to it, and `replay(key)` returns the captured output
+    tensor [padded tokens, hidden_size]: valid until the next replay of any graph (they share
+    one pool).
     """
 
     def __init__(
@@ -91,6 +211,7 @@ class CUDAGraphRunner:
         max_seq_len: int,
         capture_fn: CaptureFn | None = None,
         num_warmups: int = 1,
+        mixed_shapes: Sequence[tuple[int, int]] = (),
     ) -> None:
         if list(capture_sizes) != sorted(set(capture_sizes)) or not capture_sizes:
             raise ValueError(f"capture_sizes must be ascending and unique, got {capture_sizes}")
@@ -99,15 +220,34 @@ class CUDAGraphRunner:
                 f"CUDA graph batch size {capture_sizes[-1]} exceeds the input buffers "
                 f"({inputs.max_num_reqs} requests, {inputs.max_num_tokens} tokens)"
             )
+        mixed = [(int(t), int(r)) for t, r in mixed_shapes]
+        if mixed != sorted(set(mixed)):
+            raise ValueError(f"mixed_shapes must be ascending and unique, got {mixed}")
+        # The request owning the padding tokens attends to up to t keys through its block
+        # table row: t must fit a row (max_blocks_per_req blocks).
+        max_len = inputs.max_blocks_per_req * inputs.block_size
+        for t, r in mixed:
+            if not (1 <= r <= min(t, inputs.max_num_reqs) and t <= inputs.max_num_tokens):
+                raise ValueError(
+                    f"mixed CUDA graph ({t} tokens, {r} requests) does not fit the input "
+                    f"buffers ({inputs.max_num_tokens} tokens, {inputs.max_num_reqs} requests)"
+                )
+            if t > max_len:
+                raise ValueError(f"mixed CUDA graph of {t} tokens exceeds max_model_len {max_len}")
         self.forward = forward
         self.inputs = inputs
         self.capture_sizes = list(capture_sizes)
+        self.mixed_shapes = mixed  # what is captured: emptied if the mixed capture failed
         self.max_seq_len = max_seq_len
         self.num_warmups = num_warmups
         self._capture_fn = capture_fn
-        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self.graphs: dict[GraphKey, tuple[Graph, torch.Tensor]] = {}
+        # The captured functions, to run a graph's forward eagerly on the same buffers.
+        self._runs: dict[GraphKey, Callable[[], torch.Tensor]] = {}
         self._generation: int | None = None
         self.memory_bytes = 0  # device memory the capture took (CUDA only)
+        self.capture_seconds = 0.0
+        self.mixed_capture_error: str | None = None
 
     @property
     def captured(self) -> bool:
@@ -120,17 +260,49 @@ class CUDAGraphRunner:
             return None
         return padded_batch_size(num_reqs, self.capture_sizes)
 
-    def replay(self, batch_size: int) -> torch.Tensor:
-        """Run the graph of `batch_size` on the inputs the builder just wrote;
-        -> hidden states [batch_size, hidden_size] (a static tensor, overwritten next time)."""
-        graph, out = self.graphs[batch_size]
+    def mixed_shape(self, num_tokens: int, num_reqs: int) -> tuple[int, int] | None:
+        """The mixed graph bucket a step that is not pure decode runs at, or None (eager)."""
+        if not self.mixed_shapes or not self.captured:
+            return None
+        return mixed_graph_shape(num_tokens, num_reqs, self.mixed_shapes)
+
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Run the graph of `key` on the inputs the builder just wrote;
+        -> hidden states [padded tokens, hidden_size] (a static tensor, overwritten next time)."""
+        graph, out = self.graphs[key]
         graph.replay()
         return out
 
+    def run_eagerly(self, key: GraphKey) -> torch.Tensor:
+        """The forward graph `key` captured, run eagerly on the same buffers (a new tensor):
+        what a replay must reproduce bit for bit."""
+        return self._runs[key]()
+
+    def _capture_one(self, key: GraphKey, md: AttentionMetadata, capture_fn: CaptureFn) -> None:
+        n = key if isinstance(key, int) else key[0]
+        input_ids = self.inputs.input_ids.dev[:n]
+        positions = self.inputs.positions.dev[:n]
+
+        def run(md=md, input_ids=input_ids, positions=positions) -> torch.Tensor:
+            return self.forward(input_ids, positions, md)
+
+        # Triton compiles a kernel on its first launch, which a capture cannot contain.
+        for _ in range(self.num_warmups):
+            run()
+        self.graphs[key] = capture_fn(run)
+        self._runs[key] = run
+
+    def _capture_mixed(self, capture_fn: CaptureFn) -> None:
+        for t, r in reversed(self.mixed_shapes):
+            self.inputs.prepare_mixed_padding_only(t, r)
+            self._capture_one(
+                (t, r), self.inputs.mixed_metadata(t, r, self.max_seq_len), capture_fn
+            )
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first. Each size runs `num_warmups` eager forwards
-        first: Triton compiles a kernel on its first launch, which a capture cannot contain."""
+        """Capture every bucket, largest first: the mixed graphs, then the decode graphs.
+        A failure in the mixed ones is logged and turns them off (steps run eagerly)."""
         capture_fn = self._capture_fn
         on_cuda = capture_fn is None
         if on_cuda:
@@ -139,27 +311,37 @@ class CUDAGraphRunner:
             free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         self.graphs.clear()
+        self._runs.clear()
+        if self.mixed_shapes:
+            try:
+                self._capture_mixed(capture_fn)
+            except Exception as e:  # noqa: BLE001 - decode graphs and eager steps still work
+                self.mixed_capture_error = f"{type(e).__name__}: {e}"
+                logger.warning(
+                    "Mixed-step CUDA graphs off: capture failed (%s)", self.mixed_capture_error
+                )
+                for key in [k for k in self.graphs if not isinstance(k, int)]:
+                    del self.graphs[key], self._runs[key]
+                self.mixed_shapes = []
+                if on_cuda:
+                    torch.cuda.synchronize()
         for size in reversed(self.capture_sizes):
             self.inputs.prepare_padding_only(size)
             md = self.inputs.decode_metadata(size, self.max_seq_len)
-            input_ids = self.inputs.input_ids.dev[:size]
-            positions = self.inputs.positions.dev[:size]
-
-            def run(md=md, input_ids=input_ids, positions=positions) -> torch.Tensor:
-                return self.forward(input_ids, positions, md)
-
-            for _ in range(self.num_warmups):
-                run()
-            self.graphs[size] = capture_fn(run)
+            self._capture_one(size, md, capture_fn)
         self._generation = self.inputs.generation
         if on_cuda:
             torch.cuda.synchronize()
             self.memory_bytes = max(free_before - torch.cuda.mem_get_info()[0], 0)
+        self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "Captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
-            len(self.graphs),
+            "Captured %d decode CUDA graphs (batch sizes %d..%d) and %d mixed-step graphs "
+            "(tokens x requests: %s) in %.1f s, %.2f GiB",
+            len(self.capture_sizes),
             self.capture_sizes[0],
             self.capture_sizes[-1],
-            time.perf_counter() - start,
+            len(self.mixed_shapes),
+            describe_mixed_shapes(self.mixed_shapes) or "none",
+            self.capture_seconds,
             self.memory_bytes / 2**30,
         )

@@ -8,11 +8,13 @@ sent with two non-blocking copies (token arrays, request arrays: each a prefix o
 allocation) into device buffers that are also allocated once: the tensors a step
 hands to the model are always slices of the same memory, which is what lets a CUDA graph
 captured over them (`pagoda.worker.cuda_graphs`) replay with new inputs. On a CPU the host
-buffers are the device buffers (no copy). A pure-decode step may be padded to a CUDA-graph
-batch size: padded rows get token 0 at position 0, slot -1 (nothing written) and a one-token
-context in the null block 0. The builder also says which rows need logits: the rows that
-sample (the last row of a request that reaches its end, plus one row per draft token) and the
-prompt rows whose next-token logprobs were asked for.
+buffers are the device buffers (no copy). A step may be padded to a CUDA-graph bucket; padded
+token rows get token 0 at position 0 and slot -1 (nothing written). A pure-decode step is
+padded with one-token requests on the null block 0; any other step with empty requests and
+one extra request that owns the padding tokens (`pagoda.worker.cuda_graphs.pad_mixed_requests`).
+The builder also says which rows need logits: the rows that sample (the last row of a request
+that reaches its end, plus one row per draft token) and the prompt rows whose next-token
+logprobs were asked for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request
+from pagoda.worker.cuda_graphs import pad_mixed_requests, pad_tokens
 
 
 @dataclass
@@ -35,8 +38,10 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     requests: list[Request]  # batch order (decodes first)
     num_tokens: int = 0  # scheduled tokens (rows past it are CUDA-graph padding)
-    # Batch size of the CUDA graph this step is padded for; None: run eagerly.
+    # Batch size of the decode CUDA graph this step is padded for, or (num_tokens, num_reqs)
+    # of the mixed graph; both None: run eagerly.
     cuda_graph_size: int | None = None
+    mixed_graph_shape: tuple[int, int] | None = None
     # Rows of the hidden states to compute logits for, and for each sampling request the
     # slice of those rows it owns (1 + number of drafts).
     sample_rows: list[int] = field(default_factory=list)
@@ -45,6 +50,11 @@ class StepInputs:
     logits_indices: torch.Tensor | None = None
     # request -> (rows, target token ids) for prompt logprobs.
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+    @property
+    def graph_key(self) -> int | tuple[int, int] | None:
+        """The CUDA graph to replay (`CUDAGraphRunner.replay`), or None."""
+        return self.cuda_graph_size if self.cuda_graph_size is not None else self.mixed_graph_shape
 
 
 class _Array:
@@ -127,20 +137,21 @@ class InputBuilder:
         # needed) the rows to compute logits for.
         self._tokens = _Staging([(num_tokens,)] * 4, torch.int64, self.device, self._copies)
         self.input_ids, self.positions, self.slot_mapping, self.logits_indices = self._tokens.arrays
-        self._arange = np.arange(max(num_tokens, self.max_num_reqs + 1), dtype=np.int64)
+        self._arange = np.arange(max(num_tokens, self.max_num_reqs + 2), dtype=np.int64)
         self.generation += 1
 
     def _alloc_reqs(self, num_reqs: int, num_blocks: int) -> None:
         self.max_num_reqs, self.max_blocks_per_req = num_reqs, num_blocks
-        # Copied as one prefix up to the last block-table row of the step.
+        # Copied as one prefix up to the last block-table row of the step. One spare request
+        # row: the request that owns a mixed CUDA graph's padding tokens.
         self._reqs = _Staging(
-            [(num_reqs + 1,), (num_reqs,), (num_reqs, num_blocks)],
+            [(num_reqs + 2,), (num_reqs + 1,), (num_reqs + 1, num_blocks)],
             torch.int32,
             self.device,
             self._copies,
         )
         self.query_start_loc, self.seq_lens, self.block_table = self._reqs.arrays
-        self._arange = np.arange(max(self.max_num_tokens, num_reqs + 1), dtype=np.int64)
+        self._arange = np.arange(max(self.max_num_tokens, num_reqs + 2), dtype=np.int64)
         self.generation += 1
 
     def _grow(self, num_tokens: int, num_reqs: int, num_blocks: int) -> None:
@@ -174,6 +185,36 @@ class InputBuilder:
         self._pad(0, 0, batch_size)
         self.block_table.host[:batch_size, 0] = 0
         self._commit(batch_size, batch_size, 0)
+
+    def mixed_metadata(self, num_tokens: int, num_reqs: int, max_seq_len: int) -> AttentionMetadata:
+        """Attention metadata of a step padded to the mixed graph (num_tokens, num_reqs) over
+        the device buffers (num_reqs + 1 request slots, see `pad_mixed_requests`). No CPU
+        copies; max_query_len is the token bucket, so the kernel tiling fits any step in it."""
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            slot_mapping=self.slot_mapping.dev[:num_tokens],
+            query_start_loc=self.query_start_loc.dev[: num_reqs + 2],
+            seq_lens=self.seq_lens.dev[: num_reqs + 1],
+            block_tables=self.block_table.dev[: num_reqs + 1],
+            max_query_len=num_tokens,
+            max_seq_len=max_seq_len,
+        )
+
+    def prepare_mixed_padding_only(self, num_tokens: int, num_reqs: int) -> None:
+        """Fill a mixed graph's rows with padding only (what its capture runs on)."""
+        self._wait_for_copies()
+        pad_tokens(self.input_ids.host, self.positions.host, self.slot_mapping.host, 0, num_tokens)
+        pad_mixed_requests(
+            self.query_start_loc.host,
+            self.seq_lens.host,
+            self.block_table.host,
+            0,
+            0,
+            num_tokens,
+            num_reqs,
+            self.block_size,
+        )
+        self._commit(num_tokens, num_reqs + 1, 0)
 
     # -- one step ----------------------------------------------------------------------------
     def _block_row(self, req_id: str, blocks: list[int]) -> np.ndarray:
@@ -215,9 +256,9 @@ class InputBuilder:
         """Rows [num_reqs, batch_size) become one-token requests at position 0 of the null
         block that write nothing; `num_tokens` must equal `num_reqs` (a pure-decode batch)."""
         n_pad = batch_size - num_reqs
-        self.input_ids.host[num_tokens:batch_size] = 0
-        self.positions.host[num_tokens:batch_size] = 0
-        self.slot_mapping.host[num_tokens:batch_size] = -1
+        pad_tokens(
+            self.input_ids.host, self.positions.host, self.slot_mapping.host, num_tokens, batch_size
+        )
         qsl = self.query_start_loc.host
         qsl[num_reqs + 1 : batch_size + 1] = num_tokens + 1 + self._arange[:n_pad]
         if num_reqs == 0:
@@ -237,10 +278,14 @@ class InputBuilder:
             self._copies_pending = True
 
     def prepare(
-        self, so: SchedulerOutput, cuda_graph_size: Callable[[int], int | None] | None = None
+        self,
+        so: SchedulerOutput,
+        cuda_graph_size: Callable[[int], int | None] | None = None,
+        mixed_graph_shape: Callable[[int, int], tuple[int, int] | None] | None = None,
     ) -> StepInputs:
         """Build the step's inputs. `cuda_graph_size(num_reqs)` gives the padded batch size of
-        a pure-decode step that can replay a CUDA graph (None: run it eagerly)."""
+        a pure-decode step that can replay a CUDA graph, `mixed_graph_shape(num_tokens,
+        num_reqs)` the (tokens, requests) bucket of any other step that can (None: eager)."""
         self._wait_for_copies()
         self.forget(so.finished_req_ids)
         self.forget(so.preempted_req_ids)
@@ -260,10 +305,13 @@ class InputBuilder:
         seq_lens = starts + counts
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
         self._grow(num_tokens, num_reqs, max_blocks)
-        graph_size = None
-        if cuda_graph_size is not None and num_decodes == num_reqs > 0:
-            # After _grow: a graph over reallocated buffers is stale and declines (None).
-            graph_size = cuda_graph_size(num_reqs)
+        # After _grow: a graph over reallocated buffers is stale and declines (None).
+        graph_size = mixed = None
+        if num_reqs and num_decodes == num_reqs:
+            if cuda_graph_size is not None:
+                graph_size = cuda_graph_size(num_reqs)
+        elif num_reqs and mixed_graph_shape is not None:
+            mixed = mixed_graph_shape(num_tokens, num_reqs)
         padded = graph_size or num_reqs
 
         qsl = self.query_start_loc.host
@@ -322,8 +370,13 @@ class InputBuilder:
         if graph_size is not None:
             self._pad(num_tokens, num_reqs, graph_size)
             table[num_reqs:graph_size, 0] = 0
-
-        num_rows = max(num_tokens, padded)
+        elif mixed is not None:
+            pad_tokens(ids, self.positions.host, self.slot_mapping.host, num_tokens, mixed[0])
+            pad_mixed_requests(
+                qsl, self.seq_lens.host, table, num_tokens, num_reqs, *mixed, self.block_size
+            )
+            padded = mixed[1] + 1  # request rows to copy, the padding owner's included
+        num_rows = mixed[0] if mixed is not None else max(num_tokens, padded)
         rows = out.sample_rows
         num_indices = 0
         if rows and (rows[-1] != len(rows) - 1 or rows[0] != 0):
@@ -335,9 +388,11 @@ class InputBuilder:
 
         out.input_ids = self.input_ids.dev[:num_rows]
         out.positions = self.positions.dev[:num_rows]
-        out.cuda_graph_size = graph_size
+        out.cuda_graph_size, out.mixed_graph_shape = graph_size, mixed
         if graph_size is not None:
             out.attn_metadata = self.decode_metadata(graph_size, int(seq_lens.max()))
+        elif mixed is not None:
+            out.attn_metadata = self.mixed_metadata(*mixed, int(seq_lens.max()))
         else:
             out.attn_metadata = AttentionMetadata(
                 num_actual_tokens=num_tokens,

@@ -1,10 +1,11 @@
 """`ModelRunner`: owns the model, the paged KV cache and one step's execution on one device.
 
 `execute_model(SchedulerOutput) -> ModelRunnerOutput`: build the flat inputs (`input_batch`),
-run the model over every scheduled token (a pure-decode step on CUDA replays a captured CUDA
-graph, `cuda_graphs`), compute logits only for the rows that sample (and the prompt rows whose
-logprobs were asked for), sample, verify speculative drafts, and return plain Python lists. The
-only device-to-host wait of a step is reading the sampled token ids. Per-request state kept
+run the model over every scheduled token (on CUDA a pure-decode step, or any step of at most 512
+tokens, replays a captured CUDA graph, `cuda_graphs`), compute logits only for the rows that
+sample (and the prompt rows whose logprobs were asked for), sample, verify speculative drafts,
+and return plain Python lists. The only device-to-host wait of a step is reading the sampled
+token ids. Per-request state kept
 here is only each seeded request's `torch.Generator`, created on first sight and dropped when
 the request finishes. Sizing the cache (`determine_num_blocks`) follows vLLM: a fixed budget on
 CPU; on CUDA the weights, a profiling forward at full batch and the CUDA-graph reserve are
@@ -22,7 +23,13 @@ from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.sample.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
-from pagoda.worker.cuda_graphs import CaptureFn, CUDAGraphRunner, cuda_graph_capture_sizes
+from pagoda.worker.cuda_graphs import (
+    CaptureFn,
+    CUDAGraphRunner,
+    cuda_graph_capture_sizes,
+    mixed_graph_reserve_bytes,
+    mixed_graph_shapes,
+)
 from pagoda.worker.input_batch import InputBuilder, StepInputs
 from pagoda.worker.kv_cache import KVCacheSpec, allocate_kv_caches, cpu_kv_cache_bytes
 from pagoda.worker.memory_plan import MemoryPlan, check_fits_one_request, plan_kv_cache_memory
@@ -31,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # Prompt logprobs need a [rows, vocab] float32 block; bound it (49k vocab x 256 rows = 50 MB).
 _PROMPT_LOGPROBS_CHUNK = 256
+# Backends whose kernel launches depend only on a mixed graph's bucket (grid from the token and
+# request counts, request lookup on the device): the only ones a mixed step can be captured for.
+_MIXED_GRAPH_BACKENDS = ("triton",)
 
 
 def num_cpu_threads() -> int:
@@ -73,18 +83,24 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.weights_bytes = 0
         self.memory_plan: MemoryPlan | None = None
-        # Decode CUDA graphs: CUDA only, unless enforce_eager; captured with the KV cache.
+        # CUDA graphs (decode and mixed steps): CUDA only, unless enforce_eager; captured with
+        # the KV cache.
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not engine_config.device_config.enforce_eager
         )
-        self.cuda_graph_sizes = (
-            cuda_graph_capture_sizes(
-                self.scheduler_config.max_num_seqs, self.scheduler_config.max_num_batched_tokens
-            )
-            if self.use_cuda_graphs
-            else []
-        )
+        self.cuda_graph_sizes = self._decode_graph_sizes() if self.use_cuda_graphs else []
+        self.mixed_graph_shapes = self._mixed_graph_shapes() if self.use_cuda_graphs else []
         self.cuda_graphs: CUDAGraphRunner | None = None
+
+    def _decode_graph_sizes(self) -> list[int]:
+        sc = self.scheduler_config
+        return cuda_graph_capture_sizes(sc.max_num_seqs, sc.max_num_batched_tokens)
+
+    def _mixed_graph_shapes(self) -> list[tuple[int, int]]:
+        # The request owning a graph's padding tokens must fit a block-table row.
+        max_len = self.inputs.max_blocks_per_req * self.block_size
+        sc = self.scheduler_config
+        return mixed_graph_shapes(sc.max_num_seqs, min(sc.max_num_batched_tokens, max_len))
 
     # -- setup ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -115,7 +131,7 @@ class ModelRunner:
         if self.use_cuda_graphs and backend.name != "triton":
             # Graphs bake in host-side choices; only the Triton backend makes none per step.
             logger.info("CUDA graphs off: the %s attention backend runs eagerly", backend.name)
-            self.use_cuda_graphs, self.cuda_graph_sizes = False, []
+            self.use_cuda_graphs, self.cuda_graph_sizes, self.mixed_graph_shapes = False, [], []
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         from pagoda.model.layers.attention import Attention
@@ -162,6 +178,7 @@ class ModelRunner:
         try:
             activations, non_torch = profile_peak_memory(self)
             graphs = estimate_cuda_graph_memory(self, self.cuda_graph_sizes)
+            graphs += self._estimate_mixed_graph_memory()
         except torch.OutOfMemoryError as e:
             raise ValueError(
                 f"the profiling forward of a {sc.max_num_batched_tokens}-token step (and "
@@ -183,6 +200,37 @@ class ModelRunner:
             kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
         )
 
+    def _estimate_mixed_graph_memory(self) -> int:
+        """Bytes to reserve for the mixed graphs: a forward at the largest bucket over a
+        two-block cache (the graphs' shared pool holds about its activations), plus outputs and
+        per-graph overhead (`mixed_graph_reserve_bytes`). CUDA only."""
+        shapes = self.mixed_graph_shapes
+        if not shapes:
+            return 0
+        num_tokens, num_reqs = shapes[-1]
+        caches = allocate_kv_caches(self.get_kv_cache_spec(), 2, self.device)
+        inputs = self.inputs
+        inputs.prepare_mixed_padding_only(num_tokens, num_reqs)
+        md = inputs.mixed_metadata(num_tokens, num_reqs, self.model_config.max_model_len)
+        ids, positions = inputs.input_ids.dev[:num_tokens], inputs.positions.dev[:num_tokens]
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            hidden = self.model(ids, positions, caches, md)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - what capture would hit: run those steps eagerly
+            logger.warning("Mixed-step CUDA graphs off: their padded forward failed (%s)", e)
+            self.mixed_graph_shapes = []
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        row_bytes = hidden.shape[-1] * hidden.element_size()
+        del hidden, caches
+        torch.cuda.empty_cache()
+        return mixed_graph_reserve_bytes(peak, shapes, row_bytes)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
         spec = self.get_kv_cache_spec()
@@ -192,16 +240,19 @@ class ModelRunner:
             self.capture_cuda_graphs()
 
     def capture_cuda_graphs(self, capture_fn: CaptureFn | None = None) -> None:
-        """Capture the decode graphs over the current KV cache (`capture_fn`: a stand-in for
-        torch.cuda graphs, so the bookkeeping can be tested on a CPU)."""
-        sc = self.scheduler_config
+        """Capture the decode and mixed-step graphs over the current KV cache (`capture_fn`: a
+        stand-in for torch.cuda graphs, so the bookkeeping can be tested on a CPU). Mixed
+        graphs only for a backend in `_MIXED_GRAPH_BACKENDS`."""
+        mixed = self.mixed_graph_shapes if self.use_cuda_graphs else self._mixed_graph_shapes()
+        if self.attn_backend.name not in _MIXED_GRAPH_BACKENDS:
+            mixed = []
         self.cuda_graphs = CUDAGraphRunner(
             self._forward_for_graph,
             self.inputs,
-            self.cuda_graph_sizes
-            or cuda_graph_capture_sizes(sc.max_num_seqs, sc.max_num_batched_tokens),
+            self.cuda_graph_sizes or self._decode_graph_sizes(),
             self.model_config.max_model_len,
             capture_fn=capture_fn,
+            mixed_shapes=mixed,
         )
         self.cuda_graphs.capture()
         plan = self.memory_plan
@@ -230,9 +281,13 @@ class ModelRunner:
         if so.is_empty or not req_ids:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
         graphs = self.cuda_graphs
-        step = self.inputs.prepare(so, graphs.padded_size if graphs is not None else None)
-        if step.cuda_graph_size is not None:
-            hidden = graphs.replay(step.cuda_graph_size)
+        if graphs is None:
+            step = self.inputs.prepare(so)
+        else:
+            step = self.inputs.prepare(so, graphs.padded_size, graphs.mixed_shape)
+        graph_key = step.graph_key
+        if graph_key is not None:
+            hidden = graphs.replay(graph_key)
         else:
             self.attn_backend.prepare(step.attn_metadata)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)

@@ -1,5 +1,6 @@
-"""GPU fidelity of the fast path: Triton attention + fused ops + decode CUDA graphs against the
-plain-torch reference path, on the same dummy weights, and memory planning on a real device.
+"""GPU fidelity of the fast path: Triton attention + fused ops + CUDA graphs (decode and mixed
+steps) against the plain-torch reference path, on the same dummy weights, and memory planning on
+a real device (mixed-step graphs in detail: test_cuda_graph_mixed_gpu.py).
 
 The model is the Llama-3.2-1B shape cut to 4 layers (32 query / 8 KV heads of 64, llama3 RoPE,
 tied 128k vocabulary). Random weights give nearly flat logits, so in bf16 the rounding
@@ -85,16 +86,22 @@ def release(*runners: ModelRunner) -> None:
     torch.cuda.empty_cache()
 
 
-def count_replays(runner: ModelRunner) -> list[int]:
-    count = [0]
+def count_replays(runner: ModelRunner) -> list:
+    """The keys of every graph replay from now on: a decode batch size (int) or a mixed
+    graph's (num_tokens, num_reqs)."""
+    keys: list = []
     replay = runner.cuda_graphs.replay
 
-    def counted(size):
-        count[0] += 1
-        return replay(size)
+    def counted(key):
+        keys.append(key)
+        return replay(key)
 
     runner.cuda_graphs.replay = counted
-    return count
+    return keys
+
+
+def decode_replays(keys: list) -> int:
+    return sum(isinstance(k, int) for k in keys)
 
 
 def teacher_forced_logits(runner: ModelRunner, prompts, steps: int = 6) -> torch.Tensor:
@@ -147,7 +154,8 @@ def test_fp32_fast_path_greedy_equals_torch_reference():
             want = Driver(ref).generate([req(f"r{i}", p) for i, p in enumerate(batch)], 10)
         got = Driver(fast).generate([req(f"f{i}", p) for i, p in enumerate(batch)], 10)
         assert got == want
-    assert replays[0] >= 2 * 9  # every decode step of both batches replayed a graph
+    assert decode_replays(replays) >= 2 * 9  # every decode step of both batches replayed a graph
+    assert len(replays) - decode_replays(replays) >= 2  # and the prefill steps a mixed graph
     release(fast, ref)
 
 
@@ -169,7 +177,8 @@ def test_bf16_cuda_graphs_match_eager():
         diff = (got - want).abs().max().item()
         print(f"batch {len(batch)}: graphs vs eager max |logit diff| {diff:.3g}")
         assert_close_logits(got, want, rel_rms=0.01, rel_max=0.05)
-    assert replays[0] == 2 * 6
+    # Per batch: the prefill step replays a mixed graph, the 6 decode steps decode graphs.
+    assert decode_replays(replays) == 2 * 6 and replays[0] == (256, 4) and replays[7] == (64, 4)
     release(graphs, eager)
 
 
