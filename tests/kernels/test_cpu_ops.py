@@ -79,6 +79,7 @@ def test_linear_supported_only_for_few_rows_and_matching_dtypes():
     assert not cpu.linear_supported(_randn(1, 32, dtype=torch.float32), w)
     assert not cpu.linear_supported(_randn(1, 32, dtype=torch.float16), w.half())
     assert not cpu.linear_supported(_randn(1, 8, dtype=torch.bfloat16), w.t())
+    assert not cpu.linear_supported(_randn(2, 16, dtype=torch.bfloat16), w)  # K mismatch
 
 
 # ---- element-wise ops --------------------------------------------------------------------
@@ -276,17 +277,22 @@ def test_tiny_models_with_c_ops_stay_as_close_to_float32(tmp_path, case):
 _NEAR_TIE = 0.5
 
 
-def test_embedded_model_greedy_tokens_unchanged_by_c_ops(ops_off):
+def test_embedded_model_greedy_tokens_unchanged_by_c_ops(ops_off, monkeypatch):
     """LLM(dtype="bfloat16") with the C ops on vs $PAGODA_CPU_FAST_OPS=0: the same greedy
     tokens, up to the first step where the reference's own choice is a near-tie."""
     from pagoda import LLM, SamplingParams
 
+    calls = []
+    monkeypatch.setattr(cpu, "linear", lambda *a, **kw: calls.append(1) or ops.linear(*a, **kw))
     llm = LLM(dtype="bfloat16")
     prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,", "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
     fast = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls, "the fast run did not take the C GEMM"
     ops_off("0")
+    calls.clear()
     ref = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not calls, "the reference run took the C GEMM"
     identical = 0
     for prompt, a, b in zip(prompts, fast, ref):
         i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)

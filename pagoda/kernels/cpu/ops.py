@@ -101,6 +101,7 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.dtype is weight.dtype
         and x.dtype in MAX_GEMV_ROWS
         and not x.is_cuda
+        and x.shape[-1] == weight.shape[-1]  # else F.linear raises the shape error
         and x.numel() <= MAX_GEMV_ROWS[x.dtype] * x.shape[-1]
         and cpu_ops_available()
         and weight.is_contiguous()
