@@ -8,9 +8,11 @@ of one decode step at high batch, and (d) workloads a and b through Hugging Face
 continuous batching (benchmarks/hf_peer_bench.py). Each group runs in its own child process
 with a hard time box (a hung kernel or an OOM loses one group, never the run, and each child
 starts with the whole GPU); children write their results after every part. The parent never
-touches CUDA: it prints the table last and writes everything to $OUT/h200_bench.json.
+touches CUDA: it prints the table last and writes everything to $OUT/h200_bench.json. With
+`--kv-cache-dtypes auto,fp8` part a runs once more per further KV-cache dtype, each in its own
+child and engine (~35 s each on the H200, taken from the peer's time), with rows of its own.
 
-    python benchmarks/h200_bench.py [--quick] [--only a,b,c,d,p] [--out DIR]
+    python benchmarks/h200_bench.py [--quick] [--only a,b,c,d,p] [--kv-cache-dtypes auto,fp8]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 from pagoda_bench import FULL, QUICK, Workloads  # noqa: E402
 
 from pagoda.bench.throughput import make_requests  # noqa: E402
+from pagoda.config import KV_CACHE_DTYPES  # noqa: E402
 
 # Targets of issue 4 (the full run on the Llama-3-8B shape only).
 TARGETS = {
@@ -46,6 +49,8 @@ TARGETS = {
 PARTS = ("a", "b", "c", "d", "p")
 # Hard caps (s) per child; the peer gets what is left of --time-budget.
 ENV_CAP_S, PAGODA_CAP_S, PEER_MIN_S = 75.0, 300.0, 60.0
+# Each further KV-cache dtype: engine start, warm-up and part a (~35 s on the H200).
+EXTRA_KV_CAP_S = 120.0
 
 
 # -- part 0: environment and device ceilings ------------------------------------------------
@@ -240,11 +245,14 @@ def run_worker(part: str, args: argparse.Namespace, w: Workloads, record: Any) -
             record_peer({"error": f"{type(e).__name__}: {e}"})
 
 
-def spawn(part: str, argv: list[str], timeout_s: float, tmp_dir: str) -> dict[str, Any]:
-    """Run one group in a child process with a hard time box; what it recorded survives."""
+def spawn(
+    part: str, argv: list[str], timeout_s: float, tmp_dir: str, worker: str | None = None
+) -> dict[str, Any]:
+    """Run one group (`worker`, default `part`) in a child process with a hard time box; what
+    it recorded survives."""
     path = os.path.join(tmp_dir, f"{part}.json")
     deadline = time.time() + timeout_s - 10  # the child's own deadline; the kill comes later
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", part]
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", worker or part]
     cmd += ["--result-file", path, "--deadline", str(deadline)]
     print(f"\n=== {part}: child process, time box {timeout_s:.0f} s ===", flush=True)
     t0 = time.perf_counter()
@@ -286,6 +294,15 @@ def summarize(
     ha = get("peer", "offline_throughput", "output_tokens_per_s")
     hb = get("peer", "single_stream", "decode_tokens_per_s")
     expected_hits = get("c_ttft", "expected_num_cached_tokens")
+    extra_kv_rows = []  # part a again for each further KV-cache dtype
+    for dt in (getattr(args, "kv_cache_dtypes", None) or [])[1:]:
+        ax = extra_key(a, dt)
+        extra_kv_rows += [
+            (f"a Pagoda output tok/s ({dt} KV)", get(ax, "output_tokens_per_s"))
+            + (TARGETS["a_output_tok_s"], "ge"),
+            (f"a Pagoda total tok/s ({dt} KV)", get(ax, "total_tokens_per_s"), None, ""),
+            (f"a Pagoda elapsed s ({dt} KV)", get(ax, "elapsed_s"), None, ""),
+        ]
     rows = [  # (label, value, target, "ge" | "le" | "")
         ("copy bandwidth GB/s (read+write)", bw, None, ""),
         ("bf16 matmul TFLOP/s", get("ceilings", "matmul_bf16_TFLOPs"), None, ""),
@@ -293,6 +310,7 @@ def summarize(
         ("a Pagoda total tok/s", get(a, "total_tokens_per_s"), None, ""),
         ("a Pagoda elapsed s", get(a, "elapsed_s"), None, ""),
         ("a engine time outside execute_model s", get(a, "engine_outside_execute_s"), None, ""),
+        *extra_kv_rows,
         ("b Pagoda decode tok/s (TTFT excluded)", pb, TARGETS["b_decode_tok_s"], "ge"),
         ("b Pagoda overall tok/s", get(b, "overall_tokens_per_s"), None, ""),
         ("b roofline tok/s (weight bytes / copy bw)", roofline, None, ""),
@@ -322,6 +340,11 @@ def summarize(
         target = "" if goal is None else f"{'>=' if sense == 'ge' else '<='} {goal:,.0f}"
         table.append([label, text, target, met])
     return table
+
+
+def extra_key(name: str, kv_cache_dtype: str) -> str:
+    """Where a further KV-cache dtype's result `name` goes in the merged results."""
+    return f"{name}_kv_{kv_cache_dtype}"
 
 
 def find_errors(node: Any, path: str = "") -> list[tuple[str, str]]:
@@ -355,6 +378,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="of the Pagoda engine"
+    )
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        default=None,
+        help="comma list, e.g. auto,fp8 (overrides --kv-cache-dtype): the first runs every "
+        "part, each further one part a again in an engine of its own",
+    )
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -365,6 +397,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--only takes a subset of {','.join(PARTS)}, got {','.join(sorted(args.only))}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         ap.error(f"--model {args.model}: no config.json there (give a benchmarks/presets/ dir)")
+    if args.kv_cache_dtypes is None:
+        args.kv_cache_dtypes = [args.kv_cache_dtype]
+    else:
+        dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+        bad = [d for d in dtypes if d not in KV_CACHE_DTYPES]
+        if not dtypes or bad or len(set(dtypes)) != len(dtypes):
+            ap.error(
+                f"--kv-cache-dtypes takes distinct values of {','.join(KV_CACHE_DTYPES)}, "
+                f"got {args.kv_cache_dtypes!r}"
+            )
+        args.kv_cache_dtypes = dtypes
     return args
 
 
@@ -388,14 +431,26 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"settings": settings, "workloads": asdict(w)}
     with tempfile.TemporaryDirectory() as tmp:
         results["env"] = spawn("env", argv, ENV_CAP_S, tmp)
+        dtypes = args.kv_cache_dtypes
+        peer_min = PEER_MIN_S if "d" in args.only else 0.0
         if args.only & {"a", "b", "c", "p"}:
             left = args.time_budget - (time.time() - start)
-            cap = min(PAGODA_CAP_S, left - (PEER_MIN_S if "d" in args.only else 0.0))
-            results["pagoda"] = spawn("pagoda", argv, max(cap, 60.0), tmp)
+            extra = EXTRA_KV_CAP_S * (len(dtypes) - 1) if "a" in args.only else 0.0
+            cap = min(PAGODA_CAP_S, left - peer_min - extra)
+            main_argv = [*argv, "--kv-cache-dtype", dtypes[0]]  # the last one given wins
+            results["pagoda"] = spawn("pagoda", main_argv, max(cap, 60.0), tmp)
+        for dt in dtypes[1:] if "a" in args.only else []:
+            left = args.time_budget - (time.time() - start)
+            cap = max(min(EXTRA_KV_CAP_S, left - peer_min), 60.0)
+            extra_argv = [*argv, "--kv-cache-dtype", dt, "--only", "a"]
+            results[f"pagoda_kv_{dt}"] = spawn(f"pagoda_kv_{dt}", extra_argv, cap, tmp, "pagoda")
         if "d" in args.only:
             left = args.time_budget - (time.time() - start)
             results["peer"] = spawn("peer", argv, max(left, PEER_MIN_S), tmp)
     merged = {k: v for part in ("env", "pagoda", "peer") for k, v in results.get(part, {}).items()}
+    for dt in args.kv_cache_dtypes[1:]:
+        for name, value in results.get(f"pagoda_kv_{dt}", {}).items():
+            merged[extra_key(name, dt)] = value
     results["roofline_decode_weight_bytes"] = decode_weight_bytes(hf_config, args.dtype)
     results["table"] = summarize(merged, hf_config, args)
     results["total_s"] = round(time.time() - start, 1)
@@ -412,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {path} (total {results['total_s']} s)")
     gpu = (merged.get("env") or {}).get("gpu", "?")
     model = os.path.basename(os.path.normpath(args.model))
+    kv = "" if args.kv_cache_dtypes == ["auto"] else f" | KV cache {','.join(args.kv_cache_dtypes)}"
     print_table(
-        results["table"], f"{gpu} | {model} {args.dtype}" + (" | QUICK" if args.quick else "")
+        results["table"], f"{gpu} | {model} {args.dtype}{kv}" + (" | QUICK" if args.quick else "")
     )
     return 0
 

@@ -63,6 +63,7 @@ def make_llm(args: argparse.Namespace, w: Workloads) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=0.9,
         enforce_eager=args.enforce_eager,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         **extra,
     )
 

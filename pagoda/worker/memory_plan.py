@@ -6,7 +6,8 @@ profiling forward at the largest batch (max_num_batched_tokens tokens, logits an
 included), the reserve for CUDA graphs and the memory used outside torch (CUDA context, other
 processes) leave goes to KV blocks. A setting that cannot work fails here, at start, with the
 numbers and the flag to change, never with an out-of-memory error mid-run. The measurements
-come from `pagoda.worker.profiling`.
+come from `pagoda.worker.profiling` (decode graphs) and `ModelRunner._estimate_mixed_graph_memory`
+(mixed-step graphs: a forward at the largest (tokens, requests) bucket, `cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class MemoryPlan:
     weights_bytes: int
     activation_bytes: int  # peak of the profiling forward beyond the weights
     non_torch_bytes: int  # used outside torch's allocator (CUDA context, other processes)
-    cuda_graph_bytes: int  # reserved for decode CUDA graphs (0 with enforce_eager)
+    cuda_graph_bytes: int  # reserved for decode and mixed-step CUDA graphs (0 with enforce_eager)
     bytes_per_block: int
     block_size: int
     max_model_len: int
