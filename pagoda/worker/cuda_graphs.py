@@ -9,8 +9,8 @@ reuse the largest one's activations), and a step replays the smallest bucket tha
   8, 16, 24, ... up to max_num_seqs, at most 512), for steps where every request has one token;
   padded rows are one-token requests on the null block 0 that write nothing;
 - **mixed graphs**, one per (token bucket, request bucket) of `mixed_graph_shapes` (tokens 16 ..
-  512 doubling, requests 4, 16, 64, 256 up to the token bucket), for any other step of at most
-  512 tokens: prefill chunks with or without a cached prefix, decodes, speculative rows. The
+  128 doubling, then every 64 up to 512; requests 4, 16, 64, 256 up to the token bucket), for
+  any other step of at most 512 tokens: prefill chunks with or without a cached prefix, decodes, speculative rows. The
   builder pads the step with empty requests and one extra request that owns the padding tokens
   (`pagoda.worker.input_batch.pad_mixed_requests`); `max_query_len` is the token bucket, so
   the attention kernel's tiling is fixed at capture and valid for any query lengths within it.
@@ -44,11 +44,15 @@ logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
 # Mixed graphs: token buckets, and request buckets per token bucket (capped at the token
-# bucket and max_num_seqs, the cap included). The attention grid has a program per request
-# slot, so a step with few requests should not run in a graph with hundreds of empty ones;
-# a factor of 4 between request buckets keeps the spare programs below 3/4 of the slots while
-# the whole set stays ~20 graphs (~2 s of capture for Llama-3-8B next to 35 decode graphs).
-MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+# bucket and max_num_seqs, the cap included). Padding tokens cost little while the linear
+# layers are bound by weight reads (up to ~190 tokens on an H200 in bf16), so the buckets double
+# up to 128; past it they are compute-bound and padded rows cost their FLOPs, so the buckets
+# are 64 tokens apart (at most ~1.5 ms of padded GEMMs for Llama-3-8B, against ~14 ms of
+# launches for an eager step). The attention grid has a program per request slot, so a step
+# with few requests should not run in a graph with hundreds of empty ones; a factor of 4
+# between request buckets keeps the spare slots below 3/4. With max_num_seqs=256 that is 36
+# graphs (~0.1 s each to capture for Llama-3-8B, next to 35 decode graphs).
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
 MIXED_REQ_SIZES = (4, 16, 64, 256)
 # Device memory of one instantiated graph outside torch's allocator (kernel nodes, launch
 # parameters): the same allowance as the decode graphs' in `pagoda.worker.profiling`.

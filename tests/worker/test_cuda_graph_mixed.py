@@ -47,12 +47,12 @@ def test_mixed_shapes_are_token_buckets_times_request_buckets():
         *[(32, 4), (32, 16), (32, 32)],
         *[(64, 4), (64, 16), (64, 64)],
         *[(128, r) for r in (4, 16, 64, 128)],
-        *[(256, r) for r in (4, 16, 64, 256)],
-        *[(512, r) for r in (4, 16, 64, 256)],
+        *[(192, r) for r in (4, 16, 64, 192)],
+        *[(t, r) for t in (256, 320, 384, 448, 512) for r in (4, 16, 64, 256)],
     ]
     assert describe_mixed_shapes(BIG[:5]) == "16x{4,16} 32x{4,16,32}"
     assert mixed_graph_shapes(8, 512) == [
-        (t, r) for t in (16, 32, 64, 128, 256, 512) for r in (4, 8)
+        (t, r) for t in (16, 32, 64, 128, 192, 256, 320, 384, 448, 512) for r in (4, 8)
     ]
     assert mixed_graph_shapes(256, 100)[-4:] == [(100, 4), (100, 16), (100, 64), (100, 100)]
     assert mixed_graph_shapes(2, 8) == [(8, 2)]  # caps are buckets too
@@ -63,7 +63,8 @@ def test_every_small_step_gets_the_smallest_bucket_that_holds_it():
     assert mixed_graph_shape(12, 1, BIG) == (16, 4)  # TTFT after a 500-token prefix hit
     assert mixed_graph_shape(16, 5, BIG) == (16, 16)
     assert mixed_graph_shape(17, 1, BIG) == (32, 4)
-    assert mixed_graph_shape(300, 200, BIG) == (512, 256)
+    assert mixed_graph_shape(300, 200, BIG) == (320, 256)
+    assert mixed_graph_shape(130, 5, BIG) == (192, 16)
     assert mixed_graph_shape(513, 1, BIG) is None  # too many tokens: eager
     assert mixed_graph_shape(5, 0, BIG) is None
     token_buckets = sorted({t for t, _ in BIG})
