@@ -17,9 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_model_runner import PROMPTS, Driver, make_runner, one_cpu_thread, req  # noqa: F401
+
+pytest.importorskip("hypothesis")  # CPU tests only: a GPU machine may lack it
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_model_runner import PROMPTS, Driver, make_runner, one_cpu_thread, req  # noqa: E402, F401
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from kernel_testing import enable_interpreter_without_cuda  # noqa: E402
