@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--prefill", type=int, nargs="*", default=[512])
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--attention-backend", default=None, help="cpu | torch | triton (default: by device)")
+    p.add_argument(
+        "--attention-backend", default=None, help="cpu | torch | triton (default: by device)"
+    )
     p.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="CUDA only")
     p.add_argument("--cached-prefix", type=int, default=0, help="also prefill after N cached")
     p.add_argument("--profile", type=int, nargs="*", default=None, help="profile these batches")

@@ -211,6 +211,8 @@ def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
         raise CpuKernelUnavailable("no C compiler found (set $CC or install gcc)")
 
     monkeypatch.setattr(ops, "load_cpu_ops", unavailable)
+    # The "pagoda" logger stops propagation once set up; let caplog (on the root) see it.
+    monkeypatch.setattr(logging.getLogger("pagoda"), "propagate", True)
     ops.cpu_ops_available.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
