@@ -101,6 +101,10 @@ class AsyncLLM:
         from pagoda.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(engine_args)
+        # The HTTP event loop runs in this process: leave it a core at small batches.
+        runner = getattr(getattr(engine, "executor", None), "model_runner", None)
+        if runner is not None and hasattr(runner, "reserve_core_for_frontend"):
+            runner.reserve_core_for_frontend()
         kwargs.setdefault(
             "max_waiting_requests", getattr(engine_args, "max_waiting_requests", None)
         )

@@ -41,6 +41,8 @@ _PROMPT_LOGPROBS_CHUNK = 256
 # Backends whose kernel launches depend only on a mixed graph's bucket (grid from the token and
 # request counts, request lookup on the device): the only ones a mixed step can be captured for.
 _MIXED_GRAPH_BACKENDS = ("triton",)
+# Steps of at most this many requests count as small for `reserve_core_for_frontend`.
+_SMALL_BATCH_REQS = 2
 
 
 def num_cpu_threads() -> int:
@@ -66,8 +68,12 @@ class ModelRunner:
         self.cache_config = engine_config.cache_config
         self.scheduler_config = engine_config.scheduler_config
         self.device = torch.device(engine_config.device_config.device)
+        self.cpu_threads = num_cpu_threads()
+        # Serving sets this: threads for steps of few requests, leaving a core to the HTTP
+        # front end (see `reserve_core_for_frontend`).
+        self.small_batch_cpu_threads: int | None = None
         if self.device.type == "cpu":
-            torch.set_num_threads(num_cpu_threads())
+            torch.set_num_threads(self.cpu_threads)
         self.block_size = self.cache_config.block_size
         max_len = self.model_config.max_model_len
         self.inputs = InputBuilder(
@@ -274,12 +280,30 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
+    def reserve_core_for_frontend(self, max_reqs: int = _SMALL_BATCH_REQS) -> None:
+        """Run steps of at most `max_reqs` requests on one core fewer (CPU only).
+
+        A server's event loop shares the cores with the compute threads; at small batches every
+        parallel op then waits at its barrier for a thread the event loop pushed off its core.
+        Measured on 2 cores, concurrency 1: 19.3 ms/token with 2 threads, 15.9 with 1."""
+        if self.device.type == "cpu" and self.cpu_threads > 1:
+            self.small_batch_cpu_threads = self.cpu_threads - 1
+            self._small_batch_reqs = max_reqs
+
+    def _set_cpu_threads(self, num_reqs: int) -> None:
+        small = self.small_batch_cpu_threads
+        want = small if small and num_reqs <= self._small_batch_reqs else self.cpu_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
         req_ids = [r.request_id for r in so.scheduled_requests]
         if so.is_empty or not req_ids:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
+        if self.small_batch_cpu_threads is not None:
+            self._set_cpu_threads(len(req_ids))
         graphs = self.cuda_graphs
         if graphs is None:
             step = self.inputs.prepare(so)

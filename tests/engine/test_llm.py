@@ -168,3 +168,21 @@ def test_bad_input_raises_clear_error(llm: LLM, prompt, params, match) -> None:
 def test_sampling_params_validation_names_field(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_serving_leaves_a_core_to_the_front_end_at_small_batches(llm: LLM) -> None:
+    import torch
+
+    runner = llm.llm_engine.executor.model_runner
+    if runner.cpu_threads < 2:
+        pytest.skip("needs at least 2 cores")
+    try:
+        runner.reserve_core_for_frontend(max_reqs=2)
+        alone = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+        assert torch.get_num_threads() == runner.cpu_threads - 1
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert torch.get_num_threads() == runner.cpu_threads
+        assert alone[0].outputs[0].token_ids  # same engine, fewer threads: still generates
+    finally:
+        runner.small_batch_cpu_threads = None
+        torch.set_num_threads(runner.cpu_threads)
