@@ -279,7 +279,6 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
     # -- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def reserve_core_for_frontend(self, max_reqs: int = _SMALL_BATCH_REQS) -> None:
         """Run steps of at most `max_reqs` requests on one core fewer (CPU only).
 
@@ -296,6 +295,7 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
+    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
