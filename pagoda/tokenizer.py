@@ -141,7 +141,17 @@ class Tokenizer:
     # ---- ids and text ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # e.g. a lone surrogate ("\ud800", possible through JSON escapes): not valid UTF-8.
+            if isinstance(text, str):
+                raise ValueError(
+                    "the text is not valid Unicode (it holds a lone surrogate)"
+                ) from None
+            raise ValueError(
+                f"text to encode must be a string, got {type(text).__name__}"
+            ) from None
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True

@@ -267,3 +267,11 @@ def test_get_tokenizer_picks_by_path(tmp_path) -> None:
     empty.mkdir()
     with pytest.raises(ValueError, match="tokenizer.json"):
         get_tokenizer(str(empty))
+
+
+def test_lone_surrogate_is_a_clear_value_error() -> None:
+    from pagoda.config import embedded_model_path
+    from pagoda.tokenizer import get_tokenizer
+
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        get_tokenizer(embedded_model_path()).encode("bad \ud800 text")
