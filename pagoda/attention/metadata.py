@@ -40,3 +40,28 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @classmethod
+    def from_lists(
+        cls,
+        specs: list[tuple[int, int]],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+    ) -> AttentionMetadata:
+        """Metadata for requests given as (context_len, query_len) pairs, on the CPU (tests,
+        benchmarks); block_tables rows must be padded to one length."""
+        query_start_loc = [0]
+        for _, n in specs:
+            query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens = [c + n for c, n in specs]
+        return cls(
+            num_actual_tokens=query_start_loc[-1],
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32),
+            max_query_len=max(n for _, n in specs),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )

@@ -61,21 +61,7 @@ def make_case(seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype
         vs.append(vals[context:])
         qs.append(torch.randn(n, num_heads, head_size, generator=g).to(dtype))
         history.append((keys.float(), vals.float()))
-    qsl = [0]
-    for _, n in specs:
-        qsl.append(qsl[-1] + n)
-    seq_lens = [c + n for c, n in specs]
-    md = AttentionMetadata(
-        num_actual_tokens=qsl[-1],
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=max(n for _, n in specs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
+    md = AttentionMetadata.from_lists(specs, slots, tables)
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, history
 
 

@@ -73,21 +73,7 @@ def run_case(seed, block_size, num_heads, num_kv_heads, specs, dtype=torch.float
             v_rows.append(vals[pos])
             q_rows.append(torch.randn(num_heads, head_size, generator=g))
         history.append((keys, vals))
-    qsl = [0]
-    for _, n in specs:
-        qsl.append(qsl[-1] + n)
-    seq_lens = [c + n for c, n in specs]
-    md = AttentionMetadata(
-        num_actual_tokens=qsl[-1],
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=max(n for _, n in specs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
+    md = AttentionMetadata.from_lists(specs, slots, tables)
     scale = head_size**-0.5
     out = TorchAttentionBackend().forward(
         Layer(num_heads, num_kv_heads, head_size),
@@ -100,6 +86,7 @@ def run_case(seed, block_size, num_heads, num_kv_heads, specs, dtype=torch.float
     )
     expected = []
     for b, (keys, vals) in enumerate(history):
+        qsl = md.query_start_loc_cpu
         rows = [q.to(dtype).float() for q in q_rows[qsl[b] : qsl[b + 1]]]
         keys = [k.to(dtype).float() for k in keys]
         vals = [v.to(dtype).float() for v in vals]

@@ -32,24 +32,12 @@ def _metadata(specs: list[tuple[int, int]], block_size: int, num_blocks: int, se
     g = torch.Generator().manual_seed(seed)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     nbs = [-(-(c + n) // block_size) for c, n in specs]
-    tables, slots, qsl = [], [], [0]
+    tables, slots = [], []
     for (c, n), nb in zip(specs, nbs):
         table = [perm.pop() for _ in range(nb)]
         tables.append(table + [0] * (max(nbs) - nb))
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-        qsl.append(qsl[-1] + n)
-    seq_lens = [c + n for c, n in specs]
-    return AttentionMetadata(
-        num_actual_tokens=qsl[-1],
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=max(n for _, n in specs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
+    return AttentionMetadata.from_lists(specs, slots, tables)
 
 
 def bench(backend_name: str, args: argparse.Namespace) -> float:
