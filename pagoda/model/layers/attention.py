@@ -30,6 +30,7 @@ class Attention(nn.Module):
         # Quantized KV cache scales (stored = round(x / scale)); 1.0 for a cache in model dtype.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self._int8_scales_set = False
 
     def forward(
         self,
@@ -40,5 +41,23 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, num_heads, head_size], k/v: [T, num_kv_heads, head_size] -> [T, num_heads * hs]."""
+        if (
+            not self._int8_scales_set
+            and kv_cache is not None
+            and kv_cache.dtype == torch.int8
+            and kv_cache.device.type == "cpu"
+        ):
+            self._set_int8_scales(k[: attn_metadata.num_actual_tokens], v)
         out = self.backend.forward(self, q, k, v, kv_cache, attn_metadata, self.scale)
         return out.view(q.shape[0], self.num_heads * self.head_size)
+
+    def _set_int8_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """An INT8 cache needs scales fitting the layer's K/V range: take them from the first
+        step that writes the cache (as vLLM's calculate_kv_scales does), with 2x headroom for
+        later tokens; values past it are clamped. FP8's range makes 1.0 work without this. CPU
+        only: on a GPU the first cached step may be a CUDA-graph capture, where reading a value
+        back is not allowed (there the scales stay 1.0)."""
+        n = k.shape[0]
+        self.k_scale = max(2.0 * float(k.abs().max()) / 127.0, 1e-4)
+        self.v_scale = max(2.0 * float(v[:n].abs().max()) / 127.0, 1e-4)
+        self._int8_scales_set = True
