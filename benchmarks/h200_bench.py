@@ -310,6 +310,8 @@ def summarize(
         ("a Pagoda total tok/s", get(a, "total_tokens_per_s"), None, ""),
         ("a Pagoda elapsed s", get(a, "elapsed_s"), None, ""),
         ("a engine time outside execute_model s", get(a, "engine_outside_execute_s"), None, ""),
+        ("a host busy s (async scheduling overlaps it)", get(a, "host_busy_s"), None, ""),
+        ("a host waiting for the GPU s", get(a, "host_waiting_for_gpu_s"), None, ""),
         *extra_kv_rows,
         ("b Pagoda decode tok/s (TTFT excluded)", pb, TARGETS["b_decode_tok_s"], "ge"),
         ("b Pagoda overall tok/s", get(b, "overall_tokens_per_s"), None, ""),
@@ -378,6 +380,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="of the Pagoda engine (default: on for CUDA)",
+    )
     ap.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="of the Pagoda engine"
     )

@@ -63,6 +63,7 @@ def make_llm(args: argparse.Namespace, w: Workloads) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=0.9,
         enforce_eager=args.enforce_eager,
+        async_scheduling=getattr(args, "async_scheduling", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         **extra,
     )
@@ -103,29 +104,47 @@ def _submit(engine: Any, tag: str, reqs: list[tuple[list[int], int]]) -> None:
 
 
 class StepTimer:
-    """Splits engine time into `execute_model` (input preparation and GPU work, which ends
-    in reading the sampled ids) and the rest (scheduling, output processing: CPU work the GPU
-    waits on unless the runner overlaps it)."""
+    """Splits engine time into launching steps (input preparation, graph replay, sampler),
+    waiting for their sampled ids (the host idle, the GPU busy) and the rest (scheduling,
+    output processing). With async scheduling the host's work overlaps the GPU's, so the
+    GPU waits on the host only where `wait_s` is near zero."""
 
     def __init__(self, engine: Any) -> None:
-        self.executor, self.execute_s, self.steps = engine.executor, 0.0, 0
+        self.executor, self.steps = engine.executor, 0
+        self.launch_s = self.wait_s = 0.0
 
     def __enter__(self) -> StepTimer:
-        inner = self.executor.execute_model
+        inner = self.executor.execute_model_async
+
+        def timed_get(get: Any) -> Any:
+            def wrapped() -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return get()
+                finally:
+                    self.wait_s += time.perf_counter() - t0
+
+            return wrapped
 
         def timed(scheduler_output: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return inner(scheduler_output)
+                future = inner(scheduler_output)
             finally:
-                self.execute_s += time.perf_counter() - t0
+                self.launch_s += time.perf_counter() - t0
                 self.steps += 1
+            future.get = timed_get(future.get)
+            return future
 
-        self.executor.execute_model = timed
+        self.executor.execute_model_async = timed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.executor.execute_model  # back to the class's method
+        del self.executor.execute_model_async  # back to the class's method
+
+    @property
+    def execute_s(self) -> float:
+        return self.launch_s + self.wait_s
 
 
 def bench_offline_throughput(llm: Any, w: Workloads, deadline: float) -> dict[str, Any]:
@@ -157,6 +176,9 @@ def bench_offline_throughput(llm: Any, w: Workloads, deadline: float) -> dict[st
         "num_steps": timer.steps,
         "execute_model_s": round(timer.execute_s, 3),
         "engine_outside_execute_s": round(elapsed - timer.execute_s, 3),
+        "host_waiting_for_gpu_s": round(timer.wait_s, 3),
+        "host_busy_s": round(elapsed - timer.wait_s, 3),
+        "async_scheduling": engine.config.scheduler_config.async_scheduling,
     }
 
 

@@ -116,6 +116,9 @@ class SchedulerConfig:
     max_waiting_requests: int | None = (
         None  # bound on the waiting queue (server answers 503 past it)
     )
+    # Schedule and launch step N+1 before step N's sampled tokens reach the host, so the
+    # host's work overlaps the device's (`LLMEngine.step`). The engine turns it on for CUDA.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

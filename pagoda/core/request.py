@@ -73,6 +73,10 @@ class Request:
         self.num_preemptions = 0
         # Speculative decoding: draft tokens to verify this step (appended after all_token_ids).
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens being sampled by a step still in flight (scheduled, not yet
+        # appended). The next step may already compute on them; the runner takes their ids from
+        # the device.
+        self.num_output_placeholders = 0
         # Chained hashes of this request's full blocks (kept by the KV cache manager).
         self.block_hashes: list[int] = []
         # Timestamps for metrics.

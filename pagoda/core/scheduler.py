@@ -153,8 +153,13 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if request.num_output_placeholders and self._reaches_cap(request):
+                req_index += 1  # the token in flight is its last one
+                continue
             num_new_tokens = min(
-                request.num_tokens_with_spec - request.num_computed_tokens,
+                request.num_tokens_with_spec
+                + request.num_output_placeholders
+                - request.num_computed_tokens,
                 token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
@@ -177,7 +182,12 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
-            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            num_spec = (
+                num_new_tokens
+                + request.num_computed_tokens
+                - request.num_tokens
+                - request.num_output_placeholders
+            )
             if num_spec > 0:
                 # Drafts cut by the budget or max_model_len are dropped, so the runner sees
                 # exactly the drafts it verifies.
@@ -191,6 +201,10 @@ class Scheduler:
             chunked = self.scheduler_config.enable_chunked_prefill
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
+                if request.num_output_placeholders:
+                    # Preempted while its token was in flight: admit it once that token is
+                    # known, so the recompute does not sample the same position again.
+                    break
                 # Waiting and preempted requests hold no blocks and have computed nothing.
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 num_new_tokens = min(
@@ -225,6 +239,10 @@ class Scheduler:
             rid = request.request_id
             num_computed_tokens[rid] = request.num_computed_tokens
             request.num_computed_tokens += num_scheduled_tokens[rid]
+            known = request.num_tokens_with_spec + request.num_output_placeholders
+            if request.num_computed_tokens >= known:
+                # Reaches its end: the step samples a token that update_from_output appends.
+                request.num_output_placeholders += 1
             block_ids[rid] = kv.get_block_ids(rid)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -267,6 +285,8 @@ class Scheduler:
             if request.is_finished() or self.requests.get(rid) is not request:
                 continue
             sampled = sampled_token_ids.get(rid) or []
+            if sampled and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             num_spec = scheduler_output.scheduled_spec_tokens.get(rid, 0)
             if num_spec:
                 # Accepted drafts + 1 bonus/corrected token come back; the KV written for the
@@ -290,7 +310,9 @@ class Scheduler:
             new_prompt_logprobs = all_prompt_logprobs.get(rid)
             finished = request.is_finished()
             if finished:
-                self.running.remove(request)
+                # Preempted while its last token was in flight: it waits (async scheduling).
+                queue = self.running if request in self.running else self.waiting
+                queue.remove(request)
                 self._free_request(request)
             if new_token_ids or new_prompt_logprobs or finished:
                 outputs.append(
@@ -305,6 +327,14 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _reaches_cap(self, request: Request) -> bool:
+        """With its in-flight tokens, the request reaches max_tokens or max_model_len."""
+        n = request.num_output_placeholders
+        return (
+            request.num_output_tokens + n >= request.max_tokens
+            or request.num_tokens + n >= self.max_model_len
+        )
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status after `token_id` was appended; True if the request stops.

@@ -86,6 +86,8 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     # Execution
     enforce_eager: bool = False
+    # None: on where it helps (a CUDA device), off on a CPU (nothing to overlap with).
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
@@ -148,6 +150,9 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_waiting_requests=self.max_waiting_requests,
+                async_scheduling=(
+                    device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                ),
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -223,6 +228,13 @@ class EngineArgs:
             help="bound on queued requests; past it the server answers 503",
         )
         g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="schedule the next step while the device runs this one "
+            "(default: on for CUDA, off on a CPU)",
+        )
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
         g.add_argument(
             "--distributed-executor-backend", type=str, default=None, choices=["mp", "ray"]

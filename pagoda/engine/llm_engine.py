@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.core.outputs import ModelRunnerOutput
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.arg_utils import EngineArgs
@@ -51,6 +51,9 @@ class LLMEngine:
         self.last_iteration_stats = IterationStats()
         self.num_preemptions_total = 0
         self.stat_logger = LoggingStatLogger() if log_stats else None
+        # Async scheduling: the launched step whose tokens are not processed yet.
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, Any, IterationStats] | None = None
         self._log_cache_plan(num_blocks, time.perf_counter() - start)
 
     @classmethod
@@ -182,7 +185,8 @@ class LLMEngine:
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """Requests not yet finished, or a launched step not yet processed."""
+        return self.output_processor.has_unfinished_requests() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -201,6 +205,37 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that made progress.
+
+        With async scheduling (`SchedulerConfig.async_scheduling`) a step schedules and
+        launches the next model step first and only then waits for the one launched before it
+        and processes its tokens, so scheduling, input preparation and detokenizing overlap the
+        device's work: the outputs returned are those of the previous launch. The scheduler
+        counts each token still in flight as a placeholder. A request that stops (EOS, stop
+        string) has one more step computed for it, whose token is dropped. Steps where a
+        request's sampling reads its own history (penalties, min_tokens) or its drafts run
+        synchronously."""
+        if self._in_flight is not None and not self._can_run_ahead():
+            outputs = self._finish_step(*self._in_flight)
+            self._in_flight = None
+            if self.has_unfinished_requests():
+                outputs += self._step_sync()
+            return outputs
+        if not self.async_scheduling:
+            return self._step_sync()
+        launched = self._launch_step()
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._finish_step(*previous) if previous is not None else []
+        if launched[0].scheduled_requests:
+            self._in_flight = launched
+        else:  # nothing to run ahead of: finish it now (finished ids, stats)
+            outputs += self._finish_step(*launched)
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        return self._finish_step(*self._launch_step())
+
+    def _launch_step(self) -> tuple[SchedulerOutput, Any, IterationStats]:
         sched_out = self.scheduler.schedule()
         now = time.time()
         stats = IterationStats(iteration_timestamp=now)
@@ -211,7 +246,16 @@ class LLMEngine:
             stats.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         stats.num_scheduled_tokens = sched_out.total_num_scheduled_tokens
         if sched_out.total_num_scheduled_tokens > 0 or sched_out.finished_req_ids:
-            runner_out = self.executor.execute_model(sched_out)
+            future = self.executor.execute_model_async(sched_out)
+        else:
+            future = None
+        return sched_out, future, stats
+
+    def _finish_step(
+        self, sched_out: SchedulerOutput, future: Any, stats: IterationStats
+    ) -> list[RequestOutput]:
+        if future is not None:
+            runner_out = future.get()
         else:
             runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
@@ -224,3 +268,25 @@ class LLMEngine:
         if self.stat_logger is not None:
             self.stat_logger.record(self.last_scheduler_stats, stats)
         return outputs
+
+    def _can_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is finished: only
+        when no running request's sampling depends on the tokens still in flight."""
+        if not self.async_scheduling:
+            return False
+        for req in self.scheduler.running:
+            if req.spec_token_ids or _reads_history(req):
+                return False
+        return True
+
+
+def _reads_history(req: Request) -> bool:
+    """Sampling parameters that read the request's generated tokens (penalties) or their count
+    (min_tokens, until reached)."""
+    sp = req.sampling_params
+    return (
+        sp.presence_penalty != 0.0
+        or sp.frequency_penalty != 0.0
+        or sp.repetition_penalty != 1.0
+        or (sp.min_tokens > 0 and req.num_output_tokens < sp.min_tokens)
+    )

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.worker.model_runner import StepOutputFuture
 
 
 class UniProcExecutor:
@@ -25,3 +30,7 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepOutputFuture:
+        """Launch the step; `.get()` on the result waits for its output."""
+        return self.model_runner.execute_model_async(scheduler_output)

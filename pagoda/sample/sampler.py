@@ -48,6 +48,25 @@ class SamplerTensors:
     logprobs: torch.Tensor | None = None  # [L, 1 + K] float32
     sampled_token_ranks: torch.Tensor | None = None  # [L] int64
 
+    def to_host_async(self) -> SamplerTensors:
+        """Copies of the tensors in pinned host memory, queued without waiting: read them after
+        the stream has passed this point (an event). On a CPU, the tensors themselves."""
+        if not self.sampled_token_ids.is_cuda:
+            return self
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return SamplerTensors(
+            sampled_token_ids=host(self.sampled_token_ids),
+            logprob_token_ids=host(self.logprob_token_ids),
+            logprobs=host(self.logprobs),
+            sampled_token_ranks=host(self.sampled_token_ranks),
+        )
+
     def tolist(self, md: SamplingMetadata) -> SamplerOutput:
         sampled = self.sampled_token_ids.tolist()
         logprobs: list[LogprobsDict | None] = [None] * md.num_rows

@@ -206,10 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.engine_batch:
         from pagoda.worker.host_benchmark import bench_engine_step
 
-        bench_engine_step(model, args.dtype[-1], args.device, batch, args.context, args.iters)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        for run_ahead in (False, True):
+            bench_engine_step(
+                model, args.dtype[-1], args.device, batch, args.context, args.iters, run_ahead
+            )
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

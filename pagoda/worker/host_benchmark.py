@@ -3,10 +3,12 @@
 `bench_engine_step` runs `batch` greedy requests with `context`-token random prompts (dummy
 weights, no tokenizer) through a whole `LLMEngine` until every one is decoding, then times
 decode steps with each host stage wrapped: scheduling, input preparation (numpy + pinned
-copies), the rest of `execute_model` up to the sampler's launch (graph replay or eager
-launches, logits, sampling metadata), the one wait for the sampled ids (the GPU's share),
-and the scheduler update and output processing. Host time = step time - that wait: it must
-stay well below the GPU's time for the GPU never to wait on Python.
+copies), the rest of the launch (graph replay or eager launches, logits, sampling metadata,
+the sampler), the wait for the sampled ids, the scheduler update and output processing.
+Host time = step time - the wait. Synchronously the host's time adds to the GPU's; with async
+scheduling (the next step is launched before the previous one's tokens are processed) it
+overlaps it, and the step time should equal the device's own time per step, which is measured
+too (`device_step_ms`: the same decode step replayed back to back with no host work between).
 """
 
 from __future__ import annotations
@@ -22,22 +24,6 @@ import torch
 STAGES = ("schedule", "prepare_inputs", "launch", "wait_gpu", "update", "outputs")
 
 
-class _TimedSampler:
-    """Splits the sampler into its launch and the wait for the sampled ids."""
-
-    def __init__(self, sampler: Any, times: dict[str, float]) -> None:
-        self.sampler, self.times = sampler, times
-
-    def __call__(self, logits: torch.Tensor, md: Any) -> Any:
-        t0 = time.perf_counter()
-        tensors = self.sampler.sample_on_device(logits, md)
-        t1 = time.perf_counter()
-        out = tensors.tolist(md)
-        self.times["wait_gpu"] += time.perf_counter() - t1
-        self.times["sampler_launch"] += t1 - t0
-        return out
-
-
 def _timed(fn: Callable, name: str, times: dict[str, float]) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -48,8 +34,55 @@ def _timed(fn: Callable, name: str, times: dict[str, float]) -> Callable:
     return wrapped
 
 
+def device_step_ms(runner: Any, so: Any, iters: int) -> float:
+    """The device's time for the decode step `so` alone: inputs prepared once, then the forward
+    (graph replay), logits and greedy sampling queued `iters` times back to back."""
+    from pagoda.sample.sampler import SamplingMetadata
+
+    graphs = runner.cuda_graphs
+    if graphs is None:
+        step = runner.inputs.prepare(so)
+    else:
+        step = runner.inputs.prepare(so, graphs.padded_size, graphs.mixed_shape)
+    reqs = step.requests
+    md = SamplingMetadata.from_requests(
+        [r.sampling_params for r in reqs],
+        [r.prompt_token_ids for r in reqs],
+        [r.output_token_ids for r in reqs],
+        [None] * len(reqs),
+        runner.model_config.vocab_size,
+        runner.device,
+    )
+
+    def once() -> None:
+        if step.graph_key is not None:
+            hidden = graphs.replay(step.graph_key)
+        else:
+            runner.attn_backend.prepare(step.attn_metadata)
+            hidden = runner.model(
+                step.input_ids, step.positions, runner.kv_caches, step.attn_metadata
+            )
+        logits = runner.model.compute_logits(hidden[: len(reqs)])
+        runner.sampler.sample_on_device(logits, md)
+
+    with torch.inference_mode():
+        once()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            once()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
 def bench_engine_step(
-    model: str, dtype: str, device: str, batch: int, context: int, iters: int
+    model: str,
+    dtype: str,
+    device: str,
+    batch: int,
+    context: int,
+    iters: int,
+    async_scheduling: bool = False,
 ) -> dict[str, float]:
     """Median ms per stage of a decode step at `batch` (printed and returned)."""
     from pagoda.engine.arg_utils import EngineArgs
@@ -70,6 +103,7 @@ def bench_engine_step(
         gpu_memory_utilization=0.8,
         kv_cache_memory_bytes=(1 << 30) if device == "cpu" else None,
         disable_log_stats=True,
+        async_scheduling=async_scheduling,
     )
     engine = LLMEngine.from_engine_args(args)
     runner = engine.executor.model_runner
@@ -92,8 +126,17 @@ def bench_engine_step(
 
     scheduler.schedule = _timed(schedule, "schedule", times)
     runner.inputs.prepare = _timed(runner.inputs.prepare, "prepare_inputs", times)
-    runner.sampler = _TimedSampler(runner.sampler, times)
-    engine.executor.execute_model = _timed(engine.executor.execute_model, "execute", times)
+    executor = engine.executor
+    launch = executor.execute_model_async
+
+    def launch_timed(so: Any) -> Any:
+        t0 = time.perf_counter()
+        future = launch(so)
+        times["execute"] += time.perf_counter() - t0
+        future.get = _timed(future.get, "wait_gpu", times)
+        return future
+
+    executor.execute_model_async = launch_timed
     scheduler.update_from_output = _timed(scheduler.update_from_output, "update", times)
     op = engine.output_processor
     op.process_outputs = _timed(op.process_outputs, "outputs", times)
@@ -110,18 +153,22 @@ def bench_engine_step(
         total = time.perf_counter() - t0
         if not pure_decode[0]:
             raise RuntimeError(f"expected a pure decode step of {batch} requests")
-        launch = times["execute"] - times["prepare_inputs"] - times["wait_gpu"]
-        row = {**times, "launch": launch, "total": total, "host": total - times["wait_gpu"]}
+        launched = times["execute"] - times["prepare_inputs"]
+        row = {**times, "launch": launched, "total": total, "host": total - times["wait_gpu"]}
         for k, v in row.items():
             samples[k].append(v * 1e3)
     result = {k: statistics.median(v) for k, v in samples.items()}
+    if device == "cuda":
+        so = scheduler.schedule()  # one more decode step, timed on the device alone
+        result["device_step"] = device_step_ms(runner, so, iters)
     graphs = "CUDA graphs" if runner.cuda_graphs is not None else "eager"
+    mode = "async scheduling" if async_scheduling else "synchronous"
     print(
-        f"engine decode step, batch {batch}, context ~{context}, {dtype} on {device} ({graphs}): "
-        f"{result['total']:.2f} ms = host {result['host']:.2f} ms + waiting for the GPU "
-        f"{result['wait_gpu']:.2f} ms"
+        f"engine decode step, batch {batch}, context ~{context}, {dtype} on {device} ({graphs}, "
+        f"{mode}): {result['total']:.2f} ms = host {result['host']:.2f} ms + waiting for the "
+        f"GPU {result['wait_gpu']:.2f} ms"
+        + (f"; the device alone: {result['device_step']:.2f} ms" if "device_step" in result else "")
     )
     for stage in STAGES:
-        print(f"  {stage:15s} {result[stage]:8.3f} ms")
-    print(f"  (sampler launch {result['sampler_launch']:.3f} ms is inside 'launch')", flush=True)
+        print(f"  {stage:15s} {result.get(stage, 0.0):8.3f} ms")
     return result

@@ -50,6 +50,9 @@ class StepInputs:
     logits_indices: torch.Tensor | None = None
     # request -> (rows, target token ids) for prompt logprobs.
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # (row, request id) of the inputs whose token the previous step is still sampling (async
+    # scheduling): the runner fills them from that step's sampled ids on the device.
+    placeholder_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def graph_key(self) -> int | tuple[int, int] | None:
@@ -338,6 +341,9 @@ class InputBuilder:
                 ids[lo] = all_ids[start]
             elif end <= num_known:
                 ids[lo : lo + n] = all_ids[start:end]
+            elif n == 1 and start == num_known and not req.spec_token_ids:
+                # Async scheduling: the previous step is still sampling this token.
+                out.placeholder_rows.append((lo, rid))
             else:  # drafts to verify follow the known tokens
                 ids[lo : lo + n] = (all_ids[start:] + req.spec_token_ids)[:n]
             num_spec = so.scheduled_spec_tokens.get(rid, 0)

@@ -22,7 +22,14 @@ import torch
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.sample.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagoda.core.request import Request
+from pagoda.sample.metadata import to_device_tensor
+from pagoda.sample.sampler import (
+    Sampler,
+    SamplerTensors,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+)
 from pagoda.worker.cuda_graphs import (
     CaptureFn,
     CUDAGraphRunner,
@@ -97,6 +104,9 @@ class ModelRunner:
         self.cuda_graph_sizes = self._decode_graph_sizes() if self.use_cuda_graphs else []
         self.mixed_graph_shapes = self._mixed_graph_shapes() if self.use_cuda_graphs else []
         self.cuda_graphs: CUDAGraphRunner | None = None
+        # The last step's sampled ids on the device and each sampling request's row in them:
+        # where the next step's placeholder rows take their input ids from.
+        self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def _decode_graph_sizes(self) -> list[int]:
         sc = self.scheduler_config
@@ -295,13 +305,24 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        output = self.execute_model_async(so).get()
+        self.inputs.copies_done()  # the host waited for the sampled ids, queued after them
+        return output
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> StepOutputFuture:
+        """Queue one step on the device and return without waiting for it; `.get()` on the
+        result waits for the sampled tokens. Requests whose last token is still being sampled
+        by the previous step (async scheduling: `Request.num_output_placeholders`) take it
+        from that step's sampled ids on the device."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
         req_ids = [r.request_id for r in so.scheduled_requests]
+        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
         if so.is_empty or not req_ids:
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
+            return StepOutputFuture(output)
         if self.small_batch_cpu_threads is not None:
             self._set_cpu_threads(len(req_ids))
         graphs = self.cuda_graphs
@@ -309,6 +330,8 @@ class ModelRunner:
             step = self.inputs.prepare(so)
         else:
             step = self.inputs.prepare(so, graphs.padded_size, graphs.mixed_shape)
+        if step.placeholder_rows:
+            self._fill_placeholders(step)
         graph_key = step.graph_key
         if graph_key is not None:
             hidden = graphs.replay(graph_key)
@@ -316,13 +339,32 @@ class ModelRunner:
             self.attn_backend.prepare(step.attn_metadata)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
 
-        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
+        future = StepOutputFuture(output)
         if step.sample_rows:
-            self._sample(step, hidden, output)
-            self.inputs.copies_done()  # the host waited for the sampled ids, queued after them
+            self._sample(step, hidden, future)
         for rid, (rows, targets) in step.prompt_logprob_rows.items():
             output.prompt_logprobs[rid] = self._prompt_logprobs(step, hidden, rid, rows, targets)
-        return output
+        return future
+
+    def _fill_placeholders(self, step: StepInputs) -> None:
+        """Write the device-side sampled ids of the previous step into the input rows whose
+        token the host does not know yet."""
+        if self._prev_sampled is None:
+            raise RuntimeError("a step needs the previous step's sampled tokens, but none ran")
+        prev_ids, prev_rows = self._prev_sampled
+        dst = [row for row, _ in step.placeholder_rows]
+        try:
+            src = [prev_rows[rid] for _, rid in step.placeholder_rows]
+        except KeyError as e:
+            raise RuntimeError(f"request {e} has no token in flight from the previous step") from e
+        ids = self.inputs.input_ids.dev
+        n = len(dst)
+        if dst[-1] == n - 1 and src == dst:  # the same requests in the same rows: one copy
+            ids[:n].copy_(prev_ids[:n])
+            return
+        dst_t = to_device_tensor(dst, torch.int64, ids.device)
+        src_t = to_device_tensor(src, torch.int64, ids.device)
+        ids.index_copy_(0, dst_t, prev_ids.index_select(0, src_t))
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -334,7 +376,8 @@ class ModelRunner:
             self.generators[req.request_id] = gen
         return gen
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, future: StepOutputFuture) -> None:
+        """Queue the logits and the sampler; the results reach the host asynchronously."""
         if step.logits_indices is None:  # rows 0 .. n-1: no gather
             logits = self.model.compute_logits(hidden[: len(step.sample_rows)])
         else:
@@ -357,28 +400,18 @@ class ModelRunner:
         md = SamplingMetadata.from_requests(
             params, prompts, outputs, generators, logits.shape[1], logits.device
         )
-        sampled = self.sampler(logits, md)
-        token_ids, sampled_logprobs = sampled.sampled_token_ids, sampled.logprobs
-        for req, lo, hi in step.sample_reqs:
-            if hi - lo == 1:  # no drafts: the common case, kept short
-                output.sampled_token_ids[req.request_id] = [token_ids[lo]]
-                if req.sampling_params.logprobs is not None:
-                    output.logprobs[req.request_id] = [sampled_logprobs[lo]]
-                continue
-            tokens = token_ids[lo:hi]
-            logprobs = sampled_logprobs[lo:hi]
-            # Drafts come from a deterministic proposer (n-gram, greedy draft model): sampling
-            # the target and accepting a draft iff it equals the sample is then exact
-            # rejection sampling (accept d with p(d); else a sample of p restricted to != d).
-            num_accepted = 0
-            for draft, token in zip(req.spec_token_ids[: hi - lo - 1], tokens):
-                if draft != token:
-                    break
-                num_accepted += 1
-            keep = num_accepted + 1
-            output.sampled_token_ids[req.request_id] = tokens[:keep]
-            if req.sampling_params.logprobs is not None:
-                output.logprobs[req.request_id] = logprobs[:keep]
+        sampled = self.sampler.sample_on_device(logits, md)
+        # The next step may read these ids on the device (its placeholder rows).
+        self._prev_sampled = (
+            sampled.sampled_token_ids,
+            {req.request_id: lo for req, lo, hi in step.sample_reqs if hi - lo == 1},
+        )
+        # Drafts as they are now: the scheduler may edit the list before get() (async).
+        sample_reqs = [
+            (req, lo, hi, req.spec_token_ids[: hi - lo - 1] if hi - lo > 1 else [])
+            for req, lo, hi in step.sample_reqs
+        ]
+        future.set_sampled(sampled.to_host_async(), md, sample_reqs)
 
     def _prompt_logprobs(
         self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], targets: list[int]
@@ -391,3 +424,59 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, chunk))
             result += compute_prompt_logprobs(logits, targets[i : i + _PROMPT_LOGPROBS_CHUNK], k)
         return result
+
+
+class StepOutputFuture:
+    """One launched step's `ModelRunnerOutput`; `get()` waits for its sampled tokens (the
+    step's only device-to-host wait) and fills them in."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+        self._sampled: SamplerTensors | None = None
+        self._md: SamplingMetadata | None = None
+        self._sample_reqs: list[tuple[Request, int, int, list[int]]] = []
+        self._event: torch.cuda.Event | None = None
+
+    def set_sampled(
+        self,
+        sampled: SamplerTensors,
+        md: SamplingMetadata,
+        sample_reqs: list[tuple[Request, int, int, list[int]]],
+    ) -> None:
+        """The sampler's results (host copies being made), its metadata, and per sampling
+        request (request, first row, end row, drafts verified by rows after the first)."""
+        self._sampled, self._md, self._sample_reqs = sampled, md, sample_reqs
+        if sampled.sampled_token_ids.is_pinned():
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> ModelRunnerOutput:
+        if self._sampled is None:
+            return self.output
+        if self._event is not None:
+            self._event.synchronize()
+        result = self._sampled.tolist(self._md)
+        self._sampled = None
+        token_ids, sampled_logprobs = result.sampled_token_ids, result.logprobs
+        output = self.output
+        for req, lo, hi, drafts in self._sample_reqs:
+            if hi - lo == 1:  # no drafts: the common case, kept short
+                output.sampled_token_ids[req.request_id] = [token_ids[lo]]
+                if req.sampling_params.logprobs is not None:
+                    output.logprobs[req.request_id] = [sampled_logprobs[lo]]
+                continue
+            tokens = token_ids[lo:hi]
+            logprobs = sampled_logprobs[lo:hi]
+            # Drafts come from a deterministic proposer (n-gram, greedy draft model): sampling
+            # the target and accepting a draft iff it equals the sample is then exact
+            # rejection sampling (accept d with p(d); else a sample of p restricted to != d).
+            num_accepted = 0
+            for draft, token in zip(drafts, tokens):
+                if draft != token:
+                    break
+                num_accepted += 1
+            keep = num_accepted + 1
+            output.sampled_token_ids[req.request_id] = tokens[:keep]
+            if req.sampling_params.logprobs is not None:
+                output.logprobs[req.request_id] = logprobs[:keep]
+        return output

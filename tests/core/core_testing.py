@@ -82,6 +82,9 @@ class FakeModelRunner:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.accept_p = accept_p
+        # Async scheduling: tokens sampled by a step whose output the scheduler has not seen
+        # yet (what a real runner reads from the device for the next step's placeholders).
+        self.in_flight: dict[str, list[int]] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
@@ -89,7 +92,10 @@ class FakeModelRunner:
         for req in out.scheduled_requests:
             rid = req.request_id
             start, n = out.num_computed_tokens[rid], out.num_scheduled_tokens[rid]
-            tokens = req.all_token_ids + req.spec_token_ids
+            tokens = req.all_token_ids + self.in_flight.get(rid, []) + req.spec_token_ids
+            assert len(self.in_flight.get(rid, [])) == req.num_output_placeholders - (
+                start + n >= len(tokens)
+            ), (req, self.in_flight.get(rid))
             assert len(req.spec_token_ids) == out.scheduled_spec_tokens.get(rid, 0)
             assert start + n <= len(tokens), (req, start, n)
             keys = _prefix_keys(tokens[: start + n])
@@ -102,14 +108,21 @@ class FakeModelRunner:
         for req, start, n, keys, table in steps:
             for pos in range(start + n):  # causal attention reads the prefix and this chunk
                 assert self.kv[table[pos // bs]][pos % bs] == keys[pos], (req, pos)
-            if start + n >= req.num_tokens:
+            if start + n >= req.num_tokens + len(self.in_flight.get(req.request_id, [])):
                 accepted = []
                 for t in req.spec_token_ids:
                     if self.rng.random() > self.accept_p:
                         break
                     accepted.append(t)
                 sampled[req.request_id] = accepted + [self.rng.randrange(self.vocab)]
+        for rid, tokens in sampled.items():
+            self.in_flight.setdefault(rid, []).extend(tokens)
         return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=sampled)
+
+    def delivered(self, output: ModelRunnerOutput) -> None:
+        """The scheduler has processed `output`: its tokens are no longer in flight."""
+        for rid, tokens in output.sampled_token_ids.items():
+            del self.in_flight[rid][: len(tokens)]
 
 
 def check_block_invariants(scheduler: Scheduler) -> None:

@@ -60,6 +60,7 @@ def workloads(draw):
         abort_p=draw(st.sampled_from([0.0, 0.3])),
         spec_p=draw(st.sampled_from([0.0, 0.5])),
         seed=draw(st.integers(0, 2**16)),
+        async_scheduling=draw(st.booleans()),
     )
 
 
@@ -95,13 +96,27 @@ def run_workload(w: dict) -> None:
         pending.append((arrival, req))
     all_reqs = [r for _, r in pending]
     finished: dict[str, str] = {}
+    # Async scheduling (as LLMEngine does it): step N + 1 is scheduled and run before step N's
+    # tokens reach the scheduler; no drafts then.
+    run_ahead = w.get("async_scheduling", False)
+    in_flight = None
+
+    def deliver(out, runner_out):
+        results = sched.update_from_output(out, runner_out)
+        runner.delivered(runner_out)
+        for r in results:
+            if r.finished:
+                finished[r.request_id] = r.finish_reason
+
     for step_no in range(2000):
         for arrival, req in [p for p in pending if p[0] <= step_no]:
             sched.add_request(req)
             pending.remove((arrival, req))
-        if not pending and not sched.has_unfinished_requests():
+        if not pending and not sched.has_unfinished_requests() and in_flight is None:
             break
         for req in sched.running:  # drafts for requests past their prompt
+            if run_ahead:
+                break
             if req.num_computed_tokens == req.num_tokens - 1 and rng.random() < w["spec_p"]:
                 req.spec_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]
         out = sched.schedule()
@@ -109,10 +124,15 @@ def run_workload(w: dict) -> None:
         check_block_invariants(sched)
         for rid in out.finished_req_ids:
             assert rid in finished
-        results = sched.update_from_output(out, runner.execute(out))
-        for r in results:
-            if r.finished:
-                finished[r.request_id] = r.finish_reason
+        launched = (out, runner.execute(out))
+        if run_ahead:
+            previous, in_flight = in_flight, launched if out.scheduled_requests else None
+            if previous is not None:
+                deliver(*previous)
+            if in_flight is None:
+                deliver(*launched)
+        else:
+            deliver(*launched)
         if rng.random() < w["abort_p"]:
             victim = rng.choice(all_reqs).request_id
             if victim in sched.requests:
@@ -155,6 +175,28 @@ def test_heavy_preemption_workload():
             abort_p=0.0,
             spec_p=0.5,
             seed=1,
+        )
+    )
+
+
+def test_heavy_preemption_workload_with_async_scheduling():
+    # Preemptions while a victim's token is in flight; requests capped by max_tokens while
+    # running ahead.
+    run_workload(
+        dict(
+            block_size=2,
+            max_model_len=32,
+            chunked=True,
+            budget=16,
+            num_blocks=18,
+            requests=[(8 + i % 20, 1 + i % 9, i % 4, i % 3, i % 5) for i in range(24)],
+            max_num_seqs=8,
+            policy="priority",
+            caching=True,
+            abort_p=0.2,
+            spec_p=0.0,
+            seed=2,
+            async_scheduling=True,
         )
     )
 

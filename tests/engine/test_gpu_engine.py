@@ -1,6 +1,7 @@
 """The whole engine on a GPU with dummy weights: decode CUDA graphs and the fused Triton path
-give the same greedy tokens as eager execution and as the plain-torch reference path (float32,
-where random weights' near-ties do not flip), and impossible memory settings fail at start.
+give the same greedy tokens as eager execution, as synchronous scheduling and as the plain-torch
+reference path (float32, where random weights' near-ties do not flip), and impossible memory
+settings fail at start.
 Marked `gpu`: `pytest tests/engine -m gpu`."""
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def test_graphs_and_fused_ops_keep_greedy_tokens(model_dir):
     reference = _generate(
         model_dir, prompts, dtype="float32", enforce_eager=True, attention_backend="torch"
     )
+    synchronous = _generate(model_dir, prompts, dtype="float32", async_scheduling=False)
     assert [len(t) for t in graphs] == [8 + 2 * i for i in range(11)]
     assert graphs == eager
     assert graphs == reference
+    assert graphs == synchronous  # async scheduling (the CUDA default) changes no token
 
 
 def test_start_fails_with_the_numbers_when_weights_do_not_fit(model_dir):
