@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.cpu.build import CpuKernelUnavailable, build_library
 from pagoda.kernels import cpu
-from pagoda.kernels.cpu import ops
+from pagoda.kernels.cpu import gemm, ops
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 
 pytestmark = pytest.mark.skipif(
@@ -280,21 +280,33 @@ _NEAR_TIE = 0.5
 
 
 def test_embedded_model_greedy_tokens_unchanged_by_c_ops(ops_off, monkeypatch):
-    """LLM(dtype="bfloat16") with the C ops on vs $PAGODA_CPU_FAST_OPS=0: the same greedy
-    tokens, up to the first step where the reference's own choice is a near-tie."""
+    """LLM(dtype="bfloat16") with the C ops on (the packed GEMM for every linear layer and the
+    logits) vs $PAGODA_CPU_FAST_OPS=0: the same greedy tokens, up to the first step where the
+    reference's own choice is a near-tie."""
     from pagoda import LLM, SamplingParams
 
     calls = []
+    packed_linear = gemm.packed_linear
     monkeypatch.setattr(cpu, "linear", lambda *a, **kw: calls.append(1) or ops.linear(*a, **kw))
+    monkeypatch.setattr(
+        gemm, "packed_linear", lambda *a, **kw: calls.append(2) or packed_linear(*a, **kw)
+    )
     llm = LLM(dtype="bfloat16")
-    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,", "Once upon a time"]
+    prompts = [
+        "The capital of France is",
+        "def fib(n):",
+        "1, 2, 3, 4,",
+        "Once upon a time",
+        "A list of prime numbers: 2, 3, 5,",
+        "The quick brown fox",
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
     fast = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert calls, "the fast run did not take the C GEMM"
-    ops_off("0")
+    assert 2 in calls, "the fast run did not take the packed C GEMM"
+    ops_off("0")  # the packed layers now multiply their unpacked weights with F.linear
     calls.clear()
     ref = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert not calls, "the reference run took the C GEMM"
+    assert not calls, "the reference run took a C GEMM"
     identical = 0
     for prompt, a, b in zip(prompts, fast, ref):
         i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)

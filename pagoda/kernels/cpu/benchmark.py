@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import cpu
+from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 
 _COLD_BYTES = 96 << 20
@@ -26,14 +27,22 @@ _SHAPES = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+    return times_us([fn], iters)[0]
+
+
+def times_us(fns: list[Callable[[], object]], iters: int) -> list[float]:
+    """Median microseconds per call of each fn, the fns interleaved call by call (so a noisy
+    neighbour on the machine slows them alike)."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) * 1e6 for ts in times]
 
 
 def _cycle(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -42,22 +51,36 @@ def _cycle(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.
 
 
 def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dtype) -> None:
-    print("linear [N x K], M rows: torch F.linear us | C us (GB/s of weights) | speedup")
+    """F.linear vs the skinny GEMM (plain weight) vs, for bf16, the GEMM on packed weights."""
+    packed = dtype is torch.bfloat16
+    print(
+        "linear [N x K], M rows: torch F.linear us | skinny GEMM us"
+        + (" | packed GEMM us (GFLOP/s) | packed vs torch" if packed else " (GB/s) | speedup")
+    )
     for shape in shapes:
         n, k = (int(v) for v in shape.split("x"))
         # Cycle through copies of the weight that overflow the L3, so every call streams its
         # weight from DRAM as a decode step does.
         size = dtype.itemsize
         copies = [torch.randn(n, k).to(dtype) for _ in range(1 + _COLD_BYTES // (n * k * size))]
+        packs = [cpu_gemm.pack_weight(w) for w in copies] if packed else []
         for m in rows:
             x = torch.randn(m, k).to(dtype)
-            t_ref = time_us(functools.partial(_cycle, F.linear, x, copies), iters)
-            t_c = time_us(functools.partial(_cycle, cpu.linear, x, copies), iters)
-            gbs = n * k * size / t_c / 1e3
-            print(
-                f"  {n:6d}x{k:<5d} M={m:3d}: {t_ref:9.1f} | {t_c:9.1f} ({gbs:5.1f}) | "
-                f"{t_ref / t_c:5.2f}x"
-            )
+            fns = [
+                functools.partial(_cycle, F.linear, x, copies),
+                functools.partial(_cycle, cpu.linear, x, copies),
+            ]
+            if packed:
+                fns.append(functools.partial(_cycle, cpu_gemm.packed_linear, x, packs))
+            t_ref, t_c, *t_packed = times_us(fns, iters)
+            line = f"  {n:6d}x{k:<5d} M={m:4d}: {t_ref:9.1f} | {t_c:9.1f}"
+            if packed:
+                t_p = t_packed[0]
+                gflops = 2 * m * n * k / t_p / 1e3
+                line += f" | {t_p:9.1f} ({gflops:5.0f}) | {t_ref / t_p:5.2f}x"
+            else:
+                line += f" ({n * k * size / t_c / 1e3:5.1f}) | {t_ref / t_c:5.2f}x"
+            print(line)
 
 
 def bench_elementwise(rows: list[int], iters: int, hidden: int = 576, inter: int = 1536) -> None:

@@ -1,6 +1,7 @@
-/* CPU ops of a Llama block for small batches: the skinny bf16 GEMM of the linear layers
- * (gemv.h) and the element-wise ops between them, each one pass over its rows in a single
- * call: residual add + RMSNorm, SiLU-and-mul, and neox-style RoPE in place on q and k.
+/* CPU ops of a Llama block: the bf16 GEMM of the linear layers on pre-packed weights (gemm.h),
+ * the skinny GEMM on plain weights for decode (gemv.h: float32 models, unpacked weights) and
+ * the element-wise ops between them, each one pass over its rows in a single call: residual
+ * add + RMSNorm, SiLU-and-mul, and neox-style RoPE in place on q and k.
  *
  * The element-wise ops round where the torch references in `pagoda.kernels.reference` round
  * (bf16 models: the residual sum, the normalised value, silu's output; statistics and RoPE in
@@ -9,9 +10,10 @@
  * (prefill) are split over OpenMP threads by rows; a decode's few rows run on the calling
  * thread, where a fork/join would cost more than the work. Every entry point returns 0, or -1
  * for arguments it does not handle (the Python side checks first; this is a last guard). */
+#include "gemm.h"
 #include "gemv.h"
 
-#define PAGODA_CPU_OPS_ABI 1
+#define PAGODA_CPU_OPS_ABI 2
 
 int pagoda_cpu_ops_abi(void) { return PAGODA_CPU_OPS_ABI; }
 
@@ -24,6 +26,17 @@ int pagoda_gemv(const void *x, int64_t x_stride, const void *w, const void *bias
         return -1;
     GemvArgs a = {x, x_stride, w, bias, y, y_stride, y_fp32, M, N, K};
     if (M > 0 && N > 0) gemv(&a, dt, nthreads);
+    return 0;
+}
+
+/* bf16 x and bias against a weight packed by `pack_weight` (gemm.h); y bf16, or fp32 when
+ * `y_fp32`. */
+int pagoda_gemm_packed(const void *x, int64_t x_stride, const void *w_packed, const void *bias,
+                       void *y, int64_t y_stride, int y_fp32, int64_t M, int64_t N, int64_t K,
+                       int nthreads) {
+    if (M < 0 || N < 0 || K <= 0 || x_stride < K || y_stride < N) return -1;
+    GemmArgs a = {x, x_stride, w_packed, bias, y, y_stride, y_fp32, M, N, K};
+    if (M > 0 && N > 0) gemm_packed(&a, nthreads);
     return 0;
 }
 

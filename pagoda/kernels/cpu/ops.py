@@ -24,8 +24,8 @@ from pagoda.attention.cpu.build import CpuKernelUnavailable, build_library, cpu_
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-HEADERS = ("simd.h", "gemv.h")
-_ABI = 1
+HEADERS = ("simd.h", "gemv.h", "gemm.h")
+_ABI = 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest row count (tokens) the skinny GEMM takes; above it torch's GEMM (oneDNN for bf16,
 # MKL for float32) is as fast or faster. Measured on a 2-core Zen 4 for the SmolLM2 shapes
@@ -58,6 +58,7 @@ def load_cpu_ops() -> ctypes.CDLL:
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "pagoda_gemv": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32, i32],
+        "pagoda_gemm_packed": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32],
         "pagoda_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32, i32],
         "pagoda_silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32, i32],
         "pagoda_rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, i32, i32, ptr, i64, i64]

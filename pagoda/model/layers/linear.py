@@ -8,8 +8,10 @@ checkpoint tensor into the right slice of them. Fused layers (`QKVParallelLinear
 index of `gate_proj` / `up_proj`), which is how one loader serves every checkpoint (nano-vllm's
 `packed_modules_mapping`). Tensor parallelism follows Megatron-LM: column layers split their
 outputs across ranks, row layers their inputs and sum the partial products with an all-reduce.
-On CPU, a bf16 product of a few rows (decode) goes to the C skinny GEMM of `pagoda.kernels.cpu`
-unless the layer's `fused_ops` is off; `F.linear` stays the reference and handles the rest.
+On CPU, a bf16 weight is packed after loading for the C GEMM of `pagoda.kernels.cpu.gemm`,
+which then takes every product (it beats oneDNN at all row counts); other small products
+(float32 decode) go to the skinny GEMM on the plain weight. With the layer's `fused_ops` off,
+`F.linear` (on the unpacked weight) is the reference.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu as cpu_ops
+from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.model.parallel import (
     divide,
     get_tp_rank,
@@ -94,10 +97,21 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # A decode's few rows: one streaming pass over the weight in C beats oneDNN's setup.
-        if getattr(layer, "fused_ops", False) and cpu_ops.linear_supported(x, layer.weight):
-            return cpu_ops.linear(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        weight, fused = layer.weight, getattr(layer, "fused_ops", False)
+        if cpu_gemm.is_packed(weight):
+            if fused and cpu_gemm.packed_linear_supported(x, weight):
+                return cpu_gemm.packed_linear(x, weight, bias)
+            weight = cpu_gemm.unpack_weight(weight)  # the reference path, at a copy per call
+        elif fused and cpu_ops.linear_supported(x, weight):
+            # A decode's few rows: one streaming pass over the weight in C beats oneDNN's setup.
+            return cpu_ops.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # Packed for the C GEMM, replacing the plain weight: one copy in memory. (Loading
+        # into the packed parameter again fails on its shape.)
+        if cpu_gemm.packing_supported(layer.weight):
+            layer.weight = cpu_gemm.pack_weight(layer.weight.data)
 
 
 class LinearBase(nn.Module):

@@ -19,6 +19,7 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend, get_attn_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels import cpu as cpu_ops
+from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.layernorm import RMSNorm
@@ -242,13 +243,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""
         weight = self.lm_head.weight
-        if (
-            self.fused_ops
-            and self.lm_head.tp_size == 1
-            and cpu_ops.linear_supported(hidden_states, weight)
-        ):
+        if self.fused_ops and self.lm_head.tp_size == 1:
             # Straight to float32 from the fp32 accumulators: no bf16 rounding of the logits.
-            return cpu_ops.linear(hidden_states, weight, out_dtype=torch.float32)
+            packed = cpu_gemm.packed_copy(self.lm_head)  # bf16 on CPU: packed once, kept
+            if packed is not None and cpu_gemm.packed_linear_supported(hidden_states, packed):
+                return cpu_gemm.packed_linear(hidden_states, packed, out_dtype=torch.float32)
+            if cpu_ops.linear_supported(hidden_states, weight):
+                return cpu_ops.linear(hidden_states, weight, out_dtype=torch.float32)
         return self.lm_head.compute_logits(hidden_states).float()
 
 
