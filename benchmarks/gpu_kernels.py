@@ -139,14 +139,18 @@ def bench_decode(args, copy_gbps: float) -> None:
 
 def bench_decode_sweep(args) -> None:
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_size, args.block_size
-    for batch, ctx in [(4, 8192), (64, 2048), (256, 1024)]:
+    cases = [(4, 8192), (64, 2048), (256, 1024), (256, 512)]
+    for (batch, ctx), cache_dtype in itertools.product(
+        cases, (torch.bfloat16, torch.float8_e4m3fn)
+    ):
         q, cache, md = paged_step(
-            [1] * batch, [ctx - 1] * batch, h, kvh, d, bs, torch.bfloat16, torch.bfloat16
+            [1] * batch, [ctx - 1] * batch, h, kvh, d, bs, torch.bfloat16, cache_dtype
         )
+        ks = torch.ones(1, device="cuda") if cache_dtype != torch.bfloat16 else None
         out = torch.empty_like(q)
         kv_bytes = batch * ctx * kvh * d * 2 * cache.element_size()
         for split in (False, True):
-            for tile in (16, 32, 64):
+            for tile in (16, 32, 64, 128):
                 for segs in (8, 16, 32) if split else (1,):
                     ms = _bench(
                         unified_attention,
@@ -155,12 +159,15 @@ def bench_decode_sweep(args) -> None:
                         out,
                         md,
                         d**-0.5,
+                        ks,
+                        ks,
                         split_kv=split,
                         tile_size=tile,
                         num_segments=segs,
                     )
                     _row(
                         "sweep",
+                        kv=str(cache_dtype).removeprefix("torch."),
                         batch=batch,
                         ctx=ctx,
                         split=split,

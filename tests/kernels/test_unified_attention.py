@@ -23,6 +23,8 @@ ATOL = RTOL = 2e-5
 # (query_lens, context_lens): decodes first, then chunks with cached prefixes (one shorter
 # than a block, one spanning blocks), then a fresh prompt.
 MIXED = ([1, 1, 1, 5, 19, 12], [30, 1, 47, 9, 20, 0])
+# Decodes only: the decode tile shapes (a longer one over a quantized cache), contexts past it.
+DECODES = ([1, 1, 1, 1], [300, 1, 129, 64])
 
 
 def _run(batch, scale, **kwargs) -> torch.Tensor:
@@ -105,8 +107,11 @@ def test_empty_requests_in_batch_are_skipped() -> None:
     "cache_dtype,k_scale,v_scale",
     [(torch.float8_e4m3fn, 0.05, 0.02), (torch.float8_e5m2, 0.5, 0.25), (torch.int8, 0.03, 0.02)],
 )
-def test_quantized_cache_is_dequantized_with_layer_scales(cache_dtype, k_scale, v_scale) -> None:
-    batch = make_paged_batch(*MIXED, 8, 2, 32, 16, device=DEV, seed=6)
+@pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_quantized_cache_is_dequantized_with_layer_scales(
+    cache_dtype, k_scale, v_scale, lens
+) -> None:
+    batch = make_paged_batch(*lens, 8, 2, 32, 16, device=DEV, seed=6)
     if cache_dtype == torch.int8:
         batch.kv_cache = (batch.kv_cache * 40).round().clamp(-128, 127).to(cache_dtype)
     else:

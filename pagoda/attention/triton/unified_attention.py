@@ -25,6 +25,9 @@ from pagoda.attention.triton.common import cache_quant_mode, scale_tensor
 # pure-decode step, the split-KV path spreads each request's keys over several programs.
 _MIN_PROGRAMS_FOR_NO_SPLIT = 256
 DEFAULT_NUM_SEGMENTS = 16
+# Decode tile (tokens) over a quantized cache: its bytes per token are half of bf16's, so it
+# takes a longer tile than bf16's 64 for as many bytes in flight (`gpu_kernels.py --sweep`).
+_QUANT_DECODE_TILE = 128
 
 
 @triton.jit
@@ -124,9 +127,10 @@ def _unified_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
 
+    # A quantized cache's per-layer scales are applied outside the loop (the K scale with
+    # the softmax scale, the V scale to the output), so a tile only converts its values.
     if KV_QUANT:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
@@ -149,12 +153,8 @@ def _unified_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE_SIZE, HEAD_SIZE_PADDED]
-        if KV_QUANT:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        k = k.to(q.dtype)  # exact for int8, fp8 and the model dtype itself
+        v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -168,6 +168,8 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_QUANT:
+        acc = acc * tl.load(v_scale_ptr)
     if IS_SPLIT:
         # Partials (also for empty segments: max -inf, sum 0) for the reduce kernel.
         row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segm
@@ -276,7 +278,11 @@ def unified_attention(
     if tile_size is None:
         # Decode reads are bandwidth-bound: 64-token tiles keep more loads in flight (measured
         # on the H200 at 256 x 512-1024 contexts: 2.4 -> 3.65-4.0 TB/s of KV read).
-        tile_size = 32 if quant else (64 if max_query_len == 1 else 32)
+        tile_size = (
+            _QUANT_DECODE_TILE
+            if quant and max_query_len == 1
+            else (64 if max_query_len == 1 else 32)
+        )
     for name, value in (("block_m", block_m), ("tile_size", tile_size)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
