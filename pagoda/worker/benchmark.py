@@ -134,7 +134,7 @@ def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
         bench_decode(runner, batch, context, 3)
     sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     print(f"profile of 5 decode steps at batch {batch}:")
-    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
 
 
 def _release(runner: ModelRunner) -> None:
