@@ -117,11 +117,13 @@ def test_gqa_1to1_mqa_and_padded_head_sizes() -> None:
         _check(_attend(batch, scale, split_kv=True), batch.reference(scale), torch.bfloat16)
 
 
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
-def test_quantized_cache_write_and_attention(cache_dtype) -> None:
+def test_quantized_cache_write_and_attention(cache_dtype, decode_only) -> None:
+    extra = ([], []) if decode_only else ([256], [300])  # decodes only: the decode tiles
     batch = make_paged_batch(
-        [1] * 16 + [256],
-        _lens(16, 500, 1500, 4) + [300],
+        [1] * 16 + extra[0],
+        _lens(16, 500, 1500, 4) + extra[1],
         H,
         KVH,
         D,

@@ -83,6 +83,7 @@ def _unified_attention_kernel(
     IS_SPLIT: tl.constexpr,
     KV_QUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,6 +114,8 @@ def _unified_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if FP16_DOTS:
+        q = q.to(tl.float16)
     q_pos = context_len + q_row  # absolute position: attends to keys 0 ..= q_pos
 
     # Keys any row of this block can see (exclusive end), in tiles.
@@ -153,7 +156,9 @@ def _unified_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE_SIZE, HEAD_SIZE_PADDED]
-        k = k.to(q.dtype)  # exact for int8, fp8 and the model dtype itself
+        # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
+        # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
+        k = k.to(q.dtype)
         v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
@@ -341,6 +346,8 @@ def unified_attention(
         IS_SPLIT=split_kv,
         KV_QUANT=bool(quant),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
+        FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
     )
     if split_kv:
         _reduce_segments_kernel[(num_actual, num_heads)](
