@@ -1,32 +1,38 @@
-"""`AsyncLLM`: the asyncio face of `LLMEngine`, with the engine loop on its own thread.
+"""`AsyncLLM`: the asyncio face of `LLMEngine`, with the engine core off the event loop.
 
-The engine is not thread-safe, so exactly one thread (the engine thread) ever calls it: the
-event loop hands it `add`/`abort` commands through a thread-safe queue, and the engine thread
-hands each `RequestOutput` back with `loop.call_soon_threadsafe` into a per-request
-`asyncio.Queue`. Tokenization and HTTP on the event loop therefore never stall generation, and
-a slow step never blocks the event loop. It also owns admission (a bound on queued requests,
-`EngineOverloadedError`), cancellation (a consumer that stops iterating aborts its request and
-frees its KV blocks) and graceful drain/shutdown.
+The engine is not thread-safe, so exactly one thread ever calls it: the engine core loop
+(`pagoda.engine.engine_core`). `AsyncLLM(engine)` runs that loop on a thread of this process;
+`AsyncLLM.from_engine_args` (what `pagoda serve` uses) runs it in a child process, as vLLM's
+EngineCore does, so the event loop's Python and the engine's never wait for each other's GIL
+(`pagoda.engine.core_client`). Either way the event loop hands `add`/`abort` commands over
+without blocking, and each step's `RequestOutput`s come back with one
+`loop.call_soon_threadsafe` per event loop into per-request `asyncio.Queue`s. This class also
+owns admission (a bound on queued requests, `EngineOverloadedError`), cancellation (a consumer
+that stops iterating aborts its request and frees its KV blocks) and graceful drain/shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import queue
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.engine.core_client import ProcessCore, RemoteEngine, ThreadCore
+from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Called on the engine thread as hook(engine) after every step, when the engine's
-# last_scheduler_stats / last_iteration_stats are fresh. The Prometheus logger is one.
+# Called as hook(engine) after every step, when the engine's last_scheduler_stats /
+# last_iteration_stats are fresh (on the thread that receives the step's outputs; in process
+# mode `engine` is the front end's `RemoteEngine` view). The Prometheus logger is one.
 StatsHook = Callable[[Any], None]
 
 
@@ -39,76 +45,110 @@ class EngineDrainingError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread died; no request can be served any more (HTTP 500)."""
+    """The engine core died; no request can be served any more (HTTP 500)."""
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    priority: int
-    arrival_time: float
+class _Stream:
+    """Where one request's outputs go."""
+
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    n: int
 
 
-@dataclass
-class _Abort:
-    request_ids: list[str]
+def multiprocessing_enabled() -> bool:
+    """$PAGODA_ENABLE_MULTIPROCESSING=0 keeps the served engine on a thread (like vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    return os.environ.get("PAGODA_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
 
 
-_STOP = object()
+def build_serving_engine(engine_args: Any) -> Any:
+    """The `LLMEngine` a server runs (in the engine core process, by default)."""
+    from pagoda.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(engine_args)
+    # The HTTP event loop shares the machine: leave it a core at small batches.
+    runner = getattr(getattr(engine, "executor", None), "model_runner", None)
+    if runner is not None and hasattr(runner, "reserve_core_for_frontend"):
+        runner.reserve_core_for_frontend()
+    return engine
 
 
 class AsyncLLM:
-    """Runs `engine.step()` in a background thread and streams outputs to asyncio callers.
+    """Streams an engine's outputs to asyncio callers; the engine core runs off the loop.
 
-    `max_waiting_requests` bounds the requests admitted but not yet scheduled (those in the
-    hand-over queue plus the engine's own waiting queue); past it `generate` raises
+    Give either `engine` (the core loop runs on a thread of this process and `self.engine` is
+    that object) or `engine_factory`, a picklable callable that builds the engine in a child
+    process (`self.engine` is then a `RemoteEngine` view: tokenizer, configs, last stats).
+    `max_waiting_requests` bounds the requests admitted but not yet scheduled (those handed
+    over plus the engine's own waiting queue); past it `generate` raises
     `EngineOverloadedError`. None means unbounded.
     """
 
     def __init__(
         self,
-        engine: Any,
+        engine: Any | None = None,
         max_waiting_requests: int | None = None,
         stats_hooks: list[StatsHook] | None = None,
         idle_poll_s: float = 0.5,
+        *,
+        engine_factory: Callable[[], Any] | None = None,
+        tokenizer_factory: Callable[[], Any] | None = None,
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
-        self.engine = engine
+        if (engine is None) == (engine_factory is None):
+            raise ValueError("give exactly one of engine and engine_factory")
         self.max_waiting_requests = max_waiting_requests
         self.stats_hooks = list(stats_hooks or [])
-        self._idle_poll_s = idle_poll_s
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Owned by the engine thread: request id -> where its outputs go.
-        self._streams: dict[str, _Add] = {}
-        # Written by the engine thread, read (racily, which is fine for admission) by the loop.
+        # Request id -> its stream. Added by generate() on the event loop, removed by whoever
+        # ends the stream (the core's callback thread, or the consumer leaving early).
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams against _on_stopped, and the counters
+        self._stopped: BaseException | None = None  # set once the core has stopped
+        # Read (racily, which is fine for admission) on the loop.
         self._engine_waiting = 0
-        self._num_pending_adds = 0  # handed over but not yet added by the engine thread
+        self._num_pending_adds = 0  # handed over but not yet taken by the core
         self._num_in_flight = 0  # generate() calls that have not returned yet
-        self._needs_flush = False  # aborts happened since the last step
-        self._pending_lock = threading.Lock()
         self.draining = False
         self.dead_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
-        self._thread.start()
+        self._core: ThreadCore | ProcessCore
+        if engine is not None:
+            self._core = ThreadCore(engine, self._on_report, self._on_stopped, idle_poll_s)
+        else:
+            assert engine_factory is not None
+            self._core = ProcessCore(
+                engine_factory, self._on_report, self._on_stopped, idle_poll_s, tokenizer_factory
+            )
+        self.engine = self._core.engine
+        self._thread = self._core.thread  # the thread that calls back with each step's outputs
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
-        from pagoda.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine.from_engine_args(engine_args)
-        # The HTTP event loop runs in this process: leave it a core at small batches.
-        runner = getattr(getattr(engine, "executor", None), "model_runner", None)
-        if runner is not None and hasattr(runner, "reserve_core_for_frontend"):
-            runner.reserve_core_for_frontend()
+    def from_engine_args(
+        cls, engine_args: Any, multiprocess: bool | None = None, **kwargs: Any
+    ) -> AsyncLLM:
+        """The serving engine: in an engine core process unless `multiprocess` is False (None:
+        $PAGODA_ENABLE_MULTIPROCESSING, default on)."""
         kwargs.setdefault(
             "max_waiting_requests", getattr(engine_args, "max_waiting_requests", None)
         )
-        return cls(engine, **kwargs)
+        if multiprocess is None:
+            multiprocess = multiprocessing_enabled()
+        if not multiprocess:
+            return cls(build_serving_engine(engine_args), **kwargs)
+        tokenizer_factory = None
+        if not engine_args.skip_tokenizer_init:
+            from pagoda.config import embedded_model_path
+            from pagoda.tokenizer import get_tokenizer
+
+            path = engine_args.tokenizer or engine_args.model or embedded_model_path()
+            tokenizer_factory = functools.partial(get_tokenizer, path)
+        return cls(
+            engine_factory=functools.partial(build_serving_engine, engine_args),
+            tokenizer_factory=tokenizer_factory,
+            **kwargs,
+        )
 
     # ---- read-only views (safe from any thread) ----
     @property
@@ -121,7 +161,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.dead_error is None
+        return self._core.is_alive() and self.dead_error is None
 
     @property
     def num_in_flight(self) -> int:
@@ -143,15 +183,20 @@ class AsyncLLM:
         """
         self._check_admission()
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        with self._pending_lock:
+        stream = _Stream(asyncio.Queue(), loop, params.n)
+        with self._lock:
+            if self._stopped is not None:
+                raise self._stopped_error()
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            self._streams[request_id] = stream
             self._num_pending_adds += 1
         self._num_in_flight += 1
-        self._inbox.put(_Add(request_id, prompt, params, priority, time.time(), out, loop))
+        self._core.send(AddRequest(request_id, prompt, params, priority, time.time()))
         finished = False
         try:
             while True:
-                item = await out.get()
+                item = await stream.out.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -163,11 +208,17 @@ class AsyncLLM:
             self._num_in_flight -= 1
             if not finished:
                 # Consumer went away (client disconnect, cancellation): free the KV blocks now.
-                self._inbox.put(_Abort([request_id]))
+                with self._lock:
+                    live = self._streams.get(request_id) is stream
+                    if live:
+                        del self._streams[request_id]
+                if live:
+                    self._core.send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests; a caller still iterating gets a final output with reason "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._inbox.put(_Abort(ids))
+        self._core.send(AbortRequests(ids))
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting requests and wait until every in-flight one has finished."""
@@ -180,15 +231,13 @@ class AsyncLLM:
         return True
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (unfinished requests are aborted and their callers told)."""
+        """Stop the engine core (unfinished requests are aborted and their callers told)."""
         self.draining = True
-        self._inbox.put(_STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        self._core.shutdown(timeout)
 
     def _check_admission(self) -> None:
-        if self.dead_error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine thread has stopped: {self.dead_error!r}")
+        if self.dead_error is not None or not self._core.is_alive():
+            raise EngineDeadError(f"the engine core has stopped: {self.dead_error!r}")
         if self.draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         bound = self.max_waiting_requests
@@ -197,96 +246,41 @@ class AsyncLLM:
                 f"too many requests are waiting ({bound}, --max-waiting-requests): retry later"
             )
 
-    # ---- engine thread ----
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                # Block only when idle; when busy, take whatever arrived and step again.
-                if not self._process_inbox(block=not busy):
-                    break
-                # After aborts one step runs even when nothing is left: it tells the model
-                # runner which requests are gone and refreshes the scheduler's statistics.
-                if not (self.engine.has_unfinished_requests() or self._needs_flush):
-                    continue
-                self._needs_flush = False
-                outputs = self.engine.step()
-                self._engine_waiting = self.engine.num_waiting_requests
-                self._dispatch(outputs)
-                self._report_stats()
-        except BaseException as e:  # noqa: BLE001 - any engine failure must reach the callers
-            logger.exception("engine thread died")
-            self.dead_error = e
-            self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
-            return
-        self._fail_all(EngineDrainingError("the engine shut down before this request finished"))
+    def _stopped_error(self) -> BaseException:
+        if self.dead_error is not None:
+            return EngineDeadError(f"the engine failed: {self.dead_error!r}")
+        return EngineDrainingError("the engine shut down before this request finished")
 
-    def _process_inbox(self, block: bool) -> bool:
-        """Apply queued commands; returns False when told to stop."""
-        while True:
-            try:
-                cmd = (
-                    self._inbox.get(timeout=self._idle_poll_s)
-                    if block
-                    else self._inbox.get_nowait()
-                )
-            except queue.Empty:
-                return True
-            block = False
-            if cmd is _STOP:
-                return False
-            if isinstance(cmd, _Add):
-                self._add(cmd)
-            elif isinstance(cmd, _Abort):
-                live = [self._streams.pop(r) for r in cmd.request_ids if r in self._streams]
-                if live:
-                    self.engine.abort_request([a.request_id for a in live])
-                    self._needs_flush = True
-                # A caller still iterating (abort() from elsewhere) gets a final "abort" output.
-                for a in live:
-                    self._send(a.loop, [(a.out, _aborted_output(a))])
-            self._engine_waiting = self.engine.num_waiting_requests
-
-    def _add(self, cmd: _Add) -> None:
-        with self._pending_lock:
-            self._num_pending_adds -= 1
-        try:
-            if cmd.request_id in self._streams:
-                raise ValueError(f"request_id {cmd.request_id!r} is already running")
-            self.engine.add_request(
-                cmd.request_id,
-                cmd.prompt,
-                cmd.params,
-                arrival_time=cmd.arrival_time,
-                priority=cmd.priority,
-            )
-        except Exception as e:  # noqa: BLE001 - a rejected request must not kill the loop
-            cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, e)
-            return
-        self._streams[cmd.request_id] = cmd
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    # ---- the core's callback thread ----
+    def _on_report(self, report: CoreReport) -> None:
+        with self._lock:
+            self._num_pending_adds -= report.num_adds
+        self._engine_waiting = report.num_waiting
+        if report.stepped:  # before the outputs: a caller who saw its last token sees metrics
+            if isinstance(self.engine, RemoteEngine):
+                self.engine.update(report)
+            self._report_stats()
         # One wake-up per event loop per step, not one per request: at a few hundred running
         # requests, per-output call_soon_threadsafe calls would cost a syscall each.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        streams = self._streams
+        for rid, error in report.add_errors:
+            st = streams.pop(rid, None)
+            if st is not None:
+                batches.setdefault(st.loop, []).append((st.out, error))
+        for rid in report.aborted:
+            st = streams.pop(rid, None)  # still there: aborted by abort(), not by its consumer
+            if st is not None:
+                batches.setdefault(st.loop, []).append((st.out, _aborted_output(rid, st.n)))
+        for out in report.outputs:
+            st = streams.get(out.request_id)
+            if st is None:
                 continue  # aborted by its caller meanwhile
             if out.finished:
-                del self._streams[out.request_id]
-            batches.setdefault(target.loop, []).append((target.out, out))
+                del streams[out.request_id]
+            batches.setdefault(st.loop, []).append((st.out, out))
         for loop, items in batches.items():
-            self._send(loop, items)
-
-    def _send(
-        self, loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]
-    ) -> None:
-        try:
-            loop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:  # the callers' loop is closed: nobody is listening any more
-            for _, out in items:
-                self._streams.pop(getattr(out, "request_id", ""), None)
+            _send(loop, items)
 
     def _report_stats(self) -> None:
         for hook in self.stats_hooks:
@@ -295,23 +289,24 @@ class AsyncLLM:
             except Exception:  # noqa: BLE001 - metrics must never stop generation
                 logger.exception("stats hook failed")
 
-    def _fail_all(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        if streams:
-            try:
-                self.engine.abort_request(list(streams))
-            except Exception:  # noqa: BLE001
-                pass
-        for a in streams.values():
-            self._send(a.loop, [(a.out, error)])
-        # Adds still in the inbox never reach the engine: tell their callers too.
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
-                self._send(cmd.loop, [(cmd.out, error)])
+    def _on_stopped(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None:
+                self.dead_error = error
+            self._stopped = self._stopped_error()
+            streams, self._streams = self._streams, {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for st in streams.values():
+            batches.setdefault(st.loop, []).append((st.out, self._stopped))
+        for loop, items in batches.items():
+            _send(loop, items)
+
+
+def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # the callers' loop is closed: nobody is listening any more
+        pass
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
@@ -319,8 +314,6 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(out)
 
 
-def _aborted_output(a: _Add) -> RequestOutput:
-    samples = [
-        CompletionOutput(i, "", [], None, None, finish_reason="abort") for i in range(a.params.n)
-    ]
-    return RequestOutput(a.request_id, None, [], None, samples, finished=True)
+def _aborted_output(request_id: str, n: int) -> RequestOutput:
+    samples = [CompletionOutput(i, "", [], None, None, finish_reason="abort") for i in range(n)]
+    return RequestOutput(request_id, None, [], None, samples, finished=True)

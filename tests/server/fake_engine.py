@@ -228,3 +228,32 @@ class FakeEngine:
             prefix_cache_queries=it.num_prompt_tokens,
         )
         return outputs
+
+
+# ---- factories for AsyncLLM(engine_factory=...): they run in the engine core process ----
+def failing_engine() -> FakeEngine:
+    """An engine whose first step raises (a device lost mid-serving)."""
+    engine = FakeEngine()
+
+    def boom() -> list[RequestOutput]:
+        raise RuntimeError("device lost")
+
+    engine.step = boom  # type: ignore[method-assign]
+    return engine
+
+
+def crashing_engine() -> FakeEngine:
+    """An engine whose process dies without a word at its first step (OOM killer, segfault)."""
+    import os
+
+    engine = FakeEngine()
+
+    def die() -> list[RequestOutput]:
+        os._exit(3)
+
+    engine.step = die  # type: ignore[method-assign]
+    return engine
+
+
+def misconfigured_engine() -> FakeEngine:
+    raise ValueError("max_model_len (9999) is larger than the model's; lower --max-model-len")

@@ -8,6 +8,7 @@ test sends SIGTERM and checks the drain.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -64,6 +65,14 @@ class Server:
             if line.startswith(name + "{") or line.startswith(name + " ")
         )
 
+    def children(self) -> list[int]:
+        """The server's child processes (the engine core), from /proc."""
+        pids: list[int] = []
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        return pids
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -81,6 +90,35 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True  # exited; only its parent's wait is missing
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_engine_core_runs_in_a_child_and_dies_with_a_killed_server():
+    # Its own server: SIGKILL leaves the engine core no chance to be told.
+    s = Server()
+    try:
+        children = s.children()  # the engine core and multiprocessing's resource tracker
+        cmdlines = []
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdlines.append(f.read().replace(b"\0", b" ").decode())
+        assert sum("spawn_main" in c for c in cmdlines) == 1, cmdlines
+        s.stop()
+        assert all(_gone(pid, 15) for pid in children), "a child outlived its SIGKILLed server"
+    finally:
+        s.stop()
 
 
 def test_cold_start(server):
@@ -285,7 +323,9 @@ def test_sigterm_drains_then_exits(server):
                                 headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
         return await running, late.status_code
 
+    children = server.children()
     got, late_status = asyncio.run(scenario())
     assert late_status == 503
     assert got == drain_tokens  # the running request finished
     assert server.proc.wait(30) == 0
+    assert children and all(_gone(pid, 5) for pid in children)  # no orphan engine core

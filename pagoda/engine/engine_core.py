@@ -1,0 +1,215 @@
+"""The engine core loop that `AsyncLLM` runs, on a thread or in a child process.
+
+`EngineCoreLoop` owns an engine (`LLMEngine` or anything with its methods): it takes commands
+(`AddRequest`, `AbortRequests`, `Stop`), steps the engine while it has work and hands one
+`CoreReport` per iteration to whoever listens: the outputs of the step, the requests it
+refused, the ones it aborted, and the scheduler's state. Where it runs is the caller's choice:
+on a thread it reads a queue and calls back directly; in a child process
+(`run_engine_core_process`, vLLM's EngineCoreProc) it reads and writes a pipe, so the HTTP
+front end's Python never holds the GIL the engine's step needs. Nothing here imports torch:
+the child builds the engine with the factory it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# ---- commands (front end -> core) ----
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Command = AddRequest | AbortRequests | Stop
+
+
+# ---- reports (core -> front end) ----
+@dataclass
+class CoreReport:
+    """What one loop iteration did. Sent after every step, and after commands that need an
+    answer (a refused request, an abort) when no step follows."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    add_errors: list[tuple[str, BaseException]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # ids the core was told to abort
+    num_adds: int = 0  # AddRequest commands consumed (accepted or refused)
+    num_waiting: int = 0  # the engine's waiting queue afterwards
+    stepped: bool = False
+    scheduler_stats: Any = None  # engine.last_scheduler_stats after the step
+    iteration_stats: Any = None  # engine.last_iteration_stats after the step
+    num_preemptions_total: int = 0
+
+    @property
+    def has_news(self) -> bool:
+        return self.stepped or bool(self.add_errors or self.aborted or self.num_adds)
+
+
+@dataclass
+class CoreReady:
+    """The child's first message: what the front end needs to know about the engine."""
+
+    model_config: Any
+    config: Any
+    num_blocks: int | None
+    tokenizer: Any  # None when the front end loads its own
+
+
+@dataclass
+class CoreDead:
+    error: BaseException
+
+
+@dataclass
+class CoreStopped:
+    pass
+
+
+class EngineCoreLoop:
+    """Steps `engine` while it has work; blocks in `get_commands(block=True)` when idle.
+
+    `get_commands(block)` returns the commands that arrived (waiting up to the idle poll when
+    `block`); `put_report` receives every `CoreReport`. `run` returns on `Stop` and raises
+    whatever the engine raised."""
+
+    def __init__(
+        self,
+        engine: Any,
+        get_commands: Callable[[bool], list[Command]],
+        put_report: Callable[[CoreReport], None],
+    ) -> None:
+        self.engine = engine
+        self._get_commands = get_commands
+        self._put_report = put_report
+
+    def run(self) -> None:
+        engine = self.engine
+        needs_flush = False
+        while True:
+            report = CoreReport()
+            stop = False
+            for cmd in self._get_commands(not engine.has_unfinished_requests()):
+                if isinstance(cmd, Stop):
+                    stop = True
+                    break
+                if isinstance(cmd, AddRequest):
+                    report.num_adds += 1
+                    try:
+                        engine.add_request(
+                            cmd.request_id,
+                            cmd.prompt,
+                            cmd.params,
+                            arrival_time=cmd.arrival_time,
+                            priority=cmd.priority,
+                        )
+                    except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
+                        report.add_errors.append((cmd.request_id, e))
+                elif isinstance(cmd, AbortRequests):
+                    engine.abort_request(list(cmd.request_ids))
+                    report.aborted.extend(cmd.request_ids)
+                    needs_flush = True
+            # After aborts one step runs even when nothing is left: it tells the model runner
+            # which requests are gone and refreshes the scheduler's statistics.
+            if not stop and (engine.has_unfinished_requests() or needs_flush):
+                needs_flush = False
+                report.outputs = engine.step()
+                report.stepped = True
+                report.scheduler_stats = engine.last_scheduler_stats
+                report.iteration_stats = engine.last_iteration_stats
+                report.num_preemptions_total = getattr(engine, "num_preemptions_total", 0)
+            report.num_waiting = engine.num_waiting_requests
+            if report.has_news:
+                self._put_report(report)
+            if stop:
+                return
+
+
+# ---- the child process ----
+def run_engine_core_process(
+    conn: Any,
+    engine_factory: Callable[[], Any],
+    idle_poll_s: float,
+    send_tokenizer: bool,
+) -> None:
+    """Entry point of the engine core process: build the engine, say `CoreReady`, then run the
+    loop on `conn` until `Stop` or until the parent is gone (the pipe's end of file)."""
+    # The parent decides when the engine stops (after draining on SIGTERM); a signal sent to
+    # the whole process group must not kill the engine under in-flight requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        engine = engine_factory()
+        tokenizer = getattr(engine, "tokenizer", None) if send_tokenizer else None
+        conn.send(
+            CoreReady(
+                engine.model_config,
+                getattr(engine, "config", None),
+                getattr(engine, "num_blocks", None),
+                tokenizer,
+            )
+        )
+    except BaseException as e:  # noqa: BLE001 - the parent re-raises it
+        logger.exception("the engine core failed to start")
+        _send_quietly(conn, CoreDead(_picklable(e)))
+        raise SystemExit(1) from None
+
+    def get_commands(block: bool) -> list[Command]:
+        if block and not conn.poll(idle_poll_s):
+            return []
+        cmds: list[Command] = []
+        while conn.poll(0):
+            try:
+                cmds.extend(conn.recv())
+            except EOFError:  # the parent is gone: nobody is listening any more
+                cmds.append(Stop())
+                break
+        return cmds
+
+    try:
+        EngineCoreLoop(engine, get_commands, conn.send).run()
+    except (BrokenPipeError, ConnectionResetError):
+        raise SystemExit(0) from None  # the parent is gone
+    except BaseException as e:  # noqa: BLE001 - any engine failure must reach the callers
+        logger.exception("the engine core died")
+        _send_quietly(conn, CoreDead(_picklable(e)))
+        raise SystemExit(1) from None
+    _send_quietly(conn, CoreStopped())
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(repr(e))
+
+
+def _send_quietly(conn: Any, msg: Any) -> None:
+    try:
+        conn.send(msg)
+    except (OSError, EOFError):
+        pass
