@@ -34,6 +34,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     num_decodes: int = 0  # requests with query_len == 1 come first in the batch when > 0
+    # INT8 cache on a GPU: this (eager) step sets each layer's K/V scales from its own K/V,
+    # on the device, before writing the cache (`Attention.forward`).
+    calibrate_kv_scales: bool = False
     # Backend-specific precomputed values (e.g. gather indices shared by all layers).
     extra: dict | None = None
 

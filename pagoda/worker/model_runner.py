@@ -107,6 +107,8 @@ class ModelRunner:
         # The last step's sampled ids on the device and each sampling request's row in them:
         # where the next step's placeholder rows take their input ids from.
         self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # INT8 cache on a GPU: the next step sets the layers' K/V scales (see initialize_kv_cache).
+        self._calibrate_kv_scales = False
 
     def _decode_graph_sizes(self) -> list[int]:
         sc = self.scheduler_config
@@ -252,6 +254,14 @@ class ModelRunner:
         spec = self.get_kv_cache_spec()
         self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and self.kv_caches[0].dtype == torch.int8:
+            # INT8 needs scales from real K/V: the first step computes them, eagerly.
+            from pagoda.model.layers.attention import Attention
+
+            for module in self.model.modules():
+                if isinstance(module, Attention):
+                    module.use_device_kv_scales(self.device)
+            self._calibrate_kv_scales = True
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
 
@@ -326,8 +336,10 @@ class ModelRunner:
         if self.small_batch_cpu_threads is not None:
             self._set_cpu_threads(len(req_ids))
         graphs = self.cuda_graphs
-        if graphs is None:
+        if graphs is None or self._calibrate_kv_scales:
             step = self.inputs.prepare(so)
+            step.attn_metadata.calibrate_kv_scales = self._calibrate_kv_scales
+            self._calibrate_kv_scales = False
         else:
             step = self.inputs.prepare(so, graphs.padded_size, graphs.mixed_shape)
         if step.placeholder_rows:

@@ -48,16 +48,31 @@ class Attention(nn.Module):
             and kv_cache.device.type == "cpu"
         ):
             self._set_int8_scales(k[: attn_metadata.num_actual_tokens], v)
+        elif attn_metadata.calibrate_kv_scales and isinstance(self.k_scale, torch.Tensor):
+            n = attn_metadata.num_actual_tokens
+            self.k_scale.copy_(_int8_scale(k[:n]))
+            self.v_scale.copy_(_int8_scale(v[:n]))
         out = self.backend.forward(self, q, k, v, kv_cache, attn_metadata, self.scale)
         return out.view(q.shape[0], self.num_heads * self.head_size)
+
+    def use_device_kv_scales(self, device: torch.device) -> None:
+        """Keep K/V scales in one-element device tensors (INT8 cache on a GPU): CUDA graphs
+        captured before calibration read them, and the calibrating step (see
+        `AttentionMetadata.calibrate_kv_scales`) writes them in place without a host sync."""
+        self.k_scale = torch.ones(1, dtype=torch.float32, device=device)
+        self.v_scale = torch.ones(1, dtype=torch.float32, device=device)
 
     def _set_int8_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """An INT8 cache needs scales fitting the layer's K/V range: take them from the first
         step that writes the cache (as vLLM's calculate_kv_scales does), with 2x headroom for
         later tokens; values past it are clamped. FP8's range makes 1.0 work without this. CPU
-        only: on a GPU the first cached step may be a CUDA-graph capture, where reading a value
-        back is not allowed (there the scales stay 1.0)."""
+        only: on a GPU the scales stay on the device (`use_device_kv_scales`)."""
         n = k.shape[0]
         self.k_scale = max(2.0 * float(k.abs().max()) / 127.0, 1e-4)
         self.v_scale = max(2.0 * float(v[:n].abs().max()) / 127.0, 1e-4)
         self._int8_scales_set = True
+
+
+def _int8_scale(x: torch.Tensor) -> torch.Tensor:
+    """The device-side twin of `_set_int8_scales`: 2x headroom over the first step's range."""
+    return (x.abs().amax().float() * (2.0 / 127.0)).clamp_min(1e-4).reshape(1)
