@@ -14,6 +14,7 @@ that stops iterating aborts its request and frees its KV blocks) and graceful dr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -63,11 +64,39 @@ def multiprocessing_enabled() -> bool:
     return os.environ.get("PAGODA_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
 
 
+# A server on a CPU prefills in chunks of this many tokens unless --max-num-batched-tokens says
+# otherwise (vLLM too picks its default by usage context, smaller for its server). On a small
+# CPU a 2048-token chunk is a step of ~0.6 s (SmolLM2-135M, 2 cores) in which no running request
+# gets a token, and a burst's requests see their first token 16 at a time; 512-token chunks
+# bound the step and hand first tokens out 4 at a time (32 requests of 128 tokens: median TTFT
+# 815-909 ms against 1081-1126 with 2048, the same throughput).
+SERVING_CPU_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def serving_engine_args(engine_args: Any) -> Any:
+    """`engine_args` with the server's defaults filled in (the CPU prefill chunk)."""
+    if engine_args.max_num_batched_tokens is not None or not engine_args.enable_chunked_prefill:
+        return engine_args
+    from pagoda.engine.arg_utils import resolve_device
+
+    if resolve_device(engine_args.device) != "cpu":
+        return engine_args
+    return dataclasses.replace(
+        engine_args, max_num_batched_tokens=SERVING_CPU_MAX_NUM_BATCHED_TOKENS
+    )
+
+
 def build_serving_engine(engine_args: Any) -> Any:
     """The `LLMEngine` a server runs (in the engine core process, by default)."""
     from pagoda.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(engine_args)
+    served_args = serving_engine_args(engine_args)
+    if served_args is not engine_args:
+        logger.info(
+            "serving on a CPU: prefill chunks of %d tokens (--max-num-batched-tokens)",
+            served_args.max_num_batched_tokens,
+        )
+    engine = LLMEngine.from_engine_args(served_args)
     # The HTTP event loop shares the machine: leave it a core at small batches.
     runner = getattr(getattr(engine, "executor", None), "model_runner", None)
     if runner is not None and hasattr(runner, "reserve_core_for_frontend"):

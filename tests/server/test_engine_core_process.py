@@ -230,3 +230,16 @@ def test_child_exits_when_the_parent_is_killed(tmp_path):
         assert _wait_gone(child_pid), "the engine core outlived its killed parent"
     finally:
         parent.kill()
+
+
+def test_a_cpu_server_prefills_in_small_chunks_unless_told_otherwise():
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.engine.async_llm import SERVING_CPU_MAX_NUM_BATCHED_TOKENS, serving_engine_args
+
+    args = serving_engine_args(EngineArgs(device="cpu"))
+    assert args.max_num_batched_tokens == SERVING_CPU_MAX_NUM_BATCHED_TOKENS
+    given = EngineArgs(device="cpu", max_num_batched_tokens=4096)
+    assert serving_engine_args(given).max_num_batched_tokens == 4096
+    whole = EngineArgs(device="cpu", enable_chunked_prefill=False)
+    assert serving_engine_args(whole).max_num_batched_tokens is None
+    assert serving_engine_args(EngineArgs(device="cuda")).max_num_batched_tokens is None
