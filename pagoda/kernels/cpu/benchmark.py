@@ -1,10 +1,12 @@
-"""Microbenchmark of the C CPU ops against torch: the skinny GEMM per row count (to place
-`MAX_GEMV_ROWS`, the crossover with torch's GEMM) and the element-wise ops at decode shapes.
+"""Microbenchmark of the C CPU ops against torch: the skinny GEMM and (bf16) the GEMM on packed
+weights per row count (to place `MAX_GEMV_ROWS` and check the packed kernel's lead over
+torch's GEMM) and the element-wise ops at decode shapes.
 
     python -m pagoda.kernels.cpu.benchmark [--rows 1 2 4 8 16 32 64] [--shapes 960x576 ...]
 
 Defaults are SmolLM2-135M's projections (qkv, o, gate_up, down, lm_head). Prints microseconds
-per call (median) and the weight-streaming bandwidth the GEMM reaches.
+per call (median, the variants interleaved call by call) and the weight-streaming bandwidth
+(skinny GEMM) or GFLOP/s (packed GEMM) reached.
 """
 
 from __future__ import annotations
