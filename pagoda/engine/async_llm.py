@@ -123,7 +123,6 @@ class AsyncLLM:
         idle_poll_s: float = 0.5,
         *,
         engine_factory: Callable[[], Any] | None = None,
-        tokenizer_factory: Callable[[], Any] | None = None,
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
@@ -147,9 +146,7 @@ class AsyncLLM:
             self._core = ThreadCore(engine, self._on_report, self._on_stopped, idle_poll_s)
         else:
             assert engine_factory is not None
-            self._core = ProcessCore(
-                engine_factory, self._on_report, self._on_stopped, idle_poll_s, tokenizer_factory
-            )
+            self._core = ProcessCore(engine_factory, self._on_report, self._on_stopped, idle_poll_s)
         self.engine = self._core.engine
         self._thread = self._core.thread  # the thread that calls back with each step's outputs
 
@@ -166,18 +163,7 @@ class AsyncLLM:
             multiprocess = multiprocessing_enabled()
         if not multiprocess:
             return cls(build_serving_engine(engine_args), **kwargs)
-        tokenizer_factory = None
-        if not engine_args.skip_tokenizer_init:
-            from pagoda.config import embedded_model_path
-            from pagoda.tokenizer import get_tokenizer
-
-            path = engine_args.tokenizer or engine_args.model or embedded_model_path()
-            tokenizer_factory = functools.partial(get_tokenizer, path)
-        return cls(
-            engine_factory=functools.partial(build_serving_engine, engine_args),
-            tokenizer_factory=tokenizer_factory,
-            **kwargs,
-        )
+        return cls(engine_factory=functools.partial(build_serving_engine, engine_args), **kwargs)
 
     # ---- read-only views (safe from any thread) ----
     @property

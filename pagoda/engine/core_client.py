@@ -88,8 +88,8 @@ class RemoteEngine:
     """What the front end sees of an engine that lives in the core process: its tokenizer and
     configuration, and the statistics of its last step (what stats hooks read)."""
 
-    def __init__(self, ready: CoreReady, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, ready: CoreReady) -> None:
+        self.tokenizer = ready.tokenizer
         self.model_config = ready.model_config
         self.config = ready.config
         self.num_blocks = ready.num_blocks
@@ -123,10 +123,10 @@ class EngineCoreStartError(RuntimeError):
 class ProcessCore:
     """The engine core loop in a spawned child process, built there by `engine_factory`.
 
-    `engine_factory` must be picklable (a module-level function or a partial of one). When
-    `tokenizer_factory` is given, the front end loads its tokenizer while the child starts;
-    otherwise the child sends the engine's. The constructor returns once the engine is ready
-    and re-raises the error the engine's construction raised."""
+    `engine_factory` must be picklable (a module-level function or a partial of one). The
+    constructor returns once the engine is ready, with the engine's tokenizer and configs
+    (pickled by the child: the front end never imports torch or parses the model file), and
+    re-raises the error the engine's construction raised."""
 
     def __init__(
         self,
@@ -134,14 +134,13 @@ class ProcessCore:
         on_report: OnReport,
         on_stopped: OnStopped,
         idle_poll_s: float,
-        tokenizer_factory: Callable[[], Any] | None = None,
     ) -> None:
         self._on_report, self._on_stopped = on_report, on_stopped
         ctx = multiprocessing.get_context("spawn")  # fork after torch and threads is unsafe
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=run_engine_core_process,
-            args=(child_conn, engine_factory, idle_poll_s, tokenizer_factory is None),
+            args=(child_conn, engine_factory, idle_poll_s),
             name="pagoda-engine-core",
             daemon=True,  # terminated at interpreter exit if shutdown() was never called
         )
@@ -149,12 +148,11 @@ class ProcessCore:
         child_conn.close()  # the child's end lives in the child only: its death reads as EOF
         self._stop_requested = False
         try:
-            tokenizer = tokenizer_factory() if tokenizer_factory is not None else None
             ready = self._wait_ready()
         except BaseException:
             self._kill()
             raise
-        self.engine = RemoteEngine(ready, tokenizer if tokenizer_factory else ready.tokenizer)
+        self.engine = RemoteEngine(ready)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send_loop, name="pagoda-core-send", daemon=True

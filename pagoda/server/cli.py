@@ -146,6 +146,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagoda.config import embedded_model_path
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.engine.engine_core import freeze_startup_heap
     from pagoda.server.app import build_app
 
     logging.basicConfig(
@@ -175,6 +176,7 @@ def run_server(args: argparse.Namespace) -> None:
         timeout_keep_alive=5,
     )
     server = DrainingServer(config, engine, args.drain_timeout)
+    freeze_startup_heap()  # a full collection mid-burst would stall the event loop
     try:
         server.run()
     finally:
