@@ -159,45 +159,41 @@ def test_random_workloads_keep_invariants_and_finish(w):
     run_workload(w)
 
 
+# A fixed tight case: many requests, a cache barely larger than one request.
+HEAVY = dict(
+    block_size=2,
+    max_model_len=32,
+    chunked=True,
+    budget=16,
+    num_blocks=18,
+    requests=[(8 + i % 20, 20, i % 4, i % 3, i % 5) for i in range(24)],
+    max_num_seqs=8,
+    policy="fcfs",
+    caching=True,
+    abort_p=0.0,
+    spec_p=0.5,
+    seed=1,
+)
+
+
 def test_heavy_preemption_workload():
-    # A fixed tight case: many requests, a cache barely larger than one request.
-    run_workload(
-        dict(
-            block_size=2,
-            max_model_len=32,
-            chunked=True,
-            budget=16,
-            num_blocks=18,
-            requests=[(8 + i % 20, 20, i % 4, i % 3, i % 5) for i in range(24)],
-            max_num_seqs=8,
-            policy="fcfs",
-            caching=True,
-            abort_p=0.0,
-            spec_p=0.5,
-            seed=1,
-        )
-    )
+    run_workload(HEAVY)
 
 
 def test_heavy_preemption_workload_with_async_scheduling():
     # Preemptions while a victim's token is in flight; requests capped by max_tokens while
-    # running ahead.
+    # running ahead; aborts.
+    requests = [(8 + i % 20, 1 + i % 9, i % 4, i % 3, i % 5) for i in range(24)]
     run_workload(
-        dict(
-            block_size=2,
-            max_model_len=32,
-            chunked=True,
-            budget=16,
-            num_blocks=18,
-            requests=[(8 + i % 20, 1 + i % 9, i % 4, i % 3, i % 5) for i in range(24)],
-            max_num_seqs=8,
-            policy="priority",
-            caching=True,
-            abort_p=0.2,
-            spec_p=0.0,
-            seed=2,
-            async_scheduling=True,
-        )
+        {
+            **HEAVY,
+            "requests": requests,
+            "policy": "priority",
+            "abort_p": 0.2,
+            "spec_p": 0.0,
+            "seed": 2,
+            "async_scheduling": True,
+        }
     )
 
 
