@@ -243,3 +243,25 @@ def test_a_cpu_server_prefills_in_small_chunks_unless_told_otherwise():
     whole = EngineArgs(device="cpu", enable_chunked_prefill=False)
     assert serving_engine_args(whole).max_num_batched_tokens is None
     assert serving_engine_args(EngineArgs(device="cuda")).max_num_batched_tokens is None
+
+
+def test_process_core_streams_exactly_what_the_thread_core_streams():
+    """The engine core process is the fast path; the thread is its plain reference."""
+
+    async def run(llm: AsyncLLM) -> list:
+        async def one(rid: str, **kw) -> list:
+            return [o async for o in llm.generate("abc", _params(**kw), rid)]
+
+        return await asyncio.gather(
+            one("greedy", max_tokens=6),
+            one("sampled", max_tokens=5, temperature=1.0, seed=7, n=2),
+            one("logprobs", max_tokens=4, logprobs=2, prompt_logprobs=1, stop=["f"]),
+        )
+
+    in_thread = AsyncLLM(FakeEngine())
+    in_process = AsyncLLM(engine_factory=FakeEngine)
+    try:
+        assert asyncio.run(run(in_process)) == asyncio.run(run(in_thread))
+    finally:
+        in_thread.shutdown()
+        in_process.shutdown()
