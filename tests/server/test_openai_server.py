@@ -105,6 +105,7 @@ def _gone(pid: int, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
 def test_engine_core_runs_in_a_child_and_dies_with_a_killed_server():
     # Its own server: SIGKILL leaves the engine core no chance to be told.
     s = Server()
@@ -323,9 +324,10 @@ def test_sigterm_drains_then_exits(server):
                                 headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
         return await running, late.status_code
 
-    children = server.children()
+    children = server.children() if os.path.isdir("/proc/self/task") else None
     got, late_status = asyncio.run(scenario())
     assert late_status == 503
     assert got == drain_tokens  # the running request finished
     assert server.proc.wait(30) == 0
-    assert children and all(_gone(pid, 5) for pid in children)  # no orphan engine core
+    if children is not None:  # no orphan engine core
+        assert children and all(_gone(pid, 5) for pid in children)
