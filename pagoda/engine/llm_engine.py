@@ -1,8 +1,10 @@
-"""`LLMEngine`: the synchronous engine loop, `schedule()` -> `execute_model()` -> `update()`.
+"""`LLMEngine`: the engine loop, `schedule()` -> `execute_model()` -> `update()` (on CUDA with the
+next step launched before the last one's tokens are processed: async scheduling, see `step`).
 
 It owns the tokenizer (input processing and validation), the scheduler (torch-free core), the
 executor (model runner on a device) and the output processor (detokenizing, stop strings,
-n > 1 fan-in). `LLM` drives it offline; `AsyncLLM` drives it from its own thread for serving.
+n > 1 fan-in). `LLM` drives it offline; `AsyncLLM` drives it for serving, from the engine core
+process (`engine_core.py`) or a thread.
 """
 
 from __future__ import annotations
