@@ -156,7 +156,10 @@ def test_whole_script_quick_on_cpu_writes_json_and_ends_with_the_table(
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-17].startswith("metric") and lines[-1].startswith("Pagoda / HF, workload b")
+    header = max(i for i, line in enumerate(lines) if line.startswith("metric"))
+    table = [line.split("  ")[0] for line in lines[header + 1 :]]
+    assert table[0].startswith("copy bandwidth") and table[-1] == "Pagoda / HF, workload b"
+    assert "a host waiting for the GPU s" in table
     with open(os.path.join(tmp_path, "h200_bench.json")) as f:
         res = json.load(f)
     assert h200_bench.find_errors(res) == []
