@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels.cpu.ops import _check, _lib, cpu_ops_available
+from pagoda.kernels.cpu.ops import _check, _lib, cpu_ops_available, gemm_operands
 
 PANEL = 16  # output columns per packed panel: one zmm of fp32 accumulators
 
@@ -85,15 +85,7 @@ def packed_linear(
     """x @ W.T (+ bias) for x [..., K] and W packed by `pack_weight`: [..., N] in bf16, or
     float32 (`out_dtype`, for logits); fp32 accumulation, one rounding at the end."""
     n, k = packed.packed_shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
-        x2 = x2.contiguous()
-    out_dtype = out_dtype or x.dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
-    out = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
+    x2, out, bias = gemm_operands(x, n, k, bias, out_dtype)
     rc = _lib().pagoda_gemm_packed(
         x2.data_ptr(),
         max(x2.stride(0), k),

@@ -111,6 +111,27 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def gemm_operands(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the C GEMMs take for x [..., K] times an [N, K] weight: x as rows of unit stride
+    that do not overlap, the output [..., N] (x's dtype or float32), the bias in x's dtype."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
+    out = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    return x2, out, bias
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -120,15 +141,7 @@ def linear(
     """x @ weight.T (+ bias) for x [..., K], weight [N, K]: [..., N] in x's dtype, or float32
     (`out_dtype`, for logits); fp32 accumulation either way."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out_dtype = out_dtype or x.dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
-    out = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
+    x2, out, bias = gemm_operands(x, n, k, bias, out_dtype)
     rc = _lib().pagoda_gemv(
         x2.data_ptr(),
         x2.stride(0),
