@@ -10,8 +10,9 @@ index of `gate_proj` / `up_proj`), which is how one loader serves every checkpoi
 outputs across ranks, row layers their inputs and sum the partial products with an all-reduce.
 On CPU, a bf16 weight is packed after loading for the C GEMM of `pagoda.kernels.cpu.gemm`,
 which then takes every product (it beats oneDNN at all row counts); other small products
-(float32 decode) go to the skinny GEMM on the plain weight. With the layer's `fused_ops` off,
-`F.linear` (on the unpacked weight) is the reference.
+(float32 decode) go to the skinny GEMM on the plain weight. On CUDA a one-row product
+(single-stream decode) takes the Triton GEMV of `pagoda.kernels.gemv`, the rest cuBLAS. With the
+layer's `fused_ops` off, `F.linear` (on the unpacked weight) is the reference.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu as cpu_ops
+from pagoda.kernels import triton_available
 from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.model.parallel import (
     divide,
@@ -98,6 +100,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         weight, fused = layer.weight, getattr(layer, "fused_ops", False)
+        if x.is_cuda:
+            # One row (single-stream decode): a Triton GEMV streams the weight faster than
+            # cuBLAS's split-K kernels (pagoda/kernels/gemv.py).
+            if fused and x.numel() == x.shape[-1] and triton_available():
+                from pagoda.kernels.gemv import gemv_supported, gemv_triton
+
+                if gemv_supported(x, weight):
+                    return gemv_triton(x, weight, bias)
+            return F.linear(x, weight, bias)
         if cpu_gemm.is_packed(weight):
             if fused and cpu_gemm.packed_linear_supported(x, weight):
                 return cpu_gemm.packed_linear(x, weight, bias)
