@@ -26,6 +26,7 @@ def _gemv_kernel(
     N,
     K,
     stride_w: tl.int64,
+    SILU_AND_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -47,6 +48,12 @@ def _gemv_kernel(
             eviction_policy="evict_first",
         )
         x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+        if SILU_AND_MUL:
+            # x holds [gate | up] of 2K values: the MLP activation on the fly, rounded to the
+            # model dtype as the separate silu_and_mul kernel stores it.
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -54,28 +61,38 @@ def _gemv_kernel(
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row (x [..., K] with numel K) times a row-major CUDA weight [N, K] of x's dtype."""
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False) -> bool:
+    """One row (x [..., K] with numel K; [..., 2K] with `silu_and_mul`) times a row-major CUDA
+    weight [N, K] of x's dtype."""
+    k = weight.shape[-1] * (2 if silu_and_mul else 1)
     return (
         x.is_cuda
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and weight.dim() == 2
-        and x.shape[-1] == weight.shape[1]
-        and x.numel() == weight.shape[1]
+        and x.shape[-1] == k
+        and x.numel() == k
         and weight.stride(1) == 1
     )
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_and_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (one row) @ weight[N, K].T (+ bias) -> [..., N] in x's dtype."""
+    """x [..., K] (one row) @ weight[N, K].T (+ bias) -> [..., N] in `out_dtype` (default x's:
+    float32 gives logits without a bf16 rounding). With `silu_and_mul`, x is the gate/up
+    projection [..., 2K] and the product is silu(x[..., :K]) * x[..., K:] @ weight.T, the MLP's
+    down projection without its separate activation kernel."""
     n, k = weight.shape
-    x1 = x.reshape(k)
+    x1 = x.reshape(-1)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    y = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype, device=x.device)
     # Tile shapes from the H200 sweep: short rows of long K (down) and small N (o) take 8 rows
     # of 512, the rest 16 rows of 256.
     block_n, block_k = (8, 512) if (k >= 8192 or n <= 4096) else (16, 256)
@@ -87,6 +104,7 @@ def gemv_triton(
         n,
         k,
         weight.stride(0),
+        SILU_AND_MUL=silu_and_mul,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -60,3 +60,32 @@ def test_gemv_bf16_at_llama8b_shapes(n: int, k: int) -> None:
     out = gemv_triton(x, w)
     # fp32 accumulation in another order, one bf16 rounding: within 2 ulps of the fp32 result.
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("n,k", [(5, 40), (64, 1536)])
+def test_gemv_with_silu_and_mul_is_the_mlp_down_projection(n: int, k: int) -> None:
+    gate_up, w = _randn(1, 2 * k, seed=4), _randn(n, k, seed=5)
+    act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    out = gemv_triton(gate_up, w, silu_and_mul=True)
+    torch.testing.assert_close(out, act @ w.T, atol=1e-4, rtol=1e-4)
+    if torch.cuda.is_available():  # the tensors are on the GPU then
+        assert gemv_supported(gate_up, w, silu_and_mul=True) and not gemv_supported(gate_up, w)
+
+
+def test_gemv_float32_output_for_logits() -> None:
+    x, w = _randn(1, 96, seed=6), _randn(300, 96, seed=7)
+    out = gemv_triton(x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_bf16_silu_and_mul_matches_the_separate_kernels() -> None:
+    from pagoda.kernels import silu_and_mul
+
+    gate_up = _randn(1, 2 * 14336, seed=8, dtype=torch.bfloat16)
+    w = _randn(4096, 14336, seed=9, dtype=torch.bfloat16) * 0.02
+    ref = torch.nn.functional.linear(silu_and_mul(gate_up).float(), w.float())
+    out = gemv_triton(gate_up, w, silu_and_mul=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
