@@ -180,23 +180,6 @@ def gather_logprobs(
     return ids, values, ranks
 
 
-def greedy_argmax(logits: torch.Tensor, two_stage: bool | None = None) -> torch.Tensor:
-    """logits.argmax(dim=-1), the first maximal index per row. One row on a GPU reduces in two
-    stages (row chunks in parallel, then the chunk maxima): torch reduces one long row with one
-    thread block, ~26 µs for a 128k vocabulary on an H200, a sizeable share of a single-stream
-    decode step. `two_stage` forces the choice (None: one contiguous row on a GPU)."""
-    rows, vocab = logits.shape
-    if two_stage is None:
-        two_stage = rows == 1 and logits.is_cuda and logits.is_contiguous()
-    if two_stage and rows == 1 and logits.is_contiguous():
-        for chunk in (256, 512, 128, 1024):
-            if vocab % chunk == 0 and vocab >= 8 * chunk:
-                values, index = logits.view(vocab // chunk, chunk).max(dim=1)
-                best = values.argmax()  # the first chunk holding the maximum
-                return (best * chunk + index[best]).view(1)
-    return logits.argmax(dim=-1)
-
-
 class Sampler:
     """Samples one token per row of a step's logits (see the module docstring for the order)."""
 
@@ -214,7 +197,7 @@ class Sampler:
                 f"vocab_size={md.vocab_size}: pass the logits' width as vocab_size"
             )
         if md.is_plain_greedy:
-            return SamplerTensors(sampled_token_ids=greedy_argmax(logits))
+            return SamplerTensors(sampled_token_ids=logits.argmax(dim=-1))
         return self.sample_reference(logits, md)
 
     def sample_reference(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerTensors:
