@@ -1,4 +1,4 @@
-"""Fused element-wise ops of the model (RMSNorm(+residual), SiLU-and-mul, RoPE).
+"""Fused ops of the model (RMSNorm(+residual), SiLU-and-mul, RoPE, the one-row GEMV).
 
 The functions here pick the Triton kernel for CUDA tensors and the torch reference
 (`pagoda.kernels.reference`) otherwise, so model code calls them on any device; importing
@@ -67,3 +67,22 @@ def rotary_embedding(
 
 
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "triton_available"]
+
+
+def one_row_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_and_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """The Triton GEMV (`pagoda.kernels.gemv.gemv_triton`) for a single CUDA row where it
+    applies, else None (the caller's own path: cuBLAS, the CPU kernels)."""
+    if not (_use_triton(x) and x.numel() == x.shape[-1]):
+        return None
+    from pagoda.kernels.gemv import gemv_supported, gemv_triton
+
+    if not gemv_supported(x, weight, silu_and_mul):
+        return None
+    return gemv_triton(x, weight, bias, silu_and_mul=silu_and_mul, out_dtype=out_dtype)

@@ -41,8 +41,11 @@ def test_gemv_takes_a_strided_weight_and_a_3d_row() -> None:
 
 
 def test_gemv_supported_is_one_row_on_cuda_only() -> None:
+    from pagoda.kernels import one_row_linear
+
     w = torch.zeros(8, 16)
     assert not gemv_supported(torch.zeros(1, 16), w)  # CPU tensors: the CPU kernels' job
+    assert one_row_linear(torch.zeros(1, 16), w) is None
     if torch.cuda.is_available():
         wc = w.cuda()
         assert gemv_supported(torch.zeros(1, 16, device="cuda"), wc)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu as cpu_ops
-from pagoda.kernels import triton_available
+from pagoda.kernels import one_row_linear
 from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.model.parallel import (
     divide,
@@ -103,12 +103,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if x.is_cuda:
             # One row (single-stream decode): a Triton GEMV streams the weight faster than
             # cuBLAS's split-K kernels (pagoda/kernels/gemv.py).
-            if fused and x.numel() == x.shape[-1] and triton_available():
-                from pagoda.kernels.gemv import gemv_supported, gemv_triton
-
-                if gemv_supported(x, weight):
-                    return gemv_triton(x, weight, bias)
-            return F.linear(x, weight, bias)
+            y = one_row_linear(x, weight, bias) if fused else None
+            return F.linear(x, weight, bias) if y is None else y
         if cpu_gemm.is_packed(weight):
             if fused and cpu_gemm.packed_linear_supported(x, weight):
                 return cpu_gemm.packed_linear(x, weight, bias)

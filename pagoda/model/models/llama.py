@@ -19,7 +19,7 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend, get_attn_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels import cpu as cpu_ops
-from pagoda.kernels import triton_available
+from pagoda.kernels import one_row_linear
 from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
@@ -54,13 +54,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
-        if gate_up.is_cuda and self.act_fn.fused_ops and down.tp_size == 1:
+        if self.act_fn.fused_ops and down.tp_size == 1:
             # One row on CUDA (single-stream decode): the activation inside the down GEMV.
-            if gate_up.numel() == gate_up.shape[-1] and triton_available():
-                from pagoda.kernels.gemv import gemv_supported, gemv_triton
-
-                if gemv_supported(gate_up, down.weight, silu_and_mul=True):
-                    return gemv_triton(gate_up, down.weight, down.bias, silu_and_mul=True)
+            y = one_row_linear(gate_up, down.weight, down.bias, silu_and_mul=True)
+            if y is not None:
+                return y
         return down(self.act_fn(gate_up))
 
 
@@ -260,11 +258,9 @@ class LlamaForCausalLM(nn.Module):
                 return cpu_gemm.packed_linear(hidden_states, packed, out_dtype=torch.float32)
             if cpu_ops.linear_supported(hidden_states, weight):
                 return cpu_ops.linear(hidden_states, weight, out_dtype=torch.float32)
-            if hidden_states.shape[0] == 1 and hidden_states.is_cuda and triton_available():
-                from pagoda.kernels.gemv import gemv_supported, gemv_triton
-
-                if gemv_supported(hidden_states, weight):
-                    return gemv_triton(hidden_states, weight, out_dtype=torch.float32)
+            logits = one_row_linear(hidden_states, weight, out_dtype=torch.float32)
+            if logits is not None:
+                return logits
         return self.lm_head.compute_logits(hidden_states).float()
 
 
