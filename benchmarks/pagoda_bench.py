@@ -109,9 +109,18 @@ class StepTimer:
     output processing). With async scheduling the host's work overlaps the GPU's, so the
     GPU waits on the host only where `wait_s` is near zero."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, trace: bool = False) -> None:
         self.executor, self.steps = engine.executor, 0
         self.launch_s = self.wait_s = 0.0
+        # With `trace` on a CUDA device: per step, CUDA events around its enqueued work and
+        # its batch shape, so `trace_summary` can say how long the GPU ran each kind of step
+        # and how long it sat idle between steps (waiting on the host).
+        self._cuda = None
+        if trace and engine.config.device_config.device == "cuda":
+            import torch
+
+            self._cuda = torch.cuda
+        self.trace: list[tuple[Any, Any, int, int, int]] = []  # (start, end, tokens, reqs, ctx)
 
     def __enter__(self) -> StepTimer:
         inner = self.executor.execute_model_async
@@ -128,11 +137,21 @@ class StepTimer:
 
         def timed(scheduler_output: Any) -> Any:
             t0 = time.perf_counter()
+            start = self._event()
             try:
                 future = inner(scheduler_output)
             finally:
                 self.launch_s += time.perf_counter() - t0
                 self.steps += 1
+            if start is not None:
+                so = scheduler_output
+                ctx = sum(
+                    so.num_computed_tokens.get(r, 0) + n for r, n in so.num_scheduled_tokens.items()
+                )
+                n_reqs = len(so.num_scheduled_tokens)
+                self.trace.append(
+                    (start, self._event(), so.total_num_scheduled_tokens, n_reqs, ctx)
+                )
             future.get = timed_get(future.get)
             return future
 
@@ -141,6 +160,47 @@ class StepTimer:
 
     def __exit__(self, *exc: object) -> None:
         del self.executor.execute_model_async  # back to the class's method
+
+    def _event(self) -> Any:
+        if self._cuda is None:
+            return None
+        ev = self._cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def trace_summary(self) -> dict[str, Any]:
+        """GPU time per kind of step (prefill-carrying, decode by batch size) and the idle
+        time between steps, from the CUDA events (synchronizes once, after the run)."""
+        if not self.trace:
+            return {}
+        self._cuda.synchronize()
+        kinds: dict[str, dict[str, float]] = {}
+        idle_ms, prev_end = 0.0, None
+        for start, end, tokens, reqs, ctx in self.trace:
+            gap = prev_end.elapsed_time(start) if prev_end is not None else 0.0
+            idle_ms += max(gap, 0.0)
+            prev_end = end
+            if tokens > reqs:
+                kind = "prefill"
+            else:
+                lo = next(b for b in (256, 192, 128, 64, 32, 8, 1) if reqs >= b or b == 1)
+                kind = f"decode>={lo}"
+            k = kinds.setdefault(kind, {"steps": 0, "gpu_ms": 0.0, "tokens": 0, "ctx": 0})
+            k["steps"] += 1
+            k["gpu_ms"] += start.elapsed_time(end)
+            k["tokens"] += tokens
+            k["ctx"] += ctx
+        for k in kinds.values():
+            k["gpu_ms_per_step"] = round(k["gpu_ms"] / k["steps"], 3)
+            k["tokens_per_step"] = round(k["tokens"] / k["steps"], 1)
+            k["ctx_per_step"] = round(k["ctx"] / k["steps"])
+            k["gpu_ms"] = round(k["gpu_ms"], 1)
+        span = self.trace[0][0].elapsed_time(self.trace[-1][1])
+        return {
+            "gpu_span_ms": round(span, 1),
+            "gpu_idle_between_steps_ms": round(idle_ms, 1),
+            "by_kind": kinds,
+        }
 
     @property
     def execute_s(self) -> float:
@@ -156,7 +216,7 @@ def bench_offline_throughput(llm: Any, w: Workloads, deadline: float) -> dict[st
     _submit(engine, "warm", make_requests(min(32, w.num_requests), w.input_len, (8, 16), vocab, 1))
     _drain(engine, deadline)
     _submit(engine, "a", reqs)
-    with StepTimer(engine) as timer:
+    with StepTimer(engine, trace=True) as timer:
         start = time.perf_counter()
         done, timed_out = _drain(engine, deadline)
         elapsed = time.perf_counter() - start
@@ -179,6 +239,7 @@ def bench_offline_throughput(llm: Any, w: Workloads, deadline: float) -> dict[st
         "host_waiting_for_gpu_s": round(timer.wait_s, 3),
         "host_busy_s": round(elapsed - timer.wait_s, 3),
         "async_scheduling": engine.config.scheduler_config.async_scheduling,
+        "step_trace": timer.trace_summary(),
     }
 
 

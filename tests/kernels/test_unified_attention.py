@@ -12,7 +12,11 @@ from kernel_testing import enable_interpreter_without_cuda, kernel_device, make_
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from pagoda.attention.triton.unified_attention import (  # noqa: E402
+    _fp8_bits_to_fp16,
     unified_attention,
     use_split_kv,
 )
@@ -108,9 +112,12 @@ def test_empty_requests_in_batch_are_skipped() -> None:
     [(torch.float8_e4m3fn, 0.05, 0.02), (torch.float8_e5m2, 0.5, 0.25), (torch.int8, 0.03, 0.02)],
 )
 @pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("fp8_bits", [True, False], ids=["fp8-bits", "fp8-convert"])
 def test_quantized_cache_is_dequantized_with_layer_scales(
-    cache_dtype, k_scale, v_scale, lens
+    cache_dtype, k_scale, v_scale, lens, fp8_bits
 ) -> None:
+    if cache_dtype == torch.int8 and not fp8_bits:
+        pytest.skip("fp8_bits does not apply to an int8 cache")
     batch = make_paged_batch(*lens, 8, 2, 32, 16, device=DEV, seed=6)
     if cache_dtype == torch.int8:
         batch.kv_cache = (batch.kv_cache * 40).round().clamp(-128, 127).to(cache_dtype)
@@ -118,8 +125,34 @@ def test_quantized_cache_is_dequantized_with_layer_scales(
         batch.kv_cache = (batch.kv_cache * 8).to(cache_dtype)
     ref = batch.reference(0.2, k_scale, v_scale)
     for split in (False, True):
-        out = _run(batch, 0.2, k_scale=k_scale, v_scale=v_scale, split_kv=split, num_segments=4)
+        out = _run(
+            batch,
+            0.2,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            split_kv=split,
+            num_segments=4,
+            fp8_bits=fp8_bits,
+        )
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+@triton.jit
+def _convert_kernel(x_ptr, out_ptr, FP8_CODE: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, _fp8_bits_to_fp16(tl.load(x_ptr + offs), FP8_CODE))
+
+
+@pytest.mark.parametrize(
+    "fp8_dtype,code,factor", [(torch.float8_e4m3fn, 1, 256.0), (torch.float8_e5m2, 2, 1.0)]
+)
+def test_fp8_bit_conversion_is_exact_for_every_byte(fp8_dtype, code, factor) -> None:
+    byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEV)
+    out = torch.empty(256, dtype=torch.float16, device=DEV)
+    _convert_kernel[(1,)](byte, out, FP8_CODE=code)
+    want = byte.view(fp8_dtype).float()
+    finite = want.isfinite()  # NaN / inf codes never come from a clamped store
+    torch.testing.assert_close(out.float()[finite] * factor, want[finite], atol=0, rtol=0)
 
 
 def test_quantized_cache_without_scales_is_rejected() -> None:

@@ -28,6 +28,22 @@ DEFAULT_NUM_SEGMENTS = 16
 # Decode tile (tokens) over a quantized cache: its bytes per token are half of bf16's, so it
 # takes a longer tile than bf16's 64 for as many bytes in flight (`gpu_kernels.py --sweep`).
 _QUANT_DECODE_TILE = 128
+# fp8 -> fp16 by bit moves (`_fp8_bits_to_fp16`) rather than the conversion instruction.
+FP8_CONVERT_BITS = True
+_FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+@triton.jit
+def _fp8_bits_to_fp16(x, FP8_CODE: tl.constexpr):
+    """fp8 bytes (uint8) -> fp16 values by moving bits, no conversion instruction. e5m2 is the
+    top byte of an fp16. e4m3 [s eeee mmm] becomes fp16 [s 0eeee mmm0000000]: the same value
+    times 2**-8 (exponent bias 7 vs 15), subnormals included; the caller folds 2**8 into the
+    per-layer scale (`_FP8_E4M3_BITS_SCALE`)."""
+    if FP8_CODE == 2:
+        bits = x.to(tl.uint16) << 8
+    else:
+        bits = ((x & 0x80).to(tl.uint16) << 8) | ((x & 0x7F).to(tl.uint16) << 7)
+    return bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -84,6 +100,7 @@ def _unified_attention_kernel(
     KV_QUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    FP8_BITS: tl.constexpr,  # 0: convert with .to(); 1 / 2: e4m3 / e5m2 bytes by bit moves
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,6 +151,8 @@ def _unified_attention_kernel(
     # the softmax scale, the V scale to the output), so a tile only converts its values.
     if KV_QUANT:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if FP8_BITS == 1:
+            qk_scale = qk_scale * 256.0
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
@@ -158,6 +177,9 @@ def _unified_attention_kernel(
         )  # [TILE_SIZE, HEAD_SIZE_PADDED]
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
         # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
+        if FP8_BITS:
+            k = _fp8_bits_to_fp16(k, FP8_BITS)
+            v = _fp8_bits_to_fp16(v, FP8_BITS)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
@@ -175,6 +197,8 @@ def _unified_attention_kernel(
 
     if KV_QUANT:
         acc = acc * tl.load(v_scale_ptr)
+        if FP8_BITS == 1:
+            acc = acc * 256.0
     if IS_SPLIT:
         # Partials (also for empty segments: max -inf, sum 0) for the reduce kernel.
         row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segm
@@ -245,6 +269,9 @@ def unified_attention(
     num_segments: int = DEFAULT_NUM_SEGMENTS,
     block_m: int | None = None,
     tile_size: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_bits: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -252,8 +279,9 @@ def unified_attention(
     [2, num_blocks, block_size, num_kv_heads, head_size]; `attn_metadata` gives the batch
     (`query_start_loc`, `seq_lens`, `block_tables`, `max_query_len`, `num_actual_tokens`).
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
-    `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16).
-    Returns `out`.
+    `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
+    `num_warps` / `num_stages` Triton's launch defaults, `fp8_bits` `FP8_CONVERT_BITS` (how an
+    FP8 cache is converted; both ways are exact). Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -311,10 +339,18 @@ def unified_attention(
     else:
         segm_out = segm_max = segm_sum = out  # unused placeholders
     dummy = k_scale_t if k_scale_t is not None else seq_lens
+    fp8_code = _FP8_CODE.get(kv_cache.dtype, 0)
+    if not (FP8_CONVERT_BITS if fp8_bits is None else fp8_bits):
+        fp8_code = 0
+    launch = {}
+    if num_warps is not None:
+        launch["num_warps"] = num_warps
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         out,
         q,
-        kv_cache,
+        kv_cache.view(torch.uint8) if fp8_code else kv_cache,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -348,6 +384,8 @@ def unified_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
+        FP8_BITS=fp8_code,
+        **launch,
     )
     if split_kv:
         _reduce_segments_kernel[(num_actual, num_heads)](
