@@ -2,7 +2,7 @@
 
     python -m pagoda.worker.benchmark [--model PATH] [--dtype bfloat16] [--batch 1 64]
         [--context 300] [--prefill 512] [--cached-prefix 500] [--iters 10]
-        [--graphs on|off|both] [--profile 1 256] [--engine-batch 1 256]
+        [--graphs on|off|both] [--profile 1 256] [--profile-prefill 8192] [--engine-batch 1 256]
 
 Runs `ModelRunner.execute_model` on hand-made SchedulerOutputs (no scheduler, no tokenizer),
 so the time is inputs + model + logits + sampling. Prints ms per step (median of --iters), on
@@ -137,6 +137,20 @@ def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
 
 
+def profile_prefill(runner: ModelRunner, num_tokens: int) -> None:
+    """The operators of 3 steps that each prefill one `num_tokens`-token prompt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    bench_prefill(runner, num_tokens, 1)
+    with profile(activities=activities) as prof:
+        bench_prefill(runner, num_tokens, 2)
+    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print(f"profile of 3 prefill steps of {num_tokens} tokens:")
+    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+
+
 def _release(runner: ModelRunner) -> None:
     # The graphs reference the runner (a cycle): collect it before the next one sizes its cache.
     del runner.model, runner.kv_caches, runner.cuda_graphs
@@ -162,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="CUDA only")
     p.add_argument("--cached-prefix", type=int, default=0, help="also prefill after N cached")
     p.add_argument("--profile", type=int, nargs="*", default=None, help="profile these batches")
+    p.add_argument(
+        "--profile-prefill", type=int, nargs="*", default=[], help="profile prefills of N tokens"
+    )
     p.add_argument("--engine-batch", type=int, nargs="*", default=[], help="engine breakdown")
     args = p.parse_args(argv)
     model = args.model or embedded_model_path()
@@ -202,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"  prefill {n:5d} tokens, {args.cached_prefix} cached: {ms:8.2f} ms")
             for batch in args.profile or []:
                 profile_decode(runner, batch, args.context)
+            for n in args.profile_prefill:
+                profile_prefill(runner, n)
             _release(runner)
     for batch in args.engine_batch:
         from pagoda.worker.host_benchmark import bench_engine_step

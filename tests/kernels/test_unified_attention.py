@@ -46,10 +46,12 @@ def _run(batch, scale, **kwargs) -> torch.Tensor:
         (6, 2, 80, 16),  # GQA 3:1 (BLOCK_M not a multiple of G), head padded to 128
     ],
 )
-def test_mixed_batch_matches_oracle(num_heads, num_kv_heads, head_size, block_size) -> None:
+@pytest.mark.parametrize("k_rows", [False, True], ids=["k-cols", "k-rows"])
+def test_mixed_batch_matches_oracle(num_heads, num_kv_heads, head_size, block_size, k_rows) -> None:
     batch = make_paged_batch(*MIXED, num_heads, num_kv_heads, head_size, block_size, device=DEV)
     scale = head_size**-0.5
-    torch.testing.assert_close(_run(batch, scale), batch.reference(scale), atol=ATOL, rtol=RTOL)
+    out = _run(batch, scale, k_rows=k_rows)
+    torch.testing.assert_close(out, batch.reference(scale), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("num_segments", [4, 16])
@@ -133,6 +135,7 @@ def test_quantized_cache_is_dequantized_with_layer_scales(
             split_kv=split,
             num_segments=4,
             fp8_bits=fp8_bits,
+            k_rows=split,  # both K tile loads, each path once
         )
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
