@@ -108,12 +108,8 @@ def test_gpu_plain_greedy_sampler_replays_in_a_cuda_graph() -> None:
     sampler.sample_on_device(logits, md)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            sampled = sampler.sample_on_device(logits, md).sampled_token_ids
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.graph(graph):  # a host sync or a host read of a device value fails here
+        sampled = sampler.sample_on_device(logits, md).sampled_token_ids
     for seed in range(3):
         logits.copy_(_logits(1, vocab, seed=seed, ties=seed == 1))
         graph.replay()
