@@ -49,11 +49,32 @@ class AttentionBackend(ABC):
       num_kv_heads). Must not synchronise with the device more than needed (CUDA graphs).
     `prepare(attn_metadata)` is called once per step before the first layer: a backend may
       precompute per-step values shared by all layers into `attn_metadata.extra`.
+    `forward_with_rope(layer, positions, cos_sin_cache, q, k, v, ...)`: `forward` for q and k
+      not yet rotated, rotating them in place first (Neox RoPE) in fewer launches, or None when
+      the backend has no such path (the default): the caller then rotates and calls `forward`.
     """
 
     name: str = "base"
 
     def prepare(self, attn_metadata: AttentionMetadata) -> None:
+        return None
+
+    def forward_with_rope(
+        self,
+        layer: AttentionLayer,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Rotate q and k in place at positions [num_tokens] by `cos_sin_cache` [max_position,
+        rotary_dim] = cat(cos, sin) (GPT-NeoX / Hugging Face `rotate_half` pairs, dims past
+        rotary_dim unrotated), then `forward`; None where not implemented, before touching
+        anything."""
         return None
 
     @abstractmethod

@@ -4,7 +4,8 @@ Rotates q and k in place (one program per token, all heads at once) from vLLM's
 `cos_sin_cache` [max_position, rotary_dim] = cat(cos, sin); the pairs are (x[i],
 x[i + rotary_dim / 2]), Hugging Face's `rotate_half`. Dims past `rotary_dim` are left as they
 are (partial rotary). Math in float32; `pagoda.kernels.reference.rotary_embedding_ref` is the
-reference.
+reference. `rotate_heads` is shared with the kernel that also writes the rotated keys to the
+paged KV cache (`pagoda.attention.triton.reshape_and_cache.rotary_embedding_and_cache`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     x_ptr,
     stride_tok,
     stride_head,
@@ -27,6 +28,8 @@ def _rotate_heads(
     HALF: tl.constexpr,
     HALF_PADDED: tl.constexpr,
 ):
+    """Rotate the first 2 * HALF dims of row `tok`'s heads in place; returns the two rotated
+    halves [HEADS_PADDED, HALF_PADDED] in x's dtype (what was stored)."""
     offs_h = tl.arange(0, HEADS_PADDED)
     offs_r = tl.arange(0, HALF_PADDED)
     mask = (offs_h[:, None] < num_heads) & (offs_r[None, :] < HALF)
@@ -34,8 +37,24 @@ def _rotate_heads(
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
     ty = x_ptr.dtype.element_ty
-    tl.store(ptr1, (x1 * cos - x2 * sin).to(ty), mask=mask)
-    tl.store(ptr1 + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(ty)
+    y2 = (x2 * cos + x1 * sin).to(ty)
+    tl.store(ptr1, y1, mask=mask)
+    tl.store(ptr1 + HALF, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def load_cos_sin(
+    positions_ptr, cos_sin_ptr, tok, stride_cs, HALF: tl.constexpr, HALF_PADDED: tl.constexpr
+):
+    """cos and sin [1, HALF_PADDED] in float32 at row `tok`'s position."""
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    offs_r = tl.arange(0, HALF_PADDED)
+    r_ok = offs_r < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_ok, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_ok, other=0.0)
+    return cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -58,14 +77,8 @@ def _rotary_kernel(
     HAS_K: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    offs_r = tl.arange(0, HALF_PADDED)
-    r_ok = offs_r < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_ok, other=0.0)
-    cos = cos[None, :]
-    sin = sin.to(tl.float32)[None, :]
-    _rotate_heads(
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PADDED)
+    rotate_heads(
         q_ptr,
         stride_q_tok,
         stride_q_head,
@@ -78,7 +91,7 @@ def _rotary_kernel(
         HALF_PADDED,
     )
     if HAS_K:
-        _rotate_heads(
+        rotate_heads(
             k_ptr,
             stride_k_tok,
             stride_k_head,
@@ -92,7 +105,8 @@ def _rotary_kernel(
         )
 
 
-def _heads_view(x: torch.Tensor, head_size: int, name: str) -> torch.Tensor:
+def heads_view(x: torch.Tensor, head_size: int, name: str) -> torch.Tensor:
+    """x [T, heads * head_size] or [T, heads, head_size] as [T, heads, head_size]."""
     if x.dim() == 3:
         ok = x.shape[-1] == head_size
     else:
@@ -105,6 +119,17 @@ def _heads_view(x: torch.Tensor, head_size: int, name: str) -> torch.Tensor:
     return x.view(x.shape[0], -1, head_size)
 
 
+def rotary_dim(cos_sin_cache: torch.Tensor, head_size: int) -> int:
+    """The rotated dims of each head from cos_sin_cache [max_position, rotary_dim] (validated)."""
+    rot = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rot % 2 != 0 or rot > head_size or cos_sin_cache.stride(-1) != 1:
+        raise ValueError(
+            f"cos_sin_cache [max_position, rotary_dim] needs an even rotary_dim <= head_size "
+            f"({head_size}) and a contiguous last dimension, got shape {tuple(cos_sin_cache.shape)}"
+        )
+    return rot
+
+
 def rotary_embedding_triton(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -113,18 +138,12 @@ def rotary_embedding_triton(
     head_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q [T, num_heads(*)head_size] and k in place at positions [T]; returns (q, k)."""
-    rot = cos_sin_cache.shape[-1]
-    if rot % 2 != 0 or rot > head_size or cos_sin_cache.stride(-1) != 1:
-        raise ValueError(
-            f"cos_sin_cache [max_position, rotary_dim] needs an even rotary_dim <= head_size "
-            f"({head_size}) and a contiguous last dimension, got shape {tuple(cos_sin_cache.shape)}"
-        )
-    qh = _heads_view(q, head_size, "q")
-    kh = _heads_view(k, head_size, "k") if k is not None else qh
+    half = rotary_dim(cos_sin_cache, head_size) // 2
+    qh = heads_view(q, head_size, "q")
+    kh = heads_view(k, head_size, "k") if k is not None else qh
     num_tokens = qh.shape[0]
     if num_tokens == 0:
         return q, k
-    half = rot // 2
     _rotary_kernel[(num_tokens,)](
         positions,
         qh,

@@ -94,8 +94,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_idx, attn_backend
         )
-        # RoPE by the fused kernel on CUDA / the C op on CPU (the rotary module is shared by
-        # all layers and models with the same table, so the choice lives here).
+        # RoPE by the fused kernel on CUDA (with the cache write on the Triton backend) / the C
+        # op on CPU (the rotary module is shared by all layers and models with the same table,
+        # so the choice lives here).
         self.fused_ops = True
 
     def forward(
@@ -113,8 +114,12 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k, fused=self.fused_ops)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        if self.fused_ops:  # RoPE in place; on the Triton backend with the cache write
+            out = self.attn(q, k, v, kv_cache, attn_metadata, self.rotary_emb, positions)
+        else:  # the reference: torch RoPE, then the backend's separate cache write
+            q, k = self.rotary_emb(positions, q, k)
+            out = self.attn(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
