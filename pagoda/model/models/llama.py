@@ -266,6 +266,9 @@ class LlamaForCausalLM(nn.Module):
             logits = one_row_linear(hidden_states, weight, out_dtype=torch.float32)
             if logits is not None:
                 return logits
+            if hidden_states.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+                # cuBLAS writes float32 straight from its accumulators (no extra pass).
+                return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
         return self.lm_head.compute_logits(hidden_states).float()
 
 
