@@ -139,11 +139,13 @@ def bench_decode(args, copy_gbps: float) -> None:
 
 def bench_decode_sweep(args) -> None:
     """Decode attention over launch settings: tile, warps, pipeline stages and, for an FP8
-    cache, how it is converted (bit moves vs the conversion instruction); split-KV segments
-    for the small batches. Rows name the fastest setting per case last."""
+    cache, how it is converted (bit moves vs the conversion instruction) or whether the dots
+    run in fp8 (`fp8_dots`, e4m3); split-KV segments for the small batches. A `sweep_best`
+    row names the fastest setting per case."""
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_size, args.block_size
-    cases = [(256, 1024), (96, 1024), (4, 8192)]
-    cache_dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.sweep_cases.split(",")]
+    names = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    cache_dtypes = [names[n] for n in args.sweep_kv.split(",")]
     for (batch, ctx), cache_dtype in itertools.product(cases, cache_dtypes):
         q, cache, md = paged_step(
             [1] * batch, [ctx - 1] * batch, h, kvh, d, bs, torch.bfloat16, cache_dtype
@@ -154,16 +156,19 @@ def bench_decode_sweep(args) -> None:
         fp8 = cache_dtype != torch.bfloat16
         split = use_split_kv(batch, kvh, 1)
         best = None
-        for tile, warps, stages, bits, k_rows, segs in itertools.product(
-            (128,) if fp8 else (64, 128),
+        e4m3 = cache_dtype == torch.float8_e4m3fn
+        for tile, warps, stages, bits, dots, segs in itertools.product(
+            (64, 128),
             (2, 4),
             (2, 3),
             (True, False) if fp8 else (False,),
-            (False, True),
+            (0, 1, 2) if e4m3 else (0,),
             (16,) if split else (1,),
         ):
+            if dots and bits:
+                continue  # the fp8 dots convert nothing
             kwargs = dict(
-                tile_size=tile, num_warps=warps, num_stages=stages, fp8_bits=bits, k_rows=k_rows
+                tile_size=tile, num_warps=warps, num_stages=stages, fp8_bits=bits, fp8_dots=dots
             )
             try:
                 ms = _bench(
@@ -272,6 +277,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few rows per section")
     p.add_argument("--sweep", action="store_true", help="decode tile / segment sweep")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--sweep-cases", default="256x1024,96x1024,4x8192", help="BATCHxCTX,...")
+    p.add_argument("--sweep-kv", default="bf16,e4m3,e5m2", help="cache dtypes of the sweep")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)

@@ -104,6 +104,7 @@ def _unified_attention_kernel(
     FP16_DOTS: tl.constexpr,
     FP8_BITS: tl.constexpr,  # 0: convert with .to(); 1 / 2: e4m3 / e5m2 bytes by bit moves
     K_ROWS: tl.constexpr,  # load K as [TILE, D] rows (V's pointers) and transpose for the dot
+    FP8_DOTS: tl.constexpr,  # e4m3 cache: 1 = q.k in fp8 (q scaled per row), 2 = also p.v
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,6 +137,13 @@ def _unified_attention_kernel(
     )
     if FP16_DOTS:
         q = q.to(tl.float16)
+    if FP8_DOTS:
+        # FlashAttention-3's FP8 path: q quantized per row (amax -> 448), the dot on fp8
+        # tensor cores straight from the cache bytes, the row scale applied to the scores.
+        q_f = q.to(tl.float32)
+        q_amax = tl.max(tl.abs(q_f), axis=1)
+        q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
+        q8 = (q_f / q_row_scale[:, None]).to(tl.float8e4nv)
     q_pos = context_len + q_row  # absolute position: attends to keys 0 ..= q_pos
 
     # Keys any row of this block can see (exclusive end), in tiles.
@@ -181,15 +189,21 @@ def _unified_attention_kernel(
         v = tl.load(rows + stride_c_kv, mask=rows_ok, other=0.0)
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
         # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
-        if FP8_BITS:
-            k = _fp8_bits_to_fp16(k, FP8_BITS)
-            v = _fp8_bits_to_fp16(v, FP8_BITS)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if FP8_DOTS == 0:
+            if FP8_BITS:
+                k = _fp8_bits_to_fp16(k, FP8_BITS)
+            k = k.to(q.dtype)
+        if FP8_DOTS < 2:
+            if FP8_BITS:
+                v = _fp8_bits_to_fp16(v, FP8_BITS)
+            v = v.to(q.dtype)
 
         if K_ROWS:
             k = tl.trans(k)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
+        if FP8_DOTS:
+            s = tl.dot(q8, k) * (qk_scale * q_row_scale)[:, None]
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -198,13 +212,20 @@ def _unified_attention_kernel(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8_DOTS == 2:
+            # p in [0, 1] times 256 keeps small weights out of e4m3's subnormals.
+            pv = tl.dot((p * 256.0).to(tl.float8e4nv), v)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     if KV_QUANT:
         acc = acc * tl.load(v_scale_ptr)
-        if FP8_BITS == 1:
+        if FP8_BITS == 1 and FP8_DOTS < 2:
             acc = acc * 256.0
+        if FP8_DOTS == 2:
+            acc = acc * (1.0 / 256.0)
     if IS_SPLIT:
         # Partials (also for empty segments: max -inf, sum 0) for the reduce kernel.
         row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segm
@@ -279,6 +300,7 @@ def unified_attention(
     num_stages: int | None = None,
     fp8_bits: bool | None = None,
     k_rows: bool = False,
+    fp8_dots: int = 0,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -289,7 +311,9 @@ def unified_attention(
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
     `num_warps` / `num_stages` Triton's launch defaults, `fp8_bits` `FP8_CONVERT_BITS` (how an
     FP8 cache is converted; both ways are exact), `k_rows` loads K tiles row-wise (the
-    layout of V's) and transposes them for the dot. Returns `out`.
+    layout of V's) and transposes them for the dot, `fp8_dots` (e4m3 cache, 16-bit q) runs
+    q.k (1) or also p.v (2) on fp8 tensor cores, quantizing q per row and p (FlashAttention-3's
+    FP8 attention; approximate). Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -348,6 +372,12 @@ def unified_attention(
         segm_out = segm_max = segm_sum = out  # unused placeholders
     dummy = k_scale_t if k_scale_t is not None else seq_lens
     fp8_code = _FP8_CODE.get(kv_cache.dtype, 0)
+    if fp8_dots not in (0, 1, 2):
+        raise ValueError(f"fp8_dots is 0, 1 or 2, got {fp8_dots}")
+    if fp8_dots and (kv_cache.dtype != torch.float8_e4m3fn or q.dtype == torch.float32):
+        raise ValueError("fp8_dots needs a float8_e4m3fn cache and a 16-bit q")
+    if fp8_dots:
+        fp8_code = 0  # the dots read the cache's fp8 values as they are
     if not (FP8_CONVERT_BITS.get(kv_cache.dtype, False) if fp8_bits is None else fp8_bits):
         fp8_code = 0
     launch = {}
@@ -394,6 +424,7 @@ def unified_attention(
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
         FP8_BITS=fp8_code,
         K_ROWS=k_rows,
+        FP8_DOTS=fp8_dots,
         **launch,
     )
     if split_kv:
