@@ -195,3 +195,9 @@ def test_fp8_dots_need_an_e4m3_cache() -> None:
     batch = make_paged_batch([1], [3], 4, 2, 32, 16, device=DEV)
     with pytest.raises(ValueError, match="fp8_dots"):
         _run(batch, 0.2, fp8_dots=1)
+
+
+def test_fp8_v_pairs_need_an_fp8_cache_on_cuda() -> None:
+    batch = make_paged_batch([1], [3], 4, 2, 32, 16, device=DEV)
+    with pytest.raises(ValueError, match="fp8_v_pairs"):
+        _run(batch, 0.2, fp8_v_pairs=True)  # a float cache (and no CUDA here)

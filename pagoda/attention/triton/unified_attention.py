@@ -42,12 +42,50 @@ def _fp8_bits_to_fp16(x, FP8_CODE: tl.constexpr):
     """fp8 bytes (uint8) -> fp16 values by moving bits, no conversion instruction. e5m2 is the
     top byte of an fp16. e4m3 [s eeee mmm] becomes fp16 [s 0eeee mmm0000000]: the same value
     times 2**-8 (exponent bias 7 vs 15), subnormals included; the caller folds 2**8 into the
-    per-layer scale (`_FP8_E4M3_BITS_SCALE`)."""
+    per-layer scales (K's with the softmax scale, V's on the output)."""
     if FP8_CODE == 2:
         bits = x.to(tl.uint16) << 8
     else:
         bits = ((x & 0x80).to(tl.uint16) << 8) | ((x & 0x7F).to(tl.uint16) << 7)
     return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_fp8_pairs_as_fp16(
+    base_ptr,
+    slot_off,
+    tok_ok,
+    FP8_CODE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+):
+    """A [TILE_SIZE, HEAD_SIZE_PADDED] fp16 tile from fp8 rows at byte offsets `slot_off`,
+    loaded as 16-bit pairs and converted in registers by one cvt.rn.f16x2 per pair. Left to
+    itself Triton converts fp8 after the shared-memory layout change for the dot, one byte
+    load per value where the tile's contraction axis is not contiguous (V in p @ v); SASS
+    of the loop (`benchmarks/kernel_sass.py`): 2,240 -> 1,707 instructions per warp. CUDA
+    only (inline PTX, sm_89+)."""
+    pair_ptr = base_ptr.to(tl.pointer_type(tl.uint16))
+    offs_p = tl.arange(0, HEAD_SIZE_PADDED // 2)
+    pairs = tl.load(
+        pair_ptr + (slot_off // 2)[:, None] + offs_p[None, :],
+        mask=tok_ok[:, None] & (offs_p[None, :] < HEAD_SIZE // 2),
+        other=0,
+    )
+    if FP8_CODE == 2:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
+    else:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+    lo, hi = tl.inline_asm_elementwise(
+        asm="{ .reg .b32 t; " + cvt + " t, $2; mov.b32 {$0, $1}, t; }",
+        constraints="=h,=h,h",
+        args=[pairs],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    return tl.reshape(tl.join(lo, hi), (TILE_SIZE, HEAD_SIZE_PADDED))
 
 
 @triton.jit
@@ -107,6 +145,7 @@ def _unified_attention_kernel(
     FP8_BITS: tl.constexpr,  # 0: convert with .to(); 1 / 2: e4m3 / e5m2 bytes by bit moves
     K_ROWS: tl.constexpr,  # load K as [TILE, D] rows (V's pointers) and transpose for the dot
     FP8_DOTS: tl.constexpr,  # e4m3 cache: 1 = q.k in fp8 (q scaled per row), 2 = also p.v
+    V_PAIRS: tl.constexpr,  # 0, or an FP8 code: V converted as byte pairs in registers
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,14 +227,25 @@ def _unified_attention_kernel(
                 mask=k_ok[None, :] & d_ok[:, None],
                 other=0.0,
             )  # [HEAD_SIZE_PADDED, TILE_SIZE]
-        v = tl.load(rows + stride_c_kv, mask=rows_ok, other=0.0)
+        if V_PAIRS:
+            v = _load_fp8_pairs_as_fp16(
+                kv_cache_ptr + stride_c_kv,
+                slot_off,
+                k_ok,
+                V_PAIRS,
+                TILE_SIZE,
+                HEAD_SIZE,
+                HEAD_SIZE_PADDED,
+            )
+        else:
+            v = tl.load(rows + stride_c_kv, mask=rows_ok, other=0.0)
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
         # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
         if FP8_DOTS == 0:
             if FP8_BITS:
                 k = _fp8_bits_to_fp16(k, FP8_BITS)
             k = k.to(q.dtype)
-        if FP8_DOTS < 2:
+        if FP8_DOTS < 2 and not V_PAIRS:
             if FP8_BITS:
                 v = _fp8_bits_to_fp16(v, FP8_BITS)
             v = v.to(q.dtype)
@@ -224,7 +274,7 @@ def _unified_attention_kernel(
 
     if KV_QUANT:
         acc = acc * tl.load(v_scale_ptr)
-        if FP8_BITS == 1 and FP8_DOTS < 2:
+        if FP8_BITS == 1 and FP8_DOTS < 2 and not V_PAIRS:
             acc = acc * 256.0
         if FP8_DOTS == 2:
             acc = acc * (1.0 / 256.0)
@@ -303,6 +353,7 @@ def unified_attention(
     fp8_bits: bool | None = None,
     k_rows: bool = False,
     fp8_dots: int = 0,
+    fp8_v_pairs: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -315,7 +366,8 @@ def unified_attention(
     FP8 cache is converted; both ways are exact), `k_rows` loads K tiles row-wise (the
     layout of V's) and transposes them for the dot, `fp8_dots` (e4m3 cache, 16-bit q) runs
     q.k (1) or also p.v (2) on fp8 tensor cores, quantizing q per row and p (FlashAttention-3's
-    FP8 attention; approximate). Returns `out`.
+    FP8 attention; approximate), `fp8_v_pairs` converts an FP8 V tile as byte pairs in
+    registers (CUDA only). Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -380,6 +432,12 @@ def unified_attention(
         raise ValueError("fp8_dots needs a float8_e4m3fn cache and a 16-bit q")
     if fp8_dots:
         fp8_code = 0  # the dots read the cache's fp8 values as they are
+    v_pairs = _FP8_CODE.get(kv_cache.dtype, 0) if fp8_v_pairs else 0
+    if fp8_v_pairs and (not v_pairs or fp8_dots == 2 or not q.is_cuda or head_size % 2):
+        raise ValueError(
+            "fp8_v_pairs needs an FP8 cache on CUDA (inline PTX), an even head size and no "
+            "fp8 p.v dot"
+        )
     if not (FP8_CONVERT_BITS.get(kv_cache.dtype, False) if fp8_bits is None else fp8_bits):
         fp8_code = 0
     if num_warps is None and quant and max_query_len == 1:
@@ -429,6 +487,7 @@ def unified_attention(
         FP8_BITS=fp8_code,
         K_ROWS=k_rows,
         FP8_DOTS=fp8_dots,
+        V_PAIRS=v_pairs,
         **launch,
     )
     if split_kv:
