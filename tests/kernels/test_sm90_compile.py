@@ -12,29 +12,40 @@ pytestmark = pytest.mark.slow
 
 import importlib.util  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-def _fresh_module(name: str):
+def _fresh_module(name: str, **deps):
     """A private copy of a kernel module decorated for real compilation: other test modules
-    may have set TRITON_INTERPRET=1 before importing the shared one."""
+    may have set TRITON_INTERPRET=1 before importing the shared one. `deps` maps module names
+    to fresh copies its `from ... import` lines must see (jit helpers it calls)."""
     saved = os.environ.pop("TRITON_INTERPRET", None)
+    shared = {dep: sys.modules.get(dep) for dep in deps}
     try:
+        sys.modules.update(deps)
         spec = importlib.util.find_spec(name)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     finally:
+        for dep, module_before in shared.items():
+            if module_before is None:
+                sys.modules.pop(dep, None)
+            else:
+                sys.modules[dep] = module_before
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-rc = _fresh_module("pagoda.attention.triton.reshape_and_cache")
+rotary = _fresh_module("pagoda.kernels.rotary")
+rc = _fresh_module("pagoda.attention.triton.reshape_and_cache", **{"pagoda.kernels.rotary": rotary})
 ua = _fresh_module("pagoda.attention.triton.unified_attention")
 norm_act = _fresh_module("pagoda.kernels.norm_act")
-rotary = _fresh_module("pagoda.kernels.rotary")
+argmax = _fresh_module("pagoda.kernels.argmax")
+gemv = _fresh_module("pagoda.kernels.gemv")
 
 SM90 = GPUTarget("cuda", 90, 32)
 I64 = "i64"
@@ -52,18 +63,26 @@ def _strides(*names: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "q_dtype,cache_dtype,split,block_m,num_heads,group,head_size",
+    "q_dtype,cache_dtype,split,block_m,num_heads,group,head_size,options",
     [
-        ("bf16", "bf16", False, 16, 32, 4, 128),
-        ("bf16", "bf16", True, 16, 32, 4, 128),
-        ("fp16", "fp16", False, 64, 9, 3, 64),
-        ("bf16", "fp8e4nv", True, 16, 12, 4, 96),
-        ("bf16", "i8", False, 64, 32, 4, 128),
-        ("fp32", "fp32", False, 16, 8, 2, 80),
+        ("bf16", "bf16", False, 16, 32, 4, 128, {}),
+        ("bf16", "bf16", True, 16, 32, 4, 128, {"K_ROWS": True}),
+        ("fp16", "fp16", False, 64, 9, 3, 64, {}),
+        ("bf16", "fp8e4nv", True, 16, 12, 4, 96, {}),
+        ("bf16", "i8", False, 64, 32, 4, 128, {}),
+        ("fp32", "fp32", False, 16, 8, 2, 80, {}),
+        # FP8 options: e4m3 / e5m2 by bit moves (the cache as bytes), fp8 tensor-core dots,
+        # V converted as byte pairs by inline PTX.
+        ("bf16", "u8", False, 16, 32, 4, 128, {"FP8_BITS": 1}),
+        ("bf16", "u8", False, 16, 32, 4, 128, {"FP8_BITS": 2}),
+        ("bf16", "fp8e4nv", False, 16, 32, 4, 128, {"FP8_DOTS": 1}),
+        ("bf16", "fp8e4nv", False, 16, 32, 4, 128, {"FP8_DOTS": 2, "TILE_SIZE": 32}),
+        ("bf16", "fp8e4nv", False, 16, 32, 4, 128, {"V_PAIRS": 1}),
+        ("bf16", "fp8e5", True, 16, 32, 4, 128, {"V_PAIRS": 2}),
     ],
 )
 def test_unified_attention_compiles_for_sm90(
-    q_dtype, cache_dtype, split, block_m, num_heads, group, head_size
+    q_dtype, cache_dtype, split, block_m, num_heads, group, head_size, options
 ) -> None:
     sig = {
         "out_ptr": f"*{q_dtype}",
@@ -102,12 +121,20 @@ def test_unified_attention_compiles_for_sm90(
         BLOCK_M=block_m,
         NUM_SEGMENTS=16 if split else 1,
         IS_SPLIT=split,
-        KV_QUANT=cache_dtype in ("fp8e4nv", "i8"),
+        KV_QUANT=cache_dtype in ("fp8e4nv", "fp8e5", "u8", "i8"),
         DOT_PRECISION="ieee" if q_dtype == "fp32" else "tf32",
+        FP16_DOTS=cache_dtype in ("fp8e4nv", "fp8e5", "u8", "i8") and q_dtype == "bf16",
+        FP8_BITS=0,
+        K_ROWS=False,
+        FP8_DOTS=0,
+        V_PAIRS=0,
     )
+    consts.update(options)
     ptx = _compile(ua._unified_attention_kernel, sig, consts)
     if q_dtype != "fp32":  # fp32 runs IEEE dots on the FMA units, the rest on tensor cores
         assert "mma" in ptx
+    if options.get("V_PAIRS"):
+        assert ("cvt.rn.f16x2.e4m3x2" if options["V_PAIRS"] == 1 else "cvt.rn.f16x2.e5m2x2") in ptx
     if split:
         reduce_sig = {
             "out_ptr": f"*{q_dtype}",
@@ -152,17 +179,40 @@ def test_cache_write_compiles_with_exact_division(cache_dtype, quant, lo, hi) ->
         NUM_KV_HEADS=8,
         HEAD_SIZE=128,
         BLOCK_SIZE=16,
-        HEADS_PADDED=8,
+        KV_HEADS_PADDED=8,
         HEAD_SIZE_PADDED=128,
         QUANT=quant,
         Q_MIN=lo,
         Q_MAX=hi,
     )
-    ptx = _compile(rc._reshape_and_cache_kernel, sig, consts)
-    if quant:
-        assert "div.rn.f32" in ptx and "div.full" not in ptx
-    if cache_dtype == "fp8e4nv":
-        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    for ptx in (
+        _compile(rc._reshape_and_cache_kernel, sig, consts),
+        # RoPE fused with the same write (Llama-3-8B heads, full rotary).
+        _compile(
+            rc._rotary_and_cache_kernel,
+            {
+                "positions_ptr": "*i64",
+                "q_ptr": "*bf16",
+                **sig,
+                "cos_sin_ptr": "*fp32",
+                "num_actual_tokens": "i32",
+                "num_q_heads": "i32",
+                **_strides("stride_q_tok", "stride_q_head", "stride_cs"),
+            },
+            {
+                **consts,
+                "HALF": 64,
+                "HALF_PADDED": 64,
+                "TAIL": 0,
+                "TAIL_PADDED": 1,
+                "Q_HEADS_PADDED": 32,
+            },
+        ),
+    ):
+        if quant:
+            assert "div.rn.f32" in ptx and "div.full" not in ptx
+        if cache_dtype == "fp8e4nv":
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
 def test_fused_ops_compile_for_sm90() -> None:
@@ -196,4 +246,34 @@ def test_fused_ops_compile_for_sm90() -> None:
             "num_k_heads": "i32",
         },
         dict(HALF=64, HALF_PADDED=64, Q_HEADS_PADDED=32, K_HEADS_PADDED=8, HAS_K=True),
+    )
+    _compile(
+        argmax._argmax_chunks_kernel,
+        {
+            "logits_ptr": "*fp32",
+            "chunk_max_ptr": "*fp32",
+            "chunk_idx_ptr": "*i32",
+            "stride_row": I64,
+            "vocab": "i32",
+            "num_chunks": "i32",
+        },
+        dict(CHUNK=1024),
+    )
+    _compile(
+        argmax._argmax_rows_kernel,
+        {"chunk_max_ptr": "*fp32", "chunk_idx_ptr": "*i32", "out_ptr": "*i64", "num_chunks": "i32"},
+        dict(CHUNKS_PADDED=128),
+    )
+    _compile(
+        gemv._gemv_kernel,
+        {
+            "x_ptr": "*bf16",
+            "w_ptr": "*bf16",
+            "bias_ptr": "*bf16",
+            "y_ptr": "*fp32",
+            "N": "i32",
+            "K": "i32",
+            "stride_w": I64,
+        },
+        dict(SILU_AND_MUL=True, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, NUM_STAGES=3),
     )

@@ -432,6 +432,8 @@ def unified_attention(
         raise ValueError("fp8_dots needs a float8_e4m3fn cache and a 16-bit q")
     if fp8_dots:
         fp8_code = 0  # the dots read the cache's fp8 values as they are
+    if fp8_dots == 2 and tile_size < 32:
+        raise ValueError(f"fp8_dots=2 needs tile_size >= 32 (fp8 dots), got {tile_size}")
     v_pairs = _FP8_CODE.get(kv_cache.dtype, 0) if fp8_v_pairs else 0
     if fp8_v_pairs and (not v_pairs or fp8_dots == 2 or not q.is_cuda or head_size % 2):
         raise ValueError(
