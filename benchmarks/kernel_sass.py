@@ -58,7 +58,7 @@ def signature(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, objec
         "DOT_PRECISION": "tf32",
         "FP16_DOTS": quant,
         "FP8_BITS": code if args.fp8_bits else 0,
-        "K_ROWS": False,
+        "K_ROWS": args.k_rows,
         "FP8_DOTS": args.fp8_dots,
         "V_PAIRS": code if args.fp8_v_pairs else 0,
     }
@@ -144,6 +144,7 @@ def main() -> None:
     p.add_argument("--fp8-bits", action="store_true")
     p.add_argument("--fp8-dots", type=int, default=0)
     p.add_argument("--fp8-v-pairs", action="store_true")
+    p.add_argument("--k-rows", action="store_true")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
