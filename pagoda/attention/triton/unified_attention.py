@@ -14,6 +14,8 @@ contexts would otherwise leave most SMs idle. The cache layout and metadata are 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,9 @@ _QUANT_DECODE_WARPS = 2
 # by bits (`gpu_kernels.py --sweep`).
 FP8_CONVERT_BITS = {torch.float8_e4m3fn: False, torch.float8_e5m2: True}
 _FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# An FP8 V tile converted as byte pairs in registers (`_load_fp8_pairs_as_fp16`) where it
+# applies; off until timed on a GPU. PAGODA_ATTN_FP8_V_PAIRS=1 turns it on for a benchmark.
+FP8_V_PAIRS = os.environ.get("PAGODA_ATTN_FP8_V_PAIRS", "0") == "1"
 
 
 @triton.jit
@@ -353,7 +358,7 @@ def unified_attention(
     fp8_bits: bool | None = None,
     k_rows: bool = False,
     fp8_dots: int = 0,
-    fp8_v_pairs: bool = False,
+    fp8_v_pairs: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -367,7 +372,7 @@ def unified_attention(
     layout of V's) and transposes them for the dot, `fp8_dots` (e4m3 cache, 16-bit q) runs
     q.k (1) or also p.v (2) on fp8 tensor cores, quantizing q per row and p (FlashAttention-3's
     FP8 attention; approximate), `fp8_v_pairs` converts an FP8 V tile as byte pairs in
-    registers (CUDA only). Returns `out`.
+    registers (CUDA only; None: `FP8_V_PAIRS` where it applies). Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -434,11 +439,15 @@ def unified_attention(
         fp8_code = 0  # the dots read the cache's fp8 values as they are
     if fp8_dots == 2 and tile_size < 32:
         raise ValueError(f"fp8_dots=2 needs tile_size >= 32 (fp8 dots), got {tile_size}")
+    v_pairs_ok = bool(_FP8_CODE.get(kv_cache.dtype)) and fp8_dots < 2 and q.is_cuda
+    v_pairs_ok = v_pairs_ok and head_size % 2 == 0 and q.dtype != torch.float32
+    if fp8_v_pairs is None:
+        fp8_v_pairs = FP8_V_PAIRS and v_pairs_ok
     v_pairs = _FP8_CODE.get(kv_cache.dtype, 0) if fp8_v_pairs else 0
-    if fp8_v_pairs and (not v_pairs or fp8_dots == 2 or not q.is_cuda or head_size % 2):
+    if fp8_v_pairs and not v_pairs_ok:
         raise ValueError(
-            "fp8_v_pairs needs an FP8 cache on CUDA (inline PTX), an even head size and no "
-            "fp8 p.v dot"
+            "fp8_v_pairs needs an FP8 cache and a 16-bit q on CUDA (inline PTX), an even head "
+            "size and no fp8 p.v dot"
         )
     if not (FP8_CONVERT_BITS.get(kv_cache.dtype, False) if fp8_bits is None else fp8_bits):
         fp8_code = 0
