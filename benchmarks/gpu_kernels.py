@@ -138,11 +138,8 @@ def bench_decode(args, copy_gbps: float) -> None:
 
 
 def bench_decode_sweep(args) -> None:
-    """Decode attention over launch settings: tile, warps, pipeline stages and, for an FP8
-    cache, how it is converted (bit moves vs the conversion instruction, V as byte pairs in
-    registers) or whether the dots run in fp8 (`fp8_dots`, e4m3); split-KV segments for the
-    small batches. A `sweep_best`
-    row names the fastest setting per case."""
+    """Decode attention over launch settings: tile, warps, pipeline stages, and split-KV
+    segments for the small batches. A `sweep_best` row names the fastest setting per case."""
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_size, args.block_size
     cases = [tuple(int(x) for x in c.split("x")) for c in args.sweep_cases.split(",")]
     names = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -154,29 +151,12 @@ def bench_decode_sweep(args) -> None:
         ks = torch.ones(1, device="cuda") if cache_dtype != torch.bfloat16 else None
         out = torch.empty_like(q)
         kv_bytes = batch * ctx * kvh * d * 2 * cache.element_size()
-        fp8 = cache_dtype != torch.bfloat16
         split = use_split_kv(batch, kvh, 1)
         best = None
-        e4m3 = cache_dtype == torch.float8_e4m3fn
-        for tile, warps, stages, bits, dots, pairs, segs in itertools.product(
-            (64, 128),
-            (2, 4),
-            (2, 3),
-            (True, False) if fp8 else (False,),
-            (0, 1, 2) if e4m3 else (0,),
-            (False, True) if fp8 else (False,),
-            (16,) if split else (1,),
+        for tile, warps, stages, segs in itertools.product(
+            (64, 128), (2, 4), (2, 3, 4), (8, 16, 32) if split else (1,)
         ):
-            if (dots and bits) or (pairs and dots == 2):
-                continue  # the fp8 dots convert nothing; p.v in fp8 reads V as it is
-            kwargs = dict(
-                tile_size=tile,
-                num_warps=warps,
-                num_stages=stages,
-                fp8_bits=bits,
-                fp8_dots=dots,
-                fp8_v_pairs=pairs,
-            )
+            kwargs = dict(tile_size=tile, num_warps=warps, num_stages=stages)
             try:
                 ms = _bench(
                     unified_attention,

@@ -145,12 +145,10 @@ def test_quantized_cache_write_and_attention(cache_dtype, decode_only) -> None:
     assert differ.float().mean().item() < 1e-3
     torch.testing.assert_close(batch.kv_cache.float(), expected.float(), atol=1.0, rtol=0.26)
     ref = batch.reference(SCALE, k_scale, v_scale)
-    # FP8: also V converted as byte pairs in registers (inline PTX).
-    options = [{}] if cache_dtype == torch.int8 else [{}, {"fp8_v_pairs": True}]
     for split in (False, True):
-        for opts in options:
-            out = _attend(batch, k_scale=k_scale, v_scale=v_scale, split_kv=split, **opts)
-            _check(out, ref, torch.bfloat16)
+        _check(
+            _attend(batch, k_scale=k_scale, v_scale=v_scale, split_kv=split), ref, torch.bfloat16
+        )
 
 
 def _layer(k_scale=1.0, v_scale=1.0):

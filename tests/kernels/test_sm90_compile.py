@@ -66,19 +66,11 @@ def _strides(*names: str) -> dict[str, str]:
     "q_dtype,cache_dtype,split,block_m,num_heads,group,head_size,options",
     [
         ("bf16", "bf16", False, 16, 32, 4, 128, {}),
-        ("bf16", "bf16", True, 16, 32, 4, 128, {"K_ROWS": True}),
+        ("bf16", "bf16", True, 16, 32, 4, 128, {"TILE_SIZE": 64}),
         ("fp16", "fp16", False, 64, 9, 3, 64, {}),
         ("bf16", "fp8e4nv", True, 16, 12, 4, 96, {}),
         ("bf16", "i8", False, 64, 32, 4, 128, {}),
         ("fp32", "fp32", False, 16, 8, 2, 80, {}),
-        # FP8 options: e4m3 / e5m2 by bit moves (the cache as bytes), fp8 tensor-core dots,
-        # V converted as byte pairs by inline PTX.
-        ("bf16", "u8", False, 16, 32, 4, 128, {"FP8_BITS": 1}),
-        ("bf16", "u8", False, 16, 32, 4, 128, {"FP8_BITS": 2}),
-        ("bf16", "fp8e4nv", False, 16, 32, 4, 128, {"FP8_DOTS": 1}),
-        ("bf16", "fp8e4nv", False, 16, 32, 4, 128, {"FP8_DOTS": 2, "TILE_SIZE": 32}),
-        ("bf16", "fp8e4nv", False, 16, 32, 4, 128, {"V_PAIRS": 1}),
-        ("bf16", "fp8e5", True, 16, 32, 4, 128, {"V_PAIRS": 2}),
     ],
 )
 def test_unified_attention_compiles_for_sm90(
@@ -121,20 +113,14 @@ def test_unified_attention_compiles_for_sm90(
         BLOCK_M=block_m,
         NUM_SEGMENTS=16 if split else 1,
         IS_SPLIT=split,
-        KV_QUANT=cache_dtype in ("fp8e4nv", "fp8e5", "u8", "i8"),
+        KV_QUANT=cache_dtype in ("fp8e4nv", "i8"),
         DOT_PRECISION="ieee" if q_dtype == "fp32" else "tf32",
-        FP16_DOTS=cache_dtype in ("fp8e4nv", "fp8e5", "u8", "i8") and q_dtype == "bf16",
-        FP8_BITS=0,
-        K_ROWS=False,
-        FP8_DOTS=0,
-        V_PAIRS=0,
+        FP16_DOTS=cache_dtype in ("fp8e4nv", "i8") and q_dtype == "bf16",
     )
     consts.update(options)
     ptx = _compile(ua._unified_attention_kernel, sig, consts)
     if q_dtype != "fp32":  # fp32 runs IEEE dots on the FMA units, the rest on tensor cores
         assert "mma" in ptx
-    if options.get("V_PAIRS"):
-        assert ("cvt.rn.f16x2.e4m3x2" if options["V_PAIRS"] == 1 else "cvt.rn.f16x2.e5m2x2") in ptx
     if split:
         reduce_sig = {
             "out_ptr": f"*{q_dtype}",

@@ -14,8 +14,6 @@ contexts would otherwise leave most SMs idle. The cache layout and metadata are 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,65 +30,6 @@ DEFAULT_NUM_SEGMENTS = 16
 _QUANT_DECODE_TILE = 128
 # ... in programs of two warps: 210 vs 226 µs at 256 x 1024 tokens (e4m3, H200 sweep).
 _QUANT_DECODE_WARPS = 2
-# fp8 -> fp16 by bit moves (`_fp8_bits_to_fp16`) or by Triton's conversion, per FP8 format:
-# on the H200 at 256 x 1024 tokens e4m3 took 223 µs converted vs 305 µs by bits, e5m2 202 µs
-# by bits (`gpu_kernels.py --sweep`).
-FP8_CONVERT_BITS = {torch.float8_e4m3fn: False, torch.float8_e5m2: True}
-_FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-# An FP8 V tile converted as byte pairs in registers (`_load_fp8_pairs_as_fp16`) where it
-# applies; off until timed on a GPU. PAGODA_ATTN_FP8_V_PAIRS=1 turns it on for a benchmark.
-FP8_V_PAIRS = os.environ.get("PAGODA_ATTN_FP8_V_PAIRS", "0") == "1"
-
-
-@triton.jit
-def _fp8_bits_to_fp16(x, FP8_CODE: tl.constexpr):
-    """fp8 bytes (uint8) -> fp16 values by moving bits, no conversion instruction. e5m2 is the
-    top byte of an fp16. e4m3 [s eeee mmm] becomes fp16 [s 0eeee mmm0000000]: the same value
-    times 2**-8 (exponent bias 7 vs 15), subnormals included; the caller folds 2**8 into the
-    per-layer scales (K's with the softmax scale, V's on the output)."""
-    if FP8_CODE == 2:
-        bits = x.to(tl.uint16) << 8
-    else:
-        bits = ((x & 0x80).to(tl.uint16) << 8) | ((x & 0x7F).to(tl.uint16) << 7)
-    return bits.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _load_fp8_pairs_as_fp16(
-    base_ptr,
-    slot_off,
-    tok_ok,
-    FP8_CODE: tl.constexpr,
-    TILE_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_PADDED: tl.constexpr,
-):
-    """A [TILE_SIZE, HEAD_SIZE_PADDED] fp16 tile from fp8 rows at byte offsets `slot_off`,
-    loaded as 16-bit pairs and converted in registers by one cvt.rn.f16x2 per pair. Left to
-    itself Triton converts fp8 after the shared-memory layout change for the dot, one byte
-    load per value where the tile's contraction axis is not contiguous (V in p @ v); SASS
-    of the loop (`benchmarks/kernel_sass.py`): 2,240 -> 1,707 instructions per warp. CUDA
-    only (inline PTX, sm_89+)."""
-    pair_ptr = base_ptr.to(tl.pointer_type(tl.uint16))
-    offs_p = tl.arange(0, HEAD_SIZE_PADDED // 2)
-    pairs = tl.load(
-        pair_ptr + (slot_off // 2)[:, None] + offs_p[None, :],
-        mask=tok_ok[:, None] & (offs_p[None, :] < HEAD_SIZE // 2),
-        other=0,
-    )
-    if FP8_CODE == 2:
-        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
-    else:
-        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
-    lo, hi = tl.inline_asm_elementwise(
-        asm="{ .reg .b32 t; " + cvt + " t, $2; mov.b32 {$0, $1}, t; }",
-        constraints="=h,=h,h",
-        args=[pairs],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-    return tl.reshape(tl.join(lo, hi), (TILE_SIZE, HEAD_SIZE_PADDED))
 
 
 @triton.jit
@@ -147,10 +86,6 @@ def _unified_attention_kernel(
     KV_QUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
-    FP8_BITS: tl.constexpr,  # 0: convert with .to(); 1 / 2: e4m3 / e5m2 bytes by bit moves
-    K_ROWS: tl.constexpr,  # load K as [TILE, D] rows (V's pointers) and transpose for the dot
-    FP8_DOTS: tl.constexpr,  # e4m3 cache: 1 = q.k in fp8 (q scaled per row), 2 = also p.v
-    V_PAIRS: tl.constexpr,  # 0, or an FP8 code: V converted as byte pairs in registers
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,13 +118,6 @@ def _unified_attention_kernel(
     )
     if FP16_DOTS:
         q = q.to(tl.float16)
-    if FP8_DOTS:
-        # FlashAttention-3's FP8 path: q quantized per row (amax -> 448), the dot on fp8
-        # tensor cores straight from the cache bytes, the row scale applied to the scores.
-        q_f = q.to(tl.float32)
-        q_amax = tl.max(tl.abs(q_f), axis=1)
-        q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
-        q8 = (q_f / q_row_scale[:, None]).to(tl.float8e4nv)
     q_pos = context_len + q_row  # absolute position: attends to keys 0 ..= q_pos
 
     # Keys any row of this block can see (exclusive end), in tiles.
@@ -208,8 +136,6 @@ def _unified_attention_kernel(
     # the softmax scale, the V scale to the output), so a tile only converts its values.
     if KV_QUANT:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-        if FP8_BITS == 1:
-            qk_scale = qk_scale * 256.0
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
@@ -222,45 +148,24 @@ def _unified_attention_kernel(
         # A tile may span several cache blocks: look up each token's physical block.
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot + kv_head_off
-        rows = kv_cache_ptr + slot_off[:, None] + offs_d[None, :]  # [TILE_SIZE, HEAD_SIZE_PADDED]
-        rows_ok = k_ok[:, None] & d_ok[None, :]
-        if K_ROWS:
-            k = tl.load(rows, mask=rows_ok, other=0.0)
-        else:
-            k = tl.load(
-                kv_cache_ptr + slot_off[None, :] + offs_d[:, None],
-                mask=k_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )  # [HEAD_SIZE_PADDED, TILE_SIZE]
-        if V_PAIRS:
-            v = _load_fp8_pairs_as_fp16(
-                kv_cache_ptr + stride_c_kv,
-                slot_off,
-                k_ok,
-                V_PAIRS,
-                TILE_SIZE,
-                HEAD_SIZE,
-                HEAD_SIZE_PADDED,
-            )
-        else:
-            v = tl.load(rows + stride_c_kv, mask=rows_ok, other=0.0)
+        k = tl.load(
+            kv_cache_ptr + slot_off[None, :] + offs_d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [HEAD_SIZE_PADDED, TILE_SIZE]
+        v = tl.load(
+            kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [TILE_SIZE, HEAD_SIZE_PADDED]
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
         # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
-        if FP8_DOTS == 0:
-            if FP8_BITS:
-                k = _fp8_bits_to_fp16(k, FP8_BITS)
-            k = k.to(q.dtype)
-        if FP8_DOTS < 2 and not V_PAIRS:
-            if FP8_BITS:
-                v = _fp8_bits_to_fp16(v, FP8_BITS)
-            v = v.to(q.dtype)
+        # (Converting by bit moves, fp8 tensor-core dots, K loaded row-wise and V converted as
+        # byte pairs in registers were all measured no faster on the H200: benchmarks/README.)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
-        if K_ROWS:
-            k = tl.trans(k)
-        if FP8_DOTS:
-            s = tl.dot(q8, k) * (qk_scale * q_row_scale)[:, None]
-        else:
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -269,20 +174,11 @@ def _unified_attention_kernel(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8_DOTS == 2:
-            # p in [0, 1] times 256 keeps small weights out of e4m3's subnormals.
-            pv = tl.dot((p * 256.0).to(tl.float8e4nv), v)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if KV_QUANT:
         acc = acc * tl.load(v_scale_ptr)
-        if FP8_BITS == 1 and FP8_DOTS < 2 and not V_PAIRS:
-            acc = acc * 256.0
-        if FP8_DOTS == 2:
-            acc = acc * (1.0 / 256.0)
     if IS_SPLIT:
         # Partials (also for empty segments: max -inf, sum 0) for the reduce kernel.
         row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segm
@@ -355,10 +251,6 @@ def unified_attention(
     tile_size: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_bits: bool | None = None,
-    k_rows: bool = False,
-    fp8_dots: int = 0,
-    fp8_v_pairs: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -367,12 +259,7 @@ def unified_attention(
     (`query_start_loc`, `seq_lens`, `block_tables`, `max_query_len`, `num_actual_tokens`).
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
-    `num_warps` / `num_stages` Triton's launch defaults, `fp8_bits` `FP8_CONVERT_BITS` (how an
-    FP8 cache is converted; both ways are exact), `k_rows` loads K tiles row-wise (the
-    layout of V's) and transposes them for the dot, `fp8_dots` (e4m3 cache, 16-bit q) runs
-    q.k (1) or also p.v (2) on fp8 tensor cores, quantizing q per row and p (FlashAttention-3's
-    FP8 attention; approximate), `fp8_v_pairs` converts an FP8 V tile as byte pairs in
-    registers (CUDA only; None: `FP8_V_PAIRS` where it applies). Returns `out`.
+    `num_warps` / `num_stages` Triton's launch settings. Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -430,38 +317,13 @@ def unified_attention(
     else:
         segm_out = segm_max = segm_sum = out  # unused placeholders
     dummy = k_scale_t if k_scale_t is not None else seq_lens
-    fp8_code = _FP8_CODE.get(kv_cache.dtype, 0)
-    if fp8_dots not in (0, 1, 2):
-        raise ValueError(f"fp8_dots is 0, 1 or 2, got {fp8_dots}")
-    if fp8_dots and (kv_cache.dtype != torch.float8_e4m3fn or q.dtype == torch.float32):
-        raise ValueError("fp8_dots needs a float8_e4m3fn cache and a 16-bit q")
-    if fp8_dots:
-        fp8_code = 0  # the dots read the cache's fp8 values as they are
-    if fp8_dots == 2 and tile_size < 32:
-        raise ValueError(f"fp8_dots=2 needs tile_size >= 32 (fp8 dots), got {tile_size}")
-    v_pairs_ok = bool(_FP8_CODE.get(kv_cache.dtype)) and fp8_dots < 2 and q.is_cuda
-    v_pairs_ok = v_pairs_ok and head_size % 2 == 0 and q.dtype != torch.float32
-    if fp8_v_pairs is None:
-        fp8_v_pairs = FP8_V_PAIRS and v_pairs_ok
-    v_pairs = _FP8_CODE.get(kv_cache.dtype, 0) if fp8_v_pairs else 0
-    if fp8_v_pairs and not v_pairs_ok:
-        raise ValueError(
-            "fp8_v_pairs needs an FP8 cache and a 16-bit q on CUDA (inline PTX), an even head "
-            "size and no fp8 p.v dot"
-        )
-    if not (FP8_CONVERT_BITS.get(kv_cache.dtype, False) if fp8_bits is None else fp8_bits):
-        fp8_code = 0
     if num_warps is None and quant and max_query_len == 1:
         num_warps = _QUANT_DECODE_WARPS
-    launch = {}
-    if num_warps is not None:
-        launch["num_warps"] = num_warps
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
+    launch = {"num_warps": num_warps, "num_stages": num_stages}
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         out,
         q,
-        kv_cache.view(torch.uint8) if fp8_code else kv_cache,
+        kv_cache,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -495,11 +357,7 @@ def unified_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
-        FP8_BITS=fp8_code,
-        K_ROWS=k_rows,
-        FP8_DOTS=fp8_dots,
-        V_PAIRS=v_pairs,
-        **launch,
+        **{k: v for k, v in launch.items() if v is not None},
     )
     if split_kv:
         _reduce_segments_kernel[(num_actual, num_heads)](
