@@ -155,12 +155,59 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `speculative_config`: {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}. N-gram
+    (prompt lookup) is the method Pagoda has; draft models are not supported yet."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict; a missing lookup bound takes the other's value (both missing: 5)."""
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unsupported key(s) {', '.join(unknown)} "
+                f"(Pagoda takes {', '.join(sorted(known))})"
+            )
+        method = config.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(
+                f"speculative_config method {method!r} is not supported yet; Pagoda has "
+                "n-gram speculation: {'method': 'ngram', 'num_speculative_tokens': 5}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
+        hi = hi if hi is not None else (lo if lo is not None else 5)
+        lo = lo if lo is not None else hi
+        return cls(method, int(config["num_speculative_tokens"]), int(hi), int(lo))
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     def replace(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, **kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,24 @@ from pagoda.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     embedded_model_path,
 )
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
 _DTYPE_ALIASES["bf16"] = "bfloat16"
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    """argparse type of a JSON-object flag (--speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -92,6 +105,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
     disable_log_stats: bool = False
+    # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+    speculative_config: dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from pagoda.model.loader import get_model_config_dict
@@ -162,6 +177,11 @@ class EngineArgs:
                 device=device,
                 enforce_eager=self.enforce_eager,
                 attention_backend=self.attention_backend,
+            ),
+            speculative_config=(
+                None
+                if self.speculative_config is None
+                else SpeculativeConfig.from_dict(self.speculative_config)
             ),
         )
 
@@ -243,6 +263,13 @@ class EngineArgs:
             "--attention-backend", type=str, default=None, choices=["cpu", "torch", "triton"]
         )
         g.add_argument("--disable-log-stats", action="store_true")
+        g.add_argument(
+            "--speculative-config",
+            type=_json_dict,
+            default=None,
+            help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
+        )
         return parser
 
     @classmethod

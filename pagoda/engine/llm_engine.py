@@ -23,6 +23,7 @@ from pagoda.metrics.loggers import LoggingStatLogger
 from pagoda.metrics.stats import IterationStats, SchedulerStats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode import NgramProposer
 from pagoda.tokenizer import Tokenizer, get_tokenizer
 
 logger = init_logger(__name__)
@@ -53,8 +54,18 @@ class LLMEngine:
         self.last_iteration_stats = IterationStats()
         self.num_preemptions_total = 0
         self.stat_logger = LoggingStatLogger() if log_stats else None
-        # Async scheduling: the launched step whose tokens are not processed yet.
-        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Speculative decoding: drafts proposed before each step, verified in it.
+        spec = config.speculative_config
+        self.proposer = (
+            None
+            if spec is None
+            else NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        )
+        # Async scheduling: the launched step whose tokens are not processed yet. Off with
+        # speculation: how many drafts a step accepts decides where the next one starts.
+        self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None
         self._in_flight: tuple[SchedulerOutput, Any, IterationStats] | None = None
         self._log_cache_plan(num_blocks, time.perf_counter() - start)
 
@@ -238,6 +249,8 @@ class LLMEngine:
         return self._finish_step(*self._launch_step())
 
     def _launch_step(self) -> tuple[SchedulerOutput, Any, IterationStats]:
+        if self.proposer is not None:
+            self._propose_drafts()
         sched_out = self.scheduler.schedule()
         now = time.time()
         stats = IterationStats(iteration_timestamp=now)
@@ -260,6 +273,12 @@ class LLMEngine:
             runner_out = future.get()
         else:
             runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        for rid, num_spec in sched_out.scheduled_spec_tokens.items():
+            sampled = runner_out.sampled_token_ids.get(rid)
+            if sampled:  # verified: the accepted drafts, then the target's own token
+                stats.num_drafts += 1
+                stats.num_draft_tokens += num_spec
+                stats.num_accepted_tokens += min(len(sampled) - 1, num_spec)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process_outputs(core_outputs, time.time(), stats)
         if stopped:
@@ -270,6 +289,19 @@ class LLMEngine:
         if self.stat_logger is not None:
             self.stat_logger.record(self.last_scheduler_stats, stats)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every running request past its prefill, from its known tokens; the
+        scheduler trims them to the step's budget and max_model_len and clears them after."""
+        assert self.proposer is not None
+        for req in self.scheduler.running:
+            # Decoding: everything but the newest token is computed, nothing is in flight.
+            if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            # Drafts past max_tokens would be computed and dropped: the last token is the
+            # target's own.
+            room = req.max_tokens - req.num_output_tokens - 1
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, room)
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is finished: only

@@ -13,7 +13,44 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM arguments that select features Pagoda does not have yet: refuse them clearly.
-_UNSUPPORTED = ("speculative_model", "speculative_config", "num_speculative_tokens", "lora_modules")
+_UNSUPPORTED = ("lora_modules",)
+# vLLM's older speculative-decoding arguments, mapped onto `speculative_config`.
+_LEGACY_SPEC = (
+    "speculative_model",
+    "num_speculative_tokens",
+    "ngram_prompt_lookup_max",
+    "ngram_prompt_lookup_min",
+    "speculative_max_model_len",
+)
+
+
+def _legacy_speculative_config(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM <= 0.6's `speculative_model="[ngram]"`, `num_speculative_tokens`,
+    `ngram_prompt_lookup_max/min` as a `speculative_config` dict (popped from kwargs)."""
+    legacy = {k: kwargs.pop(k) for k in _LEGACY_SPEC if kwargs.get(k) is not None}
+    for k in _LEGACY_SPEC:
+        kwargs.pop(k, None)
+    if not legacy:
+        return None
+    model = legacy.get("speculative_model")
+    if model is None:
+        raise ValueError(f"{', '.join(sorted(legacy))} need speculative_model (e.g. '[ngram]')")
+    if model != "[ngram]":
+        raise ValueError(
+            f"speculative_model={model!r}: draft-model speculative decoding is not supported "
+            "yet; Pagoda has n-gram speculation: speculative_model='[ngram]' or "
+            "speculative_config={'method': 'ngram', 'num_speculative_tokens': 5}"
+        )
+    config: dict[str, Any] = {"method": "ngram"}
+    if "num_speculative_tokens" in legacy:
+        config["num_speculative_tokens"] = legacy["num_speculative_tokens"]
+    for old, new in (
+        ("ngram_prompt_lookup_max", "prompt_lookup_max"),
+        ("ngram_prompt_lookup_min", "prompt_lookup_min"),
+    ):
+        if old in legacy:
+            config[new] = legacy[old]
+    return config
 
 
 class LLM:
@@ -28,6 +65,11 @@ class LLM:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name} is not supported by Pagoda yet")
             kwargs.pop(name, None)
+        legacy = _legacy_speculative_config(kwargs)
+        if legacy is not None:
+            if kwargs.get("speculative_config") is not None:
+                raise ValueError("give speculative_config or speculative_model, not both")
+            kwargs["speculative_config"] = legacy
         kwargs.setdefault("disable_log_stats", True)
         fields = set(EngineArgs.__dataclass_fields__)
         unknown = sorted(set(kwargs) - fields)

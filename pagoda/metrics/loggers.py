@@ -21,12 +21,16 @@ class LoggingStatLogger:
         self.generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         self.prompt_tokens += it.num_prompt_tokens
         self.generation_tokens += it.num_generation_tokens
         self.prefix_queries += sched.prefix_cache_queries
         self.prefix_hits += sched.prefix_cache_hits
+        self.draft_tokens += it.num_draft_tokens
+        self.accepted_tokens += it.num_accepted_tokens
         now = time.monotonic()
         elapsed = now - self.last_log
         if elapsed < self.interval_s:
@@ -46,4 +50,11 @@ class LoggingStatLogger:
                 100.0 * sched.kv_cache_usage,
                 hit_rate,
             )
+            if self.draft_tokens:
+                logger.info(
+                    "Speculative decoding: %d draft tokens, %d accepted (%.1f%%)",
+                    self.draft_tokens,
+                    self.accepted_tokens,
+                    100.0 * self.accepted_tokens / self.draft_tokens,
+                )
         self._reset(now)

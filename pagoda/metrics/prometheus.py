@@ -113,6 +113,15 @@ class PrometheusStatLogger:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens.")
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Number of spec decoding drafts (requests verified)."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
         success = Counter(
             PREFIX + "request_success",
             "Count of successfully processed requests.",
@@ -159,6 +168,10 @@ class PrometheusStatLogger:
             return
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_drafts:
+            self.spec_decode_num_drafts.inc(it.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(it.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(it.num_accepted_tokens)
         if it.num_prompt_tokens or it.num_generation_tokens:
             self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
         for t in it.time_to_first_tokens_iter:

@@ -40,6 +40,10 @@ class IterationStats:
     num_prompt_tokens: int = 0  # prompt tokens computed this step
     num_generation_tokens: int = 0  # tokens sampled this step
     num_scheduled_tokens: int = 0  # tokens the model ran on this step
+    # Speculative decoding: requests with drafts verified, their drafts, the drafts accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
