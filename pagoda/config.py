@@ -157,36 +157,51 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, vLLM's `speculative_config`: {"method": "ngram",
-    "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}. N-gram
-    (prompt lookup) is the method Pagoda has; draft models are not supported yet."""
+    "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (prompt
+    lookup) or {"model": PATH, "num_speculative_tokens": k} (a draft model sharing the
+    target's vocabulary, decoding greedily)."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # "ngram" | "draft_model"
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
         """vLLM's dict; a missing lookup bound takes the other's value (both missing: 5)."""
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {
+            "method",
+            "model",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+        }
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(
                 f"speculative_config: unsupported key(s) {', '.join(unknown)} "
                 f"(Pagoda takes {', '.join(sorted(known))})"
             )
-        method = config.get("method", "ngram")
-        if method != "ngram":
+        model = config.get("model")
+        method = config.get("method") or ("draft_model" if model else "ngram")
+        if method not in ("ngram", "draft_model"):
             raise ValueError(
                 f"speculative_config method {method!r} is not supported yet; Pagoda has "
-                "n-gram speculation: {'method': 'ngram', 'num_speculative_tokens': 5}"
+                "'ngram' ({'method': 'ngram', 'num_speculative_tokens': 5}) and 'draft_model' "
+                "({'model': PATH, 'num_speculative_tokens': 5})"
+            )
+        if (method == "draft_model") != bool(model):
+            raise ValueError(
+                "speculative_config: 'model' (the draft model) goes with method 'draft_model' "
+                "and only with it"
             )
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs num_speculative_tokens")
         hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
         hi = hi if hi is not None else (lo if lo is not None else 5)
         lo = lo if lo is not None else hi
-        return cls(method, int(config["num_speculative_tokens"]), int(hi), int(lo))
+        return cls(method, int(config["num_speculative_tokens"]), int(hi), int(lo), model)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

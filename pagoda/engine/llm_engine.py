@@ -23,7 +23,7 @@ from pagoda.metrics.loggers import LoggingStatLogger
 from pagoda.metrics.stats import IterationStats, SchedulerStats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode import NgramProposer
+from pagoda.spec_decode import DraftModelProposer, NgramProposer
 from pagoda.tokenizer import Tokenizer, get_tokenizer
 
 logger = init_logger(__name__)
@@ -56,13 +56,13 @@ class LLMEngine:
         self.stat_logger = LoggingStatLogger() if log_stats else None
         # Speculative decoding: drafts proposed before each step, verified in it.
         spec = config.speculative_config
-        self.proposer = (
-            None
-            if spec is None
-            else NgramProposer(
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        )
+        elif spec is not None:
+            self.proposer = DraftModelProposer(config, num_blocks)
         # Async scheduling: the launched step whose tokens are not processed yet. Off with
         # speculation: how many drafts a step accepts decides where the next one starts.
         self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None
@@ -294,14 +294,19 @@ class LLMEngine:
         """Drafts for every running request past its prefill, from its known tokens; the
         scheduler trims them to the step's budget and max_model_len and clears them after."""
         assert self.proposer is not None
-        for req in self.scheduler.running:
-            # Decoding: everything but the newest token is computed, nothing is in flight.
-            if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            # Drafts past max_tokens would be computed and dropped: the last token is the
-            # target's own.
-            room = req.max_tokens - req.num_output_tokens - 1
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, room)
+        running = self.scheduler.running
+        self.proposer.release({req.request_id for req in running})
+        # Decoding: everything but the newest token is computed, nothing is in flight.
+        ready = [
+            req
+            for req in running
+            if not req.num_output_placeholders and req.num_computed_tokens == req.num_tokens - 1
+        ]
+        # Drafts past max_tokens would be computed and dropped: the last token is the target's.
+        room = {req.request_id: req.max_tokens - req.num_output_tokens - 1 for req in ready}
+        drafts = self.proposer.propose_requests(ready, room)
+        for req in ready:
+            req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is finished: only

@@ -25,8 +25,10 @@ _LEGACY_SPEC = (
 
 
 def _legacy_speculative_config(kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """vLLM <= 0.6's `speculative_model="[ngram]"`, `num_speculative_tokens`,
-    `ngram_prompt_lookup_max/min` as a `speculative_config` dict (popped from kwargs)."""
+    """vLLM <= 0.6's `speculative_model` (a draft model's path, or "[ngram]"),
+    `num_speculative_tokens`, `ngram_prompt_lookup_max/min` as a `speculative_config` dict
+    (popped from kwargs; `speculative_max_model_len` is dropped: the draft runs to the
+    target's max_model_len)."""
     legacy = {k: kwargs.pop(k) for k in _LEGACY_SPEC if kwargs.get(k) is not None}
     for k in _LEGACY_SPEC:
         kwargs.pop(k, None)
@@ -35,13 +37,9 @@ def _legacy_speculative_config(kwargs: dict[str, Any]) -> dict[str, Any] | None:
     model = legacy.get("speculative_model")
     if model is None:
         raise ValueError(f"{', '.join(sorted(legacy))} need speculative_model (e.g. '[ngram]')")
-    if model != "[ngram]":
-        raise ValueError(
-            f"speculative_model={model!r}: draft-model speculative decoding is not supported "
-            "yet; Pagoda has n-gram speculation: speculative_model='[ngram]' or "
-            "speculative_config={'method': 'ngram', 'num_speculative_tokens': 5}"
-        )
-    config: dict[str, Any] = {"method": "ngram"}
+    config: dict[str, Any] = (
+        {"method": "ngram"} if model == "[ngram]" else {"method": "draft_model", "model": model}
+    )
     if "num_speculative_tokens" in legacy:
         config["num_speculative_tokens"] = legacy["num_speculative_tokens"]
     for old, new in (

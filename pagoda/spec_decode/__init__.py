@@ -7,6 +7,7 @@ deterministic proposer this is exact rejection sampling, so the output distribut
 target model's. The engine asks the proposer for drafts before each step (`LLMEngine`).
 """
 
+from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.ngram import NgramProposer
 
-__all__ = ["NgramProposer"]
+__all__ = ["DraftModelProposer", "NgramProposer"]

@@ -9,8 +9,12 @@ their input: summaries, extraction, code edits, retrieval-augmented answers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagoda.core.request import Request
 
 
 class NgramProposer:
@@ -49,3 +53,15 @@ class NgramProposer:
                 if np.array_equal(tokens[i : i + n], suffix):
                     return tokens[i + n : i + n + k].tolist()
         return []
+
+    def propose_requests(
+        self, requests: list[Request], max_drafts: dict[str, int]
+    ) -> dict[str, list[int]]:
+        """Drafts per request id from each request's own tokens."""
+        return {
+            req.request_id: self.propose(req.all_token_ids, max_drafts.get(req.request_id))
+            for req in requests
+        }
+
+    def release(self, keep: set[str]) -> None:
+        """Nothing is kept per request."""

@@ -7,14 +7,13 @@ the CLI flag) and the acceptance shows in the Prometheus counters."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 
 import pytest
+from spec_testing import Tally, tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.metrics.stats import IterationStats
 
 SPEC = {
     "method": "ngram",
@@ -31,18 +30,6 @@ PROMPTS = [
 ]
 
 
-class _Tally:
-    """Stands in for the engine's stat logger: sums the speculative-decoding counts."""
-
-    def __init__(self) -> None:
-        self.drafts = self.draft_tokens = self.accepted = 0
-
-    def record(self, sched: object, it: IterationStats) -> None:
-        self.drafts += it.num_drafts
-        self.draft_tokens += it.num_draft_tokens
-        self.accepted += it.num_accepted_tokens
-
-
 def _llm(spec: dict | None, **kwargs) -> LLM:
     kwargs.setdefault("max_model_len", 512)
     return LLM(dtype="float32", seed=0, speculative_config=spec, **kwargs)
@@ -56,7 +43,7 @@ def _run(llm: LLM, params) -> list[tuple]:
 @pytest.fixture(scope="module")
 def engines():
     plain, spec = _llm(None), _llm(SPEC)
-    tally = _Tally()
+    tally = Tally()
     spec.llm_engine.stat_logger = tally
     return plain, spec, tally
 
@@ -91,55 +78,7 @@ def test_stops_penalties_and_logprobs_match(engines) -> None:
                 assert abs(lx[t].logprob - ly[t].logprob) < 1e-3
 
 
-def _tiny_model(tmp_path) -> str:
-    """A one-layer Llama over 8 tokens whose next token depends strongly on the current one
-    (t -> t + 1 with p ~ 0.55): sampling from a wrong context shows in the distributions."""
-    import torch
-    from safetensors.torch import save_file
-
-    vocab, hidden, inter = 8, 32, 64
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
-    g = torch.Generator().manual_seed(0)
-    emb = torch.randn(vocab, hidden, generator=g)
-    emb = 4 * emb / emb.norm(dim=1, keepdim=True)
-
-    def small(*shape: int) -> torch.Tensor:
-        return 0.02 * torch.randn(*shape, generator=g)
-
-    layer = "model.layers.0."
-    weights = {
-        "model.embed_tokens.weight": emb,
-        "lm_head.weight": 0.12 * emb.roll(1, dims=0),  # row t' = e[t' - 1]: favours t -> t + 1
-        "model.norm.weight": torch.ones(hidden),
-        layer + "input_layernorm.weight": torch.ones(hidden),
-        layer + "post_attention_layernorm.weight": torch.ones(hidden),
-        layer + "self_attn.q_proj.weight": small(hidden, hidden),
-        layer + "self_attn.k_proj.weight": small(hidden // 2, hidden),
-        layer + "self_attn.v_proj.weight": small(hidden // 2, hidden),
-        layer + "self_attn.o_proj.weight": small(hidden, hidden),
-        layer + "mlp.gate_proj.weight": small(inter, hidden),
-        layer + "mlp.up_proj.weight": small(inter, hidden),
-        layer + "mlp.down_proj.weight": small(hidden, inter),
-    }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    save_file(weights, str(tmp_path / "model.safetensors"))
-    return str(tmp_path)
-
-
-def _sample(model: str, spec: dict | None, n: int) -> tuple[list[list[int]], _Tally]:
+def _sample(model: str, spec: dict | None, n: int) -> tuple[list[list[int]], Tally]:
     llm = LLM(
         model,
         skip_tokenizer_init=True,
@@ -148,7 +87,7 @@ def _sample(model: str, spec: dict | None, n: int) -> tuple[list[list[int]], _Ta
         max_num_seqs=128,
         speculative_config=spec,
     )
-    tally = _Tally()
+    tally = Tally()
     llm.llm_engine.stat_logger = tally
     prompt = {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]}
     params = [
@@ -163,7 +102,7 @@ def test_random_sampling_keeps_the_target_distribution(tmp_path) -> None:
     # at most steps and accepted only as often as the target samples them, so each position's
     # token distribution is the same with and without speculation; a verifier that kept a
     # token sampled after a rejected draft (a wrong context) moves whole tenths of the mass.
-    model, n = _tiny_model(tmp_path), 3000
+    model, n = tiny_model(tmp_path), 3000
     plain, _ = _sample(model, None, n)
     spec, tally = _sample(model, {**SPEC, "num_speculative_tokens": 3}, n)
     assert tally.drafts > n // 2 and 0 < tally.accepted < tally.draft_tokens
@@ -178,13 +117,15 @@ def test_configuration() -> None:
     with pytest.raises(ValueError, match="not supported yet"):
         LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="unsupported key"):
-        LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "model": "x"})
+        LLM(speculative_config={**SPEC, "draft_tensor_parallel_size": 1})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         LLM(speculative_config={**SPEC, "prompt_lookup_min": 4})
-    with pytest.raises(ValueError, match="draft-model"):
-        LLM(speculative_model="/data/models/llama-2-7b-chat-hf", num_speculative_tokens=5)
+    with pytest.raises(ValueError, match="'model'"):
+        LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="'model'"):
+        LLM(speculative_config={**SPEC, "model": "/some/draft"})
     # vLLM's older arguments, as in the seeds' samples (speculative_max_model_len is ignored).
     llm = LLM(
         speculative_model="[ngram]",

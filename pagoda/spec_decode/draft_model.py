@@ -1,0 +1,195 @@
+"""Draft-model speculation: a smaller model with the target's vocabulary proposes k tokens by
+greedy decoding; the target verifies them in one step.
+
+The draft runs in its own `ModelRunner` with its own paged KV cache and block allocator
+(`KVCacheManager`, no prefix caching). Per target request it keeps a shadow `Request` whose
+computed positions are those of the draft's cache. Before each target step, `propose` brings
+every shadow up to its request's tokens (positions whose tokens changed since, i.e. rejected
+drafts, are recomputed), then decodes k tokens greedily. Greedy drafting is a deterministic
+function of the request's known tokens, so the runner's verification (accept a draft iff the
+target samples it) is exact: the output distribution is the target's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.outputs import SchedulerOutput
+from pagoda.core.request import Request
+from pagoda.logger import init_logger
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+
+logger = init_logger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
+
+
+class DraftModelProposer:
+    """Proposes up to `num_speculative_tokens` drafts per request from a draft model."""
+
+    def __init__(self, target: EngineConfig, num_target_blocks: int) -> None:
+        from pagoda.engine.arg_utils import EngineArgs
+        from pagoda.executor.uniproc import UniProcExecutor
+
+        spec = target.speculative_config
+        assert spec is not None and spec.model is not None
+        mc, cc, sc = target.model_config, target.cache_config, target.scheduler_config
+        self.k = spec.num_speculative_tokens
+        self.max_model_len = mc.max_model_len
+        self.budget = sc.max_num_batched_tokens
+        # As many tokens as the target's cache, at most what max_num_seqs full requests need.
+        tokens = min(num_target_blocks * cc.block_size, sc.max_num_seqs * mc.max_model_len)
+        num_blocks = -(-tokens // cc.block_size) + 1  # + the null block
+        args = EngineArgs(
+            model=spec.model,
+            dtype=mc.dtype,
+            device=target.device_config.device,
+            seed=mc.seed,
+            max_model_len=mc.max_model_len,
+            load_format=mc.load_format if mc.load_format == "dummy" else "auto",
+            skip_tokenizer_init=True,
+            block_size=cc.block_size,
+            enable_prefix_caching=False,
+            num_gpu_blocks_override=num_blocks,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            enforce_eager=True,
+            async_scheduling=False,
+            attention_backend=target.device_config.attention_backend,
+        )
+        config = args.create_engine_config()
+        draft_vocab = int(config.model_config.hf_config.get("vocab_size", 0))
+        target_vocab = int(mc.hf_config.get("vocab_size", 0))
+        if draft_vocab != target_vocab:
+            raise ValueError(
+                f"speculative draft model {spec.model} has vocab_size {draft_vocab}, the target "
+                f"{target_vocab}: a draft model must share the target's tokenizer"
+            )
+        self.executor = UniProcExecutor(config)
+        _check_device_memory(self.executor, num_blocks)
+        self.executor.initialize_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, False, mc.max_model_len)
+        self.shadows: dict[str, Request] = {}
+        self._released: set[str] = set()
+        logger.info(
+            "Draft model %s for speculative decoding (%d tokens a step): KV cache of %d blocks",
+            spec.model,
+            self.k,
+            num_blocks,
+        )
+
+    def release(self, keep: set[str]) -> None:
+        """Free the draft cache of every request not in `keep` (finished, aborted, preempted)."""
+        for rid in [r for r in self.shadows if r not in keep]:
+            self.kv.free(self.shadows.pop(rid))
+            self._released.add(rid)
+
+    def propose_requests(
+        self, requests: list[Request], max_drafts: dict[str, int]
+    ) -> dict[str, list[int]]:
+        """Drafts per request id (requests past their prefill, nothing in flight)."""
+        active: list[tuple[Request, Request, int]] = []  # (request, shadow, drafts wanted)
+        for req in requests:
+            k = min(
+                self.k, max_drafts.get(req.request_id, self.k), self.max_model_len - req.num_tokens
+            )
+            if k <= 0:
+                continue
+            shadow = self._sync_shadow(req)
+            uncomputed = shadow.num_tokens - shadow.num_computed_tokens
+            if self.kv.allocate_slots(shadow, uncomputed, num_lookahead_tokens=k) is None:
+                continue  # the draft cache is full: no drafts for it this step
+            active.append((req, shadow, k))
+        if not active:
+            return {}
+        # Catch up on the known tokens (in budget-sized chunks); each request's last chunk
+        # samples its first draft.
+        pending = [(shadow, k) for _, shadow, k in active]
+        drafting: list[tuple[Request, int]] = []
+        while pending:
+            counts, carry = {}, []
+            budget = self.budget
+            for shadow, k in pending:
+                left = shadow.num_tokens - shadow.num_computed_tokens
+                n = min(left, budget)
+                if n <= 0:
+                    carry.append((shadow, k))
+                    continue
+                counts[shadow.request_id] = n
+                budget -= n
+                (drafting if n == left else carry).append((shadow, k))
+            sampled = self._run([s for s, _ in pending if s.request_id in counts], counts)
+            for shadow, _ in pending:
+                tokens = sampled.get(shadow.request_id)
+                if tokens:
+                    shadow.append_output_token_ids(tokens[0])
+            pending = carry
+        # Greedy decoding of the rest: the newest draft is the input.
+        for step in range(1, max(k for _, k in drafting)):
+            live = [s for s, k in drafting if k > step]
+            sampled = self._run(live, {s.request_id: 1 for s in live})
+            for shadow in live:
+                shadow.append_output_token_ids(sampled[shadow.request_id][0])
+        return {
+            req.request_id: shadow.all_token_ids[req.num_tokens : req.num_tokens + k]
+            for req, shadow, k in active
+        }
+
+    def _sync_shadow(self, req: Request) -> Request:
+        """The shadow with the request's tokens; computed positions past the first token that
+        differs (a rejected draft) are dropped."""
+        shadow = self.shadows.get(req.request_id)
+        if shadow is None:
+            shadow = Request(req.request_id, req.prompt_token_ids, _GREEDY, None)
+            self.shadows[req.request_id] = shadow
+            self._released.discard(req.request_id)
+        have, want = shadow.all_token_ids, req.all_token_ids
+        same = 0
+        limit = min(len(have), len(want), shadow.num_computed_tokens)
+        while same < limit and have[same] == want[same]:
+            same += 1
+        shadow.num_computed_tokens = same
+        shadow.all_token_ids = list(want)
+        shadow.output_token_ids = list(req.output_token_ids)
+        return shadow
+
+    def _run(self, shadows: list[Request], counts: dict[str, int]) -> dict[str, list[int]]:
+        """One draft-model step over `counts[id]` tokens of each shadow, from its computed
+        position; returns the greedy samples of the shadows whose tokens ran out."""
+        so = SchedulerOutput(
+            scheduled_requests=shadows,
+            num_scheduled_tokens=counts,
+            total_num_scheduled_tokens=sum(counts.values()),
+            block_ids={s.request_id: self.kv.get_block_ids(s.request_id) for s in shadows},
+            finished_req_ids=self._released,
+            num_computed_tokens={s.request_id: s.num_computed_tokens for s in shadows},
+        )
+        self._released = set()
+        out = self.executor.execute_model(so)
+        for shadow in shadows:
+            shadow.num_computed_tokens += counts[shadow.request_id]
+        return out.sampled_token_ids
+
+
+def _check_device_memory(executor: object, num_blocks: int) -> None:
+    """On a GPU the target's cache took its share first: fail now, with the numbers, if the
+    draft's cache does not fit in what is left."""
+    runner = executor.model_runner  # type: ignore[attr-defined]
+    if runner.device.type != "cuda":
+        return
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(runner.device)
+    need = num_blocks * runner.bytes_per_block()
+    if need > 0.95 * free:
+        raise ValueError(
+            f"the draft model's KV cache needs {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB "
+            "are free after the target's: lower --gpu-memory-utilization to leave room"
+        )
+
+
+__all__ = ["DraftModelProposer"]
