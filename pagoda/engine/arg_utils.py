@@ -110,13 +110,28 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagoda.model.loader import get_model_config_dict
+        from pagoda.model.quantization import QUANT_METHODS, checkpoint_quant_method
 
         model = self.model or embedded_model_path()
-        if self.quantization not in (None, "gguf"):
+        if self.quantization not in (None, "gguf", *QUANT_METHODS):
             raise ValueError(
-                f"quantization={self.quantization!r} is not supported yet; supported: gguf"
+                f"quantization={self.quantization!r} is not supported yet; supported: gguf, "
+                + ", ".join(QUANT_METHODS)
             )
         hf_config = get_model_config_dict(model, self.load_format)
+        quantization = self.quantization
+        ckpt_method = checkpoint_quant_method(hf_config)
+        if ckpt_method is not None and self.load_format != "dummy":
+            if ckpt_method not in QUANT_METHODS:
+                raise ValueError(
+                    f"{model}: quantization_config.quant_method {ckpt_method!r} is not "
+                    f"supported yet; supported: {', '.join(QUANT_METHODS)}"
+                )
+            if quantization not in (None, ckpt_method):
+                raise ValueError(
+                    f"quantization={quantization!r} but {model} is a {ckpt_method!r} checkpoint"
+                )
+            quantization = ckpt_method
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, hf_config, device)
         derived_max_len = int(hf_config.get("max_position_embeddings") or 2048)
@@ -146,7 +161,7 @@ class EngineArgs:
                 load_format=self.load_format,
                 tokenizer=self.tokenizer,
                 seed=self.seed,
-                quantization=self.quantization,
+                quantization=quantization,
                 served_model_name=self.served_model_name,
                 skip_tokenizer_init=self.skip_tokenizer_init,
             ),

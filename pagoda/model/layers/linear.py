@@ -150,7 +150,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for p in self.parameters(recurse=False):
-            set_weight_attrs(p, {"weight_loader": self.weight_loader})
+            if not hasattr(p, "weight_loader"):  # a linear method may bring its own
+                set_weight_attrs(p, {"weight_loader": self.weight_loader})
         self.fused_ops = True  # the C skinny GEMM on CPU (see the module docstring)
 
     def weight_loader(

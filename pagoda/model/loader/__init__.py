@@ -110,8 +110,9 @@ def load_model(
     """Build `model_config.architecture` on `device` in `dtype` (default: model_config.dtype)
     and fill it from the checkpoint (or with dummy weights). Returns the model in eval mode.
 
-    `attn_backend` defaults to the registry's pick for the device; `linear_method` (None:
-    unquantized) is how every linear layer stores and multiplies its weight."""
+    `attn_backend` defaults to the registry's pick for the device; `linear_method` is how every
+    linear layer stores and multiplies its weight (None: the checkpoint's AWQ/GPTQ method per
+    `model_config.quantization`, else unquantized)."""
     from pagoda.attention.backend import get_attn_backend
     from pagoda.model.loader.weights import (
         WeightLoadingState,
@@ -127,6 +128,10 @@ def load_model(
     if attn_backend is None:
         attn_backend = get_attn_backend(device)
     source, load_format = model_config.model, model_config.load_format
+    if linear_method is None and load_format != "dummy":
+        from pagoda.model.quantization import get_linear_method
+
+        linear_method = get_linear_method(model_config.quantization, model_config.hf_config)
     if load_format != "dummy" and not os.path.exists(source):
         raise ValueError(f"model {source!r} not found: pass a local directory or .gguf file")
     files: list[str] = []

@@ -90,7 +90,9 @@ class WeightLoadingState:
         self.mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
         self.tied = bool(getattr(model, "tie_word_embeddings", False))
         self.expected: set[tuple[str, object]] = set()
-        for name in self.params:
+        for name, param in self.params.items():
+            if getattr(param, "optional", False):  # has a default when the checkpoint lacks it
+                continue
             shards = [sid for (fused, sid) in self.mapping.values() if f".{fused}." in name]
             self.expected.update((name, sid) for sid in (shards or [None]))
         self.loaded: set[tuple[str, object]] = set()

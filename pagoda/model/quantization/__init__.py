@@ -1,0 +1,197 @@
+"""Weight-quantized Hugging Face checkpoints: AWQ and GPTQ (`quantization_config` in
+config.json, or `quantization="awq"` / `"gptq"`).
+
+The linear layers hold the checkpoint's packed tensors (layouts in `formats.py`) while it loads;
+once every tensor is in, each layer turns them into its dense weight in the model dtype and
+runs as an unquantized layer (the packed C GEMM on a CPU, the Triton GEMV / cuBLAS on a GPU).
+So these checkpoints load and run exactly, but take the memory of the dense model: int4
+kernels that keep the packed weights are not written yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.model.layers.linear import (
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    set_weight_attrs,
+)
+from pagoda.model.quantization.formats import dequantize_awq, dequantize_gptq
+
+QUANT_METHODS = ("awq", "gptq")
+
+
+def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, or None."""
+    qc = hf_config.get("quantization_config")
+    return None if not isinstance(qc, dict) else qc.get("quant_method")
+
+
+def get_linear_method(
+    quantization: str | None, hf_config: dict[str, Any]
+) -> LinearMethodBase | None:
+    """The linear method for `quantization` ("awq", "gptq"; None or "gguf": the default)."""
+    if quantization not in QUANT_METHODS:
+        return None
+    qc = hf_config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != quantization:
+        raise ValueError(
+            f"quantization={quantization!r} but the checkpoint's config.json has no "
+            f"quantization_config with quant_method {quantization!r}"
+        )
+    return AWQLinearMethod(qc) if quantization == "awq" else GPTQLinearMethod(qc)
+
+
+class _PackedUntilLoaded(LinearMethodBase):
+    """Registers the packed checkpoint tensors; after loading, the dense weight replaces them."""
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.pack = 32 // bits
+        self.dense = UnquantizedLinearMethod()
+
+    def _group(self, in_size: int) -> int:
+        group = in_size if self.group_size in (-1, 0) else self.group_size
+        if in_size % group:
+            raise ValueError(f"input size {in_size} is not a multiple of group_size {group}")
+        return group
+
+    @staticmethod
+    def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, **attrs):
+        p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        set_weight_attrs(p, attrs)
+        layer.register_parameter(name, p)
+        return p
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not hasattr(layer, "weight"):
+            raise RuntimeError("a quantized layer runs only after its checkpoint is loaded")
+        return self.dense.apply(layer, x, bias)
+
+    def _dense(self, layer: nn.Module) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = self._dense(layer).to(layer.params_dtype)
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if name in layer._parameters:
+                del layer._parameters[name]
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        self.dense.process_weights_after_loading(layer)
+
+
+class AWQLinearMethod(_PackedUntilLoaded):
+    """AutoAWQ's GEMM layout, 4-bit, zero points."""
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+            raise ValueError(
+                f"AWQ bits={bits}, version={version!r}, zero_point={qc.get('zero_point')}: "
+                "Pagoda reads 4-bit GEMM-version AWQ checkpoints with zero points"
+            )
+        if qc.get("modules_to_not_convert"):
+            raise ValueError("AWQ modules_to_not_convert is not supported yet")
+        super().__init__(bits, int(qc.get("group_size", qc.get("q_group_size", 128))))
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        k, n = input_size_per_partition, sum(output_partition_sizes)
+        groups = k // self._group(k)
+        if n % self.pack:
+            raise ValueError(f"AWQ needs output sizes divisible by {self.pack}, got {n}")
+        self._param(layer, "qweight", (k, n // self.pack), torch.int32, output_dim=1, input_dim=0)
+        self._param(
+            layer, "qzeros", (groups, n // self.pack), torch.int32, output_dim=1, input_dim=0
+        )
+        self._param(layer, "scales", (groups, n), torch.float16, output_dim=1, input_dim=0)
+
+    def _dense(self, layer: nn.Module) -> torch.Tensor:
+        group = self._group(layer.input_size_per_partition)
+        return dequantize_awq(layer.qweight, layer.qzeros, layer.scales, group)
+
+
+class GPTQLinearMethod(_PackedUntilLoaded):
+    """AutoGPTQ's layout, 4 or 8 bits, act-order through g_idx (one per fused shard)."""
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        bits = int(qc.get("bits", 4))
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if bits not in (4, 8) or fmt != "gptq":
+            raise ValueError(
+                f"GPTQ bits={bits}, checkpoint_format={fmt!r}: Pagoda reads 4- and 8-bit "
+                "checkpoints in the 'gptq' format"
+            )
+        super().__init__(bits, int(qc.get("group_size", 128)))
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        k, n = input_size_per_partition, sum(output_partition_sizes)
+        group = self._group(k)
+        if k % self.pack or n % self.pack:
+            raise ValueError(f"GPTQ needs sizes divisible by {self.pack}, got in {k}, out {n}")
+        self._param(layer, "qweight", (k // self.pack, n), torch.int32, output_dim=1, input_dim=0)
+        self._param(layer, "qzeros", (k // group, n // self.pack), torch.int32, output_dim=1)
+        self._param(layer, "scales", (k // group, n), torch.float16, output_dim=1)
+        # g_idx: one row per fused shard (q, k and v each have their own act-order); the
+        # default k // group_size where a checkpoint has none.
+        g_idx = self._param(
+            layer, "g_idx", (len(output_partition_sizes), k), torch.int32, optional=True
+        )
+        g_idx.data.copy_((torch.arange(k) // group).expand(len(output_partition_sizes), k))
+        shard_index = {"q": 0, "k": 1, "v": 2}
+
+        def load_g_idx(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            rows = (
+                range(param.shape[0]) if shard_id is None else [shard_index.get(shard_id, shard_id)]
+            )
+            for r in rows:
+                if loaded.shape != param.shape[1:]:
+                    raise ValueError(f"g_idx of shape {tuple(loaded.shape)}, expected ({k},)")
+                param.data[r].copy_(loaded)
+
+        g_idx.weight_loader = load_g_idx
+
+    def _dense(self, layer: nn.Module) -> torch.Tensor:
+        sizes = layer.output_partition_sizes
+        parts, start = [], 0
+        for i, size in enumerate(sizes):  # each shard with its own g_idx
+            cols = slice(start, start + size)
+            packed = slice(start // self.pack, (start + size) // self.pack)
+            parts.append(
+                dequantize_gptq(
+                    layer.qweight[:, cols],
+                    layer.qzeros[:, packed],
+                    layer.scales[:, cols],
+                    layer.g_idx[i],
+                    self.bits,
+                )
+            )
+            start += size
+        return torch.cat(parts, dim=0)
+
+
+__all__ = [
+    "AWQLinearMethod",
+    "GPTQLinearMethod",
+    "QUANT_METHODS",
+    "checkpoint_quant_method",
+    "get_linear_method",
+]

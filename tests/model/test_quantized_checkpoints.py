@@ -1,0 +1,180 @@
+"""AWQ and GPTQ checkpoints: the packing layouts bit by bit (AutoAWQ's interleaved nibbles,
+GPTQ's input-packed words and zero-minus-one), and tiny Llama checkpoints quantized into each
+format that Pagoda loads and runs with the logits of `transformers` on the dequantized weights
+(act-order g_idx included); config detection and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagoda.config import ModelConfig
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.model.loader import get_model_config_dict, load_model
+from pagoda.model.quantization.formats import (
+    AWQ_ORDER,
+    dequantize_awq,
+    dequantize_gptq,
+    pack_awq,
+    pack_gptq_weight,
+    quantize_groups,
+    unpack_awq,
+    unpack_gptq_weight,
+)
+from pagoda.model.testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 32
+
+
+def test_awq_nibbles_are_interleaved() -> None:
+    v = torch.randint(0, 16, (5, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = pack_awq(v)
+    for j in range(2):
+        for s in range(8):
+            assert torch.equal((packed[:, j] >> (4 * s)) & 0xF, v[:, 8 * j + AWQ_ORDER[s]])
+    assert torch.equal(unpack_awq(packed), v)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_words_pack_inputs(bits: int) -> None:
+    per = 32 // bits
+    v = torch.randint(0, 1 << bits, (4 * per, 6), dtype=torch.int32)
+    packed = pack_gptq_weight(v, bits)
+    assert packed.shape == (4, 6)
+    for i in range(4):
+        for s in range(per):
+            assert torch.equal((packed[i] >> (bits * s)) & ((1 << bits) - 1), v[per * i + s])
+    assert torch.equal(unpack_gptq_weight(packed, bits), v)
+
+
+def _quantized_checkpoint(tmp_path, method: str, bits: int = 4, act_order: bool = False):
+    """A tiny Llama saved in `method`'s format; returns the HF model with the dequantized
+    weights (the reference)."""
+    hf = make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope")
+    tensors = {}
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            proj = name.split(".")[-2]
+            if proj not in LINEARS:
+                tensors[name] = p.detach().clone().contiguous()
+                continue
+            prefix = name.removesuffix(".weight")
+            n, k = p.shape
+            values, zeros, scales = quantize_groups(p, bits, GROUP)
+            scales = scales.half()
+            if method == "awq":
+                tensors[prefix + ".qweight"] = pack_awq(values)
+                tensors[prefix + ".qzeros"] = pack_awq(zeros)
+                tensors[prefix + ".scales"] = scales
+                dense = dequantize_awq(
+                    tensors[prefix + ".qweight"], tensors[prefix + ".qzeros"], scales, GROUP
+                )
+            else:
+                g_idx = torch.arange(k, dtype=torch.int32) // GROUP
+                if act_order:  # inputs regrouped: a permutation of the groups' members
+                    g_idx = g_idx[torch.randperm(k, generator=g)]
+                    values, zeros, scales = _quantize_by_g_idx(p, bits, g_idx)
+                    scales = scales.half()
+                tensors[prefix + ".qweight"] = pack_gptq_weight(values, bits)
+                tensors[prefix + ".qzeros"] = _pack_gptq_zeros(zeros - 1, bits)
+                tensors[prefix + ".scales"] = scales
+                tensors[prefix + ".g_idx"] = g_idx
+                dense = dequantize_gptq(
+                    tensors[prefix + ".qweight"], tensors[prefix + ".qzeros"], scales, g_idx, bits
+                )
+            p.copy_(dense)  # the reference runs on exactly what the checkpoint encodes
+    path = tmp_path / method
+    path.mkdir()
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    if method == "awq":
+        cfg["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": GROUP,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    else:
+        cfg["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": GROUP,
+            "desc_act": act_order,
+            "sym": False,
+        }
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors.pop("lm_head.weight", None)  # tied
+    save_file(tensors, str(path / "model.safetensors"))
+    return hf, path
+
+
+def _pack_gptq_zeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """[groups, N] -> [groups, N/P], packed along outputs (GPTQ's qzeros)."""
+    return pack_gptq_weight(zeros.t().contiguous(), bits).t().contiguous()
+
+
+def _quantize_by_g_idx(weight, bits, g_idx):
+    n, k = weight.shape
+    groups = int(g_idx.max()) + 1
+    values = torch.empty(k, n, dtype=torch.int32)
+    zeros = torch.empty(groups, n, dtype=torch.int32)
+    scales = torch.empty(groups, n)
+    for gi in range(groups):
+        cols = (g_idx == gi).nonzero().flatten()
+        v, z, s = quantize_groups(weight[:, cols], bits, len(cols))
+        values[cols] = v
+        zeros[gi], scales[gi] = z[0], s[0]
+    return values, zeros, scales
+
+
+@pytest.mark.parametrize(
+    "method,bits,act_order",
+    [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, False), ("gptq", 4, True)],
+)
+def test_quantized_checkpoint_runs_like_its_dequantized_reference(
+    tmp_path, method, bits, act_order
+):
+    hf, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
+    hf_config = get_model_config_dict(str(path))
+    quant = EngineArgs(model=str(path)).create_engine_config().model_config.quantization
+    assert quant == method  # detected from config.json
+    mc = ModelConfig(
+        model=str(path), hf_config=hf_config, dtype="float32", max_model_len=256, quantization=quant
+    )
+    model = load_model(mc, "cpu")
+    runner = PagedRunner(model, {**TINY_CONFIG, **hf_config})
+    tokens = torch.randint(
+        0, TINY_CONFIG["vocab_size"], (9,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    ours = runner.step(tokens, 0)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-4
+    # A wrong layout would be far off: the dense (unquantized) weights differ by the rounding.
+    assert not hasattr(model.model.layers[0].self_attn.qkv_proj, "qweight")
+
+
+def test_configuration_errors(tmp_path) -> None:
+    _, path = _quantized_checkpoint(tmp_path, "awq")
+    with pytest.raises(ValueError, match="'awq' checkpoint"):
+        EngineArgs(model=str(path), quantization="gptq").create_engine_config()
+    with pytest.raises(ValueError, match="not supported yet"):
+        EngineArgs(model=str(path), quantization="squeezellm").create_engine_config()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["version"] = "gemv"
+    (path / "config.json").write_text(json.dumps(cfg))
+    hf_config = get_model_config_dict(str(path))
+    mc = ModelConfig(
+        model=str(path), hf_config=hf_config, dtype="float32", max_model_len=64, quantization="awq"
+    )
+    with pytest.raises(ValueError, match="GEMM-version"):
+        load_model(mc, "cpu")
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'fp8' is not supported yet"):
+        EngineArgs(model=str(path)).create_engine_config()
