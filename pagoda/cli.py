@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.bench.serve import add_bench_serve_args
 
     add_bench_serve_args(bench.add_parser("serve", help="load-test an OpenAI-compatible server"))
+
+    from pagoda.model.quantization.gptq import add_quantize_args
+
+    add_quantize_args(sub)
     return parser
 
 

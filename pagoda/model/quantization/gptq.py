@@ -1,0 +1,331 @@
+"""Quantize a model ourselves with GPTQ (Frantar et al. 2022, arXiv:2210.17323) and write a
+GPTQ checkpoint (the AutoGPTQ layout of `formats.py`) that Pagoda, vLLM and transformers load.
+
+Calibration: the model runs over calibration token sequences (`PagedRunner`, the torch path on
+a CPU) while a hook on every linear layer accumulates the Hessian H = 2/n * sum x x^T of its
+inputs. Each weight matrix is then quantized column by column, each column's rounding error
+spread over the columns not yet quantized through the inverse Hessian's Cholesky factor, in
+blocks of 128 columns; group scales and zeros are set when a group's first column comes up;
+`act_order` visits columns by decreasing Hessian diagonal (`g_idx` records their groups). All
+layers see the full-precision model's activations (one calibration pass), not the already
+quantized layers' outputs as the paper's sequential variant does.
+
+    pagoda quantize MODEL --output DIR [--bits 4] [--group-size 128] [--act-order]
+        [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.model.quantization.formats import pack_gptq_weight, quantize_groups
+
+
+@dataclass
+class GPTQResult:
+    values: torch.Tensor  # [K, N] int32 in [0, 2**bits)
+    zeros: torch.Tensor  # [groups, N] int32
+    scales: torch.Tensor  # [groups, N] float32
+    g_idx: torch.Tensor  # [K] int32
+    dequantized: torch.Tensor  # [N, K] float32
+
+
+def _group_params(w: torch.Tensor, maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max scale and zero per row of w [N, cols] (zero 0 included)."""
+    lo = torch.minimum(w.amin(dim=1), torch.zeros(()))
+    hi = torch.maximum(w.amax(dim=1), torch.zeros(()))
+    flat = hi == lo
+    lo, hi = torch.where(flat, lo - 1, lo), torch.where(flat, hi + 1, hi)
+    scale = (hi - lo) / maxq
+    return scale, torch.round(-lo / scale)
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    act_order: bool = False,
+    percdamp: float = 0.01,
+    blocksize: int = 128,
+) -> GPTQResult:
+    """GPTQ of one [N, K] weight against the input Hessian [K, K]."""
+    w = weight.detach().float().clone()
+    n, k = w.shape
+    group_size = k if group_size in (-1, 0) else group_size
+    if k % group_size:
+        raise ValueError(f"input size {k} is not a multiple of group_size {group_size}")
+    maxq = (1 << bits) - 1
+    h = hessian.detach().float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += percdamp * torch.mean(torch.diag(h)) * torch.eye(k)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+    q_vals = torch.zeros(n, k, dtype=torch.int32)
+    deq = torch.zeros(n, k)
+    num_groups = k // group_size
+    scales, zeros = torch.zeros(num_groups, n), torch.zeros(num_groups, n)
+    scale = zero = None
+    for i1 in range(0, k, blocksize):
+        i2 = min(i1 + blocksize, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        h1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:  # a group starts: its parameters from the current weights
+                block = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group_size]
+                scale, zero = _group_params(block, maxq)
+                scales[col // group_size], zeros[col // group_size] = scale, zero
+            q = torch.clamp(torch.round(w1[:, i] / scale) + zero, 0, maxq)
+            q_vals[:, col] = q.to(torch.int32)
+            deq[:, col] = scale * (q - zero)
+            err = (w1[:, i] - deq[:, col]) / h1[i, i]
+            w1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    # Column j of the permuted order belongs to group j // group_size.
+    g_idx = (torch.arange(k) // group_size)[inv].to(torch.int32)
+    return GPTQResult(
+        values=q_vals[:, inv].t().contiguous(),
+        zeros=zeros.to(torch.int32),
+        scales=scales,
+        g_idx=g_idx,
+        dequantized=deq[:, inv],
+    )
+
+
+def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """trace(D H D^T) / trace(W H W^T), D = approx - weight: the relative squared error of the
+    layer's outputs on the inputs H was collected from."""
+    w, d = weight.float(), approx.float() - weight.float()
+    return float(
+        torch.einsum("nk,kl,nl->", d, hessian, d) / torch.einsum("nk,kl,nl->", w, hessian, w)
+    )
+
+
+def rtn(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Round-to-nearest in the same groups: the baseline GPTQ improves on."""
+    k = weight.shape[1]
+    group = k if group_size in (-1, 0) else group_size
+    values, zeros, scales = quantize_groups(weight, bits, group)
+    z = zeros.float().repeat_interleave(group, dim=0)
+    return ((values.float() - z) * scales.repeat_interleave(group, dim=0)).t()
+
+
+def collect_hessians(
+    model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]]
+) -> dict[str, torch.Tensor]:
+    """H = 2/n sum x x^T of the inputs of every linear layer, over the calibration sequences."""
+    from pagoda.model.layers.linear import LinearBase
+    from pagoda.model.testing import PagedRunner
+
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+
+            def hook(mod: nn.Module, args: tuple, name: str = name) -> None:
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                if name not in sums:
+                    sums[name] = torch.zeros(x.shape[1], x.shape[1])
+                    counts[name] = 0
+                sums[name] += x.t() @ x
+                counts[name] += x.shape[0]
+
+            hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        for seq in sequences:
+            blocks = -(-len(seq) // 16) + 1
+            PagedRunner(model, cfg, num_blocks=blocks, block_size=16).step(seq, 0)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: 2.0 * sums[name] / counts[name] for name in sums}
+
+
+def quantize_model(
+    model_path: str,
+    output_dir: str,
+    sequences: list[list[int]],
+    bits: int = 4,
+    group_size: int = 128,
+    act_order: bool = False,
+) -> dict[str, float]:
+    """GPTQ-quantize every linear layer of `model_path` (HF dir or .gguf) on the calibration
+    token `sequences` and write a GPTQ checkpoint to `output_dir` (config.json with its
+    quantization_config, model.safetensors). Returns per layer the relative output error on the
+    calibration inputs, trace(D H D^T) / trace(W H W^T) with D the weight's error, of GPTQ and
+    of round-to-nearest with the same groups (for comparison)."""
+    from safetensors.torch import save_file
+
+    from pagoda.config import ModelConfig
+    from pagoda.model.layers.linear import LinearBase
+    from pagoda.model.loader import get_model_config_dict, load_model
+
+    hf_config = get_model_config_dict(model_path)
+    mc = ModelConfig(
+        model=model_path,
+        hf_config=hf_config,
+        dtype="float32",
+        max_model_len=max(len(s) for s in sequences),
+    )
+    model = load_model(mc, "cpu")
+    hessians = collect_hessians(model, hf_config, sequences)
+    mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    shard_names: dict[str, list[str]] = {}
+    for ckpt, (fused, _) in mapping.items():
+        shard_names.setdefault(fused, []).append(ckpt)
+    tensors: dict[str, torch.Tensor] = {}
+    errors: dict[str, tuple[float, float]] = {}
+    linear_prefixes = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        linear_prefixes.add(name)
+        res = gptq_quantize(module.weight.data, hessians[name], bits, group_size, act_order)
+        errors[name] = (
+            output_error(module.weight.data, res.dequantized, hessians[name]),
+            output_error(
+                module.weight.data, rtn(module.weight.data, bits, group_size), hessians[name]
+            ),
+        )
+        fused = name.rsplit(".", 1)[-1]
+        parts = shard_names.get(fused, [fused])
+        sizes = (
+            module.output_partition_sizes if len(parts) > 1 else [module.output_size_per_partition]
+        )
+        start = 0
+        for part, size in zip(parts, sizes):
+            cols = slice(start, start + size)
+            prefix = name.rsplit(".", 1)[0] + "." + part
+            tensors[prefix + ".qweight"] = pack_gptq_weight(res.values[:, cols], bits)
+            tensors[prefix + ".qzeros"] = (
+                pack_gptq_weight((res.zeros[:, cols] - 1).t().contiguous(), bits).t().contiguous()
+            )
+            tensors[prefix + ".scales"] = res.scales[:, cols].half().contiguous()
+            tensors[prefix + ".g_idx"] = res.g_idx.clone()
+            start += size
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[0] in linear_prefixes:
+            continue
+        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
+            continue
+        tensors[name] = param.data.half().contiguous()
+    os.makedirs(output_dir, exist_ok=True)
+    config = {k: v for k, v in hf_config.items()}
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": act_order,
+        "sym": False,
+        "checkpoint_format": "gptq",
+        "damp_percent": 0.01,
+    }
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(output_dir, "model.safetensors"))
+    return errors
+
+
+# A little English and code for calibration when no file is given; real calibration wants
+# a few hundred samples of the model's own domain (--calibration-file).
+BUILTIN_CALIBRATION = """\
+The study of language models has moved from counting words to predicting them. A model reads
+a sequence of tokens and assigns a probability to every possible next token; generation picks
+one, appends it and repeats. Serving such models well is a matter of memory: the weights are
+read once per step, the cache of keys and values grows with every token of every request.
+Paged attention stores that cache in fixed-size blocks, continuous batching admits new requests
+at every step, and quantization shrinks the weights to four or eight bits per value.
+
+def fibonacci(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+Q: What is the capital of France? A: Paris. Q: How many legs does a spider have? A: Eight.
+The quick brown fox jumps over the lazy dog. Machine learning learns patterns from data;
+deep learning stacks many layers of them; reinforcement learning learns from rewards.
+"""
+
+
+def calibration_sequences(token_ids: list[int], num_samples: int, seq_len: int) -> list[list[int]]:
+    """Up to `num_samples` windows of `seq_len` tokens cut evenly from `token_ids` (the whole
+    text once if it is shorter than one window)."""
+    if len(token_ids) <= seq_len:
+        return [token_ids]
+    starts = range(
+        0,
+        len(token_ids) - seq_len + 1,
+        max(1, (len(token_ids) - seq_len) // max(1, num_samples - 1)),
+    )
+    return [token_ids[s : s + seq_len] for s in list(starts)[:num_samples]]
+
+
+def add_quantize_args(sub: Any) -> None:
+    p = sub.add_parser("quantize", help="quantize a model with GPTQ into a GPTQ checkpoint")
+    p.add_argument(
+        "model", nargs="?", default=None, help="HF directory or .gguf (default: embedded)"
+    )
+    p.add_argument("--output", "-o", required=True, help="directory for the GPTQ checkpoint")
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    p.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
+    p.add_argument("--act-order", action="store_true", help="columns by decreasing H diagonal")
+    p.add_argument("--calibration-file", default=None, help="text file (default: built-in)")
+    p.add_argument("--num-samples", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: Any) -> int:
+    from pagoda.config import embedded_model_path
+    from pagoda.tokenizer import get_tokenizer
+
+    model = args.model or embedded_model_path()
+    if args.calibration_file:
+        with open(args.calibration_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = BUILTIN_CALIBRATION
+    ids = get_tokenizer(model).encode(text)
+    sequences = calibration_sequences(ids, args.num_samples, args.seq_len)
+    errors = quantize_model(
+        model, args.output, sequences, args.bits, args.group_size, args.act_order
+    )
+    gptq = sum(e[0] for e in errors.values()) / len(errors)
+    rtn_mean = sum(e[1] for e in errors.values()) / len(errors)
+    print(
+        f"GPTQ {args.bits}-bit, group {args.group_size}: {len(errors)} linear layers, "
+        f"{sum(len(s) for s in sequences)} calibration tokens; relative output error "
+        f"{gptq:.2e} (round-to-nearest: {rtn_mean:.2e}); wrote {args.output}"
+    )
+    if not os.path.exists(os.path.join(args.output, "tokenizer.json")) and model.endswith(".gguf"):
+        print(f"(the tokenizer stays in the source: pass --tokenizer {model} when loading)")
+    return 0
