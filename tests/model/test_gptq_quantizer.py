@@ -44,6 +44,15 @@ def test_gptq_beats_round_to_nearest_and_packs_exactly(act_order: bool) -> None:
         assert not torch.equal(g, torch.arange(256) // 64)
 
 
+def test_zero_points_fit_the_stored_zero_minus_one() -> None:
+    # A group of nonnegative weights has zero point 0, which GPTQ's format (zero - 1 in 4
+    # bits) cannot hold: it would read back as 16. Zeros are kept >= 1.
+    w = torch.rand(8, 64, generator=torch.Generator().manual_seed(2))
+    res = gptq_quantize(w, torch.eye(64), bits=4, group_size=32)
+    assert int(res.zeros.min()) >= 1
+    assert (res.dequantized - w).abs().max() < 0.1
+
+
 def test_calibration_windows() -> None:
     assert calibration_sequences(list(range(10)), 4, 20) == [list(range(10))]
     windows = calibration_sequences(list(range(100)), 4, 30)
@@ -51,14 +60,15 @@ def test_calibration_windows() -> None:
     assert windows[0][0] == 0 and windows[-1][-1] <= 99
 
 
-def test_quantize_model_writes_a_checkpoint_that_runs(tmp_path) -> None:
+@pytest.mark.parametrize("group_size", [32, 40])  # 40: shorter last groups (64, 96 inputs)
+def test_quantize_model_writes_a_checkpoint_that_runs(tmp_path, group_size: int) -> None:
     make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope")
     g = torch.Generator().manual_seed(3)
     seqs = [
         torch.randint(0, TINY_CONFIG["vocab_size"], (48,), generator=g).tolist() for _ in range(6)
     ]
     errors = quantize_model(
-        str(tmp_path / "dense"), str(tmp_path / "q"), seqs, bits=4, group_size=32
+        str(tmp_path / "dense"), str(tmp_path / "q"), seqs, bits=4, group_size=group_size
     )
     assert len(errors) == 2 * 4  # 2 layers x (qkv, o, gate_up, down)
     mean_gptq = sum(e[0] for e in errors.values()) / len(errors)

@@ -65,7 +65,7 @@ def _quantized_checkpoint(tmp_path, method: str, bits: int = 4, act_order: bool 
                 continue
             prefix = name.removesuffix(".weight")
             n, k = p.shape
-            values, zeros, scales = quantize_groups(p, bits, GROUP)
+            values, zeros, scales = quantize_groups(p, bits, GROUP, min_zero=method == "gptq")
             scales = scales.half()
             if method == "awq":
                 tensors[prefix + ".qweight"] = pack_awq(values)
@@ -126,7 +126,7 @@ def _quantize_by_g_idx(weight, bits, g_idx):
     scales = torch.empty(groups, n)
     for gi in range(groups):
         cols = (g_idx == gi).nonzero().flatten()
-        v, z, s = quantize_groups(weight[:, cols], bits, len(cols))
+        v, z, s = quantize_groups(weight[:, cols], bits, len(cols), min_zero=1)
         values[cols] = v
         zeros[gi], scales[gi] = z[0], s[0]
     return values, zeros, scales

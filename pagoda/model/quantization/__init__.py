@@ -55,10 +55,10 @@ class _PackedUntilLoaded(LinearMethodBase):
         self.dense = UnquantizedLinearMethod()
 
     def _group(self, in_size: int) -> int:
-        group = in_size if self.group_size in (-1, 0) else self.group_size
-        if in_size % group:
-            raise ValueError(f"input size {in_size} is not a multiple of group_size {group}")
-        return group
+        return in_size if self.group_size in (-1, 0) else self.group_size
+
+    def _num_groups(self, in_size: int) -> int:
+        return -(-in_size // self._group(in_size))  # a shorter last group if it does not divide
 
     @staticmethod
     def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, **attrs):
@@ -109,7 +109,7 @@ class AWQLinearMethod(_PackedUntilLoaded):
         params_dtype: torch.dtype,
     ) -> None:
         k, n = input_size_per_partition, sum(output_partition_sizes)
-        groups = k // self._group(k)
+        groups = self._num_groups(k)
         if n % self.pack:
             raise ValueError(f"AWQ needs output sizes divisible by {self.pack}, got {n}")
         self._param(layer, "qweight", (k, n // self.pack), torch.int32, output_dim=1, input_dim=0)
@@ -148,8 +148,9 @@ class GPTQLinearMethod(_PackedUntilLoaded):
         if k % self.pack or n % self.pack:
             raise ValueError(f"GPTQ needs sizes divisible by {self.pack}, got in {k}, out {n}")
         self._param(layer, "qweight", (k // self.pack, n), torch.int32, output_dim=1, input_dim=0)
-        self._param(layer, "qzeros", (k // group, n // self.pack), torch.int32, output_dim=1)
-        self._param(layer, "scales", (k // group, n), torch.float16, output_dim=1)
+        groups = self._num_groups(k)
+        self._param(layer, "qzeros", (groups, n // self.pack), torch.int32, output_dim=1)
+        self._param(layer, "scales", (groups, n), torch.float16, output_dim=1)
         # g_idx: one row per fused shard (q, k and v each have their own act-order); the
         # default k // group_size where a checkpoint has none.
         g_idx = self._param(

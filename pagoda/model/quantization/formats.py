@@ -93,21 +93,32 @@ def dequantize_gptq(
 
 
 def quantize_groups(
-    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
+    weight: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool = False,
+    min_zero: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest quantization of a [N, K] weight in groups of `group_size` inputs:
-    (values [K, N] in [0, 2**bits), zeros [K/G, N], scales [K/G, N]) with
-    w ~= (values - zeros) * scales."""
+    (values [K, N] in [0, 2**bits), zeros [ceil(K/G), N], scales [ceil(K/G), N]) with
+    w ~= (values - zeros) * scales. `min_zero=1` for GPTQ's format, which stores zero - 1."""
     n, k = weight.shape
     qmax = (1 << bits) - 1
-    w = weight.float().t().reshape(k // group_size, group_size, n)
-    if symmetric:
-        scale = w.abs().amax(dim=1) / (qmax / 2)
-        zero = torch.full_like(scale, float((qmax + 1) // 2))
-    else:
-        lo, hi = w.amin(dim=1), w.amax(dim=1)
-        scale = (hi - lo) / qmax
-        zero = torch.round(-lo / scale.clamp_min(1e-12))
-    scale = scale.clamp_min(1e-8)
-    q = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, qmax)
-    return q.reshape(k, n).to(torch.int32), zero.to(torch.int32), scale
+    w = weight.float().t()  # [K, N]
+    values = torch.empty(k, n, dtype=torch.int32)
+    groups = -(-k // group_size)  # the last group may be shorter (K not a multiple of G)
+    zeros, scales = torch.empty(groups, n, dtype=torch.int32), torch.empty(groups, n)
+    for g in range(groups):
+        rows = w[g * group_size : (g + 1) * group_size]
+        if symmetric:
+            scale = rows.abs().amax(dim=0) / (qmax / 2)
+            zero = torch.full_like(scale, float((qmax + 1) // 2))
+        else:
+            lo, hi = rows.amin(dim=0), rows.amax(dim=0)
+            scale = (hi - lo) / qmax
+            zero = torch.round(-lo / scale.clamp_min(1e-12)).clamp(min_zero, qmax)
+        scale = scale.clamp_min(1e-8)
+        q = torch.clamp(torch.round(rows / scale) + zero, 0, qmax)
+        values[g * group_size : (g + 1) * group_size] = q.to(torch.int32)
+        zeros[g], scales[g] = zero.to(torch.int32), scale
+    return values, zeros, scales

@@ -2,13 +2,13 @@
 GPTQ checkpoint (the AutoGPTQ layout of `formats.py`) that Pagoda, vLLM and transformers load.
 
 Calibration: the model runs over calibration token sequences (`PagedRunner`, the torch path on
-a CPU) while a hook on every linear layer accumulates the Hessian H = 2/n * sum x x^T of its
+a CPU) while hooks on linear layers accumulate the Hessian H = 2/n * sum x x^T of their
 inputs. Each weight matrix is then quantized column by column, each column's rounding error
 spread over the columns not yet quantized through the inverse Hessian's Cholesky factor, in
 blocks of 128 columns; group scales and zeros are set when a group's first column comes up;
 `act_order` visits columns by decreasing Hessian diagonal (`g_idx` records their groups). All
-layers see the full-precision model's activations (one calibration pass), not the already
-quantized layers' outputs as the paper's sequential variant does.
+decoder layer is calibrated on the activations of the model whose earlier layers are already
+quantized (the paper's sequential variant: one calibration pass per decoder layer).
 
     pagoda quantize MODEL --output DIR [--bits 4] [--group-size 128] [--act-order]
         [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
@@ -38,13 +38,14 @@ class GPTQResult:
 
 
 def _group_params(w: torch.Tensor, maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max scale and zero per row of w [N, cols] (zero 0 included)."""
+    """Asymmetric min/max scale and zero per row of w [N, cols] (0.0 representable). The zero
+    is at least 1: the checkpoint stores zero - 1 in `bits` bits (AutoGPTQ's format)."""
     lo = torch.minimum(w.amin(dim=1), torch.zeros(()))
     hi = torch.maximum(w.amax(dim=1), torch.zeros(()))
     flat = hi == lo
     lo, hi = torch.where(flat, lo - 1, lo), torch.where(flat, hi + 1, hi)
     scale = (hi - lo) / maxq
-    return scale, torch.round(-lo / scale)
+    return scale, torch.round(-lo / scale).clamp(1, maxq)
 
 
 def gptq_quantize(
@@ -60,8 +61,6 @@ def gptq_quantize(
     w = weight.detach().float().clone()
     n, k = w.shape
     group_size = k if group_size in (-1, 0) else group_size
-    if k % group_size:
-        raise ValueError(f"input size {k} is not a multiple of group_size {group_size}")
     maxq = (1 << bits) - 1
     h = hessian.detach().float().clone()
     dead = torch.diag(h) == 0
@@ -74,7 +73,7 @@ def gptq_quantize(
 
     q_vals = torch.zeros(n, k, dtype=torch.int32)
     deq = torch.zeros(n, k)
-    num_groups = k // group_size
+    num_groups = -(-k // group_size)  # the last group may be shorter
     scales, zeros = torch.zeros(num_groups, n), torch.zeros(num_groups, n)
     scale = zero = None
     for i1 in range(0, k, blocksize):
@@ -118,18 +117,36 @@ def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tens
 
 
 def rtn(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Round-to-nearest in the same groups: the baseline GPTQ improves on."""
+    """Round-to-nearest in the same groups (and zeros >= 1): the baseline GPTQ improves on."""
     k = weight.shape[1]
     group = k if group_size in (-1, 0) else group_size
-    values, zeros, scales = quantize_groups(weight, bits, group)
+    values, zeros, scales = quantize_groups(weight, bits, group, min_zero=1)
     z = zeros.float().repeat_interleave(group, dim=0)
-    return ((values.float() - z) * scales.repeat_interleave(group, dim=0)).t()
+    s = scales.repeat_interleave(group, dim=0)[:k]
+    return ((values.float() - z[:k]) * s).t()
+
+
+def _rtn_result(weight: torch.Tensor, bits: int, group_size: int) -> GPTQResult:
+    k = weight.shape[1]
+    group = k if group_size in (-1, 0) else group_size
+    values, zeros, scales = quantize_groups(weight, bits, group, min_zero=1)
+    return GPTQResult(
+        values=values,
+        zeros=zeros,
+        scales=scales,
+        g_idx=(torch.arange(k) // group).to(torch.int32),
+        dequantized=rtn(weight, bits, group_size),
+    )
 
 
 def collect_hessians(
-    model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]]
+    model: nn.Module,
+    cfg: dict[str, Any],
+    sequences: Iterable[list[int]],
+    only: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """H = 2/n sum x x^T of the inputs of every linear layer, over the calibration sequences."""
+    """H = 2/n sum x x^T of the inputs of every linear layer (or those named in `only`), over
+    the calibration sequences."""
     from pagoda.model.layers.linear import LinearBase
     from pagoda.model.testing import PagedRunner
 
@@ -137,7 +154,7 @@ def collect_hessians(
     counts: dict[str, int] = {}
     hooks = []
     for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) and (only is None or name in only):
 
             def hook(mod: nn.Module, args: tuple, name: str = name) -> None:
                 x = args[0].reshape(-1, args[0].shape[-1]).float()
@@ -165,12 +182,14 @@ def quantize_model(
     bits: int = 4,
     group_size: int = 128,
     act_order: bool = False,
-) -> dict[str, float]:
+    method: str = "gptq",
+) -> dict[str, tuple[float, float]]:
     """GPTQ-quantize every linear layer of `model_path` (HF dir or .gguf) on the calibration
     token `sequences` and write a GPTQ checkpoint to `output_dir` (config.json with its
     quantization_config, model.safetensors). Returns per layer the relative output error on the
     calibration inputs, trace(D H D^T) / trace(W H W^T) with D the weight's error, of GPTQ and
-    of round-to-nearest with the same groups (for comparison)."""
+    of round-to-nearest with the same groups (for comparison). `method="rtn"` writes the
+    round-to-nearest weights instead (a baseline checkpoint)."""
     from safetensors.torch import save_file
 
     from pagoda.config import ModelConfig
@@ -185,25 +204,42 @@ def quantize_model(
         max_model_len=max(len(s) for s in sequences),
     )
     model = load_model(mc, "cpu")
-    hessians = collect_hessians(model, hf_config, sequences)
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     shard_names: dict[str, list[str]] = {}
     for ckpt, (fused, _) in mapping.items():
         shard_names.setdefault(fused, []).append(ckpt)
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, tuple[float, float]] = {}
-    linear_prefixes = set()
+    if method not in ("gptq", "rtn"):
+        raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
+    # Decoder layer by decoder layer: each one's Hessians come from a pass through the model
+    # whose earlier layers are quantized already (the paper's sequential GPTQ), so its rounding
+    # is compensated on the activations the quantized model will feed it.
+    stages: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
-            continue
-        linear_prefixes.add(name)
-        res = gptq_quantize(module.weight.data, hessians[name], bits, group_size, act_order)
-        errors[name] = (
-            output_error(module.weight.data, res.dequantized, hessians[name]),
-            output_error(
-                module.weight.data, rtn(module.weight.data, bits, group_size), hessians[name]
-            ),
-        )
+        if isinstance(module, LinearBase):
+            stage = name.split(".self_attn.")[0].split(".mlp.")[0]
+            stages.setdefault(stage, []).append((name, module))
+    linear_prefixes = {name for group in stages.values() for name, _ in group}
+    results: list[tuple[str, nn.Module, GPTQResult]] = []
+    for group in stages.values():
+        hessians = collect_hessians(model, hf_config, sequences, {name for name, _ in group})
+        quantized = []
+        for name, module in group:
+            w = module.weight.data.clone()
+            if method == "rtn":
+                res = _rtn_result(w, bits, group_size)
+            else:
+                res = gptq_quantize(w, hessians[name], bits, group_size, act_order)
+            errors[name] = (
+                output_error(w, res.dequantized, hessians[name]),
+                output_error(w, rtn(w, bits, group_size), hessians[name]),
+            )
+            quantized.append((name, module, res))
+        for _, module, res in quantized:
+            module.weight.data.copy_(res.dequantized)
+        results += quantized
+    for name, module, res in results:
         fused = name.rsplit(".", 1)[-1]
         parts = shard_names.get(fused, [fused])
         sizes = (
