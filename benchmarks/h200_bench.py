@@ -69,9 +69,15 @@ def collect_environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     env.update({p: _version(p) for p in ("triton", "transformers")})
     env["cuda_runtime"] = torch.version.cuda
+    # PAGODA_COMMIT names the code of a copy without its own git checkout (an exported tree
+    # inside another checkout would otherwise report that checkout's HEAD).
+    env["pagoda_commit"] = os.environ.get("PAGODA_COMMIT", "")
     try:
         git = ["git", "rev-parse", "--short", "HEAD"]
-        env["pagoda_commit"] = subprocess.run(git, cwd=REPO, capture_output=True).stdout.decode()
+        if not env["pagoda_commit"]:
+            env["pagoda_commit"] = subprocess.run(
+                git, cwd=REPO, capture_output=True
+            ).stdout.decode()
     except OSError:
         env["pagoda_commit"] = ""
     env["pagoda_commit"] = env["pagoda_commit"].strip() or "unknown (no git checkout)"
