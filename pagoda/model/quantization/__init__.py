@@ -70,9 +70,8 @@ class _PackedUntilLoaded(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not hasattr(layer, "weight"):
-            raise RuntimeError("a quantized layer runs only after its checkpoint is loaded")
-        return self.dense.apply(layer, x, bias)
+        # Loaded layers run with the dense method (see process_weights_after_loading).
+        raise RuntimeError("a quantized layer runs only after its checkpoint is loaded")
 
     def _dense(self, layer: nn.Module) -> torch.Tensor:
         raise NotImplementedError
@@ -83,6 +82,7 @@ class _PackedUntilLoaded(LinearMethodBase):
             if name in layer._parameters:
                 del layer._parameters[name]
         layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.linear_method = self.dense  # from now on an unquantized layer, no check per call
         self.dense.process_weights_after_loading(layer)
 
 

@@ -263,7 +263,7 @@ def quantize_model(
             continue
         tensors[name] = param.data.half().contiguous()
     os.makedirs(output_dir, exist_ok=True)
-    config = {k: v for k, v in hf_config.items()}
+    config = dict(hf_config)
     config["torch_dtype"] = "float16"
     config["quantization_config"] = {
         "quant_method": "gptq",
