@@ -5,7 +5,8 @@ The KV loop is the kernel's hot path: instructions per warp per tile, times warp
 tile's tokens gives the issue cost of one (token, KV head) pair, and the mix shows what a change
 does (e.g. byte-wise shared-memory loads `LDS.U8` where Triton converts FP8 values after the
 layout change for a dot). Counting is not timing: a variant that cut the FP8 loop from 2,272 to
-1,710 instructions per warp ran 18% slower on the H200 (benchmarks/README.md); measure there.
+1,710 instructions per warp ran 18% slower on the H200 (benchmarks/README.md says how to
+reproduce both); measure there.
 
     python benchmarks/kernel_sass.py                                # FP8 e4m3, the defaults
     python benchmarks/kernel_sass.py --kv bf16 --tile 64 --warps 4  # bf16 decode
