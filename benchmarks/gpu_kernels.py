@@ -68,8 +68,11 @@ def paged_step(
     block_size: int,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
+    layout: str = "nhd",
 ):
-    """q, kv_cache and metadata of one step; each request owns random physical blocks."""
+    """q, kv_cache and metadata of one step; each request owns random physical blocks.
+    `layout` "hnd" stores each (block, KV head) as one contiguous [block_size, head_size]
+    piece and hands the kernel the same [2, blocks, block_size, kv_heads, head_size] view."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     nblocks = [-(-s // block_size) for s in seq_lens]
     total = sum(nblocks)
@@ -79,10 +82,15 @@ def paged_step(
     for b, n in enumerate(nblocks):
         tables[b, :n] = perm[start : start + n]
         start += n
-    cache = torch.empty(2, total, block_size, kv_heads, head_size, device="cuda", dtype=dtype)
+    if layout == "hnd":
+        cache = torch.empty(2, total, kv_heads, block_size, head_size, device="cuda", dtype=dtype)
+    else:
+        cache = torch.empty(2, total, block_size, kv_heads, head_size, device="cuda", dtype=dtype)
     cache.normal_()
     if cache_dtype != dtype:
         cache = (cache * 8).to(cache_dtype)
+    if layout == "hnd":
+        cache = cache.transpose(2, 3)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, heads, head_size, device="cuda", dtype=dtype)
     qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
@@ -137,26 +145,54 @@ def bench_decode(args, copy_gbps: float) -> None:
                 del q, cache, out
 
 
+def _sweep_contexts(batch: int, ctx: str) -> list[int]:
+    """`1024` -> every request 1024 tokens; `r` -> ragged, uniform in [200, 2000] (seed 0),
+    as the contexts of workload a's decode steps."""
+    if ctx == "r":
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(200, 2001, (batch,), generator=gen).tolist()
+    return [int(ctx)] * batch
+
+
 def bench_decode_sweep(args) -> None:
-    """Decode attention over launch settings: tile, warps, pipeline stages, and split-KV
-    segments for the small batches. A `sweep_best` row names the fastest setting per case."""
+    """Decode attention over launch settings: tile, warps, pipeline stages, grid order, and
+    split-KV segments for the small batches. A `sweep_best` row names the fastest per case."""
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_size, args.block_size
-    cases = [tuple(int(x) for x in c.split("x")) for c in args.sweep_cases.split(",")]
+    cases = [c.split("x") for c in args.sweep_cases.split(",")]
     names = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
     cache_dtypes = [names[n] for n in args.sweep_kv.split(",")]
-    for (batch, ctx), cache_dtype in itertools.product(cases, cache_dtypes):
+    orders = [o == "heads" for o in args.sweep_orders.split(",")]
+    for (batch_s, ctx_s), cache_dtype, layout in itertools.product(
+        cases, cache_dtypes, args.sweep_layouts.split(",")
+    ):
+        batch = int(batch_s)
+        contexts = _sweep_contexts(batch, ctx_s)
         q, cache, md = paged_step(
-            [1] * batch, [ctx - 1] * batch, h, kvh, d, bs, torch.bfloat16, cache_dtype
+            [1] * batch,
+            [c - 1 for c in contexts],
+            h,
+            kvh,
+            d,
+            bs,
+            torch.bfloat16,
+            cache_dtype,
+            layout,
         )
         ks = torch.ones(1, device="cuda") if cache_dtype != torch.bfloat16 else None
         out = torch.empty_like(q)
-        kv_bytes = batch * ctx * kvh * d * 2 * cache.element_size()
+        kv_bytes = sum(contexts) * kvh * d * 2 * cache.element_size()
         split = use_split_kv(batch, kvh, 1)
         best = None
-        for tile, warps, stages, segs in itertools.product(
-            (64, 128), (2, 4), (2, 3, 4), (8, 16, 32) if split else (1,)
+        for tile, warps, stages, heads_fastest, segs in itertools.product(
+            (64, 128),
+            (2, 4),
+            [int(x) for x in args.sweep_stages.split(",")],
+            orders,
+            (8, 16, 32) if split else (1,),
         ):
-            kwargs = dict(tile_size=tile, num_warps=warps, num_stages=stages)
+            kwargs = dict(
+                tile_size=tile, num_warps=warps, num_stages=stages, heads_fastest=heads_fastest
+            )
             try:
                 ms = _bench(
                     unified_attention,
@@ -177,8 +213,9 @@ def bench_decode_sweep(args) -> None:
                 continue
             row = dict(
                 kv=str(cache_dtype).removeprefix("torch."),
+                layout=layout,
                 batch=batch,
-                ctx=ctx,
+                ctx=ctx_s,
                 segments=segs,
                 **kwargs,
                 us=f"{ms * 1e3:.1f}",
@@ -264,8 +301,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few rows per section")
     p.add_argument("--sweep", action="store_true", help="decode tile / segment sweep")
     p.add_argument("--json", help="write the rows to this file")
-    p.add_argument("--sweep-cases", default="256x1024,96x1024,4x8192", help="BATCHxCTX,...")
+    p.add_argument(
+        "--sweep-cases", default="256x1024,96x1024,4x8192", help="BATCHxCTX,... (CTX r: ragged)"
+    )
     p.add_argument("--sweep-kv", default="bf16,e4m3,e5m2", help="cache dtypes of the sweep")
+    p.add_argument("--sweep-layouts", default="nhd", help="cache layouts: nhd and/or hnd")
+    p.add_argument("--sweep-stages", default="2,3,4", help="pipeline stages of the sweep")
+    p.add_argument(
+        "--sweep-orders", default="reqs,heads", help="grid orders: reqs and/or heads fastest"
+    )
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)

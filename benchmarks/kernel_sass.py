@@ -50,6 +50,7 @@ def signature(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, objec
         "KV_QUANT": quant,
         "DOT_PRECISION": "tf32",
         "FP16_DOTS": quant,
+        "HEADS_FASTEST": False,
     }
     pointers = {"q_ptr": "*bf16", "kv_cache_ptr": f"*{KV_TYPES[args.kv]}"}
     types = {}

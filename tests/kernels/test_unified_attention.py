@@ -73,6 +73,17 @@ def test_tile_shapes_do_not_change_results(block_m: int, tile_size: int) -> None
     torch.testing.assert_close(out, batch.reference(0.2), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("split_kv", [False, True])
+def test_grid_order_does_not_change_results(split_kv: bool) -> None:
+    # KV heads fastest in the grid (the programs of one q block side by side) or q blocks
+    # fastest: each program computes the same rows either way.
+    batch = make_paged_batch(*MIXED, 8, 2, 32, 16, device=DEV, seed=5)
+    heads = _run(batch, 0.2, heads_fastest=True, split_kv=split_kv, num_segments=4)
+    reqs = _run(batch, 0.2, heads_fastest=False, split_kv=split_kv, num_segments=4)
+    torch.testing.assert_close(heads, reqs, atol=0, rtol=0)
+    torch.testing.assert_close(heads, batch.reference(0.2), atol=ATOL, rtol=RTOL)
+
+
 def test_rows_past_num_actual_tokens_are_untouched() -> None:
     batch = make_paged_batch([1, 6], [10, 4], 4, 2, 32, 16, device=DEV, seed=4)
     pad = torch.zeros(3, 4, 32, device=DEV)

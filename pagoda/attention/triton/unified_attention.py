@@ -30,6 +30,7 @@ DEFAULT_NUM_SEGMENTS = 16
 _QUANT_DECODE_TILE = 128
 # ... in programs of two warps: 210 vs 226 µs at 256 x 1024 tokens (e4m3, H200 sweep).
 _QUANT_DECODE_WARPS = 2
+_HEADS_FASTEST = False
 
 
 @triton.jit
@@ -86,9 +87,14 @@ def _unified_attention_kernel(
     KV_QUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    q_block_global = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        q_block_global = tl.program_id(1)
+    else:
+        q_block_global = tl.program_id(0)
+        kv_head = tl.program_id(1)
     segm = tl.program_id(2)
 
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q)
@@ -251,6 +257,7 @@ def unified_attention(
     tile_size: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads_fastest: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -259,7 +266,8 @@ def unified_attention(
     (`query_start_loc`, `seq_lens`, `block_tables`, `max_query_len`, `num_actual_tokens`).
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
-    `num_warps` / `num_stages` Triton's launch settings. Returns `out`.
+    `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
+    of a q block next to each other. Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -319,8 +327,16 @@ def unified_attention(
     dummy = k_scale_t if k_scale_t is not None else seq_lens
     if num_warps is None and quant and max_query_len == 1:
         num_warps = _QUANT_DECODE_WARPS
+    if heads_fastest is None:
+        heads_fastest = _HEADS_FASTEST
+    heads_fastest = heads_fastest and num_q_blocks < 65536  # grid axis 1's limit
+    grid = (
+        (num_kv_heads, num_q_blocks, num_segments)
+        if heads_fastest
+        else (num_q_blocks, num_kv_heads, num_segments)
+    )
     launch = {"num_warps": num_warps, "num_stages": num_stages}
-    _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+    _unified_attention_kernel[grid](
         out,
         q,
         kv_cache,
@@ -357,6 +373,7 @@ def unified_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
+        HEADS_FASTEST=heads_fastest,
         **{k: v for k, v in launch.items() if v is not None},
     )
     if split_kv:
