@@ -14,6 +14,8 @@ contexts would otherwise leave most SMs idle. The cache layout and metadata are 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,8 @@ DEFAULT_NUM_SEGMENTS = 16
 _QUANT_DECODE_TILE = 128
 # ... in programs of two warps: 210 vs 226 µs at 256 x 1024 tokens (e4m3, H200 sweep).
 _QUANT_DECODE_WARPS = 2
-_HEADS_FASTEST = False
+# (An A/B knob until measured on the H200.)
+_HEADS_FASTEST = os.environ.get("PAGODA_ATTN_HEADS_FASTEST", "0") == "1"
 
 
 @triton.jit
