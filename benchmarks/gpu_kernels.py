@@ -183,15 +183,21 @@ def bench_decode_sweep(args) -> None:
         kv_bytes = sum(contexts) * kvh * d * 2 * cache.element_size()
         split = use_split_kv(batch, kvh, 1)
         best = None
-        for tile, warps, stages, heads_fastest, segs in itertools.product(
-            (64, 128),
-            (2, 4),
-            [int(x) for x in args.sweep_stages.split(",")],
+        ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+        for tile, warps, stages, heads_fastest, prefetch, segs in itertools.product(
+            ints(args.sweep_tiles),
+            ints(args.sweep_warps),
+            ints(args.sweep_stages),
             orders,
+            [bool(x) for x in ints(args.sweep_prefetch)],
             (8, 16, 32) if split else (1,),
         ):
             kwargs = dict(
-                tile_size=tile, num_warps=warps, num_stages=stages, heads_fastest=heads_fastest
+                tile_size=tile,
+                num_warps=warps,
+                num_stages=stages,
+                heads_fastest=heads_fastest,
+                prefetch=prefetch,
             )
             try:
                 ms = _bench(
@@ -307,6 +313,9 @@ def main() -> None:
     p.add_argument("--sweep-kv", default="bf16,e4m3,e5m2", help="cache dtypes of the sweep")
     p.add_argument("--sweep-layouts", default="nhd", help="cache layouts: nhd and/or hnd")
     p.add_argument("--sweep-stages", default="2,3,4", help="pipeline stages of the sweep")
+    p.add_argument("--sweep-tiles", default="64,128", help="key tiles (tokens) of the sweep")
+    p.add_argument("--sweep-warps", default="2,4", help="warps per program of the sweep")
+    p.add_argument("--sweep-prefetch", default="0", help="0 and/or 1: key tiles loaded ahead")
     p.add_argument(
         "--sweep-orders", default="reqs,heads", help="grid orders: reqs and/or heads fastest"
     )

@@ -1,4 +1,5 @@
-"""Fused ops of the model (RMSNorm(+residual), SiLU-and-mul, RoPE, the one-row GEMV).
+"""Fused ops of the model (RMSNorm(+residual), SiLU-and-mul, RoPE, the one-row GEMV, the
+few-row GEMM).
 
 The functions here pick the Triton kernel for CUDA tensors and the torch reference
 (`pagoda.kernels.reference`) otherwise, so model code calls them on any device; importing
@@ -64,6 +65,21 @@ def rotary_embedding(
 
         return rotary_embedding_triton(positions, q, k, cos_sin_cache, head_size)
     return rotary_embedding_ref(positions, q, k, cos_sin_cache, head_size)
+
+
+def few_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The Triton skinny GEMM (`pagoda.kernels.skinny_gemm`) for the 2..64-row CUDA products
+    where it beat cuBLAS on the H200, else None (the caller's cuBLAS)."""
+    if not (_use_triton(x) and x.dim() == 2):
+        return None
+    from pagoda.kernels import skinny_gemm
+
+    m, k = x.shape
+    if not skinny_gemm.preferred(m, weight.shape[0], k):
+        return None
+    return skinny_gemm.skinny_linear(x, weight, bias)
 
 
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "triton_available"]

@@ -31,9 +31,8 @@ import triton.language as tl
 MIN_ROWS, MAX_ROWS = 2, 128
 # Counters per device: one per N tile of a split launch (lm_head 128256 / 32 = 4008 tiles).
 MAX_SPLIT_TILES = 8192
-# Shared memory a config's pipeline may take (227 KB on sm_90, minus room for the epilogue).
-SMEM_BUDGET = 160 * 1024
-STAGE_BYTES = 48 * 1024
+# Shared memory of an sm_90 SM that one program may take.
+SMEM_BUDGET = 227 * 1024
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -126,33 +125,38 @@ def block_m_for(m: int) -> int:
 def default_config(
     m: int, n: int, k: int, num_sms: int = 132, *, elem_bytes: int = 2
 ) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split_k, num_warps, num_stages) for an [m, k] x [n, k]^T product.
-
-    A first guess from the bandwidth argument, to be replaced by the H200 sweep
-    (benchmarks/gemm_sweep.py):
-    - BLOCK_N = 64 weight rows (one warpgroup's wgmma M side); 128 when even 128-row tiles
-      give >= 4 waves over the SMs (lm_head).
-    - BLOCK_K: the longest of 256, 128, 64 whose pipeline stage ((BLOCK_N + BLOCK_M) rows)
-      holds <= 48 KB; stages then fill SMEM_BUDGET (3..5 stages, 128..160 KB of loads in
-      flight per SM: about what one SM's share of 4.8 TB/s needs over ~1 us of latency).
-    - SPLIT_K: enough splits for ~2 waves of programs (tiles * split >= 2 * SMs), but each
-      split keeps >= 4 K blocks (pipeline depth) and the fp32 partials (written and read
-      back: split * m * n * 8 bytes) stay under a quarter of the weight bytes (2 n k).
-    - 8 warps once the fp32 accumulator passes 64 x 128 (64 registers a thread at 4 warps).
-    """
+    """(block_n, block_k, split_k, num_warps, num_stages) for an [m, k] x [n, k]^T product:
+    the fastest settings of the H200 sweep (`python benchmarks/gemm_sweep.py --quick`, run
+    2026-11-29, benchmarks/results/h200/run13-skinny-gemm) for the Llama-3-8B shapes, as a
+    rule by shape class. Few N tiles did not need split-K (qkv's 96 and o's 64 programs ran
+    fastest unsplit, 256-wide K blocks); only the deep down projection (K = 3.5 N) gains
+    from it. `num_sms` is kept for other GPUs' rules."""
+    del num_sms
     block_m = block_m_for(m)
-    block_n = 128 if triton.cdiv(n, 128) >= 4 * num_sms else 64
-    fits = [bk for bk in (256, 128, 64, 32) if (block_n + block_m) * bk * elem_bytes <= STAGE_BYTES]
-    block_k = fits[0] if fits else 16
-    tiles = triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    wanted = triton.cdiv(2 * num_sms, tiles)
-    cap = min(16, max(1, k_blocks // 4), max(1, k // (16 * m)))
-    split_k = split_k_plan(k, block_k, max(1, min(wanted, cap)))[1]
-    num_warps = 8 if block_n * block_m > 64 * 128 else 4
+    wide_k = 512 // elem_bytes  # 256 for 16-bit inputs
+    if k >= 2 * n:  # down: 64 N tiles over a long K
+        if m <= 16:
+            cfg = (64, 128, 4, 4, 3)
+        else:
+            cfg = (64, wide_k, 2, 4, 4) if block_m <= 32 else (64, 128, 2, 4, 4)
+    elif n >= 16384:  # gate_up, lm_head: enough N tiles, 128-row weight tiles
+        cfg = (128, 128, 1, 4, 4)
+    else:
+        cfg = (64, wide_k, 1, 4, 4) if block_m <= 32 else (64, 128, 1, 4, 4)
+    block_n, block_k, split_k, num_warps, num_stages = cfg
+    # Taller row tiles (past the measured rows): fewer stages, within shared memory.
     stage_bytes = (block_n + block_m) * block_k * elem_bytes
-    num_stages = max(2, min(5, SMEM_BUDGET // stage_bytes))
-    return block_n, block_k, split_k, num_warps, num_stages
+    num_stages = max(2, min(num_stages, SMEM_BUDGET // stage_bytes))
+    return block_n, block_k, split_k_plan(k, block_k, split_k)[1], num_warps, num_stages
+
+
+def preferred(m: int, n: int, k: int) -> bool:
+    """Whether `skinny_linear` beat cuBLAS and cuBLASLt in the H200 sweep for this product
+    (cold weights, CUDA graphs): up to 32 rows for every Llama-3-8B shape (e.g. 16 rows:
+    qkv 15.7 vs 16.5 us, o 11.5 vs 13.5, gate_up 58.4 vs 63.4, down 32.3 vs 34.5), and up to
+    64 rows for the wide ones (gate_up 62.0 vs 62.9; lm_head 257 vs 286). Past that cuBLAS
+    wins or ties."""
+    return MIN_ROWS <= m <= 32 or (m <= 64 and n >= 16384)
 
 
 def split_k_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:

@@ -34,6 +34,7 @@ _QUANT_DECODE_TILE = 128
 _QUANT_DECODE_WARPS = 2
 # (An A/B knob until measured on the H200.)
 _HEADS_FASTEST = os.environ.get("PAGODA_ATTN_HEADS_FASTEST", "0") == "1"
+_PREFETCH = os.environ.get("PAGODA_ATTN_PREFETCH", "0") == "1"
 
 
 @triton.jit
@@ -51,6 +52,31 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.con
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _load_kv_tile(
+    kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+    stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr,
+):  # fmt: skip
+    """K^T [HEAD_SIZE_PADDED, TILE_SIZE] and V [TILE_SIZE, HEAD_SIZE_PADDED] of key tile j, as
+    stored (tokens at or past kv_end read as 0)."""
+    k_pos = j * TILE_SIZE + offs_t
+    k_ok = k_pos < kv_end
+    # A tile may span several cache blocks: look up each token's physical block.
+    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot + kv_head_off
+    k = tl.load(
+        kv_cache_ptr + slot_off[None, :] + offs_d[:, None],
+        mask=k_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :],
+        mask=k_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    return k, v
 
 
 @triton.jit
@@ -91,6 +117,7 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -151,22 +178,28 @@ def _unified_attention_kernel(
     bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_c_head
 
+    if PREFETCH:
+        k_next, v_next = _load_kv_tile(
+            kv_cache_ptr, bt_row, tile_lo, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+            stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
+        )  # fmt: skip
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE_SIZE + offs_t
         k_ok = k_pos < kv_end
-        # A tile may span several cache blocks: look up each token's physical block.
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot + kv_head_off
-        k = tl.load(
-            kv_cache_ptr + slot_off[None, :] + offs_d[:, None],
-            mask=k_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )  # [HEAD_SIZE_PADDED, TILE_SIZE]
-        v = tl.load(
-            kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :],
-            mask=k_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [TILE_SIZE, HEAD_SIZE_PADDED]
+        if PREFETCH:
+            # The next tile's loads are issued before this tile's math, so their latency
+            # overlaps it (past the last tile: all masked, no traffic).
+            k, v = k_next, v_next
+            next_end = tl.where(j + 1 < tile_hi, kv_end, 0)
+            k_next, v_next = _load_kv_tile(
+                kv_cache_ptr, bt_row, j + 1, next_end, offs_t, offs_d, d_ok, kv_head_off,
+                stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
+            )  # fmt: skip
+        else:
+            k, v = _load_kv_tile(
+                kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+                stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
+            )  # fmt: skip
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
         # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
         # (Converting by bit moves, fp8 tensor-core dots, K loaded row-wise and V converted as
@@ -261,6 +294,7 @@ def unified_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -270,7 +304,8 @@ def unified_attention(
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
     `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
-    of a q block next to each other. Returns `out`.
+    of a q block next to each other; `prefetch` issues each key tile's loads one tile ahead.
+    Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -377,6 +412,7 @@ def unified_attention(
         # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
         HEADS_FASTEST=heads_fastest,
+        PREFETCH=_PREFETCH if prefetch is None else prefetch,
         **{k: v for k, v in launch.items() if v is not None},
     )
     if split_kv:

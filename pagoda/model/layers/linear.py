@@ -11,7 +11,8 @@ outputs across ranks, row layers their inputs and sum the partial products with 
 On CPU, a bf16 weight is packed after loading for the C GEMM of `pagoda.kernels.cpu.gemm`,
 which then takes every product (it beats oneDNN at all row counts); other small products
 (float32 decode) go to the skinny GEMM on the plain weight. On CUDA a one-row product
-(single-stream decode) takes the Triton GEMV of `pagoda.kernels.gemv`, the rest cuBLAS. With the
+(single-stream decode) takes the Triton GEMV of `pagoda.kernels.gemv`, 2..32 rows (64 for wide
+outputs) the skinny GEMM of `pagoda.kernels.skinny_gemm`, the rest cuBLAS. With the
 layer's `fused_ops` off, `F.linear` (on the unpacked weight) is the reference.
 """
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu as cpu_ops
-from pagoda.kernels import one_row_linear
+from pagoda.kernels import few_rows_linear, one_row_linear
 from pagoda.kernels.cpu import gemm as cpu_gemm
 from pagoda.model.parallel import (
     divide,
@@ -102,8 +103,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight, fused = layer.weight, getattr(layer, "fused_ops", False)
         if x.is_cuda:
             # One row (single-stream decode): a Triton GEMV streams the weight faster than
-            # cuBLAS's split-K kernels (pagoda/kernels/gemv.py).
-            y = one_row_linear(x, weight, bias) if fused else None
+            # cuBLAS's split-K kernels (pagoda/kernels/gemv.py); a few rows, the Triton skinny
+            # GEMM (pagoda/kernels/skinny_gemm.py).
+            y = None
+            if fused:
+                y = one_row_linear(x, weight, bias)
+                if y is None:
+                    y = few_rows_linear(x, weight, bias)
             return F.linear(x, weight, bias) if y is None else y
         if cpu_gemm.is_packed(weight):
             if fused and cpu_gemm.packed_linear_supported(x, weight):
