@@ -184,12 +184,11 @@ def bench_decode_sweep(args) -> None:
         split = use_split_kv(batch, kvh, 1)
         best = None
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-        for tile, warps, stages, heads_fastest, prefetch, segs in itertools.product(
+        for tile, warps, stages, heads_fastest, segs in itertools.product(
             ints(args.sweep_tiles),
             ints(args.sweep_warps),
             ints(args.sweep_stages),
             orders,
-            [bool(x) for x in ints(args.sweep_prefetch)],
             (8, 16, 32) if split else (1,),
         ):
             kwargs = dict(
@@ -197,7 +196,6 @@ def bench_decode_sweep(args) -> None:
                 num_warps=warps,
                 num_stages=stages,
                 heads_fastest=heads_fastest,
-                prefetch=prefetch,
             )
             try:
                 ms = _bench(
@@ -315,7 +313,6 @@ def main() -> None:
     p.add_argument("--sweep-stages", default="2,3,4", help="pipeline stages of the sweep")
     p.add_argument("--sweep-tiles", default="64,128", help="key tiles (tokens) of the sweep")
     p.add_argument("--sweep-warps", default="2,4", help="warps per program of the sweep")
-    p.add_argument("--sweep-prefetch", default="0", help="0 and/or 1: key tiles loaded ahead")
     p.add_argument(
         "--sweep-orders", default="reqs,heads", help="grid orders: reqs and/or heads fastest"
     )

@@ -51,7 +51,6 @@ def signature(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, objec
         "DOT_PRECISION": "tf32",
         "FP16_DOTS": quant,
         "HEADS_FASTEST": False,
-        "PREFETCH": args.prefetch,
     }
     pointers = {"q_ptr": "*bf16", "kv_cache_ptr": f"*{KV_TYPES[args.kv]}"}
     types = {}
@@ -134,7 +133,6 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prefetch", action="store_true", help="key tiles loaded one tile ahead")
     p.add_argument("--top", type=int, default=20, help="opcodes to list")
     p.add_argument("--sass", help="also write the whole SASS here")
     args = p.parse_args()

@@ -55,9 +55,6 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
-    # Memory order within a cache block (`pagoda.worker.kv_cache.allocate_kv_caches`): the
-    # backend reads the [2, blocks, block_size, kv_heads, head_size] view either way.
-    kv_cache_layout: str = "nhd"
 
     def prepare(self, attn_metadata: AttentionMetadata) -> None:
         return None

@@ -53,30 +53,13 @@ class KVCacheSpec:
         return per_layer * self.dtype.itemsize * self.num_layers
 
 
-KV_CACHE_LAYOUTS = ("nhd", "hnd")
-
-
 def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device, layout: str = "nhd"
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """One cache per layer, seen as [2, num_blocks, block_size, num_kv_heads, head_size].
-
-    `layout` is the order in memory within a block: "nhd" as seen (a token's KV heads side by
-    side), or "hnd" (each KV head's block_size x head_size rows contiguous: one head's block is
-    one contiguous piece, as FlashInfer's HND layout), then handed out as a transposed view.
-    Kernels that go by strides read both; code that needs the plain layout checks
-    `is_contiguous()`."""
-    if layout not in KV_CACHE_LAYOUTS:
-        raise ValueError(f"KV cache layout must be one of {KV_CACHE_LAYOUTS}, got {layout!r}")
     # Zeroed: attention reads (and masks out) the unwritten tail of a request's last block, and
     # uninitialised memory could hold NaN bit patterns that a mask does not remove.
-    block_size, num_kv_heads, head_size = spec.block_shape
-    if layout == "hnd":
-        shape = (2, num_blocks, num_kv_heads, block_size, head_size)
-    else:
-        shape = (2, num_blocks, block_size, num_kv_heads, head_size)
-    caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-    return [c.transpose(2, 3) for c in caches] if layout == "hnd" else caches
+    shape = (2, num_blocks, *spec.block_shape)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def available_memory_bytes() -> int:

@@ -226,9 +226,7 @@ class ModelRunner:
         if not shapes:
             return 0
         num_tokens, num_reqs = shapes[-1]
-        caches = allocate_kv_caches(
-            self.get_kv_cache_spec(), 2, self.device, self.attn_backend.kv_cache_layout
-        )
+        caches = allocate_kv_caches(self.get_kv_cache_spec(), 2, self.device)
         inputs = self.inputs
         inputs.prepare_mixed_padding_only(num_tokens, num_reqs)
         md = inputs.mixed_metadata(num_tokens, num_reqs, self.model_config.max_model_len)
@@ -254,8 +252,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
         spec = self.get_kv_cache_spec()
-        layout = self.attn_backend.kv_cache_layout
-        self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device, layout)
+        self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and self.kv_caches[0].dtype == torch.int8:
             # INT8 needs scales from real K/V: the first step computes them, eagerly.

@@ -79,9 +79,7 @@ def estimate_cuda_graph_memory(runner: ModelRunner, capture_sizes: Sequence[int]
         return 0
     device = runner.device
     size = max(capture_sizes)
-    caches = allocate_kv_caches(
-        runner.get_kv_cache_spec(), 2, device, runner.attn_backend.kv_cache_layout
-    )
+    caches = allocate_kv_caches(runner.get_kv_cache_spec(), 2, device)
     inputs = runner.inputs
     inputs.prepare_padding_only(size)
     md = inputs.decode_metadata(size, runner.model_config.max_model_len)

@@ -145,38 +145,6 @@ def test_backend_step_matches_torch_reference() -> None:
     assert torch.all(out[md.num_actual_tokens :] == 0)
 
 
-def _as_hnd(cache: torch.Tensor) -> torch.Tensor:
-    """The same values stored head-major within each block (`allocate_kv_caches(layout=
-    "hnd")`): the [2, blocks, block_size, kv_heads, head_size] view of other memory order."""
-    return cache.transpose(2, 3).contiguous().transpose(2, 3)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
-def test_backend_step_on_a_head_major_cache_matches_the_plain_layout(cache_dtype) -> None:
-    batch, q, k, v, md = _step(cache_dtype)
-    scales = (0.03, 0.025) if cache_dtype == torch.int8 else (1.0, 1.0)
-    layer = _layer(8, 2, 32, *scales)
-    cache_nhd, cache_hnd = batch.kv_cache.clone(), _as_hnd(batch.kv_cache)
-    assert not cache_hnd.is_contiguous()
-    out_nhd = TritonAttentionBackend().forward(layer, q, k, v, cache_nhd, md, 0.2)
-    out_hnd = TritonAttentionBackend().forward(layer, q, k, v, cache_hnd, md, 0.2)
-    assert torch.equal(cache_hnd, cache_nhd)
-    assert torch.equal(out_hnd, out_nhd)
-
-
-def test_allocated_layouts_are_views_of_the_same_shape() -> None:
-    from pagoda.worker.kv_cache import KVCacheSpec, allocate_kv_caches
-
-    spec = KVCacheSpec(2, 16, 4, 32, torch.float32)
-    (nhd, _), (hnd, _) = (allocate_kv_caches(spec, 3, DEV, lay) for lay in ("nhd", "hnd"))
-    assert nhd.shape == hnd.shape == (2, 3, 16, 4, 32)
-    assert nhd.is_contiguous() and not hnd.is_contiguous()
-    # One (block, KV head) of the head-major cache is one contiguous [block_size, head_size].
-    assert hnd.stride()[2:] == (32, 16 * 32, 1)
-    with pytest.raises(ValueError, match="layout"):
-        allocate_kv_caches(spec, 3, DEV, "nhwc")
-
-
 def test_backend_step_with_int8_cache_reads_every_key_from_the_cache() -> None:
     # Unlike the torch reference (whose fresh prompts attend to their unquantized k/v), the
     # kernel reads all keys, this step's included, back from the quantized cache, as vLLM's

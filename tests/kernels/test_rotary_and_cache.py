@@ -102,22 +102,6 @@ def test_fused_equals_rope_then_cache_write(
     assert not torch.equal(ref_q, q.new_zeros(q.shape))
 
 
-def test_fused_write_into_a_head_major_cache() -> None:
-    # The HND layout (`allocate_kv_caches(layout="hnd")`) is a strided view: same values.
-    cache, qkv, q, k, v, positions, md = _step(8, 2, 32, torch.float32)
-    cos_sin = _cos_sin_cache(64, 32)
-    hnd = cache.transpose(2, 3).contiguous().transpose(2, 3)
-    qkv_hnd = qkv.clone()
-    q2, k2, v2 = (
-        x.view(q.shape[0], -1, 32)
-        for x in qkv_hnd.split([q[0].numel(), k[0].numel(), v[0].numel()], -1)
-    )
-    n = md.num_actual_tokens
-    rotary_embedding_and_cache(positions, q, k, v, cos_sin, cache, md.slot_mapping, n)
-    rotary_embedding_and_cache(positions, q2, k2, v2, cos_sin, hnd, md.slot_mapping, n)
-    assert torch.equal(hnd, cache) and torch.equal(qkv_hnd, qkv)
-
-
 def test_padding_rows_and_skipped_slots_leave_the_cache_alone() -> None:
     cache, _, q, k, v, positions, md = _step(4, 2, 32, torch.float32)
     before = cache.clone()

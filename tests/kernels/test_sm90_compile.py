@@ -117,7 +117,6 @@ def test_unified_attention_compiles_for_sm90(
         DOT_PRECISION="ieee" if q_dtype == "fp32" else "tf32",
         FP16_DOTS=cache_dtype in ("fp8e4nv", "i8") and q_dtype == "bf16",
         HEADS_FASTEST=False,
-        PREFETCH=False,
     )
     consts.update(options)
     ptx = _compile(ua._unified_attention_kernel, sig, consts)

@@ -73,16 +73,6 @@ def test_tile_shapes_do_not_change_results(block_m: int, tile_size: int) -> None
     torch.testing.assert_close(out, batch.reference(0.2), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
-@pytest.mark.parametrize("split_kv", [False, True])
-def test_prefetching_the_next_key_tile_does_not_change_results(lens, split_kv: bool) -> None:
-    batch = make_paged_batch(*lens, 8, 2, 32, 16, device=DEV, seed=6)
-    kwargs = dict(split_kv=split_kv, num_segments=4, tile_size=16)
-    ahead = _run(batch, 0.2, prefetch=True, **kwargs)
-    torch.testing.assert_close(ahead, _run(batch, 0.2, prefetch=False, **kwargs), atol=0, rtol=0)
-    torch.testing.assert_close(ahead, batch.reference(0.2), atol=ATOL, rtol=RTOL)
-
-
 @pytest.mark.parametrize("split_kv", [False, True])
 def test_grid_order_does_not_change_results(split_kv: bool) -> None:
     # KV heads fastest in the grid (the programs of one q block side by side) or q blocks

@@ -12,7 +12,6 @@ a cache of block size 1 and the same kernel runs.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -28,8 +27,6 @@ from pagoda.attention.triton.unified_attention import unified_attention
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    # The kernels go by strides. (An A/B knob until the layouts are measured on the H200.)
-    kv_cache_layout = os.environ.get("PAGODA_KV_CACHE_LAYOUT", "nhd")
 
     def __init__(self) -> None:
         # Layers keep k_scale / v_scale as floats; the kernels read one-element tensors.

@@ -14,8 +14,6 @@ contexts would otherwise leave most SMs idle. The cache layout and metadata are 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +30,10 @@ DEFAULT_NUM_SEGMENTS = 16
 _QUANT_DECODE_TILE = 128
 # ... in programs of two warps: 210 vs 226 µs at 256 x 1024 tokens (e4m3, H200 sweep).
 _QUANT_DECODE_WARPS = 2
-# (An A/B knob until measured on the H200.)
-_HEADS_FASTEST = os.environ.get("PAGODA_ATTN_HEADS_FASTEST", "0") == "1"
-_PREFETCH = os.environ.get("PAGODA_ATTN_PREFETCH", "0") == "1"
+# The KV heads of a q block launched side by side: they read neighbouring bytes of the same
+# cache blocks at about the same time (FP8 decode 229-233 vs 231-237 us at 256 x 1024 and
+# ragged contexts, H200 sweep run 13; workload a with FP8 KV 10.5k vs 10.3k tokens/s).
+_HEADS_FASTEST = True
 
 
 @triton.jit
@@ -117,7 +116,6 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -178,28 +176,13 @@ def _unified_attention_kernel(
     bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_c_head
 
-    if PREFETCH:
-        k_next, v_next = _load_kv_tile(
-            kv_cache_ptr, bt_row, tile_lo, kv_end, offs_t, offs_d, d_ok, kv_head_off,
-            stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
-        )  # fmt: skip
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE_SIZE + offs_t
         k_ok = k_pos < kv_end
-        if PREFETCH:
-            # The next tile's loads are issued before this tile's math, so their latency
-            # overlaps it (past the last tile: all masked, no traffic).
-            k, v = k_next, v_next
-            next_end = tl.where(j + 1 < tile_hi, kv_end, 0)
-            k_next, v_next = _load_kv_tile(
-                kv_cache_ptr, bt_row, j + 1, next_end, offs_t, offs_d, d_ok, kv_head_off,
-                stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
-            )  # fmt: skip
-        else:
-            k, v = _load_kv_tile(
-                kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
-                stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
-            )  # fmt: skip
+        k, v = _load_kv_tile(
+            kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+            stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
+        )  # fmt: skip
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
         # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
         # (Converting by bit moves, fp8 tensor-core dots, K loaded row-wise and V converted as
@@ -294,7 +277,6 @@ def unified_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
-    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -304,8 +286,7 @@ def unified_attention(
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
     `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
-    of a q block next to each other; `prefetch` issues each key tile's loads one tile ahead.
-    Returns `out`.
+    of a q block side by side (the default) or q blocks fastest. Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -412,7 +393,6 @@ def unified_attention(
         # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
         HEADS_FASTEST=heads_fastest,
-        PREFETCH=_PREFETCH if prefetch is None else prefetch,
         **{k: v for k, v in launch.items() if v is not None},
     )
     if split_kv:
