@@ -33,7 +33,7 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
-        from pagoda.executor.uniproc import UniProcExecutor
+        from pagoda.executor import make_executor
 
         start = time.perf_counter()
         self.config = config
@@ -42,7 +42,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = (
             None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer or mc.model)
         )
-        self.executor = UniProcExecutor(config)
+        self.executor = make_executor(config)  # in-process, or tensor-parallel workers
         num_blocks = (
             config.cache_config.num_gpu_blocks_override or self.executor.determine_num_blocks()
         )

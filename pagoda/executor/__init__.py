@@ -1,1 +1,79 @@
-"""Executors: run the model runner in-process (one device) or across workers (tensor parallel)."""
+"""Executors: run the model runner in-process (one device) or across workers (tensor parallel).
+
+`make_executor(config)` picks one: `UniProcExecutor` for tensor_parallel_size 1,
+`MultiprocExecutor` (one worker process per rank, torch.distributed) above it. Both have the
+same methods: `determine_num_blocks`, `bytes_per_block`, `initialize_kv_cache`,
+`execute_model`, `execute_model_async` (whose result's `.get()` waits for the step's output) and
+`shutdown`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagoda.config import EngineConfig
+from pagoda.model.parallel import divide
+
+if TYPE_CHECKING:
+    from pagoda.executor.multiproc import MultiprocExecutor
+    from pagoda.executor.uniproc import UniProcExecutor
+
+
+def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
+    pc = config.parallel_config
+    if pc.distributed_executor_backend not in (None, "mp", "ray"):
+        raise ValueError(
+            f"distributed_executor_backend must be 'mp' or 'ray', got "
+            f"{pc.distributed_executor_backend!r}"
+        )
+    if pc.distributed_executor_backend == "ray":
+        raise ValueError(
+            "distributed_executor_backend='ray' is not supported yet: Pagoda runs tensor "
+            "parallelism on one machine with worker processes (leave it unset or pass 'mp')"
+        )
+    if pc.tensor_parallel_size == 1:
+        from pagoda.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    check_tensor_parallel_config(config)
+    from pagoda.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config)
+
+
+def check_tensor_parallel_config(config: EngineConfig) -> None:
+    """Refuse, before any worker starts, what tensor parallelism cannot shard or run yet."""
+    tp = config.parallel_config.tensor_parallel_size
+    mc = config.model_config
+    divide(mc.num_attention_heads, tp, "num_attention_heads")
+    kv = mc.num_kv_heads
+    if tp > kv and tp % kv:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) is larger than num_key_value_heads ({kv}) but not a "
+            "multiple of it: each KV head must be replicated on a whole number of ranks; "
+            "pick a tensor_parallel_size that divides or is a multiple of the KV heads"
+        )
+    if tp < kv:
+        divide(kv, tp, "num_key_value_heads")
+    divide(mc.vocab_size, tp, "vocab_size")
+    divide(int(mc.hf_config["intermediate_size"]), tp, "intermediate_size")
+    if mc.quantization in ("awq", "gptq"):
+        raise ValueError(
+            f"{mc.quantization.upper()} checkpoints with tensor_parallel_size > 1 are not "
+            "supported yet (their packed tensors are not sharded): use tensor_parallel_size=1"
+        )
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(
+            "speculative decoding with a draft model and tensor_parallel_size > 1 is not "
+            "supported yet: use method 'ngram' or tensor_parallel_size=1"
+        )
+    if config.device_config.device == "cuda":
+        import torch
+
+        found = torch.cuda.device_count()
+        if found < tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs, this machine shows {found}: lower "
+                "--tensor-parallel-size (or check CUDA_VISIBLE_DEVICES)"
+            )

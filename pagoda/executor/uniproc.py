@@ -34,3 +34,6 @@ class UniProcExecutor:
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepOutputFuture:
         """Launch the step; `.get()` on the result waits for its output."""
         return self.model_runner.execute_model_async(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives and dies with this process."""

@@ -1,0 +1,374 @@
+"""`MultiprocExecutor`: tensor parallelism over one worker process per rank (vLLM's
+MultiprocExecutor, in small).
+
+The driver (the engine's process) spawns `tensor_parallel_size` workers (`multiproc_worker`),
+which join a torch.distributed group (gloo on CPU, NCCL on CUDA, rendezvous on a free local
+port) and each build a `ModelRunner` on their shard. Each step's `SchedulerOutput` is pickled
+once, when the step is launched (the snapshot the runner would have read in-process), and
+written to every worker's pipe by a sender thread, so the engine never blocks on a full pipe;
+only rank 0 answers with the sampled tokens. The KV cache gets the smallest block count any rank
+can hold.
+
+Failures reach the engine as exceptions, never as a hang: every wait watches all workers' pipes
+(a worker reports its exception before it exits) and process sentinels (a worker killed from
+outside), and a step that takes longer than $PAGODA_EXECUTE_MODEL_TIMEOUT_S (default 300 s)
+fails. After a failure the workers are stopped and every later call raises. Workers stop on
+`shutdown()`, when the executor is garbage-collected, at interpreter exit, and by themselves
+when the driver process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_STEP_TIMEOUT_S = 300.0
+_JOIN_TIMEOUT_S = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed or died; the executor is unusable afterwards."""
+
+
+def step_timeout_s() -> float:
+    env = os.environ.get("PAGODA_EXECUTE_MODEL_TIMEOUT_S")
+    if env is None:
+        return _DEFAULT_STEP_TIMEOUT_S
+    try:
+        value = float(env)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"PAGODA_EXECUTE_MODEL_TIMEOUT_S must be a positive number, got {env!r}")
+    return value
+
+
+class MultiprocStepFuture:
+    """One launched step; `get()` waits for rank 0's `ModelRunnerOutput`."""
+
+    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+        self._executor, self._seq = executor, seq
+        self._output: ModelRunnerOutput | None = None
+
+    def get(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._step_result(self._seq)
+        return self._output
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from pagoda.worker.model_runner import num_cpu_threads
+
+        self.config = config
+        self.world_size = tp = config.parallel_config.tensor_parallel_size
+        self.step_timeout_s = step_timeout_s()
+        self._error: BaseException | None = None
+        self._launched = 0  # steps sent
+        self._received = 0  # steps whose result rank 0 has sent and the driver read
+        self._results: dict[int, ModelRunnerOutput] = {}
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        worker_config = _worker_config(config)
+        cpu_threads = max(1, num_cpu_threads() // tp)
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._stop_gracefully = [True]  # False after a failure: the others may be stuck
+        self._sender = threading.Thread(
+            target=_send_loop, args=(self._outbox, self._conns), name="pagoda-tp-send", daemon=True
+        )
+        # Everything the shutdown needs, and nothing that refers to self: the finalizer runs
+        # when the executor is garbage-collected or at interpreter exit.
+        self._finalizer = weakref.finalize(
+            self,
+            _stop_workers,
+            self._procs,
+            self._conns,
+            self._outbox,
+            self._sender,
+            self._stop_gracefully,
+        )
+        try:
+            self._start_workers(worker_config, init_method, cpu_threads)
+            ready = self._wait_for(set(range(tp)), None, "start", reraise=True)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._bytes_per_block = sum(ready.values())
+        logger.info(
+            "Tensor parallel: %d worker processes (pids %s) over %s",
+            tp,
+            ", ".join(str(p.pid) for p in self._procs),
+            "NCCL" if config.device_config.device == "cuda" else "gloo",
+        )
+
+    # -- the executor interface -------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """The smallest block count any rank can hold."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def bytes_per_block(self) -> int:
+        """One block's bytes summed over the ranks (each holds its KV heads' share)."""
+        return self._bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).get()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> MultiprocStepFuture:
+        """Send the step to every worker now (a snapshot of its requests); `.get()` on the
+        result waits for rank 0's output."""
+        self._check_alive()
+        self._send("execute_model", (scheduler_output,))
+        self._launched += 1
+        return MultiprocStepFuture(self, self._launched - 1)
+
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
+    ) -> list[Any]:
+        """Call `method(*args)` of every rank's runner; returns the results in rank order.
+        Steps still in flight are finished first."""
+        self._check_alive()
+        while self._received < self._launched:
+            self._step_result(self._received, keep=True)
+        self._send(method, args)
+        replies = self._wait_for(set(range(self.world_size)), timeout, method)
+        return [replies[r] for r in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        """Stop the workers (a clean exit, or terminated if they do not leave in time)."""
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # -- internals ----------------------------------------------------------------------------
+    def _start_workers(
+        self, worker_config: EngineConfig, init_method: str, cpu_threads: int
+    ) -> None:
+        from pagoda.executor.multiproc_worker import run_worker
+
+        ctx = multiprocessing.get_context("spawn")  # fork after torch and threads is unsafe
+        with _children_allowed():
+            for rank in range(self.world_size):
+                conn, child_conn = ctx.Pipe(duplex=True)
+                args = (
+                    rank,
+                    self.world_size,
+                    worker_config,
+                    init_method,
+                    child_conn,
+                    os.getpid(),
+                    cpu_threads,
+                )
+                proc = ctx.Process(
+                    target=run_worker,
+                    args=args,
+                    name=f"pagoda-tp-worker-{rank}",
+                    daemon=True,  # terminated at interpreter exit, whatever else happens
+                )
+                proc.start()
+                child_conn.close()  # the child's end lives in the child only: EOF on its death
+                self._procs.append(proc)
+                self._conns.append(conn)
+        self._sender.start()
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> None:
+        self._outbox.put(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _step_result(self, seq: int, keep: bool = False) -> ModelRunnerOutput:
+        while seq not in self._results:
+            self._check_alive()
+            if self._received >= self._launched:
+                raise RuntimeError(f"step {seq} was never launched")
+            reply = self._wait_for({0}, self.step_timeout_s, "execute_model")
+            self._results[self._received] = reply[0]
+            self._received += 1
+        return self._results[seq] if keep else self._results.pop(seq)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise WorkerError(
+                f"the tensor-parallel workers are stopped after an earlier failure: {self._error}"
+            )
+        if not self._finalizer.alive:
+            raise WorkerError("the tensor-parallel executor is shut down")
+
+    def _wait_for(
+        self, ranks: set[int], timeout: float | None, what: str, reraise: bool = False
+    ) -> dict[int, Any]:
+        """One reply from each of `ranks`, watching every worker's pipe and liveness. A worker's
+        error (or death, or the timeout) stops all workers and raises: the worker's own
+        exception when `reraise` (start-up: a bad checkpoint, an unshardable model), else a
+        `WorkerError` naming the rank, with the worker's traceback."""
+        replies: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        by_conn = {id(c): r for r, c in enumerate(self._conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while len(replies) < len(ranks):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([*self._conns, *by_sentinel], remaining)
+            if not ready:
+                self._fail(
+                    WorkerError(
+                        f"tensor-parallel step '{what}' got no answer within {timeout:g} s "
+                        "(raise $PAGODA_EXECUTE_MODEL_TIMEOUT_S if steps are this slow)"
+                    )
+                )
+            # Pipes first: a failing worker sends its error before its sentinel fires.
+            for obj in sorted(ready, key=lambda o: isinstance(o, int)):
+                rank = by_sentinel[obj] if isinstance(obj, int) else by_conn[id(obj)]
+                conn = self._conns[rank]
+                if isinstance(obj, int) and not conn.poll(0):
+                    self._fail(self._death_error(rank, what))
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(self._death_error(rank, what))
+                if msg[0] == "error":
+                    self._fail_with_worker_error(rank, what, msg[1], msg[2], reraise)
+                if rank not in ranks or rank in replies:
+                    self._fail(WorkerError(f"unexpected reply from worker rank {rank} to '{what}'"))
+                replies[rank] = msg[1]
+        return replies
+
+    def _fail_with_worker_error(
+        self, rank: int, what: str, exc: BaseException, tb: str, reraise: bool
+    ) -> None:
+        if reraise:
+            exc.add_note(f"(in tensor-parallel worker rank {rank})")
+            self._fail(exc)
+        err = WorkerError(
+            f"tensor-parallel worker rank {rank} failed in '{what}': {exc!r}\n"
+            f"--- the worker's traceback ---\n{tb}"
+        )
+        self._fail(err, cause=exc)
+
+    def _death_error(self, rank: int, what: str) -> WorkerError:
+        proc = self._procs[rank]
+        proc.join(1.0)
+        code = proc.exitcode
+        how = (
+            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+        )
+        hint = ""
+        if what == "start":
+            hint = (
+                "; if your script builds the LLM at module level, put that under "
+                "`if __name__ == '__main__':` (spawned workers import the main module)"
+            )
+        return WorkerError(f"tensor-parallel worker rank {rank} {how} during '{what}'{hint}")
+
+    def _fail(self, error: BaseException, cause: BaseException | None = None) -> None:
+        self._error = error
+        self._stop_gracefully[0] = False
+        self.shutdown()
+        if cause is not None:
+            raise error from cause
+        raise error
+
+
+def _worker_config(config: EngineConfig) -> EngineConfig:
+    """The config the workers run: on a CPU the default KV budget is split over the ranks (the
+    total stays what one process would take); on CUDA the runners run eagerly, since
+    torch.distributed's collectives are not captured in CUDA graphs here."""
+    cc, dc = config.cache_config, config.device_config
+    tp = config.parallel_config.tensor_parallel_size
+    if dc.device == "cpu":
+        if cc.kv_cache_memory_bytes is None and cc.num_gpu_blocks_override is None:
+            from pagoda.worker.kv_cache import cpu_kv_cache_bytes
+
+            budget = cpu_kv_cache_bytes() // tp
+            config = config.replace(
+                cache_config=dataclasses.replace(cc, kv_cache_memory_bytes=budget)
+            )
+    elif not dc.enforce_eager:
+        logger.info("CUDA graphs off with tensor parallelism: the steps run eagerly")
+        config = config.replace(device_config=dataclasses.replace(dc, enforce_eager=True))
+    return config
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Let a daemonic process (the serving engine core) start the workers: multiprocessing
+    refuses children to daemons so that none outlive them, and these are stopped with the
+    executor, killed with the daemon (they are daemonic too) or leave when it is gone."""
+    me = multiprocessing.current_process()
+    daemon = me.daemon
+    if daemon:
+        me.daemon = False
+    try:
+        yield
+    finally:
+        if daemon:
+            me.daemon = True
+
+
+def _send_loop(outbox: queue.SimpleQueue, conns: list[Any]) -> None:
+    """Write each pickled message to every worker, in order, until None."""
+    while True:
+        buf = outbox.get()
+        if buf is None:
+            return
+        for conn in conns:
+            try:
+                conn.send_bytes(buf)
+            except (OSError, ValueError):  # a dead worker: the receiving side reports it
+                pass
+
+
+def _stop_workers(
+    procs: list[Any],
+    conns: list[Any],
+    outbox: queue.SimpleQueue,
+    sender: threading.Thread,
+    graceful: list[bool],
+) -> None:
+    """Ask the workers to leave (after the messages already queued) and wait for them, then
+    terminate whatever is left; after a failure (`graceful[0]` false) kill them at once: a
+    worker may be stuck in a collective with a dead peer."""
+    outbox.put(pickle.dumps(("shutdown", ())))
+    outbox.put(None)
+    if graceful[0]:
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop: terminating it", proc.pid)
+                proc.terminate()
+                proc.join(_JOIN_TIMEOUT_S)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_JOIN_TIMEOUT_S)
+    if sender.is_alive():  # writes to dead workers fail at once: it reaches the None
+        sender.join(_JOIN_TIMEOUT_S)
+    for conn in conns:
+        conn.close()
