@@ -1,0 +1,312 @@
+"""Tensor parallelism across worker processes (`MultiprocExecutor`), on CPU with gloo.
+
+A tiny random Llama checkpoint (4 heads, 2 KV heads, tied embeddings) must generate the same
+tokens with tensor_parallel_size=2 as in one process: greedy with logprobs and prompt logprobs,
+seeded sampling (only rank 0 samples), async scheduling (the other ranks receive the sampled
+ids) and n-gram speculation. A worker that dies or raises surfaces in the engine as an
+exception, and no worker outlives its executor: shutdown, garbage collection, interpreter exit
+or the driver being killed. Unshardable models and unsupported combinations are refused before
+any worker starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.executor import check_tensor_parallel_config, make_executor
+from pagoda.executor.multiproc import WorkerError
+from pagoda.model.testing import make_tiny_checkpoint
+
+PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=1)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=2, max_tokens=12)
+PENALTY = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+def _llm(path: str, tp: int, **kwargs) -> LLM:
+    return LLM(
+        path,
+        tensor_parallel_size=tp,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        max_num_batched_tokens=16,  # chunked prefill: several steps per prompt
+        num_gpu_blocks_override=64,
+        **kwargs,
+    )
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    # 4 heads / 2 KV heads, tied embeddings; a wider init than HF's keeps greedy choices clear.
+    make_tiny_checkpoint(path, "llama_gqa_tied_llama3_rope", initializer_range=0.2)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoint) -> LLM:
+    return _llm(checkpoint, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint):
+    llm = _llm(checkpoint, 2)
+    yield llm
+    llm.llm_engine.executor.shutdown()
+
+
+def test_tp2_greedy_matches_one_process_with_logprobs(tp1, tp2) -> None:
+    ref = tp1.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = tp2.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for a, b in zip(ref, got):
+        for x, y in zip(
+            a.outputs[0].logprobs + a.prompt_logprobs[1:],
+            b.outputs[0].logprobs + b.prompt_logprobs[1:],
+        ):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def test_tp2_seeded_sampling_and_penalties_match_one_process(tp1, tp2) -> None:
+    assert _tokens(tp2, SEEDED) == _tokens(tp1, SEEDED)
+    assert _tokens(tp2, PENALTY) == _tokens(tp1, PENALTY)
+
+
+def test_tp2_async_scheduling_matches_one_process(checkpoint, tp1) -> None:
+    # Steps run ahead: ranks 1.. take the in-flight tokens from rank 0's broadcast.
+    llm = _llm(checkpoint, 2, async_scheduling=True)
+    try:
+        assert llm.llm_engine.async_scheduling
+        for params in (GREEDY, SEEDED):
+            assert _tokens(llm, params) == _tokens(tp1, params)
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
+def test_tp2_ngram_speculation_matches_one_process(checkpoint, tp1) -> None:
+    llm = _llm(checkpoint, 2, speculative_config=NGRAM)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=24)
+        assert _tokens(llm, greedy) == _tokens(tp1, greedy)
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
+def test_kv_cache_is_sharded_by_kv_heads(tp1, tp2) -> None:
+    # Each rank holds one of the two KV heads: a block costs the same in total.
+    assert tp2.llm_engine.executor.bytes_per_block() == tp1.llm_engine.executor.bytes_per_block()
+    assert tp2.llm_engine.num_blocks == tp1.llm_engine.num_blocks == 64
+
+
+# ---- failures -------------------------------------------------------------------------------
+def test_killed_worker_raises_in_the_engine(checkpoint) -> None:
+    llm = _llm(checkpoint, 2)
+    executor = llm.llm_engine.executor
+    pids = executor.worker_pids
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 was killed by signal 9"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert _wait_gone(pids) == []
+    with pytest.raises(WorkerError, match="earlier failure"):
+        executor.execute_model(None)
+
+
+def test_worker_exception_raises_with_its_traceback(checkpoint) -> None:
+    llm = _llm(checkpoint, 2)
+    executor = llm.llm_engine.executor
+    with pytest.raises(WorkerError, match=r"failed in 'initialize_kv_cache'(.|\n)*traceback"):
+        executor.collective_rpc("initialize_kv_cache", (-5,))
+    assert _wait_gone(executor.worker_pids) == []
+
+
+def test_worker_start_error_is_reraised(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks tensors(.|\n)*up_proj") as info:
+        _llm(str(tmp_path), 2)
+    assert any("tensor-parallel worker rank" in n for n in info.value.__notes__)
+
+
+def test_step_timeout_raises(checkpoint, monkeypatch) -> None:
+    monkeypatch.setenv("PAGODA_EXECUTE_MODEL_TIMEOUT_S", "1.5")
+    llm = _llm(checkpoint, 2)
+    pids = llm.llm_engine.executor.worker_pids
+    os.kill(pids[1], signal.SIGSTOP)  # rank 0 waits for it in the first all-reduce
+    try:
+        with pytest.raises(WorkerError, match="no answer within 1.5 s"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert _wait_gone(pids) == []
+    finally:
+        if _alive(pids[1]):
+            os.kill(pids[1], signal.SIGKILL)
+
+
+# ---- no orphans -----------------------------------------------------------------------------
+def test_shutdown_and_garbage_collection_stop_the_workers(checkpoint) -> None:
+    llm = _llm(checkpoint, 2)
+    pids = llm.llm_engine.executor.worker_pids
+    assert all(_alive(p) for p in pids)
+    llm.llm_engine.executor.shutdown()
+    assert _wait_gone(pids, timeout=0.5) == []
+    with pytest.raises(WorkerError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    llm = _llm(checkpoint, 2)
+    pids = llm.llm_engine.executor.worker_pids
+    del llm
+    gc.collect()
+    assert _wait_gone(pids, timeout=0.5) == []
+
+
+_SCRIPT = """
+import os, sys
+from pagoda import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", skip_tokenizer_init=True,
+              max_model_len=128, num_gpu_blocks_override=64)
+    print(*llm.llm_engine.executor.worker_pids, flush=True)
+    if sys.argv[2] == "hang":
+        sys.stdin.read()
+"""
+
+
+def _driver(checkpoint: str, mode: str, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), checkpoint, mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert line, "the driver script failed"
+    return proc, [int(p) for p in line.split()]
+
+
+def test_interpreter_exit_stops_the_workers(checkpoint, tmp_path) -> None:
+    proc, pids = _driver(checkpoint, "exit", tmp_path)
+    assert proc.wait(30) == 0
+    assert _wait_gone(pids) == []
+
+
+@pytest.mark.slow
+def test_killed_driver_takes_its_workers_along(checkpoint, tmp_path) -> None:
+    proc, pids = _driver(checkpoint, "hang", tmp_path)
+    assert all(_alive(p) for p in pids)
+    proc.kill()  # no finalizer, no atexit: the workers notice their parent is gone
+    proc.wait(10)
+    assert _wait_gone(pids, timeout=5) == []
+
+
+# ---- refused before any worker starts -------------------------------------------------------
+def _config(path: str, **kwargs):
+    return EngineArgs(model=path, dtype="float32", device="cpu", **kwargs).create_engine_config()
+
+
+def test_unshardable_or_unsupported_setups_are_refused(checkpoint, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by"):
+        check_tensor_parallel_config(_config(checkpoint, tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="Ray is not supported|'ray' is not supported yet"):
+        make_executor(
+            _config(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray")
+        )
+    draft = {"model": checkpoint, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model and tensor_parallel_size > 1"):
+        check_tensor_parallel_config(
+            _config(checkpoint, tensor_parallel_size=2, speculative_config=draft)
+        )
+    make_tiny_checkpoint(
+        tmp_path, "llama_mqa_attention_bias", num_attention_heads=6, hidden_size=96, vocab_size=120
+    )
+    # One KV head replicated on each of 2 or 3 ranks is fine; 4 ranks do not divide 6 heads.
+    check_tensor_parallel_config(_config(str(tmp_path), tensor_parallel_size=3))
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\)"):
+        check_tensor_parallel_config(_config(str(tmp_path), tensor_parallel_size=4))
+
+
+def test_kv_heads_fewer_than_ranks_must_divide_them(tmp_path) -> None:
+    make_tiny_checkpoint(  # 2 KV heads
+        tmp_path, "llama_gqa_tied_llama3_rope", num_attention_heads=6, hidden_size=96
+    )
+    with pytest.raises(ValueError, match=r"larger than num_key_value_heads \(2\)"):
+        check_tensor_parallel_config(_config(str(tmp_path), tensor_parallel_size=3))
+
+
+@pytest.mark.slow
+def test_tp2_with_replicated_kv_head_matches_one_process(tmp_path) -> None:
+    make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias", initializer_range=0.2)  # 1 KV
+    ref = _tokens(_llm(str(tmp_path), 1), GREEDY)
+    llm = _llm(str(tmp_path), 2)
+    try:
+        assert _tokens(llm, GREEDY) == ref
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
+# ---- the embedded model ---------------------------------------------------------------------
+def test_embedded_model_refuses_two_ranks() -> None:
+    with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible"):
+        LLM(dtype="float32", max_model_len=128, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_embedded_gguf_tp3_matches_one_process() -> None:
+    # SmolLM2-135M: 9 heads, 3 KV heads, vocab 49152; its Q8_0/Q4_1 tensors are dequantized,
+    # then each rank takes its shard.
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "你是一个AI助手。请回答：什么是机器学习？",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    kwargs = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    ref = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=3, **kwargs)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.executor.shutdown()
+    assert got == ref
