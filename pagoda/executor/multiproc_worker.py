@@ -3,8 +3,9 @@ driver's orders (`MultiprocExecutor`).
 
 `run_worker` joins the process group (gloo on CPU, NCCL on CUDA), sets the layers' rank
 (`set_tensor_parallel`), builds a `TensorParallelModelRunner` on its shard and then serves the
-driver's pipe: each message is a pickled `(method, args)` of the runner; `execute_model` is
-answered by rank 0 only (the sampled tokens), every other call by each rank. A failure is sent
+driver's pipe: each message is a pickled `(method, args)`; a step ("execute_step", a
+`StepDelta` that the worker's `RequestMirror` turns back into a `SchedulerOutput`) is answered by
+rank 0 only (the sampled tokens), a call of a runner method by each rank. A failure is sent
 back as `("error", exception, traceback)` and ends the worker: the ranks' collectives would be out
 of step. The worker also ends when the driver's pipe closes or the driver process is gone.
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.executor.step_delta import RequestMirror
 from pagoda.model.parallel import set_tensor_parallel
 from pagoda.worker.input_batch import StepInputs
 from pagoda.worker.model_runner import (
@@ -36,10 +38,9 @@ from pagoda.worker.model_runner import (
     StepOutputFuture,
 )
 
-# The driver's orders: methods of the runner it may call.
-WORKER_METHODS = frozenset(
-    {"determine_num_blocks", "bytes_per_block", "initialize_kv_cache", "execute_model"}
-)
+# Runner methods the driver may call on every rank (`collective_rpc`); steps come as
+# "execute_step" with a `StepDelta`.
+WORKER_METHODS = frozenset({"determine_num_blocks", "bytes_per_block", "initialize_kv_cache"})
 _PARENT_POLL_S = 1.0
 
 
@@ -147,15 +148,19 @@ def _build_runner(
 
 
 def _serve(rank: int, runner: TensorParallelModelRunner, conn: Any) -> None:
+    mirror = RequestMirror()
     while True:
         method, args = pickle.loads(conn.recv_bytes())
-        if method == "shutdown":
+        if method == "execute_step":
+            output = runner.execute_model(mirror.decode(args[0]))
+            if rank == 0:
+                conn.send(("ok", output))
+        elif method == "shutdown":
             return
-        if method not in WORKER_METHODS:
+        elif method in WORKER_METHODS:
+            conn.send(("ok", getattr(runner, method)(*args)))
+        else:
             raise ValueError(f"unknown worker method {method!r}")
-        result = getattr(runner, method)(*args)
-        if method != "execute_model" or rank == 0:
-            conn.send(("ok", result))
 
 
 def _send_error(conn: Any, e: BaseException) -> None:

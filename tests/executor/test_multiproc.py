@@ -1,7 +1,8 @@
 """Tensor parallelism across worker processes (`MultiprocExecutor`), on CPU with gloo.
 
 A tiny random Llama checkpoint (4 heads, 2 KV heads, tied embeddings) must generate the same
-tokens with tensor_parallel_size=2 as in one process: greedy with logprobs and prompt logprobs,
+tokens with tensor_parallel_size=2 as in one process, through chunked prefill and preemption:
+greedy with logprobs and prompt logprobs,
 seeded sampling (only rank 0 samples), async scheduling (the other ranks receive the sampled
 ids) and n-gram speculation. A worker that dies or raises surfaces in the engine as an
 exception, and no worker outlives its executor: shutdown, garbage collection, interpreter exit
@@ -30,7 +31,7 @@ from pagoda.model.testing import make_tiny_checkpoint
 PROMPTS = [
     {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=1)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, prompt_logprobs=1)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=2, max_tokens=12)
 PENALTY = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
@@ -44,7 +45,7 @@ def _llm(path: str, tp: int, **kwargs) -> LLM:
         skip_tokenizer_init=True,
         max_model_len=128,
         max_num_batched_tokens=16,  # chunked prefill: several steps per prompt
-        num_gpu_blocks_override=64,
+        num_gpu_blocks_override=9,  # 8 usable blocks of 16 tokens: requests get preempted
         **kwargs,
     )
 
@@ -93,6 +94,7 @@ def test_tp2_greedy_matches_one_process_with_logprobs(tp1, tp2) -> None:
     ref = tp1.generate(PROMPTS, GREEDY, use_tqdm=False)
     got = tp2.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert tp2.llm_engine.num_preemptions_total > 0
     for a, b in zip(ref, got):
         for x, y in zip(
             a.outputs[0].logprobs + a.prompt_logprobs[1:],
@@ -130,7 +132,7 @@ def test_tp2_ngram_speculation_matches_one_process(checkpoint, tp1) -> None:
 def test_kv_cache_is_sharded_by_kv_heads(tp1, tp2) -> None:
     # Each rank holds one of the two KV heads: a block costs the same in total.
     assert tp2.llm_engine.executor.bytes_per_block() == tp1.llm_engine.executor.bytes_per_block()
-    assert tp2.llm_engine.num_blocks == tp1.llm_engine.num_blocks == 64
+    assert tp2.llm_engine.num_blocks == tp1.llm_engine.num_blocks == 9
 
 
 # ---- failures -------------------------------------------------------------------------------
