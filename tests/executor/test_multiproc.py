@@ -2,9 +2,8 @@
 
 A tiny random Llama checkpoint (4 heads, 2 KV heads, tied embeddings) must generate the same
 tokens with tensor_parallel_size=2 as in one process, through chunked prefill and preemption:
-greedy with logprobs and prompt logprobs,
-seeded sampling (only rank 0 samples), async scheduling (the other ranks receive the sampled
-ids) and n-gram speculation. A worker that dies or raises surfaces in the engine as an
+greedy with logprobs and prompt logprobs, seeded sampling (only rank 0 samples), async
+scheduling (the other ranks receive the sampled ids) and n-gram speculation. A worker that dies or raises surfaces in the engine as an
 exception, and no worker outlives its executor: shutdown, garbage collection, interpreter exit
 or the driver being killed. Unshardable models and unsupported combinations are refused before
 any worker starts.
@@ -61,6 +60,15 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _children(pid: int) -> list[int]:
+    """Processes started by `pid` (any of its threads) other than multiprocessing's helpers."""
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return [k for k in kids if "resource_tracker" not in open(f"/proc/{k}/cmdline").read()]
 
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
@@ -241,6 +249,45 @@ def test_killed_driver_takes_its_workers_along(checkpoint, tmp_path) -> None:
     proc.kill()  # no finalizer, no atexit: the workers notice their parent is gone
     proc.wait(10)
     assert _wait_gone(pids, timeout=5) == []
+
+
+@pytest.mark.slow
+def test_serving_engine_core_process_runs_tp2(checkpoint, tp1) -> None:
+    # `pagoda serve` builds the engine in a daemonic child process, which then starts the workers.
+    import asyncio
+
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.sampling_params import RequestOutputKind
+
+    args = EngineArgs(
+        model=checkpoint,
+        tensor_parallel_size=2,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        num_gpu_blocks_override=9,
+    )
+    llm = AsyncLLM.from_engine_args(args, multiprocess=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+    async def run() -> list[list[int]]:
+        async def one(i: int) -> list[int]:
+            outs = [o async for o in llm.generate(PROMPTS[i], params, str(i))]
+            return list(outs[-1].outputs[0].token_ids)
+
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    core_pid = llm._core.process.pid
+    try:
+        got = asyncio.run(run())
+        workers = _children(core_pid)
+        assert len(workers) == 2
+    finally:
+        llm.shutdown()
+    assert got == _tokens(tp1, params)
+    assert _wait_gone([core_pid, *workers]) == []
 
 
 # ---- refused before any worker starts -------------------------------------------------------
