@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_STEP_TIMEOUT_S = 300.0
 _JOIN_TIMEOUT_S = 5.0
+# After the first sign of a failure, how long to gather what the other workers report.
+_FAILURE_GRACE_S = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -243,44 +245,62 @@ class MultiprocExecutor:
                 rank = by_sentinel[obj] if isinstance(obj, int) else by_conn[id(obj)]
                 conn = self._conns[rank]
                 if isinstance(obj, int) and not conn.poll(0):
-                    self._fail(self._death_error(rank, what))
+                    self._fail_workers(what, reraise, {})
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    self._fail(self._death_error(rank, what))
+                    self._fail_workers(what, reraise, {})
                 if msg[0] == "error":
-                    self._fail_with_worker_error(rank, what, msg[1], msg[2], reraise)
+                    self._fail_workers(what, reraise, {rank: (msg[1], msg[2])})
                 if rank not in ranks or rank in replies:
                     self._fail(WorkerError(f"unexpected reply from worker rank {rank} to '{what}'"))
                 replies[rank] = msg[1]
         return replies
 
-    def _fail_with_worker_error(
-        self, rank: int, what: str, exc: BaseException, tb: str, reraise: bool
+    def _fail_workers(
+        self, what: str, reraise: bool, errors: dict[int, tuple[BaseException, str]]
     ) -> None:
-        if reraise:
+        """Raise for workers that failed: first gather, for a moment, what every rank has to
+        say (a worker that raised or died takes its peers' collectives down with it, and the
+        report should name the cause, not only the first symptom read)."""
+        deadline = time.monotonic() + _FAILURE_GRACE_S
+        dead: dict[int, int | None] = {}
+        while True:
+            for rank, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+                try:
+                    while rank not in errors and conn.poll(0):
+                        msg = conn.recv()
+                        if msg[0] == "error":
+                            errors[rank] = (msg[1], msg[2])
+                except (EOFError, OSError):
+                    pass
+                if rank not in errors and not proc.is_alive():
+                    dead[rank] = proc.exitcode
+            pending = [r for r in range(self.world_size) if r not in errors and r not in dead]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            wait([x for r in pending for x in (self._conns[r], self._procs[r].sentinel)], left)
+        if reraise and errors:  # start-up: the worker's own error (a bad checkpoint, ...)
+            rank, (exc, _) = min(errors.items())
             exc.add_note(f"(in tensor-parallel worker rank {rank})")
             self._fail(exc)
-        err = WorkerError(
-            f"tensor-parallel worker rank {rank} failed in '{what}': {exc!r}\n"
-            f"--- the worker's traceback ---\n{tb}"
-        )
-        self._fail(err, cause=exc)
-
-    def _death_error(self, rank: int, what: str) -> WorkerError:
-        proc = self._procs[rank]
-        proc.join(1.0)
-        code = proc.exitcode
-        how = (
-            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
-        )
-        hint = ""
-        if what == "start":
-            hint = (
+        # Causes first: killed by a signal, exited without a word, then the exceptions.
+        lines = [
+            f"rank {r} was killed by signal {-c}" for r, c in sorted(dead.items()) if c and c < 0
+        ]
+        lines += [f"rank {r} exited ({c})" for r, c in sorted(dead.items()) if not c or c > 0]
+        lines += [f"rank {r} raised {exc!r}" for r, (exc, _) in sorted(errors.items())]
+        message = f"tensor-parallel workers failed in '{what}': " + "; ".join(lines)
+        if what == "start" and dead and not errors:
+            message += (
                 "; if your script builds the LLM at module level, put that under "
                 "`if __name__ == '__main__':` (spawned workers import the main module)"
             )
-        return WorkerError(f"tensor-parallel worker rank {rank} {how} during '{what}'{hint}")
+        for r, (_, tb) in sorted(errors.items()):
+            message += f"\n--- rank {r}'s traceback ---\n{tb}"
+        first_error = min(errors.items())[1][0] if errors else None
+        self._fail(WorkerError(message), cause=first_error)
 
     def _fail(self, error: BaseException, cause: BaseException | None = None) -> None:
         self._error = error

@@ -161,7 +161,9 @@ def test_killed_worker_raises_in_the_engine(checkpoint) -> None:
 def test_worker_exception_raises_with_its_traceback(checkpoint) -> None:
     llm = _llm(checkpoint, 2)
     executor = llm.llm_engine.executor
-    with pytest.raises(WorkerError, match=r"failed in 'initialize_kv_cache'(.|\n)*traceback"):
+    with pytest.raises(
+        WorkerError, match=r"failed in .initialize_kv_cache.: rank 0 raised (.|\n)*traceback"
+    ):
         executor.collective_rpc("initialize_kv_cache", (-5,))
     assert _wait_gone(executor.worker_pids) == []
 
