@@ -143,7 +143,10 @@ class MultiprocExecutor:
         """Send the step to every worker now (a snapshot of what changed in its requests, see
         `step_delta`); `.get()` on the result waits for rank 0's output."""
         self._check_alive()
-        self._send("execute_step", (self._encoder.encode(scheduler_output),))
+        try:
+            self._send("execute_step", (self._encoder.encode(scheduler_output),))
+        except Exception as e:  # noqa: BLE001 - the mirrors would be out of step from here on
+            self._fail(WorkerError("cannot send the step to the tensor-parallel workers"), e)
         self._launched += 1
         return MultiprocStepFuture(self, self._launched - 1)
 
@@ -250,6 +253,8 @@ class MultiprocExecutor:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     self._fail_workers(what, reraise, {})
+                except Exception as e:  # noqa: BLE001 - a reply that does not unpickle
+                    self._fail(WorkerError(f"unreadable reply from worker rank {rank}"), cause=e)
                 if msg[0] == "error":
                     self._fail_workers(what, reraise, {rank: (msg[1], msg[2])})
                 if rank not in ranks or rank in replies:

@@ -120,8 +120,6 @@ def run_worker(
         raise SystemExit(1) from None
     try:
         _serve(rank, runner, conn)
-    except (EOFError, OSError):  # the driver closed its end: nobody is listening
-        pass
     except BaseException as e:  # noqa: BLE001 - the driver raises it in the engine
         _send_error(conn, e)
         raise SystemExit(1) from None
@@ -150,7 +148,11 @@ def _build_runner(
 def _serve(rank: int, runner: TensorParallelModelRunner, conn: Any) -> None:
     mirror = RequestMirror()
     while True:
-        method, args = pickle.loads(conn.recv_bytes())
+        try:
+            buf = conn.recv_bytes()
+        except (EOFError, OSError):  # the driver closed its end: nobody is listening
+            return
+        method, args = pickle.loads(buf)
         if method == "execute_step":
             output = runner.execute_model(mirror.decode(args[0]))
             if rank == 0:
@@ -166,8 +168,8 @@ def _serve(rank: int, runner: TensorParallelModelRunner, conn: Any) -> None:
 def _send_error(conn: Any, e: BaseException) -> None:
     tb = traceback.format_exc()
     try:
-        pickle.dumps(e)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - one that does not survive pickling travels as its text
         e = RuntimeError(repr(e))
     try:
         conn.send(("error", e, tb))
