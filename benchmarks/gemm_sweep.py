@@ -160,24 +160,11 @@ def precompile(plan: list[tuple], jobs: int, device: str, dtype: str) -> None:
 
 
 def graph_seconds(fn, reps: int = 20) -> float:
-    """Seconds per call of `fn` replayed in a CUDA graph (as in gemv_sweep.py)."""
-    import torch
+    """Seconds per call of `fn` replayed in a CUDA graph: gemv_sweep.py's timing."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gemv_sweep import graph_seconds as timed
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+    return timed(fn, reps)
 
 
 def wall_seconds(fn, reps: int = 1) -> float:
