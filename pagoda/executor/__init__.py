@@ -1,10 +1,11 @@
 """Executors: run the model runner in-process (one device) or across workers (tensor parallel).
 
 `make_executor(config)` picks one: `UniProcExecutor` for tensor_parallel_size 1,
-`MultiprocExecutor` (one worker process per rank, torch.distributed) above it. Both have the
-same methods: `determine_num_blocks`, `bytes_per_block`, `initialize_kv_cache`,
-`execute_model`, `execute_model_async` (whose result's `.get()` waits for the step's output) and
-`shutdown`.
+`MultiprocExecutor` (one worker process per rank, torch.distributed) above it, or `RayExecutor`
+(one Ray actor per rank, possibly on several machines) with distributed_executor_backend "ray".
+Ray is optional: only that backend imports it. All have the same methods:
+`determine_num_blocks`, `bytes_per_block`, `initialize_kv_cache`, `execute_model`,
+`execute_model_async` (whose result's `.get()` waits for the step's output) and `shutdown`.
 """
 
 from __future__ import annotations
@@ -16,26 +17,33 @@ from pagoda.model.parallel import divide
 
 if TYPE_CHECKING:
     from pagoda.executor.multiproc import MultiprocExecutor
+    from pagoda.executor.ray_executor import RayExecutor
     from pagoda.executor.uniproc import UniProcExecutor
 
 
-def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
+def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor | RayExecutor:
     pc = config.parallel_config
     if pc.distributed_executor_backend not in (None, "mp", "ray"):
         raise ValueError(
             f"distributed_executor_backend must be 'mp' or 'ray', got "
             f"{pc.distributed_executor_backend!r}"
         )
-    if pc.distributed_executor_backend == "ray":
-        raise ValueError(
-            "distributed_executor_backend='ray' is not supported yet: Pagoda runs tensor "
-            "parallelism on one machine with worker processes (leave it unset or pass 'mp')"
-        )
     if pc.tensor_parallel_size == 1:
         from pagoda.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)
     check_tensor_parallel_config(config)
+    if pc.distributed_executor_backend == "ray":
+        try:
+            import ray  # noqa: F401 - optional: only this backend needs it
+        except ImportError as e:
+            raise ValueError(
+                "distributed_executor_backend='ray' needs Ray, which is not installed: "
+                "`pip install ray` (or leave the backend unset for worker processes, 'mp')"
+            ) from e
+        from pagoda.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     from pagoda.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config)
@@ -43,7 +51,8 @@ def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
 
 def check_tensor_parallel_config(config: EngineConfig) -> None:
     """Refuse, before any worker starts, what tensor parallelism cannot shard or run yet."""
-    tp = config.parallel_config.tensor_parallel_size
+    pc = config.parallel_config
+    tp = pc.tensor_parallel_size
     mc = config.model_config
     divide(mc.num_attention_heads, tp, "num_attention_heads")
     kv = mc.num_kv_heads
@@ -68,8 +77,8 @@ def check_tensor_parallel_config(config: EngineConfig) -> None:
             "speculative decoding with a draft model and tensor_parallel_size > 1 is not "
             "supported yet: use method 'ngram' or tensor_parallel_size=1"
         )
-    if config.device_config.device == "cuda":
-        import torch
+    if config.device_config.device == "cuda" and pc.distributed_executor_backend != "ray":
+        import torch  # (Ray's GPUs may be on other machines: RayExecutor counts the cluster's)
 
         found = torch.cuda.device_count()
         if found < tp:

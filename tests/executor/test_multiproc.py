@@ -300,9 +300,9 @@ def _config(path: str, **kwargs):
 def test_unshardable_or_unsupported_setups_are_refused(checkpoint, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by"):
         check_tensor_parallel_config(_config(checkpoint, tensor_parallel_size=3))
-    with pytest.raises(ValueError, match="Ray is not supported|'ray' is not supported yet"):
+    with pytest.raises(ValueError, match="backend must be 'mp' or 'ray'"):
         make_executor(
-            _config(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray")
+            _config(checkpoint, tensor_parallel_size=2, distributed_executor_backend="dask")
         )
     draft = {"model": checkpoint, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="draft model and tensor_parallel_size > 1"):
@@ -316,6 +316,25 @@ def test_unshardable_or_unsupported_setups_are_refused(checkpoint, tmp_path) -> 
     check_tensor_parallel_config(_config(str(tmp_path), tensor_parallel_size=3))
     with pytest.raises(ValueError, match=r"num_attention_heads \(6\)"):
         check_tensor_parallel_config(_config(str(tmp_path), tensor_parallel_size=4))
+
+
+def test_ray_backend_without_ray_says_how_to_install_it(checkpoint, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ValueError, match="needs Ray, which is not installed: `pip install ray`"):
+        make_executor(
+            _config(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray")
+        )
+
+
+def test_ray_stays_optional() -> None:
+    # Only the "ray" backend imports Ray: the engine, the executors and the CLI do not.
+    code = (
+        "import sys, pagoda, pagoda.cli, pagoda.engine.llm_engine, pagoda.executor, "
+        "pagoda.executor.multiproc, pagoda.executor.multiproc_worker, pagoda.executor.tp_worker, "
+        "pagoda.executor.ray_worker; "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_kv_heads_fewer_than_ranks_must_divide_them(tmp_path) -> None:
