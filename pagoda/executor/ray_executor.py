@@ -218,6 +218,7 @@ class RayExecutor:
         """The result of each rank's call (`refs` in rank order), failing the executor on the
         first error, death or the timeout. With `reraise` (start-up: a bad checkpoint, an
         unshardable model) a rank's own exception is raised, else a `WorkerError`."""
+        self._check_alive()
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -58,12 +58,14 @@ class RayWorker:
         env: dict[str, str],
     ) -> int:
         """Join the process group and load this rank's shard; returns its bytes per KV block.
-        `env` is set first (CUDA_VISIBLE_DEVICES, the driver's $PAGODA_* variables)."""
-        from pagoda.executor.tp_worker import TensorParallelWorker
-        from pagoda.worker.model_runner import num_cpu_threads
+        `env` is set first (CUDA_VISIBLE_DEVICES, the driver's $PAGODA_* variables), before
+        anything here touches CUDA, which reads the visible devices once."""
+        os.environ.update(env)
 
         def build() -> int:
-            os.environ.update(env)
+            from pagoda.executor.tp_worker import TensorParallelWorker
+            from pagoda.worker.model_runner import num_cpu_threads
+
             cpu_threads = max(1, num_cpu_threads() // ranks_on_node)
             self.worker = TensorParallelWorker(
                 rank, world_size, config, init_method, cpu_threads, device_index

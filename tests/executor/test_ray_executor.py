@@ -194,6 +194,8 @@ def test_killed_actor_raises_in_the_engine(local_ray, checkpoint) -> None:
     with pytest.raises(WorkerError, match=r"rank 1's actor died \(its worker process has died"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 10
+    with pytest.raises(WorkerError, match="earlier failure"):
+        llm.llm_engine.executor.execute_model_async(None).get()
     assert _wait_gone(pids) == []
     assert _ray_still_works()
 
