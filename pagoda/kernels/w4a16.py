@@ -1,0 +1,417 @@
+"""Triton W4A16 GEMM on CUDA: y[M, N] = x[M, K] @ W^T (+ bias) with 4-bit weights kept packed,
+W[n, k] = (q[n, k] - z[g(k), n]) * s[g(k), n], g(k) = k // G (the last group may be shorter).
+
+The layout (AWQ and GPTQ checkpoints are repacked into it once at load, on the device:
+`pagoda.model.quantization.w4_layout`):
+- qweight [N, ceil(K/8)] int32: word j of row n holds inputs 8j..8j+7 of row n, input
+  8j + AWQ_ORDER[s] in nibble s (AWQ's interleave 0, 2, 4, 6, 1, 3, 5, 7, here along K), K
+  padded with zeros to a multiple of 8;
+- scales [ceil(K/G), N] (the checkpoint's fp16): group-major, a tile's scales are one
+  coalesced row of BLOCK_N values;
+- zeros [ceil(K/G), N] uint8: the zero points (GPTQ's stored zero - 1, plus 1: up to 16);
+- perm [K] int32 or none: a GPTQ act-order layer's inputs sorted by group; packed input k is
+  x[:, perm[k]] (the kernel gathers it), so groups are k // G again.
+About K*N/2 bytes, plus 3 bytes per group and output (2.3% more at G = 128).
+
+Swap-AB tiles as in `skinny_gemm.py`: each program computes acc[BLOCK_N, BLOCK_M] =
+W_tile[BLOCK_N, BLOCK_K] @ x_tile[BLOCK_M, BLOCK_K]^T, so the weight rows fill the MMA's 64-row
+side and a decode's few rows its N side; the words are loaded once per 8 inputs (evict_first:
+read once) and pipelined over K. The weight tile is built in registers with no int-to-float
+conversion: one shift and one AND-OR put inputs 2s and 2s + 1 (nibbles s and s + 4, hence the
+interleave) into the mantissas of two 16-bit floats of value 16 + q, exactly (`_unpack`). Where
+G is a multiple of BLOCK_K (the usual case: G = 128 or 64 and BLOCK_K <= G) a tile has one
+scale and zero per row, applied to the tile's fp32 product:
+    sum_k (q - z) s x = s * (sum_k (16 + q) x - (16 + z) sum_k x),
+so the MMA takes the raw 16 + q and nothing is done per element but the unpacking; the tile's
+sum of x is reduced in the kernel for up to 32 rows, and summed once beforehand
+(`chunk_sums`) for larger row tiles. Other groups take a per-element (q - z) * s in fp32.
+A grid over M blocks serves prefill (BLOCK_M up to 128); grids that would not cover the SMs
+split K as the skinny GEMM does (the last split to arrive sums the fp32 partials in split
+order, with the same per-device counters: `skinny_gemm.prepare` before CUDA-graph capture).
+`formats.dequantize_*` + F.linear stay the reference (tests compare them).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.skinny_gemm import MAX_SPLIT_TILES, SMEM_BUDGET, prepare, split_k_plan
+
+MAX_BLOCK_M = 128
+# The exponent bits of 16.0 in both halves of a word (bf16, fp16); fp32 converts instead.
+NIBBLE_MAGIC = {torch.bfloat16: 0x41804180, torch.float16: 0x4C004C00, torch.float32: 0}
+
+
+@triton.jit
+def _shift_right(words, s: tl.constexpr):
+    if s >= 0:
+        return words >> s
+    else:
+        return words << -s
+
+
+@triton.jit
+def _unpack(words, magic, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """words [BLOCK_N, BLOCK_K/8] -> [BLOCK_N, BLOCK_K] values 16 + q in `dtype`, k in order.
+    Nibbles s and s + 4 of a word are inputs 2s and 2s + 1: one shift and one AND-OR put both
+    into the mantissas of a pair of 16-bit floats in [16, 32) (16 + q exactly). `magic` holds
+    the two exponents (NIBBLE_MAGIC): a runtime value, so that it sits in a register and the
+    AND and the OR are one LOP3."""
+    if dtype == tl.bfloat16:  # 16.0 = 0x4180, 7 mantissa bits: q at bits 3..6
+        LSB2: tl.constexpr = 3
+    elif dtype == tl.float16:  # 16.0 = 0x4C00, 10 mantissa bits: q at bits 6..9
+        LSB2: tl.constexpr = 6
+    else:
+        LSB2: tl.constexpr = 0
+    t = tl.join(
+        tl.join(_shift_right(words, -LSB2), _shift_right(words, 8 - LSB2)),
+        tl.join(_shift_right(words, 4 - LSB2), _shift_right(words, 12 - LSB2)),
+    )  # [BLOCK_N, BLOCK_K/8, 2, 2]: nibble pair i at [i // 2, i % 2]
+    t = t & ((0xF << LSB2) * 0x10001)
+    if dtype == tl.float32:
+        lo = (t & 0xFFFF).to(tl.float32)
+        hi = (t >> 16).to(tl.float32)
+        q = tl.join(lo, hi) + 16.0
+    else:
+        t = t | magic
+        lo = tl.cast(t.to(tl.int16), dtype, bitcast=True)
+        hi = tl.cast((t >> 16).to(tl.int16), dtype, bitcast=True)
+        q = tl.join(lo, hi)  # [BLOCK_N, BLOCK_K/8, 2, 2, 2]
+    return tl.reshape(q, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    x_sums_ptr,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    split_k,
+    magic,
+    stride_x: tl.int64,
+    stride_qw: tl.int64,
+    stride_y: tl.int64,
+    stride_xs,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    SCALE_AFTER_DOT: tl.constexpr,  # TILE_GROUPS only: zero and scale on the tile's product
+    PRE_SUMS: tl.constexpr,  # the tiles' sums of x come from x_sums [M, ceil(K / BLOCK_K)]
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # A tile within one group: a scale and a zero per row.
+    TILE_GROUPS: tl.constexpr = GROUP_SIZE % BLOCK_K == 0
+    pid_m = tl.program_id(0)  # M fastest: programs running together share weight tiles
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    num_words = (K + 7) // 8
+    qw_rows = qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qw
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    dtype = x_ptr.dtype.element_ty
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        wk = k0 // 8 + offs_w
+        if EVEN_K:
+            w_mask = n_ok[:, None]
+            x_mask = m_ok[:, None]
+        else:
+            w_mask = n_ok[:, None] & (wk < num_words)[None, :]
+            x_mask = m_ok[:, None] & (kk < K)[None, :]
+        # Weights are read once: do not let them evict what the next kernels reuse.
+        words = tl.load(qw_rows + wk[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+        q16 = _unpack(words, magic, BLOCK_N, BLOCK_K, dtype)  # 16 + q
+        if HAS_PERM:
+            xk = tl.load(perm_ptr + kk, mask=kk < K, other=0)
+        else:
+            xk = kk
+        x = tl.load(x_rows + xk[None, :], mask=x_mask, other=0.0)
+        if TILE_GROUPS:
+            g = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            z16 = tl.load(zeros_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32) + 16.0
+            s = s[:, None]
+            z16 = z16[:, None]
+        else:
+            gk = (kk // GROUP_SIZE)[None, :] * N + offs_n[:, None]
+            gk_mask = n_ok[:, None] & (kk < K)[None, :]
+            s = tl.load(scales_ptr + gk, mask=gk_mask, other=0.0).to(tl.float32)
+            z16 = tl.load(zeros_ptr + gk, mask=gk_mask, other=0).to(tl.float32) + 16.0
+        if SCALE_AFTER_DOT:
+            # sum_k (q - z) s x = s (sum_k (16 + q) x - (16 + z) sum_k x): nothing per element
+            # but the unpacking, the product exact in fp32.
+            if PRE_SUMS:  # summed once by the caller, not by every N tile
+                x_sums_k = x_sums_ptr + offs_m * stride_xs + k0 // BLOCK_K
+                x_sum = tl.load(x_sums_k, mask=m_ok, other=0.0)
+            else:
+                x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
+            part = tl.dot(q16, tl.trans(x), input_precision=DOT_PRECISION)
+            acc += s * (part - z16 * x_sum[None, :])
+        else:
+            w = ((q16.to(tl.float32) - z16) * s).to(dtype)  # (q - z) s, rounded once
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_y + offs_n[:, None]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partial[s, m, n], contiguous; then this split's arrival at its tile's counter.
+        tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        split_size = M.to(tl.int64) * N
+        tl.store(partial_ptr + pid_k * split_size + tile, acc, mask=out_mask)
+        # Every thread's partial store is ordered before the one thread's release below.
+        tl.debug_barrier()
+        counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for i in range(split_k):  # in split order: deterministic sums
+                total += tl.load(
+                    partial_ptr + i * split_size + tile,
+                    mask=out_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(counter, 0)  # clean for the next launch or graph replay
+
+
+def block_m_for(m: int) -> int:
+    """The activation-row tile: the next power of two >= m, at least 16 (the MMA's minimum),
+    at most MAX_BLOCK_M (more rows take more M blocks)."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+
+
+def tile_block_k(group_size: int, k: int, want: int = 128) -> int:
+    """The largest power of two <= `want` (>= 16) that divides the group, so each K tile has one
+    scale per row; `want` when none does (odd groups: per-element scales)."""
+    if group_size >= k:  # one group
+        return want
+    bk = want
+    while bk > 16 and group_size % bk:
+        bk //= 2
+    return bk if group_size % bk == 0 else want
+
+
+class W4A16Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    scale_after_dot: bool  # zero and scale on each tile's product (groups a multiple of block_k)
+    pre_sums: bool  # with scale_after_dot: x's tile sums made once before the kernel
+
+
+def default_config(
+    m: int, n: int, k: int, group_size: int, num_sms: int = 132, *, elem_bytes: int = 2
+) -> W4A16Config:
+    """A first guess, not yet measured (`python benchmarks/w4a16_bench.py` sweeps the
+    alternatives). Up to 64 rows the layer streams its packed weights: 64-row weight tiles
+    with deep pipelines (a 64 x 128 tile is 4 KB), zero and scale on each tile's product; more
+    rows, 128 x 128 x 64 tiles dequantized per element (no second accumulator to hold). K is
+    split until the grid covers the SMs about twice. Sized by sm_90 builds' instruction counts
+    (fewest per tile): for 32 rows the kernel's own tile sums of x, from 64 rows summed before."""
+    block_m = block_m_for(m)
+    block_k = tile_block_k(group_size, k)
+    if block_m <= 64:
+        block_n, num_warps, num_stages = 64, 4, 6 if block_m <= 16 else 4
+    else:
+        block_n, block_k, num_warps, num_stages = 128, min(block_k, 64), 8, 3
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split_k = max(1, min(8, (2 * num_sms) // tiles))
+    stage_bytes = block_n * block_k // 2 + block_m * block_k * elem_bytes
+    num_stages = max(2, min(num_stages, SMEM_BUDGET // (2 * stage_bytes)))
+    split_k = split_k_plan(k, block_k, split_k)[1]
+    after_dot = block_m <= 64 and _tile_groups(k, group_size, block_k)
+    return W4A16Config(
+        block_m, block_n, block_k, split_k, num_warps, num_stages, after_dot, block_m == 64
+    )
+
+
+def _group_arg(k: int, group_size: int, block_k: int) -> int:
+    """The kernel's GROUP_SIZE: one group (G >= K) becomes a multiple of BLOCK_K >= K, so every
+    tile is in group 0."""
+    return triton.cdiv(k, block_k) * block_k if group_size >= k else group_size
+
+
+def _tile_groups(k: int, group_size: int, block_k: int) -> bool:
+    return _group_arg(k, group_size, block_k) % block_k == 0
+
+
+def w4a16_supported(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """K-contiguous x [M, K] (fp16, bf16, fp32) and a packed qweight [N, ceil(K/8)] on one
+    CUDA device, or on the CPU under TRITON_INTERPRET=1."""
+    on_device = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return (
+        on_device
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.stride(1) == 1
+        and qweight.dtype == torch.int32
+        and qweight.device == x.device
+        and qweight.dim() == 2
+        and qweight.shape[1] == triton.cdiv(x.shape[1], 8)
+        and qweight.stride(1) == 1
+        and (bias is None or (bias.shape == (qweight.shape[0],) and bias.is_contiguous()))
+    )
+
+
+def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[M, K] -> [M, ceil(K / chunk)] float32 sums of each row's chunks (the last may be
+    shorter)."""
+    m, k = x.shape
+    full = k // chunk
+    sums = torch.empty((m, triton.cdiv(k, chunk)), dtype=torch.float32, device=x.device)
+    if full:
+        head = x[:, : full * chunk].reshape(m, full, chunk)
+        torch.sum(head, dim=-1, dtype=torch.float32, out=sums[:, :full])
+    if k % chunk:
+        torch.sum(x[:, full * chunk :], dim=-1, dtype=torch.float32, out=sums[:, full])
+    return sums
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    *,
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W in the packed layout above (qweight,
+    scales and zeros of the same device; perm for an act-order layer); `config` defaults to
+    `default_config`. With `pre_sums`, x's tile sums (and an act-order x's gather) are made
+    once before the kernel instead of in every N tile. Raises ValueError where
+    `w4a16_supported` says no or the config cannot run."""
+    if not w4a16_supported(x, qweight, bias):
+        raise ValueError(
+            f"w4a16_linear: unsupported inputs x {tuple(x.shape)} {x.dtype} {x.device}, "
+            f"qweight {tuple(qweight.shape)} {qweight.dtype} {qweight.device}"
+        )
+    m, k = x.shape
+    n = qweight.shape[0]
+    groups = triton.cdiv(k, group_size)
+    if scales.shape != (groups, n) or zeros.shape != (groups, n) or zeros.dtype != torch.uint8:
+        raise ValueError(
+            f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} {zeros.dtype}: "
+            f"expected ({groups}, {n}) and uint8 zeros for K={k}, G={group_size}"
+        )
+    if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int32):
+        raise ValueError(f"perm must be int32 of shape ({k},), got {tuple(perm.shape)}")
+    if m == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    cfg = config or default_config(
+        m, n, k, group_size, _num_sms(x.device), elem_bytes=x.element_size()
+    )
+    block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+    k_per_split, split_k = split_k_plan(k, block_k, cfg.split_k)
+    group_arg = _group_arg(k, group_size, block_k)
+    after_dot = cfg.scale_after_dot
+    if after_dot and group_arg % block_k:
+        raise ValueError(
+            f"scale_after_dot needs groups of whole K blocks: G={group_size}, block_k={block_k}"
+        )
+    pre_sums = after_dot and cfg.pre_sums
+    x_sums = x  # unused unless pre_sums
+    if pre_sums:
+        if perm is not None:  # gathered once here, not by every N tile
+            x, perm = x.index_select(1, perm), None
+        x_sums = chunk_sums(x, block_k)
+    m_tiles, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split_k > 1:
+        if m_tiles * n_tiles > MAX_SPLIT_TILES:
+            raise ValueError(
+                f"split_k > 1 takes one counter per output tile: {m_tiles * n_tiles} tiles "
+                f"exceed {MAX_SPLIT_TILES}; use larger blocks or split_k=1"
+            )
+        counters = prepare(x.device)
+        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    else:
+        counters = partials = y  # unused
+    _w4a16_kernel[(m_tiles, n_tiles, split_k)](
+        x,
+        qweight,
+        scales,
+        zeros,
+        perm if perm is not None else qweight,
+        x_sums,
+        bias if bias is not None else x,
+        y,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        k_per_split,
+        split_k,
+        NIBBLE_MAGIC[x.dtype],
+        x.stride(0),
+        qweight.stride(0),
+        y.stride(0),
+        x_sums.stride(0),
+        GROUP_SIZE=group_arg,
+        HAS_BIAS=bias is not None,
+        HAS_PERM=perm is not None,
+        SCALE_AFTER_DOT=after_dot,
+        PRE_SUMS=pre_sums,
+        EVEN_K=k % block_k == 0,
+        SPLIT=split_k > 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NUM_STAGES=cfg.num_stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+    )
+    return y
+
+
+def _num_sms(device: torch.device) -> int:
+    from pagoda.kernels.skinny_gemm import _num_sms as num_sms
+
+    return num_sms(device)

@@ -1,0 +1,304 @@
+"""The Triton W4A16 kernel (4-bit weights kept packed) against the checkpoints' dequantization +
+F.linear: under the Triton interpreter in float32 (and float16, the 16-bit unpacking) when there
+is no GPU, for AWQ and GPTQ (act-order included) weights, a ragged last group, every code path
+(split K, per-element or per-tile scales, tile sums of x in the kernel or before it); a GPTQ
+QKV layer kept packed; bf16 at Llama-3-8B shapes, the memory of a packed layer and CUDA-graph
+replays on the GPU; its sm_90 build without a GPU (slow)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import enable_interpreter_without_cuda, kernel_device
+
+enable_interpreter_without_cuda()
+pytest.importorskip("triton")
+
+from pagoda.kernels import skinny_gemm  # noqa: E402
+from pagoda.kernels.w4a16 import (  # noqa: E402
+    default_config,
+    w4a16_linear,
+)
+from pagoda.model.quantization.formats import (  # noqa: E402
+    dequantize_awq,
+    dequantize_gptq,
+    pack_awq,
+    pack_gptq_weight,
+)
+from pagoda.model.quantization.w4_layout import (  # noqa: E402
+    W4Weight,
+    awq_to_w4,
+    gptq_to_w4,
+)
+
+DEV = kernel_device()
+LLAMA3_8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+N, K, G = 48, 200, 64  # K = 3 groups of 64 and a ragged one of 8
+
+
+def packed_weights(
+    fmt: str, n: int = N, k: int = K, group: int = G, seed: int = 0, device=DEV
+) -> tuple[W4Weight, torch.Tensor]:
+    """Random 4-bit weights in `fmt` ("awq", "gptq", "gptq_act_order") repacked for the kernel,
+    and the reference: the checkpoint format's own dequantization [N, K] float32."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    values = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).half()
+    if fmt == "awq":
+        qw, qz = pack_awq(values), pack_awq(zeros)
+        qw, qz, scales = qw.to(device), qz.to(device), scales.to(device)
+        return awq_to_w4(qw, qz, scales, group), dequantize_awq(qw, qz, scales, group)
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    if fmt == "gptq_act_order":
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    qw = pack_gptq_weight(values, 4).to(device)
+    qz = pack_gptq_weight(zeros.t().contiguous(), 4).t().contiguous().to(device)
+    scales, g_idx = scales.to(device), g_idx.to(device)
+    w4 = gptq_to_w4(qw, qz, scales, g_idx[None], group)
+    return w4, dequantize_gptq(qw, qz, scales, g_idx, 4)
+
+
+def _randn(*shape: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
+
+
+def _run(x, w4: W4Weight, bias=None, **config):
+    m, k = x.shape
+    cfg = default_config(m, w4.qweight.shape[0], k, w4.group_size, elem_bytes=x.element_size())
+    cfg = cfg._replace(**config)
+    return w4a16_linear(
+        x, w4.qweight, w4.scales, w4.zeros, w4.group_size, bias, w4.perm, config=cfg
+    )
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 3, 17, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4a16_matches_dequantized_linear(fmt: str, m: int, with_bias: bool) -> None:
+    w4, dense = packed_weights(fmt, seed=m)
+    assert (w4.perm is not None) == (fmt == "gptq_act_order")
+    x = _randn(m, K, seed=m)
+    bias = _randn(N, seed=3) if with_bias else None
+    out = _run(x, w4, bias)
+    assert out.shape == (m, N) and out.dtype == x.dtype
+    torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
+
+
+# (block_m, block_n, block_k, split_k, scale_after_dot, pre_sums): N never a multiple of
+# block_n; K never of block_k (ragged tiles), split in 1 or 3 (the last split ragged);
+# block_k = 128 > G takes per-element scales.
+CONFIGS = [
+    (16, 32, 64, 1, True, False),
+    (16, 16, 32, 3, True, False),
+    (64, 32, 32, 3, True, True),
+    (16, 32, 64, 3, False, False),
+    (32, 16, 128, 1, False, False),
+    (128, 32, 64, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+def test_every_code_path_matches(config: tuple, fmt: str) -> None:
+    block_m, block_n, block_k, split_k, after_dot, pre_sums = config
+    w4, dense = packed_weights(fmt, seed=5)
+    x = _randn(70, K, seed=6)
+    bias = _randn(N, seed=7)
+    out = _run(
+        x,
+        w4,
+        bias,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        split_k=split_k,
+        scale_after_dot=after_dot,
+        pre_sums=pre_sums,
+    )
+    torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("after_dot", [True, False])
+def test_float16_unpacks_pairs_of_nibbles(after_dot: bool) -> None:
+    """The 16-bit path (two inputs per register, 16 + q in the mantissas): fp16 under the
+    interpreter, the same code as bf16 but for the exponent bits."""
+    w4, dense = packed_weights("awq", seed=9)
+    x = _randn(5, K, seed=10, dtype=torch.float16)
+    out = _run(x, w4, scale_after_dot=after_dot)
+    assert out.dtype == torch.float16
+    ref = F.linear(x.float(), dense)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_one_group_per_row_and_no_rows() -> None:
+    w4, dense = packed_weights("awq", k=96, group=96, seed=11)  # group_size -1: one group
+    x = _randn(4, 96, seed=12)
+    torch.testing.assert_close(_run(x, w4), x @ dense.T, atol=1e-4, rtol=1e-4)
+    empty = w4a16_linear(x[:0], w4.qweight, w4.scales, w4.zeros, 96)
+    assert empty.shape == (0, N)
+
+
+def test_split_k_is_deterministic_and_resets_its_counters() -> None:
+    w4, _ = packed_weights("gptq", seed=13)
+    x = _randn(3, K, seed=14)
+    first = _run(x, w4, block_n=16, block_k=32, split_k=3)
+    assert not skinny_gemm.prepare(DEV).any()  # shared with the skinny GEMM: back to 0
+    assert torch.equal(_run(x, w4, block_n=16, block_k=32, split_k=3), first)
+
+
+def test_invalid_inputs_raise() -> None:
+    w4, _ = packed_weights("awq", seed=15)
+    x = _randn(2, K, seed=16)
+    with pytest.raises(ValueError, match="unsupported"):
+        w4a16_linear(x.double(), w4.qweight, w4.scales, w4.zeros, G)
+    with pytest.raises(ValueError, match="unsupported"):
+        w4a16_linear(x[:, :192], w4.qweight, w4.scales, w4.zeros, G)  # K does not match
+    with pytest.raises(ValueError, match="scales"):
+        w4a16_linear(x, w4.qweight, w4.scales[:2], w4.zeros, G)
+    with pytest.raises(ValueError, match="perm"):
+        w4a16_linear(x, w4.qweight, w4.scales, w4.zeros, G, perm=torch.arange(K, device=DEV))
+    with pytest.raises(ValueError, match="power of two"):
+        _run(x, w4, block_n=48)
+    with pytest.raises(ValueError, match="whole K blocks"):
+        _run(x, w4, block_k=128, scale_after_dot=True)
+
+
+@pytest.mark.parametrize("name", list(LLAMA3_8B))
+def test_default_config_at_llama8b_shapes(name: str) -> None:
+    n, k = LLAMA3_8B[name]
+    for m in (1, 2, 8, 16, 32, 64, 128, 256, 1024, 8192):
+        cfg = default_config(m, n, k, 128)
+        stage = cfg.block_n * cfg.block_k // 2 + cfg.block_m * cfg.block_k * 2
+        assert 2 * stage * cfg.num_stages <= skinny_gemm.SMEM_BUDGET
+        assert skinny_gemm.split_k_plan(k, cfg.block_k, cfg.split_k)[1] == cfg.split_k
+        assert 128 % cfg.block_k == 0  # one scale per row and tile
+        assert cfg.scale_after_dot == (m <= 64)
+
+
+@functools.cache
+def _llama_weights(name: str, fmt: str = "awq", seed: int = 0):
+    """Random 4-bit weights of a Llama-3-8B shape on the GPU (group 128), packed, and their
+    dequantized float32 reference."""
+    n, k = LLAMA3_8B[name]
+    return packed_weights(fmt, n=n, k=k, group=128, seed=seed, device="cuda")
+
+
+def _assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1% of the output's range: bf16 rounding of x, of the weights on the per-element
+    path and of y, fp32 sums in another order; a wrong nibble or group is off by ~100%."""
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,fmt", [("qkv", "awq"), ("down", "gptq_act_order")])
+@pytest.mark.parametrize("m", [1, 16, 128, 512])
+def test_w4a16_at_llama8b_shapes(name: str, fmt: str, m: int) -> None:
+    w4, dense = _llama_weights(name, fmt)
+    x = _randn(m, dense.shape[1], seed=m, dtype=torch.bfloat16)
+    bias = _randn(dense.shape[0], seed=3, dtype=torch.bfloat16) if m == 16 else None
+    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    out = _run(x, w4, bias)
+    assert out.dtype == torch.bfloat16
+    _assert_bf16_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,m", [("qkv", 1), ("down", 16), ("gate_up", 128)])
+def test_w4a16_in_a_cuda_graph_replays_exactly(name: str, m: int) -> None:
+    w4, dense = _llama_weights(name, "gptq_act_order" if name == "down" else "awq")
+    x = _randn(m, dense.shape[1], seed=1, dtype=torch.bfloat16)
+    eager = _run(x, w4)  # compiles, and makes the split-K counters, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(x, w4)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert not skinny_gemm.prepare(x.device).any()
+    x.copy_(_randn(m, dense.shape[1], seed=5, dtype=torch.bfloat16))
+    graph.replay()
+    _assert_bf16_close(out, F.linear(x.float(), dense))
+
+
+# A fresh interpreter: a process that imported triton under TRITON_INTERPRET=1 cannot compile
+# for real any more (see test_skinny_gemm.py).
+_SM90_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.kernels.w4a16 import _w4a16_kernel as fn, _group_arg, default_config
+
+m, n, k, split = (int(a) for a in sys.argv[1:5])
+cfg = default_config(m, n, k, 128)
+sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
+sig.update(dict.fromkeys(("x_ptr", "bias_ptr", "y_ptr"), "*bf16"))
+sig.update(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", perm_ptr="*i32",
+           x_sums_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32",
+           stride_x="i64", stride_qw="i64", stride_y="i64")
+consts = dict(GROUP_SIZE=_group_arg(k, 128, cfg.block_k), HAS_BIAS=True, HAS_PERM=False,
+              SCALE_AFTER_DOT=cfg.scale_after_dot, PRE_SUMS=cfg.pre_sums, EVEN_K=True,
+              SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+              NUM_STAGES=cfg.num_stages, DOT_PRECISION="tf32")
+sig.update(dict.fromkeys(consts, "constexpr"))
+aligned = ("x_ptr", "qw_ptr", "y_ptr", "scales_ptr", "zeros_ptr", "partial_ptr", "N", "K",
+           "k_per_split", "stride_x", "stride_qw", "magic")
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+src = ASTSource(fn, sig, {(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "m,name,split", [(1, "qkv", 4), (16, "down", 1), (64, "o", 2), (512, "gate_up", 1)]
+)
+def test_default_configs_compile_for_sm90(m: int, name: str, split: int) -> None:
+    """A real sm_90 build (no GPU needed): shared memory within the SM's 227 KB, wgmma on the
+    unpacked weights, weights copied asynchronously, no int-to-float conversion of the
+    weights in the loop, and the split variant's barrier before the counter's release."""
+    n, k = LLAMA3_8B[name]
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _SM90_BUILD, str(m), str(n), str(k), str(split)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.splitlines()[-1])
+    assert built["shared"] <= 227 * 1024
+    ptx = built["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert "cvt.rn.f32.s32" not in ptx and "cvt.rn.f32.u32" not in ptx
+    if split > 1:
+        body = [
+            line.strip() for line in ptx.splitlines() if not line.strip().startswith((".loc", "//"))
+        ]
+        atom = next(i for i, line in enumerate(body) if "atom.global.gpu.acq_rel.add" in line)
+        last_store = max(i for i, line in enumerate(body[:atom]) if "st.global" in line)
+        assert any(re.match(r"bar\.sync\s+0", line) for line in body[last_store:atom])
