@@ -8,6 +8,7 @@ replays on the GPU; its sm_90 build without a GPU (slow)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -191,6 +192,99 @@ def test_default_config_at_llama8b_shapes(name: str) -> None:
         assert cfg.scale_after_dot == (m <= 64)
 
 
+def test_gptq_qkv_layer_kept_packed_runs_the_kernel() -> None:
+    """A fused QKV layer of an act-order GPTQ checkpoint (shards sharing g_idx) repacked on
+    this device: its parameters are the packed layout only, and it computes the dequantized
+    layer's product."""
+    from pagoda.model.layers.linear import QKVParallelLinear
+    from pagoda.model.quantization import GPTQLinearMethod, W4A16LinearMethod
+
+    method = GPTQLinearMethod({"quant_method": "gptq", "bits": 4, "group_size": 32})
+    with torch.device(DEV):
+        layer = QKVParallelLinear(64, 16, 4, 2, bias=True, linear_method=method)
+    gen = torch.Generator().manual_seed(0)
+    g_idx = (torch.arange(64, dtype=torch.int32) // 32)[torch.randperm(64, generator=gen)]
+    shards = {"q": 64, "k": 32, "v": 32}
+    dense = []
+    for sid, n in shards.items():
+        values = torch.randint(0, 16, (64, n), generator=gen, dtype=torch.int32)
+        zeros = torch.randint(0, 15, (2, n), generator=gen, dtype=torch.int32)
+        tensors = {
+            "qweight": pack_gptq_weight(values, 4),
+            "qzeros": pack_gptq_weight(zeros.t().contiguous(), 4).t().contiguous(),
+            "scales": (torch.rand(2, n, generator=gen) * 0.05).half(),
+            "g_idx": g_idx,
+        }
+        for name, t in tensors.items():
+            param = getattr(layer, name)
+            param.weight_loader(param, t.to(DEV), sid)
+        dense.append(dequantize_gptq(*tensors.values(), 4))
+    layer.bias.data.copy_(_randn(128, seed=1))
+    assert method.repack_to_w4a16(layer)
+    assert isinstance(layer.linear_method, W4A16LinearMethod)
+    assert {name for name, _ in layer.named_parameters()} == {
+        "w4_qweight",
+        "w4_scales",
+        "w4_zeros",
+        "w4_perm",
+        "bias",
+    }
+    assert layer.weight is None
+    ref_w = torch.cat(dense).to(DEV)
+    for m in (1, 9):
+        x = _randn(m, 64, seed=m)
+        torch.testing.assert_close(layer(x), F.linear(x, ref_w, layer.bias), atol=1e-4, rtol=1e-4)
+    layer.fused_ops = False  # the reference path: dequantized per call
+    x = _randn(3, 64, seed=3)
+    torch.testing.assert_close(layer(x), F.linear(x, ref_w, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def _checkpoint_builder():
+    """tests/model's tiny AWQ / GPTQ checkpoints (built with `transformers`)."""
+    path = os.path.join(os.path.dirname(__file__), "../model/test_quantized_checkpoints.py")
+    spec = importlib.util.spec_from_file_location("quantized_checkpoints", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._quantized_checkpoint
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests load on CUDA instead")
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_tiny_model_with_packed_layers_gives_transformers_logits(
+    tmp_path, monkeypatch, method: str, act_order: bool
+) -> None:
+    """The whole model with its 4-bit layers kept packed (as on CUDA; here the interpreter):
+    prefill and a decode step give the logits of `transformers` on the dequantized weights.
+    GPTQ act-order: the fused layers' shards have their own g_idx here, so only o_proj and
+    down_proj stay packed."""
+    from pagoda.config import ModelConfig
+    from pagoda.model import quantization
+    from pagoda.model.loader import get_model_config_dict, load_model
+    from pagoda.model.quantization import W4A16LinearMethod
+    from pagoda.model.testing import TINY_CONFIG, PagedRunner
+
+    hf, path = _checkpoint_builder()(tmp_path, method, 4, act_order)
+    monkeypatch.setattr(quantization, "w4a16_enabled", lambda device: True)
+    hf_config = get_model_config_dict(str(path))
+    mc = ModelConfig(
+        model=str(path), hf_config=hf_config, dtype="float32", max_model_len=64, quantization=method
+    )
+    model = load_model(mc, "cpu")
+    packed = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "linear_method", None), W4A16LinearMethod)
+    }
+    all_linears = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert packed == ({"o_proj", "down_proj"} if act_order else all_linears)
+    runner = PagedRunner(model, {**TINY_CONFIG, **hf_config})
+    tokens = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = torch.cat([runner.step(tokens[:8], 0), runner.step(tokens[8:], 8)])
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
 @functools.cache
 def _llama_weights(name: str, fmt: str = "awq", seed: int = 0):
     """Random 4-bit weights of a Llama-3-8B shape on the GPU (group 128), packed, and their
@@ -218,6 +312,30 @@ def test_w4a16_at_llama8b_shapes(name: str, fmt: str, m: int) -> None:
     out = _run(x, w4, bias)
     assert out.dtype == torch.bfloat16
     _assert_bf16_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_layer_takes_a_quarter_of_the_dense_memory() -> None:
+    from pagoda.model.layers.linear import MergedColumnParallelLinear
+    from pagoda.model.quantization import AWQLinearMethod, W4A16LinearMethod
+
+    n, k = LLAMA3_8B["gate_up"]
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.device("cuda"):
+        layer = MergedColumnParallelLinear(k, [n // 2, n // 2], False, AWQLinearMethod(qc))
+    for p in layer.parameters():
+        p.data.copy_(torch.randint_like(p, 0, 1 << 16) if p.dtype == torch.int32 else 0.01)
+    layer.linear_method.process_weights_after_loading(layer)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert isinstance(layer.linear_method, W4A16LinearMethod)
+    dense_bytes = n * k * 2
+    assert held <= 0.27 * dense_bytes, held / dense_bytes  # K*N/2 + 3 bytes a group and row
+    x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    assert layer(x).shape == (4, n)
 
 
 @pytest.mark.gpu

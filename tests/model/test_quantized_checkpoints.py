@@ -1,7 +1,9 @@
 """AWQ and GPTQ checkpoints: the packing layouts bit by bit (AutoAWQ's interleaved nibbles,
 GPTQ's input-packed words and zero-minus-one), and tiny Llama checkpoints quantized into each
 format that Pagoda loads and runs with the logits of `transformers` on the dequantized weights
-(act-order g_idx included); config detection and clear errors."""
+(act-order g_idx included); config detection and clear errors. On a GPU (marked `gpu`): 4-bit
+layers stay packed (the W4A16 kernel) and compute what the CPU's dense layers do, and the
+engine's greedy tokens are the same with CUDA graphs, eagerly and on the torch reference path."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from safetensors.torch import save_file
 
 from pagoda.config import ModelConfig
 from pagoda.engine.arg_utils import EngineArgs
+from pagoda.model.layers.linear import LinearBase
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.quantization.formats import (
     AWQ_ORDER,
@@ -178,3 +181,70 @@ def test_configuration_errors(tmp_path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'fp8' is not supported yet"):
         EngineArgs(model=str(path)).create_engine_config()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "method,bits,act_order", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)]
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_keeps_4bit_layers_packed(tmp_path, method, bits, act_order, dtype) -> None:
+    from pagoda.model.quantization import W4A16LinearMethod
+
+    _, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
+    hf_config = get_model_config_dict(str(path))
+    mc = ModelConfig(
+        model=str(path), hf_config=hf_config, dtype=dtype, max_model_len=256, quantization=method
+    )
+    cpu, gpu = load_model(mc, "cpu", dtype="float32"), load_model(mc, "cuda")
+    linears = [(n, m) for n, m in gpu.named_modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * TINY_CONFIG["num_hidden_layers"]
+    for name, layer in linears:
+        assert isinstance(layer.linear_method, W4A16LinearMethod) == (bits == 4), name
+        dense = cpu.get_submodule(name)
+        x = torch.randn(5, dense.input_size_per_partition)
+        ref = dense(x)
+        out = layer(x.to("cuda", getattr(torch, dtype))).float().cpu()
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_engine_on_a_gpu_keeps_greedy_tokens_with_packed_layers(tmp_path, method, act_order):
+    import gc
+
+    from pagoda import LLM, SamplingParams
+
+    _, path = _quantized_checkpoint(tmp_path, method, 4, act_order)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, TINY_CONFIG["vocab_size"], (5 + 7 * i,), generator=gen).tolist()
+        for i in range(6)
+    ]
+
+    def generate(**kwargs) -> list[list[int]]:
+        llm = LLM(
+            str(path),
+            skip_tokenizer_init=True,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            kv_cache_memory_bytes=64 << 20,
+            **kwargs,
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return [o.outputs[0].token_ids for o in outs]
+
+    graphs = generate()
+    assert graphs == generate(enforce_eager=True)
+    # The torch backend turns fused ops off: each packed layer dequantizes and runs F.linear.
+    assert graphs == generate(enforce_eager=True, attention_backend="torch")

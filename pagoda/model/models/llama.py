@@ -54,8 +54,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
-        if self.act_fn.fused_ops and down.tp_size == 1:
-            # One row on CUDA (single-stream decode): the activation inside the down GEMV.
+        if self.act_fn.fused_ops and down.tp_size == 1 and down.weight is not None:
+            # One row on CUDA (single-stream decode): the activation inside the down GEMV
+            # (a 4-bit layer kept packed has no dense weight).
             y = one_row_linear(gate_up, down.weight, down.bias, silu_and_mul=True)
             if y is not None:
                 return y

@@ -2,25 +2,39 @@
 config.json, or `quantization="awq"` / `"gptq"`).
 
 The linear layers hold the checkpoint's packed tensors (layouts in `formats.py`) while it loads;
-once every tensor is in, each layer turns them into its dense weight in the model dtype and
-runs as an unquantized layer (the packed C GEMM on a CPU, the Triton GEMV / cuBLAS on a GPU).
-So these checkpoints load and run exactly, but take the memory of the dense model: int4
-kernels that keep the packed weights are not written yet.
+once every tensor is in, each layer is repacked or dequantized, on its device, once:
+- 4-bit layers on CUDA (with triton) stay 4-bit: repacked into the W4A16 kernel's layout
+  (`w4_layout.py`: qweight [N, K/8] int32, scales and uint8 zeros [groups, N]), the
+  checkpoint's tensors freed, about K*N/2 bytes a layer; they run the Triton kernel of
+  `pagoda.kernels.w4a16` at every row count (`W4A16LinearMethod`). GPTQ act-order layers too,
+  their inputs sorted by group at load (the kernel gathers x through that permutation), when
+  the shards of a fused layer share one g_idx; otherwise such a layer is dequantized.
+- everything else (a CPU, 8-bit GPTQ, act-order shards that differ, `PAGODA_W4A16=0`) is
+  dequantized to a dense weight in the model dtype and runs as an unquantized layer (the
+  packed C GEMM on a CPU, the Triton GEMV / cuBLAS on a GPU): the dense model's memory.
+`formats.dequantize_*` + F.linear is the reference of both (tests compare them).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import triton_available
 from pagoda.model.layers.linear import (
     LinearMethodBase,
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
 from pagoda.model.quantization.formats import dequantize_awq, dequantize_gptq
+from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, dequantize_w4, gptq_to_w4
+
+logger = logging.getLogger(__name__)
 
 QUANT_METHODS = ("awq", "gptq")
 
@@ -46,13 +60,64 @@ def get_linear_method(
     return AWQLinearMethod(qc) if quantization == "awq" else GPTQLinearMethod(qc)
 
 
+class W4A16LinearMethod(LinearMethodBase):
+    """A loaded 4-bit layer kept packed (`w4_qweight`, `w4_scales`, `w4_zeros`, `w4_perm`,
+    `w4_group_size`, made by `_PackedUntilLoaded.repack_to_w4a16`): the Triton W4A16 kernel;
+    with the layer's `fused_ops` off, the dequantized weight and F.linear (the reference)."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        raise TypeError("W4A16LinearMethod runs layers that an AWQ/GPTQ method repacked")
+
+    @staticmethod
+    def packed(layer: nn.Module) -> W4Weight:
+        return W4Weight(
+            layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_group_size, layer.w4_perm
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        k = layer.input_size_per_partition
+        if not getattr(layer, "fused_ops", True):
+            weight = dequantize_w4(self.packed(layer), k).to(x.dtype)
+            return F.linear(x, weight, bias)
+        from pagoda.kernels.w4a16 import w4a16_linear
+
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = w4a16_linear(
+            x2,
+            layer.w4_qweight,
+            layer.w4_scales,
+            layer.w4_zeros,
+            layer.w4_group_size,
+            bias,
+            layer.w4_perm,
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def w4a16_enabled(device: torch.device) -> bool:
+    """Whether 4-bit layers on `device` stay packed: CUDA with triton, unless PAGODA_W4A16=0."""
+    return device.type == "cuda" and triton_available() and os.environ.get("PAGODA_W4A16") != "0"
+
+
 class _PackedUntilLoaded(LinearMethodBase):
-    """Registers the packed checkpoint tensors; after loading, the dense weight replaces them."""
+    """Registers the packed checkpoint tensors; after loading, the W4A16 kernel's packed layout
+    or the dense weight replaces them."""
 
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size = bits, group_size
         self.pack = 32 // bits
         self.dense = UnquantizedLinearMethod()
+        self.w4a16 = W4A16LinearMethod()
 
     def _group(self, in_size: int) -> int:
         return in_size if self.group_size in (-1, 0) else self.group_size
@@ -67,27 +132,54 @@ class _PackedUntilLoaded(LinearMethodBase):
         layer.register_parameter(name, p)
         return p
 
+    @staticmethod
+    def _drop_checkpoint_tensors(layer: nn.Module) -> None:
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if name in layer._parameters:
+                del layer._parameters[name]
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # Loaded layers run with the dense method (see process_weights_after_loading).
+        # Loaded layers run with another method (see process_weights_after_loading).
         raise RuntimeError("a quantized layer runs only after its checkpoint is loaded")
 
     def _dense(self, layer: nn.Module) -> torch.Tensor:
         raise NotImplementedError
 
+    def _w4(self, layer: nn.Module) -> W4Weight | None:
+        """The layer in the W4A16 kernel's layout, or None where it has none."""
+        raise NotImplementedError
+
+    def repack_to_w4a16(self, layer: nn.Module) -> bool:
+        """Keep the loaded layer 4-bit, repacked for the W4A16 kernel, on its device; False
+        (the layer untouched) where its format cannot be."""
+        w4 = self._w4(layer) if self.bits == 4 else None
+        if w4 is None:
+            return False
+        self._drop_checkpoint_tensors(layer)
+        for name in ("qweight", "scales", "zeros", "perm"):
+            t = getattr(w4, name)
+            layer.register_parameter(
+                "w4_" + name, None if t is None else nn.Parameter(t, requires_grad=False)
+            )
+        layer.w4_group_size = w4.group_size
+        layer.register_parameter("weight", None)  # no dense weight (callers check for None)
+        layer.linear_method = self.w4a16  # from now on the kernel, no check per call
+        return True
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if w4a16_enabled(layer.qweight.device) and self.repack_to_w4a16(layer):
+            return
         weight = self._dense(layer).to(layer.params_dtype)
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            if name in layer._parameters:
-                del layer._parameters[name]
+        self._drop_checkpoint_tensors(layer)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.linear_method = self.dense  # from now on an unquantized layer, no check per call
         self.dense.process_weights_after_loading(layer)
 
 
 class AWQLinearMethod(_PackedUntilLoaded):
-    """AutoAWQ's GEMM layout, 4-bit, zero points."""
+    """AutoAWQ's GEMM layout, 4-bit, zero points: kept packed on CUDA (the W4A16 kernel)."""
 
     def __init__(self, qc: dict[str, Any]) -> None:
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
@@ -122,9 +214,15 @@ class AWQLinearMethod(_PackedUntilLoaded):
         group = self._group(layer.input_size_per_partition)
         return dequantize_awq(layer.qweight, layer.qzeros, layer.scales, group)
 
+    def _w4(self, layer: nn.Module) -> W4Weight:
+        group = self._group(layer.input_size_per_partition)
+        return awq_to_w4(layer.qweight, layer.qzeros, layer.scales, group)
+
 
 class GPTQLinearMethod(_PackedUntilLoaded):
-    """AutoGPTQ's layout, 4 or 8 bits, act-order through g_idx (one per fused shard)."""
+    """AutoGPTQ's layout, 4 or 8 bits, act-order through g_idx (one per fused shard). 4-bit
+    layers stay packed on CUDA (the W4A16 kernel; act-order ones with their inputs sorted by
+    group, when all shards share one g_idx); 8-bit layers are dequantized (no int8 kernel)."""
 
     def __init__(self, qc: dict[str, Any]) -> None:
         bits = int(qc.get("bits", 4))
@@ -188,11 +286,23 @@ class GPTQLinearMethod(_PackedUntilLoaded):
             start += size
         return torch.cat(parts, dim=0)
 
+    def _w4(self, layer: nn.Module) -> W4Weight | None:
+        group = self._group(layer.input_size_per_partition)
+        w4 = gptq_to_w4(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
+        if w4 is None:
+            logger.info(
+                "a GPTQ act-order layer whose shards have different g_idx: dequantized "
+                "(one input permutation must serve the shards that share x)"
+            )
+        return w4
+
 
 __all__ = [
     "AWQLinearMethod",
     "GPTQLinearMethod",
     "QUANT_METHODS",
+    "W4A16LinearMethod",
     "checkpoint_quant_method",
     "get_linear_method",
+    "w4a16_enabled",
 ]
