@@ -420,3 +420,21 @@ def test_default_configs_compile_for_sm90(m: int, name: str, split: int) -> None
         atom = next(i for i, line in enumerate(body) if "atom.global.gpu.acq_rel.add" in line)
         last_store = max(i for i, line in enumerate(body[:atom]) if "st.global" in line)
         assert any(re.match(r"bar\.sync\s+0", line) for line in body[last_store:atom])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")
+def test_w4a16_bench_dry_run_covers_its_code_paths(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "w4a16_bench", os.path.join(os.path.dirname(__file__), "../../benchmarks/w4a16_bench.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "w4a16.json"
+    result = bench.main(["--dry-run", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    rows = result["rows"]
+    assert {r["shape"] for r in rows} == set(bench.DRY_SHAPES)
+    assert all(r["max_abs_err"] < 1e-3 for r in rows)
+    swept = [r for r in rows if r.get("configs")]
+    assert swept and all(r["best_us"] is not None for r in swept)
+    assert any(f["config"] == list(bench.BAD_CONFIG) for r in swept for f in r["failures"])
