@@ -241,16 +241,20 @@ class W4A16Config(NamedTuple):
 def default_config(
     m: int, n: int, k: int, group_size: int, num_sms: int = 132, *, elem_bytes: int = 2
 ) -> W4A16Config:
-    """A first guess, not yet measured (`python benchmarks/w4a16_bench.py` sweeps the
-    alternatives). Up to 64 rows the layer streams its packed weights: 64-row weight tiles
-    with deep pipelines (a 64 x 128 tile is 4 KB), zero and scale on each tile's product; more
-    rows, 128 x 128 x 64 tiles dequantized per element (no second accumulator to hold). K is
-    split until the grid covers the SMs about twice. Sized by sm_90 builds' instruction counts
-    (fewest per tile): for 32 rows the kernel's own tile sums of x, from 64 rows summed before."""
+    """A first guess, not yet timed (`python benchmarks/w4a16_bench.py` sweeps the
+    alternatives), from the instructions per weight of sm_90 builds (the issue rate bounds a
+    decode here: ~36 weights per SM and clock stream in at 4.8 TB/s). Up to 64 rows the layer
+    streams its packed weights: zero and scale on each tile's product, deep pipelines (a
+    128 x 128 tile is 8 KB), 128-row weight tiles up to 32 rows (3.2 warp-instructions per 32
+    weights, 4.4 with 64 rows), the kernel's own tile sums of x; 64 x 64 tiles and sums made
+    before at 64 rows; more rows, 128 x 128 x 64 tiles dequantized per element (no second
+    accumulator to hold). K is split until the grid covers the SMs about twice."""
     block_m = block_m_for(m)
     block_k = tile_block_k(group_size, k)
-    if block_m <= 64:
-        block_n, num_warps, num_stages = 64, 4, 6 if block_m <= 16 else 4
+    if block_m <= 32:
+        block_n, num_warps, num_stages = 128, 4, 6 if block_m <= 16 else 4
+    elif block_m == 64:
+        block_n, num_warps, num_stages = 64, 4, 4
     else:
         block_n, block_k, num_warps, num_stages = 128, min(block_k, 64), 8, 3
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
