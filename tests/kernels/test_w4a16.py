@@ -437,4 +437,12 @@ def test_w4a16_bench_dry_run_covers_its_code_paths(tmp_path) -> None:
     assert all(r["max_abs_err"] < 1e-3 for r in rows)
     swept = [r for r in rows if r.get("configs")]
     assert swept and all(r["best_us"] is not None for r in swept)
+    # (split > 1, scale after the dot, sums made before): every kernel variant was timed.
+    timed = {(c[3] > 1, c[6], c[7]) for r in swept for c in (t["config"] for t in r["configs"])}
+    assert timed >= {
+        (True, True, False),
+        (False, True, False),
+        (False, False, False),
+        (True, True, True),
+    }
     assert any(f["config"] == list(bench.BAD_CONFIG) for r in swept for f in r["failures"])
