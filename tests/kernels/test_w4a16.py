@@ -430,10 +430,17 @@ def test_w4a16_bench_dry_run_covers_its_code_paths(tmp_path) -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "w4a16.json"
-    result = bench.main(["--dry-run", "--out", str(out)])
+    argv = ["--dry-run", "--shapes", "qkv", "down", "--m", "1", "40", "--out", str(out)]
+    result = bench.main(argv)
     assert json.loads(out.read_text())["rows"] == result["rows"]
     rows = result["rows"]
-    assert {r["shape"] for r in rows} == set(bench.DRY_SHAPES)
+    assert [(r["shape"], r["m"]) for r in rows] == [
+        ("qkv", 1),
+        ("qkv", 40),
+        ("down", 1),
+        ("down", 40),
+    ]
+    assert [s["m"] for s in result["summary"]] == [1, 40]
     assert all(r["max_abs_err"] < 1e-3 for r in rows)
     swept = [r for r in rows if r.get("configs")]
     assert swept and all(r["best_us"] is not None for r in swept)
