@@ -289,10 +289,11 @@ class GPTQLinearMethod(_PackedUntilLoaded):
     def _w4(self, layer: nn.Module) -> W4Weight | None:
         group = self._group(layer.input_size_per_partition)
         w4 = gptq_to_w4(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
-        if w4 is None:
+        if w4 is None and not getattr(self, "_told_act_order", False):
+            self._told_act_order = True  # once per model, not per layer
             logger.info(
-                "a GPTQ act-order layer whose shards have different g_idx: dequantized "
-                "(one input permutation must serve the shards that share x)"
+                "GPTQ act-order layers whose fused shards have different g_idx are "
+                "dequantized (one input permutation must serve the shards that share x)"
             )
         return w4
 
