@@ -85,7 +85,9 @@ def _unpack(words, magic, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: t
     return tl.reshape(q, (BLOCK_N, BLOCK_K))
 
 
-@triton.jit
+# M = 1 (single-stream decode) must stay a runtime value: Triton would otherwise specialize it
+# into a constant, which has no `.to` (the split-K offsets).
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr,
     qw_ptr,

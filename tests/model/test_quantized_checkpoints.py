@@ -54,11 +54,21 @@ def test_gptq_words_pack_inputs(bits: int) -> None:
     assert torch.equal(unpack_gptq_weight(packed, bits), v)
 
 
+SHARED_INPUT = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+}
+
+
 def _quantized_checkpoint(tmp_path, method: str, bits: int = 4, act_order: bool = False):
     """A tiny Llama saved in `method`'s format; returns the HF model with the dequantized
     weights (the reference)."""
     hf = make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope")
     tensors = {}
+    perms: dict[tuple[str, str], torch.Tensor] = {}
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -80,7 +90,13 @@ def _quantized_checkpoint(tmp_path, method: str, bits: int = 4, act_order: bool 
             else:
                 g_idx = torch.arange(k, dtype=torch.int32) // GROUP
                 if act_order:  # inputs regrouped: a permutation of the groups' members
-                    g_idx = g_idx[torch.randperm(k, generator=g)]
+                    # Projections of one input (q/k/v, gate/up) share it, as AutoGPTQ's do:
+                    # their Hessians, which order the inputs, are the same.
+                    shared = SHARED_INPUT.get(proj, proj)
+                    key = (prefix.split(".")[2], shared)
+                    if key not in perms:
+                        perms[key] = torch.randperm(k, generator=g)
+                    g_idx = g_idx[perms[key]]
                     values, zeros, scales = _quantize_by_g_idx(p, bits, g_idx)
                     scales = scales.half()
                 tensors[prefix + ".qweight"] = pack_gptq_weight(values, bits)
@@ -181,6 +197,31 @@ def test_configuration_errors(tmp_path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'fp8' is not supported yet"):
         EngineArgs(model=str(path)).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "method,bits,act_order", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)]
+)
+def test_which_layers_stay_packed_where_the_kernel_runs(
+    tmp_path, monkeypatch, method, bits, act_order
+) -> None:
+    # As on CUDA (the repacking needs no GPU): 4-bit layers stay packed, act-order ones too
+    # when the shards of one input share their permutation; 8-bit layers go dense.
+    import pagoda.model.quantization as quant
+
+    monkeypatch.setattr(quant, "w4a16_enabled", lambda device: True)
+    _, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
+    hf_config = get_model_config_dict(str(path))
+    mc = ModelConfig(
+        model=str(path), hf_config=hf_config, dtype="float32", max_model_len=256,
+        quantization=method,
+    )  # fmt: skip
+    model = load_model(mc, "cpu", dtype="float32")
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * TINY_CONFIG["num_hidden_layers"]
+    for name, layer in linears:
+        assert isinstance(layer.linear_method, quant.W4A16LinearMethod) == (bits == 4), name
+        assert (layer.weight is None) == (bits == 4), name
 
 
 @pytest.mark.gpu
