@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

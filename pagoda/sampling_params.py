@@ -8,9 +8,66 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of some strings, an EBNF grammar or
+    any JSON object (vLLM's `StructuredOutputsParams`: exactly one of them). The engine
+    compiles it with xgrammar (`pagoda.structured_output`) and masks each step's logits."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {given or 'none'}"
+            )
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported by Pagoda yet")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object}")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+            )
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {v!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (dict or string), got {self.json!r}"
+            )
+
+    def cache_key(self) -> str:
+        """One string per distinct constraint (compiled grammars are cached by it)."""
+        return _json.dumps(
+            {k: v for k, v in self.__dict__.items() if v is not None and v is not False},
+            sort_keys=True,
+        )
 
 
 class RequestOutputKind(enum.Enum):
@@ -44,6 +101,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -62,6 +120,15 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect.

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.core.request import Request
 
@@ -35,6 +36,11 @@ class SchedulerOutput:
     # The scheduler has already advanced request.num_computed_tokens past this step when
     # schedule() returns, so the runner must read the start here, not from the request.
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    # Structured outputs: one row per request in structured_output_request_ids, a numpy int32
+    # array [rows, ceil(vocab / 32)] whose bit t of a row allows token t; None when no
+    # structured request samples this step.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

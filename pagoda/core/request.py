@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagoda.sampling_params import SamplingParams
 
@@ -77,6 +78,9 @@ class Request:
         # appended). The next step may already compute on them; the runner takes their ids from
         # the device.
         self.num_output_placeholders = 0
+        # Structured outputs: the request's grammar matcher (set by the engine), fed every
+        # appended token; `accept_token(id)` is True when the grammar ends the request.
+        self.structured_output: Any = None
         # Chained hashes of this request's full blocks (kept by the KV cache manager).
         self.block_hashes: list[int] = []
         # Timestamps for metrics.

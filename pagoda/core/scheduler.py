@@ -296,9 +296,13 @@ class Scheduler:
                 request.spec_token_ids.clear()
 
             new_token_ids: list[int] = []
+            grammar = request.structured_output
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
+                if grammar is not None and grammar.accept_token(token_id):
+                    request.status = RequestStatus.FINISHED_STOPPED  # the grammar is matched
+                    break
                 if self._check_stop(request, token_id):
                     break  # tokens after a stop (later accepted drafts) are dropped
             if new_token_ids and request.first_token_time is None:

@@ -24,6 +24,7 @@ from pagoda.metrics.stats import IterationStats, SchedulerStats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode import DraftModelProposer, NgramProposer
+from pagoda.structured_output import StructuredOutputManager
 from pagoda.tokenizer import Tokenizer, get_tokenizer
 
 logger = init_logger(__name__)
@@ -50,6 +51,10 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs: grammars compiled (xgrammar imported) on the first request.
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self._eos_token_id()
+        )
         self.last_scheduler_stats = SchedulerStats(num_total_blocks=num_blocks)
         self.last_iteration_stats = IterationStats()
         self.num_preemptions_total = 0
@@ -139,6 +144,8 @@ class LLMEngine:
                 f"({max_len}) minus one generated token; shorten it or raise max_model_len"
             )
         params.validate_token_ids(vocab)
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         eos = self._eos_token_id()
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         if eos is not None:
@@ -151,17 +158,17 @@ class LLMEngine:
         added: list[str] = []
         try:
             for cid, cparams in zip(child_ids, child_params):
-                self.scheduler.add_request(
-                    Request(
-                        cid,
-                        prompt_ids,
-                        cparams,
-                        eos_token_id=eos,
-                        arrival_time=arrival_time,
-                        priority=priority,
-                        max_tokens=max_tokens,
-                    )
+                request = Request(
+                    cid,
+                    prompt_ids,
+                    cparams,
+                    eos_token_id=eos,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    max_tokens=max_tokens,
                 )
+                self.structured_output.init_request(request)  # its own matcher, if any
+                self.scheduler.add_request(request)
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
@@ -169,6 +176,15 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, prompt_text, prompt_ids, params, child_ids, child_params, arrival_time
         )
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Refuse what structured outputs cannot run with; compile the constraint (cached), so
+        a bad schema / regex / grammar is a ValueError here."""
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                "structured_outputs is not supported with tensor_parallel_size > 1 yet"
+            )
+        self.structured_output.validate(params)
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None:
@@ -252,6 +268,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         sched_out = self.scheduler.schedule()
+        if self.structured_output.backend_ready:
+            self.structured_output.grammar_bitmask(sched_out)
         now = time.time()
         stats = IterationStats(iteration_timestamp=now)
         for req in sched_out.scheduled_requests:
@@ -300,7 +318,9 @@ class LLMEngine:
         ready = [
             req
             for req in running
-            if not req.num_output_placeholders and req.num_computed_tokens == req.num_tokens - 1
+            if not req.num_output_placeholders
+            and req.num_computed_tokens == req.num_tokens - 1
+            and req.structured_output is None  # its bitmask covers one row: no drafts
         ]
         # Drafts past max_tokens would be computed and dropped: the last token is the target's.
         room = {req.request_id: req.max_tokens - req.num_output_tokens - 1 for req in ready}
@@ -314,7 +334,8 @@ class LLMEngine:
         if not self.async_scheduling:
             return False
         for req in self.scheduler.running:
-            if req.spec_token_ids or _reads_history(req):
+            # A structured request's bitmask needs its matcher to have seen every token.
+            if req.spec_token_ids or req.structured_output is not None or _reads_history(req):
                 return False
         return True
 

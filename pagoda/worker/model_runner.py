@@ -23,6 +23,7 @@ from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request
+from pagoda.sample.bitmask import apply_token_bitmask
 from pagoda.sample.metadata import to_device_tensor
 from pagoda.sample.sampler import (
     Sampler,
@@ -353,7 +354,7 @@ class ModelRunner:
 
         future = StepOutputFuture(output)
         if step.sample_rows:
-            self._sample(step, hidden, future)
+            self._sample(step, hidden, future, so)
         for rid, (rows, targets) in step.prompt_logprob_rows.items():
             output.prompt_logprobs[rid] = self._prompt_logprobs(step, hidden, rid, rows, targets)
         return future
@@ -388,12 +389,16 @@ class ModelRunner:
             self.generators[req.request_id] = gen
         return gen
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, future: StepOutputFuture) -> None:
+    def _sample(
+        self, step: StepInputs, hidden: torch.Tensor, future: StepOutputFuture, so: SchedulerOutput
+    ) -> None:
         """Queue the logits and the sampler; the results reach the host asynchronously."""
         if step.logits_indices is None:  # rows 0 .. n-1: no gather
             logits = self.model.compute_logits(hidden[: len(step.sample_rows)])
         else:
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+        if so.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, step, so)
         params, prompts, outputs, generators = [], [], [], []
         for req, lo, hi in step.sample_reqs:
             sp = req.sampling_params
@@ -424,6 +429,15 @@ class ModelRunner:
             for req, lo, hi in step.sample_reqs
         ]
         future.set_sampled(sampled.to_host_async(), md, sample_reqs)
+
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, step: StepInputs, so: SchedulerOutput
+    ) -> None:
+        """Structured outputs: mask the rows of the requests the bitmask names, before the
+        sampler (so its penalties, temperature, top-k/p and logprobs see the masked logits)."""
+        first_row = {req.request_id: lo for req, lo, _ in step.sample_reqs}
+        rows = [first_row[rid] for rid in so.structured_output_request_ids]
+        apply_token_bitmask(logits, torch.from_numpy(so.grammar_bitmask), rows)
 
     def _prompt_logprobs(
         self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], targets: list[int]

@@ -1,0 +1,144 @@
+"""xgrammar (vLLM's default structured-output backend) over Pagoda's tokenizer.
+
+`XgrammarBackend` builds one `xgrammar.TokenizerInfo` from the token bytes (`vocab.py`), with
+the engine's EOS as the token that ends a matched grammar, and compiles each distinct
+`StructuredOutputsParams` once (cached by its key). A `GrammarState` is one request's
+`GrammarMatcher`: it fills that request's row of the next-token bitmask and accepts each
+sampled token. xgrammar is imported here only, when the first structured request arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from typing import Any
+
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.vocab import token_bytes
+
+_CACHE_SIZE = 256
+_XGR_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
+
+
+def import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(
+            "structured outputs need the xgrammar package: pip install xgrammar"
+        ) from e
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarState:
+    """One request's matcher. `accept_token` returns True when the request must stop: the
+    grammar terminated (its stop token was accepted) or rejected the token."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.rejected = False
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.accept_token(token_id):
+            self.rejected = True
+            return True
+        return self.matcher.is_terminated()
+
+    def is_terminated(self) -> bool:
+        return self.rejected or self.matcher.is_terminated()
+
+
+class XgrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self.xgr = import_xgrammar()
+        self.vocab_size = vocab_size
+        stop = [eos_token_id] if eos_token_id is not None else None
+        self.tokenizer_info = self.xgr.TokenizerInfo(
+            token_bytes(tokenizer, vocab_size),
+            self.xgr.VocabType.RAW,
+            vocab_size=vocab_size,
+            stop_token_ids=stop,
+        )
+        self.compiler = self.xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar for `params` (cached); ValueError naming what is wrong."""
+        key = params.cache_key()
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        try:
+            compiled = self._compile(params)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
+            kind = next(
+                k
+                for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(params, k) is not None
+            )
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            # Drop xgrammar's "[time] file.cc:line: " prefix; keep what it says is wrong.
+            msg = _XGR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+            raise ValueError(f"invalid structured_outputs.{kind}: {msg}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > _CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, p: StructuredOutputsParams) -> Any:
+        if p.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend"
+            )
+        c = self.compiler
+        if p.json is not None:
+            schema = p.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"invalid structured_outputs.json: not JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ValueError("invalid structured_outputs.json: a schema must be an object")
+            if p.disable_additional_properties:
+                schema = _no_additional_properties(schema)
+            return c.compile_json_schema(
+                json.dumps(schema), any_whitespace=not p.disable_any_whitespace
+            )
+        if p.json_object:
+            return c.compile_builtin_json_grammar()
+        if p.regex is not None:
+            return c.compile_regex(p.regex)
+        if p.choice is not None:
+            return c.compile_grammar(choice_grammar(p.choice))
+        assert p.grammar is not None
+        return c.compile_grammar(p.grammar)
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        return GrammarState(self.xgr.GrammarMatcher(self.compile(params)))
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """A copy of the schema with additionalProperties false on every object (vLLM's option)."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out["additionalProperties"] = False
+    return out

@@ -1,0 +1,77 @@
+"""`StructuredOutputManager`: the engine's side of structured outputs (vLLM's manager of the same
+name). It checks and compiles a request's constraint when it is added (a bad one is a
+ValueError there), gives each `Request` its own matcher (`request.structured_output`), and after
+each `schedule()` fills the bitmask rows of the scheduled structured requests that sample this
+step. The matcher must have seen every earlier token of its request when its row is filled:
+the engine runs steps with structured requests synchronously and gives them no drafts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pagoda.core.outputs import SchedulerOutput
+from pagoda.core.request import Request
+from pagoda.sampling_params import SamplingParams
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._backend: Any = None
+
+    @property
+    def backend_ready(self) -> bool:
+        """Whether any structured request has been seen (only then do steps need a bitmask)."""
+        return self._backend is not None
+
+    @property
+    def backend(self) -> Any:
+        if self._backend is None:
+            from pagoda.structured_output.backend_xgrammar import XgrammarBackend
+
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured outputs need the tokenizer: do not use skip_tokenizer_init"
+                )
+            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_id)
+        return self._backend
+
+    def validate(self, params: SamplingParams) -> None:
+        """Compile the request's constraint now (cached): a ValueError if it is invalid."""
+        if params.structured_outputs is not None:
+            self.backend.compile(params.structured_outputs)
+
+    def init_request(self, request: Request) -> None:
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            request.structured_output = self.backend.new_state(so)
+
+    def grammar_bitmask(self, sched_out: SchedulerOutput) -> None:
+        """Fill `sched_out.grammar_bitmask` for the structured requests that sample this step
+        (their scheduled tokens reach the end of their known tokens)."""
+        rids: list[str] = []
+        states = []
+        for req in sched_out.scheduled_requests:
+            state = req.structured_output
+            if state is None or req.num_computed_tokens < req.num_tokens:
+                continue
+            if req.spec_token_ids or req.num_output_placeholders > 1:
+                raise RuntimeError(
+                    f"request {req.request_id!r} has structured outputs and tokens the matcher "
+                    "has not seen (drafts or tokens in flight)"
+                )
+            rids.append(req.request_id)
+            states.append(state)
+        if not rids:
+            return
+        words = -(-self.vocab_size // 32)
+        bitmask = np.empty((len(rids), words), dtype=np.int32)
+        for row, state in enumerate(states):
+            state.fill_bitmask(bitmask, row)
+        sched_out.grammar_bitmask = bitmask
+        sched_out.structured_output_request_ids = rids
