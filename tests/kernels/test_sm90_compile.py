@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.slow
 
 import importlib.util  # noqa: E402
 import os  # noqa: E402
@@ -16,6 +15,16 @@ import sys  # noqa: E402
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+# Triton's own jit helpers (tl.cdiv, tl.sigmoid, ...) are decided once, when triton.language is
+# first imported: after an interpreter test imported it with TRITON_INTERPRET=1, they stay
+# interpreter functions, which a real compilation cannot call. Then these builds run in a fresh
+# process instead (test_sm90_compile_fresh.py).
+INTERPRETED_LANG = type(triton.language.cdiv).__name__ == "InterpretedFunction"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(INTERPRETED_LANG, reason="built in a fresh process instead"),
+]
 
 
 def _fresh_module(name: str, **deps):
