@@ -72,6 +72,11 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     priority: int = 0
+    # Structured outputs: OpenAI's response_format ({"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's
+    # `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     request_id: str | None = None
 
 
@@ -94,7 +99,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = 0
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.outputs import Logprob, RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagoda.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 
 
@@ -99,6 +99,7 @@ def build_sampling_params(
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured_outputs_from_request(req),
     )
     fields = set(type(req).model_fields)
     try:
@@ -108,6 +109,46 @@ def build_sampling_params(
     except TypeError as e:  # a comparison between wrong types slipped past pydantic
         raise APIError(f"invalid sampling parameter: {e}", 400) from None
     return params
+
+
+def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
+    """vLLM's rule: `structured_outputs`, with `response_format` (json_object / json_schema)
+    overriding its constraint. Malformed ones are 400s naming the field."""
+    so = req.structured_outputs
+    rf = req.response_format
+    override: dict[str, Any] = {}
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            override = {"json_object": True}
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(
+                    "response_format of type 'json_schema' needs json_schema.schema, an object",
+                    400,
+                    "response_format",
+                )
+            override = {"json": schema}
+        elif kind != "text":
+            raise APIError(
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                400,
+                "response_format",
+            )
+    if so is None and not override:
+        return None
+    kw = dict(so or {})
+    if override:
+        for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag"):
+            kw.pop(k, None)
+        kw.update(override)
+    try:
+        return StructuredOutputsParams(**kw)
+    except (TypeError, ValueError) as e:
+        param = "response_format" if override else "structured_outputs"
+        raise APIError(f"invalid {param}: {e}", 400, param) from None
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams, StructuredOutputsParams
-from pagoda.sample.bitmask import apply_token_bitmask
+from pagoda.sample.bitmask import apply_token_bitmask, unpack_bitmask, unpack_bitmask_reference
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -64,3 +64,14 @@ def test_bitmask_matches_xgrammar(rows):
         torch.isinf(ours[rows]).any()
         and not torch.isinf(ours[[r for r in range(4) if r not in rows]]).any()
     )
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 200])
+def test_unpack_matches_reference(vocab):
+    g = torch.Generator().manual_seed(1)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=g)
+    bitmask[0] = -1  # all allowed
+    bitmask[1] = 0  # none
+    fast, ref = unpack_bitmask(bitmask, vocab), unpack_bitmask_reference(bitmask, vocab)
+    assert fast.shape == (3, vocab) and torch.equal(fast, ref)
+    assert fast[0, :128].all() and not fast[1].any() and not fast[:, 128:].any()
