@@ -16,6 +16,7 @@ from http import HTTPStatus
 from typing import Any
 
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.logger import init_logger
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagoda.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
@@ -111,11 +112,22 @@ def build_sampling_params(
     return params
 
 
+logger = init_logger(__name__)
+_REMOVED_GUIDED_FIELDS = frozenset(
+    ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+)
+
+
 def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
     """vLLM's rule: `structured_outputs`, with `response_format` (json_object / json_schema)
     overriding its constraint. Malformed ones are 400s naming the field."""
     so = req.structured_outputs
     rf = req.response_format
+    removed = sorted(set(req.model_extra or ()) & _REMOVED_GUIDED_FIELDS)
+    if removed:
+        # vLLM 0.32 ignores them too (with this warning): they were replaced by
+        # `structured_outputs`, which is what a client should send.
+        logger.warning("ignored %s: use 'structured_outputs' instead", ", ".join(removed))
     override: dict[str, Any] = {}
     if rf is not None:
         kind = rf.get("type")

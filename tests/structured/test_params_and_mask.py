@@ -75,3 +75,24 @@ def test_unpack_matches_reference(vocab):
     fast, ref = unpack_bitmask(bitmask, vocab), unpack_bitmask_reference(bitmask, vocab)
     assert fast.shape == (3, vocab) and torch.equal(fast, ref)
     assert fast[0, :128].all() and not fast[1].any() and not fast[:, 128:].any()
+
+
+def test_xgrammar_is_imported_only_for_structured_requests():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import pagoda.engine.llm_engine, pagoda.worker.model_runner, "
+        "pagoda.server.serving; assert 'xgrammar' not in sys.modules, 'imported'\n"
+        "sys.modules['xgrammar'] = None  # not installed\n"
+        "from pagoda.structured_output import StructuredOutputManager\n"
+        "from pagoda import SamplingParams\n"
+        "m = StructuredOutputManager(object(), 10, 0)\n"
+        "try:\n"
+        "    m.validate(SamplingParams(structured_outputs={'choice': ['a']}))\n"
+        "except ValueError as e:\n"
+        "    assert 'pip install xgrammar' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
