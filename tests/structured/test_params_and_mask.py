@@ -96,3 +96,14 @@ def test_xgrammar_is_imported_only_for_structured_requests():
         "    raise AssertionError('no error')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tensor_parallel_is_refused_clearly():
+    from types import SimpleNamespace
+
+    from pagoda.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.__new__(LLMEngine)  # only the check, without a model
+    engine.config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        engine._check_structured_outputs(SamplingParams(structured_outputs={"regex": "a"}))
