@@ -61,9 +61,15 @@ class TensorParallelModelRunner(ModelRunner):
         # `copies_done()` (on a GPU the host buffers would be rewritten under the copies).
         return self.execute_model_async(so).get()
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, future: StepOutputFuture) -> None:
+    def _sample(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        future: StepOutputFuture,
+        so: SchedulerOutput,
+    ) -> None:
         if self.tp_rank == 0:
-            super()._sample(step, hidden, future)
+            super()._sample(step, hidden, future, so)
             if self.share_sampled:
                 assert self._prev_sampled is not None
                 ids = self._prev_sampled[0].contiguous()
