@@ -77,7 +77,36 @@ class MultiprocStepFuture:
         return self._output
 
 
-class MultiprocExecutor:
+class TensorParallelExecutorBase:
+    """What the tensor-parallel executors share over their `collective_rpc` (every rank runs a
+    runner method) and `execute_model_async` (a step to every rank, rank 0's output back)."""
+
+    _bytes_per_block: int
+
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
+    ) -> list[Any]:
+        raise NotImplementedError
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        """The smallest block count any rank can hold."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def bytes_per_block(self) -> int:
+        """One block's bytes summed over the ranks (each holds its KV heads' share)."""
+        return self._bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).get()
+
+
+class MultiprocExecutor(TensorParallelExecutorBase):
     def __init__(self, config: EngineConfig) -> None:
         from pagoda.worker.model_runner import num_cpu_threads
 
@@ -124,21 +153,7 @@ class MultiprocExecutor:
             "NCCL" if config.device_config.device == "cuda" else "gloo",
         )
 
-    # -- the executor interface -------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        """The smallest block count any rank can hold."""
-        return min(self.collective_rpc("determine_num_blocks"))
-
-    def bytes_per_block(self) -> int:
-        """One block's bytes summed over the ranks (each holds its KV heads' share)."""
-        return self._bytes_per_block
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).get()
-
+    # -- the executor interface (the rest in TensorParallelExecutorBase) ----------------------
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> MultiprocStepFuture:
         """Send the step to every worker now (a snapshot of what changed in its requests, see
         `step_delta`); `.get()` on the result waits for rank 0's output."""

@@ -39,7 +39,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.executor.multiproc import WorkerError, _worker_config, step_timeout_s
+from pagoda.executor.multiproc import (
+    TensorParallelExecutorBase,
+    WorkerError,
+    _worker_config,
+    step_timeout_s,
+)
 from pagoda.executor.ray_worker import RayWorker
 from pagoda.executor.step_delta import StepDeltaEncoder
 
@@ -68,7 +73,7 @@ class RayStepFuture:
         return self._output
 
 
-class RayExecutor:
+class RayExecutor(TensorParallelExecutorBase):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.tensor_parallel_size
@@ -95,21 +100,7 @@ class RayExecutor:
             "NCCL" if config.device_config.device == "cuda" else "gloo",
         )
 
-    # -- the executor interface -------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        """The smallest block count any rank can hold."""
-        return min(self.collective_rpc("determine_num_blocks"))
-
-    def bytes_per_block(self) -> int:
-        """One block's bytes summed over the ranks (each holds its KV heads' share)."""
-        return self._bytes_per_block
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).get()
-
+    # -- the executor interface (the rest in TensorParallelExecutorBase) ----------------------
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> RayStepFuture:
         """Send the step to every actor now (a snapshot of what changed in its requests, see
         `step_delta`); `.get()` on the result waits for rank 0's output."""
