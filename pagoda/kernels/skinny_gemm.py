@@ -88,6 +88,22 @@ def _skinny_gemm_kernel(
         x = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
 
+    store_tile(
+        acc, y_ptr, bias_ptr, partial_ptr, counter_ptr + pid_n, offs_m, offs_n, m_ok, n_ok,
+        M, N, stride_y, pid_k, split_k, HAS_BIAS, SPLIT,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_tile(
+    acc, y_ptr, bias_ptr, partial_ptr, counter, offs_m, offs_n, m_ok, n_ok,
+    M, N, stride_y, pid_k, split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Store a program's fp32 tile acc [BLOCK_N, BLOCK_M] (weight rows x activation rows) as
+    y[m, n] (+ bias). Split over K: write the partial to partial[split, m, n], count the
+    arrival at this tile's `counter`; the last split to arrive sums all partials in split order
+    (the same bits every call), stores y and puts the counter back to 0 (next launch, graph
+    replay). Shared by the skinny GEMM and the W4A16 kernel."""
     out_mask = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_y + offs_n[:, None]
     if not SPLIT:
@@ -95,15 +111,14 @@ def _skinny_gemm_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partial[s, m, n], contiguous: this split's tile, then its arrival at the tile counter.
         tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
         split_size = M.to(tl.int64) * N
         tl.store(partial_ptr + pid_k * split_size + tile, acc, mask=out_mask)
         # Every thread's partial store is ordered before the one thread's release below.
         tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            total = tl.zeros_like(acc)
             for s in range(split_k):  # in split order: deterministic sums
                 total += tl.load(
                     partial_ptr + s * split_size + tile,
@@ -114,7 +129,7 @@ def _skinny_gemm_kernel(
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(counter_ptr + pid_n, 0)  # clean for the next launch or graph replay
+            tl.store(counter, 0)
 
 
 def block_m_for(m: int) -> int:

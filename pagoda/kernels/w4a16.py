@@ -40,7 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.skinny_gemm import MAX_SPLIT_TILES, SMEM_BUDGET, prepare, split_k_plan
+from pagoda.kernels.skinny_gemm import (
+    MAX_SPLIT_TILES,
+    SMEM_BUDGET,
+    prepare,
+    split_k_plan,
+    store_tile,
+)
 
 MAX_BLOCK_M = 128
 # The exponent bits of 16.0 in both halves of a word (bf16, fp16); fp32 converts instead.
@@ -182,34 +188,11 @@ def _w4a16_kernel(
             w = ((q16.to(tl.float32) - z16) * s).to(dtype)  # (q - z) s, rounded once
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
 
-    out_mask = n_ok[:, None] & m_ok[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_y + offs_n[:, None]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # partial[s, m, n], contiguous; then this split's arrival at its tile's counter.
-        tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        split_size = M.to(tl.int64) * N
-        tl.store(partial_ptr + pid_k * split_size + tile, acc, mask=out_mask)
-        # Every thread's partial store is ordered before the one thread's release below.
-        tl.debug_barrier()
-        counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for i in range(split_k):  # in split order: deterministic sums
-                total += tl.load(
-                    partial_ptr + i * split_size + tile,
-                    mask=out_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(counter, 0)  # clean for the next launch or graph replay
+    counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
+    store_tile(
+        acc, y_ptr, bias_ptr, partial_ptr, counter, offs_m, offs_n, m_ok, n_ok,
+        M, N, stride_y, pid_k, split_k, HAS_BIAS, SPLIT,
+    )  # fmt: skip
 
 
 def block_m_for(m: int) -> int:
