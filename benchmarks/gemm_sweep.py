@@ -18,17 +18,17 @@ larger M time the two BLAS libraries only. These are the measurements behind
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_common import graph_seconds, precompile, setup_interpreter, wall_seconds  # noqa: E402
 
 SHAPES = {
     "qkv": (6144, 4096),
@@ -58,14 +58,6 @@ CONFIG_NAMES = (
     "num_warps",
     "num_stages",
 )  # BLOCK_N not a power of two: must be reported, not crash
-
-
-def _setup_interpreter() -> None:
-    """CPU tensors through the Triton interpreter (before the kernel module is imported)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
-    from kernel_testing import enable_interpreter_without_cuda
-
-    enable_interpreter_without_cuda()
 
 
 def config_grid(
@@ -108,11 +100,6 @@ def _compile_key(m: int, cfg: tuple) -> tuple:
 _WORKER_TENSORS: dict = {}
 
 
-def _worker_init(interpret: bool) -> None:
-    if interpret:
-        _setup_interpreter()
-
-
 def _precompile_one(job: tuple) -> str | None:
     """Compile one config in a worker process (into Triton's on-disk cache, which the main
     process then hits) by running it once; the error text when it fails."""
@@ -134,46 +121,6 @@ def _precompile_one(job: tuple) -> str | None:
     except Exception as e:  # noqa: BLE001 - reported by the sweep
         return f"{type(e).__name__}: {str(e)[:200]}"
     return None
-
-
-def precompile(plan: list[tuple], jobs: int, device: str, dtype: str) -> None:
-    """Build every distinct kernel of the plan in `jobs` processes first: serial compiles
-    (~0.3 s each, hundreds of them) would take most of the time budget."""
-    todo = {}
-    for m, n, k, cfg in plan:
-        todo.setdefault(_compile_key(m, cfg), (m, n, k, cfg, device, dtype))
-    t0 = time.perf_counter()
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            jobs, mp_context=ctx, initializer=_worker_init, initargs=(device == "cpu",)
-        ) as pool:
-            errors = [e for e in pool.map(_precompile_one, todo.values(), chunksize=4) if e]
-    except Exception as e:  # noqa: BLE001 - the timing loop compiles on first use instead
-        print(f"precompile pool failed ({type(e).__name__}: {e}); compiling serially", flush=True)
-        return
-    print(
-        f"precompiled {len(todo)} kernels in {time.perf_counter() - t0:.1f} s with {jobs} "
-        f"processes ({len(errors)} failed)",
-        flush=True,
-    )
-
-
-def graph_seconds(fn, reps: int = 20) -> float:
-    """Seconds per call of `fn` replayed in a CUDA graph: gemv_sweep.py's timing."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gemv_sweep import graph_seconds as timed
-
-    return timed(fn, reps)
-
-
-def wall_seconds(fn, reps: int = 1) -> float:
-    """--dry-run on a CPU: plain wall time (exercises the code, measures nothing useful)."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
 
 
 def _per_weight(seconds, call, x, ws) -> float:
@@ -316,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not on_gpu:
         if not args.dry_run:
             raise SystemExit("needs a CUDA GPU (or --dry-run)")
-        _setup_interpreter()
+        setup_interpreter()
     import triton
 
     from pagoda.kernels.skinny_gemm import MAX_ROWS, prepare
@@ -346,8 +293,13 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     if args.jobs > 1:
-        flat = [(m, *shapes[s], c) for (s, m), cs in plan.items() for c in cs if c != BAD_CONFIG]
-        precompile(flat, args.jobs, device, str(dtype).removeprefix("torch."))
+        dt = str(dtype).removeprefix("torch.")
+        todo = {}
+        for (s, m), cs in plan.items():
+            for c in cs:
+                if c != BAD_CONFIG:
+                    todo.setdefault(_compile_key(m, c), (m, *shapes[s], c, device, dt))
+        precompile(_precompile_one, todo.values(), args.jobs, cpu=not on_gpu)
     prepare(device)  # the split-K counters, outside any graph capture
 
     t0 = time.perf_counter()

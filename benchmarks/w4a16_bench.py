@@ -19,17 +19,17 @@ compile or run are listed, not fatal. These measurements should set `default_con
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_common import graph_seconds, precompile, setup_interpreter, wall_seconds  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -41,13 +41,6 @@ DRY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64,
 DRY_GROUP = 32
 DRY_M_VALUES = (1, 3, 40)
 BAD_CONFIG = (16, 48, 32, 1, 4, 2, True, False)  # block_n not a power of two: reported
-
-
-def _setup_interpreter() -> None:
-    sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
-    from kernel_testing import enable_interpreter_without_cuda
-
-    enable_interpreter_without_cuda()
 
 
 def config_grid(m: int, n: int, k: int, group: int, mode: str, num_sms: int) -> list[tuple]:
@@ -122,46 +115,11 @@ def _precompile_one(job: tuple) -> str | None:
     return None
 
 
-def _compile_key(m: int, n: int, k: int, cfg: tuple) -> tuple:
-    """What makes a distinct kernel: the config, split or not, and how the launcher
-    specializes M (1, a multiple of 16, other); N and K of one shape class share builds."""
+def _compile_key(k: int, cfg: tuple) -> tuple:
+    """What makes a distinct kernel: the config, split or not, and whether K needs masks (M is
+    never specialized); N and K of one shape class share builds."""
     bm, bn, bk, split, warps, stages, after, pre = cfg
-    return (bm, bn, bk, split > 1, warps, stages, after, pre, m == 1, m % 16 == 0, k % bk == 0)
-
-
-def precompile(plan: list[tuple], jobs: int, device: str, dtype: str) -> None:
-    todo = {}
-    for m, n, k, group, cfg in plan:
-        todo.setdefault(_compile_key(m, n, k, cfg), (m, n, k, group, cfg, device, dtype))
-    t0 = time.perf_counter()
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            errors = [e for e in pool.map(_precompile_one, todo.values(), chunksize=2) if e]
-    except Exception as e:  # noqa: BLE001 - the timing loop compiles on first use instead
-        print(f"precompile pool failed ({type(e).__name__}: {e}); compiling serially")
-        return
-    print(
-        f"precompiled {len(todo)} kernels in {time.perf_counter() - t0:.1f} s with {jobs} "
-        f"processes ({len(errors)} failed)",
-        flush=True,
-    )
-
-
-def graph_seconds(fn, reps: int) -> float:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gemv_sweep import graph_seconds as timed
-
-    return timed(fn, reps)
-
-
-def wall_seconds(fn, reps: int = 1) -> float:
-    """--dry-run: plain wall time (exercises the code, measures nothing useful)."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+    return (bm, bn, bk, split > 1, warps, stages, after, pre, k % bk == 0)
 
 
 def pagoda_dense(x, w):
@@ -294,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not on_gpu:
         if not args.dry_run:
             raise SystemExit("needs a CUDA GPU (or --dry-run)")
-        _setup_interpreter()
+        setup_interpreter()
     import triton
 
     from pagoda.kernels.skinny_gemm import prepare
@@ -323,8 +281,13 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     if args.jobs > 1 and not args.dry_run:
-        flat = [(m, *shapes[s], group, c) for (s, m), cs in plan.items() for c in cs]
-        precompile(flat, args.jobs, device, str(dtype).removeprefix("torch."))
+        dt = str(dtype).removeprefix("torch.")
+        todo = {}
+        for (s, m), cs in plan.items():
+            n, k = shapes[s]
+            for c in cs:
+                todo.setdefault(_compile_key(k, c), (m, n, k, group, c, device, dt))
+        precompile(_precompile_one, todo.values(), args.jobs, cpu=not on_gpu)
     prepare(device)  # the split-K counters, outside any graph capture
 
     t0 = time.perf_counter()
