@@ -20,6 +20,16 @@ import textwrap
 import time
 
 import pytest
+from tp_testing import (  # noqa: E402
+    GREEDY,
+    PROMPTS,
+    SEEDED,
+    alive,
+    generated_tokens,
+    tiny_checkpoint,
+    tp_llm,
+    wait_gone,
+)
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.arg_utils import EngineArgs
@@ -27,39 +37,8 @@ from pagoda.executor import check_tensor_parallel_config, make_executor
 from pagoda.executor.multiproc import WorkerError
 from pagoda.model.testing import make_tiny_checkpoint
 
-PROMPTS = [
-    {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, prompt_logprobs=1)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=2, max_tokens=12)
 PENALTY = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
-
-
-def _llm(path: str, tp: int, **kwargs) -> LLM:
-    return LLM(
-        path,
-        tensor_parallel_size=tp,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=128,
-        max_num_batched_tokens=16,  # chunked prefill: several steps per prompt
-        num_gpu_blocks_override=9,  # 8 usable blocks of 16 tokens: requests get preempted
-        **kwargs,
-    )
-
-
-def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [list(c.token_ids) for o in outs for c in o.outputs]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _children(pid: int) -> list[int]:
@@ -71,29 +50,19 @@ def _children(pid: int) -> list[int]:
     return [k for k in kids if "resource_tracker" not in open(f"/proc/{k}/cmdline").read()]
 
 
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    # 4 heads / 2 KV heads, tied embeddings; a wider init than HF's keeps greedy choices clear.
-    make_tiny_checkpoint(path, "llama_gqa_tied_llama3_rope", initializer_range=0.2)
-    return str(path)
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="module")
 def tp1(checkpoint) -> LLM:
-    return _llm(checkpoint, 1)
+    return tp_llm(checkpoint, 1)
 
 
 @pytest.fixture(scope="module")
 def tp2(checkpoint):
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2)
     yield llm
     llm.llm_engine.executor.shutdown()
 
@@ -113,26 +82,26 @@ def test_tp2_greedy_matches_one_process_with_logprobs(tp1, tp2) -> None:
 
 
 def test_tp2_seeded_sampling_and_penalties_match_one_process(tp1, tp2) -> None:
-    assert _tokens(tp2, SEEDED) == _tokens(tp1, SEEDED)
-    assert _tokens(tp2, PENALTY) == _tokens(tp1, PENALTY)
+    assert generated_tokens(tp2, SEEDED) == generated_tokens(tp1, SEEDED)
+    assert generated_tokens(tp2, PENALTY) == generated_tokens(tp1, PENALTY)
 
 
 def test_tp2_async_scheduling_matches_one_process(checkpoint, tp1) -> None:
     # Steps run ahead: ranks 1.. take the in-flight tokens from rank 0's broadcast.
-    llm = _llm(checkpoint, 2, async_scheduling=True)
+    llm = tp_llm(checkpoint, 2, async_scheduling=True)
     try:
         assert llm.llm_engine.async_scheduling
         for params in (GREEDY, SEEDED):
-            assert _tokens(llm, params) == _tokens(tp1, params)
+            assert generated_tokens(llm, params) == generated_tokens(tp1, params)
     finally:
         llm.llm_engine.executor.shutdown()
 
 
 def test_tp2_ngram_speculation_matches_one_process(checkpoint, tp1) -> None:
-    llm = _llm(checkpoint, 2, speculative_config=NGRAM)
+    llm = tp_llm(checkpoint, 2, speculative_config=NGRAM)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=24)
-        assert _tokens(llm, greedy) == _tokens(tp1, greedy)
+        assert generated_tokens(llm, greedy) == generated_tokens(tp1, greedy)
     finally:
         llm.llm_engine.executor.shutdown()
 
@@ -145,7 +114,7 @@ def test_kv_cache_is_sharded_by_kv_heads(tp1, tp2) -> None:
 
 # ---- failures -------------------------------------------------------------------------------
 def test_killed_worker_raises_in_the_engine(checkpoint) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2)
     executor = llm.llm_engine.executor
     pids = executor.worker_pids
     os.kill(pids[1], signal.SIGKILL)
@@ -153,19 +122,19 @@ def test_killed_worker_raises_in_the_engine(checkpoint) -> None:
     with pytest.raises(WorkerError, match="rank 1 was killed by signal 9"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 10
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
     with pytest.raises(WorkerError, match="earlier failure"):
         executor.execute_model(None)
 
 
 def test_worker_exception_raises_with_its_traceback(checkpoint) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2)
     executor = llm.llm_engine.executor
     with pytest.raises(
         WorkerError, match=r"failed in .initialize_kv_cache.: rank 0 raised (.|\n)*traceback"
     ):
         executor.collective_rpc("initialize_kv_cache", (-5,))
-    assert _wait_gone(executor.worker_pids) == []
+    assert wait_gone(executor.worker_pids) == []
 
 
 def test_worker_start_error_is_reraised(tmp_path) -> None:
@@ -176,39 +145,39 @@ def test_worker_start_error_is_reraised(tmp_path) -> None:
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks tensors(.|\n)*up_proj") as info:
-        _llm(str(tmp_path), 2)
+        tp_llm(str(tmp_path), 2)
     assert any("tensor-parallel worker rank" in n for n in info.value.__notes__)
 
 
 def test_step_timeout_raises(checkpoint, monkeypatch) -> None:
     monkeypatch.setenv("PAGODA_EXECUTE_MODEL_TIMEOUT_S", "1.5")
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2)
     pids = llm.llm_engine.executor.worker_pids
     os.kill(pids[1], signal.SIGSTOP)  # rank 0 waits for it in the first all-reduce
     try:
         with pytest.raises(WorkerError, match="no answer within 1.5 s"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert _wait_gone(pids) == []
+        assert wait_gone(pids) == []
     finally:
-        if _alive(pids[1]):
+        if alive(pids[1]):
             os.kill(pids[1], signal.SIGKILL)
 
 
 # ---- no orphans -----------------------------------------------------------------------------
 def test_shutdown_and_garbage_collection_stop_the_workers(checkpoint) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2)
     pids = llm.llm_engine.executor.worker_pids
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     llm.llm_engine.executor.shutdown()
-    assert _wait_gone(pids, timeout=0.5) == []
+    assert wait_gone(pids, timeout=0.5) == []
     with pytest.raises(WorkerError, match="shut down"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2)
     pids = llm.llm_engine.executor.worker_pids
     del llm
     gc.collect()
-    assert _wait_gone(pids, timeout=0.5) == []
+    assert wait_gone(pids, timeout=0.5) == []
 
 
 _SCRIPT = """
@@ -241,16 +210,16 @@ def _driver(checkpoint: str, mode: str, tmp_path) -> tuple[subprocess.Popen, lis
 def test_interpreter_exit_stops_the_workers(checkpoint, tmp_path) -> None:
     proc, pids = _driver(checkpoint, "exit", tmp_path)
     assert proc.wait(30) == 0
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 @pytest.mark.slow
 def test_killed_driver_takes_its_workers_along(checkpoint, tmp_path) -> None:
     proc, pids = _driver(checkpoint, "hang", tmp_path)
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     proc.kill()  # no finalizer, no atexit: the workers notice their parent is gone
     proc.wait(10)
-    assert _wait_gone(pids, timeout=5) == []
+    assert wait_gone(pids, timeout=5) == []
 
 
 @pytest.mark.slow
@@ -288,8 +257,8 @@ def test_serving_engine_core_process_runs_tp2(checkpoint, tp1) -> None:
         assert len(workers) == 2
     finally:
         llm.shutdown()
-    assert got == _tokens(tp1, params)
-    assert _wait_gone([core_pid, *workers]) == []
+    assert got == generated_tokens(tp1, params)
+    assert wait_gone([core_pid, *workers]) == []
 
 
 # ---- refused before any worker starts -------------------------------------------------------
@@ -348,10 +317,10 @@ def test_kv_heads_fewer_than_ranks_must_divide_them(tmp_path) -> None:
 @pytest.mark.slow
 def test_tp2_with_replicated_kv_head_matches_one_process(tmp_path) -> None:
     make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias", initializer_range=0.2)  # 1 KV
-    ref = _tokens(_llm(str(tmp_path), 1), GREEDY)
-    llm = _llm(str(tmp_path), 2)
+    ref = generated_tokens(tp_llm(str(tmp_path), 1), GREEDY)
+    llm = tp_llm(str(tmp_path), 2)
     try:
-        assert _tokens(llm, GREEDY) == ref
+        assert generated_tokens(llm, GREEDY) == ref
     finally:
         llm.llm_engine.executor.shutdown()
 

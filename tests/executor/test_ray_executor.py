@@ -23,50 +23,21 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from tp_testing import (  # noqa: E402
+    GREEDY,
+    PROMPTS,
+    SEEDED,
+    alive,
+    generated_tokens,
+    tiny_checkpoint,
+    tp_llm,
+    wait_gone,
+)
+
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.executor import ray_executor  # noqa: E402
 from pagoda.executor.multiproc import WorkerError  # noqa: E402
 from pagoda.model.testing import make_tiny_checkpoint  # noqa: E402
-
-PROMPTS = [
-    {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, prompt_logprobs=1)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=2, max_tokens=12)
-
-
-def _llm(path: str, tp: int, **kwargs) -> LLM:
-    return LLM(
-        path,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="ray",
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=128,
-        max_num_batched_tokens=16,  # chunked prefill: several steps per prompt
-        num_gpu_blocks_override=9,  # 8 usable blocks of 16 tokens: requests get preempted
-        **kwargs,
-    )
-
-
-def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [list(c.token_ids) for o in outs for c in o.outputs]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 def _actor_pids() -> set[int]:
@@ -75,7 +46,7 @@ def _actor_pids() -> set[int]:
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::RayWorker") and _alive(int(entry)):
+                if f.read().startswith(b"ray::RayWorker") and alive(int(entry)):
                     pids.add(int(entry))
         except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError):
             pass
@@ -97,10 +68,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    # 4 heads / 2 KV heads, tied embeddings; a wider init than HF's keeps greedy choices clear.
-    make_tiny_checkpoint(path, "llama_gqa_tied_llama3_rope", initializer_range=0.2)
-    return str(path)
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +83,14 @@ def reference(checkpoint) -> dict[str, list]:
     )
     return {
         "greedy": llm.generate(PROMPTS, GREEDY, use_tqdm=False),
-        "seeded": _tokens(llm, SEEDED),
+        "seeded": generated_tokens(llm, SEEDED),
     }
 
 
 def test_ray_tp2_greedy_matches_one_process_and_shutdown_keeps_ray(
     local_ray, checkpoint, reference
 ) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2, distributed_executor_backend="ray")
     executor = llm.llm_engine.executor
     assert isinstance(executor, ray_executor.RayExecutor)
     pids = executor.worker_pids
@@ -142,7 +110,7 @@ def test_ray_tp2_greedy_matches_one_process_and_shutdown_keeps_ray(
     assert ray.get_runtime_context().gcs_address == local_ray  # joined, did not start its own
 
     executor.shutdown()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
     assert _ray_still_works()  # the user's Ray is not shut down
     with pytest.raises(WorkerError, match="shut down"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -158,36 +126,36 @@ def test_ray_tp2_async_scheduling_in_a_placement_group_via_object_store(
     puts = []
     put = ray.put
     monkeypatch.setattr(ray, "put", lambda value: puts.append(len(value)) or put(value))
-    llm = _llm(checkpoint, 2, async_scheduling=True)
+    llm = tp_llm(checkpoint, 2, distributed_executor_backend="ray", async_scheduling=True)
     executor = llm.llm_engine.executor
     try:
         assert llm.llm_engine.async_scheduling
         (pg,) = executor._placement
         assert ray.util.placement_group_table(pg)["state"] == "CREATED"
-        assert _tokens(llm, SEEDED) == reference["seeded"]
+        assert generated_tokens(llm, SEEDED) == reference["seeded"]
         assert len(puts) > 10
     finally:
         executor.shutdown()
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
-    assert _wait_gone(executor.worker_pids) == []
+    assert wait_gone(executor.worker_pids) == []
 
 
 # ---- failures -------------------------------------------------------------------------------
 def test_actor_exception_raises_naming_the_rank(local_ray, checkpoint) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2, distributed_executor_backend="ray")
     executor = llm.llm_engine.executor
     with pytest.raises(
         WorkerError, match=r"failed in .initialize_kv_cache.: rank 0 raised (.|\n)*--- rank 0"
     ) as info:
         executor.collective_rpc("initialize_kv_cache", (-5,))
     assert not isinstance(info.value.__cause__, ray.exceptions.RayError)  # the actor's own
-    assert _wait_gone(executor.worker_pids) == []
+    assert wait_gone(executor.worker_pids) == []
     with pytest.raises(WorkerError, match="earlier failure"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
 def test_killed_actor_raises_in_the_engine(local_ray, checkpoint) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2, distributed_executor_backend="ray")
     pids = llm.llm_engine.executor.worker_pids
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
@@ -196,7 +164,7 @@ def test_killed_actor_raises_in_the_engine(local_ray, checkpoint) -> None:
     assert time.monotonic() - start < 10
     with pytest.raises(WorkerError, match="earlier failure"):
         llm.llm_engine.executor.execute_model_async(None).get()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
     assert _ray_still_works()
 
 
@@ -208,33 +176,33 @@ def test_start_error_is_reraised(local_ray, tmp_path) -> None:
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks tensors(.|\n)*up_proj") as info:
-        _llm(str(tmp_path), 2)
+        tp_llm(str(tmp_path), 2, distributed_executor_backend="ray")
     assert any("tensor-parallel Ray actor rank" in n for n in info.value.__notes__)
 
 
 @pytest.mark.slow
 def test_step_timeout_raises(local_ray, checkpoint, monkeypatch) -> None:
     monkeypatch.setenv("PAGODA_EXECUTE_MODEL_TIMEOUT_S", "1.5")
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2, distributed_executor_backend="ray")
     pids = llm.llm_engine.executor.worker_pids
     os.kill(pids[1], signal.SIGSTOP)  # rank 0 waits for it in the first all-reduce
     try:
         with pytest.raises(WorkerError, match=r"no answer within 1.5 s from rank\(s\) 0, 1"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert _wait_gone(pids[:1]) == []
+        assert wait_gone(pids[:1]) == []
     finally:
-        if _alive(pids[1]):
+        if alive(pids[1]):
             os.kill(pids[1], signal.SIGKILL)
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 @pytest.mark.slow
 def test_garbage_collection_kills_the_actors(local_ray, checkpoint) -> None:
-    llm = _llm(checkpoint, 2)
+    llm = tp_llm(checkpoint, 2, distributed_executor_backend="ray")
     pids = llm.llm_engine.executor.worker_pids
     del llm
     gc.collect()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 # ---- a driver in its own process (as `pagoda serve` on a cluster) -----------------------------
@@ -274,13 +242,13 @@ def test_driver_joins_ray_address_and_its_actors_end_with_it(local_ray, checkpoi
     proc, (address, *pids) = _driver(checkpoint, "exit", tmp_path, local_ray)
     assert address == local_ray
     assert proc.wait(60) == 0
-    assert _wait_gone([int(p) for p in pids]) == []
+    assert wait_gone([int(p) for p in pids]) == []
 
     proc, (_, *pids) = _driver(checkpoint, "hang", tmp_path, local_ray)
-    assert all(_alive(int(p)) for p in pids)
+    assert all(alive(int(p)) for p in pids)
     proc.kill()  # no finalizer: Ray ends the actors of a driver that is gone
     proc.wait(10)
-    assert _wait_gone([int(p) for p in pids], timeout=30) == []
+    assert wait_gone([int(p) for p in pids], timeout=30) == []
     assert _ray_still_works()
 
 
@@ -328,5 +296,5 @@ def test_serving_engine_core_process_joins_ray_address(
     finally:
         llm.shutdown()
     assert got == [list(o.outputs[0].token_ids)[:40] for o in reference["greedy"]]
-    assert _wait_gone(list(pids)) == []
+    assert wait_gone(list(pids)) == []
     assert _ray_still_works()
