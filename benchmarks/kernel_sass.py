@@ -71,7 +71,7 @@ def signature(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, objec
     return types, constexprs
 
 
-def compile_sass(args: argparse.Namespace) -> str:
+def compile_sass(args: argparse.Namespace) -> tuple[str, str]:
     types, constexprs = signature(args)
     # The runtime specializes 16-aligned pointers and strides: say so, as a launch would.
     attrs = {
@@ -93,9 +93,26 @@ def compile_sass(args: argparse.Namespace) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        return subprocess.run(
-            [cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
+        sass, usage = (
+            subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True, check=True)
+            for flag in ("-sass", "-res-usage")
+        )
+    return sass.stdout, occupancy(usage.stdout, kernel.metadata.shared, args.warps)
+
+
+def occupancy(res_usage: str, shared: int, warps: int) -> str:
+    """Registers per thread, shared memory per program, and the programs (and warps) one SM
+    holds by those two (65,536 registers in units of 8 per thread, 228 KB of shared memory of
+    which 1 KB per program is reserved, at most 32 programs and 64 warps)."""
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res_usage)
+    regs, stack = int(m.group(1)), int(m.group(2))
+    by_regs = 65536 // (-(-regs // 8) * 8 * 32 * warps)
+    by_smem = 228 * 1024 // (shared + 1024)
+    programs = min(by_regs, by_smem, 32, 64 // warps)
+    return (
+        f"{regs} registers a thread ({stack} B of stack: spills), {shared} B shared memory: "
+        f"{programs} programs ({programs * warps} warps) per SM"
+    )
 
 
 def loop_mix(sass: str) -> tuple[int, dict[str, int]]:
@@ -136,7 +153,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20, help="opcodes to list")
     p.add_argument("--sass", help="also write the whole SASS here")
     args = p.parse_args()
-    sass = compile_sass(args)
+    sass, resources = compile_sass(args)
+    print(resources)
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)
