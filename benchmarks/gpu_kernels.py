@@ -181,7 +181,12 @@ def bench_decode_sweep(args) -> None:
         ks = torch.ones(1, device="cuda") if cache_dtype != torch.bfloat16 else None
         out = torch.empty_like(q)
         kv_bytes = sum(contexts) * kvh * d * 2 * cache.element_size()
-        split = use_split_kv(batch, kvh, 1)
+        auto_split = use_split_kv(batch, kvh, 1)
+        segment_counts = (
+            ((8, 16, 32) if auto_split else (1,))
+            if args.sweep_segments == "auto"
+            else [int(x) for x in args.sweep_segments.split(",")]
+        )
         best = None
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
         for tile, warps, stages, heads_fastest, segs in itertools.product(
@@ -189,7 +194,7 @@ def bench_decode_sweep(args) -> None:
             ints(args.sweep_warps),
             ints(args.sweep_stages),
             orders,
-            (8, 16, 32) if split else (1,),
+            segment_counts,
         ):
             kwargs = dict(
                 tile_size=tile,
@@ -207,7 +212,7 @@ def bench_decode_sweep(args) -> None:
                     d**-0.5,
                     ks,
                     ks,
-                    split_kv=split,
+                    split_kv=segs > 1,
                     num_segments=segs,
                     rep=100,
                     **kwargs,
@@ -248,6 +253,56 @@ def bench_prefill(args) -> None:
         pairs = sum(ql * c + ql * (ql + 1) // 2 for ql, c in zip(qlens, ctxs))
         tflops = 4 * h * d * pairs / ms / 1e9
         _row("prefill", case=name, ms=f"{ms:.3f}", TFLOPs=f"{tflops:.0f}")
+
+
+def _a_step(num_decodes: int, prefill_tokens: int) -> tuple[list[int], list[int]]:
+    """(query_lens, context_lens) of a step shaped like workload a's prefill steps: decodes
+    with contexts uniform in [100, 1024], then fresh prompts of as many tokens (the last cut)."""
+    gen = torch.Generator().manual_seed(0)
+    qlens = [1] * num_decodes
+    ctxs = torch.randint(100, 1025, (num_decodes,), generator=gen).tolist()
+    left = prefill_tokens
+    while left > 0:
+        n = min(left, int(torch.randint(100, 1025, (1,), generator=gen)))
+        qlens.append(n)
+        ctxs.append(0)
+        left -= n
+    return qlens, ctxs
+
+
+def bench_prefill_step(args) -> None:
+    """Attention of a workload-a prefill step (128 decodes + 8064 prompt tokens): the whole
+    batch in one launch, its decodes and its prompts each alone, and the prompts over tile
+    shapes and launch settings (`--prefill-sweep`)."""
+    h, kvh, d, bs = args.heads, args.kv_heads, args.head_size, args.block_size
+    qlens, ctxs = _a_step(128, 8064)
+    nd = 128
+
+    def tflops(ql, cl, ms):
+        pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(ql, cl))
+        return f"{4 * h * d * pairs / ms / 1e9:.0f}"
+
+    for name, ql, cl in (
+        ("a-step all", qlens, ctxs),
+        ("a-step decodes", qlens[:nd], ctxs[:nd]),
+        ("a-step prompts", qlens[nd:], ctxs[nd:]),
+    ):
+        q, cache, md = paged_step(ql, cl, h, kvh, d, bs, torch.bfloat16, torch.bfloat16)
+        out = torch.empty_like(q)
+        ms = _bench(unified_attention, q, cache, out, md, d**-0.5)
+        _row("prefill", case=name, ms=f"{ms:.3f}", TFLOPs=tflops(ql, cl, ms))
+        if name == "a-step prompts" and args.prefill_sweep:
+            for block_m, tile, warps, stages in itertools.product(
+                (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
+            ):
+                kwargs = dict(block_m=block_m, tile_size=tile, num_warps=warps, num_stages=stages)
+                try:
+                    ms = _bench(unified_attention, q, cache, out, md, d**-0.5, rep=50, **kwargs)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    _row("prefill_sweep", error=type(e).__name__, **kwargs)
+                    continue
+                _row("prefill_sweep", **kwargs, ms=f"{ms:.3f}", TFLOPs=tflops(ql, cl, ms))
+        del q, cache, out
 
 
 def bench_elementwise(args) -> None:
@@ -304,6 +359,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few rows per section")
     p.add_argument("--sweep", action="store_true", help="decode tile / segment sweep")
+    p.add_argument(
+        "--prefill-sweep", action="store_true", help="tile / warps sweep of prompt attention"
+    )
+    p.add_argument("--skip-decode", action="store_true", help="no decode table (sweeps only)")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument(
         "--sweep-cases", default="256x1024,96x1024,4x8192", help="BATCHxCTX,... (CTX r: ragged)"
@@ -315,6 +374,11 @@ def main() -> None:
     p.add_argument("--sweep-warps", default="2,4", help="warps per program of the sweep")
     p.add_argument(
         "--sweep-orders", default="reqs,heads", help="grid orders: reqs and/or heads fastest"
+    )
+    p.add_argument(
+        "--sweep-segments",
+        default="auto",
+        help="split-KV segments of the sweep, 1 = unsplit (auto: 8,16,32 where the engine splits)",
     )
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -331,10 +395,12 @@ def main() -> None:
     )
     torch.manual_seed(0)
     copy_gbps = copy_roofline()
-    bench_decode(args, copy_gbps)
+    if not args.skip_decode:
+        bench_decode(args, copy_gbps)
     if args.sweep:
         bench_decode_sweep(args)
     bench_prefill(args)
+    bench_prefill_step(args)
     bench_elementwise(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -36,6 +36,7 @@ def build_runner(
     max_seqs: int,
     attention_backend: str | None = None,
     enforce_eager: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     from pagoda.model.loader import get_model_config_dict
 
@@ -53,6 +54,7 @@ def build_runner(
         # CPU: 1 GiB of KV; CUDA: sized by the profiling run, as the engine does.
         cache_config=CacheConfig(
             block_size=16,
+            cache_dtype=kv_cache_dtype,
             kv_cache_memory_bytes=(1 << 30) if device == "cpu" else None,
             gpu_memory_utilization=0.8,
         ),
@@ -123,6 +125,54 @@ def bench_prefill(runner: ModelRunner, num_tokens: int, iters: int, cached: int 
     return statistics.median(times[1:]) * 1e3
 
 
+def bench_mixed(
+    runner: ModelRunner, prefill_tokens: int, num_decodes: int, iters: int, seed: int = 0
+) -> float:
+    """Median ms of a step shaped like workload a's prefill steps: `num_decodes` decodes whose
+    contexts are uniform in [100, 1024], then fresh prompts of lengths uniform in [100, 1024]
+    (the last one cut as a chunk) filling `prefill_tokens`."""
+    bs = runner.block_size
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    specs = []  # (context, query tokens)
+    for _ in range(num_decodes):
+        specs.append((int(torch.randint(100, 1025, (1,), generator=g)), 1))
+    left = prefill_tokens
+    while left > 0:
+        n = min(left, int(torch.randint(100, 1025, (1,), generator=g)))
+        specs.append((0, n))
+        left -= n
+    need = sum(-(-(c + n + iters + 2) // bs) for c, n in specs)
+    if need + 1 > runner.num_blocks:
+        raise ValueError("KV cache too small for this mixed step")
+    reqs, counts, tables, next_block = [], [], [], 1
+    for i, (c, n) in enumerate(specs):
+        prompt = torch.randint(0, vocab, (c + n,), generator=g).tolist()
+        r = Request(f"m{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10**6), None)
+        r.num_computed_tokens = c
+        nb = -(-(c + n + iters + 2) // bs)
+        reqs.append(r)
+        counts.append(n)
+        tables.append(list(range(next_block, next_block + nb)))
+        next_block += nb
+    times = [_step(runner, reqs, counts, tables) for _ in range(iters + 1)]
+    return statistics.median(times[1:]) * 1e3
+
+
+def profile_mixed(runner: ModelRunner, prefill_tokens: int, num_decodes: int) -> None:
+    """The kernels of 3 steps shaped like workload a's prefill steps (`bench_mixed`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    bench_mixed(runner, prefill_tokens, num_decodes, 1)
+    with profile(activities=activities) as prof:
+        bench_mixed(runner, prefill_tokens, num_decodes, 2)
+    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print(f"profile of 3 steps of {num_decodes} decodes + {prefill_tokens} prompt tokens:")
+    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+
+
 def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
     """The operators of 5 decode steps: host time, and on CUDA the kernels' device time."""
     from torch.profiler import ProfilerActivity, profile
@@ -149,6 +199,11 @@ def profile_prefill(runner: ModelRunner, num_tokens: int) -> None:
     sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     print(f"profile of 3 prefill steps of {num_tokens} tokens:")
     print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+
+
+def _mixed_tokens(spec: str) -> int:
+    p_tokens, decodes = (int(x) for x in spec.split(":"))
+    return p_tokens + decodes
 
 
 def _release(runner: ModelRunner) -> None:
@@ -180,8 +235,17 @@ def main(argv: list[str] | None = None) -> None:
         "--profile-prefill", type=int, nargs="*", default=[], help="profile prefills of N tokens"
     )
     p.add_argument("--engine-batch", type=int, nargs="*", default=[], help="engine breakdown")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2 | int8 ...")
+    p.add_argument(
+        "--mixed",
+        nargs="*",
+        default=[],
+        help="P:D steps of D decodes + P prompt tokens (workload a's prefill steps)",
+    )
+    p.add_argument("--profile-mixed", nargs="*", default=[], help="profile these P:D steps")
     args = p.parse_args(argv)
     model = args.model or embedded_model_path()
+    mixed = args.mixed + args.profile_mixed
     modes = (
         [False]
         if args.device == "cpu"
@@ -193,10 +257,11 @@ def main(argv: list[str] | None = None) -> None:
                 model,
                 dtype,
                 args.device,
-                max(args.prefill + [max(args.batch)]),
-                max(args.batch),
+                max(args.prefill + [max(args.batch)] + [_mixed_tokens(m) for m in mixed]),
+                max(args.batch + [int(m.split(":")[1]) + 64 for m in mixed]),
                 args.attention_backend,
                 enforce_eager=eager,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
             graphs = "CUDA graphs" if runner.cuda_graphs is not None else "eager"
             print(
@@ -217,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
                 if 0 < args.cached_prefix < n:
                     ms = bench_prefill(runner, n, args.iters, args.cached_prefix)
                     print(f"  prefill {n:5d} tokens, {args.cached_prefix} cached: {ms:8.2f} ms")
+            for spec in args.mixed:
+                p_tokens, decodes = (int(x) for x in spec.split(":"))
+                ms = bench_mixed(runner, p_tokens, decodes, args.iters)
+                print(f"  {decodes} decodes + {p_tokens} prompt tokens: {ms:8.2f} ms", flush=True)
+            for spec in args.profile_mixed:
+                profile_mixed(runner, *(int(x) for x in spec.split(":")))
             for batch in args.profile or []:
                 profile_decode(runner, batch, args.context)
             for n in args.profile_prefill:
