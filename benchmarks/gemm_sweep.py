@@ -2,17 +2,23 @@
 `skinny_linear` over a grid of configs, for the Llama-3-8B shapes and M = 2..256 rows, with
 cold weights (copies cycled, more bytes than the 60 MB L2) inside CUDA graphs.
 
-    python benchmarks/gemm_sweep.py --out gemm_sweep.json           # full grid (~4 min, H200)
+    python benchmarks/gemm_sweep.py --out gemm_sweep.json           # full grid (H200)
     python benchmarks/gemm_sweep.py --quick --out gemm_sweep.json   # fewer configs
+    python benchmarks/gemm_sweep.py --m 96 128 160 192 256 --out gemm_tall.json  # tall M only
     python benchmarks/gemm_sweep.py --dry-run    # tiny shapes, a few configs: every code path
-        # (grid, precompile pool, skipped configs, summary, JSON) in seconds; on a machine
-        # without a GPU through the Triton interpreter
+        # (grid, M tiles, precompile pool, skipped configs, summary, JSON) in seconds; on a
+        # machine without a GPU through the Triton interpreter
+
+A config is (block_n, block_k, split_k, num_warps, num_stages, block_m) (CONFIG_NAMES). Up to
+TALL_ROWS = 64 rows one row tile covers M (block_m = block_m_for(M)) and the grid is the
+weight-streaming one; past it the product nears compute-bound and the grid turns to M tiles
+of 64 / 128 / block_m_for(M) rows, weight tiles up to 256 rows, 8 warps on big tiles and
+split-K only to fill a wave or two.
 
 One line per (shape, M): cuBLAS, cuBLASLt, the best Triton config and default_config's, in us,
 and the best one's weight bandwidth; then ms per decode step (4 GEMMs x 32 layers + lm_head)
-per M. Configs that fail to compile or run are skipped and listed. Triton covers M <= 128;
-larger M time the two BLAS libraries only. These are the measurements behind
-`default_config` in `pagoda/kernels/skinny_gemm.py`.
+per M. Configs that fail to compile or run are skipped and listed. These are the
+measurements behind `default_config` in `pagoda/kernels/skinny_gemm.py`.
 """
 
 from __future__ import annotations
@@ -42,59 +48,83 @@ M_VALUES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 L2_BYTES = 60e6
 SMEM_LIMIT = 227 * 1024  # per SM on sm_90
 
-# (block_n, block_k, num_warps, num_stages) candidates; splits from SPLITS where sensible.
-FULL_GRID = ((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5, 6))
-QUICK_GRID = ((64, 128), (128, 256), (4,), (3, 4))
+# Past this many rows: M tiles, big tiles, 8 warps (the grid's second half, tall rules).
+TALL_ROWS = 64
+# (block_n, block_k, num_warps, num_stages) candidates for M <= TALL_ROWS and for taller M;
+# splits from SPLITS where sensible.
+FULL_GRID = (
+    ((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5, 6)),
+    ((64, 128, 256), (64, 128), (4, 8), (3, 4, 5)),
+)
+QUICK_GRID = (((64, 128), (128, 256), (4,), (3, 4)), ((128, 256), (64,), (4, 8), (3, 4)))
 SPLITS = (1, 2, 4, 8)
-# --dry-run: interpreter-sized shapes and tiles that still split K raggedly.
+TALL_SPLITS = (1, 2, 4)
+# --dry-run: interpreter-sized shapes and tiles that still split K raggedly (and, at 160
+# rows, cut M into tiles).
 DRY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "down": (64, 224), "lm_head": (200, 64)}
 DRY_M_VALUES = (2, 16, 33, 160)
-DRY_GRID = ((16, 32), (16, 32), (4,), (2,))
-BAD_CONFIG = (48, 32, 1, 4, 2)
-CONFIG_NAMES = (
-    "block_n",
-    "block_k",
-    "split_k",
-    "num_warps",
-    "num_stages",
-)  # BLOCK_N not a power of two: must be reported, not crash
+DRY_GRID = (((16, 32), (16, 32), (4,), (2,)), ((64, 128), (32,), (4, 8), (2,)))
+CONFIG_NAMES = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "block_m")
+BAD_CONFIG = (48, 32, 1, 4, 2, 16)  # BLOCK_N not a power of two: must be reported, not crash
+
+
+def block_m_choices(m: int) -> list[int]:
+    """Row tiles to try: one tile up to TALL_ROWS rows; past it 64, 128 and one tile."""
+    from pagoda.kernels.skinny_gemm import block_m_for
+
+    top = block_m_for(m)
+    return [top] if m <= TALL_ROWS else sorted({b for b in (64, 128, top) if b <= top})
+
+
+def default_of(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2) -> tuple:
+    """What `skinny_linear` runs with no config: default_config's and one row tile."""
+    from pagoda.kernels.skinny_gemm import block_m_for, default_config
+
+    return (*default_config(m, n, k, num_sms, elem_bytes=elem_bytes), block_m_for(m))
 
 
 def config_grid(
-    m: int, n: int, k: int, grid: tuple, num_sms: int, elem_bytes: int = 2
-) -> list[tuple[int, int, int, int, int]]:
-    """(block_n, block_k, split_k, num_warps, num_stages) to time, default_config's first:
-    pipelines that fit the SM's shared memory, 8 warps only for tiles of >= 2048 outputs, and
-    splits that keep whole BLOCK_K blocks (>= 2 a split) and are needed (half the split gives
-    < 4 waves)."""
-    from pagoda.kernels.skinny_gemm import block_m_for, default_config, split_k_plan
+    m: int, n: int, k: int, grids: tuple, num_sms: int, elem_bytes: int = 2
+) -> list[tuple[int, int, int, int, int, int]]:
+    """(block_n, block_k, split_k, num_warps, num_stages, block_m) to time, the default's
+    first, from grids[0] up to TALL_ROWS rows and grids[1] past it: pipelines that fit the
+    SM's shared memory (the actual block_m) and splits that keep whole BLOCK_K blocks (>= 2 a
+    split). Up to TALL_ROWS: 8 warps only for tiles of >= 2048 outputs, splits while half
+    the split gives < 4 waves. Past it: tiles of 8192..32768 outputs, 4 warps up to 8192 and
+    8 from 16384 (64..128 fp32 accumulators a thread; 256 x 256 would spill), splits of
+    TALL_SPLITS only while half the split gives < 1 wave (compute-bound: the fp32 partials
+    cost more than idle SMs past that)."""
+    from pagoda.kernels.skinny_gemm import split_k_plan
 
-    block_m = block_m_for(m)
+    tall = m > TALL_ROWS
     configs = []
-    for block_n, block_k, warps, stages in itertools.product(*grid):
-        if stages * (block_n + block_m) * block_k * elem_bytes > SMEM_LIMIT:
-            continue
-        if warps == 8 and block_n * block_m < 2048:
-            continue
-        tiles = -(-n // block_n)
-        for split in SPLITS:
-            k_per_split, splits = split_k_plan(k, block_k, split)
-            if splits != split or (split > 1 and k_per_split < 2 * block_k):
+    for block_m in block_m_choices(m):
+        for block_n, block_k, warps, stages in itertools.product(*grids[tall]):
+            if stages * (block_n + block_m) * block_k * elem_bytes > SMEM_LIMIT:
                 continue
-            if split > 1 and tiles * split // 2 >= 4 * num_sms:
+            tile = block_n * block_m
+            if tall and not (8192 <= tile <= 32768 and warps == (4 if tile <= 8192 else 8)):
                 continue
-            configs.append((block_n, block_k, split, warps, stages))
-    default = default_config(m, n, k, num_sms, elem_bytes=elem_bytes)
+            if warps == 8 and tile < 2048:
+                continue
+            programs = -(-n // block_n) * -(-m // block_m)
+            for split in TALL_SPLITS if tall else SPLITS:
+                k_per_split, splits = split_k_plan(k, block_k, split)
+                if splits != split or (split > 1 and k_per_split < 2 * block_k):
+                    continue
+                if split > 1 and programs * split // 2 >= (1 if tall else 4) * num_sms:
+                    continue
+                configs.append((block_n, block_k, split, warps, stages, block_m))
+    default = default_of(m, n, k, num_sms, elem_bytes)
     return [default] + [c for c in configs if c != default]
 
 
 def _compile_key(m: int, cfg: tuple) -> tuple:
-    """What makes a distinct Triton kernel: tiles, warps, stages, split or not, and whether M
-    is divisible by 16 (the launcher specializes that); N and K here always are."""
-    from pagoda.kernels.skinny_gemm import block_m_for
-
-    block_n, block_k, split, warps, stages = cfg
-    return (block_m_for(m), m % 16 == 0, block_n, block_k, split > 1, warps, stages)
+    """What makes a distinct Triton kernel: tiles, warps, stages, split or not, one M tile or
+    several (the weights' eviction policy), and whether M is divisible by 16 (the launcher
+    specializes that); N and K here always are."""
+    block_n, block_k, split, warps, stages, block_m = cfg
+    return (block_m, block_m < m, m % 16 == 0, block_n, block_k, split > 1, warps, stages)
 
 
 _WORKER_TENSORS: dict = {}
@@ -148,7 +178,7 @@ def _blas_seconds(seconds, x, ws, library: str) -> float | None:
 def sweep_shape_m(name, n, k, m, x, ws, configs, seconds, num_sms) -> dict:
     import torch
 
-    from pagoda.kernels.skinny_gemm import default_config, skinny_linear
+    from pagoda.kernels.skinny_gemm import skinny_linear
 
     row = {"shape": name, "n": n, "k": k, "m": m}
     row["cublas_us"] = _blas_seconds(seconds, x, ws, "cublas") * 1e6
@@ -166,7 +196,7 @@ def sweep_shape_m(name, n, k, m, x, ws, configs, seconds, num_sms) -> dict:
     if not timings:
         return row
     best = min(timings, key=lambda r: r["us"])
-    default = list(default_config(m, n, k, num_sms, elem_bytes=x.element_size()))
+    default = list(default_of(m, n, k, num_sms, x.element_size()))
     row["best_config"], row["triton_us"] = best["config"], best["us"]
     row["default_config"] = default
     row["default_us"] = next((r["us"] for r in timings if r["config"] == default), None)
@@ -289,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{device} {torch.cuda.get_device_name() if on_gpu else 'interpreter'}, torch "
         f"{torch.__version__}, triton {triton.__version__}: {n_cfg} Triton timings over "
-        f"{len(plan)} (shape, M)",
+        f"{len(plan)} (shape, M); configs are ({', '.join(CONFIG_NAMES)})",
         flush=True,
     )
     if args.jobs > 1:
@@ -337,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "args": vars(args),
+        "config_names": list(CONFIG_NAMES),
         "seconds": time.perf_counter() - t0,
         "rows": rows,
         "summary": summary,

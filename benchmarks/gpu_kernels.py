@@ -382,7 +382,9 @@ def main() -> None:
         default="auto",
         help="split-KV segments of the sweep, 1 = unsplit (auto: 8,16,32 where the engine splits)",
     )
-    p.add_argument("--sweep-pairs", default="0", help="fp8 cache read as int16 pairs: 0 and/or 1")
+    p.add_argument(
+        "--sweep-packs", default="1", help="fp8 read as 1 (fp8), 2 (int16), 4 (int32) words"
+    )
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
