@@ -189,20 +189,18 @@ def bench_decode_sweep(args) -> None:
         )
         best = None
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-        for tile, warps, stages, heads_fastest, segs, pack in itertools.product(
+        for tile, warps, stages, heads_fastest, segs in itertools.product(
             ints(args.sweep_tiles),
             ints(args.sweep_warps),
             ints(args.sweep_stages),
             orders,
             segment_counts,
-            ints(args.sweep_packs) if cache_dtype != torch.bfloat16 else [1],
         ):
             kwargs = dict(
                 tile_size=tile,
                 num_warps=warps,
                 num_stages=stages,
                 heads_fastest=heads_fastest,
-                kv_pack=pack,
             )
             try:
                 ms = _bench(
@@ -381,9 +379,6 @@ def main() -> None:
         "--sweep-segments",
         default="auto",
         help="split-KV segments of the sweep, 1 = unsplit (auto: 8,16,32 where the engine splits)",
-    )
-    p.add_argument(
-        "--sweep-packs", default="1", help="fp8 read as 1 (fp8), 2 (int16), 4 (int32) words"
     )
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

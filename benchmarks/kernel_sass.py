@@ -51,11 +51,8 @@ def signature(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, objec
         "DOT_PRECISION": "tf32",
         "FP16_DOTS": quant,
         "HEADS_FASTEST": False,
-        "KV_PACK": args.pack if quant else 1,
-        "E5M2": args.kv == "e5m2",
     }
-    cache_type = {1: KV_TYPES[args.kv], 2: "i16", 4: "i32"}[constexprs["KV_PACK"]]
-    pointers = {"q_ptr": "*bf16", "kv_cache_ptr": f"*{cache_type}"}
+    pointers = {"q_ptr": "*bf16", "kv_cache_ptr": f"*{KV_TYPES[args.kv]}"}
     types = {}
     for p in _unified_attention_kernel.params:
         if p.is_constexpr:
@@ -147,7 +144,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv", choices=sorted(KV_TYPES), default="e4m3")
     p.add_argument("--tile", type=int, default=128)
-    p.add_argument("--pack", type=int, choices=(1, 2, 4), default=1, help="fp8 as 16/32-bit words")
     p.add_argument("--warps", type=int, default=2)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--heads", type=int, default=32)

@@ -12,11 +12,7 @@ from kernel_testing import enable_interpreter_without_cuda, kernel_device, make_
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from pagoda.attention.triton.unified_attention import (  # noqa: E402
-    _fp8_pairs_to_f16,
     unified_attention,
     use_split_kv,
 )
@@ -135,42 +131,6 @@ def test_quantized_cache_is_dequantized_with_layer_scales(
     for split in (False, True):
         out = _run(batch, 0.2, k_scale=k_scale, v_scale=v_scale, split_kv=split, num_segments=4)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
-@pytest.mark.parametrize("pack", [2, 4])
-def test_fp8_cache_read_as_packed_words_matches_oracle(cache_dtype, lens, pack) -> None:
-    # kv_pack: the cache read as int16 pairs / int32 quads, converted by bit moves.
-    batch = make_paged_batch(*lens, 8, 2, 32, 16, device=DEV, seed=7)
-    batch.kv_cache = (batch.kv_cache * 8).to(cache_dtype)
-    ref = batch.reference(0.2, 0.05, 0.02)
-    for split in (False, True):
-        out = _run(batch, 0.2, k_scale=0.05, v_scale=0.02, split_kv=split, kv_pack=pack)
-        torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
-
-
-@triton.jit
-def _convert_pairs(x_ptr, lo_ptr, hi_ptr, E5M2: tl.constexpr):
-    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
-    lo, hi = _fp8_pairs_to_f16(tl.load(x_ptr + offs), E5M2)
-    tl.store(lo_ptr + offs, lo.to(tl.float32))
-    tl.store(hi_ptr + offs, hi.to(tl.float32))
-
-
-def test_fp8_pairs_bit_moves_convert_every_value() -> None:
-    # All 65,536 int16 patterns: the (even, odd) float16 pair equals the two fp8 bytes'
-    # values (e4m3 times 2**-8); NaN encodings aside.
-    pairs = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(DEV)
-    for dtype, unit in ((torch.float8_e4m3fn, 2.0**-8), (torch.float8_e5m2, 1.0)):
-        lo = torch.empty(pairs.shape, dtype=torch.float32, device=DEV)
-        hi = torch.empty_like(lo)
-        _convert_pairs[(64,)](pairs, lo, hi, E5M2=dtype == torch.float8_e5m2)
-        want = pairs.view(torch.uint8).view(dtype).float().view(-1, 2) * unit
-        finite = want.isfinite().all(dim=1)
-        assert finite.sum() >= 60000
-        torch.testing.assert_close(lo[finite], want[finite, 0], atol=0, rtol=0)
-        torch.testing.assert_close(hi[finite], want[finite, 1], atol=0, rtol=0)
 
 
 def test_quantized_cache_without_scales_is_rejected() -> None:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.attention.triton.common import FP8_DTYPES, cache_quant_mode, scale_tensor
+from pagoda.attention.triton.common import cache_quant_mode, scale_tensor
 
 # Programs that keep an H200 (132 SMs) busy: below this many (request, KV head) pairs in a
 # pure-decode step, the split-KV path spreads each request's keys over several programs.
@@ -34,9 +34,6 @@ _QUANT_DECODE_WARPS = 2
 # cache blocks at about the same time (FP8 decode 229-233 vs 231-237 us at 256 x 1024 and
 # ragged contexts, H200 sweep run 13; workload a with FP8 KV 10.5k vs 10.3k tokens/s).
 _HEADS_FASTEST = True
-# An fp8 cache read as int16 pairs (2) or int32 quads (4) converted by bit moves
-# (`_fp8_pairs_to_f16`), or as fp8 values converted by the hardware (1).
-_KV_PACK = 1
 
 
 @triton.jit
@@ -82,64 +79,6 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _fp8_pairs_to_f16(x, E5M2: tl.constexpr):
-    """Two fp8 values read as one int16 (element 2i the low byte, 2i + 1 the high one) ->
-    (even, odd) float16 tensors, by bit moves. e5m2 is the top byte of a float16: exact.
-    e4m3 lands in float16's exponent field unbiased by 8 (value * 2**-8, subnormals
-    included): the caller folds 2**8 into its scales."""
-    if E5M2:
-        lo = x << 8
-        hi = x & -256  # 0xff00
-    else:
-        lo = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
-        hi = (x & -32768) | ((x >> 1) & 0x3F80)  # sign bit | exponent and mantissa
-    return lo.to(tl.int16).to(tl.float16, bitcast=True), hi.to(tl.int16).to(
-        tl.float16, bitcast=True
-    )
-
-
-@triton.jit
-def _fp8_packed_join(x, PACK: tl.constexpr, E5M2: tl.constexpr):
-    """[T, H] packed fp8 (int16 pairs for PACK 2, int32 quads for PACK 4) -> [T, PACK * H]
-    float16, element PACK * h + j from byte j of word h."""
-    if PACK == 2:
-        lo, hi = _fp8_pairs_to_f16(x, E5M2)
-        out = tl.join(lo, hi)
-    else:
-        d0, d1 = _fp8_pairs_to_f16(x & 0xFFFF, E5M2)
-        d2, d3 = _fp8_pairs_to_f16((x >> 16) & 0xFFFF, E5M2)
-        out = tl.join(tl.join(d0, d2), tl.join(d1, d3))  # [..., a, b] = byte 2a + b
-    return tl.reshape(out, [x.shape[0], PACK * x.shape[1]])
-
-
-@triton.jit
-def _store_rows(
-    acc, l_i, m_i, d_off, d_ok, tok, head, row_ok, segm, out_ptr, segm_out_ptr, segm_max_ptr,
-    segm_sum_ptr, stride_o_tok, stride_o_head, NUM_HEADS: tl.constexpr,
-    HEAD_SIZE_PADDED: tl.constexpr, NUM_SEGMENTS: tl.constexpr, IS_SPLIT: tl.constexpr,
-):  # fmt: skip
-    """Store acc [BLOCK_M, len(d_off)] as the output columns d_off of each row (normalized),
-    or as the split-KV partial (max, sum of exps, unnormalized output)."""
-    if IS_SPLIT:
-        # Partials (also for empty segments: max -inf, sum 0) for the reduce kernel.
-        row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segm
-        tl.store(segm_max_ptr + row_off, m_i, mask=row_ok)
-        tl.store(segm_sum_ptr + row_off, l_i, mask=row_ok)
-        tl.store(
-            segm_out_ptr + row_off[:, None] * HEAD_SIZE_PADDED + d_off[None, :],
-            acc,
-            mask=row_ok[:, None],
-        )
-    else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + d_off[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
-
-
-@triton.jit
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     q_ptr,  # [num_tokens, num_heads, head_size]
@@ -177,8 +116,6 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
-    KV_PACK: tl.constexpr,
-    E5M2: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -208,6 +145,13 @@ def _unified_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_row < q_len)
     d_ok = offs_d < HEAD_SIZE
     tok = (q_start + q_row).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if FP16_DOTS:
+        q = q.to(tl.float16)
     q_pos = context_len + q_row  # absolute position: attends to keys 0 ..= q_pos
 
     # Keys any row of this block can see (exclusive end), in tiles.
@@ -228,90 +172,55 @@ def _unified_attention_kernel(
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_c_head
-    q_rows = q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
 
-    if KV_PACK > 1:
-        # An fp8 cache read as int16 pairs or int32 quads (strides in those words) in
-        # token-major tiles, converted by bit moves and interleaved back: every tensor is
-        # 16-bit or wider from the load on, so no 8-bit values are shuffled into dot layouts.
-        WORDS: tl.constexpr = HEAD_SIZE_PADDED // KV_PACK
-        offs_h = tl.arange(0, WORDS)
-        h_ok = offs_h * KV_PACK < HEAD_SIZE
-        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if FP16_DOTS:
-            q = q.to(tl.float16)
-        if not E5M2:
-            qk_scale = qk_scale * 256.0  # e4m3 pairs convert to value * 2**-8
-        acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-        for j in range(tile_lo, tile_hi):
-            k_pos = j * TILE_SIZE + offs_t
-            k_ok = k_pos < kv_end
-            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            rows = blk * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot + kv_head_off
-            ptrs = kv_cache_ptr + rows[:, None] + offs_h[None, :]
-            mask = k_ok[:, None] & h_ok[None, :]
-            k = _fp8_packed_join(tl.load(ptrs, mask=mask, other=0), KV_PACK, E5M2)  # [TILE, D]
-            v = _fp8_packed_join(tl.load(ptrs + stride_c_kv, mask=mask, other=0), KV_PACK, E5M2)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
-            )
-            m_i = m_new
-        v_scale = tl.load(v_scale_ptr)
-        if not E5M2:
-            v_scale = v_scale * 256.0
-        _store_rows(
-            acc * v_scale, l_i, m_i, offs_d, d_ok, tok, head, row_ok, segm, out_ptr,
-            segm_out_ptr, segm_max_ptr, segm_sum_ptr, stride_o_tok, stride_o_head, NUM_HEADS,
-            HEAD_SIZE_PADDED, NUM_SEGMENTS, IS_SPLIT,
+    for j in range(tile_lo, tile_hi):
+        k_pos = j * TILE_SIZE + offs_t
+        k_ok = k_pos < kv_end
+        k, v = _load_kv_tile(
+            kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+            stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
         )  # fmt: skip
+        # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
+        # pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower than bf16.
+        # (Converting by bit moves, fp8 tensor-core dots, K loaded row-wise and V converted as
+        # byte pairs in registers were all measured no faster on the H200: benchmarks/README.)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if KV_QUANT:
+        acc = acc * tl.load(v_scale_ptr)
+    if IS_SPLIT:
+        # Partials (also for empty segments: max -inf, sum 0) for the reduce kernel.
+        row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segm
+        tl.store(segm_max_ptr + row_off, m_i, mask=row_ok)
+        tl.store(segm_sum_ptr + row_off, l_i, mask=row_ok)
+        tl.store(
+            segm_out_ptr + row_off[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
     else:
-        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if FP16_DOTS:
-            q = q.to(tl.float16)
-        acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-        for j in range(tile_lo, tile_hi):
-            k_pos = j * TILE_SIZE + offs_t
-            k_ok = k_pos < kv_end
-            k, v = _load_kv_tile(
-                kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
-                stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
-            )  # fmt: skip
-            # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction
-            # per pair of values; fp8 -> bf16 goes through fp32 and made the fp8 cache slower
-            # than bf16. (Converting by bit moves, fp8 tensor-core dots, K loaded row-wise and
-            # V converted as byte pairs in registers were all measured no faster on the H200:
-            # benchmarks/README.)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row that has seen no key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        if KV_QUANT:
-            acc = acc * tl.load(v_scale_ptr)
-        _store_rows(
-            acc, l_i, m_i, offs_d, d_ok, tok, head, row_ok, segm, out_ptr, segm_out_ptr,
-            segm_max_ptr, segm_sum_ptr, stride_o_tok, stride_o_head, NUM_HEADS,
-            HEAD_SIZE_PADDED, NUM_SEGMENTS, IS_SPLIT,
-        )  # fmt: skip
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit
@@ -368,7 +277,6 @@ def unified_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
-    kv_pack: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -378,9 +286,7 @@ def unified_attention(
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
     `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
-    of a q block side by side (the default) or q blocks fastest; `kv_pack` 2 or 4 reads an
-    fp8 cache as int16 pairs or int32 quads converted by bit moves (1: as fp8 values).
-    Returns `out`.
+    of a q block side by side (the default) or q blocks fastest. Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -442,13 +348,6 @@ def unified_attention(
         num_warps = _QUANT_DECODE_WARPS
     if heads_fastest is None:
         heads_fastest = _HEADS_FASTEST
-    if kv_pack is None:
-        kv_pack = _KV_PACK
-    if kv_pack not in (1, 2, 4):
-        raise ValueError(f"kv_pack must be 1, 2 or 4, got {kv_pack}")
-    if kv_cache.dtype not in FP8_DTYPES or head_size % kv_pack or head_size_padded < 16 * kv_pack:
-        kv_pack = 1
-    cache = kv_cache.view({1: kv_cache.dtype, 2: torch.int16, 4: torch.int32}[kv_pack])
     heads_fastest = heads_fastest and num_q_blocks < 65536  # grid axis 1's limit
     grid = (
         (num_kv_heads, num_q_blocks, num_segments)
@@ -459,7 +358,7 @@ def unified_attention(
     _unified_attention_kernel[grid](
         out,
         q,
-        cache,
+        kv_cache,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -474,10 +373,10 @@ def unified_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        cache.stride(0),
-        cache.stride(1),
-        cache.stride(2),
-        cache.stride(3),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_QUERIES_PER_KV=group,
@@ -494,8 +393,6 @@ def unified_attention(
         # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
         FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
         HEADS_FASTEST=heads_fastest,
-        KV_PACK=kv_pack,
-        E5M2=kv_cache.dtype == torch.float8_e5m2,
         **{k: v for k, v in launch.items() if v is not None},
     )
     if split_kv:
