@@ -54,7 +54,7 @@ TALL_ROWS = 64
 # splits from SPLITS where sensible.
 FULL_GRID = (
     ((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5, 6)),
-    ((64, 128, 256), (64, 128), (4, 8), (3, 4, 5)),
+    ((64, 128, 256), (64, 128), (4, 8), (2, 3, 4, 5)),
 )
 QUICK_GRID = (((64, 128), (128, 256), (4,), (3, 4)), ((128, 256), (64,), (4, 8), (3, 4)))
 SPLITS = (1, 2, 4, 8)
@@ -63,7 +63,7 @@ TALL_SPLITS = (1, 2, 4)
 # rows, cut M into tiles).
 DRY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "down": (64, 224), "lm_head": (200, 64)}
 DRY_M_VALUES = (2, 16, 33, 160)
-DRY_GRID = (((16, 32), (16, 32), (4,), (2,)), ((64, 128), (32,), (4, 8), (2,)))
+DRY_GRID = (((16, 32), (16, 32), (4,), (2,)), ((64, 128), (32, 64), (4, 8), (3,)))
 CONFIG_NAMES = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "block_m")
 BAD_CONFIG = (48, 32, 1, 4, 2, 16)  # BLOCK_N not a power of two: must be reported, not crash
 
@@ -83,38 +83,80 @@ def default_of(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2) -> tup
     return (*default_config(m, n, k, num_sms, elem_bytes=elem_bytes), block_m_for(m))
 
 
+def tall_tile(block_n: int, block_k: int, warps: int, block_m: int) -> bool:
+    """Past TALL_ROWS, the tiles whose sm_90 build (Triton 3.6) keeps its K loop free of
+    register spills, or nearly: 8192..32768 outputs (<= 128 fp32 accumulators a thread at 8
+    warps), 8 warps, or 4 on 64 x 128 tiles with 64-wide K blocks; 128-wide K blocks only up
+    to 16384 outputs. Left out for their spill instructions per K step: 4 warps on 128-row
+    weight tiles (9..119) or 128-wide K blocks (19), 256 x 128 tiles (57), 128 x 256 at
+    block_k 128 (62); 128 x 256 at block_k 64 (4) and 256 x 64 (6..22) stay."""
+    tile = block_n * block_m
+    if not 8192 <= tile <= 32768:
+        return False
+    if warps == 4:
+        return block_n == 64 and block_k == 64 and tile == 8192
+    if block_n == 256 and block_m > 64:
+        return False
+    return block_k == 64 or tile <= 16384
+
+
+def tall_splits(programs: int, k: int, block_k: int, num_sms: int) -> list[int]:
+    """1, and past TALL_ROWS the split of TALL_SPLITS (whole BLOCK_K blocks, >= 2 a split)
+    that best fills whole waves of `programs` x split programs within two waves (the smaller
+    one on a tie), where it fills them better than no split: compute-bound, a split only pays
+    for its fp32 partials by waking idle SMs."""
+    from pagoda.kernels.skinny_gemm import split_k_plan
+
+    def fill(p: int) -> float:
+        return p / (-(-p // num_sms) * num_sms)
+
+    best = 1
+    for split in TALL_SPLITS[1:]:
+        k_per_split, splits = split_k_plan(k, block_k, split)
+        if splits != split or k_per_split < 2 * block_k or programs * split > 2 * num_sms:
+            continue
+        if fill(programs * split) > fill(programs * best) + 1e-9:
+            best = split
+    return sorted({1, best})
+
+
 def config_grid(
     m: int, n: int, k: int, grids: tuple, num_sms: int, elem_bytes: int = 2
 ) -> list[tuple[int, int, int, int, int, int]]:
     """(block_n, block_k, split_k, num_warps, num_stages, block_m) to time, the default's
     first, from grids[0] up to TALL_ROWS rows and grids[1] past it: pipelines that fit the
-    SM's shared memory (the actual block_m) and splits that keep whole BLOCK_K blocks (>= 2 a
-    split). Up to TALL_ROWS: 8 warps only for tiles of >= 2048 outputs, splits while half
-    the split gives < 4 waves. Past it: tiles of 8192..32768 outputs, 4 warps up to 8192 and
-    8 from 16384 (64..128 fp32 accumulators a thread; 256 x 256 would spill), splits of
-    TALL_SPLITS only while half the split gives < 1 wave (compute-bound: the fp32 partials
-    cost more than idle SMs past that)."""
+    SM's shared memory (at the actual block_m). Up to TALL_ROWS: 8 warps only for tiles of
+    >= 2048 outputs, splits of SPLITS that keep whole BLOCK_K blocks (>= 2 a split) while
+    half the split gives < 4 waves. Past it: `tall_tile`s, 2 stages only where 3 do not fit,
+    `tall_splits`."""
     from pagoda.kernels.skinny_gemm import split_k_plan
 
     tall = m > TALL_ROWS
     configs = []
     for block_m in block_m_choices(m):
         for block_n, block_k, warps, stages in itertools.product(*grids[tall]):
-            if stages * (block_n + block_m) * block_k * elem_bytes > SMEM_LIMIT:
-                continue
-            tile = block_n * block_m
-            if tall and not (8192 <= tile <= 32768 and warps == (4 if tile <= 8192 else 8)):
-                continue
-            if warps == 8 and tile < 2048:
+            stage_bytes = (block_n + block_m) * block_k * elem_bytes
+            if stages * stage_bytes > SMEM_LIMIT:
                 continue
             programs = -(-n // block_n) * -(-m // block_m)
-            for split in TALL_SPLITS if tall else SPLITS:
-                k_per_split, splits = split_k_plan(k, block_k, split)
-                if splits != split or (split > 1 and k_per_split < 2 * block_k):
+            if tall:
+                if not tall_tile(block_n, block_k, warps, block_m):
                     continue
-                if split > 1 and programs * split // 2 >= (1 if tall else 4) * num_sms:
+                if stages == 2 and 3 * stage_bytes <= SMEM_LIMIT:
                     continue
-                configs.append((block_n, block_k, split, warps, stages, block_m))
+                splits = tall_splits(programs, k, block_k, num_sms)
+            else:
+                if warps == 8 and block_n * block_m < 2048:
+                    continue
+                splits = []
+                for split in SPLITS:
+                    k_per_split, n_splits = split_k_plan(k, block_k, split)
+                    if n_splits != split or (split > 1 and k_per_split < 2 * block_k):
+                        continue
+                    if split > 1 and programs * split // 2 >= 4 * num_sms:
+                        continue
+                    splits.append(split)
+            configs += [(block_n, block_k, split, warps, stages, block_m) for split in splits]
     default = default_of(m, n, k, num_sms, elem_bytes)
     return [default] + [c for c in configs if c != default]
 

@@ -104,7 +104,7 @@ def _skinny_gemm_kernel(
 
     # The tile's counter: pid = n tile * m_tiles + m tile.
     store_tile(
-        acc, y_ptr, bias_ptr, partial_ptr, counter_ptr + pid_m, offs_m, offs_n, m_ok, n_ok,
+        acc, y_ptr, bias_ptr, partial_ptr, counter_ptr + pid, offs_m, offs_n, m_ok, n_ok,
         M, N, stride_y, pid_k, split_k, HAS_BIAS, SPLIT,
     )  # fmt: skip
 
@@ -163,11 +163,11 @@ def default_config(
     fastest unsplit, 256-wide K blocks); only the deep down projection (K = 3.5 N) gains
     from it. `num_sms` is kept for other GPUs' rules.
 
-    129..256 rows are not measured yet: the 128-row rule on one 256-row tile, its stages
-    clamped to shared memory (2 for 16-bit inputs; fp32 halves BLOCK_K until two fit) and 8
-    warps where 4 would hold more than 128 fp32 accumulators a thread (BLOCK_N x BLOCK_M >
-    16384). A placeholder that runs, not a tuned choice; `skinny_linear` is not `preferred`
-    there."""
+    129..256 rows are not measured yet: the shape's split on one 256-row tile of 64 weight
+    rows, 64-wide K blocks, 8 warps, 4 stages (2 for fp32). Its sm_90 build keeps the K loop
+    free of register spills, as the 128-row rule's 128 x 256 tiles would not (62 spill
+    instructions a K step); a placeholder that runs, not a tuned choice, and `skinny_linear`
+    is not `preferred` there."""
     del num_sms
     block_m = block_m_for(m)
     wide_k = 512 // elem_bytes  # 256 for 16-bit inputs
@@ -181,11 +181,8 @@ def default_config(
     else:
         cfg = (64, wide_k, 1, 4, 4) if block_m <= 32 else (64, 128, 1, 4, 4)
     block_n, block_k, split_k, num_warps, num_stages = cfg
-    if m > 128:  # past the measured rows: 256-row tiles
-        if block_n * block_m > 16384:
-            num_warps = 8
-        while block_k > 32 and 2 * (block_n + block_m) * block_k * elem_bytes > SMEM_BUDGET:
-            block_k //= 2  # fp32: two stages must fit
+    if m > 128:  # past the measured rows: a placeholder until the sweep's
+        block_n, block_k, num_warps, num_stages = 64, 64, 8, 4
     # Taller row tiles (past the measured rows): fewer stages, within shared memory.
     stage_bytes = (block_n + block_m) * block_k * elem_bytes
     num_stages = max(2, min(num_stages, SMEM_BUDGET // stage_bytes))

@@ -241,6 +241,39 @@ def test_skinny_linear_in_a_cuda_graph_replays_exactly(name: str, m: int) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "name,m,cfg",
+    [
+        ("o", 192, dict(block_n=128, block_k=64, split_k=2, num_warps=8, num_stages=4, block_m=64)),
+        (
+            "down",
+            100,
+            dict(block_n=64, block_k=64, split_k=4, num_warps=8, num_stages=4, block_m=64),
+        ),
+        ("gate_up", 256, dict(block_n=128, block_k=64, num_warps=8, num_stages=4, block_m=128)),
+        ("qkv", 200, {}),  # the placeholder default: one 256-row tile
+    ],
+)
+def test_m_tiles_at_llama8b_shapes_replay_exactly(name: str, m: int, cfg: dict) -> None:
+    n, k = LLAMA3_8B[name]
+    x = _randn(m, k, seed=1, dtype=torch.bfloat16)
+    w = _randn(n, k, seed=2, dtype=torch.bfloat16) * 0.02
+    eager = skinny_linear(x, w, **cfg)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(eager.float(), ref, atol=2e-2, rtol=1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_linear(x, w, **cfg)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)  # M tiles' splits interleave; the sums stay in order
+        assert not prepare(x.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_first_split_call_inside_a_capture_names_prepare() -> None:
     x = _randn(16, 4096, seed=1, dtype=torch.bfloat16)
     w = _randn(4096, 4096, seed=2, dtype=torch.bfloat16)
@@ -260,42 +293,63 @@ def test_first_split_call_inside_a_capture_names_prepare() -> None:
 # module does, without a GPU) builds triton.language's own helpers for the interpreter and
 # cannot compile for real any more.
 _SM90_BUILD = """
-import json, sys
+import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagoda.kernels.skinny_gemm import _skinny_gemm_kernel as fn, block_m_for, default_config
 
 dtype, m, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-block_n, block_k, split_k, num_warps, num_stages = default_config(m, n, k)
+cfg = json.loads(sys.argv[5]) or [*default_config(m, n, k), block_m_for(m)]
+block_n, block_k, split_k, num_warps, num_stages, block_m = cfg
 sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
 sig.update(dict.fromkeys(("x_ptr", "w_ptr", "bias_ptr", "y_ptr"), "*" + dtype))
 sig.update(partial_ptr="*fp32", counter_ptr="*i32", stride_x="i64", stride_w="i64", stride_y="i64")
-consts = dict(HAS_BIAS=True, EVEN_K=True, SPLIT=True, BLOCK_M=block_m_for(m), BLOCK_N=block_n,
-              BLOCK_K=block_k, NUM_STAGES=num_stages, DOT_PRECISION="tf32")
+consts = dict(HAS_BIAS=True, EVEN_K=True, SPLIT=True, BLOCK_M=block_m, BLOCK_N=block_n,
+              BLOCK_K=block_k, NUM_STAGES=num_stages, DOT_PRECISION="tf32",
+              W_EVICTION="evict_first" if block_m >= m else "")
 sig.update(dict.fromkeys(consts, "constexpr"))
 # The runtime specializes 16-aligned pointers and 16-divisible sizes: say so, as a launch would.
 aligned = ("x_ptr", "w_ptr", "y_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_x")
+aligned += ("M",) * (m % 16 == 0)
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
 src = ASTSource(fn, sig, {(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=num_warps, num_stages=num_stages))
-print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}))
+# Registers and the local-memory stack (where spills go), from the cubin: Triton ships cuobjdump.
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(kernel.asm["cubin"])
+    f.flush()
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                           text=True, check=True).stdout
+regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
+print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "regs": regs,
+                  "stack": stack}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "dtype,m,name", [("bf16", 2, "qkv"), ("bf16", 128, "down"), ("fp16", 64, "lm_head")]
+    "dtype,m,name,cfg",
+    [
+        ("bf16", 2, "qkv", None),
+        ("bf16", 128, "down", None),
+        ("fp16", 64, "lm_head", None),
+        ("bf16", 256, "down", None),  # the placeholder past 128 rows: one 256-row tile
+        ("bf16", 192, "o", [128, 64, 2, 8, 4, 64]),  # 3 M tiles, split K
+        ("bf16", 100, "qkv", [64, 64, 2, 8, 3, 128]),  # M not a multiple of 16
+    ],
 )
-def test_default_configs_compile_for_sm90(dtype: str, m: int, name: str) -> None:
+def test_configs_compile_for_sm90(dtype: str, m: int, name: str, cfg: list | None) -> None:
     """A real sm_90 build (no GPU needed) of the split variant: shared memory within the SM's
     227 KB, wgmma, and a CTA barrier between the partial stores and the one thread's release
-    of the counter (else other threads' partials need not be visible to the last split)."""
+    of the counter (else other threads' partials need not be visible to the last split); past
+    128 rows no spills to local memory either."""
     n, k = LLAMA3_8B[name]
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", _SM90_BUILD, dtype, str(m), str(n), str(k)],
+        [sys.executable, "-c", _SM90_BUILD, dtype, str(m), str(n), str(k), json.dumps(cfg)],
         env=env,
         capture_output=True,
         text=True,
@@ -304,6 +358,8 @@ def test_default_configs_compile_for_sm90(dtype: str, m: int, name: str) -> None
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.splitlines()[-1])
     assert built["shared"] <= 227 * 1024
+    if m > 128 or cfg is not None:
+        assert built["stack"] == 0, built["regs"]
     ptx = built["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx
     body = [
@@ -358,6 +414,14 @@ def test_gemm_sweep_grid_past_64_rows_tiles_m_and_stays_small() -> None:
                 assert split_k_plan(k, block_k, split)[1] == split
             assert {c[-1] for c in configs} == set(sweep.block_m_choices(m))
             assert any(c[0] == 256 for c in configs) and any(c[3] == 8 for c in configs)
+    # Left out: the tiles whose sm_90 K loop spills (test_configs_compile_for_sm90 builds some).
+    assert sweep.tall_tile(128, 64, 8, 128) and sweep.tall_tile(64, 64, 4, 128)
+    assert not sweep.tall_tile(128, 128, 4, 64) and not sweep.tall_tile(256, 64, 8, 128)
+    # Splits only where they fill the 132 SMs' waves better: 64 programs x 2 (not x 4, a tie),
+    # 32 x 4, none for 128.
+    assert sweep.tall_splits(64, 4096, 64, 132) == [1, 2]
+    assert sweep.tall_splits(32, 4096, 64, 132) == [1, 4]
+    assert sweep.tall_splits(128, 4096, 64, 132) == [1]
     # Distinct builds: the tile, several M tiles or one, split or not.
     assert sweep._compile_key(96, (64, 128, 1, 4, 4, 64)) != sweep._compile_key(
         96, (64, 128, 1, 4, 4, 128)
