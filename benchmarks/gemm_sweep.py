@@ -2,23 +2,17 @@
 `skinny_linear` over a grid of configs, for the Llama-3-8B shapes and M = 2..256 rows, with
 cold weights (copies cycled, more bytes than the 60 MB L2) inside CUDA graphs.
 
-    python benchmarks/gemm_sweep.py --out gemm_sweep.json           # full grid (H200)
+    python benchmarks/gemm_sweep.py --out gemm_sweep.json           # full grid (~4 min, H200)
     python benchmarks/gemm_sweep.py --quick --out gemm_sweep.json   # fewer configs
-    python benchmarks/gemm_sweep.py --m 96 128 160 192 256 --out gemm_tall.json  # tall M only
     python benchmarks/gemm_sweep.py --dry-run    # tiny shapes, a few configs: every code path
-        # (grid, M tiles, precompile pool, skipped configs, summary, JSON) in seconds; on a
-        # machine without a GPU through the Triton interpreter
-
-A config is (block_n, block_k, split_k, num_warps, num_stages, block_m) (CONFIG_NAMES). Up to
-TALL_ROWS = 64 rows one row tile covers M (block_m = block_m_for(M)) and the grid is the
-weight-streaming one; past it the product nears compute-bound and the grid turns to M tiles
-of 64 / 128 / block_m_for(M) rows, weight tiles up to 256 rows, 8 warps on big tiles and
-split-K only to fill a wave or two.
+        # (grid, precompile pool, skipped configs, summary, JSON) in seconds; on a machine
+        # without a GPU through the Triton interpreter
 
 One line per (shape, M): cuBLAS, cuBLASLt, the best Triton config and default_config's, in us,
 and the best one's weight bandwidth; then ms per decode step (4 GEMMs x 32 layers + lm_head)
-per M. Configs that fail to compile or run are skipped and listed. These are the
-measurements behind `default_config` in `pagoda/kernels/skinny_gemm.py`.
+per M. Configs that fail to compile or run are skipped and listed. Triton covers M <= 128;
+larger M time the two BLAS libraries only. These are the measurements behind
+`default_config` in `pagoda/kernels/skinny_gemm.py`.
 """
 
 from __future__ import annotations
@@ -48,125 +42,59 @@ M_VALUES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 L2_BYTES = 60e6
 SMEM_LIMIT = 227 * 1024  # per SM on sm_90
 
-# Past this many rows: M tiles, big tiles, 8 warps (the grid's second half, tall rules).
-TALL_ROWS = 64
-# (block_n, block_k, num_warps, num_stages) candidates for M <= TALL_ROWS and for taller M;
-# splits from SPLITS where sensible.
-FULL_GRID = (
-    ((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5, 6)),
-    ((64, 128, 256), (64, 128), (4, 8), (2, 3, 4, 5)),
-)
-QUICK_GRID = (((64, 128), (128, 256), (4,), (3, 4)), ((128, 256), (64,), (4, 8), (3, 4)))
+# (block_n, block_k, num_warps, num_stages) candidates; splits from SPLITS where sensible.
+FULL_GRID = ((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5, 6))
+QUICK_GRID = ((64, 128), (128, 256), (4,), (3, 4))
 SPLITS = (1, 2, 4, 8)
-TALL_SPLITS = (1, 2, 4)
-# --dry-run: interpreter-sized shapes and tiles that still split K raggedly (and, at 160
-# rows, cut M into tiles).
+# --dry-run: interpreter-sized shapes and tiles that still split K raggedly.
 DRY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "down": (64, 224), "lm_head": (200, 64)}
 DRY_M_VALUES = (2, 16, 33, 160)
-DRY_GRID = (((16, 32), (16, 32), (4,), (2,)), ((64, 128), (32, 64), (4, 8), (3,)))
-CONFIG_NAMES = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "block_m")
-BAD_CONFIG = (48, 32, 1, 4, 2, 16)  # BLOCK_N not a power of two: must be reported, not crash
-
-
-def block_m_choices(m: int) -> list[int]:
-    """Row tiles to try: one tile up to TALL_ROWS rows; past it 64, 128 and one tile."""
-    from pagoda.kernels.skinny_gemm import block_m_for
-
-    top = block_m_for(m)
-    return [top] if m <= TALL_ROWS else sorted({b for b in (64, 128, top) if b <= top})
-
-
-def default_of(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2) -> tuple:
-    """What `skinny_linear` runs with no config: default_config's and one row tile."""
-    from pagoda.kernels.skinny_gemm import block_m_for, default_config
-
-    return (*default_config(m, n, k, num_sms, elem_bytes=elem_bytes), block_m_for(m))
-
-
-def tall_tile(block_n: int, block_k: int, warps: int, block_m: int) -> bool:
-    """Past TALL_ROWS, the tiles whose sm_90 build (Triton 3.6) keeps its K loop free of
-    register spills, or nearly: 8192..32768 outputs (<= 128 fp32 accumulators a thread at 8
-    warps), 8 warps, or 4 on 64 x 128 tiles with 64-wide K blocks; 128-wide K blocks only up
-    to 16384 outputs. Left out for their spill instructions per K step: 4 warps on 128-row
-    weight tiles (9..119) or 128-wide K blocks (19), 256 x 128 tiles (57), 128 x 256 at
-    block_k 128 (62); 128 x 256 at block_k 64 (4) and 256 x 64 (6..22) stay."""
-    tile = block_n * block_m
-    if not 8192 <= tile <= 32768:
-        return False
-    if warps == 4:
-        return block_n == 64 and block_k == 64 and tile == 8192
-    if block_n == 256 and block_m > 64:
-        return False
-    return block_k == 64 or tile <= 16384
-
-
-def tall_splits(programs: int, k: int, block_k: int, num_sms: int) -> list[int]:
-    """1, and past TALL_ROWS the split of TALL_SPLITS (whole BLOCK_K blocks, >= 2 a split)
-    that best fills whole waves of `programs` x split programs within two waves (the smaller
-    one on a tie), where it fills them better than no split: compute-bound, a split only pays
-    for its fp32 partials by waking idle SMs."""
-    from pagoda.kernels.skinny_gemm import split_k_plan
-
-    def fill(p: int) -> float:
-        return p / (-(-p // num_sms) * num_sms)
-
-    best = 1
-    for split in TALL_SPLITS[1:]:
-        k_per_split, splits = split_k_plan(k, block_k, split)
-        if splits != split or k_per_split < 2 * block_k or programs * split > 2 * num_sms:
-            continue
-        if fill(programs * split) > fill(programs * best) + 1e-9:
-            best = split
-    return sorted({1, best})
+DRY_GRID = ((16, 32), (16, 32), (4,), (2,))
+BAD_CONFIG = (48, 32, 1, 4, 2)
+CONFIG_NAMES = (
+    "block_n",
+    "block_k",
+    "split_k",
+    "num_warps",
+    "num_stages",
+)  # BLOCK_N not a power of two: must be reported, not crash
 
 
 def config_grid(
-    m: int, n: int, k: int, grids: tuple, num_sms: int, elem_bytes: int = 2
-) -> list[tuple[int, int, int, int, int, int]]:
-    """(block_n, block_k, split_k, num_warps, num_stages, block_m) to time, the default's
-    first, from grids[0] up to TALL_ROWS rows and grids[1] past it: pipelines that fit the
-    SM's shared memory (at the actual block_m). Up to TALL_ROWS: 8 warps only for tiles of
-    >= 2048 outputs, splits of SPLITS that keep whole BLOCK_K blocks (>= 2 a split) while
-    half the split gives < 4 waves. Past it: `tall_tile`s, 2 stages only where 3 do not fit,
-    `tall_splits`."""
-    from pagoda.kernels.skinny_gemm import split_k_plan
+    m: int, n: int, k: int, grid: tuple, num_sms: int, elem_bytes: int = 2
+) -> list[tuple[int, int, int, int, int]]:
+    """(block_n, block_k, split_k, num_warps, num_stages) to time, default_config's first:
+    pipelines that fit the SM's shared memory, 8 warps only for tiles of >= 2048 outputs, and
+    splits that keep whole BLOCK_K blocks (>= 2 a split) and are needed (half the split gives
+    < 4 waves)."""
+    from pagoda.kernels.skinny_gemm import block_m_for, default_config, split_k_plan
 
-    tall = m > TALL_ROWS
+    block_m = block_m_for(m)
     configs = []
-    for block_m in block_m_choices(m):
-        for block_n, block_k, warps, stages in itertools.product(*grids[tall]):
-            stage_bytes = (block_n + block_m) * block_k * elem_bytes
-            if stages * stage_bytes > SMEM_LIMIT:
+    for block_n, block_k, warps, stages in itertools.product(*grid):
+        if stages * (block_n + block_m) * block_k * elem_bytes > SMEM_LIMIT:
+            continue
+        if warps == 8 and block_n * block_m < 2048:
+            continue
+        tiles = -(-n // block_n)
+        for split in SPLITS:
+            k_per_split, splits = split_k_plan(k, block_k, split)
+            if splits != split or (split > 1 and k_per_split < 2 * block_k):
                 continue
-            programs = -(-n // block_n) * -(-m // block_m)
-            if tall:
-                if not tall_tile(block_n, block_k, warps, block_m):
-                    continue
-                if stages == 2 and 3 * stage_bytes <= SMEM_LIMIT:
-                    continue
-                splits = tall_splits(programs, k, block_k, num_sms)
-            else:
-                if warps == 8 and block_n * block_m < 2048:
-                    continue
-                splits = []
-                for split in SPLITS:
-                    k_per_split, n_splits = split_k_plan(k, block_k, split)
-                    if n_splits != split or (split > 1 and k_per_split < 2 * block_k):
-                        continue
-                    if split > 1 and programs * split // 2 >= 4 * num_sms:
-                        continue
-                    splits.append(split)
-            configs += [(block_n, block_k, split, warps, stages, block_m) for split in splits]
-    default = default_of(m, n, k, num_sms, elem_bytes)
+            if split > 1 and tiles * split // 2 >= 4 * num_sms:
+                continue
+            configs.append((block_n, block_k, split, warps, stages))
+    default = default_config(m, n, k, num_sms, elem_bytes=elem_bytes)
     return [default] + [c for c in configs if c != default]
 
 
 def _compile_key(m: int, cfg: tuple) -> tuple:
-    """What makes a distinct Triton kernel: tiles, warps, stages, split or not, one M tile or
-    several (the weights' eviction policy), and whether M is divisible by 16 (the launcher
-    specializes that); N and K here always are."""
-    block_n, block_k, split, warps, stages, block_m = cfg
-    return (block_m, block_m < m, m % 16 == 0, block_n, block_k, split > 1, warps, stages)
+    """What makes a distinct Triton kernel: tiles, warps, stages, split or not, and whether M
+    is divisible by 16 (the launcher specializes that); N and K here always are."""
+    from pagoda.kernels.skinny_gemm import block_m_for
+
+    block_n, block_k, split, warps, stages = cfg
+    return (block_m_for(m), m % 16 == 0, block_n, block_k, split > 1, warps, stages)
 
 
 _WORKER_TENSORS: dict = {}
@@ -220,7 +148,7 @@ def _blas_seconds(seconds, x, ws, library: str) -> float | None:
 def sweep_shape_m(name, n, k, m, x, ws, configs, seconds, num_sms) -> dict:
     import torch
 
-    from pagoda.kernels.skinny_gemm import skinny_linear
+    from pagoda.kernels.skinny_gemm import default_config, skinny_linear
 
     row = {"shape": name, "n": n, "k": k, "m": m}
     row["cublas_us"] = _blas_seconds(seconds, x, ws, "cublas") * 1e6
@@ -238,7 +166,7 @@ def sweep_shape_m(name, n, k, m, x, ws, configs, seconds, num_sms) -> dict:
     if not timings:
         return row
     best = min(timings, key=lambda r: r["us"])
-    default = list(default_of(m, n, k, num_sms, x.element_size()))
+    default = list(default_config(m, n, k, num_sms, elem_bytes=x.element_size()))
     row["best_config"], row["triton_us"] = best["config"], best["us"]
     row["default_config"] = default
     row["default_us"] = next((r["us"] for r in timings if r["config"] == default), None)
@@ -361,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{device} {torch.cuda.get_device_name() if on_gpu else 'interpreter'}, torch "
         f"{torch.__version__}, triton {triton.__version__}: {n_cfg} Triton timings over "
-        f"{len(plan)} (shape, M); configs are ({', '.join(CONFIG_NAMES)})",
+        f"{len(plan)} (shape, M)",
         flush=True,
     )
     if args.jobs > 1:
@@ -409,7 +337,6 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "args": vars(args),
-        "config_names": list(CONFIG_NAMES),
         "seconds": time.perf_counter() - t0,
         "rows": rows,
         "summary": summary,

@@ -1,4 +1,4 @@
-"""Triton "skinny GEMM" for decode batches of 2..256 rows on CUDA:
+"""Triton "skinny GEMM" for decode batches of 2..128 rows on CUDA:
 y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation.
 
 At M <= ~128 rows a linear layer is still weight streaming (Llama-3-8B's decode GEMMs need
@@ -12,13 +12,6 @@ for 132 SMs) also split K: each split writes its fp32 partial tile to a workspac
 [SPLIT_K, M, N] and bumps a per-N-tile counter; the split that arrives last sums the partials
 in split order (the same bits on every call), adds the bias, stores y and puts the counter
 back to 0 for the next call or CUDA-graph replay. One kernel launch, no reduce kernel.
-
-By default one BLOCK_M = next_pow2(M) tile covers all rows. Past ~64 rows the product turns
-compute-bound (256 rows: twice the ~2.3 ms of tensor-core time above, against ~3.1 ms), and
-`block_m` < M cuts the rows into M tiles: program axis 0 enumerates (N tile, M tile) pairs
-with the M tile fastest, so the programs that share a weight tile run side by side and all
-but the first read it from L2 (the weights then take the default eviction policy, not
-evict_first). Split-K then counts arrivals per (N tile, M tile).
 
 The counters are a persistent zero-filled int32 buffer per device, made outside CUDA-graph
 capture (`prepare(device)`, or the first call). Launches that share it must not run
@@ -35,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_ROWS, MAX_ROWS = 2, 256
-# Counters per device: one per output tile (N tile x M tile) of a split launch (lm_head
-# 128256 / 32 = 4008 N tiles).
+MIN_ROWS, MAX_ROWS = 2, 128
+# Counters per device: one per N tile of a split launch (lm_head 128256 / 32 = 4008 tiles).
 MAX_SPLIT_TILES = 8192
 # Shared memory of an sm_90 SM that one program may take.
 SMEM_BUDGET = 227 * 1024
@@ -69,17 +61,11 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    W_EVICTION: tl.constexpr,  # "evict_first" when one M tile reads each weight tile once
 ):
-    # Axis 0: (N tile, M tile) pairs, M tile fastest (programs sharing a weight tile run
-    # together, the later ones hit L2); one M tile unless BLOCK_M < M.
-    pid = tl.program_id(0)
+    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_n = pid // m_tiles
-    pid_m = pid - pid_n * m_tiles
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
@@ -97,14 +83,13 @@ def _skinny_gemm_kernel(
         else:
             w_mask = n_ok[:, None] & (kk < K)[None, :]
             x_mask = m_ok[:, None] & (kk < K)[None, :]
-        # Weights read once (one M tile): do not let them evict what the next kernels reuse.
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy=W_EVICTION)
+        # Weights are read once: do not let them evict what the next kernels reuse.
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
 
-    # The tile's counter: pid = n tile * m_tiles + m tile.
     store_tile(
-        acc, y_ptr, bias_ptr, partial_ptr, counter_ptr + pid, offs_m, offs_n, m_ok, n_ok,
+        acc, y_ptr, bias_ptr, partial_ptr, counter_ptr + pid_n, offs_m, offs_n, m_ok, n_ok,
         M, N, stride_y, pid_k, split_k, HAS_BIAS, SPLIT,
     )  # fmt: skip
 
@@ -114,12 +99,11 @@ def store_tile(
     acc, y_ptr, bias_ptr, partial_ptr, counter, offs_m, offs_n, m_ok, n_ok,
     M, N, stride_y, pid_k, split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Store a program's fp32 tile acc [BLOCK_N, BLOCK_M] (weight rows x activation rows at
-    the absolute offs_n, offs_m) as y[m, n] (+ bias). Split over K: write the partial to
-    partial[split, m, n], count the arrival at this tile's `counter` (one per N x M tile);
-    the last split to arrive sums all partials in split order (the same bits every call),
-    stores y and puts the counter back to 0 (next launch, graph replay). Shared by the
-    skinny GEMM and the W4A16 kernel."""
+    """Store a program's fp32 tile acc [BLOCK_N, BLOCK_M] (weight rows x activation rows) as
+    y[m, n] (+ bias). Split over K: write the partial to partial[split, m, n], count the
+    arrival at this tile's `counter`; the last split to arrive sums all partials in split order
+    (the same bits every call), stores y and puts the counter back to 0 (next launch, graph
+    replay). Shared by the skinny GEMM and the W4A16 kernel."""
     out_mask = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_y + offs_n[:, None]
     if not SPLIT:
@@ -161,13 +145,7 @@ def default_config(
     2026-11-29, benchmarks/results/h200/run13-sweeps) for the Llama-3-8B shapes, as a
     rule by shape class. Few N tiles did not need split-K (qkv's 96 and o's 64 programs ran
     fastest unsplit, 256-wide K blocks); only the deep down projection (K = 3.5 N) gains
-    from it. `num_sms` is kept for other GPUs' rules.
-
-    129..256 rows are not measured yet: the shape's split on one 256-row tile of 64 weight
-    rows, 64-wide K blocks, 8 warps, 4 stages (2 for fp32). Its sm_90 build keeps the K loop
-    free of register spills, as the 128-row rule's 128 x 256 tiles would not (62 spill
-    instructions a K step); a placeholder that runs, not a tuned choice, and `skinny_linear`
-    is not `preferred` there."""
+    from it. `num_sms` is kept for other GPUs' rules."""
     del num_sms
     block_m = block_m_for(m)
     wide_k = 512 // elem_bytes  # 256 for 16-bit inputs
@@ -181,8 +159,6 @@ def default_config(
     else:
         cfg = (64, wide_k, 1, 4, 4) if block_m <= 32 else (64, 128, 1, 4, 4)
     block_n, block_k, split_k, num_warps, num_stages = cfg
-    if m > 128:  # past the measured rows: a placeholder until the sweep's
-        block_n, block_k, num_warps, num_stages = 64, 64, 8, 4
     # Taller row tiles (past the measured rows): fewer stages, within shared memory.
     stage_bytes = (block_n + block_m) * block_k * elem_bytes
     num_stages = max(2, min(num_stages, SMEM_BUDGET // stage_bytes))
@@ -233,7 +209,7 @@ def prepare(device: torch.device | str) -> torch.Tensor:
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """2..256 rows of K-contiguous x [M, K] times a row-major weight [N, K] of x's dtype
+    """2..128 rows of K-contiguous x [M, K] times a row-major weight [N, K] of x's dtype
     (fp16, bf16, fp32), K a multiple of 8; on CUDA, or on the CPU under TRITON_INTERPRET=1."""
     on_device = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
     return (
@@ -270,14 +246,10 @@ def skinny_linear(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    block_m: int | None = None,
 ) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype, for 2 <= M <= 256; None
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype, for 2 <= M <= 128; None
     where `skinny_supported` says no (the caller then runs F.linear). Config values left None
-    come from `default_config`; split_k is rounded so every split has whole BLOCK_K blocks.
-    `block_m` (a power of two >= 16) is the activation-row tile: None is one tile of
-    `block_m_for(M)` rows; smaller cuts the rows into ceil(M / block_m) tiles (the other
-    defaults stay those of the one-tile launch)."""
+    come from `default_config`; split_k is rounded so every split has whole BLOCK_K blocks."""
     if not skinny_supported(x, weight, bias):
         return None
     m, k = x.shape
@@ -286,22 +258,19 @@ def skinny_linear(
     block_n = block_n or cfg[0]
     block_k = block_k or cfg[1]
     split_k = split_k or cfg[2]
-    block_m = block_m or block_m_for(m)
-    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    for name, value in (("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     k_per_split, split_k = split_k_plan(k, block_k, split_k)
-    m_tiles = triton.cdiv(m, block_m)
-    tiles = triton.cdiv(n, block_n) * m_tiles
+    tiles = triton.cdiv(n, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split_k > 1:
         if tiles > MAX_SPLIT_TILES:
             raise ValueError(
-                f"split_k > 1 takes one counter per output tile: {tiles} tiles of "
-                f"{block_n} x {block_m} exceed {MAX_SPLIT_TILES}; use larger blocks or "
-                "split_k=1"
+                f"split_k > 1 takes one counter per N tile: {tiles} tiles of {block_n} rows "
+                f"exceed {MAX_SPLIT_TILES}; use a larger block_n or split_k=1"
             )
         counters = prepare(x.device)
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -325,12 +294,11 @@ def skinny_linear(
         HAS_BIAS=bias is not None,
         EVEN_K=k % block_k == 0,
         SPLIT=split_k > 1,
-        BLOCK_M=block_m,
+        BLOCK_M=block_m_for(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         NUM_STAGES=num_stages or cfg[4],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        W_EVICTION="evict_first" if m_tiles == 1 else "",
         num_warps=num_warps or cfg[3],
     )
     return y
