@@ -72,6 +72,8 @@ class Request:
             -1
         )  # prompt tokens found in the prefix cache; set when first scheduled
         self.num_preemptions = 0
+        # Prompt positions whose prompt logprobs went out (a recompute does not repeat them).
+        self.num_prompt_logprobs_reported = 0
         # Speculative decoding: draft tokens to verify this step (appended after all_token_ids).
         self.spec_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by a step still in flight (scheduled, not yet

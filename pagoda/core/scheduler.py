@@ -311,7 +311,9 @@ class Scheduler:
             new_logprobs = None
             if request.sampling_params.logprobs is not None and rid in all_logprobs:
                 new_logprobs = all_logprobs[rid][: len(new_token_ids)]
-            new_prompt_logprobs = all_prompt_logprobs.get(rid)
+            new_prompt_logprobs = _unreported_prompt_logprobs(
+                request, scheduler_output.num_computed_tokens.get(rid), all_prompt_logprobs.get(rid)
+            )
             finished = request.is_finished()
             if finished:
                 # Preempted while its last token was in flight: it waits (async scheduling).
@@ -385,3 +387,16 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _unreported_prompt_logprobs(
+    request: Request, start: int | None, chunk: list | None
+) -> list | None:
+    """The part of a step's prompt logprobs (positions start, start + 1, ...) not reported yet.
+    A request preempted and recomputed from the beginning computes its prompt's positions a
+    second time; each position is reported once."""
+    if not chunk or start is None:
+        return chunk
+    done = request.num_prompt_logprobs_reported
+    request.num_prompt_logprobs_reported = max(done, start + len(chunk))
+    return chunk[done - start :] if done > start else chunk

@@ -59,6 +59,27 @@ def test_preemption_does_not_change_greedy_outputs(reference) -> None:
     assert tiny.llm_engine.num_preemptions_total > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_reports_each_prompt_logprob_once(llm: LLM, async_scheduling) -> None:
+    # A preempted request recomputes its prompt: its prompt logprobs must not repeat.
+    params = SamplingParams(temperature=0.0, max_tokens=40, prompt_logprobs=1)
+    want = llm.generate(PROMPTS, params, use_tqdm=False)
+    tiny = LLM(
+        dtype="float32",
+        max_model_len=96,
+        num_gpu_blocks_override=8,
+        async_scheduling=async_scheduling,
+        seed=0,
+    )
+    got = tiny.generate(PROMPTS, params, use_tqdm=False)
+    assert tiny.llm_engine.num_preemptions_total > 0
+    for g, w in zip(got, want):
+        assert len(g.prompt_logprobs) == len(g.prompt_token_ids) == len(w.prompt_logprobs)
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+
+
 def test_prefix_hit_reuses_500_tokens(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     prefix = list(range(1000, 1500))  # 500 tokens
