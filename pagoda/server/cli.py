@@ -4,20 +4,16 @@ Flags are `EngineArgs.add_cli_args` (vLLM's names) plus the server's own: --host
 --api-key, --chat-template, --served-model-name, --max-waiting-requests, --drain-timeout.
 SIGTERM drains: the engine refuses new requests (503, /health turns 503), in-flight requests
 run to completion (at most --drain-timeout seconds), then uvicorn stops. A second SIGTERM or
-SIGINT exits at once.
+SIGINT exits at once. uvicorn is imported only to serve (`pagoda.server.draining`), so the other
+subcommands (`pagoda bench throughput`, `generate`) run where it is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
-from types import FrameType
 from typing import Any
-
-import uvicorn
 
 logger = logging.getLogger("pagoda.server")
 
@@ -107,40 +103,6 @@ def make_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class DrainingServer(uvicorn.Server):
-    """A uvicorn.Server whose first SIGTERM drains the engine before closing connections."""
-
-    def __init__(self, config: uvicorn.Config, engine: Any, drain_timeout: float) -> None:
-        super().__init__(config)
-        self.engine, self.drain_timeout = engine, drain_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs in the signal handler: only flip flags and schedule work on the loop.
-        if sig == signal.SIGTERM and not self.engine.draining and self._loop is not None:
-            self.engine.draining = True
-            self._loop.call_soon_threadsafe(self._start_drain)
-            return
-        self.engine.draining = True
-        if self.should_exit:
-            self.force_exit = True  # second signal: stop waiting for connections
-        self.should_exit = True
-
-    def _start_drain(self) -> None:
-        logger.info("SIGTERM: draining up to %.0f s; new requests get 503", self.drain_timeout)
-        self._drain_task = asyncio.ensure_future(self._drain_then_exit())
-
-    async def _drain_then_exit(self) -> None:
-        if not await self.engine.drain(self.drain_timeout):
-            logger.warning("drain timed out with %d requests running", self.engine.num_in_flight)
-        self.should_exit = True
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from `args` (see add_server_flags), then serve until SIGTERM/SIGINT."""
     from pagoda.config import embedded_model_path
@@ -148,6 +110,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.engine.engine_core import freeze_startup_heap
     from pagoda.server.app import build_app
+    from pagoda.server.draining import DrainingServer, uvicorn
 
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
