@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 
 def _pagoda(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -36,3 +37,25 @@ def test_bad_flag_value_is_a_clear_error() -> None:
     proc = _pagoda("generate", "hi", "--max-model-len", "999999")
     assert proc.returncode == 2
     assert "max_model_len" in proc.stderr
+
+
+def test_cli_and_engine_import_without_the_server_packages() -> None:
+    # The GPU image has no fastapi, uvicorn or pydantic: the CLI's parser, the engine and the
+    # offline benchmark must import without them (only `serve` needs them).
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("fastapi", "uvicorn", "pydantic", "starlette"):
+                    raise ImportError("blocked " + name)
+        sys.meta_path.insert(0, Block())
+        from pagoda.cli import build_parser
+        import pagoda.bench.throughput, pagoda.engine.llm_engine
+        args = build_parser().parse_args(["bench", "throughput", "--num-prompts", "2"])
+        print("ok", args.func.__name__)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok run_throughput" in out.stdout
