@@ -333,8 +333,8 @@ class MultiprocExecutor(TensorParallelExecutorBase):
 
 def _worker_config(config: EngineConfig) -> EngineConfig:
     """The config the workers run: on a CPU the default KV budget is split over the ranks (the
-    total stays what one process would take); on CUDA the runners run eagerly, since
-    torch.distributed's collectives are not captured in CUDA graphs here."""
+    total stays what one process would take). On CUDA each rank captures its CUDA graphs in
+    lockstep with the others, NCCL's all-reduces inside them (`enforce_eager` turns them off)."""
     cc, dc = config.cache_config, config.device_config
     tp = config.parallel_config.tensor_parallel_size
     if dc.device == "cpu":
@@ -345,9 +345,6 @@ def _worker_config(config: EngineConfig) -> EngineConfig:
             config = config.replace(
                 cache_config=dataclasses.replace(cc, kv_cache_memory_bytes=budget)
             )
-    elif not dc.enforce_eager:
-        logger.info("CUDA graphs off with tensor parallelism: the steps run eagerly")
-        config = config.replace(device_config=dataclasses.replace(dc, enforce_eager=True))
     return config
 
 

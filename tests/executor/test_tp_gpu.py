@@ -1,7 +1,7 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): the tiny GQA Llama generates the same tokens at
 tensor_parallel_size=2 as on one GPU, greedy (with logprobs and prompt logprobs, through chunked
-prefill and preemption) and seeded sampling, with and without async scheduling. GPU-marked: it
-needs two GPUs and is skipped elsewhere."""
+prefill and preemption) and seeded sampling, with and without async scheduling, with CUDA graphs
+and eagerly. GPU-marked: it needs two GPUs and is skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -35,9 +35,14 @@ def reference(checkpoint) -> dict:
     return out
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_tp2_on_two_gpus_matches_one_gpu(checkpoint, reference, async_scheduling) -> None:
-    llm = tp_llm(checkpoint, 2, async_scheduling=async_scheduling)
+@pytest.mark.parametrize(
+    "async_scheduling,enforce_eager", [(False, False), (True, False), (False, True)]
+)
+def test_tp2_on_two_gpus_matches_one_gpu(
+    checkpoint, reference, async_scheduling, enforce_eager
+) -> None:
+    # Each rank replays its CUDA graphs (NCCL all-reduces captured in them), or runs eagerly.
+    llm = tp_llm(checkpoint, 2, async_scheduling=async_scheduling, enforce_eager=enforce_eager)
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for got, want in zip(outs, reference["greedy"]):
