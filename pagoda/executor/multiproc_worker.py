@@ -4,7 +4,8 @@ cache.
 
 `run_worker` builds the worker and then serves the driver's pipe: each message is a pickled
 `(method, args)`; a step ("execute_step", a `StepDelta`) is answered by rank 0 only (the sampled
-tokens), a call of a runner method by each rank. A failure is sent back as
+tokens), a call of a runner method by each rank. A step already followed by the next one in the
+pipe is answered after that one is launched (the device stays busy: async scheduling). A failure is sent back as
 `("error", exception, traceback)` and ends the worker: the ranks' collectives would be out of
 step. The worker also ends when the driver's pipe closes or the driver process is gone.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.executor.tp_worker import TensorParallelWorker
+from pagoda.worker.model_runner import StepOutputFuture
 
 _PARENT_POLL_S = 1.0
 
@@ -55,20 +57,36 @@ def run_worker(
 
 
 def _serve(worker: TensorParallelWorker, conn: Any) -> None:
+    # The step launched last, not yet answered: when the driver has already sent the next one
+    # (async scheduling), that one is launched first, so the device never waits for this
+    # process to prepare inputs. Answers keep the order of the requests.
+    pending: StepOutputFuture | None = None
+
+    def answer_pending() -> None:
+        nonlocal pending
+        if pending is not None:
+            output = pending.get()
+            pending = None
+            if worker.rank == 0:
+                conn.send(("ok", output))
+
     while True:
+        if pending is not None and not conn.poll(0):
+            answer_pending()  # nothing queued behind it: the driver may be waiting for it
         try:
             buf = conn.recv_bytes()
         except (EOFError, OSError):  # the driver closed its end: nobody is listening
             return
         method, args = pickle.loads(buf)
         if method == "execute_step":
-            output = worker.execute_step(args[0])
-            if worker.rank == 0:
-                conn.send(("ok", output))
-        elif method == "shutdown":
+            launched = worker.launch_step(args[0])
+            answer_pending()
+            pending = launched
+            continue
+        answer_pending()
+        if method == "shutdown":
             return
-        else:
-            conn.send(("ok", worker.call(method, args)))
+        conn.send(("ok", worker.call(method, args)))
 
 
 def _send_error(conn: Any, e: BaseException) -> None:

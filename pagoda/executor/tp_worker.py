@@ -139,6 +139,13 @@ class TensorParallelWorker:
         output = self.runner.execute_model(self.mirror.decode(delta))
         return output if self.rank == 0 else None
 
+    def launch_step(self, delta: StepDelta) -> StepOutputFuture:
+        """Queue one step on the device without waiting for it: `.get()` on the result gives
+        rank 0's sampled tokens (the other ranks' futures hold nothing to wait for). A worker
+        that launches the next step before answering this one keeps its device busy while it
+        prepares inputs, as the engine's async scheduling does in one process."""
+        return self.runner.execute_model_async(self.mirror.decode(delta))
+
     def call(self, method: str, args: tuple[Any, ...] = ()) -> Any:
         """`method(*args)` of this rank's runner, one of `WORKER_METHODS`."""
         if method not in WORKER_METHODS:
