@@ -25,6 +25,9 @@ from pagoda.executor.tp_worker import TensorParallelWorker
 from pagoda.worker.model_runner import StepOutputFuture
 
 _PARENT_POLL_S = 1.0
+# While a step runs: how long each wait for the driver's next message lasts before the step's
+# completion is checked again.
+_NEXT_STEP_POLL_S = 0.0002
 
 
 def run_worker(
@@ -71,8 +74,13 @@ def _serve(worker: TensorParallelWorker, conn: Any) -> None:
                 conn.send(("ok", output))
 
     while True:
-        if pending is not None and not conn.poll(0):
-            answer_pending()  # nothing queued behind it: the driver may be waiting for it
+        if pending is not None:
+            # Answer the step in flight once its tokens are sampled (the driver may be waiting
+            # for them), unless the next step arrives first: that one is launched first.
+            while not pending.done() and not conn.poll(_NEXT_STEP_POLL_S):
+                pass
+            if not conn.poll(0):
+                answer_pending()
         try:
             buf = conn.recv_bytes()
         except (EOFError, OSError):  # the driver closed its end: nobody is listening

@@ -476,6 +476,10 @@ class StepOutputFuture:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def done(self) -> bool:
+        """Whether `get()` would return without waiting for the device."""
+        return self._sampled is None or self._event is None or self._event.query()
+
     def get(self) -> ModelRunnerOutput:
         if self._sampled is None:
             return self.output
