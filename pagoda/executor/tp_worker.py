@@ -17,6 +17,7 @@ device (async scheduling), receive them by a broadcast from rank 0.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -153,5 +154,11 @@ class TensorParallelWorker:
         return getattr(self.runner, method)(*args)
 
     def close(self) -> None:
+        if self.runner.cuda_graphs is not None:
+            # Graphs that captured NCCL work keep the communicator busy: without dropping them
+            # first, destroy_process_group hung (two H200s) until the driver terminated us.
+            self.runner.cuda_graphs = None
+            gc.collect()
+            torch.cuda.synchronize()
         if dist.is_initialized():
             dist.destroy_process_group()
