@@ -159,46 +159,46 @@ def bench_mixed(
     return statistics.median(times[1:]) * 1e3
 
 
-def profile_mixed(runner: ModelRunner, prefill_tokens: int, num_decodes: int) -> None:
-    """The kernels of 3 steps shaped like workload a's prefill steps (`bench_mixed`)."""
+def _profile(runner: ModelRunner, title: str, run) -> None:  # noqa: ANN001 - run(iters)
+    """Print the operators of `run(2)` (after a warm-up `run(1)`): host time, and on CUDA the
+    kernels' device time."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    bench_mixed(runner, prefill_tokens, num_decodes, 1)
+    run(1)
     with profile(activities=activities) as prof:
-        bench_mixed(runner, prefill_tokens, num_decodes, 2)
+        run(2)
     sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-    print(f"profile of 3 steps of {num_decodes} decodes + {prefill_tokens} prompt tokens:")
+    print(f"profile of {title}:")
     print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+
+
+def profile_mixed(runner: ModelRunner, prefill_tokens: int, num_decodes: int) -> None:
+    """The kernels of 3 steps shaped like workload a's prefill steps (`bench_mixed`)."""
+    _profile(
+        runner,
+        f"3 steps of {num_decodes} decodes + {prefill_tokens} prompt tokens",
+        lambda iters: bench_mixed(runner, prefill_tokens, num_decodes, iters),
+    )
 
 
 def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
-    """The operators of 5 decode steps: host time, and on CUDA the kernels' device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_cuda = runner.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    bench_decode(runner, batch, context, 1)
-    with profile(activities=activities) as prof:
-        bench_decode(runner, batch, context, 3)
-    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-    print(f"profile of 5 decode steps at batch {batch}:")
-    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+    """The operators of 4 decode steps at `batch` (`bench_decode`)."""
+    _profile(
+        runner,
+        f"4 decode steps at batch {batch}",
+        lambda iters: bench_decode(runner, batch, context, iters),
+    )
 
 
 def profile_prefill(runner: ModelRunner, num_tokens: int) -> None:
     """The operators of 3 steps that each prefill one `num_tokens`-token prompt."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_cuda = runner.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    bench_prefill(runner, num_tokens, 1)
-    with profile(activities=activities) as prof:
-        bench_prefill(runner, num_tokens, 2)
-    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-    print(f"profile of 3 prefill steps of {num_tokens} tokens:")
-    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+    _profile(
+        runner,
+        f"3 prefill steps of {num_tokens} tokens",
+        lambda iters: bench_prefill(runner, num_tokens, iters),
+    )
 
 
 def _mixed_tokens(spec: str) -> int:
