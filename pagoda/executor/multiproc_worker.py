@@ -62,8 +62,10 @@ def run_worker(
 def _serve(worker: TensorParallelWorker, conn: Any) -> None:
     # The step launched last, not yet answered: when the driver has already sent the next one
     # (async scheduling), that one is launched first, so the device never waits for this
-    # process to prepare inputs. Answers keep the order of the requests.
+    # process to prepare inputs. Answers keep the order of the requests. On a CPU a launch
+    # computes the whole step: each is answered at once.
     pending: StepOutputFuture | None = None
+    launch_ahead = worker.runner.device.type == "cuda"
 
     def answer_pending() -> None:
         nonlocal pending
@@ -90,6 +92,8 @@ def _serve(worker: TensorParallelWorker, conn: Any) -> None:
             launched = worker.launch_step(args[0])
             answer_pending()
             pending = launched
+            if not launch_ahead:
+                answer_pending()
             continue
         answer_pending()
         if method == "shutdown":
