@@ -191,13 +191,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _plan_cuda_memory(self, spec: KVCacheSpec) -> MemoryPlan:
-        from pagoda.worker.profiling import estimate_cuda_graph_memory, profile_peak_memory
+        from pagoda.model.parallel import get_tp_size
+        from pagoda.worker.profiling import (
+            TP_PER_GRAPH_BYTES,
+            estimate_cuda_graph_memory,
+            profile_peak_memory,
+        )
 
         sc = self.scheduler_config
         try:
             activations, non_torch = profile_peak_memory(self)
             graphs = estimate_cuda_graph_memory(self, self.cuda_graph_sizes)
             graphs += self._estimate_mixed_graph_memory()
+            if graphs and get_tp_size() > 1:
+                num_graphs = len(self.cuda_graph_sizes) + len(self.mixed_graph_shapes)
+                graphs += num_graphs * TP_PER_GRAPH_BYTES
         except torch.OutOfMemoryError as e:
             raise ValueError(
                 f"the profiling forward of a {sc.max_num_batched_tokens}-token step (and "

@@ -28,6 +28,10 @@ _PER_GRAPH_OVERHEAD_BYTES = 2 << 20
 # process also allocates the capture stream's cuBLAS workspaces (0.21 GiB measured in all for
 # 35 Llama-3-8B graphs on an H200 against 0.07 GiB for a later capture).
 _POOL_SLACK_BYTES = 256 << 20
+# With tensor parallelism each graph also holds NCCL's captured all-reduces: two H200s at tp=2
+# took 0.77 GiB for 71 Llama-3-8B graphs against 0.55 GiB estimated without this (run 18),
+# ~3.2 MiB more a graph.
+TP_PER_GRAPH_BYTES = 4 << 20
 
 
 def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
