@@ -12,6 +12,8 @@ quantized (the paper's sequential variant: one calibration pass per decoder laye
 
     pagoda quantize MODEL --output DIR [--bits 4] [--group-size 128] [--act-order]
         [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
+
+(`--method awq`: AWQ instead, `awq.py`.)
 """
 
 from __future__ import annotations
@@ -326,14 +328,22 @@ def calibration_sequences(token_ids: list[int], num_samples: int, seq_len: int) 
 
 
 def add_quantize_args(sub: Any) -> None:
-    p = sub.add_parser("quantize", help="quantize a model with GPTQ into a GPTQ checkpoint")
+    p = sub.add_parser(
+        "quantize", help="quantize a model with GPTQ or AWQ into a GPTQ / AutoAWQ checkpoint"
+    )
     p.add_argument(
         "model", nargs="?", default=None, help="HF directory or .gguf (default: embedded)"
     )
-    p.add_argument("--output", "-o", required=True, help="directory for the GPTQ checkpoint")
-    p.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    p.add_argument("--output", "-o", required=True, help="directory for the checkpoint")
+    p.add_argument(
+        "--method",
+        choices=["gptq", "awq"],
+        default="gptq",
+        help="gptq (AutoGPTQ format) or awq (activation-aware scales, AutoAWQ GEMM, 4-bit)",
+    )
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="awq: 4 only")
     p.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
-    p.add_argument("--act-order", action="store_true", help="columns by decreasing H diagonal")
+    p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing H diag")
     p.add_argument("--calibration-file", default=None, help="text file (default: built-in)")
     p.add_argument("--num-samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
@@ -341,9 +351,19 @@ def add_quantize_args(sub: Any) -> None:
 
 
 def cmd_quantize(args: Any) -> int:
+    import sys
+
     from pagoda.config import embedded_model_path
     from pagoda.tokenizer import get_tokenizer
 
+    method = getattr(args, "method", "gptq")
+    if method == "awq" and (args.bits != 4 or args.act_order):
+        print(
+            "pagoda quantize --method awq: AutoAWQ GEMM checkpoints are 4-bit without "
+            f"act-order (got --bits {args.bits}{' --act-order' if args.act_order else ''})",
+            file=sys.stderr,
+        )
+        return 2
     model = args.model or embedded_model_path()
     if args.calibration_file:
         with open(args.calibration_file, encoding="utf-8") as f:
@@ -352,15 +372,20 @@ def cmd_quantize(args: Any) -> int:
         text = BUILTIN_CALIBRATION
     ids = get_tokenizer(model).encode(text)
     sequences = calibration_sequences(ids, args.num_samples, args.seq_len)
-    errors = quantize_model(
-        model, args.output, sequences, args.bits, args.group_size, args.act_order
-    )
-    gptq = sum(e[0] for e in errors.values()) / len(errors)
+    if method == "awq":
+        from pagoda.model.quantization.awq import quantize_model_awq
+
+        errors = quantize_model_awq(model, args.output, sequences, args.bits, args.group_size)
+    else:
+        errors = quantize_model(
+            model, args.output, sequences, args.bits, args.group_size, args.act_order
+        )
+    ours = sum(e[0] for e in errors.values()) / len(errors)
     rtn_mean = sum(e[1] for e in errors.values()) / len(errors)
     print(
-        f"GPTQ {args.bits}-bit, group {args.group_size}: {len(errors)} linear layers, "
+        f"{method.upper()} {args.bits}-bit, group {args.group_size}: {len(errors)} linear layers, "
         f"{sum(len(s) for s in sequences)} calibration tokens; relative output error "
-        f"{gptq:.2e} (round-to-nearest: {rtn_mean:.2e}); wrote {args.output}"
+        f"{ours:.2e} (round-to-nearest: {rtn_mean:.2e}); wrote {args.output}"
     )
     if not os.path.exists(os.path.join(args.output, "tokenizer.json")) and model.endswith(".gguf"):
         print(f"(the tokenizer stays in the source: pass --tokenizer {model} when loading)")

@@ -1,0 +1,408 @@
+"""Quantize a model ourselves with AWQ (Lin et al. 2023, arXiv:2306.00978, as AutoAWQ does it)
+and write an AutoAWQ GEMM checkpoint (4-bit, zero points, `formats.py`'s layout) that Pagoda and
+vLLM load.
+
+Activation-aware scaling: the input channels that carry large activations matter most, so
+before round-to-nearest each linear group (the projections that share one input: q/k/v,
+o, gate/up, down) has its weight columns multiplied by s = mean|x|^alpha (normalized by
+sqrt(max(s) min(s))) and its input divided by s, which the preceding op absorbs (the RMSNorm's
+weight, v_proj's or up_proj's output rows): the full-precision model computes the same
+function, and the salient channels are quantized with finer steps. alpha comes from a grid of
+20 values in [0, 1) by the group's output error on the calibration inputs (alpha = 0 is plain
+round-to-nearest, so the search never does worse than it there). Then, per output row and
+group of inputs, a clipping search shrinks the range [-m, m] (m = max|w|, ratios 1 down to
+0.55) where that lowers the output error (not on q/k, whose errors the softmax amplifies, as
+AutoAWQ). Decoder layers are calibrated in order, each on the activations of the model whose
+earlier layers are already scaled and quantized.
+
+    pagoda quantize MODEL --method awq --output DIR [--group-size 128]
+        [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.model.quantization.formats import pack_awq
+
+GRID = 20  # alpha in {0, 1/20, ..., 19/20}; clip ratios 1 - i/20 for i < 10
+# The linears of a decoder layer (Pagoda's fused modules) and the op before each one.
+GROUPS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class RTNResult:
+    values: torch.Tensor  # [K, N] int32 in [0, 2**bits)
+    zeros: torch.Tensor  # [groups, N] int32 in [0, 2**bits)
+    scales: torch.Tensor  # [groups, N] float16 (what the checkpoint stores)
+    dequantized: torch.Tensor  # [N, K] float32, exactly (values - zeros) * scales
+
+
+def _group_slices(k: int, group_size: int) -> list[slice]:
+    g = k if group_size in (-1, 0) else group_size
+    return [slice(i, min(i + g, k)) for i in range(0, k, g)]  # a shorter last group if need be
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128) -> RTNResult:
+    """AutoAWQ's round-to-nearest with zero points of a [N, K] weight in groups of inputs: per
+    output row and group, scale = (max - min) / (2**bits - 1), zero = -round(min / scale); the
+    scale is rounded to float16 first, so the checkpoint reproduces `dequantized` exactly."""
+    w = weight.detach().float()
+    n, k = w.shape
+    qmax = (1 << bits) - 1
+    slices = _group_slices(k, group_size)
+    values = torch.empty(k, n, dtype=torch.int32)
+    zeros = torch.empty(len(slices), n, dtype=torch.int32)
+    scales = torch.empty(len(slices), n, dtype=torch.float16)
+    deq = torch.empty(n, k)
+    for g, cols in enumerate(slices):
+        block = w[:, cols]
+        lo, hi = block.amin(dim=1), block.amax(dim=1)
+        scale = ((hi - lo).clamp_min(1e-5) / qmax).half().float().clamp_min(6e-8)
+        zero = torch.clamp(-torch.round(lo / scale), 0, qmax)
+        q = torch.clamp(torch.round(block / scale[:, None]) + zero[:, None], 0, qmax)
+        values[cols] = q.t().to(torch.int32)
+        zeros[g], scales[g] = zero.to(torch.int32), scale.half()
+        deq[:, cols] = (q - zero[:, None]) * scale[:, None]
+    return RTNResult(values, zeros, scales, deq)
+
+
+def fake_quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128) -> torch.Tensor:
+    """`quantize_rtn(...).dequantized` without the integer tensors (the search's inner step)."""
+    w = weight.float()
+    qmax = (1 << bits) - 1
+    out = torch.empty_like(w)
+    for cols in _group_slices(w.shape[1], group_size):
+        block = w[:, cols]
+        lo, hi = block.amin(dim=1, keepdim=True), block.amax(dim=1, keepdim=True)
+        scale = ((hi - lo).clamp_min(1e-5) / qmax).half().float().clamp_min(6e-8)
+        zero = torch.clamp(-torch.round(lo / scale), 0, qmax)
+        out[:, cols] = (torch.clamp(torch.round(block / scale) + zero, 0, qmax) - zero) * scale
+    return out
+
+
+def relative_error(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor) -> float:
+    """||x (approx - weight)^T||^2 / ||x weight^T||^2: the relative squared output error."""
+    return float((x @ (approx - weight).t()).pow(2).sum() / (x @ weight.t()).pow(2).sum())
+
+
+@dataclass
+class ScaleSearch:
+    scales: torch.Tensor  # [K] float32, the best alpha's
+    alpha: float
+    error: float  # mean squared output error of Q(W * s) / s on the inputs
+    rtn_error: float  # the same for alpha = 0 (plain round-to-nearest)
+
+
+def search_scale(
+    x: torch.Tensor, weight: torch.Tensor, bits: int = 4, group_size: int = 128, grid: int = GRID
+) -> ScaleSearch:
+    """The AWQ scale of one linear group: x [n, K] its calibration inputs, weight [N, K] the
+    stacked weights of the linears that read x. Minimizes mean((x W'^T - x W^T)^2) over
+    W' = Q(W * s) / s, s = x_mean^alpha / sqrt(max * min), alpha in i / grid."""
+    x, w = x.float(), weight.float()
+    y = x @ w.t()
+    x_mean = x.abs().mean(dim=0)
+    errors, candidates = [], []
+    for i in range(grid):
+        s = x_mean.pow(i / grid).clamp_min(1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        approx = fake_quantize(w * s, bits, group_size) / s
+        errors.append(float((x @ approx.t() - y).pow(2).mean()))
+        candidates.append(s)
+    i = min(range(grid), key=errors.__getitem__)  # the first of equals: alpha = 0 on ties
+    return ScaleSearch(candidates[i], i / grid, errors[i], errors[0])
+
+
+def search_clip(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    grid: int = GRID,
+    max_shrink: float = 0.5,
+    max_tokens: int = 512,
+) -> torch.Tensor:
+    """AutoAWQ's clipping search: per output row and group of inputs, the clip value m (w
+    clamped to [-m, m] before quantization) among max|w| * (1 - i / grid), i < grid *
+    max_shrink, with the least squared error of that group's share of the output, on up to
+    `max_tokens` evenly spaced calibration inputs. Returns m [N, groups]."""
+    x, w = x.float(), weight.float()
+    if x.shape[0] > max_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens).long()]
+    slices = _group_slices(w.shape[1], group_size)
+    best_m = torch.empty(w.shape[0], len(slices))
+    for g, cols in enumerate(slices):
+        wg, xg = w[:, cols], x[:, cols]
+        y = xg @ wg.t()  # [n, N]
+        org_max = wg.abs().amax(dim=1)
+        best_err = torch.full((w.shape[0],), float("inf"))
+        for i in range(int(grid * max_shrink)):
+            m = org_max * (1 - i / grid)
+            clipped = torch.maximum(torch.minimum(wg, m[:, None]), -m[:, None])
+            q = fake_quantize(clipped, bits, wg.shape[1])
+            err = (xg @ q.t() - y).pow(2).mean(dim=0)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_m[better, g] = m[better]
+    return best_m
+
+
+def apply_clip(weight: torch.Tensor, clip: torch.Tensor, group_size: int) -> torch.Tensor:
+    """weight [N, K] clamped per row and group to [-clip, clip] (clip [N, groups])."""
+    out = weight.clone()
+    for g, cols in enumerate(_group_slices(weight.shape[1], group_size)):
+        m = clip[:, g : g + 1]
+        out[:, cols] = torch.maximum(torch.minimum(out[:, cols], m), -m)
+    return out
+
+
+def _o_proj_foldable(layer: nn.Module) -> bool:
+    """o_proj's inputs come straight from v_proj's outputs only without GQA (AutoAWQ's rule)."""
+    attn = layer.self_attn
+    return (
+        attn.num_kv_heads == attn.num_heads and attn.kv_size == attn.o_proj.input_size_per_partition
+    )
+
+
+def fold_scales(layer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Fold AWQ scales into a Llama-style decoder layer in place, leaving its function
+    unchanged: a linear's input columns are multiplied by s and the op before it divides its
+    output by s. `scales` maps GROUPS entries to [K] scales ("self_attn.o_proj" only where
+    `_o_proj_foldable`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        if "self_attn.qkv_proj" in scales:
+            s = scales["self_attn.qkv_proj"]
+            layer.input_layernorm.weight.div_(s)
+            attn.qkv_proj.weight.mul_(s)
+        if "self_attn.o_proj" in scales:
+            if not _o_proj_foldable(layer):
+                raise ValueError("o_proj scales fold into v_proj only without GQA")
+            s = scales["self_attn.o_proj"]
+            v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+            attn.qkv_proj.weight[v_rows].div_(s[:, None])
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias[v_rows].div_(s)
+            attn.o_proj.weight.mul_(s)
+        if "mlp.gate_up_proj" in scales:
+            s = scales["mlp.gate_up_proj"]
+            layer.post_attention_layernorm.weight.div_(s)
+            mlp.gate_up_proj.weight.mul_(s)
+        if "mlp.down_proj" in scales:
+            s = scales["mlp.down_proj"]
+            inter = mlp.down_proj.input_size_per_partition
+            up_rows = slice(inter, 2 * inter)  # SiLU(gate) * up: only up is linear in s
+            mlp.gate_up_proj.weight[up_rows].div_(s[:, None])
+            if mlp.gate_up_proj.bias is not None:
+                mlp.gate_up_proj.bias[up_rows].div_(s)
+            mlp.down_proj.weight.mul_(s)
+
+
+class _Stop(Exception):
+    pass
+
+
+def capture_layer_inputs(
+    model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]], layer_idx: int
+) -> dict[str, torch.Tensor]:
+    """The inputs [tokens, K] of decoder layer `layer_idx`'s linears (GROUPS) over the
+    calibration sequences; each pass stops after that layer."""
+    from pagoda.model.testing import PagedRunner
+
+    layer = model.model.layers[layer_idx]
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name in GROUPS}
+    hooks = []
+    for name in GROUPS:
+
+        def hook(mod: nn.Module, args: tuple, name: str = name) -> None:
+            captured[name].append(args[0].reshape(-1, args[0].shape[-1]).float().clone())
+
+        hooks.append(layer.get_submodule(name).register_forward_pre_hook(hook))
+
+    def stop(mod: nn.Module, args: tuple, out: Any) -> None:
+        raise _Stop
+
+    hooks.append(layer.register_forward_hook(stop))
+    try:
+        for seq in sequences:
+            blocks = -(-len(seq) // 16) + 1
+            try:
+                PagedRunner(model, cfg, num_blocks=blocks, block_size=16).step(seq, 0)
+            except _Stop:
+                pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: torch.cat(xs) for name, xs in captured.items()}
+
+
+def _subsample(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    if x.shape[0] <= max_tokens:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, max_tokens).long()]
+
+
+def awq_layer(
+    layer: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    bits: int = 4,
+    group_size: int = 128,
+    clip: bool = True,
+    max_tokens: int = 4096,
+) -> dict[str, tuple[RTNResult, float, float]]:
+    """AWQ of one decoder layer in place: scale search on `inputs` (capture_layer_inputs),
+    folding, clipping search, round-to-nearest; the linears' weights become their dequantized
+    values. Returns per GROUPS entry (quantization, relative output error of AWQ, of plain
+    round-to-nearest), both on the calibration inputs in the original coordinates."""
+    xs = {name: _subsample(x, max_tokens) for name, x in inputs.items()}
+    originals = {name: layer.get_submodule(name).weight.detach().float().clone() for name in GROUPS}
+    scales: dict[str, torch.Tensor] = {}
+    for name in GROUPS:
+        if name == "self_attn.o_proj" and not _o_proj_foldable(layer):
+            continue
+        scales[name] = search_scale(xs[name], originals[name], bits, group_size).scales
+    fold_scales(layer, scales)
+    out: dict[str, tuple[RTNResult, float, float]] = {}
+    attn = layer.self_attn
+    for name in GROUPS:
+        module = layer.get_submodule(name)
+        s = scales.get(name, torch.ones(module.input_size_per_partition))
+        x_folded = xs[name] / s  # the inputs the folded model feeds this linear
+        w = module.weight.detach().float()
+        if clip:
+            if name == "self_attn.qkv_proj":  # q and k are not clipped (AutoAWQ)
+                v_rows = slice(attn.q_size + attn.kv_size, None)
+                clipped = w.clone()
+                m = search_clip(x_folded, w[v_rows], bits, group_size)
+                clipped[v_rows] = apply_clip(w[v_rows], m, group_size)
+            else:
+                clipped = apply_clip(w, search_clip(x_folded, w, bits, group_size), group_size)
+        else:
+            clipped = w
+        res = quantize_rtn(clipped, bits, group_size)
+        out[name] = (
+            res,
+            relative_error(x_folded, w, res.dequantized),
+            relative_error(
+                xs[name], originals[name], fake_quantize(originals[name], bits, group_size)
+            ),
+        )
+    with torch.no_grad():
+        for name in GROUPS:
+            layer.get_submodule(name).weight.copy_(out[name][0].dequantized)
+    return out
+
+
+def awq_quantize(
+    model: nn.Module,
+    cfg: dict[str, Any],
+    sequences: list[list[int]],
+    bits: int = 4,
+    group_size: int = 128,
+    clip: bool = True,
+    max_tokens: int = 4096,
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[float, float]]]:
+    """AWQ of a loaded Llama-style Pagoda model (float32, CPU) in place, decoder layer by
+    decoder layer; its linears end up holding their dequantized weights and its norms the
+    folded scales. Returns the checkpoint's tensors (AutoAWQ GEMM names and layout, float16,
+    tied embeddings once) and per linear module the relative output error on the calibration
+    inputs of AWQ and of round-to-nearest."""
+    if bits != 4:
+        raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(
+        hasattr(layer, "input_layernorm") and hasattr(layer, "mlp") for layer in layers
+    ):
+        raise ValueError(f"AWQ here supports Llama-style decoders, not {type(model).__name__}")
+    mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    shard_names: dict[str, list[str]] = {}
+    for ckpt, (fused, _) in mapping.items():
+        shard_names.setdefault(fused, []).append(ckpt)
+    errors: dict[str, tuple[float, float]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        for name in GROUPS:
+            if any(n % 8 for n in layer.get_submodule(name).output_partition_sizes):
+                raise ValueError(f"AWQ needs output sizes divisible by 8 ({name})")
+    for i, layer in enumerate(layers):
+        inputs = capture_layer_inputs(model, cfg, sequences, i)
+        results = awq_layer(layer, inputs, bits, group_size, clip, max_tokens)
+        del inputs
+        for name, (res, awq_err, rtn_err) in results.items():
+            full = f"model.layers.{i}.{name}"
+            errors[full] = (awq_err, rtn_err)
+            module = layer.get_submodule(name)
+            fused = name.rsplit(".", 1)[-1]
+            parts = shard_names.get(fused, [fused])
+            sizes = module.output_partition_sizes if len(parts) > 1 else [res.values.shape[1]]
+            start = 0
+            for part, size in zip(parts, sizes):
+                cols = slice(start, start + size)
+                prefix = full.rsplit(".", 1)[0] + "." + part
+                tensors[prefix + ".qweight"] = pack_awq(res.values[:, cols].contiguous())
+                tensors[prefix + ".qzeros"] = pack_awq(res.zeros[:, cols].contiguous())
+                tensors[prefix + ".scales"] = res.scales[:, cols].contiguous()
+                if module.bias is not None:
+                    tensors[prefix + ".bias"] = module.bias.data[cols].half().contiguous()
+                start += size
+    linear_prefixes = {f"model.layers.{i}.{name}" for i in range(len(layers)) for name in GROUPS}
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[0] in linear_prefixes:
+            continue
+        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
+            continue
+        tensors[name] = param.data.half().contiguous()
+    return tensors, errors
+
+
+def quantize_model_awq(
+    model_path: str,
+    output_dir: str,
+    sequences: list[list[int]],
+    bits: int = 4,
+    group_size: int = 128,
+    clip: bool = True,
+    max_tokens: int = 4096,
+) -> dict[str, tuple[float, float]]:
+    """AWQ-quantize the Llama-style `model_path` (HF dir or .gguf) on the calibration token
+    `sequences` (`awq_quantize`) and write an AutoAWQ GEMM checkpoint to `output_dir`
+    (config.json with its quantization_config, model.safetensors). Returns per linear module
+    the relative output error on the calibration inputs of AWQ and of round-to-nearest."""
+    from safetensors.torch import save_file
+
+    from pagoda.config import ModelConfig
+    from pagoda.model.loader import get_model_config_dict, load_model
+
+    if bits != 4:
+        raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
+    hf_config = get_model_config_dict(model_path)
+    mc = ModelConfig(
+        model=model_path,
+        hf_config=hf_config,
+        dtype="float32",
+        max_model_len=max(len(s) for s in sequences),
+    )
+    model = load_model(mc, "cpu")
+    tensors, errors = awq_quantize(model, hf_config, sequences, bits, group_size, clip, max_tokens)
+    os.makedirs(output_dir, exist_ok=True)
+    config = dict(hf_config)
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": bits,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(output_dir, "model.safetensors"))
+    return errors
