@@ -261,3 +261,17 @@ def test_cli_quantizes_a_tiny_model_with_awq(tmp_path, capsys, monkeypatch) -> N
         ]
         == "awq"
     )
+
+
+@pytest.mark.slow
+def test_cli_awq_quantizes_the_embedded_model(tmp_path, capsys) -> None:
+    from pagoda import LLM, SamplingParams
+    from pagoda.cli import main
+    from pagoda.config import embedded_model_path
+
+    assert main(["quantize", "--method", "awq", "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "AWQ 4-bit, group 128: 120 linear layers" in out and "round-to-nearest" in out
+    llm = LLM(str(tmp_path), tokenizer=embedded_model_path(), max_model_len=256)
+    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
+    assert "Paris" in text[0].outputs[0].text

@@ -260,8 +260,9 @@ def awq_layer(
 ) -> dict[str, tuple[RTNResult, float, float]]:
     """AWQ of one decoder layer in place: scale search on `inputs` (capture_layer_inputs),
     folding, clipping search, round-to-nearest; the linears' weights become their dequantized
-    values. Returns per GROUPS entry (quantization, relative output error of AWQ, of plain
-    round-to-nearest), both on the calibration inputs in the original coordinates."""
+    values. The searches see up to `max_tokens` evenly spaced calibration tokens. Returns per
+    GROUPS entry (quantization, relative output error of AWQ on the folded layer's inputs, of
+    plain round-to-nearest on the original ones)."""
     xs = {name: _subsample(x, max_tokens) for name, x in inputs.items()}
     originals = {name: layer.get_submodule(name).weight.detach().float().clone() for name in GROUPS}
     scales: dict[str, torch.Tensor] = {}
