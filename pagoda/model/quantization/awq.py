@@ -13,7 +13,8 @@ round-to-nearest, so the search never does worse than it there). Then, per outpu
 group of inputs, a clipping search shrinks the range [-m, m] (m = max|w|, ratios 1 down to
 0.55) where that lowers the output error (not on q/k, whose errors the softmax amplifies, as
 AutoAWQ). Decoder layers are calibrated in order, each on the activations of the model whose
-earlier layers are already scaled and quantized.
+earlier layers are already scaled and quantized (`LayerwiseCalibration` keeps each layer's
+inputs and runs only that layer, once quantized, to get the next one's).
 
     pagoda quantize MODEL --method awq --output DIR [--group-size 128]
         [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
@@ -23,13 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagoda.model.quantization.calibration import FullModelCalibration, LayerwiseCalibration
 from pagoda.model.quantization.formats import pack_awq
 
 GRID = 20  # alpha in {0, 1/20, ..., 19/20}; clip ratios 1 - i/20 for i < 10
@@ -206,18 +209,10 @@ def fold_scales(layer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
             mlp.down_proj.weight.mul_(s)
 
 
-class _Stop(Exception):
-    pass
-
-
-def capture_layer_inputs(
-    model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]], layer_idx: int
-) -> dict[str, torch.Tensor]:
-    """The inputs [tokens, K] of decoder layer `layer_idx`'s linears (GROUPS) over the
-    calibration sequences; each pass stops after that layer."""
-    from pagoda.model.testing import PagedRunner
-
-    layer = model.model.layers[layer_idx]
+@contextmanager
+def _input_hooks(layer: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """While open, the inputs [tokens, K] of `layer`'s linears (GROUPS) are appended per name
+    to the yielded lists."""
     captured: dict[str, list[torch.Tensor]] = {name: [] for name in GROUPS}
     hooks = []
     for name in GROUPS:
@@ -226,21 +221,30 @@ def capture_layer_inputs(
             captured[name].append(args[0].reshape(-1, args[0].shape[-1]).float().clone())
 
         hooks.append(layer.get_submodule(name).register_forward_pre_hook(hook))
-
-    def stop(mod: nn.Module, args: tuple, out: Any) -> None:
-        raise _Stop
-
-    hooks.append(layer.register_forward_hook(stop))
     try:
-        for seq in sequences:
-            blocks = -(-len(seq) // 16) + 1
-            try:
-                PagedRunner(model, cfg, num_blocks=blocks, block_size=16).step(seq, 0)
-            except _Stop:
-                pass
+        yield captured
     finally:
         for h in hooks:
             h.remove()
+
+
+def capture_layer_inputs(
+    model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]], layer_idx: int
+) -> dict[str, torch.Tensor]:
+    """The inputs [tokens, K] of decoder layer `layer_idx`'s linears (GROUPS) over the
+    calibration sequences, from full-model passes that stop after that layer (`awq_quantize`
+    gets the same from `LayerwiseCalibration` without the earlier layers)."""
+    calib = FullModelCalibration(model, cfg, sequences)
+    calib.index = layer_idx
+    return _calibration_inputs(calib)
+
+
+def _calibration_inputs(
+    calib: LayerwiseCalibration | FullModelCalibration,
+) -> dict[str, torch.Tensor]:
+    """The inputs [tokens, K] of the calibration's current layer's linears (GROUPS)."""
+    with _input_hooks(calib.layers[calib.index]) as captured:
+        calib.forward()
     return {name: torch.cat(xs) for name, xs in captured.items()}
 
 
@@ -315,7 +319,8 @@ def awq_quantize(
     decoder layer; its linears end up holding their dequantized weights and its norms the
     folded scales. Returns the checkpoint's tensors (AutoAWQ GEMM names and layout, float16,
     tied embeddings once) and per linear module the relative output error on the calibration
-    inputs of AWQ and of round-to-nearest."""
+    inputs of AWQ and of round-to-nearest. (`cfg` is not read: the layer-wise calibration takes
+    the cache's shape from the layers.)"""
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -333,10 +338,12 @@ def awq_quantize(
         for name in GROUPS:
             if any(n % 8 for n in layer.get_submodule(name).output_partition_sizes):
                 raise ValueError(f"AWQ needs output sizes divisible by 8 ({name})")
+    calib = LayerwiseCalibration(model, sequences)
     for i, layer in enumerate(layers):
-        inputs = capture_layer_inputs(model, cfg, sequences, i)
+        inputs = _calibration_inputs(calib)
         results = awq_layer(layer, inputs, bits, group_size, clip, max_tokens)
         del inputs
+        calib.advance()  # layer i scaled and quantized: layer i+1's inputs
         for name, (res, awq_err, rtn_err) in results.items():
             full = f"model.layers.{i}.{name}"
             errors[full] = (awq_err, rtn_err)

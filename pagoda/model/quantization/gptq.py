@@ -6,9 +6,10 @@ a CPU) while hooks on linear layers accumulate the Hessian H = 2/n * sum x x^T o
 inputs. Each weight matrix is then quantized column by column, each column's rounding error
 spread over the columns not yet quantized through the inverse Hessian's Cholesky factor, in
 blocks of 128 columns; group scales and zeros are set when a group's first column comes up;
-`act_order` visits columns by decreasing Hessian diagonal (`g_idx` records their groups). All
+`act_order` visits columns by decreasing Hessian diagonal (`g_idx` records their groups). Each
 decoder layer is calibrated on the activations of the model whose earlier layers are already
-quantized (the paper's sequential variant: one calibration pass per decoder layer).
+quantized (the paper's sequential variant): `LayerwiseCalibration` keeps every layer's inputs
+and runs only that layer, once quantized, to get the next one's.
 
     pagoda quantize MODEL --output DIR [--bits 4] [--group-size 128] [--act-order]
         [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +143,33 @@ def _rtn_result(weight: torch.Tensor, bits: int, group_size: int) -> GPTQResult:
     )
 
 
+@contextmanager
+def _hessian_hooks(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, hooks on `modules` (name, linear) accumulate the sums of x x^T of their
+    inputs; on leaving, the yielded dict is filled with H = 2/n sum x x^T per name."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hessians: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in modules:
+
+        def hook(mod: nn.Module, args: tuple, name: str = name) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            if name not in sums:
+                sums[name] = torch.zeros(x.shape[1], x.shape[1])
+                counts[name] = 0
+            sums[name] += x.t() @ x
+            counts[name] += x.shape[0]
+
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        yield hessians
+        hessians.update({name: 2.0 * sums[name] / counts[name] for name in sums})
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def collect_hessians(
     model: nn.Module,
     cfg: dict[str, Any],
@@ -148,33 +177,21 @@ def collect_hessians(
     only: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """H = 2/n sum x x^T of the inputs of every linear layer (or those named in `only`), over
-    the calibration sequences."""
+    the calibration sequences, from full-model passes (`quantize_model` gets the same per
+    decoder layer from `LayerwiseCalibration`)."""
     from pagoda.model.layers.linear import LinearBase
     from pagoda.model.testing import PagedRunner
 
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase) and (only is None or name in only):
-
-            def hook(mod: nn.Module, args: tuple, name: str = name) -> None:
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                if name not in sums:
-                    sums[name] = torch.zeros(x.shape[1], x.shape[1])
-                    counts[name] = 0
-                sums[name] += x.t() @ x
-                counts[name] += x.shape[0]
-
-            hooks.append(module.register_forward_pre_hook(hook))
-    try:
+    modules = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, LinearBase) and (only is None or name in only)
+    ]
+    with _hessian_hooks(modules) as hessians:
         for seq in sequences:
             blocks = -(-len(seq) // 16) + 1
             PagedRunner(model, cfg, num_blocks=blocks, block_size=16).step(seq, 0)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: 2.0 * sums[name] / counts[name] for name in sums}
+    return hessians
 
 
 def quantize_model(
@@ -197,6 +214,7 @@ def quantize_model(
     from pagoda.config import ModelConfig
     from pagoda.model.layers.linear import LinearBase
     from pagoda.model.loader import get_model_config_dict, load_model
+    from pagoda.model.quantization.calibration import LayerwiseCalibration
 
     hf_config = get_model_config_dict(model_path)
     mc = ModelConfig(
@@ -214,18 +232,23 @@ def quantize_model(
     errors: dict[str, tuple[float, float]] = {}
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
-    # Decoder layer by decoder layer: each one's Hessians come from a pass through the model
+    # Decoder layer by decoder layer: each one's Hessians come from its inputs in the model
     # whose earlier layers are quantized already (the paper's sequential GPTQ), so its rounding
-    # is compensated on the activations the quantized model will feed it.
+    # is compensated on the activations the quantized model will feed it. The calibration
+    # keeps each layer's inputs and runs only that layer (quantized) to get the next one's.
     stages: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
             stage = name.split(".self_attn.")[0].split(".mlp.")[0]
             stages.setdefault(stage, []).append((name, module))
     linear_prefixes = {name for group in stages.values() for name, _ in group}
+    calib = LayerwiseCalibration(model, sequences)
+    if list(stages) != [f"model.layers.{i}" for i in range(len(calib.layers))]:
+        raise ValueError(f"GPTQ here quantizes decoder layers' linears only, got {list(stages)}")
     results: list[tuple[str, nn.Module, GPTQResult]] = []
     for group in stages.values():
-        hessians = collect_hessians(model, hf_config, sequences, {name for name, _ in group})
+        with _hessian_hooks(group) as hessians:
+            calib.forward()
         quantized = []
         for name, module in group:
             w = module.weight.data.clone()
@@ -240,6 +263,7 @@ def quantize_model(
             quantized.append((name, module, res))
         for _, module, res in quantized:
             module.weight.data.copy_(res.dequantized)
+        calib.advance()
         results += quantized
     for name, module, res in results:
         fused = name.rsplit(".", 1)[-1]

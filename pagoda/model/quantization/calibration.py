@@ -1,0 +1,153 @@
+"""Layer-wise calibration passes for sequential quantization (GPTQ, AWQ): the activations that
+enter each decoder layer, computed once per layer instead of once per layer from the embeddings.
+
+`LayerwiseCalibration` embeds the calibration sequences and keeps, per sequence, the hidden
+states and residual entering the current decoder layer. The quantizer runs that layer on them
+with its hooks (`forward`), quantizes it in place, and `advance` runs the quantized layer once
+more to get the next layer's inputs: O(layers) layer forwards where a pass through the whole
+model per layer costs O(layers^2). Each layer is driven with the arguments the model's own
+forward gives it on `PagedRunner.step(seq, 0)` (positions 0..n-1, a paged KV cache of 16-token
+blocks in the same shuffled order, the same attention metadata), so every layer sees bit for bit
+the activations of a full-model pass (`collect_hessians` / `capture_layer_inputs` are those
+passes; `FullModelCalibration`, the same interface on such passes, is the reference the tests
+compare checkpoints with).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.attention.metadata import AttentionMetadata
+
+BLOCK_SIZE = 16  # the KV cache blocks of the full-model passes (collect_hessians)
+
+
+@dataclass
+class _Sequence:
+    positions: torch.Tensor  # [n]
+    attn_metadata: AttentionMetadata
+    kv_cache: torch.Tensor  # [2, blocks, BLOCK_SIZE, kv heads, head dim], reused by each layer
+    hidden_states: torch.Tensor  # [n, hidden] entering the current layer
+    residual: torch.Tensor | None  # [n, hidden]; None before the first layer (as in LlamaModel)
+
+
+def _paged_sequence(n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> _Sequence:
+    """Positions, metadata and cache of `PagedRunner(model, cfg, num_blocks, block_size=16)
+    .step(seq, 0)` for a sequence of n tokens (hidden states filled in by the caller)."""
+    num_blocks = -(-n // BLOCK_SIZE) + 1
+    g = torch.Generator().manual_seed(0)
+    bt = (torch.randperm(num_blocks - 1, generator=g) + 1).to(torch.int32)
+    pos = torch.arange(n)
+    slots = bt[pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    md = AttentionMetadata(
+        num_actual_tokens=n,
+        slot_mapping=slots,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=bt[None],
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    cache = torch.zeros((2, num_blocks, BLOCK_SIZE, *kv_shape), dtype=dtype)
+    return _Sequence(pos, md, cache, torch.empty(0), None)
+
+
+class LayerwiseCalibration:
+    """The inputs of one decoder layer at a time of a Llama-style Pagoda model (`model.model`
+    with `embed_tokens` and `layers`, each layer called as
+    `layer(positions, hidden_states, residual, kv_cache, attn_metadata)`) over calibration
+    token sequences, one prefill per sequence from position 0.
+
+        calib = LayerwiseCalibration(model, sequences)
+        for i, layer in enumerate(calib.layers):
+            calib.forward()  # layer i on its inputs: the caller's hooks see its activations
+            ...  # quantize layer i in place
+            calib.advance()  # the quantized layer i's outputs become layer i+1's inputs
+    """
+
+    def __init__(self, model: nn.Module, sequences: Iterable[list[int]]) -> None:
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "layers"):
+            raise ValueError(
+                f"layer-wise calibration needs a Llama-style decoder, not {type(model).__name__}"
+            )
+        self.layers: nn.ModuleList = inner.layers
+        self.index = 0  # the layer whose inputs are held
+        attn = self.layers[0].self_attn
+        kv_shape = (attn.num_kv_heads, attn.head_dim)
+        dtype = next(model.parameters()).dtype
+        self._sequences: list[_Sequence] = []
+        with torch.inference_mode():
+            for seq in sequences:
+                s = _paged_sequence(len(seq), kv_shape, dtype)
+                s.hidden_states = inner.embed_tokens(torch.tensor(seq))
+                self._sequences.append(s)
+
+    def _run(self, keep: bool) -> None:
+        layer = self.layers[self.index]
+        with torch.inference_mode():
+            for s in self._sequences:
+                # Copies: the fused CPU RMSNorm writes into its input and the residual.
+                hidden = s.hidden_states.clone()
+                residual = None if s.residual is None else s.residual.clone()
+                s.kv_cache.zero_()  # as a fresh PagedRunner's (the layer fills its slots first)
+                out, res = layer(s.positions, hidden, residual, s.kv_cache, s.attn_metadata)
+                if keep:
+                    s.hidden_states, s.residual = out, res
+
+    def forward(self) -> None:
+        """Run the current layer on its inputs, keeping them (for the caller's hooks)."""
+        self._run(keep=False)
+
+    def advance(self) -> None:
+        """Replace the held inputs by the current layer's outputs: the next layer's inputs. The
+        last layer's outputs are not computed (nothing reads them)."""
+        if self.index + 1 < len(self.layers):
+            self._run(keep=True)
+        else:
+            self._sequences.clear()
+        self.index += 1
+
+
+class _Stop(Exception):
+    pass
+
+
+class FullModelCalibration:
+    """The reference of `LayerwiseCalibration` (same interface): `forward` runs every sequence
+    through the model from the embeddings (`PagedRunner.step(seq, 0)`, 16-token blocks),
+    stopping after the current layer; `advance` only moves on. O(layers^2) layer forwards."""
+
+    def __init__(
+        self, model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]]
+    ) -> None:
+        self.model, self.cfg = model, cfg
+        self.layers: nn.ModuleList = model.model.layers
+        self.index = 0
+        self._sequences = list(sequences)
+
+    def forward(self) -> None:
+        from pagoda.model.testing import PagedRunner
+
+        def stop(mod: nn.Module, args: tuple, out: Any) -> None:
+            raise _Stop
+
+        hook = self.layers[self.index].register_forward_hook(stop)
+        try:
+            for seq in self._sequences:
+                blocks = -(-len(seq) // BLOCK_SIZE) + 1
+                runner = PagedRunner(self.model, self.cfg, num_blocks=blocks, block_size=BLOCK_SIZE)
+                try:
+                    runner.step(seq, 0)
+                except _Stop:
+                    pass
+        finally:
+            hook.remove()
+
+    def advance(self) -> None:
+        self.index += 1
