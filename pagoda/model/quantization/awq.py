@@ -53,10 +53,20 @@ def _group_slices(k: int, group_size: int) -> list[slice]:
     return [slice(i, min(i + g, k)) for i in range(0, k, g)]  # a shorter last group if need be
 
 
+def _rtn_group(block: torch.Tensor, qmax: int) -> tuple[torch.Tensor, ...]:
+    """AutoAWQ's round-to-nearest of one group [N, G]: (q, zero, scale), each row's scale
+    (max - min) / qmax rounded to float16, zero = -round(min / scale); w ~= (q - zero) * scale."""
+    lo, hi = block.amin(dim=1, keepdim=True), block.amax(dim=1, keepdim=True)
+    scale = ((hi - lo).clamp_min(1e-5) / qmax).half().float().clamp_min(6e-8)
+    zero = torch.clamp(-torch.round(lo / scale), 0, qmax)
+    q = torch.clamp(torch.round(block / scale) + zero, 0, qmax)
+    return q, zero, scale
+
+
 def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128) -> RTNResult:
-    """AutoAWQ's round-to-nearest with zero points of a [N, K] weight in groups of inputs: per
-    output row and group, scale = (max - min) / (2**bits - 1), zero = -round(min / scale); the
-    scale is rounded to float16 first, so the checkpoint reproduces `dequantized` exactly."""
+    """AutoAWQ's round-to-nearest with zero points of a [N, K] weight in groups of inputs
+    (`_rtn_group`); the scale is rounded to float16 first, so the checkpoint reproduces
+    `dequantized` exactly."""
     w = weight.detach().float()
     n, k = w.shape
     qmax = (1 << bits) - 1
@@ -66,14 +76,10 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128) -> 
     scales = torch.empty(len(slices), n, dtype=torch.float16)
     deq = torch.empty(n, k)
     for g, cols in enumerate(slices):
-        block = w[:, cols]
-        lo, hi = block.amin(dim=1), block.amax(dim=1)
-        scale = ((hi - lo).clamp_min(1e-5) / qmax).half().float().clamp_min(6e-8)
-        zero = torch.clamp(-torch.round(lo / scale), 0, qmax)
-        q = torch.clamp(torch.round(block / scale[:, None]) + zero[:, None], 0, qmax)
+        q, zero, scale = _rtn_group(w[:, cols], qmax)
         values[cols] = q.t().to(torch.int32)
-        zeros[g], scales[g] = zero.to(torch.int32), scale.half()
-        deq[:, cols] = (q - zero[:, None]) * scale[:, None]
+        zeros[g], scales[g] = zero[:, 0].to(torch.int32), scale[:, 0].half()
+        deq[:, cols] = (q - zero) * scale
     return RTNResult(values, zeros, scales, deq)
 
 
@@ -83,11 +89,8 @@ def fake_quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128) ->
     qmax = (1 << bits) - 1
     out = torch.empty_like(w)
     for cols in _group_slices(w.shape[1], group_size):
-        block = w[:, cols]
-        lo, hi = block.amin(dim=1, keepdim=True), block.amax(dim=1, keepdim=True)
-        scale = ((hi - lo).clamp_min(1e-5) / qmax).half().float().clamp_min(6e-8)
-        zero = torch.clamp(-torch.round(lo / scale), 0, qmax)
-        out[:, cols] = (torch.clamp(torch.round(block / scale) + zero, 0, qmax) - zero) * scale
+        q, zero, scale = _rtn_group(w[:, cols], qmax)
+        out[:, cols] = (q - zero) * scale
     return out
 
 
