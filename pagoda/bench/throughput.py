@@ -27,6 +27,11 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=str, default="64:256", help="N or LO:HI (uniform)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--output-json", type=str, default=None)
+    p.add_argument(
+        "--host-breakdown",
+        action="store_true",
+        help="time the engine's host stages per step (schedule, launch, wait, update, outputs)",
+    )
     p.set_defaults(func=run_throughput)
 
 
@@ -69,6 +74,62 @@ def throughput_stats(outs: list[Any], elapsed: float, engine_start_s: float) -> 
     }
 
 
+_STAGES = ("schedule", "launch", "wait", "update", "outputs")
+
+
+def instrument_engine(engine: Any) -> dict[str, float]:
+    """Wrap the engine's host stages of a step with wall-clock timers, on this instance only:
+    schedule (the scheduler), launch (handing the step to the executor: input preparation in
+    one process, sending it to the workers with tensor parallelism), wait (for the step's
+    sampled tokens), update (the scheduler's bookkeeping of them) and outputs (the output
+    processor). Returns the totals in seconds, filled in as the engine runs."""
+    totals = dict.fromkeys(_STAGES, 0.0)
+    totals["steps"] = 0.0
+
+    def timed(obj: Any, name: str, stage: str, wrap_result: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                totals[stage] += time.perf_counter() - start
+            if wrap_result and result is not None:
+                timed(result, "get", "wait")
+            return result
+
+        setattr(obj, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.executor, "execute_model_async", "launch", wrap_result=True)
+    timed(engine.scheduler, "update_from_output", "update")
+    timed(engine.output_processor, "process_outputs", "outputs")
+    schedule = engine.scheduler.schedule
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        totals["steps"] += 1
+        return schedule(*args, **kwargs)
+
+    engine.scheduler.schedule = counted
+    return totals
+
+
+def breakdown_summary(totals: dict[str, float], elapsed: float) -> dict[str, Any]:
+    """ms per step and share of the elapsed time of each host stage."""
+    steps = max(int(totals["steps"]), 1)
+    return {
+        "steps": int(totals["steps"]),
+        **{
+            stage: {
+                "ms_per_step": round(totals[stage] * 1e3 / steps, 3),
+                "share": round(totals[stage] / elapsed, 4),
+            }
+            for stage in _STAGES
+        },
+    }
+
+
 def write_json(path: str | None, result: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
@@ -92,6 +153,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
         for i, (_, n) in enumerate(reqs)
     ]
+    totals = instrument_engine(llm.llm_engine) if args.host_breakdown else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -101,6 +163,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         "num_prompts": len(outs),
         **throughput_stats(outs, elapsed, load_s),
     }
+    if totals is not None:
+        result["host_breakdown"] = breakdown_summary(totals, elapsed)
+        b = result["host_breakdown"]
+        print(
+            f"Host per step ({b['steps']} steps): "
+            + ", ".join(f"{s} {b[s]['ms_per_step']:.2f} ms" for s in _STAGES)
+        )
     print(
         f"Throughput: {result['requests_per_s']:.2f} requests/s, "
         f"{result['total_tokens_per_s']:.2f} total tokens/s, "
