@@ -22,8 +22,6 @@ inputs and runs only that layer, once quantized, to get the next one's).
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +31,12 @@ import torch
 from torch import nn
 
 from pagoda.model.quantization.calibration import FullModelCalibration, LayerwiseCalibration
+from pagoda.model.quantization.checkpoint import (
+    load_calibration_model,
+    shard_columns,
+    unquantized_tensors,
+    write_checkpoint,
+)
 from pagoda.model.quantization.formats import pack_awq
 
 GRID = 20  # alpha in {0, 1/20, ..., 19/20}; clip ratios 1 - i/20 for i < 10
@@ -331,10 +335,6 @@ def awq_quantize(
         hasattr(layer, "input_layernorm") and hasattr(layer, "mlp") for layer in layers
     ):
         raise ValueError(f"AWQ here supports Llama-style decoders, not {type(model).__name__}")
-    mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
-    shard_names: dict[str, list[str]] = {}
-    for ckpt, (fused, _) in mapping.items():
-        shard_names.setdefault(fused, []).append(ckpt)
     errors: dict[str, tuple[float, float]] = {}
     tensors: dict[str, torch.Tensor] = {}
     for layer in layers:
@@ -351,26 +351,14 @@ def awq_quantize(
             full = f"model.layers.{i}.{name}"
             errors[full] = (awq_err, rtn_err)
             module = layer.get_submodule(name)
-            fused = name.rsplit(".", 1)[-1]
-            parts = shard_names.get(fused, [fused])
-            sizes = module.output_partition_sizes if len(parts) > 1 else [res.values.shape[1]]
-            start = 0
-            for part, size in zip(parts, sizes):
-                cols = slice(start, start + size)
-                prefix = full.rsplit(".", 1)[0] + "." + part
+            for prefix, cols in shard_columns(model, full, module):
                 tensors[prefix + ".qweight"] = pack_awq(res.values[:, cols].contiguous())
                 tensors[prefix + ".qzeros"] = pack_awq(res.zeros[:, cols].contiguous())
                 tensors[prefix + ".scales"] = res.scales[:, cols].contiguous()
                 if module.bias is not None:
                     tensors[prefix + ".bias"] = module.bias.data[cols].half().contiguous()
-                start += size
     linear_prefixes = {f"model.layers.{i}.{name}" for i in range(len(layers)) for name in GROUPS}
-    for name, param in model.named_parameters():
-        if name.rsplit(".", 1)[0] in linear_prefixes:
-            continue
-        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
-            continue
-        tensors[name] = param.data.half().contiguous()
+    tensors.update(unquantized_tensors(model, linear_prefixes))
     return tensors, errors
 
 
@@ -387,33 +375,16 @@ def quantize_model_awq(
     `sequences` (`awq_quantize`) and write an AutoAWQ GEMM checkpoint to `output_dir`
     (config.json with its quantization_config, model.safetensors). Returns per linear module
     the relative output error on the calibration inputs of AWQ and of round-to-nearest."""
-    from safetensors.torch import save_file
-
-    from pagoda.config import ModelConfig
-    from pagoda.model.loader import get_model_config_dict, load_model
-
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
-    hf_config = get_model_config_dict(model_path)
-    mc = ModelConfig(
-        model=model_path,
-        hf_config=hf_config,
-        dtype="float32",
-        max_model_len=max(len(s) for s in sequences),
-    )
-    model = load_model(mc, "cpu")
+    model, hf_config = load_calibration_model(model_path, sequences)
     tensors, errors = awq_quantize(model, hf_config, sequences, bits, group_size, clip, max_tokens)
-    os.makedirs(output_dir, exist_ok=True)
-    config = dict(hf_config)
-    config["torch_dtype"] = "float16"
-    config["quantization_config"] = {
+    quantization_config = {
         "quant_method": "awq",
         "bits": bits,
         "group_size": group_size,
         "zero_point": True,
         "version": "gemm",
     }
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file(tensors, os.path.join(output_dir, "model.safetensors"))
+    write_checkpoint(output_dir, hf_config, quantization_config, tensors)
     return errors

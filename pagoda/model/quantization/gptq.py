@@ -19,7 +19,6 @@ and runs only that layer, once quantized, to get the next one's.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -29,6 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.model.quantization.checkpoint import (
+    load_calibration_model,
+    shard_columns,
+    unquantized_tensors,
+    write_checkpoint,
+)
 from pagoda.model.quantization.formats import pack_gptq_weight, quantize_groups
 
 
@@ -209,25 +214,10 @@ def quantize_model(
     calibration inputs, trace(D H D^T) / trace(W H W^T) with D the weight's error, of GPTQ and
     of round-to-nearest with the same groups (for comparison). `method="rtn"` writes the
     round-to-nearest weights instead (a baseline checkpoint)."""
-    from safetensors.torch import save_file
-
-    from pagoda.config import ModelConfig
     from pagoda.model.layers.linear import LinearBase
-    from pagoda.model.loader import get_model_config_dict, load_model
     from pagoda.model.quantization.calibration import LayerwiseCalibration
 
-    hf_config = get_model_config_dict(model_path)
-    mc = ModelConfig(
-        model=model_path,
-        hf_config=hf_config,
-        dtype="float32",
-        max_model_len=max(len(s) for s in sequences),
-    )
-    model = load_model(mc, "cpu")
-    mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
-    shard_names: dict[str, list[str]] = {}
-    for ckpt, (fused, _) in mapping.items():
-        shard_names.setdefault(fused, []).append(ckpt)
+    model, hf_config = load_calibration_model(model_path, sequences)
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, tuple[float, float]] = {}
     if method not in ("gptq", "rtn"):
@@ -266,32 +256,15 @@ def quantize_model(
         calib.advance()
         results += quantized
     for name, module, res in results:
-        fused = name.rsplit(".", 1)[-1]
-        parts = shard_names.get(fused, [fused])
-        sizes = (
-            module.output_partition_sizes if len(parts) > 1 else [module.output_size_per_partition]
-        )
-        start = 0
-        for part, size in zip(parts, sizes):
-            cols = slice(start, start + size)
-            prefix = name.rsplit(".", 1)[0] + "." + part
+        for prefix, cols in shard_columns(model, name, module):
             tensors[prefix + ".qweight"] = pack_gptq_weight(res.values[:, cols], bits)
             tensors[prefix + ".qzeros"] = (
                 pack_gptq_weight((res.zeros[:, cols] - 1).t().contiguous(), bits).t().contiguous()
             )
             tensors[prefix + ".scales"] = res.scales[:, cols].half().contiguous()
             tensors[prefix + ".g_idx"] = res.g_idx.clone()
-            start += size
-    for name, param in model.named_parameters():
-        if name.rsplit(".", 1)[0] in linear_prefixes:
-            continue
-        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
-            continue
-        tensors[name] = param.data.half().contiguous()
-    os.makedirs(output_dir, exist_ok=True)
-    config = dict(hf_config)
-    config["torch_dtype"] = "float16"
-    config["quantization_config"] = {
+    tensors.update(unquantized_tensors(model, linear_prefixes))
+    quantization_config = {
         "quant_method": "gptq",
         "bits": bits,
         "group_size": group_size,
@@ -300,9 +273,7 @@ def quantize_model(
         "checkpoint_format": "gptq",
         "damp_percent": 0.01,
     }
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file(tensors, os.path.join(output_dir, "model.safetensors"))
+    write_checkpoint(output_dir, hf_config, quantization_config, tensors)
     return errors
 
 
