@@ -60,9 +60,16 @@ def test_calibration_windows() -> None:
     assert windows[0][0] == 0 and windows[-1][-1] <= 99
 
 
-@pytest.mark.parametrize("group_size", [32, 40])  # 40: shorter last groups (64, 96 inputs)
-def test_quantize_model_writes_a_checkpoint_that_runs(tmp_path, group_size: int) -> None:
-    make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope")
+@pytest.mark.parametrize(
+    "kind,group_size",
+    [
+        ("llama_gqa_tied_llama3_rope", 32),
+        ("llama_gqa_tied_llama3_rope", 40),  # 40: shorter last groups (64, 96 inputs)
+        ("llama_mqa_attention_bias", 32),  # the linears' biases are written unquantized
+    ],
+)
+def test_quantize_model_writes_a_checkpoint_that_runs(tmp_path, kind: str, group_size: int) -> None:
+    make_tiny_checkpoint(tmp_path / "dense", kind)
     g = torch.Generator().manual_seed(3)
     seqs = [
         torch.randint(0, TINY_CONFIG["vocab_size"], (48,), generator=g).tolist() for _ in range(6)

@@ -263,6 +263,8 @@ def quantize_model(
             )
             tensors[prefix + ".scales"] = res.scales[:, cols].half().contiguous()
             tensors[prefix + ".g_idx"] = res.g_idx.clone()
+            if module.bias is not None:
+                tensors[prefix + ".bias"] = module.bias.data[cols].half().contiguous()
     tensors.update(unquantized_tensors(model, linear_prefixes))
     quantization_config = {
         "quant_method": "gptq",
