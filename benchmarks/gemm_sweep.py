@@ -28,7 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sweep_common import graph_seconds, precompile, setup_interpreter, wall_seconds  # noqa: E402
+from sweep_common import add_sweep_args, precompile, sweep_device  # noqa: E402
 
 SHAPES = {
     "qkv": (6144, 4096),
@@ -237,20 +237,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--dry-run", action="store_true", help="tiny shapes (the Triton interpreter on a CPU)"
     )
-    ap.add_argument("--shapes", nargs="+", help="subset of " + " ".join(SHAPES))
-    ap.add_argument("--m", nargs="+", type=int, help="row counts (default: 2..256)")
-    ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
-    ap.add_argument(
-        "--jobs",
-        type=int,
-        default=min(16, os.cpu_count() or 1),
-        help="processes that precompile the kernels first (0: compile on first use)",
-    )
-    ap.add_argument(
-        "--budget-s",
-        type=float,
-        default=240.0,
-        help="past this many seconds, the remaining (shape, M) take the --quick grid",
+    add_sweep_args(
+        ap,
+        SHAPES,
+        "row counts (default: 2..256)",
+        240.0,
+        "past this many seconds, the remaining (shape, M) take the --quick grid",
     )
     return ap.parse_args(argv)
 
@@ -259,24 +251,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.dry_run:
-            raise SystemExit("needs a CUDA GPU (or --dry-run)")
-        setup_interpreter()
+    dev = sweep_device(args.dry_run)
+    on_gpu, device, dtype, num_sms = dev.on_gpu, dev.device, dev.dtype, dev.num_sms
     import triton
 
     from pagoda.kernels.skinny_gemm import MAX_ROWS, prepare
 
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # bf16 is NaN under the interpreter
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     shapes = {s: shapes[s] for s in (args.shapes or shapes)}
     m_values = args.m or (DRY_M_VALUES if args.dry_run else M_VALUES)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 132
     grid = DRY_GRID if args.dry_run else (QUICK_GRID if args.quick else FULL_GRID)
     reps = 2 if args.dry_run else args.reps
-    seconds = (lambda fn: graph_seconds(fn, reps)) if on_gpu else wall_seconds
+    seconds = dev.seconds(reps)
     esize = torch.empty((), dtype=dtype).element_size()
 
     plan = {}
@@ -287,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         plan[name, m] = configs
     n_cfg = sum(len(c) for c in plan.values())
     print(
-        f"{device} {torch.cuda.get_device_name() if on_gpu else 'interpreter'}, torch "
+        f"{device} {dev.name}, torch "
         f"{torch.__version__}, triton {triton.__version__}: {n_cfg} Triton timings over "
         f"{len(plan)} (shape, M)",
         flush=True,

@@ -1,15 +1,18 @@
 """What the kernel sweeps (gemm_sweep.py, w4a16_bench.py) share: the Triton interpreter for a
-CPU dry run, building every distinct kernel of a sweep in a process pool first, and timing a
-call (CUDA-graph replays on a GPU, wall time in a dry run)."""
+CPU dry run, their common options and device, building every distinct kernel of a sweep in a
+process pool first, and timing a call (CUDA-graph replays on a GPU, wall time in a dry run)."""
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,3 +71,57 @@ def wall_seconds(fn: Callable[[], object], reps: int = 1) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t0) / reps
+
+
+def add_sweep_args(
+    ap: argparse.ArgumentParser,
+    shape_names: Iterable[str],
+    m_help: str,
+    budget_s: float,
+    budget_help: str,
+) -> None:
+    """The options both sweeps take: --shapes, --m, --reps, --jobs, --budget-s."""
+    ap.add_argument("--shapes", nargs="+", help="subset of " + " ".join(shape_names))
+    ap.add_argument("--m", nargs="+", type=int, help=m_help)
+    ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=min(16, os.cpu_count() or 1),
+        help="processes that precompile the kernels first (0: compile on first use)",
+    )
+    ap.add_argument("--budget-s", type=float, default=budget_s, help=budget_help)
+
+
+@dataclass
+class SweepDevice:
+    """Where a sweep runs: an H200 (bf16, CUDA-graph timings) or, for --dry-run without a GPU,
+    the Triton interpreter on CPU tensors (float32: bf16 is NaN there; wall-clock timings)."""
+
+    on_gpu: bool
+    device: str
+    dtype: Any
+    num_sms: int
+    name: str
+
+    def seconds(self, reps: int) -> Callable[[Callable[[], object]], float]:
+        return (lambda fn: graph_seconds(fn, reps)) if self.on_gpu else wall_seconds
+
+
+def sweep_device(dry_run: bool) -> SweepDevice:
+    """The GPU if there is one; else the interpreter, for a --dry-run only (set up before the
+    kernel modules are imported)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        if not dry_run:
+            raise SystemExit("needs a CUDA GPU (or --dry-run)")
+        setup_interpreter()
+    return SweepDevice(
+        on_gpu=on_gpu,
+        device="cuda" if on_gpu else "cpu",
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 132,
+        name=torch.cuda.get_device_name() if on_gpu else "interpreter",
+    )

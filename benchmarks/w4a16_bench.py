@@ -29,7 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sweep_common import graph_seconds, precompile, setup_interpreter, wall_seconds  # noqa: E402
+from sweep_common import add_sweep_args, precompile, sweep_device  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -226,20 +226,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="a small config sweep")
     ap.add_argument("--no-sweep", action="store_true", help="default configs only")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (interpreter on a CPU)")
-    ap.add_argument("--shapes", nargs="+", help="subset of " + " ".join(SHAPES))
-    ap.add_argument("--m", nargs="+", type=int, help="row counts (default: 1..1024)")
-    ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
-    ap.add_argument(
-        "--jobs",
-        type=int,
-        default=min(16, os.cpu_count() or 1),
-        help="processes that precompile the kernels first (0: compile on first use)",
-    )
-    ap.add_argument(
-        "--budget-s",
-        type=float,
-        default=120.0,
-        help="past this many seconds of timing, the remaining points take default configs",
+    add_sweep_args(
+        ap,
+        SHAPES,
+        "row counts (default: 1..1024)",
+        120.0,
+        "past this many seconds of timing, the remaining points take default configs",
     )
     return ap.parse_args(argv)
 
@@ -248,25 +240,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.dry_run:
-            raise SystemExit("needs a CUDA GPU (or --dry-run)")
-        setup_interpreter()
+    dev = sweep_device(args.dry_run)
+    on_gpu, device, dtype, num_sms = dev.on_gpu, dev.device, dev.dtype, dev.num_sms
     import triton
 
     from pagoda.kernels.skinny_gemm import prepare
 
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # bf16 is NaN under the interpreter
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     shapes = {s: shapes[s] for s in (args.shapes or shapes)}
     group = DRY_GROUP if args.dry_run else GROUP
     m_values = args.m or (DRY_M_VALUES if args.dry_run else M_VALUES)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 132
     mode = "dry" if args.dry_run else ("quick" if args.quick else "full")
     reps = 1 if args.dry_run else args.reps
-    seconds = (lambda fn: graph_seconds(fn, reps)) if on_gpu else wall_seconds
+    seconds = dev.seconds(reps)
 
     plan = {}
     for (name, (n, k)), m in itertools.product(shapes.items(), m_values):
@@ -275,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.dry_run:
             plan[name, m].append(BAD_CONFIG)
     print(
-        f"{device} {torch.cuda.get_device_name() if on_gpu else 'interpreter'}, torch "
+        f"{device} {dev.name}, torch "
         f"{torch.__version__}, triton {triton.__version__}: "
         f"{sum(len(c) for c in plan.values())} W4A16 timings over {len(plan)} (shape, M)",
         flush=True,
