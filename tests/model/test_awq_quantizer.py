@@ -140,7 +140,7 @@ def test_rtn_values_pack_and_decode_exactly(k: int, group: int) -> None:
 def test_checkpoint_tensors_decode_to_the_quantized_model(tmp_path) -> None:
     make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias")
     model, cfg = _load(tmp_path)
-    tensors, errors = awq_quantize(model, cfg, _sequences(), group_size=32)
+    tensors, errors = awq_quantize(model, _sequences(), group_size=32)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         shards = {

@@ -315,7 +315,6 @@ def awq_layer(
 
 def awq_quantize(
     model: nn.Module,
-    cfg: dict[str, Any],
     sequences: list[list[int]],
     bits: int = 4,
     group_size: int = 128,
@@ -378,7 +377,7 @@ def quantize_model_awq(
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
     model, hf_config = load_calibration_model(model_path, sequences)
-    tensors, errors = awq_quantize(model, hf_config, sequences, bits, group_size, clip, max_tokens)
+    tensors, errors = awq_quantize(model, sequences, bits, group_size, clip, max_tokens)
     quantization_config = {
         "quant_method": "awq",
         "bits": bits,
