@@ -238,6 +238,12 @@ def bench_decode_sweep(args) -> None:
         del q, cache, out
 
 
+def _prefill_tflops(qlens: list[int], ctxs: list[int], heads: int, head_size: int, ms: float):
+    """Causal attention FLOPs (4 * heads * head_size per visible query-key pair) per second."""
+    pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(qlens, ctxs))
+    return f"{4 * heads * head_size * pairs / ms / 1e9:.0f}"
+
+
 def bench_prefill(args) -> None:
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_size, args.block_size
     cases = [
@@ -250,9 +256,7 @@ def bench_prefill(args) -> None:
         q, cache, md = paged_step(qlens, ctxs, h, kvh, d, bs, torch.bfloat16, torch.bfloat16)
         out = torch.empty_like(q)
         ms = _bench(unified_attention, q, cache, out, md, d**-0.5)
-        pairs = sum(ql * c + ql * (ql + 1) // 2 for ql, c in zip(qlens, ctxs))
-        tflops = 4 * h * d * pairs / ms / 1e9
-        _row("prefill", case=name, ms=f"{ms:.3f}", TFLOPs=f"{tflops:.0f}")
+        _row("prefill", case=name, ms=f"{ms:.3f}", TFLOPs=_prefill_tflops(qlens, ctxs, h, d, ms))
 
 
 def _a_step(num_decodes: int, prefill_tokens: int) -> tuple[list[int], list[int]]:
@@ -278,10 +282,6 @@ def bench_prefill_step(args) -> None:
     qlens, ctxs = _a_step(128, 8064)
     nd = 128
 
-    def tflops(ql, cl, ms):
-        pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(ql, cl))
-        return f"{4 * h * d * pairs / ms / 1e9:.0f}"
-
     for name, ql, cl in (
         ("a-step all", qlens, ctxs),
         ("a-step decodes", qlens[:nd], ctxs[:nd]),
@@ -290,7 +290,7 @@ def bench_prefill_step(args) -> None:
         q, cache, md = paged_step(ql, cl, h, kvh, d, bs, torch.bfloat16, torch.bfloat16)
         out = torch.empty_like(q)
         ms = _bench(unified_attention, q, cache, out, md, d**-0.5)
-        _row("prefill", case=name, ms=f"{ms:.3f}", TFLOPs=tflops(ql, cl, ms))
+        _row("prefill", case=name, ms=f"{ms:.3f}", TFLOPs=_prefill_tflops(ql, cl, h, d, ms))
         if name == "a-step prompts" and args.prefill_sweep:
             for block_m, tile, warps, stages in itertools.product(
                 (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
@@ -301,7 +301,12 @@ def bench_prefill_step(args) -> None:
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     _row("prefill_sweep", error=type(e).__name__, **kwargs)
                     continue
-                _row("prefill_sweep", **kwargs, ms=f"{ms:.3f}", TFLOPs=tflops(ql, cl, ms))
+                _row(
+                    "prefill_sweep",
+                    **kwargs,
+                    ms=f"{ms:.3f}",
+                    TFLOPs=_prefill_tflops(ql, cl, h, d, ms),
+                )
         del q, cache, out
 
 
