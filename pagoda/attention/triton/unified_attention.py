@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.attention.cuda import paged_decode as cuda_decode
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.triton.common import cache_quant_mode, scale_tensor
 
@@ -254,6 +255,30 @@ def _reduce_segments_kernel(
     )
 
 
+def _cuda_decode_kernel(
+    choice: bool | None,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    md: AttentionMetadata,
+):
+    """The compiled CUDA decode kernel this step takes (see `unified_attention`), or None."""
+    if choice is False:
+        return None
+    reason = cuda_decode.unsupported_reason(q, kv_cache, out, md)
+    kernel = None
+    if reason is None:
+        group = q.shape[1] // kv_cache.shape[3]
+        kernel = cuda_decode.get_kernel(
+            group, kv_cache.shape[2], kv_cache.dtype == torch.float8_e5m2,
+            q.dtype == torch.bfloat16,
+        )  # fmt: skip
+        reason = "the kernel did not compile" if kernel is None else None
+    if choice and kernel is None:
+        raise ValueError(f"the CUDA decode kernel cannot take this step: {reason}")
+    return kernel
+
+
 def use_split_kv(num_reqs: int, num_kv_heads: int, max_query_len: int) -> bool:
     """Whether a step should take the split-KV path: a pure-decode step with too few
     (request, KV head) programs to fill the GPU. Depends on host values only, so a captured
@@ -277,6 +302,7 @@ def unified_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
+    cuda_decode_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -286,7 +312,9 @@ def unified_attention(
     Rows past `num_actual_tokens` are left untouched. `split_kv=None` picks the path with
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
     `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
-    of a q block side by side (the default) or q blocks fastest. Returns `out`.
+    of a q block side by side (the default) or q blocks fastest. `cuda_decode_kernel`: decode
+    steps over an FP8 cache take `pagoda.attention.cuda.paged_decode` where it supports them
+    (None, the default), always (True: an error where it cannot) or never (False). Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -343,58 +371,66 @@ def unified_attention(
         segm_sum = torch.empty_like(segm_max)
     else:
         segm_out = segm_max = segm_sum = out  # unused placeholders
-    dummy = k_scale_t if k_scale_t is not None else seq_lens
-    if num_warps is None and quant and max_query_len == 1:
-        num_warps = _QUANT_DECODE_WARPS
-    if heads_fastest is None:
-        heads_fastest = _HEADS_FASTEST
-    heads_fastest = heads_fastest and num_q_blocks < 65536  # grid axis 1's limit
-    grid = (
-        (num_kv_heads, num_q_blocks, num_segments)
-        if heads_fastest
-        else (num_q_blocks, num_kv_heads, num_segments)
-    )
-    launch = {"num_warps": num_warps, "num_stages": num_stages}
-    _unified_attention_kernel[grid](
-        out,
-        q,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        k_scale_t if quant else dummy,
-        v_scale_t if quant else dummy,
-        segm_out,
-        segm_max,
-        segm_sum,
-        scale * 1.4426950408889634,  # log2(e)
-        num_reqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_QUERIES_PER_KV=group,
-        BLOCK_SIZE=block_size,
-        TILE_SIZE=tile_size,
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=head_size_padded,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        NUM_SEGMENTS=num_segments,
-        IS_SPLIT=split_kv,
-        KV_QUANT=bool(quant),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
-        FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
-        HEADS_FASTEST=heads_fastest,
-        **{k: v for k, v in launch.items() if v is not None},
-    )
+    kernel = _cuda_decode_kernel(cuda_decode_kernel, q, kv_cache, out, attn_metadata)
+    if kernel is not None:
+        cuda_decode.paged_decode_fp8(
+            kernel, q, kv_cache, out, attn_metadata, scale * 1.4426950408889634,
+            k_scale_t, v_scale_t, num_segments,
+            (segm_out, segm_max, segm_sum) if split_kv else None,
+        )  # fmt: skip
+    else:
+        dummy = k_scale_t if k_scale_t is not None else seq_lens
+        if num_warps is None and quant and max_query_len == 1:
+            num_warps = _QUANT_DECODE_WARPS
+        if heads_fastest is None:
+            heads_fastest = _HEADS_FASTEST
+        heads_fastest = heads_fastest and num_q_blocks < 65536  # grid axis 1's limit
+        grid = (
+            (num_kv_heads, num_q_blocks, num_segments)
+            if heads_fastest
+            else (num_q_blocks, num_kv_heads, num_segments)
+        )
+        launch = {"num_warps": num_warps, "num_stages": num_stages}
+        _unified_attention_kernel[grid](
+            out,
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            k_scale_t if quant else dummy,
+            v_scale_t if quant else dummy,
+            segm_out,
+            segm_max,
+            segm_sum,
+            scale * 1.4426950408889634,  # log2(e)
+            num_reqs,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            block_tables.stride(0),
+            NUM_HEADS=num_heads,
+            NUM_QUERIES_PER_KV=group,
+            BLOCK_SIZE=block_size,
+            TILE_SIZE=tile_size,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_size_padded,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            NUM_SEGMENTS=num_segments,
+            IS_SPLIT=split_kv,
+            KV_QUANT=bool(quant),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
+            FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
+            HEADS_FASTEST=heads_fastest,
+            **{k: v for k, v in launch.items() if v is not None},
+        )
     if split_kv:
         _reduce_segments_kernel[(num_actual, num_heads)](
             out,

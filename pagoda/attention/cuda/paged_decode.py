@@ -1,0 +1,217 @@
+"""Decode attention over an FP8 paged KV cache as a CUDA kernel with fp16 tensor-core dots.
+
+The Triton kernel (`pagoda.attention.triton.unified_attention`) reads an FP8 cache at half
+of bf16's bandwidth: each fp8 value is converted in the blocked layout and then moved into the
+dot operand layouts. `paged_decode_fp8.cu` lays the operands out so every lane converts the
+bytes it loaded, with one `cvt.rn.f16x2.e4m3x2` per pair and no shuffles (its header says
+how). It covers the decode steps of the common shapes: one query token per request, head size
+128, up to 8 query heads per KV head, block sizes that are multiples of 16, bf16/fp16 queries,
+e4m3/e5m2 caches, and sm_89 or newer. Everything else, and any GPU where the kernel does not
+compile, keeps the Triton kernel, which stays the reference its tests compare against.
+
+The source is compiled at first use with NVRTC (`torch.cuda._compile_kernel`), once per
+shape, during the warm-up step that precedes a CUDA graph's capture. `PAGODA_CUDA_DECODE=0`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pagoda.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode_fp8.cu")
+_KERNEL_NAME = "pagoda_paged_decode_fp8"
+HEAD_SIZE = 128
+MAX_GROUP = 8
+# Warps per CTA; each takes every WARPS-th 16-key chunk of the CTA's keys, STAGES - 1 of them
+# in flight. Fastest or within 3% of it at 32-256 ragged requests on the H200 (of warps 2/4/8
+# x stages 2/3/4/6: `python benchmarks/cuda_decode_bench.py --variants`).
+DEFAULT_WARPS = 4
+DEFAULT_STAGES = 3
+_INT32_MAX = 2**31 - 1
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGODA_CUDA_DECODE", "1") != "0"
+
+
+def unsupported_reason(
+    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, attn_metadata: AttentionMetadata
+) -> str | None:
+    """Why this step cannot take the CUDA kernel, or None when it can."""
+    if not enabled():
+        return "PAGODA_CUDA_DECODE=0"
+    if not q.is_cuda or torch.version.cuda is None:
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "fp8 conversions need sm_89 or newer"
+    if kv_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return f"cache dtype {kv_cache.dtype}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or out.dtype != q.dtype:
+        return f"q/out dtype {q.dtype}/{out.dtype}"
+    if attn_metadata.max_query_len != 1:
+        return "not a pure decode step"
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    num_heads = q.shape[1]
+    if head_size != HEAD_SIZE or q.shape[2] != HEAD_SIZE:
+        return f"head size {head_size}"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads"
+    if block_size % 16:
+        return f"block size {block_size}"
+    md = attn_metadata
+    for name, t in (("block_tables", md.block_tables), ("seq_lens", md.seq_lens)):
+        if t.dtype != torch.int32:
+            return f"{name} dtype {t.dtype}"
+    if md.query_start_loc.dtype != torch.int32 or md.seq_lens.shape[0] > 65535:
+        return "query_start_loc dtype or batch size"
+    # 16-byte loads and stores: bases and row strides (in bytes) must be multiples of 16.
+    for name, t, dims in (
+        ("q", q, (0, 1)),
+        ("out", out, (0, 1)),
+        ("kv_cache", kv_cache, (1, 2, 3)),
+    ):
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned with a contiguous last dimension"
+        for d in dims:
+            if (t.stride(d) * t.element_size()) % 16 or t.stride(d) > _INT32_MAX:
+                return f"{name} stride {d} is {t.stride(d)} elements"
+    return None
+
+
+def _source(
+    group: int, block_size: int, e5m2: bool, q_bf16: bool, warps: int, stages: int,
+    min_blocks: int,
+):  # fmt: skip
+    defines = {
+        "G": group,
+        "BLOCK_SIZE": block_size,
+        "E5M2": int(e5m2),
+        "Q_BF16": int(q_bf16),
+        "WARPS": warps,
+        "STAGES": stages,
+        "MIN_BLOCKS": min_blocks,
+    }
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + _SOURCE.read_text()
+
+
+def smem_bytes(warps: int, stages: int) -> int:
+    """Dynamic shared memory of one CTA: a ring of `stages` 4 KiB chunks per warp."""
+    return warps * stages * 4096
+
+
+@functools.cache
+def _compile(
+    group: int, block_size: int, e5m2: bool, q_bf16: bool, warps: int, stages: int,
+    min_blocks: int,
+):  # fmt: skip
+    """The compiled kernel, or None (logged once) where NVRTC cannot build it."""
+    src = _source(group, block_size, e5m2, q_bf16, warps, stages, min_blocks)
+    try:
+        kernel = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
+        kernel.set_shared_memory_config(smem_bytes(warps, stages))
+        return kernel
+    except Exception as e:  # no NVRTC, an old toolkit, too little shared memory
+        logger.warning("CUDA decode kernel unavailable, using Triton's: %s", e)
+        return None
+
+
+def get_kernel(
+    group: int, block_size: int, e5m2: bool, q_bf16: bool, warps: int = DEFAULT_WARPS,
+    stages: int = DEFAULT_STAGES, min_blocks: int = 0,
+):  # fmt: skip
+    """The kernel for this shape, or None. Never compiles while a CUDA graph is being
+    captured (loading a module is not a stream operation): the caller falls back then."""
+    key = (group, block_size, e5m2, q_bf16, warps, stages, min_blocks)
+    if torch.cuda.is_current_stream_capturing() and key not in _compiled_keys:
+        return None
+    _compiled_keys.add(key)
+    return _compile(*key)
+
+
+_compiled_keys: set[tuple] = set()
+
+
+def _launch(kernel, grid: tuple[int, int, int], block: int, smem: int, args: list) -> None:
+    """cuLaunchKernel on the current stream: tensors as pointers, ints as 32-bit, floats as
+    doubles (the kernel's parameters are declared to match). Leaner than the wrapper's
+    `__call__`, which an eager decode step pays once per layer."""
+    cargs = [
+        ctypes.c_void_p(a.data_ptr())
+        if isinstance(a, torch.Tensor)
+        else ctypes.c_double(a)
+        if isinstance(a, float)
+        else ctypes.c_int(a)
+        for a in args
+    ]
+    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
+    stream = torch.cuda.current_stream().cuda_stream
+    err = _libcuda().cuLaunchKernel(
+        kernel.func, *grid, block, 1, 1, smem, ctypes.c_void_p(stream), ptrs, None
+    )
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+
+
+@functools.cache
+def _libcuda():
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
+def paged_decode_fp8(
+    kernel,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    qk_scale_log2: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    num_segments: int,
+    segm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    warps: int = DEFAULT_WARPS,
+    stages: int = DEFAULT_STAGES,
+) -> None:
+    """Launch `kernel` (from `get_kernel` with the same `warps` and `stages`) for a decode step. With `num_segments` > 1 it
+    writes the partials `segm` = (out, max, sum) for `_reduce_segments_kernel` instead of
+    `out`. `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are
+    one-element float32 tensors."""
+    num_reqs = attn_metadata.seq_lens.shape[0]
+    num_kv_heads = kv_cache.shape[3]
+    segm_out, segm_max, segm_sum = segm if segm is not None else (out, out, out)
+    args = [
+        out,
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        attn_metadata.block_tables,
+        attn_metadata.seq_lens,
+        attn_metadata.query_start_loc,
+        k_scale,
+        v_scale,
+        segm_out,
+        segm_max,
+        segm_sum,
+        float(qk_scale_log2),
+        q.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(1) * kv_cache.element_size(),
+        kv_cache.stride(2) * kv_cache.element_size(),
+        kv_cache.stride(3) * kv_cache.element_size(),
+        attn_metadata.block_tables.stride(0),
+    ]
+    grid = (num_kv_heads, num_reqs, num_segments)
+    _launch(kernel, grid, 32 * warps, smem_bytes(warps, stages), args)
