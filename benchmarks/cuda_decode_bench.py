@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,64,96,128,192,256")
     p.add_argument("--contexts", default="r,1024")
     p.add_argument("--variants", action="store_true", help="warps 2/4/8 x stages 2/3/4/6")
+    p.add_argument("--layout", default="nhd", help="cache layout: nhd, or hnd (per block and head)")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
     copy_gbps = copy_roofline()
@@ -55,11 +56,19 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         for ctx in args.contexts.split(","):
             contexts = _sweep_contexts(batch, ctx)
-            row = {"batch": batch, "ctx": ctx}
+            row = {"batch": batch, "ctx": ctx, "layout": args.layout}
             for kv in ("bf16", "e4m3"):
                 cache_dtype = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
                 q, cache, md = paged_step(
-                    [1] * batch, contexts, heads, kv_heads, d, bs, torch.bfloat16, cache_dtype
+                    [1] * batch,
+                    contexts,
+                    heads,
+                    kv_heads,
+                    d,
+                    bs,
+                    torch.bfloat16,
+                    cache_dtype,
+                    args.layout,
                 )
                 out = torch.empty_like(q)
                 kv_bytes = sum(c + 1 for c in contexts) * kv_heads * d * 2 * cache.element_size()

@@ -145,14 +145,20 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Store rows k[i], v[i] at flat slot slots[i] of the cache (slot = block * block_size + off)."""
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    """Store rows k[i], v[i] at flat slot slots[i] of the cache (slot = block * block_size + off).
+    Any strides: a cache laid out head-major within blocks is a view of the same shape."""
+    block_size = kv_cache.shape[2]
     k, v = _to_cache(k, kv_cache.dtype, k_scale), _to_cache(v, kv_cache.dtype, v_scale)
     if _is_fp8(kv_cache.dtype):  # CPU index ops lack fp8 kernels; move the bytes instead
         kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    if kv_cache.is_contiguous():
+        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
+    else:
+        blocks, offsets = slots // block_size, slots % block_size
+        kv_cache[0].index_put_((blocks, offsets), k)
+        kv_cache[1].index_put_((blocks, offsets), v)
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:

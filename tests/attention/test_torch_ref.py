@@ -48,12 +48,16 @@ def naive_attention(q_rows, keys, values, num_heads, num_kv_heads, scale):
     return out
 
 
-def run_case(seed, block_size, num_heads, num_kv_heads, specs, dtype=torch.float32):
-    """specs: list of (context_len, query_len) per request, in batch order."""
+def run_case(seed, block_size, num_heads, num_kv_heads, specs, dtype=torch.float32, layout="nhd"):
+    """specs: list of (context_len, query_len) per request, in batch order. layout "hnd": the
+    cache is a [2, blocks, block_size, kv_heads, head] view of head-major blocks (CUDA's)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     head_size, num_blocks = 8, 96
     cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    if layout == "hnd":
+        cache = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_size, dtype=dtype)
+        cache = cache.transpose(2, 3)
     free = list(range(1, num_blocks))
     rng.shuffle(free)  # scattered blocks; block 0 is the null block used as padding
     max_blocks = max(-(-(c + n) // block_size) for c, n in specs)
@@ -92,7 +96,7 @@ def run_case(seed, block_size, num_heads, num_kv_heads, specs, dtype=torch.float
         vals = [v.to(dtype).float() for v in vals]
         expected += naive_attention(rows, keys, vals, num_heads, num_kv_heads, scale)
     # The new k/v landed in the cache at their slots.
-    flat = cache.view(2, -1, num_kv_heads, head_size)
+    flat = cache.reshape(2, -1, num_kv_heads, head_size)
     assert torch.equal(flat[0, torch.tensor(slots)], torch.stack(k_rows).to(dtype))
     assert torch.equal(flat[1, torch.tensor(slots)], torch.stack(v_rows).to(dtype))
     return out.float(), torch.stack(expected)
@@ -116,6 +120,26 @@ def test_random_mixed_batches_match_naive_oracle(seed):
     rng.shuffle(specs) if seed % 2 else None  # ... but any order must work
     out, expected = run_case(100 + seed, rng.choice([4, 16]), 8, 2, specs)
     assert (out - expected).abs().max().item() < 1e-5
+
+
+def test_head_major_cache_layout_matches_naive_oracle():
+    # The layout CUDA caches take (`pagoda.worker.kv_cache.kv_cache_layout`): same results.
+    out, expected = run_case(11, 16, 6, 2, MIXED, layout="hnd")
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cache_writes_land_alike_in_both_layouts(dtype):
+    from pagoda.attention.torch_ref import write_kv_cache
+
+    nhd = torch.zeros(2, 6, 4, 3, 8, dtype=dtype)
+    hnd = torch.zeros(2, 6, 3, 4, 8, dtype=dtype).transpose(2, 3)
+    k, v = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    slots = torch.tensor([0, 5, 23, 9, 14])
+    for cache in (nhd, hnd):
+        write_kv_cache(cache, k, v, slots, 0.5, 0.25)
+    assert torch.equal(nhd.view(torch.uint8), hnd.contiguous().view(torch.uint8))
+    assert nhd.float().abs().sum() > 0
 
 
 def test_bfloat16_cache_stays_close():

@@ -100,6 +100,7 @@ def _source(
         "WARPS": warps,
         "STAGES": stages,
         "MIN_BLOCKS": min_blocks,
+        "L2_HINT": int(os.environ.get("PAGODA_CUDA_DECODE_L2_HINT", "0")),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + _SOURCE.read_text()

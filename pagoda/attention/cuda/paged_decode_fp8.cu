@@ -91,7 +91,13 @@ __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
 #define CHUNK_BYTES 4096  // 16 keys x 128 fp8 of K, then of V
 
 __device__ __forceinline__ void cp_async16(u32 smem_addr, const unsigned char* gmem) {
+#if L2_HINT == 256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
+#elif L2_HINT == 128
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
