@@ -14,6 +14,8 @@ contexts would otherwise leave most SMs idle. The cache layout and metadata are 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -269,14 +271,17 @@ def _cuda_decode_kernel(
     kernel = None
     if reason is None:
         group = q.shape[1] // kv_cache.shape[3]
-        kernel = cuda_decode.get_kernel(
-            group, kv_cache.shape[2], kv_cache.dtype == torch.float8_e5m2,
-            q.dtype == torch.bfloat16,
-        )  # fmt: skip
+        cache = cuda_decode.cache_kind(kv_cache.dtype)
+        kernel = cuda_decode.get_kernel(group, kv_cache.shape[2], cache, q.dtype == torch.bfloat16)
         reason = "the kernel did not compile" if kernel is None else None
     if choice and kernel is None:
         raise ValueError(f"the CUDA decode kernel cannot take this step: {reason}")
     return kernel
+
+
+@functools.cache
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def use_split_kv(num_reqs: int, num_kv_heads: int, max_query_len: int) -> bool:
@@ -313,8 +318,8 @@ def unified_attention(
     `use_split_kv`; `block_m` / `tile_size` override the tile shapes (powers of two, >= 16),
     `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
     of a q block side by side (the default) or q blocks fastest. `cuda_decode_kernel`: decode
-    steps over an FP8 cache take `pagoda.attention.cuda.paged_decode` where it supports them
-    (None, the default), always (True: an error where it cannot) or never (False). Returns `out`.
+    steps take `pagoda.attention.cuda.paged_decode` where it supports them (None, the default),
+    always (True: an error where it cannot) or never (False). Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -373,9 +378,10 @@ def unified_attention(
         segm_out = segm_max = segm_sum = out  # unused placeholders
     kernel = _cuda_decode_kernel(cuda_decode_kernel, q, kv_cache, out, attn_metadata)
     if kernel is not None:
-        cuda_decode.paged_decode_fp8(
-            kernel, q, kv_cache, out, attn_metadata, scale * 1.4426950408889634,
-            k_scale_t, v_scale_t, num_segments,
+        ks, vs = (k_scale_t, v_scale_t) if quant else (_ones(dev), _ones(dev))
+        cuda_decode.paged_decode(
+            kernel, q, kv_cache, out, attn_metadata, scale * 1.4426950408889634, ks, vs,
+            num_segments,
             (segm_out, segm_max, segm_sum) if split_kv else None,
         )  # fmt: skip
     else:

@@ -1,4 +1,5 @@
-// Paged decode attention over an FP8 KV cache, fp16 tensor-core dots (mma.sync m16n8k16).
+// Paged decode attention over an FP8 or a 16-bit KV cache with tensor-core dots (mma.sync
+// m16n8k16: fp16 over an FP8 cache, the model's dtype over a bf16/fp16 cache).
 //
 // One CTA owns one (KV head, request, key segment); its warps take the segment's 16-key
 // chunks in turn, each keeping its own online softmax, and merge through shared memory at the
@@ -19,15 +20,25 @@
 //     dim 16g + j in column g, so the accumulator of lane (g, t) ends with dims 32t + j and
 //     32t + 16 + j of query head g.
 // Per 16 keys and warp: 16 + 16 mma, 48 conversions, 8 byte permutes, 8 16-byte loads.
+// A 16-bit cache (KV16) needs no conversion: lane (g, t) reads 64 bytes of keys g and 8 + g,
+// 32 bytes of keys 2t, 2t+1, 2t+8, 2t+9, and pairs V's halves with `prmt`.
 //
 // Compile-time constants (-D): G (queries per KV head, 1..8), WARPS, BLOCK_SIZE (a multiple
 // of 16), E5M2 (0: e4m3), Q_BF16 (0: fp16 q and out), STAGES (>= 2, buffers per warp),
-// MIN_BLOCKS (0, or the CTAs per SM the registers must allow: __launch_bounds__).
-// Dynamic shared memory: WARPS * STAGES * 4096 bytes.
+// KV16 (1: the cache holds q's dtype).
+// Dynamic shared memory: WARPS * STAGES * CHUNK_BYTES (4096, or 8192 with KV16).
 
 #define HEAD 128
 #define NKB 8   // k-blocks of 16 head dims in Q K^T
 #define NNT 16  // n-tiles of 8 head dims in P V
+#if KV16
+#define ROW_BYTES 256  // one key of one head
+#else
+#define ROW_BYTES 128
+#endif
+#define PIECES (ROW_BYTES / 16)        // 16-byte pieces of a row
+#define CHUNK_BYTES (32 * ROW_BYTES)   // 16 keys of K, then of V
+#define MMA_BF16 (KV16 && Q_BF16)      // dots in bf16 (else fp16)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -52,8 +63,15 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
 }
 
 // A pair of model-dtype values (low half first) as an f16 pair.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// A pair of model-dtype q values (low half first) as an operand pair of the dots.
 __device__ __forceinline__ u32 q_pair_to_f16x2(u32 w) {
-#if Q_BF16
+#if Q_BF16 && !MMA_BF16
   return pack_f16x2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 #else
   return w;
@@ -74,7 +92,11 @@ __device__ __forceinline__ u16 f32_to_out(float x) {
 __device__ __forceinline__ void mma(float& d0, float& d1, float& z2, float& z3, u32 a0, u32 a2,
                                     u32 b0, u32 b1) {
   asm volatile(
+#if MMA_BF16
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+#else
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+#endif
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d0), "+f"(d1), "+f"(z2), "+f"(z3)
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
@@ -88,16 +110,8 @@ __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
   return r;
 }
 
-#define CHUNK_BYTES 4096  // 16 keys x 128 fp8 of K, then of V
-
 __device__ __forceinline__ void cp_async16(u32 smem_addr, const unsigned char* gmem) {
-#if L2_HINT == 256
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
-#elif L2_HINT == 128
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
-#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
-#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -105,29 +119,25 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-// A chunk's 128-byte rows keep their 16-byte pieces XOR-swizzled by row (piece k of row r at
-// k ^ (r & 7)), so the 8 lanes of each shared-memory phase below read 8 different bank groups.
-__device__ __forceinline__ int swz(int row, int piece) { return row * 128 + 16 * (piece ^ (row & 7)); }
+// A chunk's rows keep their 16-byte pieces XOR-swizzled by row (piece k of row r at
+// k ^ (r & 7)), so the 8 lanes of each shared-memory phase below read 8 different bank groups
+// (with 128-byte rows; 256-byte rows still meet 2-way conflicts, which the reads can afford).
+__device__ __forceinline__ int swz(int row, int piece) {
+  return row * ROW_BYTES + 16 * (piece ^ (row & 7));
+}
 
 __device__ __forceinline__ u32 word(const uint4& x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
-#if MIN_BLOCKS
-#define BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-#else
-#define BOUNDS __launch_bounds__(WARPS * 32)
-#endif
-
-extern "C" __global__ void BOUNDS
-    pagoda_paged_decode_fp8(u16* out, const u16* q, const unsigned char* k_cache,
-                            const unsigned char* v_cache, const int* block_tables,
-                            const int* seq_lens, const int* query_start_loc,
-                            const float* k_scale, const float* v_scale, float* segm_out,
-                            float* segm_max, float* segm_sum, double qk_scale_d, int num_heads,
-                            int stride_q_tok, int stride_q_head, int stride_o_tok,
-                            int stride_o_head, int stride_c_blk, int stride_c_slot,
-                            int stride_c_head, int stride_bt) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    pagoda_paged_decode(u16* out, const u16* q, const unsigned char* k_cache,
+                        const unsigned char* v_cache, const int* block_tables,
+                        const int* seq_lens, const int* query_start_loc, const float* k_scale,
+                        const float* v_scale, float* segm_out, float* segm_max, float* segm_sum,
+                        double qk_scale_d, int num_heads, int stride_q_tok, int stride_q_head,
+                        int stride_o_tok, int stride_o_head, int stride_c_blk, int stride_c_slot,
+                        int stride_c_head, int stride_bt) {
   const int kv_head = blockIdx.x, req = blockIdx.y, segm = blockIdx.z, nsegm = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -185,13 +195,13 @@ extern "C" __global__ void BOUNDS
       const long long base = (long long)blk * stride_c_blk +
                              (long long)((c << 4) % BLOCK_SIZE) * stride_c_slot + head_off;
       const u32 st = ring_s + (i % STAGES) * CHUNK_BYTES;
-      const int piece = lane & 7;
+      const int piece = lane % PIECES;
 #pragma unroll
-      for (int r4 = 0; r4 < 4; ++r4) {
-        const int row = (lane >> 3) + 4 * r4;
+      for (int r = 0; r < 16 * PIECES / 32; ++r) {
+        const int row = lane / PIECES + (32 / PIECES) * r;
         const long long off = base + (long long)row * stride_c_slot + 16 * piece;
         cp_async16(st + swz(row, piece), k_cache + off);
-        cp_async16(st + 2048 + swz(row, piece), v_cache + off);
+        cp_async16(st + 16 * ROW_BYTES + swz(row, piece), v_cache + off);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the count uniform
@@ -205,24 +215,37 @@ extern "C" __global__ void BOUNDS
     issue(i + STAGES - 1);
     const int pos0 = (c_lo + warp + i * WARPS) << 4;
     const unsigned char* kst = ring + (i % STAGES) * CHUNK_BYTES;
-    const unsigned char* vst = kst + 2048;
-    uint4 kk[4], vv[4];
-    kk[0] = *(const uint4*)(kst + swz(g, 2 * t));  // key g, dims 32t ..
-    kk[1] = *(const uint4*)(kst + swz(g, 2 * t + 1));
-    kk[2] = *(const uint4*)(kst + swz(8 + g, 2 * t));  // key 8 + g
-    kk[3] = *(const uint4*)(kst + swz(8 + g, 2 * t + 1));
-    vv[0] = *(const uint4*)(vst + swz(2 * t, g));  // keys 2t, 2t+1, 2t+8, 2t+9, dims 16g ..
-    vv[1] = *(const uint4*)(vst + swz(2 * t + 1, g));
-    vv[2] = *(const uint4*)(vst + swz(2 * t + 8, g));
-    vv[3] = *(const uint4*)(vst + swz(2 * t + 9, g));
+    const unsigned char* vst = kst + 16 * ROW_BYTES;
+    // K: keys g and 8 + g, dims [32t, 32t + 32); V: keys 2t, 2t+1, 2t+8, 2t+9, dims [16g, 16g+16).
+    constexpr int KP = PIECES / 4, VP = PIECES / 8;  // pieces per lane and key
+    uint4 kk[2 * KP], vv[4 * VP];
+#pragma unroll
+    for (int p = 0; p < KP; ++p) {
+      kk[p] = *(const uint4*)(kst + swz(g, KP * t + p));
+      kk[KP + p] = *(const uint4*)(kst + swz(8 + g, KP * t + p));
+    }
+#pragma unroll
+    for (int p = 0; p < VP; ++p) {
+      vv[p] = *(const uint4*)(vst + swz(2 * t, VP * g + p));
+      vv[VP + p] = *(const uint4*)(vst + swz(2 * t + 1, VP * g + p));
+      vv[2 * VP + p] = *(const uint4*)(vst + swz(2 * t + 8, VP * g + p));
+      vv[3 * VP + p] = *(const uint4*)(vst + swz(2 * t + 9, VP * g + p));
+    }
     // S = Q K^T for keys 0-7 (s0) and 8-15 (s1) of the chunk.
     float s0a = 0.f, s0b = 0.f, s1a = 0.f, s1b = 0.f;
 #pragma unroll
     for (int kb = 0; kb < NKB; ++kb) {
-      const u32 w0 = word(kk[kb >> 2], kb & 3);
-      const u32 w1 = word(kk[2 + (kb >> 2)], kb & 3);
-      mma(s0a, s0b, z2, z3, qa0[kb], qa2[kb], fp8x2_to_f16x2(w0), fp8x2_to_f16x2(w0 >> 16));
-      mma(s1a, s1b, z2, z3, qa0[kb], qa2[kb], fp8x2_to_f16x2(w1), fp8x2_to_f16x2(w1 >> 16));
+#if KV16  // dims 32t + 4kb + {0, 1} and {2, 3}: words 2kb, 2kb + 1 of the lane's 64 bytes
+      const u32 b00 = word(kk[kb >> 1], (2 * kb) & 3), b01 = word(kk[kb >> 1], (2 * kb + 1) & 3);
+      const u32 b10 = word(kk[KP + (kb >> 1)], (2 * kb) & 3);
+      const u32 b11 = word(kk[KP + (kb >> 1)], (2 * kb + 1) & 3);
+#else  // dims 32t + 4kb + {0..3}: word kb of the lane's 32 bytes, two fp8 pairs
+      const u32 w0 = word(kk[kb >> 2], kb & 3), w1 = word(kk[KP + (kb >> 2)], kb & 3);
+      const u32 b00 = fp8x2_to_f16x2(w0), b01 = fp8x2_to_f16x2(w0 >> 16);
+      const u32 b10 = fp8x2_to_f16x2(w1), b11 = fp8x2_to_f16x2(w1 >> 16);
+#endif
+      mma(s0a, s0b, z2, z3, qa0[kb], qa2[kb], b00, b01);
+      mma(s1a, s1b, z2, z3, qa0[kb], qa2[kb], b10, b11);
     }
     // Lane (g, t) holds keys 2t, 2t + 1, 8 + 2t, 9 + 2t of row g.
     const int p0 = pos0 + 2 * t;
@@ -241,30 +264,37 @@ extern "C" __global__ void BOUNDS
     x3 = exp2f(x3 - m_new);
     l_i = l_i * alpha + ((x0 + x1) + (x2 + x3));
     m_i = m_new;
+#if MMA_BF16
+    const u32 pa0 = pack_bf16x2(x0, x1), pa2 = pack_bf16x2(x2, x3);
+#else
     const u32 pa0 = pack_f16x2(x0, x1), pa2 = pack_f16x2(x2, x3);
+#endif
     // Keys past the end read stale slots of the same block: zero their V (NaN * 0 = NaN).
-    uint4 v0 = vv[0], v1 = vv[1], v8 = vv[2], v9 = vv[3];
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
-    if (p0 >= seq_len) v0 = zero;
-    if (p0 + 1 >= seq_len) v1 = zero;
-    if (p0 + 8 >= seq_len) v8 = zero;
-    if (p0 + 9 >= seq_len) v9 = zero;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const u32 a = word(v0, w), b = word(v1, w), c8 = word(v8, w), c9 = word(v9, w);
-      const u32 lo_ab = __byte_perm(a, b, 0x5140), hi_ab = __byte_perm(a, b, 0x7362);
-      const u32 lo_cd = __byte_perm(c8, c9, 0x5140), hi_cd = __byte_perm(c8, c9, 0x7362);
+    for (int p = 0; p < VP; ++p) {
+      if (p0 >= seq_len) vv[p] = zero;
+      if (p0 + 1 >= seq_len) vv[VP + p] = zero;
+      if (p0 + 8 >= seq_len) vv[2 * VP + p] = zero;
+      if (p0 + 9 >= seq_len) vv[3 * VP + p] = zero;
+    }
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        const int j = 4 * w + jj;
-        acc[j][0] *= alpha;
-        acc[j][1] *= alpha;
-        const u32 ab = jj < 2 ? lo_ab : hi_ab, cd = jj < 2 ? lo_cd : hi_cd;
-        const int sh = (jj & 1) * 16;
-        mma(acc[j][0], acc[j][1], z2, z3, pa0, pa2, fp8x2_to_f16x2(ab >> sh),
-            fp8x2_to_f16x2(cd >> sh));
-      }
+    for (int j = 0; j < NNT; ++j) {  // dim 16g + j of keys (2t, 2t + 1) and (2t + 8, 2t + 9)
+      acc[j][0] *= alpha;
+      acc[j][1] *= alpha;
+#if KV16  // dim j is half (j & 1) of word j >> 1
+      const int w = j >> 1, p = w >> 2;
+      const u32 sel = (j & 1) ? 0x7632 : 0x5410;
+      const u32 b0 = __byte_perm(word(vv[p], w & 3), word(vv[VP + p], w & 3), sel);
+      const u32 b1 = __byte_perm(word(vv[2 * VP + p], w & 3), word(vv[3 * VP + p], w & 3), sel);
+#else  // dim j is byte (j & 3) of word j >> 2: pair the bytes, then convert
+      const int w = j >> 2;
+      const u32 sel = (j & 2) ? 0x7362 : 0x5140, sh = (j & 1) * 16;
+      const u32 b0 = fp8x2_to_f16x2(__byte_perm(word(vv[0], w), word(vv[1], w), sel) >> sh);
+      const u32 b1 = fp8x2_to_f16x2(__byte_perm(word(vv[2], w), word(vv[3], w), sel) >> sh);
+#endif
+      mma(acc[j][0], acc[j][1], z2, z3, pa0, pa2, b0, b1);
     }
   }
   l_i += __shfl_xor_sync(0xffffffffu, l_i, 1);
