@@ -1,10 +1,13 @@
 """The paged KV-cache layout and the per-step metadata every attention backend reads.
 
-Layout (shared by the torch reference and the Triton kernels):
+Layout (shared by the torch reference, the Triton and the CUDA kernels):
     kv_cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_size]
     kv_cache[0] holds keys, kv_cache[1] values. Token t of a request lives in physical block
     block_table[t // block_size] at offset t % block_size, i.e. at slot
     block_table[t // block_size] * block_size + t % block_size.
+That is the logical shape; kernels address it through strides. On CUDA the memory is
+head-major within each block ([2, num_blocks, num_kv_heads, block_size, head_size], viewed
+with dims 2 and 3 swapped: `pagoda.worker.kv_cache.kv_cache_layout`).
 For an FP8/INT8 cache the tensor has that dtype and `k_scale` / `v_scale` (float32 scalars,
 per layer) convert: stored = round(x / scale), x = stored * scale.
 

@@ -10,6 +10,9 @@ range into `num_segments` pieces; each writes a partial (max, sum of exps, unnor
 output) and `_reduce_segments_kernel` merges them. It pays off when few requests with long
 contexts would otherwise leave most SMs idle. The cache layout and metadata are those of
 `pagoda.attention.metadata`; FP8/INT8 caches are dequantized with per-layer scales on load.
+Pure decode steps of the common shapes go to a CUDA kernel instead
+(`pagoda.attention.cuda.paged_decode`, 1.1-1.9x faster on the H200); this kernel stays their
+reference and the path for everything else.
 """
 
 from __future__ import annotations
