@@ -7,11 +7,14 @@
 // cp.async, so STAGES - 1 chunks per warp are in flight while it computes one: an fp8 key is
 // half a bf16 one, and with one chunk in flight per warp the kernel read only ~2.4 TB/s (it
 // waited on memory latency, as the Triton kernel does). The block table comes in 32 entries
-// at a time, one per lane, and each chunk's block is shuffled out of them. Rows of the m16 tiles are the query heads of the KV head's group (G <= 8; rows 8-15
-// are zero), so the operands are laid out to need no shuffles:
+// at a time, one per lane, and each chunk's block is shuffled out of them.
+//
+// Rows of the m16 tiles are the query heads of the KV head's group (G <= 8; rows 8-15 are
+// zero), and the operands are laid out so that no lane needs another lane's bytes:
 //   * Q K^T: the reduction runs over head dims, and which dim a k-slot of the mma holds is
 //     free as long as q and K agree. Lane (g, t) holds dims [32t, 32t + 32) of key g (and
-//     8 + g) in its B fragments, one 32-byte load each: k-block kb, slot s <-> dim 32t+4kb+s.
+//     8 + g) in its B fragments, 32 contiguous bytes each: k-block kb, slot s <-> dim
+//     32t + 4kb + s.
 //     Each fp8 pair converts to an f16 pair with one `cvt.rn.f16x2.e4m3x2`.
 //   * P V: the reduction runs over keys; the S accumulator of two n-tiles is already P's A
 //     fragment (FlashAttention-2's register reuse). V's B fragment pairs keys (2t, 2t + 1)
@@ -62,7 +65,6 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
   return r;
 }
 
-// A pair of model-dtype values (low half first) as an f16 pair.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   u32 r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -70,7 +72,7 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 }
 
 // A pair of model-dtype q values (low half first) as an operand pair of the dots.
-__device__ __forceinline__ u32 q_pair_to_f16x2(u32 w) {
+__device__ __forceinline__ u32 q_pair_operand(u32 w) {
 #if Q_BF16 && !MMA_BF16
   return pack_f16x2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 #else
@@ -158,10 +160,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // 8 model-dtype values = 2 k-blocks per load
       const uint4 w = qp[i];
-      qa0[2 * i] = q_pair_to_f16x2(w.x);
-      qa2[2 * i] = q_pair_to_f16x2(w.y);
-      qa0[2 * i + 1] = q_pair_to_f16x2(w.z);
-      qa2[2 * i + 1] = q_pair_to_f16x2(w.w);
+      qa0[2 * i] = q_pair_operand(w.x);
+      qa2[2 * i] = q_pair_operand(w.y);
+      qa0[2 * i + 1] = q_pair_operand(w.z);
+      qa2[2 * i + 1] = q_pair_operand(w.w);
     }
   } else {
 #pragma unroll
