@@ -19,6 +19,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.quantization.awq import (
     GROUPS,
+    _weight_mean,
     awq_quantize,
     capture_layer_inputs,
     fake_quantize,
@@ -105,6 +106,25 @@ def test_scale_search_never_loses_to_round_to_nearest() -> None:
     # Uniform activations: nothing to protect, and still never worse.
     flat = search_scale(torch.randn(512, k, generator=g), w, bits=4, group_size=64)
     assert flat.error <= flat.rtn_error
+
+
+def test_duo_scaling_widens_the_search_and_never_loses() -> None:
+    g = torch.Generator().manual_seed(0)
+    k, n = 256, 64
+    x = torch.randn(2048, k, generator=g)
+    x[:, :8] *= 30.0
+    w = torch.randn(n, k, generator=g)
+    w[:, 64:96] *= 0.05  # input channels whose weights are small within their groups
+    plain = search_scale(x, w, bits=4, group_size=64, duo_scaling=False)
+    duo = search_scale(x, w, bits=4, group_size=64)
+    assert not plain.duo and duo.duo and duo.error < plain.error
+    assert duo.rtn_error == plain.rtn_error
+    approx = fake_quantize(w * duo.scales, 4, 64) / duo.scales
+    assert float(((x @ approx.t() - x @ w.t()) ** 2).mean()) == pytest.approx(duo.error, rel=1e-5)
+    # AutoAWQ's w_mean: |w| over its group's max, averaged over the output rows.
+    groups = w.abs().reshape(n, 4, 64)
+    expected = (groups / groups.amax(-1, keepdim=True)).reshape(n, k).mean(0)
+    torch.testing.assert_close(_weight_mean(w, 64), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_clip_search_never_raises_a_groups_error() -> None:

@@ -9,7 +9,8 @@ sqrt(max(s) min(s))) and its input divided by s, which the preceding op absorbs 
 weight, v_proj's or up_proj's output rows): the full-precision model computes the same
 function, and the salient channels are quantized with finer steps. alpha comes from a grid of
 20 values in [0, 1) by the group's output error on the calibration inputs (alpha = 0 is plain
-round-to-nearest, so the search never does worse than it there). Then, per output row and
+round-to-nearest, so the search never does worse than it there); the search also tries
+AutoAWQ's duo scaling, s = mean|x|^alpha / mean(|w| / group max)^(1 - alpha). Then, per output row and
 group of inputs, a clipping search shrinks the range [-m, m] (m = max|w|, ratios 1 down to
 0.55) where that lowers the output error (not on q/k, whose errors the softmax amplifies, as
 AutoAWQ). Decoder layers are calibrated in order, each on the activations of the model whose
@@ -105,30 +106,55 @@ def relative_error(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor) 
 
 @dataclass
 class ScaleSearch:
-    scales: torch.Tensor  # [K] float32, the best alpha's
+    scales: torch.Tensor  # [K] float32, the best candidate's
     alpha: float
+    duo: bool  # the candidate also divides by the weights' mean magnitude
     error: float  # mean squared output error of Q(W * s) / s on the inputs
     rtn_error: float  # the same for alpha = 0 (plain round-to-nearest)
 
 
+def _weight_mean(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mean over rows of |w| / max|w| of its quantization group: [K] (AutoAWQ's w_mean)."""
+    a = weight.abs()
+    parts = [
+        a[:, sl] / (a[:, sl].amax(dim=1, keepdim=True) + 1e-6)
+        for sl in _group_slices(a.shape[1], group_size)
+    ]
+    return torch.cat(parts, dim=1).mean(dim=0)
+
+
 def search_scale(
-    x: torch.Tensor, weight: torch.Tensor, bits: int = 4, group_size: int = 128, grid: int = GRID
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    grid: int = GRID,
+    duo_scaling: bool = True,
 ) -> ScaleSearch:
     """The AWQ scale of one linear group: x [n, K] its calibration inputs, weight [N, K] the
     stacked weights of the linears that read x. Minimizes mean((x W'^T - x W^T)^2) over
-    W' = Q(W * s) / s, s = x_mean^alpha / sqrt(max * min), alpha in i / grid."""
+    W' = Q(W * s) / s, s = x_mean^alpha / sqrt(max * min), alpha in i / grid, and with
+    `duo_scaling` also over s = x_mean^alpha / w_mean^(1 - alpha) (AutoAWQ's default, which
+    also favours the input channels whose weights are small in their group). alpha = 0 of the
+    first family, plain round-to-nearest, comes first and wins ties."""
     x, w = x.float(), weight.float()
     y = x @ w.t()
     x_mean = x.abs().mean(dim=0)
+    w_mean = _weight_mean(w, group_size) if duo_scaling else None
     errors, candidates = [], []
-    for i in range(grid):
-        s = x_mean.pow(i / grid).clamp_min(1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        approx = fake_quantize(w * s, bits, group_size) / s
-        errors.append(float((x @ approx.t() - y).pow(2).mean()))
-        candidates.append(s)
-    i = min(range(grid), key=errors.__getitem__)  # the first of equals: alpha = 0 on ties
-    return ScaleSearch(candidates[i], i / grid, errors[i], errors[0])
+    for duo in (False, True) if duo_scaling else (False,):
+        for i in range(grid):
+            s = x_mean.pow(i / grid)
+            if duo:
+                s = s / (w_mean.pow(1 - i / grid) + 1e-4)
+            s = s.clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            approx = fake_quantize(w * s, bits, group_size) / s
+            errors.append(float((x @ approx.t() - y).pow(2).mean()))
+            candidates.append((s, i / grid, duo))
+    best = min(range(len(errors)), key=errors.__getitem__)  # the first of equals
+    s, alpha, duo = candidates[best]
+    return ScaleSearch(s, alpha, duo, errors[best], errors[0])
 
 
 def search_clip(
