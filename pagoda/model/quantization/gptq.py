@@ -8,8 +8,9 @@ spread over the columns not yet quantized through the inverse Hessian's Cholesky
 blocks of 128 columns; group scales and zeros are set when a group's first column comes up;
 `act_order` visits columns by decreasing Hessian diagonal (`g_idx` records their groups). Each
 decoder layer is calibrated on the activations of the model whose earlier layers are already
-quantized (the paper's sequential variant): `LayerwiseCalibration` keeps every layer's inputs
-and runs only that layer, once quantized, to get the next one's.
+quantized (the paper's sequential variant), and within a layer q/k/v, o, gate/up and down in
+that order, each on the layer with the earlier ones quantized (AutoGPTQ's true_sequential):
+`LayerwiseCalibration` keeps every layer's inputs and reruns only that layer.
 
     pagoda quantize MODEL --output DIR [--bits 4] [--group-size 128] [--act-order]
         [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
@@ -237,10 +238,11 @@ def quantize_model(
         raise ValueError(f"GPTQ here quantizes decoder layers' linears only, got {list(stages)}")
     results: list[tuple[str, nn.Module, GPTQResult]] = []
     for group in stages.values():
-        with _hessian_hooks(group) as hessians:
-            calib.forward()
-        quantized = []
+        # Within the layer too, in order (AutoGPTQ's true_sequential): q/k/v, o, gate/up and
+        # down each get their Hessian from the layer whose earlier linears are quantized.
         for name, module in group:
+            with _hessian_hooks([(name, module)]) as hessians:
+                calib.forward()
             w = module.weight.data.clone()
             if method == "rtn":
                 res = _rtn_result(w, bits, group_size)
@@ -250,11 +252,9 @@ def quantize_model(
                 output_error(w, res.dequantized, hessians[name]),
                 output_error(w, rtn(w, bits, group_size), hessians[name]),
             )
-            quantized.append((name, module, res))
-        for _, module, res in quantized:
             module.weight.data.copy_(res.dequantized)
+            results.append((name, module, res))
         calib.advance()
-        results += quantized
     for name, module, res in results:
         for prefix, cols in shard_columns(model, name, module):
             tensors[prefix + ".qweight"] = pack_gptq_weight(res.values[:, cols], bits)
