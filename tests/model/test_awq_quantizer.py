@@ -24,6 +24,7 @@ from pagoda.model.quantization.awq import (
     capture_layer_inputs,
     fake_quantize,
     fold_scales,
+    mlp_output,
     quantize_model_awq,
     quantize_rtn,
     search_clip,
@@ -125,6 +126,33 @@ def test_duo_scaling_widens_the_search_and_never_loses() -> None:
     groups = w.abs().reshape(n, 4, 64)
     expected = (groups / groups.amax(-1, keepdim=True)).reshape(n, k).mean(0)
     torch.testing.assert_close(_weight_mean(w, 64), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gqa_tied", "mqa_bias"])
+def test_mlp_output_maps_gate_up_outputs_to_the_mlp_output(tmp_path, case) -> None:
+    # gate/up's scales are scored on the MLP's output, as AutoAWQ does.
+    tiny, overrides = CASES[case]
+    make_tiny_checkpoint(tmp_path, tiny, **overrides)
+    model, _ = _load(tmp_path)
+    layer = model.model.layers[0]
+    gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+    x = torch.randn(10, gate_up.weight.shape[1], generator=torch.Generator().manual_seed(2))
+    got = mlp_output(layer)(x @ gate_up.weight.detach().t())
+    if down.bias is not None:
+        got = got + down.bias.detach()
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer.mlp(x), atol=1e-5, rtol=1e-5)
+
+
+def test_block_scored_search_measures_the_block_output() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(512, 128, generator=g), torch.randn(32, 128, generator=g)
+    x[:, :4] *= 20.0
+    proj = torch.randn(32, 8, generator=g)
+    res = search_scale(x, w, bits=4, group_size=64, block=lambda h: torch.tanh(h) @ proj)
+    approx = fake_quantize(w * res.scales, 4, 64) / res.scales
+    err = (torch.tanh(x @ approx.t()) @ proj - torch.tanh(x @ w.t()) @ proj).pow(2).mean()
+    assert float(err) == pytest.approx(res.error, rel=1e-5) and res.error <= res.rtn_error
 
 
 def test_clip_search_never_raises_a_groups_error() -> None:

@@ -10,7 +10,8 @@ weight, v_proj's or up_proj's output rows): the full-precision model computes th
 function, and the salient channels are quantized with finer steps. alpha comes from a grid of
 20 values in [0, 1) by the group's output error on the calibration inputs (alpha = 0 is plain
 round-to-nearest, so the search never does worse than it there); the search also tries
-AutoAWQ's duo scaling, s = mean|x|^alpha / mean(|w| / group max)^(1 - alpha). Then, per output row and
+AutoAWQ's duo scaling, s = mean|x|^alpha / mean(|w| / group max)^(1 - alpha), and scores
+gate/up's scales on the MLP's output, as AutoAWQ does. Then, per output row and
 group of inputs, a clipping search shrinks the range [-m, m] (m = max|w|, ratios 1 down to
 0.55) where that lowers the output error (not on q/k, whose errors the softmax amplifies, as
 AutoAWQ). Decoder layers are calibrated in order, each on the activations of the model whose
@@ -23,7 +24,7 @@ inputs and runs only that layer, once quantized, to get the next one's).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -130,15 +131,19 @@ def search_scale(
     group_size: int = 128,
     grid: int = GRID,
     duo_scaling: bool = True,
+    block: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ScaleSearch:
     """The AWQ scale of one linear group: x [n, K] its calibration inputs, weight [N, K] the
-    stacked weights of the linears that read x. Minimizes mean((x W'^T - x W^T)^2) over
+    stacked weights of the linears that read x. Minimizes mean((f(x W'^T) - f(x W^T))^2) over
     W' = Q(W * s) / s, s = x_mean^alpha / sqrt(max * min), alpha in i / grid, and with
     `duo_scaling` also over s = x_mean^alpha / w_mean^(1 - alpha) (AutoAWQ's default, which
-    also favours the input channels whose weights are small in their group). alpha = 0 of the
-    first family, plain round-to-nearest, comes first and wins ties."""
+    also favours the input channels whose weights are small in their group). f is `block`
+    (what the rest of the block makes of the group's outputs: AutoAWQ scores gate/up on the
+    MLP's output) or the identity. alpha = 0 of the first family, plain round-to-nearest,
+    comes first and wins ties."""
     x, w = x.float(), weight.float()
-    y = x @ w.t()
+    f = block or (lambda h: h)
+    y = f(x @ w.t())
     x_mean = x.abs().mean(dim=0)
     w_mean = _weight_mean(w, group_size) if duo_scaling else None
     errors, candidates = [], []
@@ -150,11 +155,28 @@ def search_scale(
             s = s.clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()
             approx = fake_quantize(w * s, bits, group_size) / s
-            errors.append(float((x @ approx.t() - y).pow(2).mean()))
+            errors.append(float((f(x @ approx.t()) - y).pow(2).mean()))
             candidates.append((s, i / grid, duo))
     best = min(range(len(errors)), key=errors.__getitem__)  # the first of equals
     s, alpha, duo = candidates[best]
     return ScaleSearch(s, alpha, duo, errors[best], errors[0])
+
+
+def mlp_output(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gate_up's outputs -> the MLP's output: gate_up's bias, SiLU-and-mul, the full-precision
+    down projection (whose bias cancels in the search's differences)."""
+    mlp = layer.mlp
+    w_down = mlp.down_proj.weight.detach().float().clone()
+    bias = mlp.gate_up_proj.bias
+    b = None if bias is None else bias.detach().float().clone()
+    inter = w_down.shape[1]
+
+    def f(h: torch.Tensor) -> torch.Tensor:
+        if b is not None:
+            h = h + b
+        return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w_down.t()
+
+    return f
 
 
 def search_clip(
@@ -306,7 +328,8 @@ def awq_layer(
     for name in GROUPS:
         if name == "self_attn.o_proj" and not _o_proj_foldable(layer):
             continue
-        scales[name] = search_scale(xs[name], originals[name], bits, group_size).scales
+        block = mlp_output(layer) if name == "mlp.gate_up_proj" else None
+        scales[name] = search_scale(xs[name], originals[name], bits, group_size, block=block).scales
     fold_scales(layer, scales)
     out: dict[str, tuple[RTNResult, float, float]] = {}
     attn = layer.self_attn
