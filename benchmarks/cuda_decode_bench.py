@@ -84,7 +84,7 @@ def main() -> None:
                             kern = paged_decode.get_kernel(4, bs, kind, True, warps, stages)
                             us = graph_us(
                                 paged_decode.paged_decode, kern, q, cache, out, md,
-                                scale * 1.4426950408889634, ks, ks, 1, None, warps, stages,
+                                scale * 1.4426950408889634, ks, ks, 1, None,
                             )  # fmt: skip
                             row[f"{kv}_cuda_w{warps}_s{stages}"] = round(us, 1)
                 del q, cache, out, ref

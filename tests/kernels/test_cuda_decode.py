@@ -7,6 +7,9 @@ only the dispatch rules are checked."""
 
 from __future__ import annotations
 
+import ctypes
+from types import SimpleNamespace
+
 import pytest
 import torch
 from kernel_testing import enable_interpreter_without_cuda, make_paged_batch
@@ -130,3 +133,28 @@ def test_unsupported_steps_keep_the_triton_kernel() -> None:
         unified_attention(
             batch.q, batch.kv_cache, torch.empty_like(batch.q), md, 0.1, cuda_decode_kernel=True
         )
+
+
+def test_launch_passes_the_grid_cta_shape_and_byte_strides(monkeypatch) -> None:
+    # The launch without a GPU: what reaches cuLaunchKernel for a stand-in compiled kernel.
+    calls = []
+
+    class Driver:
+        def cuLaunchKernel(self, *args):  # noqa: N802 (the driver's name)
+            calls.append(args)
+            return 0
+
+    monkeypatch.setattr(paged_decode, "_libcuda", lambda: Driver())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    batch = make_paged_batch([1, 1, 1], [5, 9, 40], 8, 2, 128, 16)
+    kernel = paged_decode.DecodeKernel(SimpleNamespace(func="handle"), threads=128, smem=49152)
+    one = torch.ones(1)
+    paged_decode.paged_decode(
+        kernel, batch.q, batch.kv_cache, batch.q, batch.metadata(), 0.1, one, one, 4, None
+    )
+    (args,) = calls
+    assert args[:8] == ("handle", 2, 3, 4, 128, 1, 1, 49152)  # grid (KV heads, requests, segs)
+    params = args[9]
+    strides = [ctypes.c_int.from_address(params[i]).value for i in range(18, 21)]
+    assert strides == [s * 4 for s in batch.kv_cache.stride()[1:4]]  # bytes of float32
+    assert ctypes.c_double.from_address(params[12]).value == 0.1

@@ -5,7 +5,8 @@ on the H200, not faster than bf16's bytes: each program waits on its loads with 
 flight, and each fp8 value is converted and then moved into the dot operand layouts.
 `paged_decode.cu` streams every warp's 16-key chunks through a cp.async ring (several chunks in
 flight) and lays the operands out so each lane converts the bytes it loaded, with no shuffles
-(its header says how): 3.4 TB/s of fp8 and 4.05 TB/s of bf16 at 256 ragged requests. It covers the decode steps of the
+(its header says how): 3.4 TB/s of fp8 and 4.05 TB/s of bf16 at 256 ragged requests
+(`python benchmarks/cuda_decode_bench.py`, H200 run 21). It covers the decode steps of the
 common shapes: one query token per request, head size 128, up to 8 query heads per KV head,
 block sizes that are multiples of 16, bf16/fp16 queries over an e4m3/e5m2 cache or a cache of
 their own dtype, on sm_89 or newer. Everything else, and any GPU where the kernel does not
@@ -22,7 +23,9 @@ import ctypes
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,14 +120,26 @@ def _source(group: int, block_size: int, cache: str, q_bf16: bool, warps: int, s
     return head + _SOURCE.read_text()
 
 
+@dataclass(frozen=True)
+class DecodeKernel:
+    """A compiled kernel and the CTA shape it was compiled for."""
+
+    func: Any  # torch.cuda._utils._CudaKernel
+    threads: int
+    smem: int
+
+
 @functools.cache
-def _compile(group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int):
+def _compile(
+    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int
+) -> DecodeKernel | None:
     """The compiled kernel, or None (logged once) where NVRTC cannot build it."""
     src = _source(group, block_size, cache, q_bf16, warps, stages)
+    smem = smem_bytes(warps, stages, cache)
     try:
-        kernel = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
-        kernel.set_shared_memory_config(smem_bytes(warps, stages, cache))
-        return kernel
+        func = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
+        func.set_shared_memory_config(smem)
+        return DecodeKernel(func, 32 * warps, smem)
     except Exception as e:  # no NVRTC, an old toolkit, too little shared memory
         logger.warning("CUDA decode kernel unavailable, using Triton's: %s", e)
         return None
@@ -136,7 +151,7 @@ _compiled_keys: set[tuple] = set()
 def get_kernel(
     group: int, block_size: int, cache: str, q_bf16: bool, warps: int | None = None,
     stages: int | None = None,
-):  # fmt: skip
+) -> DecodeKernel | None:  # fmt: skip
     """The kernel for this shape (`cache` from `cache_kind`; warps and stages default to
     `_LAUNCH`'s), or None. Never compiles while a CUDA graph is being captured (loading a
     module is not a stream operation): the caller falls back to Triton then."""
@@ -148,7 +163,7 @@ def get_kernel(
     return _compile(*key)
 
 
-def _launch(kernel, grid: tuple[int, int, int], block: int, smem: int, args: list) -> None:
+def _launch(kernel: DecodeKernel, grid: tuple[int, int, int], args: list) -> None:
     """cuLaunchKernel on the current stream: tensors as pointers, ints as 32-bit, floats as
     doubles (the kernel's parameters are declared to match). Leaner than the wrapper's
     `__call__`, which an eager decode step pays once per layer."""
@@ -163,8 +178,9 @@ def _launch(kernel, grid: tuple[int, int, int], block: int, smem: int, args: lis
     ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
     stream = torch.cuda.current_stream().cuda_stream
     err = _libcuda().cuLaunchKernel(
-        kernel.func, *grid, block, 1, 1, smem, ctypes.c_void_p(stream), ptrs, None
-    )
+        kernel.func.func, *grid, kernel.threads, 1, 1, kernel.smem, ctypes.c_void_p(stream), ptrs,
+        None,
+    )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
 
@@ -175,7 +191,7 @@ def _libcuda():
 
 
 def paged_decode(
-    kernel,
+    kernel: DecodeKernel,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     out: torch.Tensor,
@@ -185,12 +201,10 @@ def paged_decode(
     v_scale: torch.Tensor,
     num_segments: int,
     segm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    warps: int | None = None,
-    stages: int | None = None,
 ) -> None:
-    """Launch `kernel` (from `get_kernel` with the same `warps` and `stages`) for a decode
-    step. With `num_segments` > 1 it writes the partials `segm` = (out, max, sum) for
-    `_reduce_segments_kernel` instead of `out`. `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are
+    """Launch `kernel` (from `get_kernel`) for a decode step. With `num_segments` > 1 it
+    writes the partials `segm` = (out, max, sum) for `_reduce_segments_kernel` instead of
+    `out`. `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are
     one-element float32 tensors."""
     num_reqs = attn_metadata.seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[3]
@@ -219,8 +233,4 @@ def paged_decode(
         kv_cache.stride(3) * kv_cache.element_size(),
         attn_metadata.block_tables.stride(0),
     ]
-    cache = cache_kind(kv_cache.dtype)
-    default_warps, default_stages = _LAUNCH[cache]
-    warps, stages = warps or default_warps, stages or default_stages
-    grid = (num_kv_heads, num_reqs, num_segments)
-    _launch(kernel, grid, 32 * warps, smem_bytes(warps, stages, cache), args)
+    _launch(kernel, (num_kv_heads, num_reqs, num_segments), args)
