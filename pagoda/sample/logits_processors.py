@@ -29,8 +29,8 @@ def apply_allowed_token_ids(
 
 def apply_token_mask(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Ban the (row, token) pairs of `index` [2, N] (min_tokens: stop tokens before the minimum)."""
-    logits[index[0], index[1]] = _NEG_INF
-    return logits
+    # The value as a device tensor: `logits[i, j] = -inf` copies a host scalar (a host sync).
+    return logits.index_put_((index[0], index[1]), logits.new_full((1,), _NEG_INF))
 
 
 def apply_logit_bias(

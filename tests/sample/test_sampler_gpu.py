@@ -25,7 +25,8 @@ MIXED = [
     SP(temperature=1.0, top_p=0.9, seed=3),
     SP(temperature=0.7, top_k=20, min_p=0.05, repetition_penalty=1.2),
     SP(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.2, logit_bias={5: 2.0}),
-    SP(temperature=1.0, allowed_token_ids=[1, 2, 3, 500], min_tokens=4, logprobs=1),
+    # Row 4 has 5 output tokens (`_inputs`): min_tokens above that keeps stop tokens 2 and 500 banned.
+    SP(temperature=1.0, allowed_token_ids=[1, 2, 3, 500], min_tokens=8, logprobs=1),
 ]
 
 
