@@ -23,7 +23,6 @@ from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request
-from pagoda.kernels import cublaslt
 from pagoda.sample.bitmask import apply_token_bitmask
 from pagoda.sample.metadata import to_device_tensor
 from pagoda.sample.sampler import (
@@ -291,13 +290,6 @@ class ModelRunner:
             mixed_shapes=mixed,
         )
         self.cuda_graphs.capture()
-        if cublaslt.stats["problems"]:
-            logger.info(
-                "cuBLASLt: %d GEMM problems timed in %.1f s, a cuBLASLt algorithm chosen for %d",
-                cublaslt.stats["problems"],
-                cublaslt.stats["seconds"],
-                cublaslt.stats["chosen"],
-            )
         plan = self.memory_plan
         if plan is not None and self.cuda_graphs.memory_bytes > plan.cuda_graph_bytes:
             logger.warning(

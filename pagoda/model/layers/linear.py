@@ -12,8 +12,7 @@ On CPU, a bf16 weight is packed after loading for the C GEMM of `pagoda.kernels.
 which then takes every product (it beats oneDNN at all row counts); other small products
 (float32 decode) go to the skinny GEMM on the plain weight. On CUDA a one-row product
 (single-stream decode) takes the Triton GEMV of `pagoda.kernels.gemv`, 2..32 rows (64 for wide
-outputs) the skinny GEMM of `pagoda.kernels.skinny_gemm`, the rest cuBLAS, through cuBLASLt with
-the algorithm timed fastest for the problem (`pagoda.kernels.cublaslt`). With the
+outputs) the skinny GEMM of `pagoda.kernels.skinny_gemm`, the rest cuBLAS. With the
 layer's `fused_ops` off, `F.linear` (on the unpacked weight) is the reference.
 """
 
@@ -29,7 +28,6 @@ from torch import nn
 from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import few_rows_linear, one_row_linear
 from pagoda.kernels.cpu import gemm as cpu_gemm
-from pagoda.kernels.cublaslt import tuned_linear
 from pagoda.model.parallel import (
     divide,
     get_tp_rank,
@@ -107,15 +105,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
             # One row (single-stream decode): a Triton GEMV streams the weight faster than
             # cuBLAS's split-K kernels (pagoda/kernels/gemv.py); a few rows, the Triton skinny
             # GEMM (pagoda/kernels/skinny_gemm.py).
-            # Past those, cuBLASLt's algorithm measured fastest for the problem
-            # (pagoda/kernels/cublaslt.py) where it beats torch's cuBLAS call.
             y = None
             if fused:
                 y = one_row_linear(x, weight, bias)
                 if y is None:
                     y = few_rows_linear(x, weight, bias)
-                if y is None and bias is None:
-                    y = tuned_linear(x, weight)
             return F.linear(x, weight, bias) if y is None else y
         if cpu_gemm.is_packed(weight):
             if fused and cpu_gemm.packed_linear_supported(x, weight):
