@@ -175,17 +175,23 @@ class StepTimer:
             return {}
         self._cuda.synchronize()
         kinds: dict[str, dict[str, float]] = {}
-        idle_ms, prev_end = 0.0, None
-        for start, end, tokens, reqs, ctx in self.trace:
-            gap = prev_end.elapsed_time(start) if prev_end is not None else 0.0
-            idle_ms += max(gap, 0.0)
+        idle_ms, prev_end, prev_kind = 0.0, None, None
+        gaps: list[tuple[float, int, str, str | None]] = []  # (ms, step, kind, previous kind)
+        for i, (start, end, tokens, reqs, ctx) in enumerate(self.trace):
+            gap = max(prev_end.elapsed_time(start), 0.0) if prev_end is not None else 0.0
+            idle_ms += gap
             prev_end = end
             if tokens > reqs:
                 kind = "prefill"
             else:
                 lo = next(b for b in (256, 192, 128, 64, 32, 8, 1) if reqs >= b or b == 1)
                 kind = f"decode>={lo}"
-            k = kinds.setdefault(kind, {"steps": 0, "gpu_ms": 0.0, "tokens": 0, "ctx": 0})
+            gaps.append((gap, i, kind, prev_kind))
+            prev_kind = kind
+            k = kinds.setdefault(
+                kind, {"steps": 0, "gpu_ms": 0.0, "tokens": 0, "ctx": 0, "idle_before_ms": 0.0}
+            )
+            k["idle_before_ms"] += gap
             k["steps"] += 1
             k["gpu_ms"] += start.elapsed_time(end)
             k["tokens"] += tokens
@@ -195,10 +201,17 @@ class StepTimer:
             k["tokens_per_step"] = round(k["tokens"] / k["steps"], 1)
             k["ctx_per_step"] = round(k["ctx"] / k["steps"])
             k["gpu_ms"] = round(k["gpu_ms"], 1)
+            k["idle_before_ms"] = round(k["idle_before_ms"], 1)
         span = self.trace[0][0].elapsed_time(self.trace[-1][1])
+        longest = sorted(gaps, reverse=True)[:8]
         return {
             "gpu_span_ms": round(span, 1),
             "gpu_idle_between_steps_ms": round(idle_ms, 1),
+            # The GPU's longest waits for the host: before which step, after which kind.
+            "longest_idle_gaps": [
+                {"ms": round(ms, 2), "step": i, "kind": kind, "after": prev}
+                for ms, i, kind, prev in longest
+            ],
             "by_kind": kinds,
         }
 
