@@ -12,7 +12,6 @@ the child builds the engine with the factory it is given.
 
 from __future__ import annotations
 
-import gc
 import logging
 import pickle
 import signal
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.engine.heap import freeze_startup_heap
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -199,17 +199,6 @@ def run_engine_core_process(
         _send_quietly(conn, CoreDead(_picklable(e)))
         raise SystemExit(1) from None
     _send_quietly(conn, CoreStopped())
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up out of the garbage collector's sight.
-
-    The model, torch's modules and the tokenizer are hundreds of thousands of objects that live
-    as long as the process; without this each full collection walks them all (~140 ms in the
-    HTTP front end, which a burst of requests triggers: the loop stalls and every request in
-    the burst waits). vLLM freezes its heaps after start-up for the same reason."""
-    gc.collect()
-    gc.freeze()
 
 
 def _picklable(e: BaseException) -> BaseException:

@@ -17,6 +17,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.heap import freeze_startup_heap
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.logger import init_logger
 from pagoda.metrics.loggers import LoggingStatLogger
@@ -73,6 +74,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None
         self._in_flight: tuple[SchedulerOutput, Any, IterationStats] | None = None
         self._log_cache_plan(num_blocks, time.perf_counter() - start)
+        freeze_startup_heap()  # a full collection mid-run would stall the steps
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool | None = None) -> LLMEngine:

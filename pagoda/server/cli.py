@@ -108,7 +108,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagoda.config import embedded_model_path
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.engine.engine_core import freeze_startup_heap
+    from pagoda.engine.heap import freeze_startup_heap
     from pagoda.server.app import build_app
     from pagoda.server.draining import DrainingServer, uvicorn
 
