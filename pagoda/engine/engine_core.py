@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.heap import freeze_startup_heap
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -175,8 +174,6 @@ def run_engine_core_process(
         logger.exception("the engine core failed to start")
         _send_quietly(conn, CoreDead(_picklable(e)))
         raise SystemExit(1) from None
-
-    freeze_startup_heap()
 
     def get_commands(block: bool) -> list[Command]:
         if block and not conn.poll(idle_poll_s):

@@ -21,7 +21,6 @@ import traceback
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.engine.heap import freeze_startup_heap
 from pagoda.executor.tp_worker import TensorParallelWorker
 from pagoda.worker.model_runner import StepOutputFuture
 
@@ -48,7 +47,6 @@ def run_worker(
     ).start()
     try:
         worker = TensorParallelWorker(rank, world_size, config, init_method, cpu_threads)
-        freeze_startup_heap()  # the model's objects, out of every full collection
         conn.send(("ok", worker.runner.bytes_per_block()))
     except BaseException as e:  # noqa: BLE001 - the driver re-raises it
         _send_error(conn, e)

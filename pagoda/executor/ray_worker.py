@@ -63,7 +63,6 @@ class RayWorker:
         os.environ.update(env)
 
         def build() -> int:
-            from pagoda.engine.heap import freeze_startup_heap
             from pagoda.executor.tp_worker import TensorParallelWorker
             from pagoda.worker.model_runner import num_cpu_threads
 
@@ -71,7 +70,6 @@ class RayWorker:
             self.worker = TensorParallelWorker(
                 rank, world_size, config, init_method, cpu_threads, device_index
             )
-            freeze_startup_heap()  # the model's objects, out of every full collection
             return self.worker.runner.bytes_per_block()
 
         return self._run(build)

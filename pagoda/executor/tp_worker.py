@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.engine.heap import freeze_startup_heap
 from pagoda.executor.step_delta import RequestMirror, StepDelta
 from pagoda.model.parallel import set_tensor_parallel
 from pagoda.worker.input_batch import StepInputs
@@ -134,6 +135,7 @@ class TensorParallelWorker:
         self.runner = TensorParallelModelRunner(config, rank)
         self.runner.load_model()
         self.mirror = RequestMirror()
+        freeze_startup_heap()  # the model's objects, out of every full collection
 
     def execute_step(self, delta: StepDelta) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns its sampled tokens, the other ranks None."""
