@@ -1,7 +1,18 @@
 """`SamplingParams`: how to pick each next token and when to stop (vLLM's fields and defaults).
 
 Plain Python (no torch): the scheduler and the server read it too. Every value is checked in
-`__post_init__`; a bad one raises `ValueError` naming the field.
+`__post_init__`, type and range, to what the sampler and the engine accept: a bad one raises
+`ValueError` whose message starts with the field's name (the server answers it as HTTP 400 with
+that name as `param`), so that no request can fail later inside an engine step.
+
+Limits beyond the obvious ranges:
+- `n` <= `MAX_N` (128, OpenAI's limit; `PAGODA_MAX_N_SEQUENCES` raises it, as vLLM's
+  `VLLM_MAX_N_SEQUENCES`): the engine runs `n` sequences, so `n` is the request's cost.
+- `seed` in the signed 64-bit range (vLLM's): `torch.Generator.manual_seed` takes
+  [-2**63, 2**64 - 1], and the engine seeds the i-th of `n` samples with `seed + i`.
+- `temperature` in [0, 2] (OpenAI's range, which vLLM enforces too): beyond it sampling is
+  near-uniform noise, and a huge value rounds to infinity in float32 (NaN logits).
+- `logprobs`, `prompt_logprobs` in [0, `MAX_LOGPROBS`] (vLLM's default `max_logprobs`).
 """
 
 from __future__ import annotations
@@ -9,10 +20,17 @@ from __future__ import annotations
 import copy
 import enum
 import json as _json
+import numbers
+import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 _SAMPLING_EPS = 1e-5
+MAX_N = int(os.environ.get("PAGODA_MAX_N_SEQUENCES") or 128)
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -76,6 +94,46 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+def _str_list(name: str, value: Any) -> list[str]:
+    """`stop`: None, one string or a list of them, each non-empty."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or any(not isinstance(s, str) or not s for s in items):
+        raise ValueError(f"{name} must be a non-empty string or a list of them, got {value!r:.200}")
+    return list(items)
+
+
+def _token_id_list(name: str, value: Any) -> list[int]:
+    """A list of token ids (non-negative integers; the vocabulary bound is checked by the engine,
+    `validate_token_ids`)."""
+    if not isinstance(value, (list, tuple)) or any(
+        isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in value
+    ):
+        raise ValueError(f"{name} must be a list of non-negative token ids, got {value!r:.200}")
+    return [int(t) for t in value]
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} (OpenAI's range); JSON gives the ids as strings."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r:.200}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            if isinstance(key, bool):
+                raise TypeError
+            token_id = int(key) if isinstance(key, str) else operator.index(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r:.50}") from None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"logit_bias values must be numbers, got {value!r:.50}")
+        if not -100.0 <= value <= 100.0:  # NaN fails the comparison too
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        out[token_id] = float(value)
+    return out
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -106,20 +164,14 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
-            self.top_k = 0
+        self.stop = _str_list("stop", self.stop)
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_id_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
         if self.logit_bias:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(
@@ -129,6 +181,8 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}"
             )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect.
@@ -136,50 +190,64 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
-
-        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
-        check(self.temperature >= 0.0, "temperature", "must be non-negative")
-        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        check(isinstance(self.top_k, int), "top_k", "must be an integer")
-        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        if self.max_tokens is not None:
-            check(
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                "max_tokens",
-                "must be an integer >= 1",
-            )
-        check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            "min_tokens",
-            "must be an integer >= 0",
-        )
+        """Check (and normalize: numpy scalars to int/float, top_k -1 to 0) every number."""
+        self._int("n", 1, MAX_N, note=" (PAGODA_MAX_N_SEQUENCES raises the bound)")
+        self._float("presence_penalty", -2.0, 2.0)
+        self._float("frequency_penalty", -2.0, 2.0)
+        self._float("repetition_penalty", 0.0, 2.0, lo_open=True)
+        self._float("temperature", 0.0, MAX_TEMPERATURE)
+        self._float("top_p", 0.0, 1.0, lo_open=True)
+        self._float("min_p", 0.0, 1.0)
+        if self.top_k is None:
+            self.top_k = 0
+        self._int("top_k", -1, None, note=" (0 or -1: all tokens)")
+        self.top_k = max(self.top_k, 0)
+        self._int("seed", _INT64_MIN, _INT64_MAX, optional=True, bounds="a signed 64-bit")
+        self._int("max_tokens", 1, None, optional=True)
+        self._int("min_tokens", 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None:
-                check(isinstance(v, int) and 0 <= v <= 20, name, "must be an integer in [0, 20]")
-        if self.seed is not None:
-            check(isinstance(self.seed, int), "seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or list of them, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
-            )
-        for v in (self.logit_bias or {}).values():
-            if not -100.0 <= v <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty")
+            if getattr(self, name) is True:  # vLLM reads True as 1
+                setattr(self, name, 1)
+            self._int(name, 0, MAX_LOGPROBS, optional=True)
+
+    def _int(
+        self,
+        name: str,
+        lo: int,
+        hi: int | None,
+        optional: bool = False,
+        note: str = "",
+        bounds: str | None = None,
+    ) -> None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if bounds is not None:
+            what = f"{bounds} integer"
+        else:
+            what = "an integer " + (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}")
+        # bool is an int to Python but never a count or a seed (torch refuses it as a seed).
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be {what}{note}, got {value!r:.100}")
+        value = int(value)
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError(f"{name} must be {what}{note}, got {value}")
+        setattr(self, name, value)
+
+    def _float(self, name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+        value = getattr(self, name)
+        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number in {bounds}, got {value!r:.100}")
+        value = float(value)
+        # NaN fails every comparison, so it is refused here too.
+        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise ValueError(f"{name} must be a number in {bounds}, got {value}")
+        setattr(self, name, value)
 
     @property
     def sampling_type_greedy(self) -> bool:

@@ -71,7 +71,7 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # vLLM's bound: a signed 64-bit int
     # Structured outputs: OpenAI's response_format ({"type": "json_object"} or
     # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's
     # `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
@@ -87,7 +87,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    # vLLM V1 dropped best_of; a value other than 1 would be ignored, so it is refused.
+    best_of: int | None = Field(
+        None, ge=1, le=1, description="not supported (vLLM V1 dropped it): only 1"
+    )
     add_special_tokens: bool = True
 
 

@@ -1,0 +1,125 @@
+"""`SamplingParams` refuses, with a ValueError that starts with the field's name, every value the
+engine could not run: no request may get past it and then fail inside an engine step."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.testing import TINY_CONFIG
+from pagoda.sampling_params import MAX_LOGPROBS, MAX_N, RequestOutputKind
+
+
+def _refused(field: str, **kwargs) -> str:
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value).startswith(field), str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1, True, 1.5, "7"])
+def test_seed_outside_signed_64_bits_is_refused(seed) -> None:
+    # 2**64 used to pass here and raise inside torch.Generator.manual_seed in engine.step().
+    _refused("seed", seed=seed)
+
+
+def test_extreme_seeds_sample_with_n_children(tmp_path) -> None:
+    # The engine seeds the i-th of n samples with seed + i: from either end of the accepted range
+    # that stays within what torch.Generator.manual_seed takes.
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    for seed in (2**63 - 1, -(2**63), -1):
+        params = SamplingParams(seed=seed, n=MAX_N, max_tokens=2)
+        out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]
+        assert len(out.outputs) == MAX_N and all(len(c.token_ids) == 2 for c in out.outputs)
+
+
+def test_n_is_bounded() -> None:
+    assert SamplingParams(n=MAX_N).n == MAX_N
+    assert str(MAX_N) in _refused("n", n=MAX_N + 1)
+    _refused("n", n=0)
+    _refused("n", n=2.0)
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e308, 2.5, float("nan"), -0.1, "0.5", None])
+def test_temperature_is_a_finite_number_in_0_2(value) -> None:
+    # A huge finite temperature rounds to inf in float32 and turns masked logits into NaN.
+    _refused("temperature", temperature=value)
+
+
+def test_temperature_bounds_are_accepted() -> None:
+    assert SamplingParams(temperature=2).temperature == 2.0
+    assert SamplingParams(temperature=0).sampling_type_greedy
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", float("nan")),
+        ("top_p", float("inf")),
+        ("min_p", float("nan")),
+        ("presence_penalty", float("inf")),
+        ("frequency_penalty", float("-inf")),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("max_tokens", "16"),
+        ("max_tokens", True),
+        ("min_tokens", -1),
+        ("min_tokens", 1.0),
+        ("logprobs", MAX_LOGPROBS + 1),
+        ("logprobs", -1),
+        ("logprobs", False),
+        ("prompt_logprobs", 10**30),
+        ("stop", 5),
+        ("stop", [""]),
+        ("stop", ["ok", 3]),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [True]),
+        ("allowed_token_ids", ["a"]),
+        ("allowed_token_ids", []),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {1.5: 1.0}),
+        ("logit_bias", {1: float("inf")}),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", {1: "2"}),
+        ("logit_bias", [1, 2]),
+        ("output_kind", 1),
+    ],
+)
+def test_bad_value_raises_value_error_naming_the_field(field, value) -> None:
+    _refused(field, **{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_refused() -> None:
+    _refused("min_tokens", min_tokens=5, max_tokens=4)
+
+
+def test_numbers_are_normalized() -> None:
+    p = SamplingParams(
+        n=np.int64(2),
+        temperature=np.float32(0.5),
+        top_k=-1,
+        seed=np.int64(-5),
+        logprobs=True,
+        logit_bias={"3": 1, 4: -2.5},
+        stop="x",
+        stop_token_ids=(7,),
+    )
+    assert type(p.n) is int and p.n == 2
+    assert type(p.temperature) is float and p.temperature == 0.5
+    assert p.top_k == 0 and p.seed == -5 and p.logprobs == 1  # vLLM reads logprobs=True as 1
+    assert p.logit_bias == {3: 1.0, 4: -2.5}
+    assert p.stop == ["x"] and p.stop_token_ids == [7]
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
