@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
+from pagoda.model.loader.hf_config import validate_hf_config
 
 if TYPE_CHECKING:
     from pagoda.attention.backend import AttentionBackend
@@ -55,7 +56,8 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def get_model_config_dict(model: str, load_format: str = "auto") -> dict[str, Any]:
     """The checkpoint's config.json (a dict), from a HF directory, a .gguf file, or for
-    load_format="dummy" a config.json path (or a directory holding one)."""
+    load_format="dummy" a config.json path (or a directory holding one). The fields Pagoda
+    reads are checked (`validate_hf_config`): a bad one is a ValueError naming file and field."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if not os.path.exists(model):
@@ -64,22 +66,31 @@ def get_model_config_dict(model: str, load_format: str = "auto") -> dict[str, An
             "a config.json with load_format='dummy' (Pagoda never downloads models)"
         )
     if _is_gguf(model, load_format):
-        from pagoda.model.loader.gguf import GGUFReader, gguf_to_hf_config
+        from pagoda.model.loader.gguf import GGUFReader, gguf_config_keys, gguf_to_hf_config
 
-        return gguf_to_hf_config(GGUFReader(model))
+        reader = GGUFReader(model)
+        try:
+            config = gguf_to_hf_config(reader)
+        except ValueError as e:  # its messages name the GGUF key, not the file
+            raise ValueError(f"{model}: {e}") from None
+        validate_hf_config(config, model, gguf_config_keys(reader.metadata))
+        return config
     if os.path.isfile(model):
-        if load_format == "dummy" or model.endswith(".json"):
-            return _read_json(model)
-        raise ValueError(
-            f"model {model!r} is a file but not a .gguf: pass the checkpoint's directory"
-        )
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"no config.json in {model}: a Hugging Face model directory needs one "
-            "(or pass a .gguf file)"
-        )
-    return _read_json(path)
+        if load_format != "dummy" and not model.endswith(".json"):
+            raise ValueError(
+                f"model {model!r} is a file but not a .gguf: pass the checkpoint's directory"
+            )
+        path = model
+    else:
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"no config.json in {model}: a Hugging Face model directory needs one "
+                "(or pass a .gguf file)"
+            )
+    config = _read_json(path)
+    validate_hf_config(config, path)
+    return config
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -37,6 +37,7 @@ __all__ = [
     "GGUFTensorInfo",
     "dequantize",
     "gguf_name_to_hf",
+    "gguf_config_keys",
     "gguf_to_hf_config",
     "iter_gguf_weights",
     "reverse_permute_qk",
@@ -236,16 +237,54 @@ def _architecture(metadata: Mapping[str, Any]) -> str:
     return arch
 
 
+def _int(value: Any, key: str) -> int:
+    """A metadata value that must be an integer (GGUF types it; a malformed file may not)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"GGUF key {key} must be an integer, got {value!r:.100}")
+    return int(value)
+
+
+def _float(value: Any, key: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise ValueError(f"GGUF key {key} must be a number, got {value!r:.100}")
+    return float(value)
+
+
 def _one_value(value: Any, key: str) -> int:
     # Some files store a per-layer list (e.g. head_count_kv); Pagoda needs one value for all layers.
     if isinstance(value, (list, np.ndarray)):
-        values = set(int(v) for v in value)
+        values = set(_int(v, key) for v in value)
         if len(values) != 1:
             raise ValueError(
                 f"GGUF key {key} differs across layers ({sorted(values)}): not supported"
             )
         return values.pop()
-    return int(value)
+    return _int(value, key)
+
+
+# config.json field -> the GGUF key (after "{arch}.") it is read from, for error messages.
+_CONFIG_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "vocab_size": "vocab_size",
+    "sliding_window": "attention.sliding_window",
+}
+
+
+def gguf_config_keys(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """config.json field -> the GGUF metadata key it came from (`validate_hf_config`'s names)."""
+    arch = metadata.get("general.architecture")
+    keys = {field: f"{arch}.{key}" for field, key in _CONFIG_KEYS.items()}
+    if f"{arch}.vocab_size" not in metadata:
+        keys["vocab_size"] = "the length of tokenizer.ggml.tokens"
+    return keys
 
 
 def gguf_to_hf_config(
@@ -273,17 +312,19 @@ def gguf_to_hf_config(
     num_kv_heads = _one_value(
         get("attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv"
     )
-    hidden_size = int(get("embedding_length"))
+    hidden_size = _int(get("embedding_length"), f"{arch}.embedding_length")
     vocab_size = get("vocab_size")
     if vocab_size is None:
         vocab_size = len(metadata.get("tokenizer.ggml.tokens", ()))
     rope_scaling = None
     scaling_type = get("rope.scaling.type")
     if scaling_type in ("linear", "yarn") and get("rope.scaling.factor"):
-        rope_scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor"))}
+        factor = _float(get("rope.scaling.factor"), f"{arch}.rope.scaling.factor")
+        rope_scaling = {"rope_type": scaling_type, "factor": factor}
         if get("rope.scaling.original_context_length"):
-            rope_scaling["original_max_position_embeddings"] = int(
-                get("rope.scaling.original_context_length")
+            rope_scaling["original_max_position_embeddings"] = _int(
+                get("rope.scaling.original_context_length"),
+                f"{arch}.rope.scaling.original_context_length",
             )
     if names is not None:
         tie = "output.weight" not in names
@@ -295,15 +336,21 @@ def gguf_to_hf_config(
         "model_type": model_type,
         "hidden_size": hidden_size,
         "intermediate_size": _one_value(get("feed_forward_length"), f"{arch}.feed_forward_length"),
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": _int(get("block_count"), f"{arch}.block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "head_dim": int(get("attention.key_length") or hidden_size // num_heads),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "head_dim": _int(
+            get("attention.key_length") or hidden_size // max(num_heads, 1),
+            f"{arch}.attention.key_length",
+        ),
+        "rms_norm_eps": _float(
+            get("attention.layer_norm_rms_epsilon", 1e-6),
+            f"{arch}.attention.layer_norm_rms_epsilon",
+        ),
+        "rope_theta": _float(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "vocab_size": int(vocab_size),
+        "max_position_embeddings": _int(get("context_length", 2048), f"{arch}.context_length"),
+        "vocab_size": _int(vocab_size, f"{arch}.vocab_size"),
         "tie_word_embeddings": tie,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
@@ -314,7 +361,9 @@ def gguf_to_hf_config(
         "torch_dtype": _FILE_TYPE_DTYPES.get(metadata.get("general.file_type"), "float16"),
     }
     if get("attention.sliding_window"):
-        config["sliding_window"] = int(get("attention.sliding_window"))
+        config["sliding_window"] = _int(
+            get("attention.sliding_window"), f"{arch}.attention.sliding_window"
+        )
     return config
 
 
