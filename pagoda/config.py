@@ -103,7 +103,13 @@ class CacheConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
             )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be positive")
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ValueError(
+                f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}"
+            )
 
 
 @dataclass(frozen=True)
@@ -113,9 +119,6 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
-    max_waiting_requests: int | None = (
-        None  # bound on the waiting queue (server answers 503 past it)
-    )
     # Schedule and launch step N+1 before step N's sampled tokens reach the host, so the
     # host's work overlaps the device's (`LLMEngine.step`). The engine turns it on for CUDA.
     async_scheduling: bool = False
@@ -170,6 +173,8 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
         """vLLM's dict; a missing lookup bound takes the other's value (both missing: 5)."""
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {config!r:.100}")
         known = {
             "method",
             "model",
@@ -198,10 +203,16 @@ class SpeculativeConfig:
             )
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs num_speculative_tokens")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"speculative_config: {key} must be an integer, got {value!r}")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config: model must be a path, got {model!r}")
         hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
         hi = hi if hi is not None else (lo if lo is not None else 5)
         lo = lo if lo is not None else hi
-        return cls(method, int(config["num_speculative_tokens"]), int(hi), int(lo), model)
+        return cls(method, config["num_speculative_tokens"], hi, lo, model)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

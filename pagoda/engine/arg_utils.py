@@ -23,10 +23,22 @@ from pagoda.config import (
     SpeculativeConfig,
     embedded_model_path,
 )
+from pagoda.logger import init_logger
+
+logger = init_logger(__name__)
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
 _DTYPE_ALIASES["bf16"] = "bfloat16"
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# A field's annotated type -> (check, what the message says it must be).
+_TYPE_CHECKS = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "a dict"),
+}
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -96,7 +108,6 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
-    max_waiting_requests: int | None = None
     # Execution
     enforce_eager: bool = False
     # None: on where it helps (a CUDA device), off on a CPU (nothing to overlap with).
@@ -108,10 +119,28 @@ class EngineArgs:
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
     speculative_config: dict[str, Any] | None = None
 
+    def _check_types(self) -> None:
+        """`LLM(...)` keywords arrive untyped: a wrong type is a ValueError naming the field
+        here, not a TypeError from a comparison deep in the config."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kinds = [k.strip().split("[")[0] for k in str(f.type).split("|")]
+            if value is None and "None" in kinds:
+                continue
+            checks = [_TYPE_CHECKS[k] for k in kinds if k in _TYPE_CHECKS]
+            if len(checks) == len(kinds) - ("None" in kinds) and not any(
+                ok(value) for ok, _ in checks
+            ):
+                what = " or ".join(name for _, name in checks)
+                raise ValueError(f"{f.name} must be {what}, got {value!r:.100}")
+        if not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
+
     def create_engine_config(self) -> EngineConfig:
         from pagoda.model.loader import get_model_config_dict
         from pagoda.model.quantization import QUANT_METHODS, checkpoint_quant_method
 
+        self._check_types()
         model = self.model or embedded_model_path()
         if self.quantization not in (None, "gguf", *QUANT_METHODS):
             raise ValueError(
@@ -135,9 +164,12 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, hf_config, device)
         derived_max_len = int(hf_config.get("max_position_embeddings") or 2048)
-        max_model_len = self.max_model_len or derived_max_len
+        max_model_len = derived_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+            raise ValueError(
+                f"max_model_len must be positive, got {max_model_len} (leave it unset for the "
+                f"model's {derived_max_len})"
+            )
         if max_model_len > derived_max_len:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's "
@@ -146,6 +178,12 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if device == "cpu" and self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+            logger.warning(
+                "gpu_memory_utilization=%s is ignored on a CPU: the KV cache takes "
+                "--kv-cache-memory-bytes (default: min(2 GiB, 25%% of the available RAM))",
+                self.gpu_memory_utilization,
             )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -179,7 +217,6 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
-                max_waiting_requests=self.max_waiting_requests,
                 async_scheduling=(
                     device == "cuda" if self.async_scheduling is None else self.async_scheduling
                 ),
@@ -255,12 +292,6 @@ class EngineArgs:
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
             default=d.enable_chunked_prefill,
-        )
-        g.add_argument(
-            "--max-waiting-requests",
-            type=int,
-            default=None,
-            help="bound on queued requests; past it the server answers 503",
         )
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument(

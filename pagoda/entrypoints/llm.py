@@ -9,8 +9,11 @@ from typing import Any
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.logger import init_logger
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
 
 # vLLM arguments that select features Pagoda does not have yet: refuse them clearly.
 _UNSUPPORTED = ("lora_modules",)
@@ -27,11 +30,16 @@ _LEGACY_SPEC = (
 def _legacy_speculative_config(kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """vLLM <= 0.6's `speculative_model` (a draft model's path, or "[ngram]"),
     `num_speculative_tokens`, `ngram_prompt_lookup_max/min` as a `speculative_config` dict
-    (popped from kwargs; `speculative_max_model_len` is dropped: the draft runs to the
-    target's max_model_len)."""
+    (popped from kwargs). `speculative_max_model_len` is logged as ignored: drafts are proposed
+    up to the target's max_model_len (what the outputs are does not depend on it)."""
     legacy = {k: kwargs.pop(k) for k in _LEGACY_SPEC if kwargs.get(k) is not None}
     for k in _LEGACY_SPEC:
         kwargs.pop(k, None)
+    if "speculative_max_model_len" in legacy:
+        logger.warning(
+            "speculative_max_model_len=%s is ignored: drafts are proposed up to max_model_len",
+            legacy.pop("speculative_max_model_len"),
+        )
     if not legacy:
         return None
     model = legacy.get("speculative_model")
