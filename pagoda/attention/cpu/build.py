@@ -1,14 +1,24 @@
-"""Build and load the C paged-attention kernel (`paged_attention.c`) at first use.
+"""Build and load Pagoda's C CPU kernels at first use, one build per ISA level.
 
-`build_library` is the shared helper (the CPU GEMV / element-wise ops in `pagoda.kernels.cpu`
-build through it too): a source is compiled with the system C compiler (`$CC`, else `cc`, else `gcc`) for this CPU
-(`-O3 -march=native`, or `-march=$PAGODA_CPU_ARCH`; OpenMP when the compiler has it) into a cache directory
-(`$PAGODA_CACHE_DIR`, else `~/.cache/pagoda`), under a name keyed by a hash of the source, the
-flags, the compiler and the CPU's feature flags, so a changed source or a different machine
-builds afresh and everything else loads the cached library. Concurrent builders (test workers,
-several engines) each compile to a private temporary file and `os.replace` it into place, which
-is atomic: a reader sees either no library or a whole one. Any failure raises
-`CpuKernelUnavailable` with the reason, so the caller can fall back to the torch backend.
+`build_library` is the shared helper (the paged-attention kernel here, the element-wise ops and
+GEMMs of `pagoda.kernels.cpu` and its quantized GEMM build through it): a source is compiled
+with the system C compiler (`$CC`, else `cc`, else `gcc`; `-O3`, OpenMP when the compiler has
+it) for one ISA level, named by explicit `-m` flags rather than `-march=native`:
+
+    portable     the compiler's baseline (SSE2 on x86-64, NEON on AArch64), any CPU
+    avx2         -mavx2 -mfma -mf16c -mbmi2
+    avx512       + AVX-512 F/BW/VL/DQ (+ VNNI where the CPU has it)
+    avx512_bf16  + AVX512_BF16 (vdpbf16ps)
+
+`selected_isa()` is the highest level the CPU's feature flags (/proc/cpuinfo) allow, or the one
+`$PAGODA_CPU_ISA` forces (a level the CPU lacks is a ValueError). The library lands in a cache
+directory (`$PAGODA_CACHE_DIR`, else `~/.cache/pagoda`) under a name keyed by a hash of the
+source, the level, the flags, the compiler and the CPU's feature flags, so a changed source,
+another level or another machine builds afresh and everything else loads the cached library.
+Concurrent builders (test workers, several engines) each compile to a private temporary file
+and `os.replace` it into place, which is atomic: a reader sees either no library or a whole
+one. Any failure raises `CpuKernelUnavailable` with the reason; `build_with_fallback` then
+tries the portable level once (one warning), and the callers fall back to torch.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -24,14 +35,31 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 SOURCE = Path(__file__).with_name("paged_attention.c")
 HEADERS = ("vec.h", "tile.h")  # included by SOURCE: part of the cache key
 _ABI = 1  # pagoda_paged_attention_abi() of the source this loader can call
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 
+ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # lowest first
+ISA_ENV = "PAGODA_CPU_ISA"
+# /proc/cpuinfo flags each level needs on top of the level below it.
+_ISA_CPU_FLAGS = {
+    "avx2": ("avx2", "fma", "f16c", "bmi2"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512_bf16": ("avx512_bf16",),
+}
+_ISA_CC_FLAGS = {
+    "portable": (),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi2"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx512_bf16": ("-mavx512bf16",),
+}
+
 
 class CpuKernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded here (no compiler, build error, ...)."""
+    """A C kernel could not be built or loaded here (no compiler, build error, ...)."""
 
 
 def cache_dir() -> Path:
@@ -57,6 +85,71 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+# ---- ISA levels ---------------------------------------------------------------------------
+
+
+def cpu_arch() -> str:
+    return platform.machine().lower()
+
+
+def supported_isas(flags: str | None = None, arch: str | None = None) -> tuple[str, ...]:
+    """The levels a CPU with these feature flags and architecture (default: this one's) runs,
+    lowest first. Only x86-64 has levels above portable; an unknown CPU gets portable alone."""
+    have = set((cpu_flags() if flags is None else flags).split())
+    if (cpu_arch() if arch is None else arch) not in ("x86_64", "amd64"):
+        return ("portable",)
+    levels = ["portable"]
+    for isa in ISA_LEVELS[1:]:
+        if not have.issuperset(_ISA_CPU_FLAGS[isa]):
+            break
+        levels.append(isa)
+    return tuple(levels)
+
+
+def best_isa() -> str:
+    """The highest level this CPU runs."""
+    return supported_isas()[-1]
+
+
+def selected_isa() -> str:
+    """The level the CPU kernels build for: `$PAGODA_CPU_ISA` when set, else `best_isa()`.
+
+    Raises ValueError for an unknown level or one this CPU lacks (the message names the
+    variable and the CPU's best level)."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced:
+        return best_isa()
+    if forced not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}; got {forced!r}")
+    if forced not in supported_isas():
+        raise ValueError(
+            f"{ISA_ENV}={forced}: this CPU lacks it (its best level is {best_isa()}); "
+            f"unset {ISA_ENV} or pick a lower level"
+        )
+    return forced
+
+
+def isa_compile_flags(isa: str) -> list[str]:
+    """The compiler's -m flags of a level: its own and every lower level's."""
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"unknown ISA level {isa!r}; expected one of {ISA_LEVELS}")
+    flags = [f for level in ISA_LEVELS[: ISA_LEVELS.index(isa) + 1] for f in _ISA_CC_FLAGS[level]]
+    if isa in ("avx512", "avx512_bf16") and "avx512_vnni" in cpu_flags().split():
+        flags.append("-mavx512vnni")  # vpdpbusd, for the quantized GEMM's int8 dot products
+    return flags
+
+
+@functools.cache
+def log_isa(isa: str) -> None:
+    """One line per level that runs in this process."""
+    best = best_isa()
+    how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"set {ISA_ENV} to force one"
+    logger.info("CPU kernels: %s (this CPU's best level: %s; %s)", isa, best, how)
+
+
+# ---- building -----------------------------------------------------------------------------
+
+
 def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
@@ -71,47 +164,65 @@ def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _build(cc: str, flags: list[str], source: Path, headers: Sequence[str]) -> Path:
+def _build(cc: str, flags: list[str], source: Path, headers: Sequence[str], isa: str) -> Path:
     text = b"".join(source.with_name(f).read_bytes() for f in (source.name, *headers))
-    key = hashlib.sha256(
-        b"\0".join([text, " ".join(flags).encode(), cc.encode(), cpu_flags().encode()])
-    ).hexdigest()[:16]
+    parts = [text, isa.encode(), " ".join(flags).encode(), cc.encode(), cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     directory = cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CpuKernelUnavailable(f"cache dir {directory} not writable ({e})") from e
-    lib = directory / f"{source.stem}_{key}.so"
+    lib = directory / f"{source.stem}_{isa}_{key}.so"
     if not lib.exists():
         _compile(cc, flags, source, lib)
     return lib
 
 
-def build_library(source: Path, headers: Sequence[str] = ()) -> Path:
-    """Compile `source` (and the `headers` beside it that it includes) for this CPU into the
-    cache, or find it there; the path of the shared library.
+def build_library(source: Path, headers: Sequence[str] = (), isa: str | None = None) -> Path:
+    """Compile `source` (and the `headers` beside it that it includes) for ISA level `isa`
+    (default `selected_isa()`) into the cache, or find it there; the path of the library.
 
     Raises CpuKernelUnavailable when a file is missing, there is no compiler or the build
     fails; a compiler without OpenMP (e.g. Apple clang) gets a single-threaded build instead."""
+    isa = isa or selected_isa()
     missing = [f for f in (source.name, *headers) if not source.with_name(f).exists()]
     if missing:
         raise CpuKernelUnavailable(f"{missing} missing from {source.parent} in this install")
     cc = _find_compiler()
-    # $PAGODA_CPU_ARCH (e.g. x86-64-v3) builds for a baseline instead of this CPU (tests, images).
-    flags = [*_BASE_FLAGS, f"-march={os.environ.get('PAGODA_CPU_ARCH') or 'native'}"]
+    flags = [*_BASE_FLAGS, *isa_compile_flags(isa)]
     try:
-        return _build(cc, [*flags, "-fopenmp"], source, headers)
+        return _build(cc, [*flags, "-fopenmp"], source, headers, isa)
     except CpuKernelUnavailable:
-        return _build(cc, flags, source, headers)
+        return _build(cc, flags, source, headers, isa)
+
+
+def build_with_fallback(
+    source: Path, headers: Sequence[str] = (), isa: str | None = None
+) -> tuple[Path, str]:
+    """`build_library` at `isa` (default `selected_isa()`); when that fails at a level above
+    portable that `$PAGODA_CPU_ISA` did not force (an old compiler without the flags, say), the
+    portable build, with one warning. Returns (library, level built); raises
+    CpuKernelUnavailable when nothing builds."""
+    chosen = isa or selected_isa()
+    try:
+        return build_library(source, headers, chosen), chosen
+    except CpuKernelUnavailable as e:
+        if chosen == "portable" or isa is not None or os.environ.get(ISA_ENV):
+            raise
+        reason = (str(e).strip().splitlines() or ["build failed"])[-1][:300]
+        logger.warning("CPU kernels: the %s build failed (%s); using portable", chosen, reason)
+        return build_library(source, headers, "portable"), "portable"
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL:
-    """The compiled kernel, built on first call (~2 s) and cached on disk afterwards.
+def load_library(isa: str | None = None) -> ctypes.CDLL:
+    """The paged-attention kernel built for `isa` (default: the selected level, falling back
+    to portable), on first call (~2 s) and cached on disk afterwards.
 
     Raises CpuKernelUnavailable when there is no compiler or the build or load fails (see
     `build_library`)."""
-    lib_path = build_library(SOURCE, HEADERS)
+    lib_path, built = build_with_fallback(SOURCE, HEADERS, isa)
     # torch is imported first, so an OpenMP build links the libgomp torch already loaded and the
     # kernel shares torch's worker threads instead of spinning up a second pool.
     try:
@@ -125,4 +236,6 @@ def load_library() -> ctypes.CDLL:
     fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
     fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = ctypes.c_int
+    if isa is None:
+        log_isa(built)
     return lib

@@ -9,13 +9,20 @@
  * so views into a fused projection's output (q and k inside qkv) need no copy. Large inputs
  * (prefill) are split over OpenMP threads by rows; a decode's few rows run on the calling
  * thread, where a fork/join would cost more than the work. Every entry point returns 0, or -1
- * for arguments it does not handle (the Python side checks first; this is a last guard). */
+ * for arguments it does not handle (the Python side checks first; this is a last guard).
+ *
+ * One source for every ISA level (simd.h): the build helper compiles it once per level with
+ * that level's -m flags, and the vector code becomes AVX-512, AVX2 or baseline SSE2 / NEON. */
 #include "gemm.h"
 #include "gemv.h"
 
-#define PAGODA_CPU_OPS_ABI 2
+#define PAGODA_CPU_OPS_ABI 3
 
 int pagoda_cpu_ops_abi(void) { return PAGODA_CPU_OPS_ABI; }
+
+/* The ISA level the library was compiled for (simd.h), so the loader can check it got the
+ * build it asked for. */
+int pagoda_cpu_ops_isa(void) { return PAGODA_ISA; }
 
 /* x, w and bias share the dtype `dt`; y is that dtype, or fp32 when `y_fp32`. */
 int pagoda_gemv(const void *x, int64_t x_stride, const void *w, const void *bias, void *y,
@@ -35,8 +42,8 @@ int pagoda_gemm_packed(const void *x, int64_t x_stride, const void *w_packed, co
                        void *y, int64_t y_stride, int y_fp32, int64_t M, int64_t N, int64_t K,
                        int nthreads) {
     if (M < 0 || N < 0 || K <= 0 || x_stride < K || y_stride < N) return -1;
-    GemmArgs a = {x, x_stride, w_packed, bias, y, y_stride, y_fp32, M, N, K};
-    if (M > 0 && N > 0) gemm_packed(&a, nthreads);
+    GemmArgs a = {x, x_stride, NULL, 0, w_packed, bias, y, y_stride, y_fp32, M, N, K};
+    if (M > 0 && N > 0) return gemm_packed(&a, nthreads) == 0 ? 0 : -2;
     return 0;
 }
 
@@ -45,23 +52,20 @@ int pagoda_gemm_packed(const void *x, int64_t x_stride, const void *w_packed, co
  * norm(x). `out` may be `x` (in place). The weight has its own dtype `w_dt`. */
 static void rms_norm_row(const char *x, char *res, const char *w, char *out, int64_t cols,
                          float eps, const int dt, int w_dt) {
-    const int es = dt == DT_BF16 ? 2 : 4, ws = w_dt == DT_BF16 ? 2 : 4;
-    __m512 ss = _mm512_setzero_ps();
+    vf ss = splat(0.0f);
     const char *h = res ? res : x;
-    for (int64_t c = 0; c < cols; c += 16) {
-        __mmask16 m = tail_mask16(cols - c);
-        __m512 v = load16(x + c * es, dt, m);
+    for (int64_t c = 0; c < cols; c += VL) {
+        vf v = load_at(x, dt, c, cols);
         if (res) {
-            v = round_to(_mm512_add_ps(v, load16(res + c * es, dt, m)), dt);
-            store16(res + c * es, v, dt, m);
+            v = round_to(v + load_at(res, dt, c, cols), dt);
+            store_at(res, v, dt, c, cols);
         }
-        ss = _mm512_fmadd_ps(v, v, ss);
+        ss += v * v;
     }
-    __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)cols + eps));
-    for (int64_t c = 0; c < cols; c += 16) {
-        __mmask16 m = tail_mask16(cols - c);
-        __m512 v = round_to(_mm512_mul_ps(load16(h + c * es, dt, m), rstd), dt);
-        store16(out + c * es, _mm512_mul_ps(v, load16(w + c * ws, w_dt, m)), dt, m);
+    const vf rstd = splat(1.0f / sqrtf(hsum(ss) / (float)cols + eps));
+    for (int64_t c = 0; c < cols; c += VL) {
+        vf v = round_to(load_at(h, dt, c, cols) * rstd, dt);
+        store_at(out, v * load_at(w, w_dt, c, cols), dt, c, cols);
     }
 }
 
@@ -85,12 +89,10 @@ int pagoda_rms_norm(const void *x, int64_t x_stride, void *res, int64_t res_stri
 /* ---- SwiGLU's gate (Shazeer, 2020): out = silu(x[:, :d]) * x[:, d:] --------------------- */
 static void silu_and_mul_row(const char *x, char *out, int64_t d, const int dt) {
     const int es = dt == DT_BF16 ? 2 : 4;
-    for (int64_t c = 0; c < d; c += 16) {
-        __mmask16 m = tail_mask16(d - c);
-        __m512 g = load16(x + c * es, dt, m), u = load16(x + (d + c) * es, dt, m);
-        __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        __m512 silu = round_to(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), dt);
-        store16(out + c * es, _mm512_mul_ps(silu, u), dt, m);
+    for (int64_t c = 0; c < d; c += VL) {
+        vf g = load_at(x, dt, c, d), u = load_at(x + d * es, dt, c, d);
+        vf silu = round_to(g / (vexp(-g) + 1.0f), dt);
+        store_at(out, silu * u, dt, c, d);
     }
 }
 
@@ -116,14 +118,13 @@ static void rope_heads(char *x, int heads, int head_size, int rot, const float *
                        const int dt) {
     const int es = dt == DT_BF16 ? 2 : 4, half = rot / 2;
     for (int h = 0; h < heads; h++) {
-        char *p = x + (int64_t)h * head_size * es;
-        for (int c = 0; c < half; c += 16) {
-            __mmask16 m = tail_mask16(half - c);
-            __m512 x1 = load16(p + c * es, dt, m), x2 = load16(p + (half + c) * es, dt, m);
-            __m512 cs = _mm512_maskz_loadu_ps(m, cos_sin + c);
-            __m512 sn = _mm512_maskz_loadu_ps(m, cos_sin + half + c);
-            store16(p + c * es, _mm512_fmsub_ps(x1, cs, _mm512_mul_ps(x2, sn)), dt, m);
-            store16(p + (half + c) * es, _mm512_fmadd_ps(x2, cs, _mm512_mul_ps(x1, sn)), dt, m);
+        char *p = x + (int64_t)h * head_size * es, *p2 = p + (int64_t)half * es;
+        for (int c = 0; c < half; c += VL) {
+            vf x1 = load_at(p, dt, c, half), x2 = load_at(p2, dt, c, half);
+            vf cs = load_at((const char *)cos_sin, DT_F32, c, half);
+            vf sn = load_at((const char *)(cos_sin + half), DT_F32, c, half);
+            store_at(p, x1 * cs - x2 * sn, dt, c, half);
+            store_at(p2, x2 * cs + x1 * sn, dt, c, half);
         }
     }
 }

@@ -1,12 +1,14 @@
-"""ctypes wrappers of the C CPU ops (`cpu_ops.c`): skinny bf16 linear, RMSNorm(+residual),
+"""ctypes wrappers of the C CPU ops (`cpu_ops.c`): skinny linear, RMSNorm(+residual),
 SiLU-and-mul and RoPE, with the checks that pick them over torch.
 
 The library is built at first use by the attention kernel's helper
-(`pagoda.attention.cpu.build.build_library`: gcc -O3 -march=native -fopenmp, cached on disk).
-It needs AVX512_BF16; on other CPUs, without a compiler, or with `PAGODA_CPU_FAST_OPS=0`,
-`cpu_ops_available()` is False and the model layers keep their torch code, which stays the
-reference. Each `*_supported` check is what a layer asks before calling the op; the ops
-themselves assume it passed. They run with torch's intra-op thread count (the same libgomp pool).
+(`pagoda.attention.cpu.build.build_library`: gcc -O3 -fopenmp with one ISA level's -m flags,
+cached on disk), for the level `selected_isa()` picks: the CPU's best of portable / avx2 /
+avx512 / avx512_bf16, or `$PAGODA_CPU_ISA`. When that level does not build, the portable one
+does (one warning); without a compiler, or with `PAGODA_CPU_FAST_OPS=0`, `cpu_ops_available()`
+is False and the model layers keep their torch code, which stays the reference. Each
+`*_supported` check is what a layer asks before calling the op; the ops themselves assume it
+passed. They run with torch's intra-op thread count (the same libgomp pool).
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from pathlib import Path
 
 import torch
 
-from pagoda.attention.cpu.build import CpuKernelUnavailable, build_library, cpu_flags
+from pagoda.attention.cpu.build import (
+    ISA_LEVELS,
+    CpuKernelUnavailable,
+    build_with_fallback,
+    log_isa,
+)
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 HEADERS = ("simd.h", "gemv.h", "gemm.h")
-_ABI = 2
+_ABI = 3
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest row count (tokens) the skinny GEMM takes on a plain (unpacked) weight; above it
 # torch's GEMM (oneDNN for bf16, MKL for float32) is as fast or faster. Measured on a 2-core
@@ -45,17 +52,18 @@ def fast_ops_enabled_by_env() -> bool:
 
 
 @functools.cache
-def load_cpu_ops() -> ctypes.CDLL:
-    """The compiled ops library (built on first call, ~2 s). Raises CpuKernelUnavailable."""
-    if "avx512_bf16" not in cpu_flags().split():
-        raise CpuKernelUnavailable("this CPU lacks AVX512_BF16")
-    lib_path = build_library(SOURCE, HEADERS)
+def load_cpu_ops(isa: str | None = None) -> ctypes.CDLL:
+    """The ops library built for ISA level `isa` (default: the selected level, or portable
+    when that does not build), on first call (~2 s). Raises CpuKernelUnavailable."""
+    lib_path, built = build_with_fallback(SOURCE, HEADERS, isa)
     try:
         lib = ctypes.CDLL(str(lib_path))
     except OSError as e:
         raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
     if lib.pagoda_cpu_ops_abi() != _ABI:
         raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    if ISA_LEVELS[lib.pagoda_cpu_ops_isa()] != built:  # the -m flags did not take
+        raise CpuKernelUnavailable(f"{lib_path} was built for another ISA level than {built}")
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "pagoda_gemv": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32, i32],
@@ -68,7 +76,14 @@ def load_cpu_ops() -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    if isa is None:
+        log_isa(built)
     return lib
+
+
+def ops_isa() -> str:
+    """The ISA level of the ops library in use (builds it on first call)."""
+    return ISA_LEVELS[load_cpu_ops().pagoda_cpu_ops_isa()]
 
 
 @functools.cache

@@ -1,50 +1,67 @@
-/* AVX-512 helpers of the CPU ops: 16-lane loads/stores of fp32 or bf16 rows (masked for
- * tails), rounding through bf16, and a vectorised exp. Included by cpu_ops.c only (one
- * translation unit). The ops need AVX512F/BW and AVX512_BF16 (vdpbf16ps, vcvtneps2bf16):
- * without them this file stops the build, and the Python side falls back to torch. */
+/* Vector helpers of the CPU ops, one source for every ISA level: `vf` is VL floats as a GCC
+ * vector extension (a zmm with AVX-512, a ymm with AVX2, an xmm / NEON q register in the
+ * portable build), so the same code compiles to each level's instructions. Loads and stores
+ * widen bf16 to fp32 by a 16-bit shift and round back to nearest even (vcvtneps2bf16 where
+ * AVX512_BF16 has it); tails go through a zeroed buffer so nothing past a row is read. The
+ * level is what the compiler's -m flags (pagoda/attention/cpu/build.py) make available:
+ * AVX512_BF16 also gets the vdpbf16ps GEMM of gemm_bf16dp.h. Included by cpu_ops.c only (one
+ * translation unit). */
 #pragma once
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
-#error "pagoda's CPU ops need AVX512F, AVX512BW and AVX512_BF16 (build with -march=native)"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
 #endif
 
+/* The level this translation unit was compiled for, as pagoda_cpu_ops_isa() reports it:
+ * 0 portable, 1 avx2, 2 avx512, 3 avx512_bf16 (the index into build.ISA_LEVELS). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PAGODA_ISA 3
+#define HAVE_BF16DP 1
+#define VEC_BYTES 64
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGODA_ISA 2
+#define VEC_BYTES 64
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_ISA 1
+#define VEC_BYTES 32
+#else
+#define PAGODA_ISA 0
+#define VEC_BYTES 16
+#endif
+#ifndef HAVE_BF16DP
+#define HAVE_BF16DP 0
+#endif
+
+#define VL (VEC_BYTES / 4) /* fp32 lanes per vector */
 #define INLINE static inline __attribute__((always_inline))
+
+typedef float vf __attribute__((vector_size(VEC_BYTES)));
+typedef uint32_t vu __attribute__((vector_size(VEC_BYTES)));
+typedef int32_t vi __attribute__((vector_size(VEC_BYTES)));
+typedef uint16_t vh __attribute__((vector_size(VEC_BYTES / 2)));
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-INLINE __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+/* x in every lane: a plain broadcast (x - 0 is x for every x, so the compiler drops the
+ * subtraction; `(vf){0} + x` would stay an add, since 0 + -0 is +0). */
+INLINE vf splat(float x) { return x - (vf){0}; }
 
-INLINE __mmask32 tail_mask32(int64_t n) {
-    return n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1u);
-}
+/* bf16 bits in the high half of each 32-bit lane: the fp32 value. */
+INLINE vf bf16_hi(vu u) { return (vf)(u & 0xffff0000u); }
+/* bf16 bits in the low half: shifted up into place. */
+INLINE vf bf16_lo(vu u) { return (vf)(u << 16); }
 
-/* 16 values (fewer under `m`, the rest zero) of an fp32 or bf16 row, widened to fp32. */
-INLINE __m512 load16(const void *p, int dt, __mmask16 m) {
-    if (dt == DT_BF16) {
-        __m256i h = _mm256_maskz_loadu_epi16(m, p);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_maskz_loadu_ps(m, p);
-}
-
-/* Store 16 fp32 values as the row's dtype, rounding to nearest even for bf16. */
-INLINE void store16(void *p, __m512 v, int dt, __mmask16 m) {
-    if (dt == DT_BF16) _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-    else _mm512_mask_storeu_ps(p, m, v);
-}
-
-/* v rounded to the dtype and widened back: where torch's bf16 op would round an intermediate. */
-INLINE __m512 round_to(__m512 v, int dt) {
-    if (dt != DT_BF16) return v;
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 INLINE uint16_t f32_to_bf16(float f) {
@@ -55,22 +72,106 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* exp(x), Cephes expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp); scalef takes
- * the 2^n step, so large |x| saturates to inf / 0 instead of wrapping. */
-INLINE __m512 vexp(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
+/* VL fp32 values rounded to bf16, nearest even (NaNs stay NaN). */
+INLINE vh f32_to_bf16_v(vf v) {
+#if HAVE_BF16DP
+    return (vh)_mm512_cvtneps_pbh((__m512)v);
+#else
+    vu u = (vu)v;
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
+    return __builtin_convertvector(r, vh);
+#endif
+}
+
+/* VL values of an fp32 or bf16 row, widened to fp32. */
+INLINE vf load_vec(const void *p, int dt) {
+    if (dt == DT_BF16) {
+        vh h;
+        memcpy(&h, p, sizeof h);
+        return bf16_lo(__builtin_convertvector(h, vu));
+    }
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store_vec(void *p, vf v, int dt) {
+    if (dt == DT_BF16) {
+        vh h = f32_to_bf16_v(v);
+        memcpy(p, &h, sizeof h);
+    } else {
+        memcpy(p, &v, sizeof v);
+    }
+}
+
+/* The first n (< VL) values of a row, the rest zero; and their store. */
+INLINE vf load_part(const void *p, int dt, int64_t n) {
+    const int es = dt == DT_BF16 ? 2 : 4;
+    char buf[VEC_BYTES] __attribute__((aligned(VEC_BYTES))) = {0};
+    memcpy(buf, p, (size_t)(n * es));
+    return load_vec(buf, dt);
+}
+
+INLINE void store_part(void *p, vf v, int dt, int64_t n) {
+    const int es = dt == DT_BF16 ? 2 : 4;
+    char buf[VEC_BYTES] __attribute__((aligned(VEC_BYTES)));
+    store_vec(buf, v, dt);
+    memcpy(p, buf, (size_t)(n * es));
+}
+
+/* Values [c, c + VL) of a row of n, clipped to the row. */
+INLINE vf load_at(const char *row, int dt, int64_t c, int64_t n) {
+    const int es = dt == DT_BF16 ? 2 : 4;
+    return c + VL <= n ? load_vec(row + c * es, dt) : load_part(row + c * es, dt, n - c);
+}
+
+INLINE void store_at(char *row, vf v, int dt, int64_t c, int64_t n) {
+    const int es = dt == DT_BF16 ? 2 : 4;
+    if (c + VL <= n) store_vec(row + c * es, v, dt);
+    else store_part(row + c * es, v, dt, n - c);
+}
+
+/* v rounded to the dtype and widened back: where torch's bf16 op would round an intermediate. */
+INLINE vf round_to(vf v, int dt) {
+    if (dt != DT_BF16) return v;
+    return bf16_lo(__builtin_convertvector(f32_to_bf16_v(v), vu));
+}
+
+INLINE float hsum(vf v) {
+    float s[VL];
+    memcpy(s, &v, sizeof v);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) s[i] += s[i + w];
+    return s[0];
+}
+
+/* min(max(x, lo), hi), by masks (C has no ?: on vectors). */
+INLINE vf vclamp(vf x, float lo, float hi) {
+    vi below = x < lo, above = x > hi;
+    vi r = ((vi)x & ~below) | ((vi)splat(lo) & below);
+    return (vf)((r & ~above) | ((vi)splat(hi) & above));
+}
+
+/* exp(x), Cephes expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp). x is clamped to
+ * [-87.3, 88.7], so large |x| gives ~1e-38 / ~3e38 rather than 0 / inf. */
+INLINE vf vexp(vf x) {
+    x = vclamp(x, -87.3f, 88.7f);
+    vf t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds to nearest int */
+    vi n = (vi)t - 0x4b400000;
+    vf fx = t - 12582912.0f;
+    x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+    vf y = splat(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * (x * x) + x + 1.0f;
+    /* 2^n in two factors, so n = 128 (x near 88.7) stays finite. */
+    vi h = n >> 1;
+    return y * (vf)((h + 127) << 23) * (vf)((n - h + 127) << 23);
 }
 
 /* Threads for `work` units of roughly `unit_cost` bytes touched: one thread below ~64 KiB of
@@ -79,4 +180,20 @@ INLINE int pick_threads(int nthreads, int64_t work, int64_t unit_cost) {
     if (nthreads < 1) nthreads = 1;
     if (work * unit_cost < 65536) return 1;
     return work < nthreads ? (int)(work > 0 ? work : 1) : nthreads;
+}
+
+INLINE int thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+INLINE int thread_count(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
 }
