@@ -6,21 +6,23 @@
  * at position seq_lens[b] - query_len_b + i and attends causally to keys 0 ..= that position.
  *
  * The work is a list of items (request, kv heads [h0, h1), query rows [r0, r1)) built by the
- * Python side and shared out over OpenMP threads. An item walks its keys in tiles of 16
- * positions (one vector lane per key): for each KV head it scores the tile against every query
+ * Python side and shared out over OpenMP threads. An item walks its keys in tiles of LANES
+ * positions (one vector lane per key: 16 with AVX-512, 8 with AVX2, 4 in the portable build):
+ * for each KV head it scores the tile against every query
  * vector of that head (the GQA group x the item's rows, so each K/V row is read from memory
  * once per item), then does an online-softmax update (running max m, sum l, fp32 accumulator)
  * as in FlashAttention (Dao et al., 2022) and Milakov & Gimelshein (2018).
  *
- * Vectors are GCC vector extensions (16 floats), so the same source compiles to AVX-512,
- * AVX2 or NEON; x86 intrinsics serve fp16 conversion and the AVX512_BF16 path (tile.h).
+ * Vectors are GCC vector extensions of the register's width (vec.h), so the same source
+ * compiles to AVX-512, AVX2, SSE2 or NEON, once per ISA level (pagoda/attention/cpu/build.py);
+ * x86 intrinsics serve fp16 conversion and the AVX512_BF16 path (tile.h).
  */
 #include "tile.h"
 
 /* ---- tile dispatch ------------------------------------------------------------------- */
 /* Head sizes 64 and 128 get code specialised on the group size (loops unrolled, accumulators
  * in registers); other head sizes and dtypes share one generic body per dtype, which keeps the
- * first-use compile under 2 s. */
+ * first-use compile short. */
 typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float *, float *,
                         const int *);
 
@@ -37,8 +39,8 @@ typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float 
         }                                                                                          \
     }
 
-DEFINE_TILE(tile_f32_4, DT_F32, 4) /* head 64 */
-DEFINE_TILE(tile_f32_8, DT_F32, 8) /* head 128 */
+DEFINE_TILE(tile_f32_64, DT_F32, 64 / LANES)
+DEFINE_TILE(tile_f32_128, DT_F32, 128 / LANES)
 DEFINE_TILE(tile_f32_n, DT_F32, 0)
 DEFINE_TILE(tile_f16_n, DT_F16, 0)
 DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
@@ -60,8 +62,8 @@ DEFINE_TILE_BF16DP(tile_bf16dp_2, 2) /* head 64 */
 DEFINE_TILE_BF16DP(tile_bf16dp_4, 4) /* head 128 */
 DEFINE_TILE_BF16DP(tile_bf16dp_n, 0)
 #else
-DEFINE_TILE(tile_bf16_4, DT_BF16, 4)
-DEFINE_TILE(tile_bf16_8, DT_BF16, 8)
+DEFINE_TILE(tile_bf16_64, DT_BF16, 64 / LANES)
+DEFINE_TILE(tile_bf16_128, DT_BF16, 128 / LANES)
 #endif
 
 /* Whether (dtype, head size) takes the AVX512_BF16 path: raw bf16 q, permuted accumulator. */
@@ -72,9 +74,9 @@ static tile_fn pick_tile(int dt, int d) {
     if (uses_bf16dp(dt, d))
         return d == 64 ? tile_bf16dp_2 : d == 128 ? tile_bf16dp_4 : tile_bf16dp_n;
 #else
-    if (dt == DT_BF16) return d == 64 ? tile_bf16_4 : d == 128 ? tile_bf16_8 : tile_bf16_n;
+    if (dt == DT_BF16) return d == 64 ? tile_bf16_64 : d == 128 ? tile_bf16_128 : tile_bf16_n;
 #endif
-    if (dt == DT_F32) return d == 64 ? tile_f32_4 : d == 128 ? tile_f32_8 : tile_f32_n;
+    if (dt == DT_F32) return d == 64 ? tile_f32_64 : d == 128 ? tile_f32_128 : tile_f32_n;
     return dt == DT_F16 ? tile_f16_n : tile_bf16_n;
 }
 
@@ -98,7 +100,7 @@ static size_t scratch_floats(int nqv, int d) {
     return (size_t)nqv * (2 * cp + 3) + 64;
 }
 
-/* Slots of key positions [t0, t0 + 16) clipped to num_keys > t0 (lanes past it repeat lane 0);
+/* Slots of key positions [t0, t0 + LANES) clipped to num_keys > t0 (lanes past it repeat lane 0);
  * returns the number of valid lanes. */
 static int tile_slots(const Params *P, const int32_t *table, int t0, int num_keys, int64_t *slot) {
     const int nt = num_keys - t0 < LANES ? num_keys - t0 : LANES;

@@ -1,4 +1,4 @@
-/* One tile of the paged-attention kernel: up to 16 consecutive key positions of one KV head,
+/* One tile of the paged-attention kernel: up to LANES consecutive key positions of one KV head,
  * scored against NQ <= 4 query vectors and folded into their online-softmax state.
  *
  * Two implementations:
@@ -11,6 +11,10 @@
  * Included by paged_attention.c only (one translation unit). */
 #pragma once
 #include "vec.h"
+
+/* Column vectors of p.v accumulated at once: MAX_GROUP x PV_COLS accumulators and PV_COLS rows
+ * of V fit the register file (32 zmm; 16 ymm / xmm). */
+#define PV_COLS (VEC_REGS == 32 ? 4 : 2)
 
 typedef struct {
     const char *krow[LANES]; /* key rows of this tile (lanes past the valid keys repeat lane 0) */
@@ -31,12 +35,11 @@ INLINE void prefetch_next(const Tile *tl, int t) {
     }
 }
 
-/* The online-softmax step for one query vector: s holds its 16 scores, lanes >= nvalid are
+/* The online-softmax step for one query vector: s holds its LANES scores, lanes >= nvalid are
  * masked. Raises the running max m (rescaling l and the nacc floats of acc), returns
  * p = exp(s - m) with masked lanes 0. The caller adds p's sum to l. */
 INLINE vf online_softmax(vf s, int nvalid, float *m, float *l, float *acc, int nacc) {
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const vi valid = lane < nvalid;
+    const vi valid = lanes_below(nvalid);
     s = vselect(valid, s, splat(-INFINITY));
     const float mt = hmax(s);
     if (mt > *m) {
@@ -53,7 +56,7 @@ INLINE vf online_softmax(vf s, int nvalid, float *m, float *l, float *acc, int n
     return vselect(valid, vexp_nonpos(s - *m), splat(0.0f));
 }
 
-/* q: NQ fp32 vectors (pre-scaled, zero padded to C chunks of 16); nvalid[i]: keys of the tile
+/* q: NQ fp32 vectors (pre-scaled, zero padded to C chunks of LANES); nvalid[i]: keys of the tile
  * query i may see (<= 0: none). CC = 0: the chunk count is only known at run time. */
 INLINE void attend_tile(const Tile *tl, const int dt, const int NQ, const int CC,
                         float *const *q, float *const *acc, float *m, float *l,
@@ -86,20 +89,20 @@ INLINE void attend_tile(const Tile *tl, const int dt, const int NQ, const int CC
     for (int i = 0; i < NQ; i++) {
         vf e = splat(0.0f);
         if (nvalid[i] > 0) {
-            e = online_softmax(reduce16(part[i]), nvalid[i], m + i, l + i, acc[i], C * LANES);
+            e = online_softmax(reduce_keys(part[i]), nvalid[i], m + i, l + i, acc[i], C * LANES);
             l[i] += hsum(e);
         }
         memcpy(p[i], &e, sizeof e);
     }
 
-    /* out += p v, four 16-wide columns at a time so the accumulators stay in registers. */
-    for (int c0 = 0; c0 < C; c0 += 4) {
-        const int nc = C - c0 < 4 ? C - c0 : 4;
-        vf a[MAX_GROUP][4];
+    /* out += p v, PV_COLS vectors of columns at a time so the accumulators stay in registers. */
+    for (int c0 = 0; c0 < C; c0 += PV_COLS) {
+        const int nc = C - c0 < PV_COLS ? C - c0 : PV_COLS;
+        vf a[MAX_GROUP][PV_COLS];
         for (int i = 0; i < NQ; i++)
             for (int c = 0; c < nc; c++) memcpy(&a[i][c], acc[i] + (c0 + c) * LANES, sizeof(vf));
         for (int t = 0; t < nmax; t++) {
-            vf v[4];
+            vf v[PV_COLS];
             for (int c = 0; c < nc; c++) v[c] = load_chunk(tl->vrow[t], dt, es, c0 + c, d);
             for (int i = 0; i < NQ; i++) {
                 const float pt = p[i][t];
@@ -149,7 +152,7 @@ INLINE void attend_tile_bf16dp(const Tile *tl, const int NQ, const int CC,
     for (int i = 0; i < NQ; i++) {
         __m256i pb = _mm256_setzero_si256();
         if (nvalid[i] > 0) {
-            vf s = reduce16(part[i]) * tl->scale;
+            vf s = reduce_keys(part[i]) * tl->scale;
             vf e = online_softmax(s, nvalid[i], m + i, l + i, acc[i], C * 32);
             pb = (__m256i)_mm512_cvtneps_pbh((__m512)e);
             l[i] += hsum((vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));

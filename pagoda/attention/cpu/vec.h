@@ -1,6 +1,8 @@
-/* Vector helpers for the paged-attention kernel: 16-float vectors as GCC vector extensions
- * (AVX-512, AVX2 or NEON from one source), fp16/bf16 conversions, horizontal reductions and a
- * vectorised exp. Included by paged_attention.c only (one translation unit). */
+/* Vector helpers for the paged-attention kernel: native-width float vectors as GCC vector
+ * extensions (LANES = 16 with AVX-512, 8 with AVX2, 4 in the portable SSE2 / NEON build, from
+ * one source), fp16/bf16 conversions, horizontal reductions and a vectorised exp. A vector is
+ * kept at the register's width: GCC keeps a wider one in memory and lowers its comparisons and
+ * permutations element by element. Included by paged_attention.c only (one translation unit). */
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -13,14 +15,23 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__)
 #define LANES 16
-#define MAX_CHUNKS 16 /* head_size <= 256 */
-#define MAX_GROUP 4   /* query vectors scored together against one K/V tile */
+#define VEC_REGS 32
+#elif defined(__AVX__)
+#define LANES 8
+#define VEC_REGS 16
+#else
+#define LANES 4
+#define VEC_REGS 16
+#endif
+#define MAX_CHUNKS (256 / LANES) /* head_size <= 256 */
+#define MAX_GROUP 4              /* query vectors scored together against one K/V tile */
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -96,7 +107,13 @@ INLINE void store_scalar(void *p, int dt, int i, float x) {
 }
 
 /* ---- vector helpers ---------------------------------------------------------------------- */
-INLINE vf splat(float x) { return (vf){0} + x; }
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+INLINE vf splat(float x) { return x - (vf){0}; } /* a broadcast: x - 0 is x for every x */
 
 INLINE vf vmax(vf a, vf b) {
     vi m = a < b;
@@ -105,7 +122,79 @@ INLINE vf vmax(vf a, vf b) {
 
 INLINE vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
-INLINE vf load16(const void *p, int dt) {
+/* Lanes [0, n) all ones, the rest zero (n in [0, LANES]). */
+INLINE vi lanes_below(int n) {
+    static const int32_t ramp[2 * LANES] = {[0 ... LANES - 1] = -1};
+    vi m;
+    memcpy(&m, ramp + LANES - (n < 0 ? 0 : n > LANES ? LANES : n), sizeof m);
+    return m;
+}
+
+INLINE float hsum(vf v) {
+    float t[LANES];
+    memcpy(t, &v, sizeof t);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+INLINE float hmax(vf v) {
+    float t[LANES];
+    memcpy(t, &v, sizeof t);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
+    return t[0];
+}
+
+/* One level of the transpose-and-add tree of reduce_keys: a and b each hold g keys' partial
+ * sums (LANES / g lanes a key); the result holds a's keys then b's, each key's lanes summed in
+ * halves. PAIRg for g = 1, 2, 4, 8. */
+#if LANES == 16
+#define PAIR1(a, b)                                                                                \
+    (SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +                          \
+     SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define PAIR2(a, b)                                                                                \
+    (SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +                        \
+     SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+#define PAIR4(a, b)                                                                                \
+    (SHUF(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +                        \
+     SHUF(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+#define PAIR8(a, b)                                                                                \
+    (SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +                       \
+     SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+#elif LANES == 8
+#define PAIR1(a, b) (SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
+#define PAIR2(a, b) (SHUF(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + SHUF(a, b, 2, 3, 6, 7, 10, 11, 14, 15))
+#define PAIR4(a, b) (SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
+#else
+#define PAIR1(a, b) (SHUF(a, b, 0, 1, 4, 5) + SHUF(a, b, 2, 3, 6, 7))
+#define PAIR2(a, b) (SHUF(a, b, 0, 2, 4, 6) + SHUF(a, b, 1, 3, 5, 7))
+#endif
+
+/* p[t] holds LANES partial sums of key t's dot product; returns r with r[t] = sum(p[t]).
+ * A transpose-and-add tree: each level halves the vectors and doubles the keys per vector. */
+INLINE vf reduce_keys(const vf *p) {
+    vf a[LANES];
+    int n = LANES;
+#define LEVEL(PAIR, src)                                                                           \
+    do {                                                                                           \
+        for (int j = 0; j < n / 2; j++) a[j] = PAIR(src[2 * j], src[2 * j + 1]);                   \
+        n /= 2;                                                                                    \
+    } while (0)
+    LEVEL(PAIR1, p);
+    LEVEL(PAIR2, a);
+#if LANES >= 8
+    LEVEL(PAIR4, a);
+#endif
+#if LANES >= 16
+    LEVEL(PAIR8, a);
+#endif
+#undef LEVEL
+    return a[0];
+}
+
+/* LANES values of an fp32, bf16 or fp16 row, widened to fp32. */
+INLINE vf load_lanes(const void *p, int dt) {
     if (dt == DT_F32) {
         vf v;
         memcpy(&v, p, sizeof v);
@@ -116,15 +205,10 @@ INLINE vf load16(const void *p, int dt) {
         memcpy(&h, p, sizeof h);
         return (vf)(__builtin_convertvector(h, vu) << 16);
     }
-#if defined(__AVX512F__)
+#if LANES == 16
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__F16C__)
-    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + 1));
-    vf v;
-    memcpy(&v, &lo, 32);
-    memcpy((char *)&v + 32, &hi, 32);
-    return v;
+#elif LANES == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
     float t[LANES];
     for (int i = 0; i < LANES; i++) t[i] = f16_to_f32(((const uint16_t *)p)[i]);
@@ -134,57 +218,15 @@ INLINE vf load16(const void *p, int dt) {
 #endif
 }
 
-/* Chunk c (16 elements) of a row of `d` elements; the tail chunk of an odd head size is read
+/* Chunk c (LANES elements) of a row of `d` elements; the tail chunk of an odd head size is read
  * element by element so nothing past the row is touched. */
 INLINE vf load_chunk(const char *row, int dt, int es, int c, int d) {
-    if ((c + 1) * LANES <= d) return load16(row + (size_t)c * LANES * es, dt);
+    if ((c + 1) * LANES <= d) return load_lanes(row + (size_t)c * LANES * es, dt);
     float t[LANES] = {0};
     for (int i = c * LANES; i < d; i++) t[i - c * LANES] = load_scalar(row, dt, i);
     vf v;
     memcpy(&v, t, sizeof v);
     return v;
-}
-
-INLINE float hsum(vf v) {
-    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
-
-INLINE float hmax(vf v) {
-    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
-    return v[0];
-}
-
-/* p[t] holds 16 partial sums of key t's dot product; returns r with r[t] = sum(p[t]).
- * A transpose-and-add tree: each level halves the vectors and doubles the keys per vector. */
-INLINE vf reduce16(const vf *p) {
-    /* Level k pairs up vectors holding 2^(k-1) keys each and adds the halves that belong to
-     * the same key; the index vectors pick those halves out of the pair (a | b). */
-    const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const vi hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const vi hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    vf a[8], b[4], c[2];
-    for (int j = 0; j < 8; j++)
-        a[j] = __builtin_shuffle(p[2 * j], p[2 * j + 1], lo1) +
-               __builtin_shuffle(p[2 * j], p[2 * j + 1], hi1);
-    for (int j = 0; j < 4; j++)
-        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], lo2) +
-               __builtin_shuffle(a[2 * j], a[2 * j + 1], hi2);
-    for (int j = 0; j < 2; j++)
-        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], lo3) +
-               __builtin_shuffle(b[2 * j], b[2 * j + 1], hi3);
-    return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
 }
 
 /* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp).
