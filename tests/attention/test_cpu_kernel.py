@@ -104,14 +104,14 @@ MIXED = [(37, 1), (5, 1), (0, 1), (300, 1), (16, 1), (0, 19), (21, 6), (16, 16),
     "heads", [(9, 3), (8, 2), (4, 4), (4, 1)], ids=["gqa3", "gqa4", "mha", "mqa"]
 )
 @pytest.mark.parametrize("head_size", [64, 128])
-def test_float32_mixed_batch_matches_oracles(block_size, heads, head_size):
+def test_float32_mixed_batch_matches_oracles(block_size, heads, head_size, cpu_isa):
     out, ref, naive = run_both(block_size + head_size, block_size, heads, head_size, MIXED)
     assert (out - naive).abs().max().item() < 2e-5
     assert (out - ref).abs().max().item() < 2e-5
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_decode_batches_match_torch_backend(seed):
+def test_random_decode_batches_match_torch_backend(seed, cpu_isa):
     rng = random.Random(seed)
     specs = [(rng.randrange(0, 400), 1) for _ in range(rng.randrange(1, 40))]
     specs += [(rng.randrange(0, 50), rng.randrange(1, 20)) for _ in range(seed % 3)]
@@ -124,7 +124,7 @@ def test_random_decode_batches_match_torch_backend(seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
 @pytest.mark.parametrize("head_size", [64, 96, 128, 40])  # 96: generic bf16dp; 40: generic
-def test_half_precision_stays_close(dtype, heads, head_size):
+def test_half_precision_stays_close(dtype, heads, head_size, cpu_isa):
     out, ref, naive = run_both(3, 16, heads, head_size, MIXED, dtype)
     # One rounding of the output (2^-8 relative for bf16) on values of magnitude <~ 1.
     assert (out - naive).abs().max().item() < 2e-2
@@ -133,7 +133,7 @@ def test_half_precision_stays_close(dtype, heads, head_size):
 
 @pytest.mark.parametrize("head_size", [8, 40, 80])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_generic_head_and_block_sizes(head_size, block_size):
+def test_generic_head_and_block_sizes(head_size, block_size, cpu_isa):
     out, _, naive = run_both(head_size, block_size, (6, 2), head_size, MIXED[:6])
     assert (out - naive).abs().max().item() < 2e-5
 
@@ -174,7 +174,7 @@ def test_fresh_prompt_with_unwritten_rows_attends_to_its_own_rows():
     assert torch.equal(cache.view(2, -1, 2, 64)[:, slot], torch.zeros(2, 2, 64))
 
 
-def test_strided_query_view_is_read_in_place():
+def test_strided_query_view_is_read_in_place(cpu_isa):
     """q as the model makes it: a column slice of the fused qkv projection."""
     q, k, v, cache, md, history = make_case(5, 16, 9, 3, 64, MIXED, torch.float32)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)

@@ -1,18 +1,22 @@
-"""Microbenchmark of the C CPU ops against torch: the skinny GEMM and (bf16) the GEMM on packed
-weights per row count (to place `MAX_GEMV_ROWS` and check the packed kernel's lead over
-torch's GEMM) and the element-wise ops at decode shapes.
+"""Microbenchmark of the C CPU ops against torch: the GEMMs per row count (to place
+`MAX_GEMV_ROWS` and check the packed kernel's lead over torch's GEMM) and the element-wise ops
+at decode shapes, at the ISA level selected (or forced with --isa / $PAGODA_CPU_ISA).
 
     python -m pagoda.kernels.cpu.benchmark [--rows 1 2 4 8 16 32 64] [--shapes 960x576 ...]
+        [--isa avx2] [--threads 2] [--stat median|min]
 
 Defaults are SmolLM2-135M's projections (qkv, o, gate_up, down, lm_head). Prints microseconds
-per call (median, the variants interleaved call by call) and the weight-streaming bandwidth
-(skinny GEMM) or GFLOP/s (packed GEMM) reached.
+per call (the variants interleaved call by call) with GFLOP/s, for torch's F.linear on float32
+and on bf16 weights, the bf16 GEMM on packed weights, and the skinny GEMM on plain weights of
+the --dtype (float32: the path of float32 models), and the weight bytes per second the packed
+GEMM streams. `--stat min` is steadier on a machine shared with other work.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -20,12 +24,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagoda.attention.cpu.build import ISA_ENV, ISA_LEVELS
 from pagoda.kernels import cpu
 from pagoda.kernels.cpu import gemm as cpu_gemm
+from pagoda.kernels.cpu import ops
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 
 _COLD_BYTES = 96 << 20
 _SHAPES = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]
+
+
+_STAT = statistics.median
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
@@ -33,8 +42,8 @@ def time_us(fn: Callable[[], object], iters: int) -> float:
 
 
 def times_us(fns: list[Callable[[], object]], iters: int) -> list[float]:
-    """Median microseconds per call of each fn, the fns interleaved call by call (so a noisy
-    neighbour on the machine slows them alike)."""
+    """Microseconds per call of each fn (median, or min with --stat min), the fns interleaved
+    call by call (so a noisy neighbour on the machine slows them alike)."""
     for fn in fns:
         for _ in range(3):
             fn()
@@ -44,7 +53,7 @@ def times_us(fns: list[Callable[[], object]], iters: int) -> list[float]:
             t = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t)
-    return [statistics.median(ts) * 1e6 for ts in times]
+    return [_STAT(ts) * 1e6 for ts in times]
 
 
 def _cycle(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -53,36 +62,41 @@ def _cycle(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.
 
 
 def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dtype) -> None:
-    """F.linear vs the skinny GEMM (plain weight) vs, for bf16, the GEMM on packed weights."""
-    packed = dtype is torch.bfloat16
+    """F.linear on float32 and on bf16 weights vs the packed bf16 GEMM vs the skinny GEMM on
+    plain `dtype` weights (rows up to MAX_GEMV_ROWS[dtype])."""
     print(
-        "linear [N x K], M rows: torch F.linear us | skinny GEMM us"
-        + (" | packed GEMM us (GFLOP/s) | packed vs torch" if packed else " (GB/s) | speedup")
+        "linear [N x K], M rows: us (GFLOP/s) of F.linear fp32 | F.linear bf16 | packed bf16 "
+        f"GEMM | skinny GEMM {str(dtype).replace('torch.', '')} || packed GB/s of weights, "
+        "packed vs fp32 / bf16 F.linear"
     )
     for shape in shapes:
         n, k = (int(v) for v in shape.split("x"))
-        # Cycle through copies of the weight that overflow the L3, so every call streams its
+        # Cycle through copies of the weights that overflow the L3, so every call streams its
         # weight from DRAM as a decode step does.
-        size = dtype.itemsize
-        copies = [torch.randn(n, k).to(dtype) for _ in range(1 + _COLD_BYTES // (n * k * size))]
-        packs = [cpu_gemm.pack_weight(w) for w in copies] if packed else []
+        count = 1 + _COLD_BYTES // (n * k * 4)
+        fp32 = [torch.randn(n, k) for _ in range(count)]
+        bf16 = [w.to(torch.bfloat16) for w in fp32]
+        packs = [cpu_gemm.pack_weight(w) for w in bf16]
+        plain = fp32 if dtype is torch.float32 else bf16
         for m in rows:
-            x = torch.randn(m, k).to(dtype)
+            x32 = torch.randn(m, k)
+            x16 = x32.to(torch.bfloat16)
+            xd = x32 if dtype is torch.float32 else x16
             fns = [
-                functools.partial(_cycle, F.linear, x, copies),
-                functools.partial(_cycle, cpu.linear, x, copies),
+                functools.partial(_cycle, F.linear, x32, fp32),
+                functools.partial(_cycle, F.linear, x16, bf16),
+                functools.partial(_cycle, cpu_gemm.packed_linear, x16, packs),
             ]
-            if packed:
-                fns.append(functools.partial(_cycle, cpu_gemm.packed_linear, x, packs))
-            t_ref, t_c, *t_packed = times_us(fns, iters)
-            line = f"  {n:6d}x{k:<5d} M={m:4d}: {t_ref:9.1f} | {t_c:9.1f}"
-            if packed:
-                t_p = t_packed[0]
-                gflops = 2 * m * n * k / t_p / 1e3
-                line += f" | {t_p:9.1f} ({gflops:5.0f}) | {t_ref / t_p:5.2f}x"
-            else:
-                line += f" ({n * k * size / t_c / 1e3:5.1f}) | {t_ref / t_c:5.2f}x"
-            print(line)
+            if m <= ops.MAX_GEMV_ROWS[dtype]:
+                fns.append(functools.partial(_cycle, cpu.linear, xd, plain))
+            ts = times_us(fns, iters)
+            flop = 2 * m * n * k
+            cells = " | ".join(f"{t:8.1f} ({flop / t / 1e3:5.1f})" for t in ts)
+            t_p = ts[2]
+            print(
+                f"  {n:6d}x{k:<5d} M={m:4d}: {cells} || {n * k * 2 / t_p / 1e3:5.1f} GB/s, "
+                f"{ts[0] / t_p:4.2f}x / {ts[1] / t_p:4.2f}x"
+            )
 
 
 def bench_elementwise(rows: list[int], iters: int, hidden: int = 576, inter: int = 1536) -> None:
@@ -115,11 +129,25 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--shapes", nargs="+", default=_SHAPES, help="NxK weight shapes")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="float32",
+        help="weights of the skinny GEMM on plain weights",
+    )
+    parser.add_argument("--isa", choices=ISA_LEVELS, help="force a level ($PAGODA_CPU_ISA)")
+    parser.add_argument("--threads", type=int, help="default: torch's intra-op thread count")
+    parser.add_argument("--stat", choices=["median", "min"], default="median")
     args = parser.parse_args()
+    global _STAT
+    _STAT = min if args.stat == "min" else statistics.median
+    if args.isa:
+        os.environ[ISA_ENV] = args.isa
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not cpu.cpu_ops_available():
         raise SystemExit("the C CPU ops are not available here (see the warning above)")
-    print(f"{torch.get_num_threads()} threads")
+    print(f"ISA level {ops.ops_isa()}, {torch.get_num_threads()} threads, {args.stat} of calls")
     bench_linear(args.shapes, args.rows, args.iters, getattr(torch, args.dtype))
     bench_elementwise(args.rows, args.iters)
 

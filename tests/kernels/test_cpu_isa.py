@@ -1,0 +1,99 @@
+"""ISA levels of the C CPU kernels (`pagoda.attention.cpu.build`): which level a CPU gets,
+`$PAGODA_CPU_ISA`, the per-level builds and their cache entries, and the fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagoda.attention.cpu import build
+from pagoda.attention.cpu.build import CpuKernelUnavailable
+
+AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c avx2 bmi1 bmi2"
+ZEN4_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+
+
+def test_levels_follow_the_cpu_flags():
+    assert build.supported_isas(AVX2_FLAGS, "x86_64") == ("portable", "avx2")
+    assert build.supported_isas(ZEN4_FLAGS, "x86_64") == build.ISA_LEVELS
+    assert build.supported_isas("fpu sse2 avx", "x86_64") == ("portable",)  # AVX without FMA
+    no_bw = ZEN4_FLAGS.replace("avx512bw", "")  # a level needs all its flags and the lower ones'
+    assert build.supported_isas(no_bw, "x86_64") == ("portable", "avx2")
+    assert build.supported_isas("fp asimd", "aarch64") == ("portable",)  # ARM: portable only
+    assert build.supported_isas(ZEN4_FLAGS, "riscv64") == ("portable",)  # unknown: portable
+
+
+def test_each_level_has_explicit_flags_and_no_march():
+    assert build.isa_compile_flags("portable") == []
+    avx2 = build.isa_compile_flags("avx2")
+    assert avx2 == ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]
+    assert set(avx2) < set(build.isa_compile_flags("avx512"))
+    assert "-mavx512bf16" in build.isa_compile_flags("avx512_bf16")
+    assert not any("march" in f for isa in build.ISA_LEVELS for f in build.isa_compile_flags(isa))
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        build.isa_compile_flags("sse9")
+
+
+def test_env_var_forces_a_level_and_rejects_what_the_cpu_lacks(monkeypatch):
+    monkeypatch.setattr(build, "cpu_flags", lambda: AVX2_FLAGS)
+    monkeypatch.setattr(build, "cpu_arch", lambda: "x86_64")
+    monkeypatch.delenv("PAGODA_CPU_ISA", raising=False)
+    assert build.selected_isa() == build.best_isa() == "avx2"
+    monkeypatch.setenv("PAGODA_CPU_ISA", "portable")
+    assert build.selected_isa() == "portable"
+    monkeypatch.setenv("PAGODA_CPU_ISA", "AVX2")
+    assert build.selected_isa() == "avx2"
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx512_bf16")
+    with pytest.raises(ValueError, match=r"PAGODA_CPU_ISA=avx512_bf16.*best level is avx2"):
+        build.selected_isa()
+    monkeypatch.setenv("PAGODA_CPU_ISA", "neon")
+    with pytest.raises(ValueError, match="PAGODA_CPU_ISA must be one of"):
+        build.selected_isa()
+
+
+def test_every_level_of_this_cpu_builds_its_own_library(cpu_isa, tmp_path, monkeypatch):
+    """Each level is its own cache entry (the level is in the key and the name)."""
+    from pagoda.kernels.cpu import ops
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    assert ops.ops_isa() == cpu_isa  # the library reports the level its -m flags gave it
+    attention = build.load_library()
+    assert attention.pagoda_paged_attention_bf16dp() == (cpu_isa == "avx512_bf16")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2 and all(f"_{cpu_isa}_" in n for n in names), names
+
+
+def test_a_level_that_does_not_build_falls_back_to_portable(monkeypatch, caplog):
+    from pagoda.kernels.cpu import ops
+
+    real = build.build_library
+    built = []
+
+    def old_compiler(source, headers=(), isa=None):
+        built.append(isa)
+        if isa != "portable":
+            raise CpuKernelUnavailable("cc: error: unrecognized command-line option '-mavx2'")
+        return real(source, headers, isa)
+
+    monkeypatch.setattr(build, "build_library", old_compiler)
+    monkeypatch.setattr(build, "selected_isa", lambda: "avx2")
+    monkeypatch.delenv("PAGODA_CPU_ISA", raising=False)
+    monkeypatch.setattr(logging.getLogger("pagoda"), "propagate", True)
+    with caplog.at_level(logging.WARNING):
+        path, level = build.build_with_fallback(ops.SOURCE, ops.HEADERS)
+    assert level == "portable" and built == ["avx2", "portable"] and path.exists()
+    assert caplog.text.count("the avx2 build failed") == 1
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")  # forced: no silent downgrade
+    with pytest.raises(CpuKernelUnavailable, match="mavx2"):
+        build.build_with_fallback(ops.SOURCE, ops.HEADERS)
+
+
+def test_the_selected_level_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("pagoda"), "propagate", True)
+    build.log_isa.cache_clear()
+    with caplog.at_level(logging.INFO):
+        build.log_isa("avx2")
+        build.log_isa("avx2")
+    assert caplog.text.count("CPU kernels: avx2") == 1
+    build.log_isa.cache_clear()
