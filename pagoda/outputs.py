@@ -58,6 +58,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     encoder_prompt: str | None = field(default=None, repr=False)
+    # Set when the request finished with finish_reason "error": what failed, without the
+    # internals (the engine's log has the traceback).
+    error: str | None = None
 
     def __repr__(self) -> str:
         return (

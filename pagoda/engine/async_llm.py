@@ -45,8 +45,17 @@ class EngineDrainingError(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
 
 
+class EngineRestartingError(RuntimeError):
+    """The engine core failed and is being restarted: retry shortly (HTTP 503)."""
+
+
+class RequestQueueTimeoutError(RuntimeError):
+    """The request waited longer than `max_queue_delay_s` without being scheduled (HTTP 503)."""
+
+
 class EngineDeadError(RuntimeError):
-    """The engine core died; no request can be served any more (HTTP 500)."""
+    """The engine core died; this request (or every request, once no restart is left) cannot
+    be served (HTTP 500)."""
 
 
 @dataclass
@@ -107,15 +116,33 @@ def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = Fals
     return engine
 
 
+def default_max_waiting_requests(max_num_seqs: int, num_kv_tokens: int, max_model_len: int) -> int:
+    """The waiting-queue bound a server uses unless told otherwise: as many requests as the KV
+    cache can run at once at full length (its tokens over max_model_len), at least 1 and at
+    most max_num_seqs. That many refill the batch as running requests finish; a request past
+    them would wait more than a whole batch's lifetime, and is better answered 503 at once."""
+    return max(1, min(max_num_seqs, num_kv_tokens // max(1, max_model_len)))
+
+
 class AsyncLLM:
     """Streams an engine's outputs to asyncio callers; the engine core runs off the loop.
 
     Give either `engine` (the core loop runs on a thread of this process and `self.engine` is
     that object) or `engine_factory`, a picklable callable that builds the engine in a child
     process (`self.engine` is then a `RemoteEngine` view: tokenizer, configs, last stats).
-    `max_waiting_requests` bounds the requests admitted but not yet scheduled (those handed
-    over plus the engine's own waiting queue); past it `generate` raises
-    `EngineOverloadedError`. None means unbounded.
+
+    Admission: `max_waiting_requests` bounds the requests admitted but not yet scheduled, past
+    the free places of the running batch (`max_num_seqs` minus the running requests); past it
+    `generate` raises `EngineOverloadedError`, so 0 means "no queue beyond what runs" and None
+    unbounded. `max_queue_delay_s` drops a request not yet scheduled after that long
+    (`RequestQueueTimeoutError`).
+
+    Failures: an engine core that dies fails its in-flight requests (`EngineDeadError`). With
+    an `engine_factory`, it is then started again, at most `max_engine_restarts` times
+    (`num_restarts`; `state` is "restarting" meanwhile and new requests get
+    `EngineRestartingError`); once none is left, or without a factory, `state` becomes "dead"
+    and every `fatal_hooks` callable is called with the error (the server exits non-zero so
+    that its supervisor restarts it).
     """
 
     def __init__(
@@ -126,13 +153,26 @@ class AsyncLLM:
         idle_poll_s: float = 0.5,
         *,
         engine_factory: Callable[[], Any] | None = None,
+        max_queue_delay_s: float | None = None,
+        max_engine_restarts: int = 0,
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        if max_queue_delay_s is not None and not max_queue_delay_s > 0:
+            raise ValueError(f"max_queue_delay_s must be positive, got {max_queue_delay_s}")
+        if max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {max_engine_restarts}")
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine and engine_factory")
         self.max_waiting_requests = max_waiting_requests
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_engine_restarts = max_engine_restarts
+        self.num_restarts = 0
         self.stats_hooks = list(stats_hooks or [])
+        self.restart_hooks: list[Callable[[], None]] = []  # called after each restart
+        self.fatal_hooks: list[Callable[[BaseException], None]] = []  # called once, if dead
+        self._engine_factory = engine_factory
+        self._idle_poll_s = idle_poll_s
         # Request id -> its stream. Added by generate() on the event loop, removed by whoever
         # ends the stream (the core's callback thread, or the consumer leaving early).
         self._streams: dict[str, _Stream] = {}
@@ -140,18 +180,34 @@ class AsyncLLM:
         self._stopped: BaseException | None = None  # set once the core has stopped
         # Read (racily, which is fine for admission) on the loop.
         self._engine_waiting = 0
-        self._num_pending_adds = 0  # handed over but not yet taken by the core
+        self._engine_running = 0
+        self._num_pending_adds = 0  # samples handed over but not yet taken by the core
         self._num_in_flight = 0  # generate() calls that have not returned yet
         self.draining = False
+        self._shutting_down = False
+        self.state = "running"  # running | restarting | dead | stopped
         self.dead_error: BaseException | None = None
         self._core: ThreadCore | ProcessCore
         if engine is not None:
-            self._core = ThreadCore(engine, self._on_report, self._on_stopped, idle_poll_s)
+            self._core = ThreadCore(
+                engine, self._on_report, self._on_stopped, idle_poll_s, max_queue_delay_s
+            )
         else:
-            assert engine_factory is not None
-            self._core = ProcessCore(engine_factory, self._on_report, self._on_stopped, idle_poll_s)
+            self._core = self._start_process_core()
         self.engine = self._core.engine
         self._thread = self._core.thread  # the thread that calls back with each step's outputs
+        sc = getattr(getattr(self.engine, "config", None), "scheduler_config", None)
+        self.max_num_seqs: int = getattr(sc, "max_num_seqs", None) or 1
+
+    def _start_process_core(self) -> ProcessCore:
+        assert self._engine_factory is not None
+        return ProcessCore(
+            self._engine_factory,
+            self._on_report,
+            self._on_stopped,
+            self._idle_poll_s,
+            self.max_queue_delay_s,
+        )
 
     @classmethod
     def from_engine_args(
@@ -179,7 +235,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._core.is_alive() and self.dead_error is None
+        return self.state == "running" and self._core.is_alive()
 
     @property
     def num_in_flight(self) -> int:
@@ -195,22 +251,25 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them (DELTA unless told otherwise).
 
-        Raises ValueError for a request the engine rejects, EngineOverloadedError past the
-        waiting bound, EngineDrainingError while draining. Closing or cancelling the iterator
-        before the last output aborts the request.
+        Raises ValueError for a request the engine rejects; EngineOverloadedError past the
+        waiting bound, EngineDrainingError while draining, EngineRestartingError while the
+        core restarts, RequestQueueTimeoutError after waiting too long, EngineDeadError when
+        the core died under it. Closing or cancelling the iterator before the last output
+        aborts the request.
         """
-        self._check_admission()
+        self._check_admission(params.n)
         loop = asyncio.get_running_loop()
         stream = _Stream(asyncio.Queue(), loop, params.n)
         with self._lock:
             if self._stopped is not None:
-                raise self._stopped_error()
+                raise self._stopped
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._num_pending_adds += 1
+            self._num_pending_adds += params.n
+            core = self._core
         self._num_in_flight += 1
-        self._core.send(AddRequest(request_id, prompt, params, priority, time.time()))
+        core.send(AddRequest(request_id, prompt, params, priority, time.time()))
         finished = False
         try:
             while True:
@@ -231,7 +290,7 @@ class AsyncLLM:
                     if live:
                         del self._streams[request_id]
                 if live:
-                    self._core.send(AbortRequests([request_id]))
+                    core.send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; a caller still iterating gets a final output with reason "abort"."""
@@ -239,35 +298,57 @@ class AsyncLLM:
         self._core.send(AbortRequests(ids))
 
     async def drain(self, timeout: float | None = None) -> bool:
-        """Stop admitting requests and wait until every in-flight one has finished."""
+        """Stop admitting requests and wait until every in-flight one has finished. After
+        `timeout` seconds the rest are aborted: each caller gets EngineDrainingError (an
+        in-band error and the end of its stream); returns whether all finished in time."""
         self.draining = True
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._num_in_flight > 0 and self.is_running:
+        while self._num_in_flight > 0 and self.state == "running":
             if deadline is not None and time.monotonic() >= deadline:
+                self.fail_in_flight(
+                    EngineDrainingError(
+                        "the server shut down before this request finished (--drain-timeout)"
+                    )
+                )
                 return False
             await asyncio.sleep(0.05)
         return True
 
+    def fail_in_flight(self, error: BaseException) -> None:
+        """End every in-flight request with `error` and abort it in the engine."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        if streams:
+            self._core.send(AbortRequests(list(streams)))
+        _deliver_all(streams.values(), error)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (unfinished requests are aborted and their callers told)."""
         self.draining = True
+        self._shutting_down = True
         self._core.shutdown(timeout)
 
-    def _check_admission(self) -> None:
-        if self.dead_error is not None or not self._core.is_alive():
+    def _check_admission(self, n: int) -> None:
+        if self.state == "restarting":
+            raise EngineRestartingError("the engine core is restarting after a failure: retry")
+        if self.state != "running" or not self._core.is_alive():
             raise EngineDeadError(f"the engine core has stopped: {self.dead_error!r}")
         if self.draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         bound = self.max_waiting_requests
-        if bound is not None and self._num_pending_adds + self._engine_waiting >= bound:
+        if bound is None:
+            return
+        free = max(0, self.max_num_seqs - self._engine_running)
+        if self._num_pending_adds + self._engine_waiting + n - free > bound:
             raise EngineOverloadedError(
-                f"too many requests are waiting ({bound}, --max-waiting-requests): retry later"
+                f"the server is at capacity ({bound} requests waiting, --max-waiting-requests):"
+                " retry later"
             )
 
-    def _stopped_error(self) -> BaseException:
-        if self.dead_error is not None:
-            return EngineDeadError(f"the engine failed: {self.dead_error!r}")
-        return EngineDrainingError("the engine shut down before this request finished")
+    def _stopped_error(self, error: BaseException | None) -> BaseException:
+        if error is None:
+            return EngineDrainingError("the engine shut down before this request finished")
+        return EngineDeadError(f"the engine core failed while this request was running: {error!r}")
 
     # ---- the core's callback thread ----
     def _on_report(self, report: CoreReport) -> None:
@@ -275,6 +356,8 @@ class AsyncLLM:
             self._num_pending_adds -= report.num_adds
         self._engine_waiting = report.num_waiting
         if report.stepped:  # before the outputs: a caller who saw its last token sees metrics
+            if report.scheduler_stats is not None:
+                self._engine_running = report.scheduler_stats.num_running_reqs
             if isinstance(self.engine, RemoteEngine):
                 self.engine.update(report)
             self._report_stats()
@@ -285,6 +368,14 @@ class AsyncLLM:
         for rid, error in report.add_errors:
             st = streams.pop(rid, None)
             if st is not None:
+                batches.setdefault(st.loop, []).append((st.out, error))
+        for rid in report.expired:
+            st = streams.pop(rid, None)
+            if st is not None:
+                error = RequestQueueTimeoutError(
+                    f"the request waited more than {self.max_queue_delay_s:g} s without being "
+                    "scheduled (--max-queue-delay-s): retry later"
+                )
                 batches.setdefault(st.loop, []).append((st.out, error))
         for rid in report.aborted:
             st = streams.pop(rid, None)  # still there: aborted by abort(), not by its consumer
@@ -308,16 +399,64 @@ class AsyncLLM:
                 logger.exception("stats hook failed")
 
     def _on_stopped(self, error: BaseException | None) -> None:
+        restart = (
+            error is not None
+            and not self._shutting_down
+            and self._engine_factory is not None
+            and self.num_restarts < self.max_engine_restarts
+        )
         with self._lock:
             if error is not None:
                 self.dead_error = error
-            self._stopped = self._stopped_error()
+            self._stopped = self._stopped_error(error)
             streams, self._streams = self._streams, {}
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for st in streams.values():
-            batches.setdefault(st.loop, []).append((st.out, self._stopped))
-        for loop, items in batches.items():
-            _send(loop, items)
+            self.state = "restarting" if restart else ("dead" if error is not None else "stopped")
+        _deliver_all(streams.values(), self._stopped)
+        if restart:
+            threading.Thread(target=self._restart, name="pagoda-core-restart", daemon=True).start()
+        elif error is not None and not self._shutting_down:
+            self._fatal(error)
+
+    def _restart(self) -> None:
+        logger.error(
+            "the engine core failed (%r): restarting it (restart %d of at most %d)",
+            self.dead_error, self.num_restarts + 1, self.max_engine_restarts,
+        )  # fmt: skip
+        try:
+            core = self._start_process_core()
+        except BaseException as e:  # noqa: BLE001 - a core that cannot start is fatal
+            logger.exception("the engine core could not be restarted")
+            self.state = "dead"
+            self._fatal(e)
+            return
+        with self._lock:
+            self._core, self.engine, self._thread = core, core.engine, core.thread
+            self._num_pending_adds = self._engine_waiting = self._engine_running = 0
+            self._stopped = None
+            self.num_restarts += 1
+            self.state = "running"
+        if self._shutting_down:
+            core.shutdown(10.0)
+            return
+        logger.info("the engine core is running again (%d restarts)", self.num_restarts)
+        for hook in self.restart_hooks:
+            hook()
+
+    def _fatal(self, error: BaseException) -> None:
+        logger.error("the engine core has failed for good: %r", error)
+        for hook in self.fatal_hooks:
+            try:
+                hook(error)
+            except Exception:  # noqa: BLE001
+                logger.exception("fatal hook failed")
+
+
+def _deliver_all(streams: Any, item: Any) -> None:
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for st in streams:
+        batches.setdefault(st.loop, []).append((st.out, item))
+    for loop, items in batches.items():
+        _send(loop, items)
 
 
 def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

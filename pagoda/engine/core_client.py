@@ -43,11 +43,17 @@ class ThreadCore:
     """The engine core loop on a daemon thread of this process."""
 
     def __init__(
-        self, engine: Any, on_report: OnReport, on_stopped: OnStopped, idle_poll_s: float
+        self,
+        engine: Any,
+        on_report: OnReport,
+        on_stopped: OnStopped,
+        idle_poll_s: float,
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._idle_poll_s = idle_poll_s
+        self._max_queue_delay_s = max_queue_delay_s
         self._on_report, self._on_stopped = on_report, on_stopped
         self.thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self.thread.start()
@@ -77,7 +83,9 @@ class ThreadCore:
     def _run(self) -> None:
         error: BaseException | None = None
         try:
-            EngineCoreLoop(self.engine, self._get_commands, self._on_report).run()
+            EngineCoreLoop(
+                self.engine, self._get_commands, self._on_report, self._max_queue_delay_s
+            ).run()
         except BaseException as e:  # noqa: BLE001 - any engine failure must reach the callers
             logger.exception("engine thread died")
             error = e
@@ -134,13 +142,14 @@ class ProcessCore:
         on_report: OnReport,
         on_stopped: OnStopped,
         idle_poll_s: float,
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self._on_report, self._on_stopped = on_report, on_stopped
         ctx = multiprocessing.get_context("spawn")  # fork after torch and threads is unsafe
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=run_engine_core_process,
-            args=(child_conn, engine_factory, idle_poll_s),
+            args=(child_conn, engine_factory, idle_poll_s, max_queue_delay_s),
             name="pagoda-engine-core",
             daemon=True,  # terminated at interpreter exit if shutdown() was never called
         )

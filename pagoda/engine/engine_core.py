@@ -3,7 +3,8 @@
 `EngineCoreLoop` owns an engine (`LLMEngine` or anything with its methods): it takes commands
 (`AddRequest`, `AbortRequests`, `Stop`), steps the engine while it has work and hands one
 `CoreReport` per iteration to whoever listens: the outputs of the step, the requests it
-refused, the ones it aborted, and the scheduler's state. Where it runs is the caller's choice:
+refused, the ones it aborted or expired (waited longer than `max_queue_delay_s` without being
+scheduled), and the scheduler's state. Where it runs is the caller's choice:
 on a thread it reads a queue and calls back directly; in a child process
 (`run_engine_core_process`, vLLM's EngineCoreProc) it reads and writes a pipe, so the HTTP
 front end's Python never holds the GIL the engine's step needs. Nothing here imports torch:
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +59,8 @@ class CoreReport:
     outputs: list[RequestOutput] = field(default_factory=list)
     add_errors: list[tuple[str, BaseException]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # ids the core was told to abort
-    num_adds: int = 0  # AddRequest commands consumed (accepted or refused)
+    expired: list[str] = field(default_factory=list)  # ids dropped for waiting too long
+    num_adds: int = 0  # samples (n of each) of the AddRequest commands consumed
     num_waiting: int = 0  # the engine's waiting queue afterwards
     stepped: bool = False
     scheduler_stats: Any = None  # engine.last_scheduler_stats after the step
@@ -66,7 +69,9 @@ class CoreReport:
 
     @property
     def has_news(self) -> bool:
-        return self.stepped or bool(self.add_errors or self.aborted or self.num_adds)
+        return self.stepped or bool(
+            self.add_errors or self.aborted or self.expired or self.num_adds
+        )
 
 
 @dataclass
@@ -94,17 +99,20 @@ class EngineCoreLoop:
 
     `get_commands(block)` returns the commands that arrived (waiting up to the idle poll when
     `block`); `put_report` receives every `CoreReport`. `run` returns on `Stop` and raises
-    whatever the engine raised."""
+    whatever the engine raised. With `max_queue_delay_s`, requests not yet scheduled that
+    arrived longer ago than that are aborted and reported as `expired`."""
 
     def __init__(
         self,
         engine: Any,
         get_commands: Callable[[bool], list[Command]],
         put_report: Callable[[CoreReport], None],
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self.engine = engine
         self._get_commands = get_commands
         self._put_report = put_report
+        self.max_queue_delay_s = max_queue_delay_s
 
     def run(self) -> None:
         engine = self.engine
@@ -117,7 +125,7 @@ class EngineCoreLoop:
                     stop = True
                     break
                 if isinstance(cmd, AddRequest):
-                    report.num_adds += 1
+                    report.num_adds += cmd.params.n
                     try:
                         engine.add_request(
                             cmd.request_id,
@@ -131,6 +139,11 @@ class EngineCoreLoop:
                 elif isinstance(cmd, AbortRequests):
                     engine.abort_request(list(cmd.request_ids))
                     report.aborted.extend(cmd.request_ids)
+                    needs_flush = True
+            if self.max_queue_delay_s is not None and engine.num_waiting_requests:
+                expired = engine.abort_expired_waiting(self.max_queue_delay_s, time.time())
+                if expired:
+                    report.expired.extend(expired)
                     needs_flush = True
             # After aborts one step runs even when nothing is left: it tells the model runner
             # which requests are gone and refreshes the scheduler's statistics.
@@ -153,6 +166,7 @@ def run_engine_core_process(
     conn: Any,
     engine_factory: Callable[[], Any],
     idle_poll_s: float,
+    max_queue_delay_s: float | None = None,
 ) -> None:
     """Entry point of the engine core process: build the engine, say `CoreReady`, then run the
     loop on `conn` until `Stop` or until the parent is gone (the pipe's end of file)."""
@@ -188,7 +202,7 @@ def run_engine_core_process(
         return cmds
 
     try:
-        EngineCoreLoop(engine, get_commands, conn.send).run()
+        EngineCoreLoop(engine, get_commands, conn.send, max_queue_delay_s).run()
     except (BrokenPipeError, ConnectionResetError):
         raise SystemExit(0) from None  # the parent is gone
     except BaseException as e:  # noqa: BLE001 - any engine failure must reach the callers

@@ -215,6 +215,20 @@ class LLMEngine:
         if children:
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
 
+    def abort_expired_waiting(self, max_queue_delay_s: float, now: float) -> list[str]:
+        """Abort the user requests that arrived more than `max_queue_delay_s` before `now` and
+        none of whose samples has been scheduled yet; returns their ids (load shedding: a
+        client that waited that long is better told to retry)."""
+        expired = []
+        for rid, parent in self.output_processor.parents.items():
+            if now - parent.arrival_time <= max_queue_delay_s:
+                break  # requests are kept in arrival order: the rest came later
+            if all(s.first_scheduled_time is None for s in parent.samples):
+                expired.append(rid)
+        if expired:
+            self.abort_request(expired)
+        return expired
+
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a launched step not yet processed."""
         return self.output_processor.has_unfinished_requests() or self._in_flight is not None

@@ -3,10 +3,17 @@
 Owns, per request: incremental detokenization and stop strings, logprobs (with decoded
 tokens), the cumulative logprob, the fan-in of n > 1 samples into one `RequestOutput`, the
 CUMULATIVE / DELTA / FINAL_ONLY output kinds, and the per-request timing behind the metrics.
+
+A failure while processing one request's output (detokenizing, a stop string, a logprob)
+finishes that request alone, with finish_reason "error" and the error in its output; the
+others in the step go on. Requests that end by abort are counted too (their statistics reach
+the next step's `IterationStats`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from pagoda.core.outputs import EngineCoreOutput
@@ -15,6 +22,8 @@ from pagoda.metrics.stats import FinishedRequestStats, IterationStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +65,7 @@ class ParentState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None  # why it finished with "error"
 
     @property
     def finished(self) -> bool:
@@ -67,6 +77,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.samples: dict[str, SampleState] = {}  # child request id -> state
         self.parents: dict[str, ParentState] = {}  # user request id -> state
+        # Samples ended by abort since the last step: counted in the next step's statistics.
+        self._aborted_stats: list[FinishedRequestStats] = []
 
     # -- bookkeeping -----------------------------------------------------------------------
     def add_request(
@@ -104,9 +116,10 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [s.request_id for s in parent.samples] if parent else []
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
+    def abort_requests(self, request_ids: list[str], now: float | None = None) -> list[str]:
         """Forget user requests; return the child ids the scheduler must abort."""
         children: list[str] = []
+        now = time.time() if now is None else now
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             if parent is None:
@@ -115,6 +128,8 @@ class OutputProcessor:
                 self.samples.pop(s.request_id, None)
                 if not s.finished:
                     children.append(s.request_id)
+                    s.finish_reason = "abort"
+                    self._aborted_stats.append(self._finished_stats(s, now))
         return children
 
     def has_unfinished_requests(self) -> bool:
@@ -133,23 +148,24 @@ class OutputProcessor:
         self, core_outputs: list[EngineCoreOutput], now: float, stats: IterationStats
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns (outputs for users, child ids stopped by a stop string: abort them)."""
+        """Returns (outputs for users, child ids stopped early: a stop string or an error in
+        their processing; the scheduler must finish them)."""
         touched: dict[str, ParentState] = {}
-        stopped_by_string: list[str] = []
+        stopped_early: list[str] = []
+        stats.finished_requests.extend(self._aborted_stats)
+        self._aborted_stats = []
         for out in core_outputs:
             state = self.samples.get(out.request_id)
             if state is None or state.finished:
                 continue  # aborted meanwhile
             parent = state.parent
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
-                parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
-            if out.new_token_ids:
-                self._record_timing(state, now, stats, len(out.new_token_ids))
-                if self._append_tokens(state, out):
-                    stopped_by_string.append(state.request_id)
-            if out.finish_reason is not None and state.finish_reason is None:
-                state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             touched[parent.request_id] = parent
+            try:
+                if self._process_one(state, out, now, stats):
+                    stopped_early.append(state.request_id)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the rest
+                self._fail_request(parent, e)
+                stopped_early.extend(s.request_id for s in parent.samples)
 
         outputs: list[RequestOutput] = []
         for parent in touched.values():
@@ -157,12 +173,56 @@ class OutputProcessor:
                 if s.finished and s.request_id in self.samples:
                     self.samples.pop(s.request_id)
                     stats.finished_requests.append(self._finished_stats(s, now))
-            ro = self._make_output(parent, now)
+            try:
+                ro = self._make_output(parent, now)
+            except Exception as e:  # noqa: BLE001 - as above
+                self._fail_request(parent, e)
+                stopped_early.extend(s.request_id for s in parent.samples)
+                for s in parent.samples:
+                    if self.samples.pop(s.request_id, None) is not None:
+                        stats.finished_requests.append(self._finished_stats(s, now))
+                ro = self._error_output(parent, now)
             if ro is not None:
                 outputs.append(ro)
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
-        return outputs, stopped_by_string
+        return outputs, stopped_early
+
+    def _process_one(
+        self, state: SampleState, out: EngineCoreOutput, now: float, stats: IterationStats
+    ) -> bool:
+        """Take one sample's step output; True when a stop string ended it."""
+        parent = state.parent
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+            parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
+        stopped = False
+        if out.new_token_ids:
+            self._record_timing(state, now, stats, len(out.new_token_ids))
+            stopped = self._append_tokens(state, out)
+        if out.finish_reason is not None and state.finish_reason is None:
+            state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+        return stopped
+
+    def _fail_request(self, parent: ParentState, error: Exception) -> None:
+        """Finish every sample of `parent` with finish_reason "error" (the failure is logged
+        here, with its traceback; the client sees only that the request failed)."""
+        logger.exception("request %s failed in output processing", parent.request_id)
+        parent.error = f"{type(error).__name__} while processing the request's output"
+        for s in parent.samples:
+            if not s.finished:
+                s.finish_reason, s.stop_reason = "error", None
+
+    def _error_output(self, parent: ParentState, now: float) -> RequestOutput:
+        """The last output of a request whose output could not be built: no new text."""
+        samples = [
+            CompletionOutput(s.index, "", [], None, None, finish_reason="error")
+            for s in parent.samples
+        ]
+        return RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, None, samples,
+            finished=True, error=parent.error,
+        )  # fmt: skip
 
     def _record_timing(self, s: SampleState, now: float, stats: IterationStats, n: int) -> None:
         stats.num_generation_tokens += n
@@ -274,6 +334,7 @@ class OutputProcessor:
             finished=parent.finished,
             metrics=metrics,
             num_cached_tokens=parent.num_cached_tokens,
+            error=parent.error,
         )
 
     def _finished_stats(self, s: SampleState, now: float) -> FinishedRequestStats:

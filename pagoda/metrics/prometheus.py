@@ -26,7 +26,7 @@ TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # The histograms: (attribute of PrometheusStatLogger, metric name, help, buckets); None buckets
 # are 1-2-5 token counts up to max_model_len. Names and help texts are vLLM's.
@@ -121,6 +121,10 @@ class PrometheusStatLogger:
         )
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.engine_restarts = counter(
+            "engine_restarts",
+            "Times the engine core was restarted after a failure (--max-engine-restarts).",
         )
         success = Counter(
             PREFIX + "request_success",
