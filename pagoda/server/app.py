@@ -2,40 +2,58 @@
 
 `build_app(engine, ...)` wires the routes (/v1/completions, /v1/chat/completions, /v1/models,
 /health, /version, /tokenize, /detokenize, /metrics) to an `AsyncLLM`, maps every error to
-OpenAI's error JSON with a 4xx/5xx status, enforces `--api-key` (all routes but /health and
-/metrics) and owns a per-app Prometheus registry fed by the engine thread.
+OpenAI's error JSON with a 4xx/5xx status (documented as such in /openapi.json), bounds the
+request body, enforces `--api-key` (all routes but /health and /metrics) and owns a per-app
+Prometheus registry fed by the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
+import contextlib
+import functools
+import os
 from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.metrics.prometheus import PrometheusStatLogger
+from pagoda.server.middleware import APIKeyAuth, BodySizeLimit, ErrorBoundary
+from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.serving import APIError, ServingContext, exception_to_api_error
+from pagoda.server.serving import APIError, ServingContext
 from pagoda.server.serving_chat import create_chat_completion, render_chat_prompt
 from pagoda.server.serving_completion import create_completion
 
 UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+# Every status a route may answer besides 200, for the OpenAPI document (clients and fuzzers
+# check responses against it).
+_ERROR_STATUSES = {
+    400: "The request is malformed or a field is out of range (`param` names it)",
+    401: "Missing or wrong API key",
+    404: "The model named in the request is not served here",
+    413: "The request body is larger than --max-request-body-bytes",
+    500: "The engine failed while serving the request",
+    503: "Overloaded, draining or restarting: retry after the Retry-After header's seconds",
+}
 
 
 def _version() -> str:
@@ -48,27 +66,8 @@ def _version() -> str:
 
 
 def _error_json(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
-
-
-class APIKeyMiddleware:
-    """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from streaming responses)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["method"] != "OPTIONS"
-            and scope["path"] not in UNAUTHENTICATED_PATHS
-        ):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(auth, self.expected):
-                err = APIError("Unauthorized: pass `Authorization: Bearer <api key>`", 401)
-                await _error_json(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status,
+                        headers=err.headers)  # fmt: skip
 
 
 async def _with_cancellation(raw: Request, work: Awaitable[Any]) -> Any:
@@ -97,20 +96,38 @@ def _respond(result: Any) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
+def default_served_model_name(model: str) -> str:
+    """The name a model is served under unless --served-model-name says otherwise: what the
+    user typed, but for an absolute path its last part (a .gguf file's stem), so that the
+    unauthenticated /metrics and the API do not show the server's file system."""
+    if not os.path.isabs(model):
+        return model
+    base = os.path.basename(os.path.normpath(model))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
 def build_app(
     engine: AsyncLLM,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     chat_template: str | None = None,
+    *,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    trust_request_chat_template: bool = False,
+    preprocessor: Preprocessor | None = None,
 ) -> FastAPI:
     mc = engine.model_config
-    names = list(served_model_names or []) or [mc.name]
+    model_path = getattr(mc, "model", None)
+    names = list(served_model_names or []) or [default_served_model_name(mc.name)]
     ctx = ServingContext(
         engine=engine,
         served_model_names=names,
         max_model_len=mc.max_model_len,
+        preprocessor=preprocessor or Preprocessor(engine.tokenizer),
         chat_template=chat_template,
-        model_path=getattr(mc, "model", None),
+        model_path=model_path,
+        model_aliases=(mc.name,),
+        trust_request_chat_template=trust_request_chat_template,
     )
     cache_config = getattr(getattr(engine.engine, "config", None), "cache_config", None)
     stat_logger = PrometheusStatLogger(
@@ -120,11 +137,21 @@ def build_app(
         num_gpu_blocks=getattr(engine.engine, "num_blocks", None),
     )
     engine.stats_hooks.append(stat_logger.record)
+    engine.restart_hooks.append(stat_logger.engine_restarts.inc)
 
-    app = FastAPI(title="Pagoda OpenAI-compatible server", version=_version())
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        yield
+        ctx.preprocessor.close()
+
+    app = FastAPI(title="Pagoda OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.ctx, app.state.engine, app.state.stat_logger = ctx, engine, stat_logger
+    # Innermost first: the body limit, then the key (no body is read for a wrong key), then
+    # the boundary that turns any escaped exception into a 500.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyAuth, api_key=api_key, open_paths=UNAUTHENTICATED_PATHS)
+    app.add_middleware(ErrorBoundary)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -136,19 +163,23 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error_json(APIError(str(e.detail), e.status_code))
+        # 405 carries its Allow header; 404 for unknown paths.
+        return _error_json(APIError(str(e.detail), e.status_code, headers=e.headers))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        return _error_json(exception_to_api_error(e))
-
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if not engine.is_running:
-            return _error_json(APIError("the engine has stopped", 500))
-        if engine.draining:
-            return _error_json(APIError("the server is shutting down", 503))
-        return Response(status_code=200)
+        """200 while serving; 503 while draining or restarting the engine core; 500 once the
+        engine has stopped for good (the server then exits)."""
+        if engine.state == "restarting":
+            body, status = {"status": "restarting", "restarts": engine.num_restarts}, 503
+        elif not engine.is_running:
+            body, status = {"status": "dead", "restarts": engine.num_restarts}, 500
+        elif engine.draining:
+            body, status = {"status": "draining"}, 503
+        else:
+            body, status = {"status": "ok", "restarts": engine.num_restarts}, 200
+        headers = {"Retry-After": "5"} if status == 503 else None
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -160,9 +191,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [
-            ModelCard(id=n, root=ctx.model_path, max_model_len=ctx.max_model_len) for n in names
-        ]
+        cards = [ModelCard(id=n, root=n, max_model_len=ctx.max_model_len) for n in names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/v1/completions")
@@ -179,15 +208,15 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
-            text = render_chat_prompt(
+            text = await render_chat_prompt(
                 ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
                 req.chat_template,
             )  # fmt: skip
-            add_special = bool(req.add_special_tokens)
+            add_special, field_name = bool(req.add_special_tokens), "messages"
         else:
-            text = req.prompt
+            text, field_name = req.prompt, "prompt"
             add_special = req.add_special_tokens is None or req.add_special_tokens
-        ids = list(ctx.tokenizer.encode(text, add_special_tokens=add_special))
+        ids = await ctx.encode(text, add_special, field_name)
         strs = list(ctx.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
         resp = TokenizeResponse(
             count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs
@@ -200,10 +229,42 @@ def build_app(
         bad = [t for t in req.tokens if not 0 <= t < ctx.tokenizer.vocab_size]
         if bad:
             raise APIError(f"tokens has ids outside the vocabulary: {bad[:5]}", 400, "tokens")
-        text = ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        text = await ctx.preprocessor.decode(req.tokens, skip_special_tokens=False)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with the statuses this server sends: its validation errors are 400
+    with OpenAI's error object (FastAPI documents 422), and every error status listed."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(
+        ref_template="#/components/schemas/{model}"
+    )
+    for name, sub in components["ErrorResponse"].pop("$defs", {}).items():
+        components.setdefault(name, sub)
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = _ERROR_STATUSES if op.get("requestBody") else {500: "", 503: ""}
+            if path in UNAUTHENTICATED_PATHS:
+                statuses = {k: v for k, v in _ERROR_STATUSES.items() if k in (500, 503)}
+            for status in statuses:
+                responses[str(status)] = {
+                    "description": _ERROR_STATUSES[status],
+                    "content": error,
+                }
+    app.openapi_schema = schema
+    return schema
 
 
 def validation_to_api_error(e: RequestValidationError) -> APIError:
@@ -213,6 +274,9 @@ def validation_to_api_error(e: RequestValidationError) -> APIError:
         return APIError("invalid request", 400)
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "lone_surrogate":
+        where = str((first.get("ctx") or {}).get("where", ""))
+        return APIError(first["msg"], 400, where.split(".")[0].split("[")[0] or None)
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return APIError(f"Malformed JSON body: {ctx.get('error', first.get('msg'))}", 400)

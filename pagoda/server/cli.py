@@ -1,10 +1,13 @@
 """`pagoda serve [MODEL]`: command-line flags, start-up and graceful shutdown of the server.
 
-Flags are `EngineArgs.add_cli_args` (vLLM's names) plus the server's own: --host, --port,
---api-key, --chat-template, --served-model-name, --max-waiting-requests, --drain-timeout.
-SIGTERM drains: the engine refuses new requests (503, /health turns 503), in-flight requests
-run to completion (at most --drain-timeout seconds), then uvicorn stops. A second SIGTERM or
-SIGINT exits at once. uvicorn is imported only to serve (`pagoda.server.draining`), so the other
+Flags are `EngineArgs.add_cli_args` (vLLM's names) plus the server's own (`add_server_flags`):
+where it listens, the API key, chat templates, admission (the waiting-queue bound and the
+queue-delay limit), request limits, engine-core restarts and the drain. SIGTERM drains: the
+engine refuses new requests (503, /health turns 503), in-flight requests run to completion for
+at most --drain-timeout seconds, after which each gets an error (in-band in a stream) and the
+server exits within 2 s more. A second SIGTERM or SIGINT exits at once. An engine core that
+dies is restarted up to --max-engine-restarts times; after that the server exits with code 1,
+for its supervisor (systemd, Kubernetes) to restart it. uvicorn is imported only to serve (`pagoda.server.draining`), so the other
 subcommands (`pagoda bench throughput`, `generate`) run where it is not installed.
 """
 
@@ -54,6 +57,24 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--chat-template", default=None, help="chat template: a .jinja file or the template text"
     )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run chat templates sent in requests (`chat_template`); they are refused otherwise."
+        " They render in a worker process, sandboxed, within --preprocess-timeout seconds",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="request bodies larger than this get HTTP 413 (default: 4 MiB)",
+    )
+    g.add_argument(
+        "--preprocess-timeout",
+        type=float,
+        default=30.0,
+        help="seconds one request's tokenizing or chat templating may take (HTTP 400 past it)",
+    )
     if not _has_flag(parser, "--served-model-name"):
         g.add_argument(
             "--served-model-name",
@@ -66,14 +87,29 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "--max-waiting-requests",
             type=int,
             default=None,
-            help="requests queued but not yet scheduled past which new ones get HTTP 503 "
-            "(default: unbounded)",
+            help="requests waiting to be scheduled, beyond the running batch's free places, "
+            "past which new ones get HTTP 503 with Retry-After (0: no queue beyond what runs; "
+            "-1: unbounded; default: as many as the KV cache holds at --max-model-len, at "
+            "most --max-num-seqs)",
         )
+    g.add_argument(
+        "--max-queue-delay-s",
+        type=float,
+        default=None,
+        help="a request not scheduled after this many seconds gets HTTP 503 (default: none)",
+    )
+    g.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="times the engine core is restarted after it fails; then the server exits with "
+        "code 1 (default: 3)",
+    )
     g.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
-        help="on SIGTERM, seconds to let in-flight requests finish before exiting",
+        help="on SIGTERM, seconds to let in-flight requests finish before they are cut off",
     )
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     return parser
@@ -111,6 +147,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagoda.engine.heap import freeze_startup_heap
     from pagoda.server.app import build_app
     from pagoda.server.draining import DrainingServer, uvicorn
+    from pagoda.server.preprocess import Preprocessor
 
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
@@ -121,21 +158,38 @@ def run_server(args: argparse.Namespace) -> None:
     if not getattr(args, "model", None):
         args.model = embedded_model_path()
     chat_template = load_chat_template(args.chat_template)
+    check_server_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncLLM.from_engine_args(
-        engine_args, max_waiting_requests=getattr(args, "max_waiting_requests", None)
+        engine_args,
+        max_waiting_requests=None,  # set below, once the KV cache's size is known
+        max_queue_delay_s=args.max_queue_delay_s,
+        max_engine_restarts=args.max_engine_restarts,
+    )
+    engine.max_waiting_requests = resolve_max_waiting_requests(args.max_waiting_requests, engine)
+    logger.info(
+        "admission: at most %s requests wait beyond the running batch (--max-waiting-requests)",
+        "unbounded" if engine.max_waiting_requests is None else engine.max_waiting_requests,
     )
     names = args.served_model_name
     if isinstance(names, str):
         names = [names]
-    app = build_app(engine, served_model_names=names, api_key=args.api_key,
-                    chat_template=chat_template)  # fmt: skip
+    app = build_app(
+        engine,
+        served_model_names=names,
+        api_key=args.api_key,
+        chat_template=chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+        preprocessor=Preprocessor(engine.tokenizer, timeout_s=args.preprocess_timeout),
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        # The drain already waited: open connections get this much more to close.
+        timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
     )
     server = DrainingServer(config, engine, args.drain_timeout)
@@ -144,6 +198,40 @@ def run_server(args: argparse.Namespace) -> None:
         server.run()
     finally:
         engine.shutdown()
+    if server.exit_code:
+        raise SystemExit(server.exit_code)
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """ValueErrors naming the flag, for server flags out of range."""
+    if args.max_request_body_bytes <= 0:
+        raise ValueError("--max-request-body-bytes must be positive")
+    if not args.preprocess_timeout > 0:
+        raise ValueError("--preprocess-timeout must be positive")
+    if args.max_queue_delay_s is not None and not args.max_queue_delay_s > 0:
+        raise ValueError("--max-queue-delay-s must be positive")
+    if args.max_engine_restarts < 0:
+        raise ValueError("--max-engine-restarts must be >= 0")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < -1:
+        raise ValueError("--max-waiting-requests must be >= -1 (-1: unbounded)")
+    if not args.drain_timeout >= 0:
+        raise ValueError("--drain-timeout must be >= 0")
+
+
+def resolve_max_waiting_requests(flag: int | None, engine: Any) -> int | None:
+    """--max-waiting-requests as AsyncLLM takes it: None (unbounded) for -1, the flag's value,
+    or by default the bound `default_max_waiting_requests` derives from the KV cache."""
+    from pagoda.engine.async_llm import default_max_waiting_requests
+
+    if flag == -1:
+        return None
+    if flag is not None:
+        return flag
+    config = engine.engine.config
+    num_kv_tokens = (engine.engine.num_blocks or 0) * config.cache_config.block_size
+    return default_max_waiting_requests(
+        config.scheduler_config.max_num_seqs, num_kv_tokens, engine.model_config.max_model_len
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """`DrainingServer`: the uvicorn server of `pagoda serve`, whose first SIGTERM drains the engine
-(new requests get 503, in-flight ones finish, at most --drain-timeout seconds) before it closes
-connections; a second SIGTERM or SIGINT exits at once."""
+(new requests get 503, in-flight ones finish; after --drain-timeout seconds the rest get an
+error, in-band in a stream) before it closes connections; a second SIGTERM or SIGINT exits at
+once. An engine that fails for good (no restart left) stops it with `exit_code` 1."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ class DrainingServer(uvicorn.Server):
         self.engine, self.drain_timeout = engine, drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self.exit_code = 0
+        engine.fatal_hooks.append(self._engine_failed)
+
+    def _engine_failed(self, error: BaseException) -> None:
+        # On the engine's callback thread: exit non-zero, so that a supervisor restarts us.
+        logger.error("the engine cannot serve any more (%r): exiting with code 1", error)
+        self.exit_code = 1
+        self.should_exit = True
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -45,5 +54,5 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         if not await self.engine.drain(self.drain_timeout):
-            logger.warning("drain timed out with %d requests running", self.engine.num_in_flight)
+            logger.warning("drain timed out: the requests still running were ended with an error")
         self.should_exit = True

@@ -12,7 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_uuid() -> str:
@@ -21,6 +22,43 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a decoded JSON value holding a lone UTF-16 surrogate
+    (JSON's "\\ud800" escapes decode to one; no tokenizer or UTF-8 encoder can take it)."""
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where or "body"
+        elif isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in v.items())
+            stack.extend((where or "body", k) for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its strings must be valid Unicode text (no lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{where} holds a lone UTF-16 surrogate (such as \\ud800), which is not valid "
+                "Unicode text",
+                {"where": where},
+            )
+        return data
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -45,7 +83,7 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int | None = 0
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -218,7 +256,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -236,7 +274,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -19,15 +19,24 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.logger import init_logger
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 
 
 class APIError(Exception):
-    """A request the server refuses; `param` names the offending field."""
+    """A request the server refuses; `param` names the offending field; `headers` go with the
+    response (`Retry-After` on a 503)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.headers = headers
 
     def to_response(self) -> ErrorResponse:
         return error_response(self.message, self.status, self.param)
@@ -49,13 +58,18 @@ def value_error_to_api_error(e: ValueError, fields: set[str]) -> APIError:
 
 @dataclass
 class ServingContext:
-    """What every handler needs: the engine, the names it answers to and the context size."""
+    """What every handler needs: the engine, the names it answers to (and `model_aliases`,
+    accepted but not listed), the context size, and the preprocessor that tokenizes and
+    renders chat templates off the event loop."""
 
     engine: AsyncLLM
     served_model_names: list[str]
     max_model_len: int
+    preprocessor: Preprocessor
     chat_template: str | None = None
     model_path: str | None = None
+    model_aliases: tuple[str, ...] = ()
+    trust_request_chat_template: bool = False
 
     @property
     def tokenizer(self) -> Any:
@@ -67,7 +81,15 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+            if model not in self.model_aliases:
+                raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    async def encode(self, text: str, add_special_tokens: bool, field_name: str) -> list[int]:
+        """`text`'s token ids; a failure (too slow, too big) is a 400 naming `field_name`."""
+        try:
+            return await self.preprocessor.encode(text, add_special_tokens)
+        except ValueError as e:
+            raise APIError(f"{field_name}: {e}", 400, field_name) from None
 
 
 def build_sampling_params(
@@ -322,6 +344,7 @@ async def collect_outputs(
     try:
         async for i, out in stream:
             states[i].add(out)
+            check_request_error(out)
     except BaseException as e:
         raise exception_to_api_error(e) from None
     finally:
@@ -356,9 +379,11 @@ async def sse_stream(
         if first is not None:
             for line in chunks(*first):
                 yield line
+            check_request_error(first[1])
         async for i, out in stream:
             for line in chunks(i, out):
                 yield line
+            check_request_error(out)
         if usage_chunk is not None:
             yield usage_chunk()
     except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
@@ -368,24 +393,43 @@ async def sse_stream(
     yield sse_line("[DONE]")
 
 
+class RequestFailedError(RuntimeError):
+    """The engine finished the request with finish_reason "error" (HTTP 500 for it alone)."""
+
+
+def check_request_error(out: RequestOutput) -> None:
+    if out.error is not None:
+        raise RequestFailedError(f"the request failed in the engine: {out.error}")
+
+
 def ranked_logprobs(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     """A position's candidate tokens, best rank first."""
     return sorted(step.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
 
 
 def exception_to_api_error(e: BaseException) -> APIError:
-    """Map what the engine raises to the HTTP status a client should see."""
-    from pagoda.engine.async_llm import EngineDeadError, EngineDrainingError, EngineOverloadedError
+    """Map what the engine raises to the HTTP status a client should see. A 5xx names what
+    failed, never the exception's internals (the server log has them)."""
+    from pagoda.engine import async_llm as a
 
     if isinstance(e, APIError):
         return e
-    if isinstance(e, EngineOverloadedError | EngineDrainingError):
-        return APIError(str(e), 503)
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, a.EngineOverloadedError | a.RequestQueueTimeoutError):
+        return APIError(str(e), 503, headers={"Retry-After": "1"})
+    if isinstance(e, a.EngineRestartingError):
+        return APIError(str(e), 503, headers={"Retry-After": "5"})
+    if isinstance(e, a.EngineDrainingError):
+        return APIError(str(e), 503, headers={"Retry-After": "5", "Connection": "close"})
+    if isinstance(e, a.EngineDeadError):
+        return APIError(
+            "the engine failed while serving this request (the server log has details)", 500
+        )
+    if isinstance(e, RequestFailedError):
         return APIError(str(e), 500)
     if isinstance(e, ValueError):
         return APIError(str(e), 400)
-    return APIError(f"internal error: {e!r}", 500)
+    logger.error("internal error", exc_info=e)
+    return APIError("internal server error (the server log has details)", 500)
 
 
 def safe_logprob(x: float) -> float:

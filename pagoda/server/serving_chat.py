@@ -64,7 +64,7 @@ def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return flat
 
 
-def render_chat_prompt(
+async def render_chat_prompt(
     ctx: ServingContext,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
@@ -73,18 +73,27 @@ def render_chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text the chat template makes of `messages` (errors name `messages`)."""
+    """The prompt text the chat template makes of `messages` (errors name `messages`). A
+    template sent with the request is refused unless the server trusts them
+    (--trust-request-chat-template); then it renders in a worker process, under limits."""
     if not messages:
         raise APIError("messages must not be empty", 400, "messages")
+    if chat_template is not None and not ctx.trust_request_chat_template:
+        raise APIError(
+            "chat_template: this server does not run chat templates sent with a request "
+            "(its operator can allow them with --trust-request-chat-template)",
+            400,
+            "chat_template",
+        )
     kw = dict(chat_template_kwargs or {})
     if continue_final_message:
         kw["continue_final_message"] = True
         add_generation_prompt = False
     try:
-        return ctx.tokenizer.apply_chat_template(
+        return await ctx.preprocessor.apply_chat_template(
             _flatten_content(messages),
+            request_template=chat_template is not None,
             add_generation_prompt=add_generation_prompt,
-            tokenize=False,
             chat_template=chat_template or ctx.chat_template,
             tools=tools,
             **kw,
@@ -135,7 +144,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         max_tokens, mt_field = req.max_tokens, "max_tokens"
     params = build_sampling_params(req, max_tokens, top_k if req.logprobs else None, None)
     validate_token_ids(params, ctx.tokenizer.vocab_size)
-    prompt = render_chat_prompt(
+    prompt = await render_chat_prompt(
         ctx,
         req.messages,
         req.add_generation_prompt,
@@ -144,7 +153,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.tools,
         req.chat_template_kwargs,
     )
-    prompt_ids = list(ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+    prompt_ids = await ctx.encode(prompt, req.add_special_tokens, "messages")
     params.max_tokens = check_context_length(
         len(prompt_ids), max_tokens, ctx.max_model_len, "messages", mt_field
     )

@@ -75,7 +75,7 @@ class _Prompt:
         self.text, self.token_ids = text, token_ids
 
 
-def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+async def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
     p = req.prompt
     if isinstance(p, str):
         items: list[Any] = [p]
@@ -89,8 +89,8 @@ def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Pro
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = tok.encode(item, add_special_tokens=req.add_special_tokens)
-            prompts.append(_Prompt(item, list(ids)))
+            ids = await ctx.encode(item, req.add_special_tokens, "prompt")
+            prompts.append(_Prompt(item, ids))
         else:
             check_token_ids(item, tok.vocab_size, "prompt")
             prompts.append(_Prompt(None, list(item)))
@@ -110,7 +110,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
         req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
     )
     validate_token_ids(base, ctx.tokenizer.vocab_size)
-    prompts = _normalize_prompts(ctx, req)
+    prompts = await _normalize_prompts(ctx, req)
     request_id = req.request_id or f"cmpl-{random_uuid()}"
     generators = []
     for i, pr in enumerate(prompts):
@@ -122,7 +122,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
         generators.append(ctx.engine.generate(pr.token_ids, params, sub_id, req.priority))
     for pr in prompts:
         if pr.text is None and req.echo:
-            pr.text = ctx.tokenizer.decode(pr.token_ids, skip_special_tokens=False)
+            pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)
 
     stream = merge_async_iterators(*generators)
     created = int(time.time())

@@ -121,11 +121,18 @@ def test_chat_streaming_role_first_then_content(client):
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-def test_custom_chat_template(client):
+def test_request_chat_template_refused_unless_trusted(client):
     tpl = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
-    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}],
-                                       "chat_template": tpl})  # fmt: skip
-    assert r.json()["tokens"] == list(b"[x]")
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template": tpl}
+    assert "--trust-request-chat-template" in _error(
+        client.post("/tokenize", json=body), 400, "chat_template"
+    )
+    llm = AsyncLLM(FakeEngine(max_model_len=64))
+    try:
+        with TestClient(build_app(llm, trust_request_chat_template=True)) as trusting:
+            assert trusting.post("/tokenize", json=body).json()["tokens"] == list(b"[x]")
+    finally:
+        llm.shutdown()
 
 
 def test_seed_reproducible(client):
@@ -237,12 +244,15 @@ def test_metrics_move_after_requests(client):
     assert _metric(after, "pagoda:kv_cache_usage_perc") == 0
 
 
-def test_engine_overload_is_503():
-    llm = AsyncLLM(FakeEngine(), max_waiting_requests=0)
+def test_engine_overload_is_503_with_retry_after():
+    # No queue beyond what runs: an idle server serves; a full batch refuses the next one.
+    llm = AsyncLLM(FakeEngine(max_num_seqs=1, step_delay=0.02), max_waiting_requests=0)
     try:
         with TestClient(build_app(llm)) as c:
+            assert c.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+            llm._engine_running = 1  # as the core reports while a request runs
             r = c.post("/v1/completions", json={"prompt": "a"})
-            assert "retry" in _error(r, 503, None)
+            assert "retry" in _error(r, 503, None) and r.headers["retry-after"] == "1"
             r = c.post("/v1/completions", json={"prompt": "a", "stream": True})
             _error(r, 503, None)
     finally:
