@@ -1,0 +1,407 @@
+/* y = x @ W^T with W kept in its GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), as
+ * llama.cpp computes it: each activation row is quantized on the fly to int8 in blocks of
+ * 32 (scale d = max|x| / 127 and the block sum s = d * sum(q), ggml's Q8_1), each 32-weight
+ * sub-block of W is decoded to small integers (quant_blocks.h), their dot product is taken in
+ * integers and the block scales applied in fp32:
+ *     y[i, n] = sum_b  dx[i, b] * sum_l dv_w[n, b, l/4] * qw[n, b, l] * qx[i, b, l]
+ *                    + m_w[n, b] * s_x[i, b]
+ * (m_w is the block offset of the asymmetric types: Q4_1's min, Q4_0's -8d, k-quants' -dmin*m).
+ *
+ * The integer dot is `vpdpbusd` where the compiler targets AVX512-VNNI (256-bit, with VL),
+ * `vpmaddubsw` + `vpmaddwd` with AVX2, plain C otherwise: the same source builds at any ISA
+ * level, and every level computes the same integers (only the fp32 summation order differs).
+ * Work is split over OpenMP threads by chunks of weight rows; within a chunk, tiles of 2
+ * weight rows x 4 activation rows reuse each decoded weight block four times and each
+ * activation block twice (prefill), while a decode's single row streams the weights once.
+ * Entry points return 0, or -1 for arguments they do not handle. */
+#include "quant_blocks.h"
+
+#include <math.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define PAGODA_QUANT_ABI 1
+#define TILE_W 2  /* weight rows per tile */
+#define TILE_X 4  /* activation rows per tile */
+#define CHUNK 16  /* weight rows per thread work item */
+#define PANEL 64  /* activation rows per pass over a thread's weights */
+
+int pagoda_quant_abi(void) { return PAGODA_QUANT_ABI; }
+
+const char *pagoda_quant_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__)
+#define QUANT_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define QUANT_AVX2 1
+#endif
+
+/* Quantized activations: rows of K int8 (q) with per-32 scales d and sums s = d * sum(q). */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int64_t K, nb;
+} QActs;
+
+INLINE float bf16_to_fp32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE uint16_t fp32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                       /* nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* One row of x (fp32, or bf16 when x_bf16) -> K int8 + nb scales and sums. Rounds half to
+ * even (nearbyint / _mm256_round_ps), so every ISA level makes the same integers. */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float v[32], amax = 0.0f;
+        for (int l = 0; l < 32; l++) {
+            v[l] = x_bf16 ? bf16_to_fp32(((const uint16_t *)x)[b * 32 + l])
+                          : ((const float *)x)[b * 32 + l];
+            amax = fmaxf(amax, fabsf(v[l]));
+        }
+        const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        int sum = 0;
+#if defined(QUANT_AVX2)
+        __m256i i[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), _mm256_set1_ps(id)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            i[k] = _mm256_cvtps_epi32(r);
+        }
+        __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_hadd_epi32(t4, t4);
+        sum = _mm_cvtsi128_si32(_mm_hadd_epi32(t4, t4));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * 32), p);
+#else
+        for (int l = 0; l < 32; l++) {
+            int qi = (int)nearbyintf(v[l] * id);
+            q[b * 32 + l] = (int8_t)qi;
+            sum += qi;
+        }
+#endif
+        d[b] = dd;
+        s[b] = dd * (float)sum;
+    }
+}
+
+/* sum_b m[b] * s[b]: the block offsets of one weight row against one activation row. */
+INLINE float offset_dot(const float *m, const float *s, int64_t nb) {
+    float total = 0.0f;
+    int64_t b = 0;
+#if defined(QUANT_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+    for (; b < nb; b++) total += m[b] * s[b];
+    return total;
+}
+
+#if defined(QUANT_AVX2)
+INLINE float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* Eight int32 lanes, lane k = sum of u[4k..4k+3] * s[4k..4k+3] (u unsigned, s signed). */
+INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(QUANT_VNNI)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Lane scales of a sub-block as a register (sub_block_scales, without the round trip). */
+INLINE __m256 scales_avx2(int type, const uint8_t *row, int64_t b, float *m) {
+    if (type == GGML_Q8_0 || type == GGML_Q4_0 || type == GGML_Q4_1) {
+        const uint8_t *blk = row + b * block_bytes(type);
+        float d = fp16_to_fp32(blk);
+        *m = type == GGML_Q4_1 ? fp16_to_fp32(blk + 2) : (type == GGML_Q4_0 ? -8.0f * d : 0.0f);
+        return _mm256_set1_ps(d);
+    }
+    float dv[8];
+    sub_block_scales(type, row, b, dv, m);
+    return _mm256_loadu_ps(dv);
+}
+
+/* out[r][c] = row r of W (NR of them from w) . activation row m0 + c (NC of them). */
+INLINE void tile(const int type, const uint8_t *w, int64_t w_stride, const int NR, const QActs *a,
+                 int64_t m0, const int NC, float out[TILE_W][TILE_X], float *offsets) {
+    const int64_t nb = a->nb, K = a->K;
+    const int sgn = type_is_signed(type);
+    __m256 acc[TILE_W][TILE_X];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wq[TILE_W], wa[TILE_W];
+        __m256 dv[TILE_W];
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *row = w + r * w_stride;
+            float m;
+            wq[r] = decode_q_avx2(type, row, b);
+            dv[r] = scales_avx2(type, row, b, &m);
+            if (sgn) wa[r] = _mm256_sign_epi8(wq[r], wq[r]); /* |w|, unsigned */
+            else offsets[r * nb + b] = m;
+        }
+        for (int c = 0; c < NC; c++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + c) * K + b * 32));
+            const __m256 dx = _mm256_broadcast_ss(a->d + (m0 + c) * nb + b);
+            for (int r = 0; r < NR; r++) {
+                __m256i i = sgn ? dot_u8s8(wa[r], _mm256_sign_epi8(x, wq[r])) : dot_u8s8(wq[r], x);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dv[r], dx), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) {
+            out[r][c] = hsum8(acc[r][c]);
+            if (!sgn) out[r][c] += offset_dot(offsets + r * nb, a->s + (m0 + c) * nb, nb);
+        }
+}
+#else
+/* Portable: the same sums with plain C (the compiler may vectorise the inner loops). */
+INLINE void tile(const int type, const uint8_t *w, int64_t w_stride, const int NR, const QActs *a,
+                 int64_t m0, const int NC, float out[TILE_W][TILE_X], float *offsets) {
+    const int64_t nb = a->nb, K = a->K;
+    float acc[TILE_W][TILE_X] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        int8_t wq[TILE_W][32];
+        float dv[TILE_W][8];
+        for (int r = 0; r < NR; r++) {
+            decode_q(type, w + r * w_stride, b, wq[r]);
+            sub_block_scales(type, w + r * w_stride, b, dv[r], offsets + r * nb + b);
+        }
+        for (int c = 0; c < NC; c++) {
+            const int8_t *x = a->q + (m0 + c) * K + b * 32;
+            const float dx = a->d[(m0 + c) * nb + b];
+            for (int r = 0; r < NR; r++) {
+                float blk = 0.0f;
+                for (int l = 0; l < 8; l++) {
+                    int32_t lane = 0;
+                    for (int t = 0; t < 4; t++) lane += (int32_t)wq[r][4 * l + t] * x[4 * l + t];
+                    blk += (float)lane * dv[r][l];
+                }
+                acc[r][c] += blk * dx;
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++)
+            out[r][c] = acc[r][c] + (type_is_signed(type)
+                                         ? 0.0f
+                                         : offset_dot(offsets + r * nb, a->s + (m0 + c) * nb, nb));
+}
+#endif
+
+#include "quant_x8.h"
+
+typedef struct {
+    const uint8_t *w;
+    int64_t w_stride; /* bytes between weight rows (x8: between groups of 8 rows) */
+    const float *bias;
+    void *y;
+    int64_t y_stride; /* elements between output rows */
+    int y_bf16;
+    int64_t M, N;
+} GemmArgs;
+
+INLINE void store_tile(const GemmArgs *g, int64_t n0, int nr, int64_t m0, int nc,
+                       float out[TILE_W][TILE_X]) {
+    for (int c = 0; c < nc; c++)
+        for (int r = 0; r < nr; r++) {
+            float v = out[r][c] + (g->bias ? g->bias[n0 + r] : 0.0f);
+            int64_t at = (m0 + c) * g->y_stride + n0 + r;
+            if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(v);
+            else ((float *)g->y)[at] = v;
+        }
+}
+
+/* Weight rows [n0, n1) against every activation row; `offsets` is TILE_W * nb floats. */
+INLINE void gemm_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t n0, int64_t n1,
+                       int64_t ma, int64_t mb, float *offsets) {
+    float out[TILE_W][TILE_X];
+    for (int64_t m0 = ma; m0 < mb; m0 += TILE_X) {
+        const int nc = mb - m0 < TILE_X ? (int)(mb - m0) : TILE_X;
+        for (int64_t n = n0; n < n1; n += TILE_W) {
+            const uint8_t *w = g->w + n * g->w_stride;
+            const int nr = n1 - n < TILE_W ? 1 : TILE_W;
+            /* constant tile shapes, so each call below is unrolled and kept in registers */
+            if (nr == TILE_W && nc == 4) tile(type, w, g->w_stride, TILE_W, a, m0, 4, out, offsets);
+            else if (nr == TILE_W && nc == 3) tile(type, w, g->w_stride, TILE_W, a, m0, 3, out, offsets);
+            else if (nr == TILE_W && nc == 2) tile(type, w, g->w_stride, TILE_W, a, m0, 2, out, offsets);
+            else if (nr == TILE_W) tile(type, w, g->w_stride, TILE_W, a, m0, 1, out, offsets);
+            else if (nc == 4) tile(type, w, g->w_stride, 1, a, m0, 4, out, offsets);
+            else if (nc == 3) tile(type, w, g->w_stride, 1, a, m0, 3, out, offsets);
+            else if (nc == 2) tile(type, w, g->w_stride, 1, a, m0, 2, out, offsets);
+            else tile(type, w, g->w_stride, 1, a, m0, 1, out, offsets);
+            store_tile(g, n, nr, m0, nc, out);
+        }
+    }
+}
+
+/* Groups [g0, g1) of an x8 weight against every activation row. */
+INLINE void x8_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t g0, int64_t g1,
+                     int64_t ma, int64_t mb) {
+    float out[TILE_X][8];
+    for (int64_t m0 = ma; m0 < mb; m0 += TILE_X) {
+        const int nc = mb - m0 < TILE_X ? (int)(mb - m0) : TILE_X;
+        for (int64_t gi = g0; gi < g1; gi++) {
+            const uint8_t *grp = g->w + gi * g->w_stride;
+#if defined(QUANT_AVX2)
+            __m256 v[TILE_X];
+            if (nc == 4) x8_tile(type, grp, a, m0, 4, v);
+            else if (nc == 3) x8_tile(type, grp, a, m0, 3, v);
+            else if (nc == 2) x8_tile(type, grp, a, m0, 2, v);
+            else x8_tile(type, grp, a, m0, 1, v);
+            for (int c = 0; c < nc; c++) _mm256_storeu_ps(out[c], v[c]);
+#else
+            x8_tile_portable(type, grp, a, m0, nc, out);
+#endif
+            const int nr = g->N - gi * 8 < 8 ? (int)(g->N - gi * 8) : 8;
+            for (int c = 0; c < nc; c++)
+                for (int r = 0; r < nr; r++) {
+                    float val = out[c][r] + (g->bias ? g->bias[gi * 8 + r] : 0.0f);
+                    int64_t at = (m0 + c) * g->y_stride + gi * 8 + r;
+                    if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(val);
+                    else ((float *)g->y)[at] = val;
+                }
+        }
+    }
+}
+
+/* Work item `ch` (CHUNK weight rows) against activation rows [ma, mb), either layout, one
+ * specialised copy per type. */
+static void run_chunk(int type, int x8, const GemmArgs *g, const QActs *a, int64_t ch,
+                      int64_t ma, int64_t mb, float *offsets) {
+    if (x8) {
+        const int64_t g0 = ch * (CHUNK / 8), groups = (g->N + 7) / 8;
+        const int64_t g1 = g0 + CHUNK / 8 < groups ? g0 + CHUNK / 8 : groups;
+        switch (type) {
+        case GGML_Q4_0: x8_chunk(GGML_Q4_0, g, a, g0, g1, ma, mb); return;
+        case GGML_Q4_1: x8_chunk(GGML_Q4_1, g, a, g0, g1, ma, mb); return;
+        default: x8_chunk(GGML_Q8_0, g, a, g0, g1, ma, mb); return;
+        }
+    }
+    const int64_t n0 = ch * CHUNK, n1 = n0 + CHUNK < g->N ? n0 + CHUNK : g->N;
+    switch (type) {
+    case GGML_Q4_0: gemm_chunk(GGML_Q4_0, g, a, n0, n1, ma, mb, offsets); return;
+    case GGML_Q4_1: gemm_chunk(GGML_Q4_1, g, a, n0, n1, ma, mb, offsets); return;
+    case GGML_Q8_0: gemm_chunk(GGML_Q8_0, g, a, n0, n1, ma, mb, offsets); return;
+    case GGML_Q4_K: gemm_chunk(GGML_Q4_K, g, a, n0, n1, ma, mb, offsets); return;
+    case GGML_Q5_K: gemm_chunk(GGML_Q5_K, g, a, n0, n1, ma, mb, offsets); return;
+    default: gemm_chunk(GGML_Q6_K, g, a, n0, n1, ma, mb, offsets); return;
+    }
+}
+
+/* Threads for `work` units of `unit_cost` bytes: one below ~64 KiB of traffic, where an
+ * OpenMP fork/join costs more than it saves (cpu_ops.c's rule). */
+static int pick_threads(int nthreads, int64_t work, int64_t unit_cost) {
+    if (nthreads < 1) nthreads = 1;
+    if (work * unit_cost < 65536) return 1;
+    return work < nthreads ? (int)(work > 0 ? work : 1) : nthreads;
+}
+
+/* y[M, N] (fp32, or bf16 when y_bf16) = x[M, K] (fp32, or bf16 when x_bf16) @ W^T + bias;
+ * W [N, K] as rows of GGUF blocks `w_stride` bytes apart, or with `x8` in the x8 layout
+ * (quant_x8.h), groups of 8 rows `w_stride` bytes apart; bias fp32 or NULL. */
+int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t *w,
+                      int64_t w_stride, int type, int x8, const float *bias, void *y,
+                      int64_t y_stride, int y_bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int qk = block_elems(type), bytes = block_bytes(type);
+    if (bytes == 0 || M < 0 || N < 0 || K <= 0 || K % qk || x_stride < K || y_stride < N ||
+        w_stride < K / qk * bytes * (x8 ? 8 : 1) || (x8 && !x8_type(type)))
+        return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t nb = K / 32;
+    /* activations (q, d, s) then one offsets buffer per thread */
+    int nt = pick_threads(nthreads, (N + CHUNK - 1) / CHUNK, CHUNK * K / 2 + M * K / 8);
+    size_t act_bytes = (size_t)(M * K + 2 * M * nb * 4 + 64) & ~(size_t)63;
+    char *buf = aligned_alloc(64, act_bytes + (size_t)nt * TILE_W * nb * 4 + 64);
+    if (!buf) return -1;
+    QActs a = {(int8_t *)buf, (float *)(buf + M * K), (float *)(buf + M * K) + M * nb, K, nb};
+    GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
+    const int64_t es = x_bf16 ? 2 : 4, chunks = (N + CHUNK - 1) / CHUNK;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        float *offsets = (float *)(buf + act_bytes) + (int64_t)omp_get_thread_num() * TILE_W * nb;
+#else
+        float *offsets = (float *)(buf + act_bytes);
+#endif
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row((const char *)x + m * x_stride * es, x_bf16, K, a.q + m * K,
+                         a.d + m * nb, a.s + m * nb);
+        /* this thread's chunks, against panels of PANEL activation rows: the panel stays in
+         * L2 while the thread's weights stream past it */
+#ifdef _OPENMP
+        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+        const int64_t tid = 0, nth = 1;
+#endif
+        const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
+        for (int64_t ma = 0; ma < M; ma += PANEL)
+            for (int64_t ch = c0; ch < c1; ch++)
+                run_chunk(type, x8, &g, &a, ch, ma, ma + PANEL < M ? ma + PANEL : M, offsets);
+    }
+    free(buf);
+    return 0;
+}
+
+/* Rows `ids[i]` of W (either layout) dequantized to fp32: out[i, K] (the embedding lookup). */
+int pagoda_quant_dequantize_rows(const uint8_t *w, int64_t w_stride, int type, int x8,
+                                 const int64_t *ids, int64_t n, int64_t n_rows, int64_t K,
+                                 float *out) {
+    if (block_bytes(type) == 0 || K % block_elems(type) || (x8 && !x8_type(type))) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (x8) {
+            const uint8_t *grp = w + ids[i] / 8 * w_stride;
+            for (int64_t b = 0; b < K / 32; b++)
+                for (int l = 0; l < 32; l++) {
+                    int q;
+                    float d, m;
+                    x8_weight(type, grp, b, (int)(ids[i] % 8), l, &q, &d, &m);
+                    out[i * K + b * 32 + l] = d * (float)q + m;
+                }
+            continue;
+        }
+        const uint8_t *row = w + ids[i] * w_stride;
+        for (int64_t b = 0; b < K / 32; b++) {
+            int8_t q[32];
+            float dv[8], m;
+            decode_q(type, row, b, q);
+            sub_block_scales(type, row, b, dv, &m);
+            for (int l = 0; l < 32; l++) out[i * K + b * 32 + l] = dv[l / 4] * (float)q[l] + m;
+        }
+    }
+    return 0;
+}
