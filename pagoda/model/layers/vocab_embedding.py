@@ -1,7 +1,11 @@
 """Token embeddings and the LM head, split along the vocabulary across tensor-parallel ranks.
 
 Rank r holds rows [r * V/tp, (r + 1) * V/tp); an embedding lookup zeroes the ids other ranks own
-and sums over ranks; the LM head gathers each rank's slice of the logits.
+and sums over ranks; the LM head gathers each rank's slice of the logits. A GGUF model kept
+quantized (`quantization="gguf"`, one rank) loads the table's blocks instead: the parameter
+then holds them as uint8 with the `QuantWeight` as its `quant` attribute (shared by a tied LM
+head, which is the same parameter), a lookup dequantizes the rows it reads and the LM head
+runs the quantized GEMM (`pagoda.kernels.cpu.quant`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocab_size")
+        self.params_dtype = params_dtype or torch.get_default_dtype()
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype),
@@ -36,6 +41,20 @@ class VocabParallelEmbedding(nn.Module):
         set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        from pagoda.kernels.cpu.quant import QuantWeight
+
+        if isinstance(loaded_weight, QuantWeight):  # GGUF blocks, kept (one rank only)
+            from pagoda.model.quantization.gguf import to_kernel_layout
+
+            expected = (self.num_embeddings, param.shape[1])
+            if self.tp_size > 1 or (loaded_weight.n, loaded_weight.k) != expected:
+                raise ValueError(
+                    f"shape mismatch: the model expects {expected} on one rank, got "
+                    f"{(loaded_weight.n, loaded_weight.k)} on {self.tp_size}"
+                )
+            param.quant = to_kernel_layout(loaded_weight)
+            param.data = param.quant.data
+            return
         if self.tp_size > 1:
             if loaded_weight.shape[0] != self.num_embeddings:
                 copy_checked(param.data, loaded_weight)  # raises with the shapes
@@ -45,6 +64,11 @@ class VocabParallelEmbedding(nn.Module):
         copy_checked(param.data, loaded_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        quant = getattr(self.weight, "quant", None)
+        if quant is not None:
+            from pagoda.kernels.cpu.quant import dequantize_rows
+
+            return dequantize_rows(quant, input_ids).to(self.params_dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -58,6 +82,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; shares `weight` with the embedding when the model ties them."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        quant = getattr(self.weight, "quant", None)
+        if quant is not None:  # one rank (see weight_loader): float32 logits
+            from pagoda.kernels.cpu.quant import quant_linear
+
+            return quant_linear(hidden_states, quant, out_dtype=torch.float32)
         logits = F.linear(hidden_states, self.weight)
         return tensor_model_parallel_all_gather(logits, dim=-1)
 

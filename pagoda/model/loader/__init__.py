@@ -1,6 +1,7 @@
 """Weight loaders: a Hugging Face directory (config.json + *.safetensors / *.bin, sharded or not),
-a GGUF file (config and weights from the file, dequantized), or `dummy` (random weights of the
-shape a config.json describes, for benchmarks). Nothing is ever downloaded.
+a GGUF file (config and weights from the file, dequantized, or kept in their blocks on a CPU:
+`pagoda.model.quantization.gguf`), or `dummy` (random weights of the shape a config.json
+describes, for benchmarks). Nothing is ever downloaded.
 
 `get_model_config_dict` returns the config.json-equivalent dict an `EngineConfig` is built from;
 `load_model` builds the model directly on the target device and dtype (parameters are allocated
@@ -139,10 +140,19 @@ def load_model(
     if attn_backend is None:
         attn_backend = get_attn_backend(device)
     source, load_format = model_config.model, model_config.load_format
+    gguf_why, gguf_blocks = None, False  # quantization="gguf": blocks kept or not, and why
     if linear_method is None and load_format != "dummy":
         from pagoda.model.quantization import get_linear_method
 
         linear_method = get_linear_method(model_config.quantization, model_config.hf_config)
+        if model_config.quantization == "gguf":
+            from pagoda.model.parallel import get_tp_size
+            from pagoda.model.quantization.gguf import GGUFLinearMethod, gguf_weights_stay_quantized
+
+            gguf_blocks, gguf_why = gguf_weights_stay_quantized(
+                source, device, dtype, get_tp_size()
+            )
+            linear_method = GGUFLinearMethod() if gguf_blocks else None
     if load_format != "dummy" and not os.path.exists(source):
         raise ValueError(f"model {source!r} not found: pass a local directory or .gguf file")
     files: list[str] = []
@@ -155,11 +165,16 @@ def load_model(
         else:
             state = WeightLoadingState(model)
             if _is_gguf(source, load_format):
-                from pagoda.model.loader.gguf import iter_gguf_weights
+                from pagoda.model.loader.gguf import QUANT_KERNEL_TYPES, iter_gguf_weights
 
-                state.load(iter_gguf_weights(source), source)
+                keep = QUANT_KERNEL_TYPES if gguf_blocks else ()
+                state.load(iter_gguf_weights(source, keep), source)
             else:
                 for path in files:
                     state.load(iter_weight_file(path), path)
             state.finish(source)
+    if gguf_why is not None:
+        from pagoda.model.quantization.gguf import log_weight_types
+
+        log_weight_types(model, gguf_why)
     return model.eval()

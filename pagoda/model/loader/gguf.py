@@ -35,6 +35,7 @@ __all__ = [
     "GGMLType",
     "GGUFReader",
     "GGUFTensorInfo",
+    "QUANT_KERNEL_TYPES",
     "dequantize",
     "gguf_name_to_hf",
     "gguf_config_keys",
@@ -205,6 +206,9 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
 # llama.cpp's converter interleaves the rotary halves of Q/K rows for these (LlamaModel.permute).
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
 _FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+# The types pagoda.kernels.cpu.quant multiplies in their blocks (quantization="gguf").
+QUANT_KERNEL_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+                      GGMLType.Q6_K)  # fmt: skip
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -295,9 +299,10 @@ def gguf_to_hf_config(
     Pass the reader (or the tensor names) so that tied embeddings and attention biases are read
     from the tensors present rather than guessed from the architecture.
     """
-    if isinstance(metadata, GGUFReader):
-        tensor_names = tensor_names if tensor_names is not None else metadata.tensors.keys()
-        metadata = metadata.metadata
+    reader = metadata if isinstance(metadata, GGUFReader) else None
+    if reader is not None:
+        tensor_names = tensor_names if tensor_names is not None else reader.tensors.keys()
+        metadata = reader.metadata
     names = set(tensor_names) if tensor_names is not None else None
     arch = _architecture(metadata)
     hf_arch, model_type = _ARCHITECTURES[arch]
@@ -360,6 +365,11 @@ def gguf_to_hf_config(
         # Quantized files dequantize to float; float16 matches ggml's f16 block scales.
         "torch_dtype": _FILE_TYPE_DTYPES.get(metadata.get("general.file_type"), "float16"),
     }
+    if reader is not None and any(
+        t.ggml_type in QUANT_KERNEL_TYPES for t in reader.tensors.values()
+    ):
+        # blocks the quantized CPU GEMM can keep: the engine selects quantization="gguf"
+        config["quantization_config"] = {"quant_method": "gguf"}
     if get("attention.sliding_window"):
         config["sliding_window"] = _int(
             get("attention.sliding_window"), f"{arch}.attention.sliding_window"
@@ -390,8 +400,12 @@ def reverse_permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
-def iter_gguf_weights(reader_or_path: GGUFReader | str) -> Iterator[tuple[str, Any]]:
-    """Yield (HF parameter name, float32 torch.Tensor) for every weight of the file."""
+def iter_gguf_weights(
+    reader_or_path: GGUFReader | str, keep_quantized: Iterable[int] = ()
+) -> Iterator[tuple[str, Any]]:
+    """Yield (HF parameter name, float32 torch.Tensor) for every weight of the file; matrices
+    of a ggml type in `keep_quantized` come as their blocks instead, a
+    `pagoda.kernels.cpu.quant.QuantWeight` (rows un-permuted like the dense ones)."""
     import torch
 
     reader = (
@@ -399,12 +413,22 @@ def iter_gguf_weights(reader_or_path: GGUFReader | str) -> Iterator[tuple[str, A
     )
     arch = _architecture(reader.metadata)
     config = gguf_to_hf_config(reader)
-    for name in reader.tensors:
+    keep_quantized = set(keep_quantized)
+    for name, info in reader.tensors.items():
         hf_name = gguf_name_to_hf(name)
         if hf_name is None:
             continue
-        weight = reader.dequantize(name)
+        blocks = info.ggml_type in keep_quantized and len(info.shape) == 2
+        if blocks:  # [rows, bytes per row]: a row permutation keeps the blocks whole
+            weight = np.array(reader.raw(name)).reshape(info.shape[0], -1)
+        else:
+            weight = reader.dequantize(name)
         if arch in _PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             n_head = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             weight = reverse_permute_qk(weight, n_head)
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(weight))
+        tensor = torch.from_numpy(np.ascontiguousarray(weight))
+        if blocks:
+            from pagoda.kernels.cpu.quant import QuantWeight
+
+            tensor = QuantWeight(tensor, info.ggml_type, *info.shape)
+        yield hf_name, tensor

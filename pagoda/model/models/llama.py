@@ -257,6 +257,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""
         weight = self.lm_head.weight
+        if getattr(weight, "quant", None) is not None:  # GGUF blocks kept (quantization="gguf")
+            if self.fused_ops:
+                return self.lm_head.compute_logits(hidden_states)
+            from pagoda.model.quantization.gguf import dequantize_weight
+
+            return torch.nn.functional.linear(
+                hidden_states.float(), dequantize_weight(weight.quant)
+            )
         if self.fused_ops and self.lm_head.tp_size == 1:
             # Straight to float32 from the fp32 accumulators: no bf16 rounding of the logits.
             packed = cpu_gemm.packed_copy(self.lm_head)  # bf16 on CPU: packed once, kept

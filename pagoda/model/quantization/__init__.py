@@ -36,7 +36,7 @@ from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, dequantize_
 
 logger = logging.getLogger(__name__)
 
-QUANT_METHODS = ("awq", "gptq")
+QUANT_METHODS = ("awq", "gptq", "gguf")  # gguf: `quantization/gguf.py`, decided at load
 
 
 def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
@@ -48,8 +48,9 @@ def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
 def get_linear_method(
     quantization: str | None, hf_config: dict[str, Any]
 ) -> LinearMethodBase | None:
-    """The linear method for `quantization` ("awq", "gptq"; None or "gguf": the default)."""
-    if quantization not in QUANT_METHODS:
+    """The linear method for `quantization` ("awq", "gptq"; None: the default). "gguf" is
+    `load_model`'s to decide (`pagoda.model.quantization.gguf`)."""
+    if quantization not in ("awq", "gptq"):
         return None
     qc = hf_config.get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != quantization:
