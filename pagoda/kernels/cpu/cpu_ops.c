@@ -52,20 +52,30 @@ int pagoda_gemm_packed(const void *x, int64_t x_stride, const void *w_packed, co
  * norm(x). `out` may be `x` (in place). The weight has its own dtype `w_dt`. */
 static void rms_norm_row(const char *x, char *res, const char *w, char *out, int64_t cols,
                          float eps, const int dt, int w_dt) {
+    const int es = dt == DT_BF16 ? 2 : 4, ws = w_dt == DT_BF16 ? 2 : 4;
+    const int64_t full = cols / VL * VL;
     vf ss = splat(0.0f);
     const char *h = res ? res : x;
     for (int64_t c = 0; c < cols; c += VL) {
-        vf v = load_at(x, dt, c, cols);
+        const int tail = c >= full;
+        vf v = tail ? load_part(x + c * es, dt, cols - c) : load_vec(x + c * es, dt);
         if (res) {
-            v = round_to(v + load_at(res, dt, c, cols), dt);
-            store_at(res, v, dt, c, cols);
+            vf r = tail ? load_part(res + c * es, dt, cols - c) : load_vec(res + c * es, dt);
+            v = round_to(v + r, dt);
+            if (tail) store_part(res + c * es, v, dt, cols - c);
+            else store_vec(res + c * es, v, dt);
         }
         ss += v * v;
     }
     const vf rstd = splat(1.0f / sqrtf(hsum(ss) / (float)cols + eps));
-    for (int64_t c = 0; c < cols; c += VL) {
-        vf v = round_to(load_at(h, dt, c, cols) * rstd, dt);
-        store_at(out, v * load_at(w, w_dt, c, cols), dt, c, cols);
+    int64_t c = 0;
+    for (; c < full; c += VL) {
+        vf v = round_to(load_vec(h + c * es, dt) * rstd, dt);
+        store_vec(out + c * es, v * load_vec(w + c * ws, w_dt), dt);
+    }
+    if (c < cols) {
+        vf v = round_to(load_part(h + c * es, dt, cols - c) * rstd, dt);
+        store_part(out + c * es, v * load_part(w + c * ws, w_dt, cols - c), dt, cols - c);
     }
 }
 
@@ -87,12 +97,18 @@ int pagoda_rms_norm(const void *x, int64_t x_stride, void *res, int64_t res_stri
 }
 
 /* ---- SwiGLU's gate (Shazeer, 2020): out = silu(x[:, :d]) * x[:, d:] --------------------- */
+INLINE vf silu_times(vf g, vf u, int dt) { return round_to(g / (vexp(-g) + 1.0f), dt) * u; }
+
 static void silu_and_mul_row(const char *x, char *out, int64_t d, const int dt) {
     const int es = dt == DT_BF16 ? 2 : 4;
-    for (int64_t c = 0; c < d; c += VL) {
-        vf g = load_at(x, dt, c, d), u = load_at(x + d * es, dt, c, d);
-        vf silu = round_to(g / (vexp(-g) + 1.0f), dt);
-        store_at(out, silu * u, dt, c, d);
+    const char *up = x + d * es;
+    int64_t c = 0;
+    for (; c + VL <= d; c += VL)
+        store_vec(out + c * es, silu_times(load_vec(x + c * es, dt), load_vec(up + c * es, dt), dt),
+                  dt);
+    if (c < d) {
+        vf g = load_part(x + c * es, dt, d - c), u = load_part(up + c * es, dt, d - c);
+        store_part(out + c * es, silu_times(g, u, dt), dt, d - c);
     }
 }
 

@@ -23,7 +23,8 @@
 
 #define GEMM_PANEL 16
 #define GEMM_PV (GEMM_PANEL / VL) /* vectors per panel row */
-#if HAVE_BF16DP
+#if defined(GEMM_MR) && defined(GEMM_NV) /* (overridable for tuning builds) */
+#elif HAVE_BF16DP
 #define GEMM_MR 6
 #define GEMM_NV 4
 #elif PAGODA_ISA == 2
@@ -63,20 +64,24 @@ typedef struct {
 #else
 /* Rows [m0, m0 + MR) against panels [p0, p0 + NV): per pair of K, each panel's PV vectors of
  * (k, k+1) lanes are split into fp32 w[k] and w[k+1] once, then each row adds
- * w[k] * x[m][k] + w[k+1] * x[m][k+1] to its accumulators. MR and NV are compile-time constants
- * at every call site, so acc lives in registers. */
+ * w[k] * x[m][k] + w[k+1] * x[m][k+1] to its accumulators. A tile of one or two rows (decode)
+ * keeps the w[k+1] products in accumulators of their own, so no accumulator waits on two
+ * dependent FMAs a step. MR and NV are compile-time constants at every call site, so acc
+ * lives in registers. */
 INLINE void gemm_tile(const GemmArgs *a, int64_t m0, int64_t p0, const int MR, const int NV,
                       int near, unsigned next_mask) {
     (void)next_mask;
+    enum { J = GEMM_NV * GEMM_PV };
+    const int split = MR <= 2;
     const int64_t K2 = (a->K + 1) / 2, panel = K2 * 2 * GEMM_PANEL, xs = a->xf_stride;
     const uint16_t *w = a->w + p0 * panel;
     const float *x = a->xf + m0 * xs;
-    vf acc[GEMM_MR][GEMM_NV * GEMM_PV];
+    vf acc[GEMM_MR][J], acc_hi[2][J];
     for (int m = 0; m < MR; m++)
-        for (int j = 0; j < NV * GEMM_PV; j++) acc[m][j] = splat(0.0f);
+        for (int j = 0; j < NV * GEMM_PV; j++) acc[m][j] = acc_hi[m % 2][j] = splat(0.0f);
     for (int64_t p = 0; p < K2; p++) {
         const uint16_t *wp = w + p * 2 * GEMM_PANEL;
-        vf lo[GEMM_NV * GEMM_PV], hi[GEMM_NV * GEMM_PV];
+        vf lo[J], hi[J];
         for (int v = 0; v < NV; v++) {
             if (near) __builtin_prefetch((const char *)(wp + v * panel) + GEMM_PREFETCH);
             for (int j = 0; j < GEMM_PV; j++) {
@@ -90,7 +95,8 @@ INLINE void gemm_tile(const GemmArgs *a, int64_t m0, int64_t p0, const int MR, c
             const vf x0 = splat(x[m * xs + 2 * p]), x1 = splat(x[m * xs + 2 * p + 1]);
             for (int j = 0; j < NV * GEMM_PV; j++) {
                 acc[m][j] += lo[j] * x0;
-                acc[m][j] += hi[j] * x1;
+                if (split) acc_hi[m][j] += hi[j] * x1;
+                else acc[m][j] += hi[j] * x1;
             }
         }
     }
@@ -101,7 +107,9 @@ INLINE void gemm_tile(const GemmArgs *a, int64_t m0, int64_t p0, const int MR, c
             const vf b = a->bias ? load_at((const char *)a->bias, DT_BF16, n, a->N) : splat(0.0f);
             for (int m = 0; m < MR; m++) {
                 char *row = (char *)a->y + (m0 + m) * a->y_stride * (a->y_fp32 ? 4 : 2);
-                store_at(row, acc[m][v * GEMM_PV + j] + b, a->y_fp32 ? DT_F32 : DT_BF16, n, a->N);
+                vf s = acc[m][v * GEMM_PV + j] + b;
+                if (split) s += acc_hi[m][v * GEMM_PV + j];
+                store_at(row, s, a->y_fp32 ? DT_F32 : DT_BF16, n, a->N);
             }
         }
 }

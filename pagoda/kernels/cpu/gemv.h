@@ -22,7 +22,7 @@
 #define GEMV_MT 2 /* 8 accumulators of 16 ymm / xmm */
 #endif
 /* How far ahead of the current tile the weight stream is prefetched, in bytes. */
-#define GEMV_PREFETCH 8192
+#define GEMV_PREFETCH 4096
 
 typedef struct {
     const void *x;
@@ -35,11 +35,11 @@ typedef struct {
     int64_t M, N, K;
 } GemvArgs;
 
-/* VL 32-bit lanes at p; `n` of the row's elements are left from there (fewer than a whole
- * vector: the rest read as zero). */
-INLINE vu gemv_load(const char *p, int64_t n_bytes) {
+/* VL 32-bit lanes at p: a plain load, or with `tail` the n_bytes (< VEC_BYTES) left in the
+ * row, the rest read as zero. */
+INLINE vu gemv_load(const char *p, int64_t n_bytes, const int tail) {
     vu u;
-    if (n_bytes >= VEC_BYTES) {
+    if (!tail) {
         memcpy(&u, p, sizeof u);
     } else {
         char buf[VEC_BYTES] __attribute__((aligned(VEC_BYTES))) = {0};
@@ -50,15 +50,15 @@ INLINE vu gemv_load(const char *p, int64_t n_bytes) {
 }
 
 /* One step of K (VEC_BYTES of each row at byte offset `off`, of `bytes` in a row) for a tile's
- * accumulators. */
+ * accumulators; `tail`: the last, partial step. */
 INLINE void gemv_step(vf acc[GEMV_R][GEMV_MT], const char *x, int64_t xs, const char *w,
                       int64_t ws, int64_t off, int64_t bytes, const int DT, const int R,
-                      const int MT, int prefetch) {
+                      const int MT, int prefetch, const int tail) {
     vu xv[GEMV_MT];
-    for (int m = 0; m < MT; m++) xv[m] = gemv_load(x + m * xs + off, bytes - off);
+    for (int m = 0; m < MT; m++) xv[m] = gemv_load(x + m * xs + off, bytes - off, tail);
     for (int r = 0; r < R; r++) {
         if (prefetch) __builtin_prefetch(w + r * ws + off + GEMV_PREFETCH);
-        const vu wv = gemv_load(w + r * ws + off, bytes - off);
+        const vu wv = gemv_load(w + r * ws + off, bytes - off, tail);
         if (DT == DT_BF16) {
             const vf wl = bf16_lo(wv), wh = bf16_hi(wv);
             for (int m = 0; m < MT; m++) {
@@ -84,8 +84,8 @@ INLINE void gemv_tile(const GemvArgs *a, int64_t n0, int64_t m0, const int DT, c
         for (int m = 0; m < MT; m++) acc[r][m] = splat(0.0f);
     int64_t off = 0;
     for (; off + VEC_BYTES <= bytes; off += VEC_BYTES)
-        gemv_step(acc, x, xs, w, bytes, off, bytes, DT, R, MT, prefetch);
-    if (off < bytes) gemv_step(acc, x, xs, w, bytes, off, bytes, DT, R, MT, 0);
+        gemv_step(acc, x, xs, w, bytes, off, bytes, DT, R, MT, prefetch, 0);
+    if (off < bytes) gemv_step(acc, x, xs, w, bytes, off, bytes, DT, R, MT, 0, 1);
     for (int m = 0; m < MT; m++) {
         for (int r = 0; r < R; r++) {
             float s = hsum(acc[r][m]);
