@@ -1,10 +1,32 @@
-"""The `pagoda` command: serve | generate | chat | bench (throughput, serve)."""
+"""The `pagoda` command: serve | generate | chat | bench (throughput, serve) | quantize.
+
+A user error (a wrong path, flag value or config file, a model larger than the machine's memory,
+a port in use) ends the command with one `error: ...` line on stderr and exit code 2; with
+`--log-level debug` its traceback is printed first. Every other exception is a bug and keeps
+Python's traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Exceptions a user causes and can fix. ValueError is what every config, flag and input check
+# in Pagoda raises; the OSErrors are paths; MemoryError is a model larger than the machine.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    MemoryError,
+)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -37,7 +59,77 @@ def _make_engine(args: argparse.Namespace):  # noqa: ANN202
 
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.disable_log_stats = True
-    return LLMEngine.from_engine_args(engine_args)
+    config = engine_args.create_engine_config()
+    check_model_fits_in_memory(config)
+    return LLMEngine(config, log_stats=False)
+
+
+def _total_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def check_model_fits_in_memory(config: Any) -> None:
+    """On a CPU, refuse a model whose dense weights exceed the machine's memory: loading it
+    would end in the kernel's OOM killer (SIGKILL, no message) rather than an error. On CUDA
+    the memory plan reports it; quantized layers may stay packed, so their size is not known
+    here."""
+    from pagoda.model.loader.hf_config import estimated_weight_bytes
+
+    mc = config.model_config
+    if config.device_config.device != "cpu" or mc.quantization is not None:
+        return
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(mc.dtype, 4)
+    need, total = estimated_weight_bytes(mc.hf_config, itemsize), _total_memory_bytes()
+    if total is not None and need > total:
+        raise ValueError(
+            f"the model's weights take {need / 2**30:.1f} GiB in {mc.dtype}, more than this "
+            f"machine's {total / 2**30:.1f} GiB of memory: use a smaller or quantized model"
+            + (" (or --dtype bfloat16)" if itemsize == 4 else "")
+        )
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Refuse a port outside [0, 65535], a host that does not resolve, or an address already
+    in use, before the engine is built (uvicorn would find out only after the model loads)."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def check_engine_start(engine_args: Any) -> None:
+    """What an engine built from `engine_args` would refuse at start-up, checked in this
+    process: `pagoda serve` builds its engine in a child process, whose failure would come
+    with that process's traceback in the log."""
+    from pagoda.model.registry import supported_architectures
+
+    config = engine_args.create_engine_config()
+    mc = config.model_config
+    if mc.architecture not in supported_architectures():
+        raise ValueError(
+            f"{mc.model}: model architecture {mc.architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    if mc.load_format != "dummy" and os.path.isdir(mc.model):
+        from pagoda.model.loader.weights import find_weight_files
+
+        find_weight_files(mc.model)
+    check_model_fits_in_memory(config)
 
 
 def _stream(engine, request_id: str, prompt, params) -> Iterator[str]:  # noqa: ANN001
@@ -147,13 +239,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def add_log_level_flag(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """--log-level on `parser` and each of its subcommands, so it goes before or after the
+    subcommand's name."""
+    if "--log-level" not in parser._option_string_actions:  # noqa: SLF001
+        parser.add_argument(
+            "--log-level",
+            type=str.lower,
+            choices=LOG_LEVELS,
+            default=None if top else argparse.SUPPRESS,
+            help="Pagoda's log level (default: $PAGODA_LOGGING_LEVEL, else info); debug also "
+            "prints the traceback of a user error",
+        )
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public walk
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in action.choices.values():
+                add_log_level_flag(sub, top=False)
+
+
+def set_log_level(level: str | None) -> None:
+    """Pagoda's loggers at `level` (None: $PAGODA_LOGGING_LEVEL, else info), in this process
+    and, through the environment, in the processes it spawns (engine core, workers)."""
+    from pagoda.logger import init_logger
+
+    level = (level or os.environ.get("PAGODA_LOGGING_LEVEL") or "info").upper()
+    os.environ["PAGODA_LOGGING_LEVEL"] = level
+    init_logger("pagoda").setLevel(level)
+
+
+def user_error_message(e: BaseException) -> str | None:
+    """One line for an exception the user can fix (`USER_ERRORS`, running out of memory, an
+    engine core that exited at start-up after logging why); None for a bug."""
+    torch = sys.modules.get("torch")
+    core_client = sys.modules.get("pagoda.engine.core_client")
+    if isinstance(e, USER_ERRORS):
+        message = str(e) or "out of memory"
+    elif torch is not None and isinstance(e, torch.OutOfMemoryError):
+        message = f"out of memory: {e}"
+    elif isinstance(e, RuntimeError) and "can't allocate memory" in str(e):  # torch on CPU
+        message = f"out of memory: {e}"
+    elif core_client is not None and isinstance(e, core_client.EngineCoreStartError):
+        message = str(e)
+    else:
+        return None
+    return " ".join(message.split())
+
+
+def run_command(func: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
+    """`func(args)` as a command: its return value as the exit code, a user error as one
+    `error:` line and code 2, Ctrl-C as code 130; a bug raises with its traceback."""
+    set_log_level(getattr(args, "log_level", None))
     try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except Exception as e:
+        message = user_error_message(e)
+        if message is None:
+            raise
+        if logging.getLogger("pagoda").isEnabledFor(logging.DEBUG):
+            traceback.print_exc()
+        print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    add_log_level_flag(parser)
+    args = parser.parse_args(argv)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from `args` (see add_server_flags), then serve until SIGTERM/SIGINT."""
+    from pagoda.cli import check_engine_start, check_listen_address
     from pagoda.config import embedded_model_path
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
@@ -160,6 +161,9 @@ def run_server(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)
     check_server_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
+    # User errors found here are one line; in the engine core process, a traceback in its log.
+    check_listen_address(args.host, args.port)
+    check_engine_start(engine_args)
     engine = AsyncLLM.from_engine_args(
         engine_args,
         max_waiting_requests=None,  # set below, once the KV cache's size is known

@@ -95,3 +95,16 @@ def validate_hf_config(
         original = scaling.get("original_max_position_embeddings")
         if original is not None and not (_is_int(original) and original > 0):
             fail(field, "needs a positive integer as original_max_position_embeddings")
+
+
+def estimated_weight_bytes(config: Mapping[str, Any], bytes_per_param: int) -> int:
+    """The dense weights' size of a (checked) Llama-family config: embeddings, the LM head
+    unless tied, and per layer q/k/v/o and the gated MLP (norms are negligible)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    per_layer = hidden * (2 * heads + 2 * kv_heads) * head_dim
+    per_layer += 3 * hidden * config["intermediate_size"]
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return (embeddings + config["num_hidden_layers"] * per_layer) * bytes_per_param

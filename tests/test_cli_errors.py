@@ -1,0 +1,83 @@
+"""A user error ends a `pagoda` command with one `error: ...` line on stderr and exit code 2, no
+traceback (unless --log-level debug); a bug keeps its traceback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pagoda.model.testing import TINY_CONFIG
+
+
+def _pagoda(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", *args], capture_output=True, text=True, timeout=180
+    )
+
+
+def _assert_one_error_line(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and needle in line, line
+
+
+def _config_dir(path, **overrides) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**TINY_CONFIG, **overrides}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("no_such_model", "'/no/such/model' not found"),
+        ("bad_config_file", "config.json: hidden_size must be a positive integer"),
+        # One embedding of 2**40 x 64 floats: refused from the config, before any allocation.
+        ("model_too_big", "more than this machine's"),
+        ("port_in_use", "Address already in use"),
+    ],
+)
+def test_serve_user_error_is_one_line(tmp_path, case, needle) -> None:
+    if case == "no_such_model":
+        proc = _pagoda("serve", "/no/such/model")
+    elif case == "bad_config_file":
+        proc = _pagoda("serve", _config_dir(tmp_path / "m", hidden_size="sixty-four"))
+    elif case == "model_too_big":
+        model = _config_dir(tmp_path / "m", vocab_size=2**40)
+        proc = _pagoda("serve", model, "--load-format", "dummy", "--device", "cpu")
+    else:
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            proc = _pagoda("serve", "--port", str(busy.getsockname()[1]))
+    _assert_one_error_line(proc, needle)
+
+
+def test_log_level_debug_adds_the_traceback() -> None:
+    proc = _pagoda("generate", "hi", "--model", "/no/such/model", "--log-level", "debug")
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: model '/no/such/model'")
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from pagoda import cli
+        from pagoda.engine import arg_utils
+        def broken(self):
+            raise KeyError("a bug, not a user error")
+        arg_utils.EngineArgs.create_engine_config = broken
+        sys.exit(cli.main(["generate", "hi"]))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "KeyError: 'a bug, not a user error'" in proc.stderr
