@@ -36,6 +36,22 @@ def load_chat_template(value: str | None) -> str | None:
     )
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key, or the contents of --api-key-file, or $PAGODA_API_KEY."""
+    key, path = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
+    if key is not None and path is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file: cannot read {path}: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {path} is empty")
+    return key if key is not None else os.environ.get("PAGODA_API_KEY") or None
+
+
 def _has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:
     return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
 
@@ -50,9 +66,15 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument(
         "--api-key",
-        default=os.environ.get("PAGODA_API_KEY"),
-        help="require `Authorization: Bearer KEY` on every route except /health and /metrics "
-        "(default: $PAGODA_API_KEY)",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route except /health and /metrics. "
+        "A key given here shows in the process list (ps) to every user of the machine: prefer "
+        "--api-key-file or $PAGODA_API_KEY (default: --api-key-file, else $PAGODA_API_KEY)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read the API key from this file (surrounding whitespace stripped)",
     )
     g.add_argument(
         "--chat-template", default=None, help="chat template: a .jinja file or the template text"
@@ -159,6 +181,7 @@ def run_server(args: argparse.Namespace) -> None:
     if not getattr(args, "model", None):
         args.model = embedded_model_path()
     chat_template = load_chat_template(args.chat_template)
+    args.api_key = resolve_api_key(args)
     check_server_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     # User errors found here are one line; in the engine core process, a traceback in its log.
