@@ -161,20 +161,22 @@ def quant_linear(
     """x [..., K] (float32 or bf16) @ W^T (+ bias): [..., N] in x's dtype or `out_dtype`
     (float32 / bf16). `out` may be a column slice of a wider 2-D output (rows of unit stride):
     a fused layer whose shards differ in type writes its parts into one tensor."""
+    # A decode step makes ~120 of these calls: the checks stay few and cheap.
     k, n = weight.k, weight.n
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
-    if x.dtype not in _IO_DTYPES:
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+    if x.shape[-1] != k or x.dtype not in _IO_DTYPES:
+        raise ValueError(f"x must be float32 or bf16 with {k} features, got {x.dtype} {x.shape}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     if out is None:
-        out = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype)
-    y2 = out.view(-1, n) if out.is_contiguous() else out
-    if y2.dtype not in _IO_DTYPES or y2.dim() != 2 or y2.stride(1) != 1 or y2.shape[1] != n:
-        raise ValueError("out must be float32 or bf16 rows of unit stride")
-    if bias is not None:
+        out = y2 = torch.empty(x2.shape[0], n, dtype=out_dtype or x.dtype)
+        if x.dim() != 2:
+            out = y2.view(*x.shape[:-1], n)
+    else:
+        y2 = out if out.dim() == 2 else out.view(-1, n)
+        if y2.dtype not in _IO_DTYPES or y2.stride(1) != 1 or y2.shape != (x2.shape[0], n):
+            raise ValueError("out must be float32 or bf16 rows of unit stride, [..., N]")
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
     rc = load_quant_library(isa).pagoda_quant_gemm(
         x2.data_ptr(),
