@@ -115,7 +115,16 @@ def check_listen_address(host: str, port: int) -> None:
 def check_engine_start(engine_args: Any) -> None:
     """What an engine built from `engine_args` would refuse at start-up, checked in this
     process: `pagoda serve` builds its engine in a child process, whose failure would come
-    with that process's traceback in the log."""
+    with that process's traceback in its log.
+
+    Without torch (the arguments, the model's path and config, max_model_len) always; the rest
+    (quantization, architecture, weight files, memory) only where torch is already imported
+    (`pagoda serve`): a front end that has not imported it (`python -m
+    pagoda.entrypoints.openai.api_server`) is not made to, for a check the engine core repeats.
+    """
+    engine_args.check_model_config()
+    if "torch" not in sys.modules:
+        return
     from pagoda.model.registry import supported_architectures
 
     config = engine_args.create_engine_config()

@@ -59,6 +59,31 @@ def test_serve_user_error_is_one_line(tmp_path, case, needle) -> None:
     _assert_one_error_line(proc, needle)
 
 
+def test_api_server_user_error_is_one_line() -> None:
+    # vLLM's module path: its front end checks what it can without importing torch.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--max-model-len", "99999"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    _assert_one_error_line(proc, "max_model_len (99999) is larger than the model's")
+
+
+def test_front_end_checks_without_importing_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from pagoda.cli import check_engine_start, check_listen_address
+        from pagoda.engine.arg_utils import EngineArgs
+        check_listen_address("127.0.0.1", 0)
+        check_engine_start(EngineArgs(max_model_len=512))
+        print("torch" in sys.modules)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
 def test_log_level_debug_adds_the_traceback() -> None:
     proc = _pagoda("generate", "hi", "--model", "/no/such/model", "--log-level", "debug")
     assert proc.returncode == 2

@@ -136,33 +136,16 @@ class EngineArgs:
         if not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
 
-    def create_engine_config(self) -> EngineConfig:
+    def check_model_config(self) -> tuple[str, dict[str, Any], int]:
+        """The part of `create_engine_config` that needs no torch: the arguments' types and
+        ranges, the model's path and its config (read and checked), max_model_len. Returns
+        (model, hf_config, max_model_len). The server's front end runs it before it starts
+        the engine core (`pagoda.cli.check_engine_start`)."""
         from pagoda.model.loader import get_model_config_dict
-        from pagoda.model.quantization import QUANT_METHODS, checkpoint_quant_method
 
         self._check_types()
         model = self.model or embedded_model_path()
-        if self.quantization not in (None, "gguf", *QUANT_METHODS):
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported yet; supported: gguf, "
-                + ", ".join(QUANT_METHODS)
-            )
         hf_config = get_model_config_dict(model, self.load_format)
-        quantization = self.quantization
-        ckpt_method = checkpoint_quant_method(hf_config)
-        if ckpt_method is not None and self.load_format != "dummy":
-            if ckpt_method not in QUANT_METHODS:
-                raise ValueError(
-                    f"{model}: quantization_config.quant_method {ckpt_method!r} is not "
-                    f"supported yet; supported: {', '.join(QUANT_METHODS)}"
-                )
-            if quantization not in (None, ckpt_method):
-                raise ValueError(
-                    f"quantization={quantization!r} but {model} is a {ckpt_method!r} checkpoint"
-                )
-            quantization = ckpt_method
-        device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, hf_config, device)
         derived_max_len = int(hf_config.get("max_position_embeddings") or 2048)
         max_model_len = derived_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len <= 0:
@@ -179,17 +162,43 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+        # The range checks of the configs that do not depend on the device.
+        self._cache_config()
+        self._scheduler_config(max_model_len, async_scheduling=False)
+        self._parallel_config()
+        self._speculative_config()
+        return model, hf_config, max_model_len
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagoda.model.quantization import QUANT_METHODS, checkpoint_quant_method
+
+        model, hf_config, max_model_len = self.check_model_config()
+        if self.quantization not in (None, "gguf", *QUANT_METHODS):
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported yet; supported: gguf, "
+                + ", ".join(QUANT_METHODS)
+            )
+        quantization = self.quantization
+        ckpt_method = checkpoint_quant_method(hf_config)
+        if ckpt_method is not None and self.load_format != "dummy":
+            if ckpt_method not in QUANT_METHODS:
+                raise ValueError(
+                    f"{model}: quantization_config.quant_method {ckpt_method!r} is not "
+                    f"supported yet; supported: {', '.join(QUANT_METHODS)}"
+                )
+            if quantization not in (None, ckpt_method):
+                raise ValueError(
+                    f"quantization={quantization!r} but {model} is a {ckpt_method!r} checkpoint"
+                )
+            quantization = ckpt_method
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, hf_config, device)
         if device == "cpu" and self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
             logger.warning(
                 "gpu_memory_utilization=%s is ignored on a CPU: the KV cache takes "
                 "--kv-cache-memory-bytes (default: min(2 GiB, 25%% of the available RAM))",
                 self.gpu_memory_utilization,
             )
-        max_batched = self.max_num_batched_tokens
-        if max_batched is None:
-            max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if not self.enable_chunked_prefill:
-                max_batched = max(max_batched, max_model_len)
         return EngineConfig(
             model_config=ModelConfig(
                 model=model,
@@ -203,39 +212,55 @@ class EngineArgs:
                 served_model_name=self.served_model_name,
                 skip_tokenizer_init=self.skip_tokenizer_init,
             ),
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                cache_dtype=self.kv_cache_dtype,
-                enable_prefix_caching=self.enable_prefix_caching,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_config=self._cache_config(),
+            scheduler_config=self._scheduler_config(
+                max_model_len,
+                device == "cuda" if self.async_scheduling is None else self.async_scheduling,
             ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                max_model_len=max_model_len,
-                policy=self.scheduling_policy,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                async_scheduling=(
-                    device == "cuda" if self.async_scheduling is None else self.async_scheduling
-                ),
-            ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-            ),
+            parallel_config=self._parallel_config(),
             device_config=DeviceConfig(
                 device=device,
                 enforce_eager=self.enforce_eager,
                 attention_backend=self.attention_backend,
             ),
-            speculative_config=(
-                None
-                if self.speculative_config is None
-                else SpeculativeConfig.from_dict(self.speculative_config)
-            ),
+            speculative_config=self._speculative_config(),
         )
+
+    def _cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+
+    def _scheduler_config(self, max_model_len: int, async_scheduling: bool) -> SchedulerConfig:
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_batched = max(max_batched, max_model_len)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            policy=self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+        )
+
+    def _parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -17,26 +17,28 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from pagoda.config import ModelConfig
 from pagoda.model.loader.hf_config import validate_hf_config
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from pagoda.attention.backend import AttentionBackend
     from pagoda.model.layers.linear import LinearMethodBase
 
+# torch is imported where weights are loaded, not here: reading and checking a model's config
+# (`get_model_config_dict`) stays cheap for the server's front end, which never loads weights.
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
 
@@ -95,15 +97,19 @@ def get_model_config_dict(model: str, load_format: str = "auto") -> dict[str, An
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
-    return _TORCH_DTYPES[dtype]
+    return getattr(torch, _TORCH_DTYPES[dtype])
 
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    import torch
+
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -125,6 +131,8 @@ def load_model(
     `attn_backend` defaults to the registry's pick for the device; `linear_method` is how every
     linear layer stores and multiplies its weight (None: the checkpoint's AWQ/GPTQ method per
     `model_config.quantization`, else unquantized)."""
+    import torch
+
     from pagoda.attention.backend import get_attn_backend
     from pagoda.model.loader.weights import (
         WeightLoadingState,
