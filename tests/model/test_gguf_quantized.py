@@ -30,14 +30,13 @@ CPU = torch.device("cpu")
 
 def test_blocks_stay_on_a_cpu_in_float32_only():
     path = embedded_model_path()
-    keep, why = gguf_weights_stay_quantized(path, CPU, torch.float32, 1)
+    keep, why = gguf_weights_stay_quantized(path, CPU, torch.float32)
     assert keep and "kept quantized" in why
-    keep, why = gguf_weights_stay_quantized(path, CPU, torch.bfloat16, 1)
+    keep, why = gguf_weights_stay_quantized(path, CPU, torch.bfloat16)
     assert not keep and "--dtype float32" in why
-    assert not gguf_weights_stay_quantized(path, torch.device("cuda"), torch.float16, 1)[0]
-    assert not gguf_weights_stay_quantized(path, CPU, torch.float32, 3)[0]
+    assert not gguf_weights_stay_quantized(path, torch.device("cuda"), torch.float16)[0]
     with pytest.raises(ValueError, match="needs a .gguf"):
-        gguf_weights_stay_quantized("/tmp", CPU, torch.float32, 1)
+        gguf_weights_stay_quantized("/tmp", CPU, torch.float32)
 
 
 def test_a_quantized_gguf_selects_quantization_gguf():
@@ -84,6 +83,40 @@ def test_fused_layer_concatenates_its_shards(types):
     assert ((y.double() - ref).abs() <= bound).all()
     layer.fused_ops = False  # the reference path: dequantized weight, F.linear
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ranks_hold_slices_of_the_blocks():
+    from pagoda.model.layers.linear import QKVParallelLinear, RowParallelLinear
+    from pagoda.model.layers.vocab_embedding import VocabParallelEmbedding
+    from pagoda.model.parallel import set_tensor_parallel
+    from pagoda.model.quantization.gguf import dequantize_weight
+
+    hidden, head, tp = 96, 32, 3  # 3 query heads, 1 KV head: replicated on the 3 ranks
+    q, wq = _blocks(3, 96, hidden, seed=1)
+    k, wk = _blocks(8, 32, hidden, seed=2)
+    o, wo = _blocks(3, hidden, 96, seed=3)
+    e, we = _blocks(8, 30, hidden, seed=4)
+    try:
+        for rank in range(tp):
+            set_tensor_parallel(rank, tp)
+            qkv = QKVParallelLinear(hidden, head, 3, 1, linear_method=GGUFLinearMethod())
+            for shard, qw in (("q", q), ("k", k), ("v", k)):
+                qkv.weight.weight_loader(qkv.weight, qw, shard)
+            qkv.linear_method.process_weights_after_loading(qkv)
+            segments = qkv.gguf_segments  # Q4_1 and Q8_0 shards: kept apart
+            got = torch.cat([dequantize_weight(s) for s in segments])
+            assert torch.equal(got, torch.cat([wq[32 * rank : 32 * rank + 32], wk, wk]))
+            row = RowParallelLinear(96, hidden, linear_method=GGUFLinearMethod())
+            row.weight.weight_loader(row.weight, o)
+            row.linear_method.process_weights_after_loading(row)
+            assert torch.equal(
+                dequantize_weight(row.gguf_weight), wo[:, 32 * rank : 32 * rank + 32]
+            )
+            emb = VocabParallelEmbedding(30, hidden)
+            emb.weight.weight_loader(emb.weight, e)
+            assert torch.equal(dequantize_weight(emb.weight.quant), we[10 * rank : 10 * rank + 10])
+    finally:
+        set_tensor_parallel(0, 1)
 
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 2], list(range(1000, 1040))]

@@ -2,7 +2,7 @@
 
 Rank r holds rows [r * V/tp, (r + 1) * V/tp); an embedding lookup zeroes the ids other ranks own
 and sums over ranks; the LM head gathers each rank's slice of the logits. A GGUF model kept
-quantized (`quantization="gguf"`, one rank) loads the table's blocks instead: the parameter
+quantized (`quantization="gguf"`) loads the table's blocks instead (its rows of them): the parameter
 then holds them as uint8 with the `QuantWeight` as its `quant` attribute (shared by a tied LM
 head, which is the same parameter), a lookup dequantizes the rows it reads and the LM head
 runs the quantized GEMM (`pagoda.kernels.cpu.quant`).
@@ -43,16 +43,17 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         from pagoda.kernels.cpu.quant import QuantWeight
 
-        if isinstance(loaded_weight, QuantWeight):  # GGUF blocks, kept (one rank only)
-            from pagoda.model.quantization.gguf import to_kernel_layout
+        if isinstance(loaded_weight, QuantWeight):  # GGUF blocks, kept: this rank's rows
+            from pagoda.model.quantization.gguf import narrow_rows, to_kernel_layout
 
             expected = (self.num_embeddings, param.shape[1])
-            if self.tp_size > 1 or (loaded_weight.n, loaded_weight.k) != expected:
+            if (loaded_weight.n, loaded_weight.k) != expected:
                 raise ValueError(
-                    f"shape mismatch: the model expects {expected} on one rank, got "
-                    f"{(loaded_weight.n, loaded_weight.k)} on {self.tp_size}"
+                    f"shape mismatch: the model expects {expected}, "
+                    f"got {(loaded_weight.n, loaded_weight.k)}"
                 )
-            param.quant = to_kernel_layout(loaded_weight)
+            rows = narrow_rows(loaded_weight, self.vocab_start, self.num_embeddings_per_partition)
+            param.quant = to_kernel_layout(rows)
             param.data = param.quant.data
             return
         if self.tp_size > 1:
@@ -63,17 +64,20 @@ class VocabParallelEmbedding(nn.Module):
             )
         copy_checked(param.data, loaded_weight)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         quant = getattr(self.weight, "quant", None)
-        if quant is not None:
-            from pagoda.kernels.cpu.quant import dequantize_rows
+        if quant is None:
+            return F.embedding(ids, self.weight)
+        from pagoda.kernels.cpu.quant import dequantize_rows
 
-            return dequantize_rows(quant, input_ids).to(self.params_dtype)
+        return dequantize_rows(quant, ids).to(self.params_dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         mask = (local < 0) | (local >= self.num_embeddings_per_partition)
-        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out = self._lookup(local.masked_fill(mask, 0))
         out.masked_fill_(mask.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
 
@@ -83,11 +87,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         quant = getattr(self.weight, "quant", None)
-        if quant is not None:  # one rank (see weight_loader): float32 logits
+        if quant is not None:  # this rank's rows of the vocabulary, float32 logits
             from pagoda.kernels.cpu.quant import quant_linear
 
-            return quant_linear(hidden_states, quant, out_dtype=torch.float32)
-        logits = F.linear(hidden_states, self.weight)
+            logits = quant_linear(hidden_states, quant, out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         return tensor_model_parallel_all_gather(logits, dim=-1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -154,12 +154,9 @@ def load_model(
 
         linear_method = get_linear_method(model_config.quantization, model_config.hf_config)
         if model_config.quantization == "gguf":
-            from pagoda.model.parallel import get_tp_size
             from pagoda.model.quantization.gguf import GGUFLinearMethod, gguf_weights_stay_quantized
 
-            gguf_blocks, gguf_why = gguf_weights_stay_quantized(
-                source, device, dtype, get_tp_size()
-            )
+            gguf_blocks, gguf_why = gguf_weights_stay_quantized(source, device, dtype)
             linear_method = GGUFLinearMethod() if gguf_blocks else None
     if load_format != "dummy" and not os.path.exists(source):
         raise ValueError(f"model {source!r} not found: pass a local directory or .gguf file")

@@ -258,8 +258,8 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""
         weight = self.lm_head.weight
         if getattr(weight, "quant", None) is not None:  # GGUF blocks kept (quantization="gguf")
-            if self.fused_ops:
-                return self.lm_head.compute_logits(hidden_states)
+            if self.fused_ops or self.lm_head.tp_size > 1:
+                return self.lm_head.compute_logits(hidden_states).float()
             from pagoda.model.quantization.gguf import dequantize_weight
 
             return torch.nn.functional.linear(

@@ -5,9 +5,8 @@ tensors the quantized CPU GEMM reads (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), so th
 selects `quantization="gguf"` for it as it does AWQ / GPTQ from their config. Whether the
 blocks stay quantized is decided once, at load (`gguf_weights_stay_quantized`): on a CPU, in
 float32 (the kernels' activations: the CPU default without AVX512_BF16, or `--dtype float32`),
-on one rank, with the kernel built. Otherwise (`--dtype bfloat16` / `float16`, a GPU, tensor
-parallelism) every tensor is dequantized to the model dtype at load, as before. One log line
-says which.
+with the kernel built. Otherwise (`--dtype bfloat16` / `float16`, a GPU) every tensor is
+dequantized to the model dtype at load, as before. One log line says which.
 
 Kept quantized, each linear layer holds its GGUF blocks (`GGUFLinearMethod`): the loader yields
 `QuantWeight`s (rows un-permuted for Q/K like the dense path), fused layers (qkv, gate_up)
@@ -15,7 +14,10 @@ concatenate their shards' rows, Q4_0 / Q4_1 / Q8_0 are repacked into the kernel'
 (the same bytes), and `pagoda.kernels.cpu.quant.quant_linear` runs the product. The token
 embedding keeps its blocks too (`VocabParallelEmbedding`): a lookup dequantizes only the rows
 it reads, and the tied LM head multiplies the same blocks. With a layer's `fused_ops` off (the
-reference path) the weight is dequantized and F.linear runs.
+reference path) the weight is dequantized and F.linear runs. Tensor parallelism shards the
+blocks as the dense path shards the weights: column layers and the vocabulary by rows, row
+layers by whole blocks of their inputs (a rank's input range not a whole number of blocks
+dequantizes that layer).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pagoda.kernels.cpu import quant
 from pagoda.kernels.cpu.quant import QuantWeight
 from pagoda.model.layers.linear import (
     LinearMethodBase,
+    QKVParallelLinear,
+    RowParallelLinear,
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
@@ -42,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 def gguf_weights_stay_quantized(
-    model: str, device: torch.device, dtype: torch.dtype, tp_size: int
+    model: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[bool, str]:
     """(keep the GGUF blocks, why) for a `quantization="gguf"` model on `device` in `dtype`."""
     if not (os.path.isfile(model) and model.endswith(".gguf")):
@@ -54,8 +58,6 @@ def gguf_weights_stay_quantized(
             f"dequantized to {dtype} (the quantized CPU kernels take float32 activations: "
             "--dtype float32 keeps the blocks)"
         )
-    if tp_size > 1:
-        return False, f"dequantized to {dtype} (tensor_parallel_size={tp_size}: not sharded)"
     if not quant.quant_kernel_available():
         return False, f"dequantized to {dtype} (the quantized CPU kernel did not build)"
     return True, f"kept quantized (int8-activation {quant.kernel_isa()} kernels)"
@@ -118,6 +120,7 @@ class GGUFLinearMethod(LinearMethodBase):
             n = layer.output_partition_sizes[_shard_index(layer, shard_id)]
             if shard_id is None:
                 n = layer.output_size_per_partition
+            loaded = _this_rank(layer, loaded, shard_id)
             shape = (loaded.n, loaded.k) if isinstance(loaded, QuantWeight) else loaded.shape
             if tuple(shape) != (n, input_size_per_partition):
                 raise ValueError(
@@ -172,6 +175,35 @@ class GGUFLinearMethod(LinearMethodBase):
 _QKV_ORDER = {"q": 0, "k": 1, "v": 2}
 
 
+def narrow_rows(qw: QuantWeight, start: int, n: int) -> QuantWeight:
+    """Rows [start, start + n) of a weight in the GGUF layout."""
+    return QuantWeight(qw.data[start : start + n].contiguous(), qw.ggml_type, n, qw.k)
+
+
+def _this_rank(layer: nn.Module, loaded: Any, shard_id: Any) -> Any:
+    """This tensor-parallel rank's part of a checkpoint tensor (QuantWeight or dense), split
+    as ColumnParallelLinear / QKVParallelLinear / RowParallelLinear split dense weights."""
+    tp_size, rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
+    if tp_size == 1:
+        return loaded
+    quantized = isinstance(loaded, QuantWeight)
+    if isinstance(layer, RowParallelLinear):  # inputs split: whole blocks, else dense
+        k = layer.input_size_per_partition
+        elems, nbytes = quant.QUANT_TYPES[loaded.ggml_type] if quantized else (1, 0)
+        if quantized and k % elems:
+            loaded = dequantize_weight(loaded)
+        if not isinstance(loaded, QuantWeight):
+            return loaded[:, rank * k : (rank + 1) * k]
+        width = k // elems * nbytes
+        part = loaded.data[:, rank * width : (rank + 1) * width].contiguous()
+        return QuantWeight(part, loaded.ggml_type, loaded.n, k)
+    parts = tp_size
+    if isinstance(layer, QKVParallelLinear) and shard_id in ("k", "v"):
+        parts, rank = tp_size // layer.num_kv_head_replicas, rank // layer.num_kv_head_replicas
+    n = (loaded.n if quantized else loaded.shape[0]) // parts
+    return narrow_rows(loaded, rank * n, n) if quantized else loaded[rank * n : (rank + 1) * n]
+
+
 def _shard_order(shard_id: Any) -> int:
     return 0 if shard_id is None else _QKV_ORDER.get(shard_id, shard_id)
 
@@ -185,5 +217,6 @@ __all__ = [
     "dequantize_weight",
     "gguf_weights_stay_quantized",
     "log_weight_types",
+    "narrow_rows",
     "to_kernel_layout",
 ]
