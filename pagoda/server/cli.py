@@ -167,10 +167,6 @@ def run_server(args: argparse.Namespace) -> None:
     from pagoda.config import embedded_model_path
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.engine.heap import freeze_startup_heap
-    from pagoda.server.app import build_app
-    from pagoda.server.draining import DrainingServer, uvicorn
-    from pagoda.server.preprocess import Preprocessor
 
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
@@ -192,6 +188,20 @@ def run_server(args: argparse.Namespace) -> None:
         max_waiting_requests=None,  # set below, once the KV cache's size is known
         max_queue_delay_s=args.max_queue_delay_s,
         max_engine_restarts=args.max_engine_restarts,
+    )
+    serve(engine, args, chat_template)
+
+
+def serve(engine: Any, args: argparse.Namespace, chat_template: str | None = None) -> None:
+    """Serve `engine` (an `AsyncLLM`) with the server flags in `args` until SIGTERM/SIGINT, or
+    until the engine is gone for good (then exit with code 1)."""
+    from pagoda.engine.heap import freeze_startup_heap
+    from pagoda.server.app import build_app
+    from pagoda.server.draining import DrainingServer, uvicorn
+    from pagoda.server.preprocess import Preprocessor
+
+    logging.basicConfig(  # a no-op where run_server configured it already
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     engine.max_waiting_requests = resolve_max_waiting_requests(args.max_waiting_requests, engine)
     logger.info(

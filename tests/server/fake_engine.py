@@ -21,6 +21,7 @@ from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
+FAIL_MARK = b"FAIL"  # a prompt holding it ends with finish_reason "error" after two tokens
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -79,6 +80,10 @@ class _Req:
     scheduled: float | None = None
     prompt_logprobs_sent: bool = False
 
+    @property
+    def prompt_ids_bytes(self) -> bytes:
+        return bytes(t for t in self.prompt_ids if t < 256)
+
 
 class FakeEngine:
     def __init__(
@@ -89,7 +94,10 @@ class FakeEngine:
         self.model_config = SimpleNamespace(
             max_model_len=max_model_len, name="fake-model", model="/models/fake", vocab_size=258
         )
-        self.config = SimpleNamespace(cache_config=CacheConfig(block_size=block_size))
+        self.config = SimpleNamespace(
+            cache_config=CacheConfig(block_size=block_size),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        )
         self.max_num_seqs, self.step_delay = max_num_seqs, step_delay
         self.num_blocks, self.block_size = num_blocks, block_size
         self.waiting: list[_Req] = []
@@ -124,6 +132,11 @@ class FakeEngine:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
+
+    def abort_expired_waiting(self, max_queue_delay_s: float, now: float) -> list[str]:
+        expired = [r.request_id for r in self.waiting if now - r.arrival > max_queue_delay_s]
+        self.abort_request(expired)
+        return expired
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -191,6 +204,12 @@ class FakeEngine:
                         s.finish_reason, s.stop_reason = "stop", stop
                 if s.finish_reason is None and len(s.token_ids) >= r.max_tokens:
                     s.finish_reason = "length"
+                if (
+                    s.finish_reason is None
+                    and FAIL_MARK in r.prompt_ids_bytes
+                    and len(s.token_ids) > 1
+                ):
+                    s.finish_reason = "error"  # as LLMEngine ends a request it failed to process
                 new = s.token_ids[s.sent :]
                 s.sent = len(s.token_ids)
                 lps = (
@@ -207,8 +226,12 @@ class FakeEngine:
                     {t: Logprob(-1.0, 1, chr(t) if t < 256 else "<s>")} for t in r.prompt_ids[1:]
                 ]
             finished = all(s.finish_reason is not None for s in r.samples)
+            error = "ValueError while processing the request's output" if any(
+                s.finish_reason == "error" for s in r.samples) else None  # fmt: skip
             outputs.append(
-                RequestOutput(r.request_id, None, r.prompt_ids, prompt_lps, completions, finished)
+                RequestOutput(
+                    r.request_id, None, r.prompt_ids, prompt_lps, completions, finished, error=error
+                )  # fmt: skip
             )
             if finished:
                 self.running.remove(r)

@@ -1,0 +1,141 @@
+"""The fault suite's reproductions against a real `pagoda serve` on the embedded model: sampling
+values the kernels cannot take, chat templates that loop or allocate without end, prompts that
+take the tokenizer seconds, and disconnects, each answered without harm to the server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from servers import real_server
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = real_server(
+        tmp_path_factory.mktemp("real") / "server.log",
+        "--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes",
+        str(64 << 20), "--trust-request-chat-template", "--preprocess-timeout", "3",
+    )  # fmt: skip
+    s.wait_ready()
+    yield s
+    s.stop()
+
+
+def _post(server, path: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=timeout)
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+class HealthProbe:
+    """Polls /health on a thread while the body of a `with` runs; `worst` is the slowest
+    answer (a blocked event loop shows here)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.worst, self._stop = url, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            httpx.get(self.url + "/health", timeout=60)
+            self.worst = max(self.worst, time.monotonic() - t0)
+            time.sleep(0.05)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"n": 1000}, "n"),
+        ({"temperature": 1e308}, "temperature"),
+        ({"best_of": 3}, "best_of"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+    ],
+)
+def test_sampling_values_out_of_range_are_400_and_the_engine_lives(server, extra, param):
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1})
+    assert r.status_code == 200, r.text
+
+
+def test_infinite_temperature_is_400(server):
+    body = b'{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}'
+    r = httpx.post(server.url + "/v1/completions", content=body,
+                   headers={**server.headers, "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+         "longer than 3 s"),
+        ("{{ 'a' * 30000000000 }}", "memory"),
+    ],
+)  # fmt: skip
+def test_request_chat_templates_run_within_limits(server, template, needle):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+            "max_tokens": 2}  # fmt: skip
+    with HealthProbe(server.url) as probe:
+        t0 = time.monotonic()
+        r = _post(server, "/v1/chat/completions", body)
+        took = time.monotonic() - t0
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert took < 30, took
+    assert probe.worst < 2.0, probe.worst  # the event loop kept answering
+    assert _rss_kb(server.proc.pid) < 1_500_000
+
+
+def test_a_big_prompt_does_not_stall_the_event_loop(server):
+    text = "hello world, this is a long prompt. " * 30_000  # ~1 MB: seconds of tokenizing
+    with HealthProbe(server.url) as probe:
+        r = _post(server, "/v1/completions", {"prompt": text, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert probe.worst < 2.0, probe.worst
+    assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnected_requests_are_counted_as_aborted(server):
+    before = server.metric("pagoda:request_success_total", finished_reason="abort")
+
+    async def drop_after_first_chunk() -> None:
+        body = {"prompt": "Tell me a story.", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        async with httpx.AsyncClient(timeout=120) as c:
+            async with c.stream("POST", server.url + "/v1/completions", json=body,
+                                headers=server.headers) as r:  # fmt: skip
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        return
+
+    async def main() -> None:
+        await asyncio.gather(*[drop_after_first_chunk() for _ in range(5)])
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while server.metric("pagoda:request_success_total", finished_reason="abort") < before + 5:
+        assert time.monotonic() < deadline, "aborted requests were not counted"
+        time.sleep(0.1)
+    assert server.metric("pagoda:num_requests_running") == 0
+    assert "/site-packages/" not in httpx.get(server.url + "/metrics").text
