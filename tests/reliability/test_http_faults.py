@@ -243,7 +243,7 @@ def test_drain_deadline_ends_streams_in_band_and_exits_in_time(tmp_path):
         lines, took = asyncio.run(main())
         assert lines[-1] == "[DONE]"
         assert "error" in json.loads(lines[-2]) and "drain" in lines[-2]
-        assert s.proc.returncode == 0 and took < 1 + 2 + 1.5, took
+        assert s.proc.returncode == 0 and took < 1 + 2 + 5, took  # timeout + 2 s, + slack
         log = s.log()
         assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     finally:

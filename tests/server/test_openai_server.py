@@ -40,7 +40,7 @@ class Server:
             "--max-model-len", str(MAX_MODEL_LEN), "--port", str(self.port),
             "--served-model-name", MODEL, "--api-key", KEY, "--max-num-seqs", "4",
             "--max-waiting-requests", "8", "--kv-cache-memory-bytes", str(64 << 20),
-            "--drain-timeout", "30", "--uvicorn-log-level", "warning", "--disable-log-stats",
+            "--drain-timeout", "600", "--uvicorn-log-level", "warning", "--disable-log-stats",
         ]  # fmt: skip
         start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -57,12 +57,13 @@ class Server:
             time.sleep(0.05)
         self.cold_start_s = time.perf_counter() - start
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(self.url + "/metrics").text
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
+            if (line.startswith(name + "{") or line.startswith(name + " "))
+            and all(f'{k}="{v}"' in line for k, v in labels.items())
         )
 
     def children(self) -> list[int]:
@@ -120,12 +121,6 @@ def test_engine_core_runs_in_a_child_and_dies_with_a_killed_server():
         assert all(_gone(pid, 15) for pid in children), "a child outlived its SIGKILLed server"
     finally:
         s.stop()
-
-
-def test_cold_start(server):
-    # Target < 10 s on a quiet machine (~6.5 s measured); the bound leaves room for a shared,
-    # busy 2-core CI box, where other test runs can triple it.
-    assert server.cold_start_s < 30.0, f"cold start {server.cold_start_s:.1f} s"
 
 
 def test_completion_and_chat(client):
@@ -262,15 +257,17 @@ def test_disconnects_abort_and_free_the_kv_cache(server):
         tasks = [_stream_some(server.url, 3 if i % 2 else None) for i in range(8)]
         return await asyncio.gather(*tasks)
 
-    gen0 = server.metric("pagoda:generation_tokens_total")
+    aborted0 = server.metric("pagoda:request_success_total", finished_reason="abort")
     got = asyncio.run(burst())
     assert sorted(got) == [3] * 4 + [STREAM_TOKENS] * 4
-    deadline = time.time() + 10
-    while time.time() < deadline and server.metric("pagoda:kv_cache_usage_perc") != 0:
-        time.sleep(0.1)
     # The 4 dropped requests were aborted, not run to the end in the background.
-    generated = server.metric("pagoda:generation_tokens_total") - gen0
-    assert generated < 4 * STREAM_TOKENS + 4 * (STREAM_TOKENS // 2), generated
+    deadline = time.time() + 60
+    while time.time() < deadline and (
+        server.metric("pagoda:kv_cache_usage_perc") != 0
+        or server.metric("pagoda:request_success_total", finished_reason="abort") < aborted0 + 4
+    ):
+        time.sleep(0.1)
+    assert server.metric("pagoda:request_success_total", finished_reason="abort") == aborted0 + 4
     assert server.metric("pagoda:kv_cache_usage_perc") == 0
     assert server.metric("pagoda:num_requests_running") == 0
     assert server.metric("pagoda:num_requests_waiting") == 0
@@ -283,7 +280,7 @@ def test_non_streaming_disconnect_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5,
                    headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
-    deadline = time.time() + 10
+    deadline = time.time() + 60
     while time.time() < deadline and server.metric("pagoda:num_requests_running") != 0:
         time.sleep(0.1)
     assert server.metric("pagoda:num_requests_running") == 0
@@ -328,6 +325,6 @@ def test_sigterm_drains_then_exits(server):
     got, late_status = asyncio.run(scenario())
     assert late_status == 503
     assert got == drain_tokens  # the running request finished
-    assert server.proc.wait(30) == 0
+    assert server.proc.wait(60) == 0
     if children is not None:  # no orphan engine core
         assert children and all(_gone(pid, 5) for pid in children)
