@@ -332,9 +332,12 @@ def test_embedded_model_refuses_two_ranks() -> None:
 
 
 @pytest.mark.slow
-def test_embedded_gguf_tp3_matches_one_process() -> None:
+def test_embedded_gguf_tp3_matches_one_process(monkeypatch) -> None:
     # SmolLM2-135M: 9 heads, 3 KV heads, vocab 49152; its Q8_0/Q4_1 tensors are dequantized,
-    # then each rank takes its shard.
+    # then each rank takes its shard. (Kept quantized, the int8 rounding of activations turns
+    # the ranks' fp32 summation order into logit changes of ~0.1, which flips the third
+    # prompt's first token, a near tie; the ranks' blocks are checked in test_gguf_quantized.)
+    monkeypatch.setenv("PAGODA_GGUF_QUANTIZED", "0")
     prompts = [
         "The capital of France is",
         "def fibonacci(n):",

@@ -28,7 +28,7 @@ if not quant.quant_kernel_available():
 CPU = torch.device("cpu")
 
 
-def test_blocks_stay_on_a_cpu_in_float32_only():
+def test_blocks_stay_on_a_cpu_in_float32_only(monkeypatch):
     path = embedded_model_path()
     keep, why = gguf_weights_stay_quantized(path, CPU, torch.float32)
     assert keep and "kept quantized" in why
@@ -37,6 +37,8 @@ def test_blocks_stay_on_a_cpu_in_float32_only():
     assert not gguf_weights_stay_quantized(path, torch.device("cuda"), torch.float16)[0]
     with pytest.raises(ValueError, match="needs a .gguf"):
         gguf_weights_stay_quantized("/tmp", CPU, torch.float32)
+    monkeypatch.setenv("PAGODA_GGUF_QUANTIZED", "0")
+    assert not gguf_weights_stay_quantized(path, CPU, torch.float32)[0]
 
 
 def test_a_quantized_gguf_selects_quantization_gguf():

@@ -5,8 +5,9 @@ tensors the quantized CPU GEMM reads (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), so th
 selects `quantization="gguf"` for it as it does AWQ / GPTQ from their config. Whether the
 blocks stay quantized is decided once, at load (`gguf_weights_stay_quantized`): on a CPU, in
 float32 (the kernels' activations: the CPU default without AVX512_BF16, or `--dtype float32`),
-with the kernel built. Otherwise (`--dtype bfloat16` / `float16`, a GPU) every tensor is
-dequantized to the model dtype at load, as before. One log line says which.
+with the kernel built. Otherwise (`--dtype bfloat16` / `float16`, a GPU, or
+`PAGODA_GGUF_QUANTIZED=0`, which gives the float32 reference) every tensor is dequantized to the
+model dtype at load, as before. One log line says which.
 
 Kept quantized, each linear layer holds its GGUF blocks (`GGUFLinearMethod`): the loader yields
 `QuantWeight`s (rows un-permuted for Q/K like the dense path), fused layers (qkv, gate_up)
@@ -51,6 +52,8 @@ def gguf_weights_stay_quantized(
     """(keep the GGUF blocks, why) for a `quantization="gguf"` model on `device` in `dtype`."""
     if not (os.path.isfile(model) and model.endswith(".gguf")):
         raise ValueError(f"quantization='gguf' needs a .gguf model file, got {model!r}")
+    if os.environ.get("PAGODA_GGUF_QUANTIZED", "1").strip() == "0":
+        return False, f"dequantized to {dtype} (PAGODA_GGUF_QUANTIZED=0)"
     if device.type != "cpu":
         return False, f"dequantized to {dtype} on {device.type} (quantized kernels are CPU only)"
     if dtype is not torch.float32:
