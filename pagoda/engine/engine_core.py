@@ -185,7 +185,13 @@ def run_engine_core_process(
             )
         )
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it
-        logger.exception("the engine core failed to start")
+        from pagoda.cli import user_error_message
+
+        message = user_error_message(e) if isinstance(e, Exception) else None
+        if message is None or logger.isEnabledFor(logging.DEBUG):
+            logger.exception("the engine core failed to start")
+        else:  # the parent prints the one line a user needs
+            logger.debug("the engine core failed to start: %s", message)
         _send_quietly(conn, CoreDead(_picklable(e)))
         raise SystemExit(1) from None
 
