@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ logger = init_logger(__name__)
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
 _DTYPE_ALIASES["bf16"] = "bfloat16"
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_OFF = ("0", "false", "off", "no")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # A field's annotated type -> (check, what the message says it must be).
 _TYPE_CHECKS = {
@@ -52,13 +54,34 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
+    """`dtype="auto"` on a CPU: what ran faster (`pagoda bench throughput --num-prompts 16
+    --input-len 64:256 --output-len 64:256 --seed 0`, the two dtypes one after the other).
+
+    With Pagoda's C kernels (a compiler, `$PAGODA_CPU_FAST_OPS` not 0), bfloat16 at every ISA
+    level: the packed bf16 GEMM streams half the weight bytes of float32 and computes as fast
+    (below AVX512_BF16 it widens bf16 by a shift and uses FMAs), and the bf16 KV cache halves
+    attention's reads. Output tok/s, bf16 vs float32: a 2-core Zen 3 (avx2; one thread, the
+    machine shared with other work) 39.5 vs 30.9 (and 14.8 vs 7.4 at a busier time); 2 cores of
+    an AVX512_BF16 Xeon (dummy weights) 137 vs 129 at avx2, 185 vs 162 at avx512, 190 vs 152 at
+    avx512_bf16. Without them the model runs torch's ops, whose bf16 GEMM is fast only with
+    AVX512_BF16 / AMX (elsewhere several times slower than float32's): float32 there.
+
+    A GGUF file with quantized blocks (`quantization="gguf"`) keeps float32 below AVX512_BF16,
+    the dtype in which its blocks stay quantized (issue 14: the quantized kernels are the
+    default for a GGUF model on a CPU), although on the Zen 3 above the embedded model ran
+    faster dequantized to bf16 (20.6 vs 11.1 output tok/s): `--dtype bfloat16` takes that."""
+    from pagoda.attention.cpu import build  # stdlib only: no torch in the front end
+
+    flags = set(build.cpu_flags().split())
+    fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    quant = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if quant == "gguf":
+        return "bfloat16" if fast_bf16 else "float32"
+    c_ops = os.environ.get("PAGODA_CPU_FAST_OPS", "1").strip().lower() not in _OFF
+    if c_ops and build.compiler_available():
+        return "bfloat16"
+    return "bfloat16" if fast_bf16 else "float32"
 
 
 def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
@@ -68,7 +91,7 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
     if dtype != "auto":
         return dtype
     if device == "cpu":
-        return "bfloat16" if _cpu_has_fast_bf16() else "float32"
+        return _cpu_default_dtype(hf_config)
     ckpt = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
     ckpt = ckpt.replace("torch.", "")
     return ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"

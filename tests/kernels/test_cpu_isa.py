@@ -97,3 +97,26 @@ def test_the_selected_level_is_logged_once(monkeypatch, caplog):
         build.log_isa("avx2")
     assert caplog.text.count("CPU kernels: avx2") == 1
     build.log_isa.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "flags,compiler,fast_ops,gguf,expected",
+    [
+        (AVX2_FLAGS, True, "1", False, "bfloat16"),  # the C kernels: bf16 at every level
+        (ZEN4_FLAGS, True, "1", False, "bfloat16"),
+        (AVX2_FLAGS, False, "1", False, "float32"),  # torch's bf16 GEMM is slow below AVX512_BF16
+        (AVX2_FLAGS, True, "0", False, "float32"),
+        (ZEN4_FLAGS, False, "0", False, "bfloat16"),
+        (AVX2_FLAGS, True, "1", True, "float32"),  # GGUF blocks stay quantized in float32
+        (ZEN4_FLAGS, True, "1", True, "bfloat16"),
+    ],
+)
+def test_auto_dtype_on_a_cpu(monkeypatch, flags, compiler, fast_ops, gguf, expected):
+    from pagoda.engine.arg_utils import resolve_dtype
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(build, "compiler_available", lambda: compiler)
+    monkeypatch.setenv("PAGODA_CPU_FAST_OPS", fast_ops)
+    hf_config = {"quantization_config": {"quant_method": "gguf"}} if gguf else {}
+    assert resolve_dtype("auto", hf_config, "cpu") == expected
+    assert resolve_dtype("float32", hf_config, "cpu") == "float32"  # an explicit dtype stays

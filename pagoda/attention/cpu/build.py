@@ -74,6 +74,15 @@ def _find_compiler() -> str:
     raise CpuKernelUnavailable("no C compiler found (set $CC or install gcc)")
 
 
+def compiler_available() -> bool:
+    """Whether a C compiler is on the path (the kernels may still fail to build)."""
+    try:
+        _find_compiler()
+    except CpuKernelUnavailable:
+        return False
+    return True
+
+
 def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
