@@ -2,6 +2,7 @@
 
     python -m pagoda.attention.cpu.benchmark [--batch 64] [--context 300] [--heads 9 3]
         [--head-size 64] [--block-size 16] [--dtype bfloat16] [--layers 30] [--prefill 0]
+        [--isa avx2]
 
 Times `forward` on a batch of `--batch` decodes whose caches hold `--context` tokens (plus,
 with `--prefill N`, one N-token chunk over a `--context`-token cached prefix), with blocks
@@ -13,6 +14,7 @@ per second against the roofline that implies.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -81,8 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"])
+    p.add_argument("--isa", help="force the kernel's ISA level ($PAGODA_CPU_ISA)")
     args = p.parse_args(argv)
-    from pagoda.attention.cpu.build import load_library
+    from pagoda.attention.cpu.build import ISA_ENV, load_library, selected_isa
+
+    if args.isa:
+        os.environ[ISA_ENV] = args.isa
 
     elem = torch_dtype(args.dtype).itemsize
     bf16dp = bool(load_library().pagoda_paged_attention_bf16dp())
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch} x ctx {args.context}, prefill {args.prefill}, heads {args.heads}, "
         f"head {args.head_size}, block {args.block_size}, {args.dtype}, "
         f"{torch.get_num_threads()} threads; K/V {kv_bytes / 1e6:.2f} MB per layer; "
-        f"kernel bf16 path: {'AVX512_BF16' if bf16dp else 'fp32 FMA'}"
+        f"kernel: {selected_isa()}, bf16 path: {'AVX512_BF16' if bf16dp else 'fp32 FMA'}"
     )
     for name in args.backends:
         ms = bench(name, args)

@@ -1,12 +1,16 @@
-"""Native CPU ops for small-batch decode: a skinny bf16 GEMM and fused element-wise ops in C.
+"""Native CPU ops for small-batch decode: a bf16 GEMM on packed weights, a skinny GEMM on plain
+weights and fused element-wise ops in C.
 
 At decode on a CPU the per-call overhead of torch's small GEMMs (oneDNN setup, OpenMP
 fork/join) and of the unfused element-wise ops (each a pass and an allocation) dominates the
-step, not the arithmetic. `cpu_ops.c` does each linear layer's product as one streaming pass
-over the weights (AVX512_BF16 `vdpbf16ps`, fp32 accumulation) and RMSNorm(+residual),
-SiLU-and-mul and RoPE as one pass each; `ops.py` builds it (with the attention kernel's build
-helper), checks when an op applies and calls it through ctypes. The model layers call these on
-CPU tensors when `cpu_ops_available()`; their torch code stays the reference.
+step, not the arithmetic; and below AVX512_BF16 torch's bf16 GEMM is several times slower than
+its float32 one. `cpu_ops.c` does each linear layer's product as one streaming pass over the
+weights with fp32 accumulation (`vdpbf16ps` on AVX512_BF16; elsewhere bf16 widened by a shift
+and multiplied with FMAs) and RMSNorm(+residual), SiLU-and-mul and RoPE as one pass each. It is
+built once per ISA level (portable, avx2, avx512, avx512_bf16: the CPU's best, or
+`$PAGODA_CPU_ISA`) by the attention kernel's build helper; `ops.py` loads it, checks when an op
+applies and calls it through ctypes. The model layers call these on CPU tensors when
+`cpu_ops_available()`; their torch code stays the reference.
 """
 
 from pagoda.kernels.cpu.ops import (

@@ -1,12 +1,14 @@
 """The bf16 GEMM on pre-packed weights (`gemm.h`): packing, unpacking and the product.
 
 A linear layer's `[N, K]` bf16 weight is packed once after loading into 16-column panels,
-`[ceil(N/16), ceil(K/2), 16, 2]` (zero padded), the operand layout of `vdpbf16ps`. The packed
-tensor replaces the plain one (one copy in memory) and carries the logical shape as
-`packed_shape`; the plain layout is `unpack_weight`'s copy, for the torch reference path.
+`[ceil(N/16), ceil(K/2), 16, 2]` (zero padded): each 32-bit lane holds one column's (k, k+1)
+pair, the operand layout of `vdpbf16ps`; the other ISA levels split the same lane into two fp32
+values by a mask and a shift, so one layout serves every level. The packed tensor replaces the
+plain one (one copy in memory) and carries the logical shape as `packed_shape`; the plain
+layout is `unpack_weight`'s copy, for the torch reference path.
 
 Dispatch: packed layers take this kernel for every row count, F.linear never (so no plain
-copy is kept). Measured on a 2-core Zen 5 (AVX512_BF16, no AMX), weights cycled through more
+copy is kept). Measured on a 2-core Zen 5 (avx512_bf16, no AMX), weights cycled through more
 than the L3 as at decode (`python -m pagoda.kernels.cpu.benchmark --rows ...`), speedup of the
 packed kernel over oneDNN's F.linear:
 
@@ -16,8 +18,13 @@ packed kernel over oneDNN's F.linear:
     576x1536    2.4x  2.1x  2.1x  1.8x  2.1x  1.6x  1.4x  1.2x  1.2x
     49152x576   2.1x  2.5x  2.5x  2.3x  1.6x  1.5x  1.1x  1.2x   (LM head)
 
-~950 GFLOP/s from 256 rows up and 700-830 at 32 (the vdpbf16ps peak of two cores is ~950);
-over the skinny GEMM on plain weights (gemv.h) 0.96x-1.04x at M=1 and 1.5x-1.7x at M=16.
+~950 GFLOP/s from 256 rows up and 700-830 at 32 (the vdpbf16ps peak of two cores is ~950).
+On a Zen 3 (avx2: a 4-row x 16-column FMA tile), one thread, the machine shared with other
+work (`--threads 1 --stat min`): 35-59 GFLOP/s from 8 to 64 rows (86-90 with the weights in
+L2 and the core to itself), 1.1-3.0x torch's float32 F.linear and 4-7x its bf16 one (which
+runs at ~9 GFLOP/s there). On an AVX512_BF16 Xeon the avx512 level's FMA tile (210-235
+GFLOP/s on two cores) outran vdpbf16ps (150-170); on the Zen 5 above vdpbf16ps's ~950 is past
+what two cores' FMAs can reach (~600), which is why avx512_bf16 keeps it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch import nn
 
 from pagoda.kernels.cpu.ops import _check, _lib, cpu_ops_available, gemm_operands
 
-PANEL = 16  # output columns per packed panel: one zmm of fp32 accumulators
+PANEL = 16  # output columns per packed panel: one zmm (two ymm) of fp32 accumulators
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
