@@ -117,12 +117,12 @@ def get_attn_backend(device: str | torch.device, name: str | None = None) -> Att
             except ImportError as e:  # no Triton build for this GPU: the torch path still works
                 logger.warning("Triton attention unavailable (%s); using the torch backend", e)
         elif device_type == "cpu":
-            from pagoda.attention.cpu.build import CpuKernelUnavailable
+            from pagoda.attention.cpu.build import CpuKernelUnavailable, warn_unavailable
 
             try:
                 return _load("cpu")
             except CpuKernelUnavailable as e:  # no C compiler or a failed build
-                logger.warning("CPU attention kernel unavailable (%s); using torch", _first_line(e))
+                warn_unavailable(e)
         return _load("torch")
     if name not in _BACKENDS:
         raise ValueError(
@@ -133,10 +133,6 @@ def get_attn_backend(device: str | torch.device, name: str | None = None) -> Att
     if name == "cpu" and device_type != "cpu":
         raise ValueError(f"attention_backend='cpu' needs device 'cpu', got {device_type!r}")
     return _load(name)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _load(name: str) -> AttentionBackend:

@@ -148,12 +148,30 @@ def isa_compile_flags(isa: str) -> list[str]:
     return flags
 
 
-@functools.cache
+_said: set[str] = set()  # what log_once has logged in this process
+
+
+def log_once(level: int, message: str) -> None:
+    """Logs `message` the first time only: the kernels (attention, ops, quantized GEMM) load
+    one after another and would each report the same cause."""
+    if message not in _said:
+        _said.add(message)
+        logger.log(level, message)
+
+
 def log_isa(isa: str) -> None:
-    """One line per level that runs in this process."""
-    best = best_isa()
+    """The one line saying which level runs (said by the first library loaded)."""
+    if "isa" in _said:
+        return
+    _said.add("isa")
     how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"set {ISA_ENV} to force one"
-    logger.info("CPU kernels: %s (this CPU's best level: %s; %s)", isa, best, how)
+    logger.info("CPU kernels: %s (this CPU's best level: %s; %s)", isa, best_isa(), how)
+
+
+def warn_unavailable(e: Exception) -> None:
+    """The one line saying a kernel did not build or load, so its torch code runs."""
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    log_once(logging.WARNING, f"CPU kernels unavailable ({reason}); using the torch path")
 
 
 # ---- building -----------------------------------------------------------------------------
@@ -220,7 +238,10 @@ def build_with_fallback(
         if chosen == "portable" or isa is not None or os.environ.get(ISA_ENV):
             raise
         reason = (str(e).strip().splitlines() or ["build failed"])[-1][:300]
-        logger.warning("CPU kernels: the %s build failed (%s); using portable", chosen, reason)
+        log_once(
+            logging.WARNING, f"CPU kernels: the {chosen} build failed ({reason}); using portable"
+        )
+        _said.add("isa")  # that line says which level runs
         return build_library(source, headers, "portable"), "portable"
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from pathlib import Path
 
@@ -26,9 +25,8 @@ from pagoda.attention.cpu.build import (
     CpuKernelUnavailable,
     build_with_fallback,
     log_isa,
+    warn_unavailable,
 )
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 HEADERS = ("simd.h", "gemv.h", "gemm.h")
@@ -94,7 +92,7 @@ def cpu_ops_available() -> bool:
     try:
         load_cpu_ops()
     except CpuKernelUnavailable as e:
-        logger.warning("CPU fast ops unavailable (%s); using torch for linear/norm/rope", e)
+        warn_unavailable(e)
         return False
     return True
 
