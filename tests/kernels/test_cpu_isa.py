@@ -52,16 +52,15 @@ def test_env_var_forces_a_level_and_rejects_what_the_cpu_lacks(monkeypatch):
         build.selected_isa()
 
 
-def test_every_level_of_this_cpu_builds_its_own_library(cpu_isa, tmp_path, monkeypatch):
+def test_every_level_of_this_cpu_builds_its_own_library(cpu_isa):
     """Each level is its own cache entry (the level is in the key and the name)."""
     from pagoda.kernels.cpu import ops
 
-    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
     assert ops.ops_isa() == cpu_isa  # the library reports the level its -m flags gave it
     attention = build.load_library()
     assert attention.pagoda_paged_attention_bf16dp() == (cpu_isa == "avx512_bf16")
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert len(names) == 2 and all(f"_{cpu_isa}_" in n for n in names), names
+    for source, headers in ((ops.SOURCE, ops.HEADERS), (build.SOURCE, build.HEADERS)):
+        assert f"_{cpu_isa}_" in build.build_library(source, headers, cpu_isa).name
 
 
 def test_a_level_that_does_not_build_falls_back_to_portable(monkeypatch, caplog):
@@ -103,3 +102,26 @@ def test_one_line_says_which_level_runs_and_one_why_none_does(monkeypatch, caplo
             build.warn_unavailable(CpuKernelUnavailable("no C compiler found (set $CC)"))
     assert caplog.text.count("CPU kernels: avx2") == 1
     assert caplog.text.count("CPU kernels unavailable (no C compiler found") == 1
+
+
+@pytest.mark.parametrize(
+    "flags,compiler,fast_ops,gguf,expected",
+    [
+        (AVX2_FLAGS, True, "1", False, "bfloat16"),  # the C kernels: bf16 at every level
+        (ZEN4_FLAGS, True, "1", False, "bfloat16"),
+        (AVX2_FLAGS, False, "1", False, "float32"),  # torch's bf16 GEMM is slow below AVX512_BF16
+        (AVX2_FLAGS, True, "0", False, "float32"),
+        (ZEN4_FLAGS, False, "0", False, "bfloat16"),
+        (AVX2_FLAGS, True, "1", True, "float32"),  # GGUF blocks stay quantized in float32
+        (ZEN4_FLAGS, True, "1", True, "bfloat16"),
+    ],
+)
+def test_auto_dtype_on_a_cpu(monkeypatch, flags, compiler, fast_ops, gguf, expected):
+    from pagoda.engine.arg_utils import resolve_dtype
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(build, "compiler_available", lambda: compiler)
+    monkeypatch.setenv("PAGODA_CPU_FAST_OPS", fast_ops)
+    hf_config = {"quantization_config": {"quant_method": "gguf"}} if gguf else {}
+    assert resolve_dtype("auto", hf_config, "cpu") == expected
+    assert resolve_dtype("float32", hf_config, "cpu") == "float32"  # an explicit dtype stays
