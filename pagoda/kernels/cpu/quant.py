@@ -26,7 +26,7 @@ from pagoda.attention.cpu.build import CpuKernelUnavailable
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_gemm.c")
-HEADERS = ("quant_blocks.h",)
+HEADERS = ("quant_blocks.h", "quant_rows.h", "quant_x8.h")
 _ABI = 1
 
 # ggml type -> (weights per block, bytes per block) of the types the kernel reads.
