@@ -1,4 +1,4 @@
-"""The `pagoda` command: serve | generate | chat | bench (throughput, serve) | quantize.
+"""The `pagoda` command: serve | generate | chat | bench (throughput, serve) | plan | quantize.
 
 A user error (a wrong path, flag value or config file, a model larger than the machine's memory,
 a port in use) ends the command with one `error: ...` line on stderr and exit code 2; with
@@ -215,9 +215,28 @@ def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:  # noq
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Subcommands that run without torch in this process (`pagoda plan ...`) build only their
+# own parser (the quantize command's module imports torch, seconds of start).
+_LIGHT_COMMANDS = ("plan",)
+
+
+def _light_command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` when it is one of `_LIGHT_COMMANDS`."""
+    words = [a for a in argv if not a.startswith("-")]
+    skip_value = "--log-level" in argv and argv.index("--log-level") + 1 < len(argv)
+    if skip_value and words and words[0] == argv[argv.index("--log-level") + 1]:
+        words = words[1:]
+    return words[0] if words and words[0] in _LIGHT_COMMANDS else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if only is not None:
+        from pagoda.plan import add_plan_args
+
+        {"plan": add_plan_args}[only](sub)
+        return parser
 
     from pagoda.server.cli import add_serve_args
 
@@ -241,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.bench.serve import add_bench_serve_args
 
     add_bench_serve_args(bench.add_parser("serve", help="load-test an OpenAI-compatible server"))
+
+    from pagoda.plan import add_plan_args
+
+    add_plan_args(sub)
 
     from pagoda.model.quantization.gptq import add_quantize_args
 
@@ -314,7 +337,8 @@ def run_command(func: Callable[[argparse.Namespace], Any], args: argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(only=_light_command(argv))
     add_log_level_flag(parser)
     args = parser.parse_args(argv)
     return run_command(args.func, args)

@@ -36,27 +36,21 @@ import numpy as np
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.worker.graph_buckets import (  # noqa: F401 - re-exported
+    MAX_CAPTURE_SIZE,
+    MIXED_REQ_SIZES,
+    MIXED_TOKEN_SIZES,
+    PER_GRAPH_OVERHEAD_BYTES,
+    _buckets,
+    cuda_graph_capture_sizes,
+    mixed_graph_reserve_bytes,
+    mixed_graph_shapes,
+)
 
 if TYPE_CHECKING:  # input_batch imports the padding functions below
     from pagoda.worker.input_batch import InputBuilder
 
 logger = logging.getLogger(__name__)
-
-MAX_CAPTURE_SIZE = 512
-# Mixed graphs: token buckets, and request buckets per token bucket (capped at the token
-# bucket and max_num_seqs, the cap included). Padding tokens cost little while the linear
-# layers are bound by weight reads (up to ~190 tokens on an H200 in bf16), so the buckets double
-# up to 128; past it they are compute-bound and padded rows cost their FLOPs, so the buckets
-# are 64 tokens apart (at most ~1.5 ms of padded GEMMs for Llama-3-8B, against ~14 ms of
-# launches for an eager step). The attention grid has a program per request slot, so a step
-# with few requests should not run in a graph with hundreds of empty ones; a factor of 4
-# between request buckets keeps the spare slots below 3/4. With max_num_seqs=256 that is 36
-# graphs (~0.1 s each to capture for Llama-3-8B, next to 35 decode graphs).
-MIXED_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
-MIXED_REQ_SIZES = (4, 16, 64, 256)
-# Device memory of one instantiated graph outside torch's allocator (kernel nodes, launch
-# parameters): the same allowance as the decode graphs' in `pagoda.worker.profiling`.
-PER_GRAPH_OVERHEAD_BYTES = 2 << 20
 
 # forward(input_ids, positions, attn_metadata) -> hidden states [num_tokens, hidden_size]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -72,44 +66,10 @@ class Graph(Protocol):
 CaptureFn = Callable[[Callable[[], torch.Tensor]], tuple[Graph, torch.Tensor]]
 
 
-def cuda_graph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """The batch sizes to capture: 1, 2, 4, then multiples of 8, up to
-    min(max_num_seqs, max_num_batched_tokens, 512), which is always included."""
-    cap = min(max_num_seqs, max_num_batched_tokens, MAX_CAPTURE_SIZE)
-    if cap < 1:
-        return []
-    sizes = [s for s in (1, 2, 4, *range(8, cap + 1, 8)) if s <= cap]
-    if sizes[-1] != cap:
-        sizes.append(cap)
-    return sizes
-
-
 def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None:
     """The smallest captured size >= num_reqs (sizes ascending), or None if none is."""
     i = bisect.bisect_left(capture_sizes, num_reqs)
     return capture_sizes[i] if i < len(capture_sizes) and num_reqs > 0 else None
-
-
-def _buckets(sizes: Sequence[int], cap: int) -> list[int]:
-    out = [s for s in sizes if s <= cap]
-    if not out or out[-1] != cap:
-        out.append(cap)
-    return out
-
-
-def mixed_graph_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
-    """The (num_tokens, num_reqs) buckets of the mixed graphs, ascending: token buckets
-    `MIXED_TOKEN_SIZES` up to min(max_num_batched_tokens, 512) (the cap included), and for each
-    request buckets `MIXED_REQ_SIZES` up to min(token bucket, max_num_seqs) (the cap included:
-    every scheduled request has a token, so no step needs more)."""
-    token_cap = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
-    if token_cap < 2 or max_num_seqs < 1:  # a step that is not pure decode has >= 2 tokens
-        return []
-    return [
-        (t, r)
-        for t in _buckets(MIXED_TOKEN_SIZES, token_cap)
-        for r in _buckets(MIXED_REQ_SIZES, min(t, max_num_seqs))
-    ]
 
 
 def mixed_graph_shape(
@@ -123,17 +83,6 @@ def mixed_graph_shape(
         if t >= num_tokens and r >= num_reqs:
             return t, r
     return None
-
-
-def mixed_graph_reserve_bytes(
-    forward_peak_bytes: int, shapes: Sequence[tuple[int, int]], row_bytes: int
-) -> int:
-    """Memory to reserve for the mixed graphs: the activations of the largest one (the pool
-    shares them), every graph's output (`row_bytes` per token row) and per-graph overhead."""
-    if not shapes:
-        return 0
-    outputs = sum(t for t, _ in shapes) * row_bytes
-    return forward_peak_bytes + outputs + len(shapes) * PER_GRAPH_OVERHEAD_BYTES
 
 
 def describe_mixed_shapes(shapes: Sequence[tuple[int, int]]) -> str:

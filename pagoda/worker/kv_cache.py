@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.config import DEFAULT_CPU_KV_CACHE_BYTES
+from pagoda.worker.memory_plan import (  # noqa: F401 - re-exported
+    available_memory_bytes,
+    cpu_kv_cache_bytes,
+    kv_cache_bytes_per_block,
+)
 
 _CACHE_DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -50,8 +54,10 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer."""
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
-        return per_layer * self.dtype.itemsize * self.num_layers
+        return kv_cache_bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_size,
+            self.dtype.itemsize,
+        )  # fmt: skip
 
 
 def kv_cache_layout(device: torch.device) -> str:
@@ -82,19 +88,3 @@ def allocate_kv_caches(
         ]
     shape = (2, num_blocks, b, h, d)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def cpu_kv_cache_bytes() -> int:
-    """Default CPU budget: min(2 GiB, 25% of the RAM available now)."""
-    return min(DEFAULT_CPU_KV_CACHE_BYTES, available_memory_bytes() // 4)

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.config import DEFAULT_CPU_KV_CACHE_BYTES
+
 GiB = 2**30
+# Bytes of one cached K or V element by --kv-cache-dtype ("auto": the model's dtype).
+KV_CACHE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1,
+                     "fp8_e5m2": 1, "int8": 1}  # fmt: skip
 
 
 def _gib(n: int) -> str:
@@ -136,3 +141,26 @@ def check_fits_one_request(
             "kv_cache_memory_bytes, or lower --max-num-batched-tokens (activations)"
             + (f". {context}" if context else "")
         )
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_size: int, itemsize: int
+) -> int:
+    """K and V of one block in every layer (`num_kv_heads` on this rank)."""
+    return 2 * block_size * num_kv_heads * head_size * itemsize * num_layers
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def cpu_kv_cache_bytes() -> int:
+    """Default CPU budget: min(2 GiB, 25% of the RAM available now)."""
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, available_memory_bytes() // 4)

@@ -16,22 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.worker.graph_buckets import (  # noqa: F401 - TP_PER_GRAPH_BYTES re-exported
+    TP_PER_GRAPH_BYTES,
+    decode_graph_reserve_bytes,
+)
 from pagoda.worker.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:
     from pagoda.worker.model_runner import ModelRunner
-
-# Device memory of one instantiated graph outside torch's allocator (kernel nodes, launch
-# parameters): an allowance, compared with the measured total in the capture log.
-_PER_GRAPH_OVERHEAD_BYTES = 2 << 20
-# The pool's segments are rounded up by the caching allocator, and the first capture in a
-# process also allocates the capture stream's cuBLAS workspaces (0.21 GiB measured in all for
-# 35 Llama-3-8B graphs on an H200 against 0.07 GiB for a later capture).
-_POOL_SLACK_BYTES = 256 << 20
-# With tensor parallelism each graph also holds NCCL's captured all-reduces: two H200s at tp=2
-# took 0.77 GiB for 71 Llama-3-8B graphs against 0.55 GiB estimated without this (run 18),
-# ~3.2 MiB more a graph.
-TP_PER_GRAPH_BYTES = 4 << 20
 
 
 def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
@@ -96,5 +88,4 @@ def estimate_cuda_graph_memory(runner: ModelRunner, capture_sizes: Sequence[int]
     row_bytes = hidden.shape[-1] * hidden.element_size()
     del hidden, caches
     torch.cuda.empty_cache()
-    outputs = sum(capture_sizes) * row_bytes
-    return peak + outputs + len(capture_sizes) * _PER_GRAPH_OVERHEAD_BYTES + _POOL_SLACK_BYTES
+    return decode_graph_reserve_bytes(peak, capture_sizes, row_bytes)

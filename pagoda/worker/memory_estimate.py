@@ -1,0 +1,151 @@
+"""The engine's start-up memory plan predicted from a model's config alone, without torch.
+
+At start-up on a GPU the engine measures four things (`pagoda.worker.profiling`) and splits
+memory with `memory_plan.plan_kv_cache_memory`; on a CPU the KV cache takes a fixed budget.
+`pagoda plan` runs the same split with estimates of what the engine would measure:
+
+- weights: the dense parameter count (`estimated_weight_bytes`) in the model's dtype; a 4-bit
+  AWQ/GPTQ checkpoint on CUDA keeps its linear layers at K*N/2 bytes plus a float16 scale and
+  a uint8 zero per group (`W4Weight`); a GGUF file kept quantized on a CPU, its blocks;
+- activations of the profiling forward: three float32 [rows, vocab] copies of the logits (the
+  logits, the softmax and their sum stand in for the sampler; rows = min(max_num_seqs,
+  max_num_batched_tokens)) and per token a hidden row and an MLP row;
+- CUDA graphs: the reserve the engine computes from its buckets (`graph_buckets`), with the
+  forward peak of the largest decode and mixed bucket estimated per token from the MLP's
+  3 x intermediate + 4 x hidden elements;
+- the CUDA context, a constant.
+
+Fitted to the plans the engine logged on an H200 for Llama-3-8B (bf16, FP8 KV, AWQ, batches of
+2048 and 8192 tokens), Llama-3.2-1B and Qwen2.5-7B (benchmarks/results/h200/plan): each term
+within 45 MiB of the measurement, the KV cache within 0.2%.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.model.loader.hf_config import estimated_weight_bytes
+from pagoda.worker.graph_buckets import (
+    TP_PER_GRAPH_BYTES,
+    cuda_graph_capture_sizes,
+    decode_graph_reserve_bytes,
+    mixed_graph_reserve_bytes,
+    mixed_graph_shapes,
+)
+
+MiB = 2**20
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Device memory outside torch's allocator after start-up (CUDA context, cuBLAS, NCCL absent):
+# 0.67 GiB on an H200 with torch 2.11 and CUDA 13; other GPUs and drivers differ by ~0.1 GiB.
+CUDA_CONTEXT_BYTES = 685 * MiB
+# The profiling forward keeps this many float32 copies of the sampled rows' logits.
+_LOGITS_COPIES = 3
+# A graph bucket's forward peak per token, in elements of (3 x intermediate + 4 x hidden).
+_GRAPH_PEAK_PER_TOKEN = 1.1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family config that memory depends on."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+        )
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """As the QKV layer splits them: divided among ranks, or replicated (1 a rank)."""
+        return 1 if tp >= self.num_kv_heads else self.num_kv_heads // tp
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+
+def weight_bytes(
+    cfg: Mapping[str, Any], itemsize: int, tp: int = 1, quant: Mapping[str, Any] | None = None
+) -> int:
+    """One rank's weights: dense in `itemsize` bytes, or with `quant` ({"bits": 4,
+    "group_size": g}: AWQ/GPTQ kept 4-bit on CUDA) the linear layers packed."""
+    shape = ModelShape.from_hf_config(cfg)
+    total = estimated_weight_bytes(cfg, itemsize)
+    if quant is not None and int(quant.get("bits", 4)) == 4:
+        linear = estimated_weight_bytes(cfg, 1) - shape.embedding_params
+        group = int(quant.get("group_size") or 128)
+        if group <= 0:  # -1: one group per input row
+            group = shape.hidden_size
+        packed = linear // 2 + linear * 3 // group  # nibbles, float16 scale + uint8 zero
+        total = packed + shape.embedding_params * itemsize
+    return total // tp
+
+
+def gguf_weight_bytes(path: str, keep_quantized: bool) -> int:
+    """The weights of a GGUF file as the CPU engine holds them: the blocks of the types its
+    kernels run where `keep_quantized`, every other tensor dequantized to float32."""
+    from pagoda.model.loader.gguf import QUANT_KERNEL_TYPES, GGUFReader
+
+    total = 0
+    for t in GGUFReader(path).tensors.values():
+        if keep_quantized and t.ggml_type in QUANT_KERNEL_TYPES:
+            total += t.nbytes
+        else:
+            n = 1
+            for d in t.shape:
+                n *= d
+            total += 4 * n
+    return total
+
+
+def activation_bytes(
+    cfg: Mapping[str, Any], itemsize: int, max_num_batched_tokens: int, max_num_seqs: int,
+    tp: int = 1,
+) -> int:  # fmt: skip
+    """Peak of the engine's profiling forward beyond the weights (`profile_peak_memory`)."""
+    shape = ModelShape.from_hf_config(cfg)
+    tokens = max_num_batched_tokens
+    rows = min(max_num_seqs, tokens)
+    logits = _LOGITS_COPIES * 4 * rows * shape.vocab_size
+    per_token = (shape.hidden_size + shape.intermediate_size // tp) * itemsize
+    return logits + tokens * per_token
+
+
+def cuda_graph_bytes(
+    cfg: Mapping[str, Any], itemsize: int, max_num_batched_tokens: int, max_num_seqs: int,
+    max_model_len: int, block_size: int, tp: int = 1,
+) -> int:  # fmt: skip
+    """The reserve for the decode and mixed-step graphs, as the engine sizes it from the
+    measured peak of its largest buckets (`ModelRunner._plan_cuda_memory`)."""
+    shape = ModelShape.from_hf_config(cfg)
+    sizes = cuda_graph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    max_len = -(-max_model_len // block_size) * block_size
+    shapes = mixed_graph_shapes(max_num_seqs, min(max_num_batched_tokens, max_len))
+    row_bytes = shape.hidden_size * itemsize
+    per_token = _GRAPH_PEAK_PER_TOKEN * (3 * shape.intermediate_size // tp + 4 * shape.hidden_size)
+    peak = int(per_token * itemsize * max(sizes, default=0))
+    total = decode_graph_reserve_bytes(peak, sizes, row_bytes)
+    if shapes:
+        total += mixed_graph_reserve_bytes(int(per_token * itemsize * shapes[-1][0]), shapes,
+                                           row_bytes)  # fmt: skip
+    if total and tp > 1:
+        total += (len(sizes) + len(shapes)) * TP_PER_GRAPH_BYTES
+    return total

@@ -1,0 +1,122 @@
+"""`pagoda plan` against what the engine plans at start-up: on this CPU for the embedded model
+(the engine started here), and on GPUs through the plans the engine logged on an H200
+(benchmarks/results/h200/plan, written by benchmarks/plan_gpu_check.py): Llama-3-8B on 141 and
+80 GiB, FP8 KV, an AWQ 4-bit checkpoint, a bigger batch, eager mode, two other shapes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagoda.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_PLANS = json.loads((ROOT / "benchmarks/results/h200/plan/engine_memory_plans.json").read_text())
+GiB = 2**30
+
+
+def _plan(*argv: str):
+    from pagoda.plan import make_plan
+
+    return make_plan(build_parser(only="plan").parse_args(["plan", *argv]))
+
+
+def _flags(record: dict) -> list[str]:
+    model = Path(record["model"]).parent.name  # the preset's directory
+    preset = model.removeprefix("awq-")
+    flags = [preset] if record["model"].endswith(".json") else [record["model"].split("awq-")[-1]]
+    if "awq" in record["model"]:
+        flags += ["--quantization", "awq"]
+    gib = record["gpu_gib"] or record["total_bytes"] / GiB
+    flags += ["--gpu-memory-gib", str(gib)]
+    for k, v in record["engine_args"].items():
+        flag = "--" + k.replace("_", "-")
+        flags += [flag] if v is True else [flag, str(v)]
+    return flags
+
+
+@pytest.mark.parametrize("record", GPU_PLANS, ids=[r["name"] for r in GPU_PLANS])
+def test_plan_agrees_with_the_engines_gpu_start_up_within_2_percent(record):
+    plan = _plan(*_flags(record))
+    assert plan.device == "cuda" and plan.fits
+    assert plan.num_blocks == pytest.approx(record["num_blocks"], rel=0.02)
+    assert plan.weights_bytes == pytest.approx(record["weights_bytes"], rel=0.02)
+    assert plan.kv_bytes_per_token * plan.block_size == record["bytes_per_block"]
+    blocks_per_req = -(-record["max_model_len"] // 16)
+    assert plan.max_concurrency == pytest.approx((record["num_blocks"] - 1) / blocks_per_req,
+                                                 rel=0.02)  # fmt: skip
+    reserve = plan.activation_bytes + plan.cuda_graph_bytes + plan.non_torch_bytes
+    measured = (record["activation_bytes"] + record["cuda_graph_bytes"]
+                + record["non_torch_bytes"])  # fmt: skip
+    assert abs(reserve - measured) < 0.25 * GiB
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_plan_agrees_with_the_engine_on_this_cpu():
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
+
+    plan = _plan("--device", "cpu", "--max-model-len", "2048")
+    log, handler = logging.getLogger("pagoda.engine.llm_engine"), _Lines()
+    log.addHandler(handler)
+    try:
+        engine = LLMEngine(
+            EngineArgs(device="cpu", max_model_len=2048, max_num_seqs=4).create_engine_config(),
+            log_stats=False,
+        )
+    finally:
+        log.removeHandler(handler)
+    line = next(m for m in handler.lines if "KV cache:" in m)  # the engine's start-up line
+    blocks, tokens = map(
+        int, re.search(r"(\d+) blocks of \d+ tokens = (\d+) tokens", line).groups()
+    )
+    assert blocks == engine.num_blocks
+    assert plan.num_blocks == pytest.approx(blocks, rel=0.02)
+    assert plan.num_tokens == pytest.approx(tokens, rel=0.02)
+    assert plan.kv_bytes_per_token * 16 == engine.executor.bytes_per_block()
+    assert plan.max_concurrency == pytest.approx(tokens / 2048, rel=0.02)
+    assert plan.weights_note == "GGUF blocks kept quantized" or plan.dtype != "float32"
+
+
+def test_a_plan_that_does_not_fit_says_what_to_change(capsys):
+    assert main(["plan", "llama-3-8b", "--gpu-memory-gib", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "Fits:         NO" in out and "--tensor-parallel-size 2" in out and "4-bit" in out
+    plan = _plan("llama-3-8b", "--gpu-memory-gib", "17.5")
+    assert not plan.fits and any("--enforce-eager" in a for a in plan.advice)
+    plan = _plan("llama-3-8b", "--gpu-memory-gib", "19")
+    assert not plan.fits and any(a.startswith("--max-model-len") for a in plan.advice)
+    plan = _plan("llama-3-8b", "--gpu-memory-gib", "24", "--max-model-len", "8192")
+    assert plan.fits and any("fp8" in a for a in plan.advice)
+
+
+def test_plan_errors_are_one_line(capsys):
+    assert main(["plan", "/no/such/model"]) == 2
+    assert capsys.readouterr().err.startswith("error: model '/no/such/model' is neither")
+    assert main(["plan", "llama-3-8b", "--gpu-memory-gib", "-1"]) == 2
+    assert "--gpu-memory-gib must be positive" in capsys.readouterr().err
+    assert main(["plan", "llama-3-8b", "-tp", "3", "--gpu-memory-gib", "80"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_plan_reads_the_config_without_torch():
+    code = ("import sys; from pagoda.cli import main; "
+            "rc = main(['plan', 'llama-3-8b', '--gpu-memory-gib', '80', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_blocks"] > 0
