@@ -50,26 +50,39 @@ int pagoda_gemm_packed(const void *x, int64_t x_stride, const void *w_packed, co
 /* ---- RMSNorm (Zhang & Sennrich, 2019) with the residual add fused ---------------------- */
 /* With `res`: res <- x + res (rounded to the dtype), out <- w * norm(res). Without: out <- w *
  * norm(x). `out` may be `x` (in place). The weight has its own dtype `w_dt`. */
-static void rms_norm_row(const char *x, char *res, const char *w, char *out, int64_t cols,
-                         float eps, const int dt, int w_dt) {
-    const int es = dt == DT_BF16 ? 2 : 4, ws = w_dt == DT_BF16 ? 2 : 4;
-    const int64_t full = cols / VL * VL;
+/* Pass 1 over a row: h = x (+ res, rounded and written back to res), returns sum(h^2) as
+ * lanes. */
+INLINE vf rms_sum_squares(const char *x, char *res, int64_t cols, const int dt) {
+    const int es = dt == DT_BF16 ? 2 : 4;
     vf ss = splat(0.0f);
-    const char *h = res ? res : x;
-    for (int64_t c = 0; c < cols; c += VL) {
-        const int tail = c >= full;
-        vf v = tail ? load_part(x + c * es, dt, cols - c) : load_vec(x + c * es, dt);
+    int64_t c = 0;
+    for (; c + VL <= cols; c += VL) {
+        vf v = load_vec(x + c * es, dt);
         if (res) {
-            vf r = tail ? load_part(res + c * es, dt, cols - c) : load_vec(res + c * es, dt);
-            v = round_to(v + r, dt);
-            if (tail) store_part(res + c * es, v, dt, cols - c);
-            else store_vec(res + c * es, v, dt);
+            v = round_to(v + load_vec(res + c * es, dt), dt);
+            store_vec(res + c * es, v, dt);
         }
         ss += v * v;
     }
+    if (c < cols) {
+        vf v = load_part(x + c * es, dt, cols - c);
+        if (res) {
+            v = round_to(v + load_part(res + c * es, dt, cols - c), dt);
+            store_part(res + c * es, v, dt, cols - c);
+        }
+        ss += v * v;
+    }
+    return ss;
+}
+
+static void rms_norm_row(const char *x, char *res, const char *w, char *out, int64_t cols,
+                         float eps, const int dt, int w_dt) {
+    const int es = dt == DT_BF16 ? 2 : 4, ws = w_dt == DT_BF16 ? 2 : 4;
+    const vf ss = rms_sum_squares(x, res, cols, dt);
     const vf rstd = splat(1.0f / sqrtf(hsum(ss) / (float)cols + eps));
+    const char *h = res ? res : x;
     int64_t c = 0;
-    for (; c < full; c += VL) {
+    for (; c + VL <= cols; c += VL) {
         vf v = round_to(load_vec(h + c * es, dt) * rstd, dt);
         store_vec(out + c * es, v * load_vec(w + c * ws, w_dt), dt);
     }

@@ -139,12 +139,31 @@ INLINE vf round_to(vf v, int dt) {
     return bf16_lo(__builtin_convertvector(f32_to_bf16_v(v), vu));
 }
 
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+/* The sum of v's lanes: halves added down to 4 lanes (register extracts, no trip through
+ * memory), then those 4. */
 INLINE float hsum(vf v) {
-    float s[VL];
-    memcpy(s, &v, sizeof v);
-    for (int w = VL / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) s[i] += s[i + w];
-    return s[0];
+    vf4 q;
+#if VL >= 8
+    vf8 o;
+#if VL == 16
+    vf8 a, b;
+    memcpy(&a, &v, 32);
+    memcpy(&b, (const char *)&v + 32, 32);
+    o = a + b;
+#else
+    memcpy(&o, &v, 32);
+#endif
+    vf4 c, d;
+    memcpy(&c, &o, 16);
+    memcpy(&d, (const char *)&o + 16, 16);
+    q = c + d;
+#else
+    memcpy(&q, &v, 16);
+#endif
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 /* min(max(x, lo), hi), by masks (C has no ?: on vectors). */
