@@ -5,6 +5,7 @@ several) and is fed on the engine thread after every step from `engine.last_sche
 and `engine.last_iteration_stats` (`pagoda.metrics.stats`). Gauges describe the state after
 the step, counters add the step's deltas, histograms observe per-token and per-finished-request
 timings. prometheus_client is thread-safe, so `/metrics` can render while the engine writes.
+On a machine with an NVIDIA GPU the registry also reads GPU memory at each scrape (`gpu`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagoda.metrics import gpu
 from pagoda.metrics.stats import IterationStats, SchedulerStats
 
 PREFIX = "pagoda:"
@@ -151,6 +153,10 @@ class PrometheusStatLogger:
                 registry=r,
             )
             g.labels(**info).set(1)
+        # GPU memory where there is a GPU (`pagoda.metrics.gpu`), read at each scrape.
+        read_gpu = gpu.read_gpu_memory
+        if read_gpu():
+            r.register(gpu.GPUMemoryCollector(model_name, read_gpu))
 
     def record(self, engine: Any) -> None:
         """Publish the statistics of the engine's last step (its state after it, its deltas)."""

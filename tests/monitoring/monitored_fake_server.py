@@ -1,0 +1,80 @@
+"""The fake-engine server of tests/reliability with every panel's series moving: the engine
+reports prefix-cache hits, a preemption now and then and speculative drafts (the plain fake
+engine reports none), and the front end reads a GPU's memory from a stand-in for NVML. The app,
+its /metrics and /dashboard are the real ones.
+
+    python monitored_fake_server.py --port P [server flags] [--step-delay S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "server"))
+
+from fake_engine import FakeEngine  # noqa: E402
+
+from pagoda.metrics.stats import FinishedRequestStats  # noqa: E402
+from pagoda.server.cli import add_server_flags, serve  # noqa: E402
+
+GiB = 2**30
+
+
+class MonitoredFakeEngine(FakeEngine):
+    """FakeEngine whose statistics also count prefix-cache hits (half of each prompt),
+    a preemption every 40 steps, 3 drafted tokens per running request (2 accepted) and, as
+    LLMEngine does, aborted requests as finished with reason "abort"."""
+
+    steps = 0
+    aborted: list[FinishedRequestStats] | None = None
+
+    def abort_request(self, request_ids) -> None:  # noqa: ANN001
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        now = time.time()
+        for r in self.waiting + self.running:
+            if r.request_id in ids:
+                self.aborted = (self.aborted or []) + [
+                    FinishedRequestStats("abort", now - r.arrival, len(r.prompt_ids), 0, 0.0,
+                                         0.0, 0.0, 0.0)
+                ]  # fmt: skip
+        super().abort_request(request_ids)
+
+    def step(self):  # noqa: ANN201
+        outputs = super().step()
+        self.steps += 1
+        s, it = self.last_scheduler_stats, self.last_iteration_stats
+        it.finished_requests += self.aborted or []
+        self.aborted = None
+        s.prefix_cache_hits = s.prefix_cache_queries // 2
+        s.num_preemptions = int(self.steps % 40 == 0 and bool(self.running))
+        it.num_drafts = s.num_running_reqs
+        it.num_draft_tokens, it.num_accepted_tokens = 3 * it.num_drafts, 2 * it.num_drafts
+        return outputs
+
+
+def fake_gpu_memory() -> list[tuple[int, int, int]]:
+    return [(0, 60 * GiB, 80 * GiB)]
+
+
+def main() -> None:
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.metrics import gpu
+
+    gpu.read_gpu_memory = fake_gpu_memory
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    parser.add_argument("--step-delay", type=float, default=0.005)
+    args = parser.parse_args()
+    factory = functools.partial(MonitoredFakeEngine, max_model_len=args.max_model_len or 256,
+                                max_num_seqs=args.max_num_seqs, step_delay=args.step_delay)  # fmt: skip
+    engine = AsyncLLM(engine_factory=factory, max_engine_restarts=args.max_engine_restarts)
+    serve(engine, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Requests that move every panel of the dashboards: completions and chat, streamed or not,
+one that fails (finish_reason "error" on the fake engine), streams dropped mid-way (abort)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import httpx
+
+FAIL_PROMPT = "please FAIL here"  # the fake engine ends it with finish_reason "error"
+
+
+def one_round(url: str, headers: dict[str, str], rng: random.Random) -> None:
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+        body = {"model": "smol", "prompt": "shared system prompt " + str(rng.random()),
+                "max_tokens": rng.randint(4, 24)}  # fmt: skip
+        c.post("/v1/completions", json=body)
+        stop = {"max_tokens": 26, "temperature": 0, "stop": ["a", "e", "i", "o"]}
+        c.post("/v1/completions", json={**body, **stop})  # greedy: the alphabet, so it stops
+        c.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 8,
+                                             "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        c.post("/v1/completions", json={**body, "prompt": FAIL_PROMPT})
+        with c.stream("POST", "/v1/completions",
+                      json={**body, "max_tokens": 200, "stream": True}) as r:  # fmt: skip
+            for _ in r.iter_lines():
+                break  # the client goes away: the request is aborted
+
+
+class Traffic:
+    """Rounds of `one_round` from `n` threads until stopped (bounded by `max_rounds`)."""
+
+    def __init__(self, url: str, headers: dict[str, str], n: int = 3, max_rounds: int = 400):
+        self.stop = threading.Event()
+        self.rounds = 0
+        self.threads = [threading.Thread(target=self._run, args=(url, headers, i, max_rounds),
+                                         daemon=True) for i in range(n)]  # fmt: skip
+
+    def _run(self, url: str, headers: dict[str, str], seed: int, max_rounds: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(max_rounds):
+            if self.stop.is_set():
+                return
+            try:
+                one_round(url, headers, rng)
+                self.rounds += 1
+            except httpx.HTTPError:
+                pass
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
