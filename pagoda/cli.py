@@ -1,4 +1,5 @@
-"""The `pagoda` command: serve | generate | chat | bench (throughput, serve) | plan | quantize.
+"""The `pagoda` command: serve | generate | chat | bench (throughput, serve) | plan | tune |
+quantize.
 
 A user error (a wrong path, flag value or config file, a model larger than the machine's memory,
 a port in use) ends the command with one `error: ...` line on stderr and exit code 2; with
@@ -215,9 +216,9 @@ def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:  # noq
     return p
 
 
-# Subcommands that run without torch in this process (`pagoda plan ...`) build only their
-# own parser (the quantize command's module imports torch, seconds of start).
-_LIGHT_COMMANDS = ("plan",)
+# Subcommands that run without torch in this process (`pagoda plan ...`, `pagoda tune ...`)
+# build only their own parser (the quantize command's module imports torch, seconds of start).
+_LIGHT_COMMANDS = ("plan", "tune")
 
 
 def _light_command(argv: list[str]) -> str | None:
@@ -234,8 +235,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     if only is not None:
         from pagoda.plan import add_plan_args
+        from pagoda.tune import add_tune_args
 
-        {"plan": add_plan_args}[only](sub)
+        {"plan": add_plan_args, "tune": add_tune_args}[only](sub)
         return parser
 
     from pagoda.server.cli import add_serve_args
@@ -264,6 +266,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from pagoda.plan import add_plan_args
 
     add_plan_args(sub)
+    from pagoda.tune import add_tune_args
+
+    add_tune_args(sub)
 
     from pagoda.model.quantization.gptq import add_quantize_args
 
