@@ -4,7 +4,7 @@
 /health, /version, /tokenize, /detokenize, /metrics) to an `AsyncLLM`, maps every error to
 OpenAI's error JSON with a 4xx/5xx status (documented as such in /openapi.json), bounds the
 request body, enforces `--api-key` (all routes but /health and /metrics) and owns a per-app
-Prometheus registry fed by the engine thread.
+Prometheus registry fed by the engine thread; /dashboard draws /metrics in a browser.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.metrics.prometheus import PrometheusStatLogger
+from pagoda.server.dashboard import BasicAuthForDashboard, dashboard_html
 from pagoda.server.middleware import APIKeyAuth, BodySizeLimit, ErrorBoundary
 from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import (
@@ -151,6 +152,7 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key, open_paths=UNAUTHENTICATED_PATHS)
+        app.add_middleware(BasicAuthForDashboard)  # a browser's way to send the key
     app.add_middleware(ErrorBoundary)
 
     @app.exception_handler(APIError)
@@ -188,6 +190,11 @@ def build_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        """The /metrics panels drawn live in the browser (`pagoda.server.dashboard`)."""
+        return Response(dashboard_html(), media_type="text/html; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -3,7 +3,7 @@ reports prefix-cache hits, a preemption now and then and speculative drafts (the
 engine reports none), and the front end reads a GPU's memory from a stand-in for NVML. The app,
 its /metrics and /dashboard are the real ones.
 
-    python monitored_fake_server.py --port P [server flags] [--step-delay S]
+    python monitored_fake_server.py --port P [server flags] [--step-delay S] [--die-once-file F]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pagoda.metrics.stats import FinishedRequestStats  # noqa: E402
 from pagoda.server.cli import add_server_flags, serve  # noqa: E402
 
 GiB = 2**30
+DIE_MARK = "DIE-ONCE"
 
 
 class MonitoredFakeEngine(FakeEngine):
@@ -32,6 +33,19 @@ class MonitoredFakeEngine(FakeEngine):
 
     steps = 0
     aborted: list[FinishedRequestStats] | None = None
+
+    def __init__(self, die_once_file: str | None = None, **kw) -> None:  # noqa: ANN003
+        super().__init__(**kw)
+        self.die_once_file = die_once_file
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
+        # The engine core process dies (as the OOM killer would end it) at the first prompt
+        # holding DIE_MARK, so that the server restarts it once: engine_restarts_total moves.
+        text = prompt if isinstance(prompt, str) else bytes(t for t in prompt if t < 256).decode()
+        if DIE_MARK in text and self.die_once_file and not os.path.exists(self.die_once_file):
+            open(self.die_once_file, "w").close()
+            os._exit(3)
+        super().add_request(request_id, prompt, params, arrival_time, priority)
 
     def abort_request(self, request_ids) -> None:  # noqa: ANN001
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
@@ -69,8 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_server_flags(parser)
     parser.add_argument("--step-delay", type=float, default=0.005)
+    parser.add_argument("--die-once-file", default=None)
     args = parser.parse_args()
-    factory = functools.partial(MonitoredFakeEngine, max_model_len=args.max_model_len or 256,
+    factory = functools.partial(MonitoredFakeEngine, die_once_file=args.die_once_file,
+                                max_model_len=args.max_model_len or 256,
                                 max_num_seqs=args.max_num_seqs, step_delay=args.step_delay)  # fmt: skip
     engine = AsyncLLM(engine_factory=factory, max_engine_restarts=args.max_engine_restarts)
     serve(engine, args)

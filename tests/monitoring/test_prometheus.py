@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parent / "reliability"))
 sys.path.insert(0, str(HERE))
 
 from servers import ServerProcess, free_port  # noqa: E402
-from traffic import Traffic  # noqa: E402
+from traffic import Traffic, restart_engine_once  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -37,8 +37,10 @@ KEY = "test-key"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, str(HERE / "monitored_fake_server.py"), "--api-key", KEY,
-           "--served-model-name", "smol", "--uvicorn-log-level", "warning"]  # fmt: skip
+           "--served-model-name", "smol", "--uvicorn-log-level", "warning",
+           "--die-once-file", str(log.parent / "died")]  # fmt: skip
     s = ServerProcess(cmd, log).wait_ready(60)
+    restart_engine_once(s.url, s.headers)
     yield s
     s.stop()
 
@@ -131,6 +133,8 @@ def test_every_grafana_panel_query_returns_data_from_a_real_prometheus(server, p
             if title == "Finished requests by reason":
                 reasons = {r["metric"]["finished_reason"] for r in result}
     assert reasons >= {"stop", "length", "abort", "error"}
+    restarts = _query(prometheus, 'pagoda:engine_restarts_total{model_name="smol"}')
+    assert [float(r["value"][1]) for r in restarts] == [1.0]
     up = _query(prometheus, 'up{job="pagoda"}')
     assert [float(r["value"][1]) for r in up] == [1.0]
     # The model variable of the dashboard lists the served name.

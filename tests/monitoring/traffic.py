@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import httpx
 
@@ -25,6 +26,17 @@ def one_round(url: str, headers: dict[str, str], rng: random.Random) -> None:
                       json={**body, "max_tokens": 200, "stream": True}) as r:  # fmt: skip
             for _ in r.iter_lines():
                 break  # the client goes away: the request is aborted
+
+
+def restart_engine_once(url: str, headers: dict[str, str]) -> None:
+    """The monitored fake server's engine core dies at this prompt and is restarted."""
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+        r = c.post("/v1/completions", json={"model": "smol", "prompt": "DIE-ONCE", "max_tokens": 2})
+        assert r.status_code in (500, 503), r.text
+        deadline = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine core was not restarted"
+            time.sleep(0.2)
 
 
 class Traffic:
