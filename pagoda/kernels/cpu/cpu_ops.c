@@ -110,7 +110,7 @@ int pagoda_rms_norm(const void *x, int64_t x_stride, void *res, int64_t res_stri
 }
 
 /* ---- SwiGLU's gate (Shazeer, 2020): out = silu(x[:, :d]) * x[:, d:] --------------------- */
-INLINE vf silu_times(vf g, vf u, int dt) { return round_to(g / (vexp(-g) + 1.0f), dt) * u; }
+INLINE vf silu_times(vf g, vf u, int dt) { return round_to(g * vrecip(vexp(-g) + 1.0f), dt) * u; }
 
 static void silu_and_mul_row(const char *x, char *out, int64_t d, const int dt) {
     const int es = dt == DT_BF16 ? 2 : 4;
