@@ -109,7 +109,8 @@ class Tokenizer:
         if not os.path.isfile(tokenizer_file):
             raise ValueError(
                 f"{path} has no tokenizer.json: Pagoda needs a fast-tokenizer file (save one with "
-                "transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
+                "transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(dir)`), or "
+                "pass --tokenizer PATH, or --skip-tokenizer-init to take and return token ids only"
             )
         backend = BackendTokenizer.from_file(tokenizer_file)
         config = _read_json(os.path.join(path, "tokenizer_config.json"))

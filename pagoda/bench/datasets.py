@@ -1,16 +1,22 @@
 """Workloads for `pagoda bench serve`, as vLLM's benchmark builds them: `random` (prompts of
 random token ids, lengths uniform in input_len * [1 - r, 1 + r]), `prefix_repetition` (a few
 shared prefixes with random suffixes: exercises prefix caching) and `sharegpt` (first human
-turn as the prompt, the reply's token count as the output length).
+turn as the prompt, the reply's token count as the output length); and `lognormal`, a
+ShareGPT-like length mix for when the data set cannot be had (log-normal prompt and output
+lengths with ShareGPT's means, capped at a context length).
 
 Prompts are text, built with the *server's* tokenizer (a local one with --tokenizer, or the
 server's /tokenize and /detokenize) and re-encoded until they measure the requested length,
-so the server sees about input_len tokens.
+so the server sees about input_len tokens. With `TokenIdVocab` in place of a tokenizer they
+are lists of random token ids, sent as they are: for a server without a tokenizer
+(--skip-tokenizer-init), and the very requests `pagoda bench throughput` runs offline.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,7 +24,7 @@ from typing import Any, Protocol
 
 @dataclass
 class SampleRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (TokenIdVocab)
     prompt_len: int
     expected_output_len: int
 
@@ -29,6 +35,13 @@ class BenchTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class TokenIdVocab:
+    """Prompts as lists of token ids drawn uniformly below `vocab_size`: no tokenizer needed."""
+
+    vocab_size: int
 
 
 class LocalTokenizer:
@@ -114,6 +127,14 @@ def _random_text(tok: BenchTokenizer, rng: random.Random, length: int) -> tuple[
     return text, len(tok.encode(text))
 
 
+def _random_prompt(
+    tok: BenchTokenizer | TokenIdVocab, rng: random.Random, length: int
+) -> tuple[str | list[int], int]:
+    if isinstance(tok, TokenIdVocab):
+        return [rng.randrange(tok.vocab_size) for _ in range(length)], length
+    return _random_text(tok, rng, length)
+
+
 def _lengths(mean: int, ratio: float, rng: random.Random) -> int:
     if not 0 <= ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
@@ -122,32 +143,96 @@ def _lengths(mean: int, ratio: float, rng: random.Random) -> int:
 
 
 def random_dataset(
-    tok: BenchTokenizer, num_prompts: int, input_len: int, output_len: int,
+    tok: BenchTokenizer | TokenIdVocab, num_prompts: int, input_len: int, output_len: int,
     range_ratio: float, seed: int,
 ) -> list[SampleRequest]:  # fmt: skip
     rng = random.Random(seed)
     out = []
     for _ in range(num_prompts):
         n_in, n_out = _lengths(input_len, range_ratio, rng), _lengths(output_len, range_ratio, rng)
-        text, n = _random_text(tok, rng, n_in)
-        out.append(SampleRequest(text, n, n_out))
+        prompt, n = _random_prompt(tok, rng, n_in)
+        out.append(SampleRequest(prompt, n, n_out))
+    return out
+
+
+@dataclass(frozen=True)
+class LognormalMix:
+    """Log-normal prompt and output lengths with the given means (ShareGPT's, as vLLM's
+    benchmark filters it, by default: 226 prompt and 196 output tokens) and log-space standard
+    deviations; a prompt is capped at half of `max_len`, prompt plus output at `max_len`
+    (vLLM's ShareGPT bounds at its default 2048), and both are at least 4 tokens."""
+
+    input_mean: float = 226.0
+    output_mean: float = 196.0
+    input_sigma: float = 1.0
+    output_sigma: float = 1.0
+    max_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.input_mean < 1 or self.output_mean < 1 or self.max_len < 16:
+            raise ValueError("--lognormal-*-mean must be >= 1 and --lognormal-max-len >= 16")
+        if self.input_sigma < 0 or self.output_sigma < 0:
+            raise ValueError("--lognormal-*-sigma must be >= 0")
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        # A log-normal with mean m and log-space sigma s has mu = ln(m) - s^2 / 2.
+        def one(mean: float, sigma: float) -> float:
+            return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
+
+        n_in = min(max(4, round(one(self.input_mean, self.input_sigma))), self.max_len // 2)
+        n_out = min(max(4, round(one(self.output_mean, self.output_sigma))), self.max_len - n_in)
+        return n_in, n_out
+
+
+def add_lognormal_args(parser: argparse.ArgumentParser) -> None:
+    d = LognormalMix()
+    a = parser.add_argument
+    a("--lognormal-input-mean", type=float, default=d.input_mean, help="mean prompt tokens")
+    a("--lognormal-output-mean", type=float, default=d.output_mean, help="mean output tokens")
+    a("--lognormal-input-sigma", type=float, default=d.input_sigma, help="log-space std")
+    a("--lognormal-output-sigma", type=float, default=d.output_sigma, help="log-space std")
+    a("--lognormal-max-len", type=int, default=d.max_len, help="cap on prompt + output tokens")
+
+
+def lognormal_mix_from_args(args: argparse.Namespace) -> LognormalMix:
+    return LognormalMix(
+        args.lognormal_input_mean,
+        args.lognormal_output_mean,
+        args.lognormal_input_sigma,
+        args.lognormal_output_sigma,
+        args.lognormal_max_len,
+    )
+
+
+def lognormal_dataset(
+    tok: BenchTokenizer | TokenIdVocab, num_prompts: int, mix: LognormalMix, seed: int
+) -> list[SampleRequest]:
+    """`num_prompts` requests of `mix`'s lengths; the lengths depend on the seed alone, so a
+    text and a token-id run of one seed ask for the same work."""
+    rng = random.Random(seed)
+    lengths = [mix.draw(rng) for _ in range(num_prompts)]
+    out = []
+    for n_in, n_out in lengths:
+        prompt, n = _random_prompt(tok, rng, n_in)
+        out.append(SampleRequest(prompt, n, n_out))
     return out
 
 
 def prefix_repetition_dataset(
-    tok: BenchTokenizer, num_prompts: int, prefix_len: int, suffix_len: int,
+    tok: BenchTokenizer | TokenIdVocab, num_prompts: int, prefix_len: int, suffix_len: int,
     num_prefixes: int, output_len: int, seed: int,
 ) -> list[SampleRequest]:  # fmt: skip
     if num_prefixes < 1:
         raise ValueError("--prefix-repetition-num-prefixes must be >= 1")
     rng = random.Random(seed)
-    prefixes = [_random_text(tok, rng, prefix_len)[0] for _ in range(num_prefixes)]
+    prefixes = [_random_prompt(tok, rng, prefix_len)[0] for _ in range(num_prefixes)]
     out = []
     for i in range(num_prompts):
         prefix = prefixes[i % num_prefixes]
-        suffix, _ = _random_text(tok, rng, suffix_len)
-        text = prefix + suffix
-        out.append(SampleRequest(text, len(tok.encode(text)), output_len))
+        suffix, _ = _random_prompt(tok, rng, suffix_len)
+        prompt = prefix + suffix
+        n = len(prompt) if isinstance(prompt, list) else len(tok.encode(prompt))
+        out.append(SampleRequest(prompt, n, output_len))
     rng.shuffle(out)
     return out
 

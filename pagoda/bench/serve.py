@@ -1,7 +1,9 @@
 """`pagoda bench serve`: load-test any OpenAI-compatible server the way `vllm bench serve` does.
 
 Requests go to the streaming completions endpoint (aiohttp), sent all at once
-(`--request-rate inf`) or as a Poisson process, at most `--max-concurrency` in flight. Per
+(`--request-rate inf`) or as a Poisson process, at most `--max-concurrency` in flight. Prompts
+are text, or lists of token ids (`--prompt-token-ids`, and by itself when the server has no
+tokenizer: `pagoda serve CONFIG --load-format dummy --skip-tokenizer-init`). Per
 request it records TTFT, the gaps between streamed chunks (ITL; our server sends one token per
 chunk), E2E latency and the output token count (the server's `usage` when it reports one, else
 the number of chunks). The report has vLLM's layout and names, so results compare line by line.
@@ -26,6 +28,10 @@ from pagoda.bench.datasets import (
     LocalTokenizer,
     SampleRequest,
     ServerTokenizer,
+    TokenIdVocab,
+    add_lognormal_args,
+    lognormal_dataset,
+    lognormal_mix_from_args,
     prefix_repetition_dataset,
     random_dataset,
     sharegpt_dataset,
@@ -237,7 +243,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     a("--model", default=None, help="model name to send (default: the server's first model)")
     a("--tokenizer", default=None, help="local tokenizer path (default: the server's /tokenize)")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    a("--dataset-name", default="random", choices=["random", "prefix_repetition", "sharegpt"])
+    a(
+        "--dataset-name",
+        default="random",
+        choices=["random", "prefix_repetition", "sharegpt", "lognormal"],
+    )
     a("--dataset-path", default=None, help="ShareGPT JSON file for --dataset-name sharegpt")
     a("--num-prompts", type=int, default=1000)
     a("--random-input-len", type=int, default=1024)
@@ -248,6 +258,14 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     a("--prefix-repetition-num-prefixes", type=int, default=10)
     a("--prefix-repetition-output-len", type=int, default=128)
     a("--sharegpt-output-len", type=int, default=None)
+    add_lognormal_args(parser)
+    a(
+        "--prompt-token-ids",
+        action="store_true",
+        help="send prompts as lists of random token ids (no tokenizer needed; taken by itself "
+        "when the server has none)",
+    )
+    a("--vocab-size", type=int, default=None, help="token ids below this (default: probed)")
     a("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
     a("--max-concurrency", type=int, default=None)
     a("--seed", type=int, default=0)
@@ -261,15 +279,50 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def probe_vocab_size(base_url: str, model: str | None, headers: dict[str, str]) -> int:
+    """The first token id the server refuses in a prompt, by binary search with one-token
+    completions (no OpenAI route reports the vocabulary size)."""
+    import httpx
+
+    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+
+        def valid(token_id: int) -> bool:
+            body = {"model": model, "prompt": [token_id], "max_tokens": 1}
+            return client.post("/v1/completions", json=body).status_code == 200
+
+        lo, hi = 0, 1 << 20  # lo valid, hi invalid
+        if not valid(lo) or valid(hi):
+            raise ValueError("cannot find the vocabulary size over HTTP: pass --vocab-size N")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if valid(mid) else (lo, mid)
+    return hi
+
+
+def _bench_tokenizer(
+    args: argparse.Namespace, base_url: str, headers: dict[str, str]
+) -> LocalTokenizer | ServerTokenizer | TokenIdVocab:
+    if args.tokenizer:
+        return LocalTokenizer(args.tokenizer)
+    if not args.prompt_token_ids:
+        try:
+            return ServerTokenizer(base_url, args.model, headers)
+        except ValueError:
+            if args.dataset_name == "sharegpt":
+                raise
+            print("The server has no tokenizer: sending token-id prompts.", file=sys.stderr)
+    if args.dataset_name == "sharegpt":
+        raise ValueError("--dataset-name sharegpt needs a tokenizer, not --prompt-token-ids")
+    return TokenIdVocab(args.vocab_size or probe_vocab_size(base_url, args.model, headers))
+
+
 def _build_requests(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> list:
-    tok = (
-        LocalTokenizer(args.tokenizer)
-        if args.tokenizer
-        else ServerTokenizer(base_url, args.model, headers)
-    )
+    tok = _bench_tokenizer(args, base_url, headers)
     if args.dataset_name == "random":
         return random_dataset(tok, args.num_prompts, args.random_input_len,
                               args.random_output_len, args.random_range_ratio, args.seed)  # fmt: skip
+    if args.dataset_name == "lognormal":
+        return lognormal_dataset(tok, args.num_prompts, lognormal_mix_from_args(args), args.seed)
     if args.dataset_name == "prefix_repetition":
         return prefix_repetition_dataset(
             tok, args.num_prompts, args.prefix_repetition_prefix_len,

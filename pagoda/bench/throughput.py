@@ -1,6 +1,8 @@
 """`pagoda bench throughput`: offline throughput on random-token prompts (vLLM's workload).
 
-Prompt and output lengths are drawn uniformly from ranges (`--input-len 64:256`); every request
+Prompt and output lengths are drawn uniformly from ranges (`--input-len 64:256`), or from the
+ShareGPT-like log-normal mix (`--dataset-name lognormal`: the very requests `pagoda bench serve
+--dataset-name lognormal --prompt-token-ids` sends with the same seed and flags); every request
 runs to its output length (ignore_eos). Prints requests/s and input/output/total tokens/s.
 """
 
@@ -22,9 +24,13 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    from pagoda.bench.datasets import add_lognormal_args
+
+    p.add_argument("--dataset-name", default="random", choices=["random", "lognormal"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=str, default="64:256", help="N or LO:HI (uniform)")
     p.add_argument("--output-len", type=str, default="64:256", help="N or LO:HI (uniform)")
+    add_lognormal_args(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--output-json", type=str, default=None)
     p.add_argument(
@@ -48,7 +54,15 @@ def make_requests(
 
 
 def make_requests_from_args(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
-    """`make_requests` from the --num-prompts / --input-len / --output-len / --seed flags."""
+    """`make_requests` from the --num-prompts / --input-len / --output-len / --seed flags, or
+    the log-normal mix's token-id requests (`--dataset-name lognormal`)."""
+    if getattr(args, "dataset_name", "random") == "lognormal":
+        from pagoda.bench.datasets import TokenIdVocab, lognormal_dataset, lognormal_mix_from_args
+
+        reqs = lognormal_dataset(
+            TokenIdVocab(vocab), args.num_prompts, lognormal_mix_from_args(args), args.seed
+        )
+        return [(list(r.prompt), r.expected_output_len) for r in reqs]
     return make_requests(
         args.num_prompts,
         parse_range(args.input_len),

@@ -212,6 +212,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         ctx.check_model(req.model)
+        ctx.require_tokenizer("prompt" if req.prompt is not None else "messages")
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
@@ -233,7 +234,8 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         ctx.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < ctx.tokenizer.vocab_size]
+        ctx.require_tokenizer("tokens")
+        bad = [t for t in req.tokens if not 0 <= t < ctx.vocab_size]
         if bad:
             raise APIError(f"tokens has ids outside the vocabulary: {bad[:5]}", 400, "tokens")
         text = await ctx.preprocessor.decode(req.tokens, skip_special_tokens=False)

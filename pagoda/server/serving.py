@@ -76,6 +76,21 @@ class ServingContext:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        tok = self.engine.tokenizer
+        return tok.vocab_size if tok is not None else self.engine.model_config.vocab_size
+
+    def require_tokenizer(self, field_name: str) -> None:
+        """A server started with --skip-tokenizer-init takes token ids only: text is a 400."""
+        if self.tokenizer is None:
+            raise APIError(
+                f"{field_name}: the server runs without a tokenizer (--skip-tokenizer-init): "
+                "send the prompt as a list of token ids to /v1/completions",
+                400,
+                field_name,
+            )
+
+    @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
@@ -86,6 +101,7 @@ class ServingContext:
 
     async def encode(self, text: str, add_special_tokens: bool, field_name: str) -> list[int]:
         """`text`'s token ids; a failure (too slow, too big) is a 400 naming `field_name`."""
+        self.require_tokenizer(field_name)
         try:
             return await self.preprocessor.encode(text, add_special_tokens)
         except ValueError as e:
@@ -243,6 +259,8 @@ def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
 def token_str(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
+    if tokenizer is None:  # --skip-tokenizer-init: vLLM's return_tokens_as_token_ids form
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

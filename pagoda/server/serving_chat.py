@@ -143,7 +143,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     else:
         max_tokens, mt_field = req.max_tokens, "max_tokens"
     params = build_sampling_params(req, max_tokens, top_k if req.logprobs else None, None)
-    validate_token_ids(params, ctx.tokenizer.vocab_size)
+    ctx.require_tokenizer("messages")
+    validate_token_ids(params, ctx.vocab_size)
     prompt = await render_chat_prompt(
         ctx,
         req.messages,

@@ -85,14 +85,13 @@ async def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
         items = list(p)
     if not items:
         raise APIError("prompt must not be empty", 400, "prompt")
-    tok = ctx.tokenizer
     prompts = []
     for item in items:
         if isinstance(item, str):
             ids = await ctx.encode(item, req.add_special_tokens, "prompt")
             prompts.append(_Prompt(item, ids))
         else:
-            check_token_ids(item, tok.vocab_size, "prompt")
+            check_token_ids(item, ctx.vocab_size, "prompt")
             prompts.append(_Prompt(None, list(item)))
     return prompts
 
@@ -109,7 +108,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
     base = build_sampling_params(
         req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
     )
-    validate_token_ids(base, ctx.tokenizer.vocab_size)
+    validate_token_ids(base, ctx.vocab_size)
     prompts = await _normalize_prompts(ctx, req)
     request_id = req.request_id or f"cmpl-{random_uuid()}"
     generators = []
@@ -121,7 +120,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
         sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         generators.append(ctx.engine.generate(pr.token_ids, params, sub_id, req.priority))
     for pr in prompts:
-        if pr.text is None and req.echo:
+        if pr.text is None and req.echo and ctx.tokenizer is not None:
             pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)
 
     stream = merge_async_iterators(*generators)
