@@ -65,27 +65,31 @@ class ServerTokenizer:
     """The server's tokenizer over HTTP (/tokenize, /detokenize: pagoda's and vLLM's routes)."""
 
     def __init__(self, base_url: str, model: str | None, headers: dict[str, str]) -> None:
-        import httpx
-
-        self._client = httpx.Client(base_url=base_url, headers=headers, timeout=60)
+        self._base_url, self._headers = base_url, headers
         self._model = model
         self.special_ids: set[int] = set()
         self.vocab_size = self._probe_vocab_size()
 
+    def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        from pagoda.bench.load import post_json  # the standard library's HTTP client
+
+        return post_json(self._base_url + path, body, self._headers)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         body = {"model": self._model, "prompt": text, "add_special_tokens": add_special_tokens}
-        r = self._client.post("/tokenize", json=body)
-        r.raise_for_status()
-        return r.json()["tokens"]
+        status, reply = self._post("/tokenize", body)
+        if status != 200:
+            raise ValueError(f"the server's /tokenize answered HTTP {status}")
+        return reply["tokens"]
 
     def decode(self, ids: list[int]) -> str:
-        r = self._client.post("/detokenize", json={"model": self._model, "tokens": ids})
-        r.raise_for_status()
-        return r.json()["prompt"]
+        status, reply = self._post("/detokenize", {"model": self._model, "tokens": ids})
+        if status != 200:
+            raise ValueError(f"the server's /detokenize answered HTTP {status}")
+        return reply["prompt"]
 
     def _valid(self, token_id: int) -> bool:
-        r = self._client.post("/detokenize", json={"model": self._model, "tokens": [token_id]})
-        return r.status_code == 200
+        return self._post("/detokenize", {"model": self._model, "tokens": [token_id]})[0] == 200
 
     def _probe_vocab_size(self) -> int:
         """Binary search for the first id the server refuses (no route reports vocab size)."""

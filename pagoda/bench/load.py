@@ -108,6 +108,16 @@ def server_device(base_url: str, headers: dict[str, str] | None = None) -> str:
     return "cuda" if "pagoda:gpu_memory_total_bytes" in text else "cpu"
 
 
+def apply_device_defaults(args: Any, base_url: str, headers: dict[str, str]) -> str:
+    """Fill the workload flags left unset from `DEVICE_DEFAULTS` for the server's device;
+    returns the device."""
+    device = server_device(base_url, headers)
+    for name, value in DEVICE_DEFAULTS[device].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return device
+
+
 def plot_latency_vs_throughput(
     series: dict[str, list[dict[str, Any]]], path: str, title: str = ""
 ) -> str | None:
@@ -140,3 +150,59 @@ def plot_latency_vs_throughput(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def print_sweep(results: list[dict[str, Any]]) -> None:
+    """One line per rate of a sweep."""
+    print("{s:{c}^{n}}".format(s=" Request rate sweep ", n=78, c="="))
+    print(f"{'rate':>8} {'req/s':>8} {'goodput':>8} {'out tok/s':>10} {'p50 TTFT':>9} "
+          f"{'p99 TTFT':>9} {'p50 TPOT':>9} {'p99 E2EL':>9}  (ms)")  # fmt: skip
+    for m in results:
+        good = m["request_goodput"]
+        print(f"{m['rate']:>8.4g} {m['request_throughput']:>8.2f} "
+              f"{'-' if good is None else format(good, '.2f'):>8} {m['output_throughput']:>10.1f} "
+              f"{m.get('median_ttft_ms', 0):>9.1f} {m.get('p99_ttft_ms', 0):>9.1f} "
+              f"{m.get('median_tpot_ms', 0):>9.1f} {m.get('p99_e2el_ms', 0):>9.1f}")  # fmt: skip
+
+
+def save_result(
+    args: Any, base_url: str, goodput: dict[str, float], m: dict[str, Any],
+    outputs: list[Any], sweep: bool,
+) -> None:  # fmt: skip
+    """The run's result as `vllm bench serve --save-result` writes it (its field names)."""
+    import json
+    import os
+    from datetime import datetime
+
+    rate = args.request_rate if args.request_rate != float("inf") else "inf"
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        "model_id": args.model,
+        "base_url": base_url,
+        "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "goodput": goodput or None,
+        **m,
+        "input_lens": [o.prompt_len for o in outputs],
+        "output_lens": [o.output_tokens for o in outputs],
+        "ttfts": [o.ttft for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "errors": [o.error for o in outputs],
+    }
+    name = args.result_filename or (
+        f"pagoda-{rate}qps-concurrency{args.max_concurrency}-"
+        f"{os.path.basename(str(args.model))}-{result['date']}.json"
+    )
+    if sweep and args.result_filename:  # one file per rate
+        stem, ext = os.path.splitext(name)
+        name = f"{stem}-{rate}qps{ext or '.json'}"
+    if args.result_dir:
+        os.makedirs(args.result_dir, exist_ok=True)
+        name = os.path.join(args.result_dir, name)
+    with open(name, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(f"Saved the result to {name}")

@@ -1,7 +1,8 @@
 """`pagoda bench serve`: load-test any OpenAI-compatible server the way `vllm bench serve` does.
 
 Requests go to the streaming completions endpoint (aiohttp), sent all at once
-(`--request-rate inf`) or as a Poisson process, at most `--max-concurrency` in flight. Prompts
+(`--request-rate inf`) or at a rate (gamma-distributed gaps, `--burstiness` 1: Poisson;
+several rates: a sweep, `--plot`), at most `--max-concurrency` in flight. Prompts
 are text, or lists of token ids (`--prompt-token-ids`, and by itself when the server has no
 tokenizer: `pagoda serve CONFIG --load-format dummy --skip-tokenizer-init`). Per
 request it records TTFT, the gaps between streamed chunks (ITL; our server sends one token per
@@ -15,11 +16,9 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ from pagoda.bench.datasets import (
     random_dataset,
     sharegpt_dataset,
 )
+from pagoda.bench.load import run_load
 
 
 @dataclass
@@ -173,6 +173,8 @@ def print_report(m: dict[str, Any], args: argparse.Namespace, percentiles: list[
         row("Maximum request concurrency:", args.max_concurrency, "{:<10}")
     if args.request_rate != float("inf"):
         row("Request rate configured (RPS):", args.request_rate)
+        if args.burstiness != 1.0:
+            row("Burstiness (gamma shape):", args.burstiness)
     row("Benchmark duration (s):", m["duration"])
     row("Total input tokens:", m["total_input_tokens"], "{:<10}")
     row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
@@ -210,27 +212,9 @@ async def benchmark(
         if not probe.success:
             raise ValueError(f"the initial test request failed: {probe.error}")
         print("Initial test run completed. Starting main benchmark run...")
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        rng = random.Random(args.seed)
-
-        async def one(req: SampleRequest) -> RequestFuncOutput:
-            if sem is None:
-                return await request_completion(
-                    session, url, args.model, req, args.ignore_eos, headers
-                )
-            async with sem:
-                return await request_completion(
-                    session, url, args.model, req, args.ignore_eos, headers
-                )
-
-        start = time.perf_counter()
-        tasks = []
-        for i, req in enumerate(requests):
-            if i and args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
-            tasks.append(asyncio.create_task(one(req)))
-        outputs = await asyncio.gather(*tasks)
-        return list(outputs), time.perf_counter() - start
+        return await run_load(session, url, args.model, requests, args.request_rate,
+                              args.burstiness, args.max_concurrency, args.ignore_eos, headers,
+                              args.seed)  # fmt: skip
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -249,9 +233,14 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         choices=["random", "prefix_repetition", "sharegpt", "lognormal"],
     )
     a("--dataset-path", default=None, help="ShareGPT JSON file for --dataset-name sharegpt")
-    a("--num-prompts", type=int, default=1000)
-    a("--random-input-len", type=int, default=1024)
-    a("--random-output-len", type=int, default=128)
+    a(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="default by the server's device: 1000 on a GPU, 100 on a CPU",
+    )
+    a("--random-input-len", type=int, default=None, help="default: 1024 on a GPU, 256 on a CPU")
+    a("--random-output-len", type=int, default=None, help="default: 128 on a GPU, 64 on a CPU")
     a("--random-range-ratio", type=float, default=0.0)
     a("--prefix-repetition-prefix-len", type=int, default=256)
     a("--prefix-repetition-suffix-len", type=int, default=256)
@@ -266,12 +255,30 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "when the server has none)",
     )
     a("--vocab-size", type=int, default=None, help="token ids below this (default: probed)")
-    a("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
+    a(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="requests/s, or several for a sweep (e.g. 1 2 4 inf); inf: all at once",
+    )
+    a(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="shape of the gamma-distributed arrival gaps: 1 Poisson, < 1 burstier, > 1 steadier",
+    )
     a("--max-concurrency", type=int, default=None)
     a("--seed", type=int, default=0)
     a("--ignore-eos", action="store_true")
     a("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
-    a("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
+    a("--metric-percentiles", default="50,90,99", help="comma-separated percentiles to report")
+    a(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="latency against throughput over the rates (matplotlib: pip install 'pagoda[plot]')",
+    )
     a("--save-result", action="store_true")
     a("--result-dir", default=None)
     a("--result-filename", default=None)
@@ -282,20 +289,18 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def probe_vocab_size(base_url: str, model: str | None, headers: dict[str, str]) -> int:
     """The first token id the server refuses in a prompt, by binary search with one-token
     completions (no OpenAI route reports the vocabulary size)."""
-    import httpx
+    from pagoda.bench.load import post_json
 
-    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+    def valid(token_id: int) -> bool:
+        body = {"model": model, "prompt": [token_id], "max_tokens": 1}
+        return post_json(base_url + "/v1/completions", body, headers)[0] == 200
 
-        def valid(token_id: int) -> bool:
-            body = {"model": model, "prompt": [token_id], "max_tokens": 1}
-            return client.post("/v1/completions", json=body).status_code == 200
-
-        lo, hi = 0, 1 << 20  # lo valid, hi invalid
-        if not valid(lo) or valid(hi):
-            raise ValueError("cannot find the vocabulary size over HTTP: pass --vocab-size N")
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if valid(mid) else (lo, mid)
+    lo, hi = 0, 1 << 20  # lo valid, hi invalid
+    if not valid(lo) or valid(hi):
+        raise ValueError("cannot find the vocabulary size over HTTP: pass --vocab-size N")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if valid(mid) else (lo, mid)
     return hi
 
 
@@ -336,58 +341,50 @@ def _build_requests(args: argparse.Namespace, base_url: str, headers: dict[str, 
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    import httpx
+    from pagoda.bench.load import (
+        apply_device_defaults,
+        get_json,
+        plot_latency_vs_throughput,
+        print_sweep,
+        save_result,
+    )
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     goodput = parse_goodput(args.goodput)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
     if args.model is None:
         try:
-            r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
-            r.raise_for_status()
-            args.model = r.json()["data"][0]["id"]
-        except Exception as e:  # noqa: BLE001
+            args.model = get_json(f"{base_url}/v1/models", headers)["data"][0]["id"]
+        except (OSError, ValueError, KeyError, IndexError) as e:
             raise ValueError(
                 f"cannot reach {base_url}/v1/models ({e}); is the server up?"
             ) from None
-    print(f"Building {args.num_prompts} '{args.dataset_name}' prompts ...", file=sys.stderr)
+    device = apply_device_defaults(args, base_url, headers)
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    print(f"Building {args.num_prompts} '{args.dataset_name}' prompts (server on {device}) ...",
+          file=sys.stderr)  # fmt: skip
     requests = _build_requests(args, base_url, headers)
-    print(f"Traffic request rate: {args.request_rate}  max concurrency: {args.max_concurrency}")
-    outputs, duration = asyncio.run(benchmark(args, requests, base_url + args.endpoint, headers))
-    failed = [o for o in outputs if not o.success]
-    if failed:
-        print(f"Failed requests: {len(failed)}; first error: {failed[0].error}")
-    m = calculate_metrics(outputs, duration, percentiles, goodput)
-    print_report(m, args, percentiles)
-    if args.save_result or args.result_filename:
-        result = {
-            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-            "backend": "openai",
-            "model_id": args.model,
-            "base_url": base_url,
-            "dataset_name": args.dataset_name,
-            "num_prompts": args.num_prompts,
-            "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-            "max_concurrency": args.max_concurrency,
-            "goodput": goodput or None,
-            **m,
-            "input_lens": [o.prompt_len for o in outputs],
-            "output_lens": [o.output_tokens for o in outputs],
-            "ttfts": [o.ttft for o in outputs],
-            "itls": [o.itl for o in outputs],
-            "errors": [o.error for o in outputs],
-        }
-        name = args.result_filename or (
-            f"pagoda-{result['request_rate']}qps-concurrency{args.max_concurrency}-"
-            f"{os.path.basename(str(args.model))}-{result['date']}.json"
-        )
-        if args.result_dir:
-            os.makedirs(args.result_dir, exist_ok=True)
-            name = os.path.join(args.result_dir, name)
-        with open(name, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        print(f"Saved the result to {name}")
-    return 0 if m["completed"] else 1
+    results = []
+    for rate in args.request_rate:
+        run = argparse.Namespace(**{**vars(args), "request_rate": rate})
+        print(f"Traffic request rate: {rate}  burstiness: {args.burstiness}  max concurrency: "
+              f"{args.max_concurrency}")  # fmt: skip
+        outputs, duration = asyncio.run(benchmark(run, requests, base_url + args.endpoint,
+                                                  headers))  # fmt: skip
+        failed = [o for o in outputs if not o.success]
+        if failed:
+            print(f"Failed requests: {len(failed)}; first error: {failed[0].error}")
+        m = calculate_metrics(outputs, duration, percentiles, goodput)
+        print_report(m, run, percentiles)
+        if args.save_result or args.result_filename:
+            save_result(run, base_url, goodput, m, outputs, len(args.request_rate) > 1)
+        results.append({**m, "rate": rate})
+    if len(results) > 1:
+        print_sweep(results)
+    if args.plot:
+        if plot_latency_vs_throughput({args.model: results}, args.plot) is None:
+            raise ValueError("--plot needs matplotlib: pip install 'pagoda[plot]'")
+        print(f"Saved the plot to {args.plot}")
+    return 0 if all(m["completed"] for m in results) else 1
