@@ -37,6 +37,13 @@ from pagoda.bench.datasets import (
 )
 from pagoda.bench.load import run_load
 
+BENCH_SERVE_EXAMPLES = """examples:
+  pagoda bench serve                                     # the server on 127.0.0.1:8000
+  pagoda bench serve --request-rate 1 2 4 inf --plot sweep.png --goodput ttft:500 tpot:50
+  pagoda bench serve --request-rate 8 --burstiness 0.5 --num-prompts 500 --save-result
+  pagoda bench serve --base-url http://gpu-host:8000 --dataset-name sharegpt --dataset-path sg.json
+"""
+
 
 @dataclass
 class RequestFuncOutput:
@@ -219,6 +226,8 @@ async def benchmark(
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `pagoda bench serve` (vLLM's names); the lead wires it to `run_bench_serve`."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = BENCH_SERVE_EXAMPLES
     a = parser.add_argument
     a("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (else host/port)")
     a("--host", default="127.0.0.1")

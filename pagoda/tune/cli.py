@@ -149,6 +149,7 @@ def run_tune(args: argparse.Namespace) -> int:
         bar.refresh()
         tqdm.write(line, file=sys.stderr)
 
+    load_before = os.getloadavg()[0]
     tuner = Tuner(settings, progress)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -166,12 +167,25 @@ def run_tune(args: argparse.Namespace) -> int:
         "rates (req/s)": rates, "SLO": f"TTFT {settings.slo['ttft']:.0f} ms, TPOT "
         f"{settings.slo['tpot']:.1f} ms", "budget": f"{args.budget_minutes:g} min, used "
         f"{tuner.elapsed() / 60:.1f}", "queue": "unbounded during trials",
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, load average {load_before:.1f} at "
+        f"the start and {os.getloadavg()[0]:.1f} at the end",
     }  # fmt: skip
     report = write_report(out_dir, args.goal, model, info, tuner.trials, base, best, base_again,
                           best_again)  # fmt: skip
     print(report)
     print(f"Report: {os.path.join(out_dir, 'report.md')}", file=sys.stderr)
     return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
