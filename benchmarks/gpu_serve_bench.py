@@ -304,7 +304,7 @@ def part_long_mix(run: Run, srv: Server, rate: float) -> dict[str, Any]:
         ids = [rng.randrange(run.vocab) for _ in range(a.long_len)]
         reqs[i] = SampleRequest(ids, a.long_len, n_out)
     ns = argparse.Namespace(model=srv.model, ignore_eos=True, max_concurrency=None,
-                            request_rate=rate, seed=302)  # fmt: skip
+                            request_rate=rate, burstiness=1.0, seed=302)  # fmt: skip
     url = srv.url + "/v1/completions"
     outs, duration = asyncio.run(
         asyncio.wait_for(benchmark(ns, reqs, url, {}), run.box(CLIENT_BOX_S))
