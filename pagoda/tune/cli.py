@@ -22,6 +22,8 @@ EXAMPLES = """examples:
   pagoda tune /models/Llama-3-8B --goal latency --slo-ttft-ms 200 --slo-tpot-ms 30
   pagoda tune /models/Llama-3-8B --goal throughput --quantized-model /models/Llama-3-8B-AWQ
   pagoda tune MODEL --goal latency --server-cmd "vllm serve MODEL" --tokenizer MODEL
+  pagoda tune benchmarks/presets/llama-3-8b/config.json --goal throughput --prompt-token-ids \
+      --serve-args "--load-format dummy --skip-tokenizer-init"       # a model shape on a GPU
 
 Reports go to --output-dir (report.md, results.json, latency_vs_throughput.png, server logs).
 """
@@ -58,6 +60,12 @@ def add_tune_args(subparsers: Any) -> argparse.ArgumentParser:
     a("--output-len", type=int, default=None, help="output tokens (default: by device)")
     a("--quantized-model", default=None, help="also try this quantized checkpoint of MODEL")
     a("--tokenizer", default=None, help="builds the prompts (default: MODEL)")
+    a(
+        "--prompt-token-ids",
+        action="store_true",
+        help="prompts of random token ids, for a server without a tokenizer (e.g. a config.json "
+        "served with --serve-args '--load-format dummy --skip-tokenizer-init')",
+    )
     a(
         "--server-cmd",
         default=None,
@@ -99,7 +107,16 @@ def _requests(args: argparse.Namespace, tokenizer: str, device: str) -> list[Any
 
     n, n_in, n_out = WORKLOADS[device]
     n, n_in, n_out = args.num_prompts or n, args.input_len or n_in, args.output_len or n_out
-    tok = LocalTokenizer(tokenizer)
+    if args.prompt_token_ids:
+        from pagoda.bench.datasets import TokenIdVocab
+        from pagoda.model.loader import get_model_config_dict
+
+        if args.dataset == "sharegpt":
+            raise ValueError("--dataset sharegpt needs a tokenizer, not --prompt-token-ids")
+        load_format = "dummy" if tokenizer.endswith(".json") else "auto"
+        tok = TokenIdVocab(int(get_model_config_dict(tokenizer, load_format)["vocab_size"]))
+    else:
+        tok = LocalTokenizer(tokenizer)
     if args.dataset == "random":
         return random_dataset(tok, n, n_in, n_out, 0.0, args.seed)
     if args.dataset == "prefix_repetition":
@@ -127,7 +144,7 @@ def run_tune(args: argparse.Namespace) -> int:
         base_cmd = default_server_cmd(model)
     base_cmd += shlex.split(args.serve_args)
     tokenizer = args.tokenizer or model or embedded_model_path()
-    print(f"Building {args.dataset} prompts with {tokenizer} ...", file=sys.stderr)
+    print(f"Building {args.dataset} prompts ...", file=sys.stderr)
     slo = {}
     if args.slo_ttft_ms:
         slo["ttft"] = args.slo_ttft_ms

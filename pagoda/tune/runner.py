@@ -138,6 +138,11 @@ class Tuner:
                     f"req/s, {m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f}"
                     f" ms, median TPOT {m['median_tpot_ms']:.1f} ms, failed {m['failed']}"
                 )
+                failed = [o.error for o in outputs if not o.success]
+                if failed:
+                    self.progress(f"          first error: {' '.join(failed[0].split())[:300]}")
+                if not m["completed"]:
+                    raise ValueError(f"no request was served ({failed[0][:300]})")
                 if find_rates and rate == float("inf"):
                     saturated = m["request_throughput"]
                     self.rates = [saturated * 0.5, saturated * 0.8, float("inf")]
