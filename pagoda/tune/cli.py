@@ -29,7 +29,7 @@ Reports go to --output-dir (report.md, results.json, latency_vs_throughput.png, 
 """
 # Requests per rate and their lengths, by device: a trial must take well under a minute on a
 # 2-core CPU with the embedded model, and a GPU needs enough requests to fill its batch.
-WORKLOADS = {"cpu": (32, 256, 32), "cuda": (200, 1024, 128)}
+WORKLOADS = {"cpu": (24, 128, 32), "cuda": (200, 1024, 128)}
 
 
 def add_tune_args(subparsers: Any) -> argparse.ArgumentParser:
