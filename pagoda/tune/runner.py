@@ -120,7 +120,10 @@ class Tuner:
         trial = Trial(name, dict(knobs))
         cmd = list(self.s.base_cmd)
         if "model" in knobs:  # a quantized checkpoint in place of the model
-            cmd = [knobs["model"] if c == self._model_arg() else c for c in cmd]
+            if "--model" in cmd:
+                cmd[cmd.index("--model") + 1] = knobs["model"]
+            else:
+                cmd += ["--model", knobs["model"]]
         flags = {k: v for k, v in knobs.items() if k != "model"}
         log = os.path.join(self.s.out_dir, f"server-{len(self.trials):02d}.log")
         self.server = TrialServer(cmd + ["--served-model-name", self.s.model_name], flags, log)
@@ -167,10 +170,6 @@ class Tuner:
         if trial.runs and not trial.note:
             trial.score = score(self.s.goal, trial.runs)
         return trial
-
-    def _model_arg(self) -> str:
-        i = self.s.base_cmd.index("--model") if "--model" in self.s.base_cmd else -1
-        return self.s.base_cmd[i + 1] if i >= 0 else ""
 
     async def _load(self, base_url: str, rate: float) -> tuple[list[Any], float]:
         import aiohttp
