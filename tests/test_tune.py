@@ -46,7 +46,7 @@ def test_the_recommended_command_line():
 
 def test_tune_records_a_baseline_and_writes_its_report_within_the_budget(tmp_path, capsys):
     out = tmp_path / "t"
-    rc = main(["tune", "--goal", "throughput", "--budget-minutes", "0.2", "--output-dir",
+    rc = main(["tune", "--goal", "throughput", "--budget-minutes", "0.05", "--output-dir",
                str(out), *SMALL])  # fmt: skip
     assert rc == 0
     report = (out / "report.md").read_text()
