@@ -8,8 +8,8 @@ when it helps, and measure the baseline and the result once more at the end.
   (max_num_batched_tokens), prefix caching;
 - a quantized checkpoint, when the user gives one (`--quantized-model`), on either path.
 
-Every trial serves the same requests at the same rates: all at once (rate inf) and 50% and
-80% of the baseline's saturated request rate, with Poisson arrivals. Throughput is scored by
+Every trial serves the same requests at the same rates, after a few warm-up requests: all at
+once (rate inf) and 50% and 80% of the baseline's saturated request rate, Poisson arrivals. Throughput is scored by
 goodput (requests/s meeting the SLOs, the best of the rates), latency by p99 TTFT at 50% load.
 A change is kept when it beats the current best by more than `MIN_GAIN`.
 """
@@ -31,6 +31,7 @@ from pagoda.tune.server import TrialServer
 # noise of a few percent would otherwise pick knobs at random.
 MIN_GAIN = 0.05
 PERCENTILES = [50.0, 90.0, 99.0]
+WARMUP = 4  # requests sent to each trial's server before it is measured
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 
 
@@ -130,6 +131,9 @@ class Tuner:
         self.progress(f"[{self.elapsed():5.0f} s] {name}: server pid {self.server.proc.pid}")
         try:
             self.server.wait_ready(self.s.ready_timeout_s)
+            # A few requests first, not counted: a fresh server's first steps pay one-time
+            # costs (allocations, thread pools) that would land on whichever rate ran first.
+            asyncio.run(self._load(self.server.url, float("inf"), self.s.requests[:WARMUP]))
             rates = [float("inf")] if find_rates else list(self.rates)
             while rates:
                 rate = rates.pop(0)
@@ -171,14 +175,17 @@ class Tuner:
             trial.score = score(self.s.goal, trial.runs)
         return trial
 
-    async def _load(self, base_url: str, rate: float) -> tuple[list[Any], float]:
+    async def _load(
+        self, base_url: str, rate: float, requests: list[Any] | None = None
+    ) -> tuple[list[Any], float]:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=3600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             return await run_load(
-                session, base_url + "/v1/completions", self.s.model_name, self.s.requests,
-                rate, ignore_eos=True, headers=self.s.headers, seed=len(self.trials),
+                session, base_url + "/v1/completions", self.s.model_name,
+                self.s.requests if requests is None else requests, rate, ignore_eos=True,
+                headers=self.s.headers, seed=len(self.trials),
             )  # fmt: skip
 
     # -- the path ----------------------------------------------------------------------------
