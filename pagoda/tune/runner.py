@@ -8,8 +8,8 @@ when it helps, and measure the baseline and the result once more at the end.
   (max_num_batched_tokens), prefix caching;
 - a quantized checkpoint, when the user gives one (`--quantized-model`), on either path.
 
-Every trial serves the same requests at the same rates, after a few warm-up requests: all at
-once (rate inf) and 50% and 80% of the baseline's saturated request rate, Poisson arrivals. Throughput is scored by
+Every trial serves the same requests at the same rates, after serving them once unmeasured: 50%
+and 80% of the baseline's saturated request rate (Poisson arrivals), then all at once (inf). Throughput is scored by
 goodput (requests/s meeting the SLOs, the best of the rates), latency by p99 TTFT at 50% load.
 A change is kept when it beats the current best by more than `MIN_GAIN`.
 """
@@ -31,7 +31,7 @@ from pagoda.tune.server import TrialServer
 # noise of a few percent would otherwise pick knobs at random.
 MIN_GAIN = 0.05
 PERCENTILES = [50.0, 90.0, 99.0]
-WARMUP = 4  # requests sent to each trial's server before it is measured
+WARMUP = 4  # requests sent to the baseline's server before its first run
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 
 
@@ -131,9 +131,11 @@ class Tuner:
         self.progress(f"[{self.elapsed():5.0f} s] {name}: server pid {self.server.proc.pid}")
         try:
             self.server.wait_ready(self.s.ready_timeout_s)
-            # A few requests first, not counted: a fresh server's first steps pay one-time
-            # costs (allocations, thread pools) that would land on whichever rate ran first.
-            asyncio.run(self._load(self.server.url, float("inf"), self.s.requests[:WARMUP]))
+            # Requests first, not counted: a fresh server's first batches pay one-time costs
+            # (first-touched KV pages, kernels picked per shape) that would land on whichever
+            # run came first. All of them at once; the baseline's first run does the same.
+            warmup = self.s.requests[:WARMUP] if find_rates else self.s.requests
+            asyncio.run(self._load(self.server.url, float("inf"), warmup))
             rates = [float("inf")] if find_rates else list(self.rates)
             while rates:
                 rate = rates.pop(0)
