@@ -94,3 +94,21 @@ def test_ctrl_c_stops_tune_and_its_server(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the server's process group {pid} outlived pagoda tune")
+
+
+def test_a_run_past_the_budget_is_stopped():
+    import asyncio
+
+    from pagoda.tune.runner import Tuner, TuneSettings
+
+    s = TuneSettings("throughput", [], "m", [], DEFAULTS, budget_s=-61.0, out_dir=".")
+    tuner = Tuner(s, progress=lambda line: None)
+
+    async def forever() -> None:
+        await asyncio.sleep(3600)
+
+    with pytest.raises(TimeoutError):
+        tuner._within_budget(forever())
+    s.budget_s = -59.9  # 0.1 s left: the run is cut at its deadline
+    with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+        tuner._within_budget(forever())

@@ -76,7 +76,9 @@ def write_report(
                          f"p99 TTFT at 50% load {_at(t, 'low')['p99_ttft_ms']:.0f} ms, output "
                          f"{max(t.runs, key=lambda m: m['rate'])['output_throughput']:.0f} "
                          "tok/s at rate inf")  # fmt: skip
-    if best_again is not None:
+    if best_again is not None and (best_again.score is None or base_again.score is None):
+        lines.append(f"- {best.name} was not measured again (time budget): the defaults stay")
+    elif best_again is not None:
         lines.append("- before and after measured again one after the other at the end"
                      + ("" if held else "; the change did not hold, so the defaults stay"))  # fmt: skip
     elif best is base:

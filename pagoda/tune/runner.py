@@ -135,11 +135,11 @@ class Tuner:
             # (first-touched KV pages, kernels picked per shape) that would land on whichever
             # run came first. All of them at once; the baseline's first run does the same.
             warmup = self.s.requests[:WARMUP] if find_rates else self.s.requests
-            asyncio.run(self._load(self.server.url, float("inf"), warmup))
+            self._within_budget(self._load(self.server.url, float("inf"), warmup))
             rates = [float("inf")] if find_rates else list(self.rates)
             while rates:
                 rate = rates.pop(0)
-                outputs, duration = asyncio.run(self._load(self.server.url, rate))
+                outputs, duration = self._within_budget(self._load(self.server.url, rate))
                 trial.outputs.append((rate, outputs, duration))
                 m = self.metrics(rate, outputs, duration)
                 self.progress(
@@ -162,12 +162,24 @@ class Tuner:
                     trial.outputs.clear()
         except ValueError as e:
             trial.note = f"failed: {' '.join(str(e).split())[:300]}"
+        except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11
+            trial.note = "stopped: time budget"
+            trial.outputs.clear()
+            self.progress(f"[{self.elapsed():5.0f} s]   stopped: the time budget ran out")
         finally:
             self.server.stop()
             self.server = None
         trial.seconds = time.monotonic() - t0
         trial.outputs.sort(key=lambda r: r[0])
         return trial
+
+    def _within_budget(self, load: Any) -> Any:
+        """Run `load`; TimeoutError once the budget (plus a minute's grace) has run out."""
+        left = self.s.budget_s + 60 - self.elapsed()
+        if left <= 0:
+            load.close()
+            raise TimeoutError
+        return asyncio.run(asyncio.wait_for(load, left))
 
     def metrics(self, rate: float, outputs: list[Any], duration: float) -> dict[str, Any]:
         m = calculate_metrics(outputs, duration, PERCENTILES, self.s.slo or {"e2el": 1e12})
@@ -203,7 +215,10 @@ class Tuner:
         base = self.run_trial("baseline (defaults)", {}, find_rates=True)
         self.trials.append(base)
         if base.note or len(base.outputs) < 3:
-            raise ValueError(f"the baseline did not run: {base.note or 'no requests served'}")
+            why = base.note or "no requests served"
+            if why.startswith("stopped"):
+                why += ": raise --budget-minutes"
+            raise ValueError(f"the baseline did not run: {why}")
         if not s.slo:  # what the defaults give at 50% load, with 2x headroom
             m = self.metrics(*base.outputs[0])
             s.slo = {"ttft": 2 * m["median_ttft_ms"], "tpot": 2 * m["median_tpot_ms"]}
@@ -231,7 +246,8 @@ class Tuner:
         # Measured once more, one after the other: did the gain hold?
         again = self.finish(self.run_trial("baseline, again", {}))
         best_again = self.finish(self.run_trial("recommended, again", best.knobs))
-        again.note = best_again.note = "confirmation"
+        for t in (again, best_again):
+            t.note = t.note or "confirmation"
         self.trials += [again, best_again]
         return base, best, again, best_again
 
