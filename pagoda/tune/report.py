@@ -94,7 +94,8 @@ def write_report(
     results = {
         "goal": goal, "settings": settings, "recommended": serve_command(model, recommended.knobs),
         "trials": [{"name": t.name, "knobs": t.knobs, "kept": t.kept, "score": t.score,
-                    "note": t.note, "seconds": t.seconds, "runs": t.runs} for t in trials],
+                    "note": t.note, "seconds": t.seconds, "runs": t.runs,
+                    "load_avg_1m_after_each_run": t.load_avg} for t in trials],
     }  # fmt: skip
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1, default=str)

@@ -43,6 +43,7 @@ class Trial:
     # (rate, per-request outputs, seconds) per rate: runs are recomputed from them once the
     # SLOs are known
     outputs: list[tuple[float, list[Any], float]] = field(default_factory=list)
+    load_avg: list[float] = field(default_factory=list)  # the machine's, after each run
     score: float | None = None
     kept: bool = False
     note: str = ""
@@ -141,6 +142,7 @@ class Tuner:
                 rate = rates.pop(0)
                 outputs, duration = self._within_budget(self._load(self.server.url, rate))
                 trial.outputs.append((rate, outputs, duration))
+                trial.load_avg.append(os.getloadavg()[0])
                 m = self.metrics(rate, outputs, duration)
                 self.progress(
                     f"[{self.elapsed():5.0f} s]   rate {rate:.2f}: {m['request_throughput']:.2f} "
@@ -160,6 +162,7 @@ class Tuner:
                     self.rates = [saturated * 0.5, saturated * 0.8, float("inf")]
                     rates = list(self.rates)
                     trial.outputs.clear()
+                    trial.load_avg.clear()
         except ValueError as e:
             trial.note = f"failed: {' '.join(str(e).split())[:300]}"
         except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11
