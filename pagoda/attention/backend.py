@@ -33,12 +33,30 @@ class AttentionLayer(Protocol):
     head_size: int
     k_scale: float  # quantized KV cache only: stored = round(x / scale)
     v_scale: float
+    # Optional (read with `sliding_window_of` / `soft_cap_of`, absent means off):
+    # sliding_window: int | None  -- a query at position p sees keys (p - window, p] only
+    #   (Mistral, Gemma's local layers; Hugging Face's `sliding_window` semantics);
+    # logits_soft_cap: float | None  -- scores become cap * tanh(score / cap) before the
+    #   softmax (Gemma 2's attn_logit_softcapping).
+
+
+def sliding_window_of(layer: AttentionLayer) -> int | None:
+    """The layer's sliding window in tokens, or None for full causal attention."""
+    window = getattr(layer, "sliding_window", None)
+    return int(window) if window else None
+
+
+def soft_cap_of(layer: AttentionLayer) -> float | None:
+    """The layer's attention logit soft-cap, or None."""
+    cap = getattr(layer, "logits_soft_cap", None)
+    return float(cap) if cap else None
 
 
 class AttentionBackend(ABC):
     """Paged attention for one step of a mixed prefill/decode batch.
 
     `forward(layer, q, k, v, kv_cache, attn_metadata, scale)`:
+      every backend honours the layer's sliding window and logit soft-cap (see AttentionLayer).
       q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size], the
       new rows of this step (already rotated). kv_cache: [2, num_blocks, block_size,
       num_kv_heads, head_size], or None (no cache yet, e.g. a memory-profiling run: every request

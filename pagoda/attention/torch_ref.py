@@ -8,8 +8,11 @@ One step's batch is split the way the work differs (layout in `pagoda.attention.
 - every other request (a prefill chunk, or speculative rows) runs alone: fresh prompts attend
   causally over this step's own k/v; chunks with a cached prefix gather their blocks and use an
   explicit causal mask offset by the prefix length.
-The gather indices and masks depend only on the step, so they are built once (by the first layer)
-and kept in `attn_metadata.extra`, shared by every layer. A quantized cache (int8 / fp8) stores
+With a sliding window (the layer's `sliding_window`) a request reads only the blocks its
+window reaches, and the masks drop the keys before it; a soft cap (`logits_soft_cap`, Gemma 2)
+forms the scores explicitly (`attend`). The gather indices and masks depend only on the step
+(and the window), so they are built once (by the first layer of each window) and kept in
+`attn_metadata.extra`, shared by every layer. A quantized cache (int8 / fp8) stores
 round(x / scale) and is read back as stored * scale.
 """
 
@@ -21,7 +24,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.backend import AttentionBackend, AttentionLayer
+from pagoda.attention.backend import (
+    AttentionBackend,
+    AttentionLayer,
+    sliding_window_of,
+    soft_cap_of,
+)
 from pagoda.attention.metadata import AttentionMetadata
 
 _PLAN_KEY = "torch_ref_plan"
@@ -36,8 +44,10 @@ class _Chunk:
     start: int  # query rows [start, end)
     end: int
     seq_len: int
-    blocks: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no cached prefix
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+    key_start: int  # position of the first key read (a block boundary; 0 without a window)
+    blocks: torch.Tensor | None  # blocks holding keys key_start .. seq_len - 1; None: no prefix
+    mask: torch.Tensor | None  # [query_len, seq_len - key_start] bool, True = may attend;
+    # None: plain causal over the chunk's own rows
 
 
 @dataclass
@@ -58,7 +68,28 @@ class _Plan:
     workspace: dict = field(default_factory=dict)  # gather buffers shared by all layers
 
 
-def _build_plan(md: AttentionMetadata, kv_cache: torch.Tensor | None) -> _Plan:
+def window_mask(
+    query_len: int, context_len: int, key_start: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """[query_len, context_len + query_len - key_start] bool: whether query row i (at position
+    context_len + i) may see key key_start + j, causally and, with a sliding window, only keys
+    (position - window, position]. None where that is the plain causal mask of a fresh prompt."""
+    if window is None and context_len == 0 and key_start == 0:
+        return None
+    key_pos = torch.arange(key_start, context_len + query_len, device=device)
+    row_pos = torch.arange(context_len, context_len + query_len, device=device)[:, None]
+    mask = key_pos[None, :] <= row_pos
+    if window is not None:
+        mask &= key_pos[None, :] > row_pos - window
+    return mask
+
+
+def first_window_block(first_position: int, window: int | None, block_size: int) -> int:
+    """The first block a query at `first_position` (or later) can see through its window."""
+    return max(0, first_position - window + 1) // block_size if window else 0
+
+
+def _build_plan(md: AttentionMetadata, kv_cache: torch.Tensor | None, window: int | None) -> _Plan:
     has_cache = kv_cache is not None
     block_size = int(kv_cache.shape[2]) if has_cache else 0
     # K and V bytes of one token in one layer.
@@ -82,22 +113,33 @@ def _build_plan(md: AttentionMetadata, kv_cache: torch.Tensor | None) -> _Plan:
     if has_cache:
         while num_decodes < num_reqs and qsl[num_decodes + 1] - qsl[num_decodes] == 1:
             num_decodes += 1
+    # A decode reads blocks first_block[b] .. its last: all of them, or its window's.
+    first_block = [
+        first_window_block(seq_lens[b] - 1, window, block_size) for b in range(num_decodes)
+    ]
+    num_read = [-(-seq_lens[b] // block_size) - first_block[b] for b in range(num_decodes)]
     decode_groups = []
     group_start = 0
     while group_start < num_decodes:
         # Groups small enough that the gathered K/V are still in cache when attention reads them.
-        group_end, longest = group_start + 1, seq_lens[group_start]
+        group_end, most = group_start + 1, num_read[group_start]
         while group_end < num_decodes:
-            longest_next = max(longest, seq_lens[group_end])
-            if (group_end + 1 - group_start) * longest_next * token_bytes > _DECODE_GROUP_BYTES:
+            most_next = max(most, num_read[group_end])
+            if (group_end + 1 - group_start) * most_next * block_size * token_bytes > (
+                _DECODE_GROUP_BYTES
+            ):
                 break
-            group_end, longest = group_end + 1, longest_next
-        max_blocks = -(-longest // block_size)
-        blocks = md.block_tables[group_start:group_end, :max_blocks].reshape(-1).long()
-        key_pos = torch.arange(max_blocks * block_size, device=device)
-        lens = md.seq_lens[group_start:group_end].to(device)
-        mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
-        decode_groups.append(_DecodeGroup(group_start, group_end, blocks, mask))
+            group_end, most = group_end + 1, most_next
+        first = torch.tensor(first_block[group_start:group_end], device=device)[:, None]
+        table = md.block_tables[group_start:group_end]
+        cols = (first + torch.arange(most, device=device)[None, :]).clamp_(max=table.shape[1] - 1)
+        blocks = table.gather(1, cols).reshape(-1).long()
+        key_pos = first * block_size + torch.arange(most * block_size, device=device)[None, :]
+        lens = md.seq_lens[group_start:group_end].to(device)[:, None]
+        mask = key_pos < lens
+        if window is not None:
+            mask &= key_pos >= lens - window
+        decode_groups.append(_DecodeGroup(group_start, group_end, blocks, mask[:, None, None, :]))
         group_start = group_end
 
     chunks = []
@@ -106,16 +148,51 @@ def _build_plan(md: AttentionMetadata, kv_cache: torch.Tensor | None) -> _Plan:
         query_len = end - start
         context_len = seq_len - query_len
         if context_len == 0:
-            chunks.append(_Chunk(start, end, seq_len, None, None))
+            mask = window_mask(query_len, 0, 0, window, device)
+            chunks.append(_Chunk(start, end, seq_len, 0, None, mask))
             continue
         if not has_cache:
             raise RuntimeError("a request with a cached prefix needs a KV cache")
+        first = first_window_block(context_len, window, block_size)
         num_blocks = -(-seq_len // block_size)
-        blocks = md.block_tables[b, :num_blocks].long()
-        key_pos = torch.arange(seq_len, device=device)
-        row_pos = torch.arange(context_len, seq_len, device=device)
-        chunks.append(_Chunk(start, end, seq_len, blocks, key_pos[None, :] <= row_pos[:, None]))
+        blocks = md.block_tables[b, first:num_blocks].long()
+        key_start = first * block_size
+        mask = window_mask(query_len, context_len, key_start, window, device)
+        chunks.append(_Chunk(start, end, seq_len, key_start, blocks, mask))
     return _Plan(block_size, write_slots, write_rows, decode_groups, chunks)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped] + mask) v for q: [B, H, Lq, hs], k, v:
+    [B, KVH, Lk, hs] (H a multiple of KVH; head h reads KV head h // (H / KVH)). `mask`: bool
+    (True = may attend) or additive, broadcastable to [B, H, Lq, Lk]; None: causal.
+
+    SDPA where it can (no soft cap); with a soft cap the scores are formed explicitly, in
+    float32, since SDPA has no hook between the product and the softmax."""
+    group = q.shape[1] // k.shape[1]
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is None:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril_(lk - lq)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -202,14 +279,17 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, attn_metadata: AttentionMetadata) -> None:
         return None  # the plan needs the cache's block size: built by the first layer
 
-    def _plan(self, md: AttentionMetadata, kv_cache: torch.Tensor | None) -> _Plan:
+    def _plan(
+        self, md: AttentionMetadata, kv_cache: torch.Tensor | None, window: int | None
+    ) -> _Plan:
         block_size = int(kv_cache.shape[2]) if kv_cache is not None else 0
         if md.extra is None:
             md.extra = {}
-        plan = md.extra.get(_PLAN_KEY)
+        key = (_PLAN_KEY, window)  # layers with and without a window read different blocks
+        plan = md.extra.get(key)
         if plan is None or plan.block_size != block_size:
-            plan = _build_plan(md, kv_cache)
-            md.extra[_PLAN_KEY] = plan
+            plan = _build_plan(md, kv_cache, window)
+            md.extra[key] = plan
         return plan
 
     def forward(
@@ -224,7 +304,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is not None and kv_cache.numel() == 0:
             kv_cache = None
-        plan = self._plan(attn_metadata, kv_cache)
+        window, soft_cap = sliding_window_of(layer), soft_cap_of(layer)
+        plan = self._plan(attn_metadata, kv_cache, window)
         n = attn_metadata.num_actual_tokens
         num_tokens, num_heads, head_size = q.shape
         num_kv_heads = k.shape[1]
@@ -246,12 +327,13 @@ class TorchAttentionBackend(AttentionBackend):
             keys = _from_cache(kv[0], q.dtype, k_scale).view(nd, -1, num_kv_heads, head_size)
             values = _from_cache(kv[1], q.dtype, v_scale).view(nd, -1, num_kv_heads, head_size)
             # The `group` query heads of one KV head become `group` query rows over its keys.
-            o = F.scaled_dot_product_attention(
+            o = attend(
                 q[g.start : g.end].view(nd, num_kv_heads, group, head_size),
                 keys.transpose(1, 2),  # [nd, num_kv_heads, max_len, head_size]
                 values.transpose(1, 2),
-                attn_mask=_additive_mask(g.mask, q.dtype, plan.workspace, ("decode_mask", gi)),
-                scale=scale,
+                _additive_mask(g.mask, q.dtype, plan.workspace, ("decode_mask", gi)),
+                scale,
+                soft_cap,
             )
             out[g.start : g.end] = o.reshape(nd, num_heads, head_size)
         for i, c in enumerate(plan.chunks):
@@ -260,18 +342,18 @@ class TorchAttentionBackend(AttentionBackend):
                 kc, vc = k[c.start : c.end], v[c.start : c.end]
             else:
                 kv = _gather_kv(kv_cache, c.blocks, plan.workspace, i)
-                kc, vc = kv[0].flatten(0, 1)[: c.seq_len], kv[1].flatten(0, 1)[: c.seq_len]
+                num_keys = c.seq_len - c.key_start
+                kc, vc = kv[0].flatten(0, 1)[:num_keys], kv[1].flatten(0, 1)[:num_keys]
                 kc, vc = _from_cache(kc, q.dtype, k_scale), _from_cache(vc, q.dtype, v_scale)
-            o = F.scaled_dot_product_attention(
+            o = attend(
                 qc,
-                kc.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, hs]
+                kc.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_keys, hs]
                 vc.transpose(0, 1).unsqueeze(0),
-                attn_mask=None
+                None
                 if c.mask is None
                 else _additive_mask(c.mask, q.dtype, plan.workspace, ("mask", i)),
-                is_causal=c.mask is None,
-                scale=scale,
-                enable_gqa=group > 1,
+                scale,
+                soft_cap,
             )
             out[c.start : c.end] = o[0].transpose(0, 1)
         return out

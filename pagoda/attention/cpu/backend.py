@@ -8,7 +8,8 @@ one per (request, KV head); a prompt chunk (with or without a cached prefix) is 
 together. New K/V rows are first written with `torch_ref.write_kv_cache`, and the kernel reads
 every key from the cache, fresh prompts included (measured ~2x faster than SDPA for a 512-token
 prompt on a 2-core Zen 4); only when some row was not written (slot -1) do fresh prompts use
-SDPA over the step's own rows. What the kernel does not cover (no cache yet, an int8/fp8 cache,
+SDPA over the step's own rows. Sliding windows and soft-capped scores are the kernel's too
+(from the layer's `sliding_window` / `logits_soft_cap`). What the kernel does not cover (no cache yet, an int8/fp8 cache,
 a head size over 256, a non-CPU tensor) goes to the torch backend, which stays the oracle.
 """
 
@@ -18,12 +19,16 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from pagoda.attention.backend import AttentionBackend, AttentionLayer
+from pagoda.attention.backend import (
+    AttentionBackend,
+    AttentionLayer,
+    sliding_window_of,
+    soft_cap_of,
+)
 from pagoda.attention.cpu.build import load_library
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.attention.torch_ref import TorchAttentionBackend, write_kv_cache
+from pagoda.attention.torch_ref import TorchAttentionBackend, attend, window_mask, write_kv_cache
 
 _PLAN_KEY = "cpu_plan"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -159,6 +164,7 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if not self._supports(q, kv_cache):
             return self._torch.forward(layer, q, k, v, kv_cache, attn_metadata, scale)
+        window, soft_cap = sliding_window_of(layer), soft_cap_of(layer)
         md = attn_metadata
         num_tokens, num_heads, head_size = q.shape
         num_kv_heads = k.shape[1]
@@ -200,18 +206,20 @@ class CpuAttentionBackend(AttentionBackend):
                 plan.block_size,
                 _DTYPE_CODES[q.dtype],
                 scale,
+                window or 0,
+                soft_cap or 0.0,
                 plan.num_threads,
             )
             if rc != 0:
                 raise RuntimeError(f"CPU paged-attention kernel rejected its arguments (code {rc})")
         for start, end in plan.fresh:
-            o = F.scaled_dot_product_attention(
+            o = attend(
                 q[start:end].transpose(0, 1).unsqueeze(0),  # [1, num_heads, q_len, hs]
                 k[start:end].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, q_len, hs]
                 v[start:end].transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=group > 1,
+                window_mask(end - start, 0, 0, window, q.device),
+                scale,
+                soft_cap,
             )
             out[start:end] = o[0].transpose(0, 1)
         return out

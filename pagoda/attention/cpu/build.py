@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 HEADERS = ("vec.h", "tile.h")  # included by SOURCE: part of the cache key
-_ABI = 1  # pagoda_paged_attention_abi() of the source this loader can call
+_ABI = 2  # pagoda_paged_attention_abi() of the source this loader can call
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # lowest first
@@ -264,7 +264,7 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     fn = lib.pagoda_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
-    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float, i32]
     fn.restype = ctypes.c_int
     if isa is None:
         log_isa(built)

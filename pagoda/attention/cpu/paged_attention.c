@@ -3,7 +3,9 @@
  * Layout (pagoda/attention/metadata.py): one layer's cache is [2, num_blocks, block_size,
  * num_kv_heads, head_size]; token t of request b lives at slot
  * block_tables[b][t / block_size] * block_size + t % block_size. Query row i of request b sits
- * at position seq_lens[b] - query_len_b + i and attends causally to keys 0 ..= that position.
+ * at position seq_lens[b] - query_len_b + i and attends causally to keys 0 ..= that position,
+ * or with a sliding window of W to keys (position - W, position] only (Mistral, Gemma); scores
+ * may be soft-capped (Gemma 2: cap * tanh(score / cap)).
  *
  * The work is a list of items (request, kv heads [h0, h1), query rows [r0, r1)) built by the
  * Python side and shared out over OpenMP threads. An item walks its keys in tiles of LANES
@@ -24,18 +26,18 @@
  * in registers); other head sizes and dtypes share one generic body per dtype, which keeps the
  * first-use compile short. */
 typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float *, float *,
-                        const int *);
+                        const int *, const int *);
 
 #define DEFINE_TILE(NAME, DT, CC)                                                                  \
     static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,          \
-                     float *l, const int *nv) {                                                    \
+                     float *l, const int *lo, const int *nv) {                                     \
         float *const *qf = (float *const *)q;                                                      \
-        if (CC == 0) attend_tile(tl, DT, nq, 0, qf, acc, m, l, nv);                                \
+        if (CC == 0) attend_tile(tl, DT, nq, 0, qf, acc, m, l, lo, nv);                            \
         else switch (nq) {                                                                         \
-        case 1: attend_tile(tl, DT, 1, CC, qf, acc, m, l, nv); break;                              \
-        case 2: attend_tile(tl, DT, 2, CC, qf, acc, m, l, nv); break;                              \
-        case 3: attend_tile(tl, DT, 3, CC, qf, acc, m, l, nv); break;                              \
-        default: attend_tile(tl, DT, 4, CC, qf, acc, m, l, nv); break;                             \
+        case 1: attend_tile(tl, DT, 1, CC, qf, acc, m, l, lo, nv); break;                          \
+        case 2: attend_tile(tl, DT, 2, CC, qf, acc, m, l, lo, nv); break;                          \
+        case 3: attend_tile(tl, DT, 3, CC, qf, acc, m, l, lo, nv); break;                          \
+        default: attend_tile(tl, DT, 4, CC, qf, acc, m, l, lo, nv); break;                         \
         }                                                                                          \
     }
 
@@ -48,14 +50,14 @@ DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
 #if HAVE_BF16DP
 #define DEFINE_TILE_BF16DP(NAME, CC)                                                               \
     static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,          \
-                     float *l, const int *nv) {                                                    \
+                     float *l, const int *lo, const int *nv) {                                     \
         const uint16_t *const *qb = (const uint16_t *const *)q;                                    \
-        if (CC == 0) attend_tile_bf16dp(tl, nq, 0, qb, acc, m, l, nv);                             \
+        if (CC == 0) attend_tile_bf16dp(tl, nq, 0, qb, acc, m, l, lo, nv);                         \
         else switch (nq) {                                                                         \
-        case 1: attend_tile_bf16dp(tl, 1, CC, qb, acc, m, l, nv); break;                           \
-        case 2: attend_tile_bf16dp(tl, 2, CC, qb, acc, m, l, nv); break;                           \
-        case 3: attend_tile_bf16dp(tl, 3, CC, qb, acc, m, l, nv); break;                           \
-        default: attend_tile_bf16dp(tl, 4, CC, qb, acc, m, l, nv); break;                          \
+        case 1: attend_tile_bf16dp(tl, 1, CC, qb, acc, m, l, lo, nv); break;                       \
+        case 2: attend_tile_bf16dp(tl, 2, CC, qb, acc, m, l, lo, nv); break;                       \
+        case 3: attend_tile_bf16dp(tl, 3, CC, qb, acc, m, l, lo, nv); break;                       \
+        default: attend_tile_bf16dp(tl, 4, CC, qb, acc, m, l, lo, nv); break;                      \
         }                                                                                          \
     }
 DEFINE_TILE_BF16DP(tile_bf16dp_2, 2) /* head 64 */
@@ -90,7 +92,8 @@ typedef struct {
     int64_t block_table_stride;
     const int32_t *seq_lens, *query_start_loc;
     int num_heads, num_kv_heads, head_size, block_size, dt, es, bf16dp;
-    float scale;
+    int sliding_window; /* > 0: a query at position p sees keys (p - sliding_window, p] */
+    float scale, soft_cap;
     tile_fn tile;
 } Params;
 
@@ -117,6 +120,12 @@ static int tile_slots(const Params *P, const int32_t *table, int t0, int num_key
 static int first_position(const Params *P, const int32_t *item) {
     const int req = item[0], qstart = P->query_start_loc[req];
     return P->seq_lens[req] - (P->query_start_loc[req + 1] - qstart) + (item[3] - qstart);
+}
+
+/* The first key any row of an item starting at position `first_pos` sees. */
+static int first_key(const Params *P, int first_pos) {
+    const int lo = P->sliding_window > 0 ? first_pos - P->sliding_window + 1 : 0;
+    return lo > 0 ? lo : 0;
 }
 
 /* Runs one item; `next` (or NULL) is the item this thread runs after it, whose first tile is
@@ -156,10 +165,11 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
             }
 
     Tile tl;
-    tl.es = es, tl.d = d, tl.scale = P->scale;
+    tl.es = es, tl.d = d, tl.scale = P->scale, tl.soft_cap = P->soft_cap;
     int64_t slot[LANES], next[LANES];
-    int nt_next = tile_slots(P, table, 0, num_keys, next);
-    for (int t0 = 0; t0 < num_keys; t0 += LANES) {
+    const int key0 = first_key(P, first_pos); /* keys before it are out of every row's window */
+    int nt_next = tile_slots(P, table, key0, num_keys, next);
+    for (int t0 = key0; t0 < num_keys; t0 += LANES) {
         const int nt = nt_next;
         memcpy(slot, next, sizeof slot);
         int next_h0 = h0, next_h1 = h1; /* kv heads of the rows in `next` */
@@ -167,8 +177,9 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
             nt_next = tile_slots(P, table, t0 + LANES, num_keys, next);
         } else if (next_item != NULL) {
             const int32_t *next_table = P->block_tables + next_item[0] * P->block_table_stride;
-            const int next_keys = first_position(P, next_item) + next_item[4] - next_item[3];
-            tile_slots(P, next_table, 0, next_keys, next);
+            const int next_first = first_position(P, next_item);
+            const int next_keys = next_first + next_item[4] - next_item[3];
+            tile_slots(P, next_table, first_key(P, next_first), next_keys, next);
             next_h0 = next_item[1], next_h1 = next_item[2];
         }
         for (int h = h0; h < h1; h++) {
@@ -185,15 +196,16 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
                 const int nq = per_head - i0 < MAX_GROUP ? per_head - i0 : MAX_GROUP;
                 void *qp[MAX_GROUP];
                 float *ap[MAX_GROUP];
-                int nvalid[MAX_GROUP];
+                int nlo[MAX_GROUP], nvalid[MAX_GROUP];
                 const int base = (h - h0) * per_head + i0;
                 for (int j = 0; j < nq; j++) {
                     qp[j] = qf + (size_t)(base + j) * cp;
                     ap[j] = acc + (size_t)(base + j) * cp;
                     const int n = pos[base + j] - t0 + 1;
                     nvalid[j] = n < nt ? n : nt;
+                    nlo[j] = P->sliding_window > 0 ? n - P->sliding_window : 0;
                 }
-                P->tile(&tl, nq, qp, ap, m + base, l + base, nvalid);
+                P->tile(&tl, nq, qp, ap, m + base, l + base, nlo, nvalid);
             }
         }
     }
@@ -219,6 +231,7 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
 /* ---- entry point ----------------------------------------------------------------------- */
 /* out: [num_tokens, num_heads, head_size] contiguous, same dtype as q and the cache.
  * items: [num_items, 5] int32 rows (request, kv_head_begin, kv_head_end, row_begin, row_end).
+ * sliding_window: 0 for full causal attention; soft_cap: 0 for none.
  * Returns 0, or a negative code for arguments it cannot serve (checked before any work). */
 int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
                            int64_t q_stride_head, const void *k_cache, const void *v_cache,
@@ -226,14 +239,16 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
                            const int32_t *seq_lens, const int32_t *query_start_loc,
                            const int32_t *items, int32_t num_items, int32_t num_heads,
                            int32_t num_kv_heads, int32_t head_size, int32_t block_size,
-                           int32_t dtype, float scale, int32_t num_threads) {
+                           int32_t dtype, float scale, int32_t sliding_window, float soft_cap,
+                           int32_t num_threads) {
     if (dtype < 0 || dtype > 2) return -1;
     if (head_size <= 0 || head_size > LANES * MAX_CHUNKS) return -2;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return -3;
     Params P = {(char *)out, (const char *)q, q_stride_token, q_stride_head,
                 (const char *)k_cache, (const char *)v_cache, block_tables, block_table_stride,
                 seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, block_size,
-                dtype, dtype == DT_F32 ? 4 : 2, uses_bf16dp(dtype, head_size), scale,
+                dtype, dtype == DT_F32 ? 4 : 2, uses_bf16dp(dtype, head_size),
+                sliding_window > 0 ? sliding_window : 0, scale, soft_cap > 0.0f ? soft_cap : 0.0f,
                 pick_tile(dtype, head_size)};
     const int group = num_heads / num_kv_heads;
     int max_qv = 0;
@@ -267,7 +282,7 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
 }
 
 /* Lets the loader check it has the library it built (bump when the signature changes). */
-int pagoda_paged_attention_abi(void) { return 1; }
+int pagoda_paged_attention_abi(void) { return 2; }
 
 /* 1 when bf16 caches take the AVX512_BF16 path (p.v rounds p to bf16), for tests and logs. */
 int pagoda_paged_attention_bf16dp(void) { return HAVE_BF16DP; }

@@ -22,7 +22,8 @@ typedef struct {
     const char *next_krow[LANES]; /* the same rows of the next tile, prefetched meanwhile */
     const char *next_vrow[LANES];
     int es, d;
-    float scale; /* applied to the scores by the bf16dp path (its q is unscaled) */
+    float scale;    /* applied to the scores by the bf16dp path (its q is unscaled) */
+    float soft_cap; /* > 0: scores become soft_cap * tanh(score / soft_cap) (Gemma 2) */
 } Tile;
 
 /* Prefetches row t of the next tile while this one is scored: blocks are scattered, so the
@@ -35,11 +36,22 @@ INLINE void prefetch_next(const Tile *tl, int t) {
     }
 }
 
-/* The online-softmax step for one query vector: s holds its LANES scores, lanes >= nvalid are
- * masked. Raises the running max m (rescaling l and the nacc floats of acc), returns
- * p = exp(s - m) with masked lanes 0. The caller adds p's sum to l. */
-INLINE vf online_softmax(vf s, int nvalid, float *m, float *l, float *acc, int nacc) {
-    const vi valid = lanes_below(nvalid);
+/* Logit soft-capping (Gemma 2): cap * tanh(s / cap), with tanh(|x|) = (1 - e) / (1 + e) for
+ * e = exp(-2|x|) <= 1 (the kernel's exp takes non-positive arguments) and the sign put back. */
+INLINE vf soft_cap_scores(vf s, float cap) {
+    const vf x = s * (1.0f / cap);
+    const vi sign = (vi)x & (vi)splat(-0.0f);
+    const vf ax = (vf)((vi)x & ~sign);
+    const vf e = vexp_nonpos(ax * -2.0f);
+    return (vf)((vi)((1.0f - e) / (1.0f + e) * cap) | sign);
+}
+
+/* The online-softmax step for one query vector: s holds its LANES scores, lanes outside
+ * [nlo, nvalid) are masked (nlo > 0: keys before the sliding window). Raises the running max m
+ * (rescaling l and the nacc floats of acc), returns p = exp(s - m) with masked lanes 0. The
+ * caller adds p's sum to l. */
+INLINE vf online_softmax(vf s, int nlo, int nvalid, float *m, float *l, float *acc, int nacc) {
+    const vi valid = lanes_below(nvalid) & ~lanes_below(nlo);
     s = vselect(valid, s, splat(-INFINITY));
     const float mt = hmax(s);
     if (mt > *m) {
@@ -56,11 +68,12 @@ INLINE vf online_softmax(vf s, int nvalid, float *m, float *l, float *acc, int n
     return vselect(valid, vexp_nonpos(s - *m), splat(0.0f));
 }
 
-/* q: NQ fp32 vectors (pre-scaled, zero padded to C chunks of LANES); nvalid[i]: keys of the tile
- * query i may see (<= 0: none). CC = 0: the chunk count is only known at run time. */
+/* q: NQ fp32 vectors (pre-scaled, zero padded to C chunks of LANES); query i may see the keys
+ * [nlo[i], nvalid[i]) of the tile (none when nvalid[i] <= nlo[i]). CC = 0: the chunk count is
+ * only known at run time. */
 INLINE void attend_tile(const Tile *tl, const int dt, const int NQ, const int CC,
                         float *const *q, float *const *acc, float *m, float *l,
-                        const int *nvalid) {
+                        const int *nlo, const int *nvalid) {
     const int es = tl->es, d = tl->d;
     const int C = CC ? CC : (d + LANES - 1) / LANES;
     int nmax = 0;
@@ -88,8 +101,10 @@ INLINE void attend_tile(const Tile *tl, const int dt, const int NQ, const int CC
     float p[MAX_GROUP][LANES] __attribute__((aligned(64)));
     for (int i = 0; i < NQ; i++) {
         vf e = splat(0.0f);
-        if (nvalid[i] > 0) {
-            e = online_softmax(reduce_keys(part[i]), nvalid[i], m + i, l + i, acc[i], C * LANES);
+        if (nvalid[i] > nlo[i]) {
+            vf s = reduce_keys(part[i]);
+            if (tl->soft_cap > 0.0f) s = soft_cap_scores(s, tl->soft_cap);
+            e = online_softmax(s, nlo[i], nvalid[i], m + i, l + i, acc[i], C * LANES);
             l[i] += hsum(e);
         }
         memcpy(p[i], &e, sizeof e);
@@ -127,7 +142,7 @@ INLINE int bf16dp_column(int j) {
 /* q: NQ raw bf16 rows (unscaled); acc in bf16dp_column order. CC = head_size / 32 or 0. */
 INLINE void attend_tile_bf16dp(const Tile *tl, const int NQ, const int CC,
                                const uint16_t *const *q, float *const *acc, float *m, float *l,
-                               const int *nvalid) {
+                               const int *nlo, const int *nvalid) {
     const int C = CC ? CC : tl->d / 32; /* 32 bf16 per zmm */
     int nmax = 0;
     for (int i = 0; i < NQ; i++) nmax = nvalid[i] > nmax ? nvalid[i] : nmax;
@@ -151,9 +166,10 @@ INLINE void attend_tile_bf16dp(const Tile *tl, const int NQ, const int CC,
     uint32_t pp[MAX_GROUP][LANES / 2] __attribute__((aligned(64)));
     for (int i = 0; i < NQ; i++) {
         __m256i pb = _mm256_setzero_si256();
-        if (nvalid[i] > 0) {
+        if (nvalid[i] > nlo[i]) {
             vf s = reduce_keys(part[i]) * tl->scale;
-            vf e = online_softmax(s, nvalid[i], m + i, l + i, acc[i], C * 32);
+            if (tl->soft_cap > 0.0f) s = soft_cap_scores(s, tl->soft_cap);
+            vf e = online_softmax(s, nlo[i], nvalid[i], m + i, l + i, acc[i], C * 32);
             pb = (__m256i)_mm512_cvtneps_pbh((__m512)e);
             l[i] += hsum((vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
         }

@@ -26,6 +26,8 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_idx: int,
         backend: AttentionBackend,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -34,6 +36,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
         self.backend = backend
+        # Read by the backends: keys (p - sliding_window, p] only; cap * tanh(score / cap).
+        self.sliding_window = sliding_window or None
+        self.logits_soft_cap = logits_soft_cap or None
         # Quantized KV cache scales (stored = round(x / scale)); 1.0 for a cache in model dtype.
         self.k_scale = 1.0
         self.v_scale = 1.0
