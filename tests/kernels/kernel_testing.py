@@ -86,7 +86,14 @@ class PagedBatch:
             num_decodes=num_decodes,
         )
 
-    def reference(self, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def reference(
+        self,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> torch.Tensor:
         """The oracle's output for this batch over its current cache, float32."""
         return ref_paged_attention(
             self.q,
@@ -97,6 +104,8 @@ class PagedBatch:
             scale,
             k_scale,
             v_scale,
+            sliding_window,
+            soft_cap,
         )
 
 
@@ -159,8 +168,12 @@ def ref_paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's query rows over its paged keys, in float32."""
+    """Causal attention of each request's query rows over its paged keys, in float32; with
+    `sliding_window` a query at position p sees keys (p - window, p] only, with `soft_cap`
+    scores s become cap * tanh(s / cap)."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -174,8 +187,12 @@ def ref_paged_attention(
         v = v.repeat_interleave(group, dim=1)
         qb = q[start : start + ql].float()  # [ql, heads, d]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(sl - ql, sl, device=q.device)
         visible = pos[None, :] <= q_pos[:, None]  # [ql, sl]
+        if sliding_window:
+            visible &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start : start + ql] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         start += ql

@@ -15,7 +15,12 @@ import dataclasses
 
 import torch
 
-from pagoda.attention.backend import AttentionBackend, AttentionLayer
+from pagoda.attention.backend import (
+    AttentionBackend,
+    AttentionLayer,
+    sliding_window_of,
+    soft_cap_of,
+)
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.triton.common import QUANT_NONE, cache_quant_mode
 from pagoda.attention.triton.reshape_and_cache import (
@@ -56,7 +61,9 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is None or kv_cache.numel() == 0:
             out = self._new_out(q, attn_metadata)
-            return self._forward_without_cache(q, k, v, out, attn_metadata, scale)
+            return self._forward_without_cache(
+                q, k, v, out, attn_metadata, scale, sliding_window_of(layer), soft_cap_of(layer)
+            )
         return self._write_and_attend(layer, q, k, v, kv_cache, attn_metadata, scale)
 
     def forward_with_rope(
@@ -100,7 +107,17 @@ class TritonAttentionBackend(AttentionBackend):
             rotary_embedding_and_cache(
                 positions, q, k, v, cos_sin_cache, kv_cache, md.slot_mapping, n, k_scale, v_scale
             )
-        return unified_attention(q, kv_cache, out, md, scale, k_scale, v_scale)
+        return unified_attention(
+            q,
+            kv_cache,
+            out,
+            md,
+            scale,
+            k_scale,
+            v_scale,
+            sliding_window=sliding_window_of(layer),
+            soft_cap=soft_cap_of(layer),
+        )
 
     @staticmethod
     def _new_out(q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -117,6 +134,8 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         # Every request starts at position 0 and sees only its own rows: row t of the step is
         # "block" t of a block-size-1 cache, and request b's block table is its row range.
@@ -130,4 +149,6 @@ class TritonAttentionBackend(AttentionBackend):
         self_md = dataclasses.replace(
             md, seq_lens=(qsl[1:] - qsl[:-1]).to(torch.int32), block_tables=block_tables
         )
-        return unified_attention(q, cache, out, self_md, scale)
+        return unified_attention(
+            q, cache, out, self_md, scale, sliding_window=window, soft_cap=soft_cap
+        )

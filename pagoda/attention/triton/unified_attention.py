@@ -61,13 +61,14 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.con
 
 @triton.jit
 def _load_kv_tile(
-    kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+    kv_cache_ptr, bt_row, j, kv_start, kv_end, offs_t, offs_d, d_ok, kv_head_off,
     stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr,
 ):  # fmt: skip
     """K^T [HEAD_SIZE_PADDED, TILE_SIZE] and V [TILE_SIZE, HEAD_SIZE_PADDED] of key tile j, as
-    stored (tokens at or past kv_end read as 0)."""
+    stored (tokens before kv_start or at or past kv_end read as 0, their blocks not looked up:
+    a sliding window's blocks before kv_start may be freed)."""
     k_pos = j * TILE_SIZE + offs_t
-    k_ok = k_pos < kv_end
+    k_ok = (k_pos >= kv_start) & (k_pos < kv_end)
     # A tile may span several cache blocks: look up each token's physical block.
     blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
     slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot + kv_head_off
@@ -99,6 +100,8 @@ def _unified_attention_kernel(
     segm_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] float32
     qk_scale,  # softmax scale * log2(e): exp2 is the cheap exponential on the GPU
     num_reqs,
+    sliding_window,  # USE_WINDOW: a query at position p sees keys (p - sliding_window, p]
+    soft_cap,  # USE_SOFT_CAP: scores s become soft_cap * tanh(s / soft_cap) (Gemma 2)
     stride_q_tok: tl.int64,
     stride_q_head: tl.int64,
     stride_o_tok: tl.int64,
@@ -122,6 +125,8 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -163,13 +168,19 @@ def _unified_attention_kernel(
     # Keys any row of this block can see (exclusive end), in tiles.
     kv_end = context_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_SIZE)
+    kv_start = 0
+    if USE_WINDOW:
+        # Keys before the block's first row's window are never read (the KV cache manager may
+        # have freed their blocks), nor are the tiles wholly before it.
+        kv_start = tl.maximum(context_len + q_block_local * BLOCK_Q - sliding_window + 1, 0)
+    first_tile = kv_start // TILE_SIZE
     if IS_SPLIT:
-        # Segments cut the request's whole key range so every q block of it agrees.
-        tiles_per_segm = tl.cdiv(tl.cdiv(seq_len, TILE_SIZE), NUM_SEGMENTS)
-        tile_lo = segm * tiles_per_segm
+        # Segments cut the request's key range from its first tile to its end.
+        tiles_per_segm = tl.cdiv(tl.cdiv(seq_len, TILE_SIZE) - first_tile, NUM_SEGMENTS)
+        tile_lo = first_tile + segm * tiles_per_segm
         tile_hi = tl.minimum(tile_lo + tiles_per_segm, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
 
     # A quantized cache's per-layer scales are applied outside the loop (the K scale with
@@ -186,7 +197,7 @@ def _unified_attention_kernel(
         k_pos = j * TILE_SIZE + offs_t
         k_ok = k_pos < kv_end
         k, v = _load_kv_tile(
-            kv_cache_ptr, bt_row, j, kv_end, offs_t, offs_d, d_ok, kv_head_off,
+            kv_cache_ptr, bt_row, j, kv_start, kv_end, offs_t, offs_d, d_ok, kv_head_off,
             stride_c_kv, stride_c_blk, stride_c_slot, BLOCK_SIZE, TILE_SIZE,
         )  # fmt: skip
         # Exact for int8, fp8 and the model dtype itself. fp8 -> fp16 is one instruction per
@@ -197,7 +208,13 @@ def _unified_attention_kernel(
         v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_SIZE]
+        if USE_SOFT_CAP:
+            # cap * tanh(s / cap) on the natural-log scores, tanh(x) = 2 sigmoid(2x) - 1.
+            x = s * 0.6931471805599453 / soft_cap  # ln(2): back to natural log
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * 1.4426950408889634
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -248,7 +265,7 @@ def _reduce_segments_kernel(
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     row_off = (tok * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
     m = tl.load(segm_max_ptr + row_off)
-    m_all = tl.max(m, axis=0)  # finite: key 0 is visible to every row, in segment 0
+    m_all = tl.max(m, axis=0)  # finite: each row sees its own key, in some segment
     w = tl.exp2(m - m_all)  # empty segments (-inf) weigh 0
     denom = tl.sum(tl.load(segm_sum_ptr + row_off) * w, axis=0)
     acc = tl.load(segm_out_ptr + row_off[:, None] * HEAD_SIZE_PADDED + offs_d[None, :])
@@ -311,6 +328,8 @@ def unified_attention(
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
     cuda_decode_kernel: bool | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over the paged cache (which already holds this step's K/V).
 
@@ -322,7 +341,10 @@ def unified_attention(
     `num_warps` / `num_stages` Triton's launch settings; `heads_fastest` launches the KV heads
     of a q block side by side (the default) or q blocks fastest. `cuda_decode_kernel`: decode
     steps take `pagoda.attention.cuda.paged_decode` where it supports them (None, the default),
-    always (True: an error where it cannot) or never (False). Returns `out`.
+    always (True: an error where it cannot) or never (False; also whenever `sliding_window` or
+    `soft_cap` is set, which it does not implement). `sliding_window`: a query at position p
+    sees keys (p - window, p] only; `soft_cap`: scores s become cap * tanh(s / cap) before the
+    softmax. Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -379,6 +401,11 @@ def unified_attention(
         segm_sum = torch.empty_like(segm_max)
     else:
         segm_out = segm_max = segm_sum = out  # unused placeholders
+    sliding_window, soft_cap = sliding_window or None, soft_cap or None
+    if sliding_window is not None or soft_cap is not None:
+        if cuda_decode_kernel:
+            raise ValueError("the CUDA decode kernel has no sliding window or soft cap")
+        cuda_decode_kernel = False
     kernel = _cuda_decode_kernel(cuda_decode_kernel, q, kv_cache, out, attn_metadata)
     if kernel is not None:
         ks, vs = (k_scale_t, v_scale_t) if quant else (_ones(dev), _ones(dev))
@@ -414,6 +441,8 @@ def unified_attention(
             segm_sum,
             scale * 1.4426950408889634,  # log2(e)
             num_reqs,
+            sliding_window or 0,
+            soft_cap or 0.0,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -438,6 +467,8 @@ def unified_attention(
             # bf16 q over a quantized cache: the dots in fp16 (q's range fits; more mantissa).
             FP16_DOTS=bool(quant) and q.dtype == torch.bfloat16,
             HEADS_FASTEST=heads_fastest,
+            USE_WINDOW=sliding_window is not None,
+            USE_SOFT_CAP=soft_cap is not None,
             **{k: v for k, v in launch.items() if v is not None},
         )
     if split_kv:
