@@ -90,8 +90,13 @@ class CacheConfig:
     cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    # The model's sliding window when every layer uses one (from the checkpoint): the KV cache
+    # manager frees a request's blocks behind it.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.block_size <= 0 or self.block_size % 8 != 0 and self.block_size not in (1, 2, 4):
             raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -7,7 +7,16 @@ full block of a request (prompt or generated tokens) is entered into the prefix 
 as the step that fills it is scheduled, so a request admitted later in the same step can
 already hit it. That relies on one contract with the attention backends, the one vLLM has:
 within a layer, the K/V of every scheduled token is written to the cache before any request
-of the step reads the cache. Torch-free.
+of the step reads the cache.
+
+With a sliding window that every layer uses (`sliding_window`, Mistral), a request only ever
+reads its last `sliding_window` positions, so blocks wholly before the window of its next query
+are freed as it advances (as vLLM v1's SlidingWindowManager does) and its table holds the null
+block there: its KV memory is bounded by the window, not the context. Freed blocks stay in the
+prefix cache until evicted. A prefix hit is still found from the first block on, every block
+verified against its parent, so a hit needs the whole chain still cached (vLLM also accepts a
+hit whose early blocks were evicted; that would trust the hash of the evicted part); the hit
+blocks before the new request's window are not held. Torch-free.
 """
 
 from __future__ import annotations
@@ -29,10 +38,15 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         max_model_len: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
+        # Every layer attends only to keys (p - sliding_window, p]: blocks before it are freed.
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -104,7 +118,53 @@ class KVCacheManager:
             blocks.append(block)
             assert block.cache_seq is not None
             parent_seq = block.cache_seq
-        return blocks, len(blocks) * bs
+        num_hit_tokens = len(blocks) * bs
+        # Blocks the request's first computed token cannot see are not held; the last one is
+        # (the chain of blocks cached after it continues from its cache_seq).
+        for i in range(min(self._num_skipped_blocks(num_hit_tokens), len(blocks) - 1)):
+            blocks[i] = self.block_pool.null_block
+        return blocks, num_hit_tokens
+
+    # ---- sliding window -----------------------------------------------------------------
+
+    def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at position >= num_computed_tokens can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Free the request's blocks that left the window of its next query (at position
+        num_computed_tokens), leaving the null block in their place in its table."""
+        num_skipped = self._num_skipped_blocks(num_computed_tokens)
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not num_skipped or not blocks:
+            return
+        if self.enable_caching:
+            # Not before they are cached (accepted draft tokens fill blocks the step after).
+            num_skipped = min(num_skipped, self.num_cached_blocks[request.request_id])
+        block_ids = self.req_to_block_ids[request.request_id]
+        null = self.block_pool.null_block
+        removed = []
+        # Walk back from the last skipped block: the ones before it were freed earlier.
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            removed.append(blocks[i])
+            blocks[i] = null
+            block_ids[i] = null.block_id
+        # The oldest first: they are evicted before the newer ones.
+        self.block_pool.free_blocks(reversed(removed))
+
+    def max_blocks_per_request(self, max_tokens: int, max_tokens_per_step: int) -> int:
+        """Blocks one request holds at most, for up to `max_tokens` tokens scheduled at most
+        `max_tokens_per_step` at a time: bounded by the window when there is one."""
+        needed = cdiv(max_tokens, self.block_size)
+        if self.sliding_window is None:
+            return needed
+        # The window's blocks before the step's first token, the step's, one partial each end.
+        span = self.sliding_window - 1 + max_tokens_per_step
+        return min(needed, cdiv(span, self.block_size) + 1)
 
     # ---- allocation ---------------------------------------------------------------------
 
@@ -131,6 +191,8 @@ class KVCacheManager:
                 f"request {rid} already holds blocks; a prefix hit is only for new ones"
             )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if req_blocks:
+            self.remove_skipped_blocks(request, num_computed)
         num_tokens_need_slot = min(
             num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
@@ -138,7 +200,9 @@ class KVCacheManager:
         num_new_blocks = max(0, cdiv(num_tokens_need_slot, self.block_size) - num_held)
         pool = self.block_pool
         # Hit blocks that are free right now stop counting as free once they are held.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(
+            1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not pool.null_block
+        )
         if num_new_blocks > pool.num_free_blocks - num_evictable_hits:
             return None
 
@@ -153,7 +217,7 @@ class KVCacheManager:
         block_ids = self.req_to_block_ids[rid]
         if new_computed_blocks:
             # Touch before taking new blocks, so the hits cannot be evicted by that take.
-            pool.touch(new_computed_blocks)
+            pool.touch(b for b in new_computed_blocks if b is not pool.null_block)
             req_blocks.extend(new_computed_blocks)
             block_ids.extend(b.block_id for b in new_computed_blocks)
             self.num_cached_blocks[rid] = len(new_computed_blocks)
@@ -175,6 +239,7 @@ class KVCacheManager:
         return new_block_ids
 
     def _cache_blocks(self, request: Request, num_full_blocks: int) -> None:
+        # A block is cached by the step that fills it, before it can leave any window.
         rid = request.request_id
         self.update_block_hashes(request)
         self._chain_seq[rid] = self.block_pool.cache_full_blocks(

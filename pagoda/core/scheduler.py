@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import (
@@ -51,6 +51,7 @@ class Scheduler:
             cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             max_model_len=scheduler_config.max_model_len,
+            sliding_window=cache_config.sliding_window,
         )
         # Every unfinished request, by id.
         self.requests: dict[str, Request] = {}
@@ -78,7 +79,7 @@ class Scheduler:
             )
         # A request that cannot fit in the whole cache alone would be preempted forever.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        needed = cdiv(max_len, self.block_size)
+        needed = self.kv_cache_manager.max_blocks_per_request(max_len, self.max_num_batched_tokens)
         if needed > self.kv_cache_manager.num_total_blocks:
             raise ValueError(
                 f"request {rid!r} needs up to {needed} KV blocks of {self.block_size} tokens but "

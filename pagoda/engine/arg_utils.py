@@ -214,6 +214,8 @@ class EngineArgs:
                     f"quantization={quantization!r} but {model} is a {ckpt_method!r} checkpoint"
                 )
             quantization = ckpt_method
+        from pagoda.model.loader.hf_config import kv_cache_sliding_window
+
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, hf_config, device)
         if device == "cpu" and self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
@@ -235,7 +237,7 @@ class EngineArgs:
                 served_model_name=self.served_model_name,
                 skip_tokenizer_init=self.skip_tokenizer_init,
             ),
-            cache_config=self._cache_config(),
+            cache_config=self._cache_config(kv_cache_sliding_window(hf_config)),
             scheduler_config=self._scheduler_config(
                 max_model_len,
                 device == "cuda" if self.async_scheduling is None else self.async_scheduling,
@@ -249,7 +251,7 @@ class EngineArgs:
             speculative_config=self._speculative_config(),
         )
 
-    def _cache_config(self) -> CacheConfig:
+    def _cache_config(self, sliding_window: int | None = None) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -257,6 +259,7 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            sliding_window=sliding_window,
         )
 
     def _scheduler_config(self, max_model_len: int, async_scheduling: bool) -> SchedulerConfig:

@@ -47,6 +47,7 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -55,7 +56,11 @@ def make_scheduler(
         policy=policy,
         enable_chunked_prefill=enable_chunked_prefill,
     )
-    cache_cfg = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    cache_cfg = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        sliding_window=sliding_window,
+    )
     return Scheduler(sched_cfg, cache_cfg, num_blocks)
 
 
@@ -73,11 +78,14 @@ class FakeModelRunner:
     every position a request attends to holds the right key, and samples random tokens.
 
     Like a real backend it writes all of a step's K/V before reading any (the contract the
-    prefix cache relies on when a block cached this step is hit in the same step).
+    prefix cache relies on when a block cached this step is hit in the same step). With a
+    sliding window it reads, as the backends do, only the positions (p - window, p] of each
+    query p: the blocks wholly before them may be the null block.
     """
 
     def __init__(self, scheduler: Scheduler, vocab: int = 50, seed: int = 0, accept_p: float = 0.7):
         self.block_size = scheduler.block_size
+        self.window = scheduler.kv_cache_manager.sliding_window
         self.kv: dict[int, dict[int, int]] = {}
         self.rng = random.Random(seed)
         self.vocab = vocab
@@ -100,13 +108,14 @@ class FakeModelRunner:
             assert start + n <= len(tokens), (req, start, n)
             keys = _prefix_keys(tokens[: start + n])
             table = out.block_ids[rid]
-            assert NULL_BLOCK_ID not in table
+            assert NULL_BLOCK_ID not in table[self._first_read(start) // bs :]
             for pos in range(start, start + n):
                 self.kv.setdefault(table[pos // bs], {})[pos % bs] = keys[pos]
             steps.append((req, start, n, keys, table))
         sampled: dict[str, list[int]] = {}
         for req, start, n, keys, table in steps:
-            for pos in range(start + n):  # causal attention reads the prefix and this chunk
+            # Causal attention reads the prefix (its window) and this chunk.
+            for pos in range(self._first_read(start), start + n):
                 assert self.kv[table[pos // bs]][pos % bs] == keys[pos], (req, pos)
             if start + n >= req.num_tokens + len(self.in_flight.get(req.request_id, [])):
                 accepted = []
@@ -118,6 +127,9 @@ class FakeModelRunner:
         for rid, tokens in sampled.items():
             self.in_flight.setdefault(rid, []).extend(tokens)
         return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=sampled)
+
+    def _first_read(self, first_position: int) -> int:
+        return max(0, first_position - self.window + 1) if self.window else 0
 
     def delivered(self, output: ModelRunnerOutput) -> None:
         """The scheduler has processed `output`: its tokens are no longer in flight."""
@@ -133,12 +145,14 @@ def check_block_invariants(scheduler: Scheduler) -> None:
     assert len(free) == pool.num_free_blocks
     assert len({b.block_id for b in free}) == len(free)
     assert all(b.ref_cnt == 0 and b.block_id != NULL_BLOCK_ID for b in free)
+    # A sliding window leaves the null block where a request's blocks were freed.
     held = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    held.pop(NULL_BLOCK_ID, None)
     for block in pool.blocks[1:]:
         assert block.ref_cnt == held.get(block.block_id, 0), block
     num_used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
     assert num_used + pool.num_free_blocks == pool.num_total_blocks
-    assert sum(b.ref_cnt for b in pool.blocks[1:]) == sum(len(v) for v in kv.req_to_blocks.values())
+    assert sum(b.ref_cnt for b in pool.blocks[1:]) == sum(held.values())
     # Only running requests hold blocks, and each holds enough for what it computed.
     running = {r.request_id: r for r in scheduler.running}
     assert set(kv.req_to_blocks) <= set(running)

@@ -61,6 +61,7 @@ def workloads(draw):
         spec_p=draw(st.sampled_from([0.0, 0.5])),
         seed=draw(st.integers(0, 2**16)),
         async_scheduling=draw(st.booleans()),
+        sliding_window=draw(st.sampled_from([None, None, 1, 3, 8])),
     )
 
 
@@ -75,6 +76,7 @@ def run_workload(w: dict) -> None:
         policy=w["policy"],
         enable_chunked_prefill=w["chunked"],
         enable_prefix_caching=w["caching"],
+        sliding_window=w.get("sliding_window"),
     )
     runner = FakeModelRunner(sched, vocab=VOCAB, seed=w["seed"])
     families = [[rng.randrange(VOCAB) for _ in range(w["max_model_len"])] for _ in range(3)]

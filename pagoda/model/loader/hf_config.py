@@ -108,3 +108,39 @@ def estimated_weight_bytes(config: Mapping[str, Any], bytes_per_param: int) -> i
     per_layer += 3 * hidden * config["intermediate_size"]
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     return (embeddings + config["num_hidden_layers"] * per_layer) * bytes_per_param
+
+
+def layer_sliding_windows(config: Mapping[str, Any]) -> list[int | None]:
+    """Each layer's sliding window (a query at p sees keys (p - window, p]), None for a layer
+    with full attention, as Hugging Face reads the config: `layer_types` where the config lists
+    them, else Gemma 2's alternation (even layers local), Gemma 3's `sliding_window_pattern`
+    (every n-th layer global), Qwen2/3's `use_sliding_window` from `max_window_layers` on, and
+    every layer otherwise (Mistral, Phi-3)."""
+    num_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return [None] * num_layers
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    arch = (config.get("architectures") or [""])[0]
+    if arch.startswith("Gemma2"):
+        return [window if i % 2 == 0 else None for i in range(num_layers)]
+    if arch.startswith("Gemma3"):
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        return [window if (i + 1) % pattern else None for i in range(num_layers)]
+    if arch.startswith("Qwen"):
+        if not config.get("use_sliding_window"):
+            return [None] * num_layers
+        first = int(config.get("max_window_layers") or 0)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers
+
+
+def kv_cache_sliding_window(config: Mapping[str, Any]) -> int | None:
+    """The window every layer attends within (the KV cache manager frees blocks behind it),
+    or None when some layer attends to the whole context."""
+    windows = layer_sliding_windows(config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
