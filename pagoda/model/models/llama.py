@@ -1,6 +1,7 @@
 """The Llama-family decoder (Touvron et al. 2023): Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3.
 
-One set of blocks with flags read from the config: bias on the q/k/v projections (Qwen2),
+One set of blocks with flags read from the config: each layer's sliding window (Mistral; Qwen2
+with `use_sliding_window`; `layer_sliding_windows`), bias on the q/k/v projections (Qwen2),
 on o_proj (Llama's `attention_bias`), on the MLP (`mlp_bias`), per-head RMSNorm of q and k
 before RoPE (Qwen3), tied input/output embeddings. GQA/MQA come from `num_key_value_heads`.
 Projections are fused (qkv_proj, gate_up_proj); `packed_modules_mapping` tells the loader which
@@ -32,6 +33,7 @@ from pagoda.model.layers.linear import (
 )
 from pagoda.model.layers.rotary_embedding import get_rope
 from pagoda.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.model.loader.hf_config import layer_sliding_windows
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,13 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
         self.attn = Attention(
-            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_idx, attn_backend
+            self.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.num_kv_heads,
+            layer_idx,
+            attn_backend,
+            sliding_window=layer_sliding_windows(cfg)[layer_idx],
         )
         # RoPE by the fused kernel on CUDA (with the cache write on the Triton backend) / the C
         # op on CPU (the rotary module is shared by all layers and models with the same table,
@@ -214,14 +222,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = hf_config
-        window = hf_config.get("sliding_window")
-        if window and hf_config.get("use_sliding_window", True):
-            logger.warning(
-                "sliding_window=%s is ignored: attention spans the whole context, so outputs "
-                "differ from the reference past %s tokens",
-                window,
-                window,
-            )
         attn_backend = attn_backend or get_attn_backend("cpu", "torch")
         self.model = LlamaModel(hf_config, self.flags(hf_config), linear_method, attn_backend)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
