@@ -139,6 +139,33 @@ class Tokenizer:
             name_or_path=path,
         )
 
+    def save_pretrained(
+        self, path: str | os.PathLike[str], model_max_length: int | None = None
+    ) -> None:
+        """Write tokenizer.json and tokenizer_config.json (special tokens, chat template) into
+        the directory `path`, which `from_pretrained` (and transformers) read back to the same
+        ids: how a checkpoint quantized from a GGUF file carries its tokenizer."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self.backend.save(os.path.join(path, "tokenizer.json"))
+        config: dict[str, Any] = {
+            **self.special_tokens_map,
+            # What the saved post-processor does, for readers that look here (transformers v4).
+            "add_bos_token": self._post_processor_adds(self.bos_token_id),
+            "add_eos_token": self._post_processor_adds(self.eos_token_id),
+            "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+
+    def _post_processor_adds(self, token_id: int | None) -> bool:
+        return token_id is not None and token_id in self.backend.encode("a").ids
+
     # ---- ids and text ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -34,6 +34,7 @@ from torch import nn
 
 from pagoda.model.quantization.calibration import FullModelCalibration, LayerwiseCalibration
 from pagoda.model.quantization.checkpoint import (
+    layer_progress,
     load_calibration_model,
     shard_columns,
     unquantized_tensors,
@@ -42,6 +43,7 @@ from pagoda.model.quantization.checkpoint import (
 from pagoda.model.quantization.formats import pack_awq
 
 GRID = 20  # alpha in {0, 1/20, ..., 19/20}; clip ratios 1 - i/20 for i < 10
+BLOCK_SEARCH_TOKENS = 1024  # calibration tokens of gate/up's MLP-scored scale search
 # The linears of a decoder layer (Pagoda's fused modules) and the op before each one.
 GROUPS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -60,9 +62,9 @@ def _group_slices(k: int, group_size: int) -> list[slice]:
 
 
 def _rtn_group(block: torch.Tensor, qmax: int) -> tuple[torch.Tensor, ...]:
-    """AutoAWQ's round-to-nearest of one group [N, G]: (q, zero, scale), each row's scale
+    """AutoAWQ's round-to-nearest of one group [..., G]: (q, zero, scale), each row's scale
     (max - min) / qmax rounded to float16, zero = -round(min / scale); w ~= (q - zero) * scale."""
-    lo, hi = block.amin(dim=1, keepdim=True), block.amax(dim=1, keepdim=True)
+    lo, hi = block.amin(dim=-1, keepdim=True), block.amax(dim=-1, keepdim=True)
     scale = ((hi - lo).clamp_min(1e-5) / qmax).half().float().clamp_min(6e-8)
     zero = torch.clamp(-torch.round(lo / scale), 0, qmax)
     q = torch.clamp(torch.round(block / scale) + zero, 0, qmax)
@@ -93,8 +95,13 @@ def fake_quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128) ->
     """`quantize_rtn(...).dequantized` without the integer tensors (the search's inner step)."""
     w = weight.float()
     qmax = (1 << bits) - 1
+    n, k = w.shape
+    g = k if group_size in (-1, 0) else group_size
+    if k % g == 0:  # every group at once: [N, K/G, G] (the elementwise ops are the same)
+        q, zero, scale = _rtn_group(w.reshape(n, k // g, g), qmax)
+        return ((q - zero) * scale).reshape(n, k)
     out = torch.empty_like(w)
-    for cols in _group_slices(w.shape[1], group_size):
+    for cols in _group_slices(k, group_size):
         q, zero, scale = _rtn_group(w[:, cols], qmax)
         out[:, cols] = (q - zero) * scale
     return out
@@ -142,8 +149,21 @@ def search_scale(
     MLP's output) or the identity. alpha = 0 of the first family, plain round-to-nearest,
     comes first and wins ties."""
     x, w = x.float(), weight.float()
-    f = block or (lambda h: h)
-    y = f(x @ w.t())
+    if block is None:
+        # mean((x D^T)^2) = sum((D H) * D) / (n N), H = x^T x, D = W' - W: a [N, K] x [K, K]
+        # product per candidate instead of [n, K] x [K, N] (n tokens > K inputs here).
+        gram = x.t() @ x
+        scale_err = 1.0 / (x.shape[0] * w.shape[0])
+
+        def error(approx: torch.Tensor) -> float:
+            d = approx - w
+            return float(((d @ gram) * d).sum()) * scale_err
+    else:
+        y = block(x @ w.t())
+
+        def error(approx: torch.Tensor) -> float:
+            return float((block(x @ approx.t()) - y).pow(2).mean())
+
     x_mean = x.abs().mean(dim=0)
     w_mean = _weight_mean(w, group_size) if duo_scaling else None
     errors, candidates = [], []
@@ -155,7 +175,7 @@ def search_scale(
             s = s.clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()
             approx = fake_quantize(w * s, bits, group_size) / s
-            errors.append(float((f(x @ approx.t()) - y).pow(2).mean()))
+            errors.append(error(approx))
             candidates.append((s, i / grid, duo))
     best = min(range(len(errors)), key=errors.__getitem__)  # the first of equals
     s, alpha, duo = candidates[best]
@@ -328,8 +348,13 @@ def awq_layer(
     for name in GROUPS:
         if name == "self_attn.o_proj" and not _o_proj_foldable(layer):
             continue
-        block = mlp_output(layer) if name == "mlp.gate_up_proj" else None
-        scales[name] = search_scale(xs[name], originals[name], bits, group_size, block=block).scales
+        x, block = xs[name], None
+        if name == "mlp.gate_up_proj":
+            # Scored on the MLP's output: two full products per candidate, where the other
+            # groups need one [N, K] x [K, K] (search_scale's Gram form); the most calibration
+            # time by far, so it sees fewer tokens (the choice of one alpha among 40 is stable).
+            x, block = _subsample(x, BLOCK_SEARCH_TOKENS), mlp_output(layer)
+        scales[name] = search_scale(x, originals[name], bits, group_size, block=block).scales
     fold_scales(layer, scales)
     out: dict[str, tuple[RTNResult, float, float]] = {}
     attn = layer.self_attn
@@ -390,7 +415,7 @@ def awq_quantize(
             if any(n % 8 for n in layer.get_submodule(name).output_partition_sizes):
                 raise ValueError(f"AWQ needs output sizes divisible by 8 ({name})")
     calib = LayerwiseCalibration(model, sequences)
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(layer_progress(layers, "AWQ")):
         inputs = _calibration_inputs(calib)
         results = awq_layer(layer, inputs, bits, group_size, clip, max_tokens)
         del inputs
@@ -434,5 +459,5 @@ def quantize_model_awq(
         "zero_point": True,
         "version": "gemm",
     }
-    write_checkpoint(output_dir, hf_config, quantization_config, tensors)
+    write_checkpoint(output_dir, hf_config, quantization_config, tensors, source=model_path)
     return errors

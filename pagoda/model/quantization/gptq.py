@@ -20,7 +20,6 @@ that order, each on the layer with the earlier ones quantized (AutoGPTQ's true_s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from pagoda.model.quantization.checkpoint import (
+    layer_progress,
     load_calibration_model,
     shard_columns,
     unquantized_tensors,
@@ -237,7 +237,7 @@ def quantize_model(
     if list(stages) != [f"model.layers.{i}" for i in range(len(calib.layers))]:
         raise ValueError(f"GPTQ here quantizes decoder layers' linears only, got {list(stages)}")
     results: list[tuple[str, nn.Module, GPTQResult]] = []
-    for group in stages.values():
+    for group in layer_progress(list(stages.values()), method.upper()):
         # Within the layer too, in order (AutoGPTQ's true_sequential): q/k/v, o, gate/up and
         # down each get their Hessian from the layer whose earlier linears are quantized.
         for name, module in group:
@@ -275,7 +275,7 @@ def quantize_model(
         "checkpoint_format": "gptq",
         "damp_percent": 0.01,
     }
-    write_checkpoint(output_dir, hf_config, quantization_config, tensors)
+    write_checkpoint(output_dir, hf_config, quantization_config, tensors, source=model_path)
     return errors
 
 
@@ -384,6 +384,4 @@ def cmd_quantize(args: Any) -> int:
         f"{sum(len(s) for s in sequences)} calibration tokens; relative output error "
         f"{ours:.2e} (round-to-nearest: {rtn_mean:.2e}); wrote {args.output}"
     )
-    if not os.path.exists(os.path.join(args.output, "tokenizer.json")) and model.endswith(".gguf"):
-        print(f"(the tokenizer stays in the source: pass --tokenizer {model} when loading)")
     return 0
