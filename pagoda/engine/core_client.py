@@ -29,6 +29,7 @@ from pagoda.engine.engine_core import (
     CoreReport,
     CoreStopped,
     EngineCoreLoop,
+    PromptRestorer,
     Stop,
     run_engine_core_process,
 )
@@ -225,11 +226,12 @@ class ProcessCore:
 
     def _recv_loop(self) -> None:
         error: BaseException | None = None
+        restore = PromptRestorer()
         try:
             while True:
                 msg = self._conn.recv()
                 if isinstance(msg, CoreReport):
-                    self._on_report(msg)
+                    self._on_report(restore(msg))
                 elif isinstance(msg, CoreDead):
                     error = msg.error
                     break

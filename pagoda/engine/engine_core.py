@@ -161,6 +161,52 @@ class EngineCoreLoop:
                 return
 
 
+# ---- the pipe between the processes ----
+class PromptElider:
+    """Sending side: a request's prompt (text and token ids) travels with its first output
+    only. Streaming outputs (DELTA) are one per request and step, and re-sending every prompt
+    each step made the prompts most of a step's report: at 256 running requests of ~230 prompt
+    tokens, 5.6x the bytes and ~3x the pickling time of the rest, on the engine core's thread."""
+
+    def __init__(self) -> None:
+        self._sent: set[str] = set()
+
+    def __call__(self, report: CoreReport) -> CoreReport:
+        sent = self._sent
+        for out in report.outputs:
+            rid = out.request_id
+            if rid in sent:
+                out.prompt, out.prompt_token_ids = None, None
+            if out.finished:
+                sent.discard(rid)
+            elif rid not in sent:
+                sent.add(rid)
+        for rid in (*report.aborted, *report.expired):
+            sent.discard(rid)
+        return report
+
+
+class PromptRestorer:
+    """Receiving side of `PromptElider`: puts each request's prompt back on its later outputs."""
+
+    def __init__(self) -> None:
+        self._prompts: dict[str, tuple[Any, list[int]]] = {}
+
+    def __call__(self, report: CoreReport) -> CoreReport:
+        prompts = self._prompts
+        for out in report.outputs:
+            rid = out.request_id
+            if out.prompt_token_ids is None and rid in prompts:
+                out.prompt, out.prompt_token_ids = prompts[rid]
+            elif not out.finished:
+                prompts[rid] = (out.prompt, out.prompt_token_ids)
+            if out.finished:
+                prompts.pop(rid, None)
+        for rid in (*report.aborted, *report.expired):
+            prompts.pop(rid, None)
+        return report
+
+
 # ---- the child process ----
 def run_engine_core_process(
     conn: Any,
@@ -208,7 +254,8 @@ def run_engine_core_process(
         return cmds
 
     try:
-        EngineCoreLoop(engine, get_commands, conn.send, max_queue_delay_s).run()
+        elide = PromptElider()
+        EngineCoreLoop(engine, get_commands, lambda r: conn.send(elide(r)), max_queue_delay_s).run()
     except (BrokenPipeError, ConnectionResetError):
         raise SystemExit(0) from None  # the parent is gone
     except BaseException as e:  # noqa: BLE001 - any engine failure must reach the callers

@@ -76,12 +76,52 @@ def test_outputs_come_from_another_process(llm):
     assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 5
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert "".join(o.outputs[0].text for o in outs) == "defgh"  # as in the threaded engine
+    # The prompt crosses the pipe once (PromptElider) and is back on every output.
+    assert all(o.prompt_token_ids == outs[0].prompt_token_ids != [] for o in outs)
     child = llm._core.process
     assert child.is_alive() and child.pid != os.getpid()
     # The front end answers from its own copies of the tokenizer and the configs.
     assert llm.tokenizer.decode([ord("a")]) == "a"
     assert llm.model_config.max_model_len == 128
     assert llm.engine.config.cache_config.block_size == 16
+
+
+def test_prompts_cross_the_pipe_once_per_request():
+    import pickle
+
+    from pagoda.engine.engine_core import CoreReport, PromptElider, PromptRestorer
+    from pagoda.outputs import CompletionOutput, RequestOutput
+
+    def report(step: int, finished: set[str] = frozenset()) -> CoreReport:
+        outs = [
+            RequestOutput(
+                rid,
+                f"prompt {rid}",
+                list(range(300)),
+                None,
+                [CompletionOutput(0, "x", [step], None, None)],
+                rid in finished,
+            )  # fmt: skip
+            for rid in ("a", "b")
+        ]
+        return CoreReport(outputs=outs, stepped=True)
+
+    elide, restore = PromptElider(), PromptRestorer()
+    first = pickle.dumps(elide(report(0)))
+    later = pickle.dumps(elide(report(1, finished={"b"})))
+    assert len(later) < len(first) / 2
+    restore(pickle.loads(first))
+    outs = restore(pickle.loads(later)).outputs
+    assert [(o.prompt, o.prompt_token_ids) for o in outs] == [
+        ("prompt a", list(range(300))),
+        ("prompt b", list(range(300))),
+    ]
+    assert set(elide._sent) == set(restore._prompts) == {"a"}  # "b" finished
+    elide(CoreReport(aborted=["a"]))
+    restore(CoreReport(aborted=["a"]))
+    assert not elide._sent and not restore._prompts
+    # A request id used again after its end starts over with its prompt.
+    assert elide(report(3)).outputs[0].prompt_token_ids == list(range(300))
 
 
 def test_refused_request_is_a_value_error_and_the_core_keeps_serving(llm):
