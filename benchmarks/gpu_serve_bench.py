@@ -259,12 +259,40 @@ def part_idle(run: Run, srv: Server) -> dict[str, Any]:
     return out
 
 
+def py_spy_argv(run: Run, name: str) -> list[str] | None:
+    """`py-spy record` writing $OUT/<name>.txt as collapsed stacks, to be completed with
+    `--pid PID --duration S` or `-- CMD`; None where py-spy is missing or --profile is 0."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if not run.args.profile or exe is None:
+        return None
+    out = str(run.out / f"{name}.txt")
+    return [exe, "record", "--format", "raw", "--rate", "100", "--nonblocking", "--output", out]
+
+
+def py_spy(run: Run, pid: int, name: str) -> subprocess.Popen | None:
+    """Profile a running process for --profile seconds, in the background."""
+    argv = py_spy_argv(run, name)
+    if argv is None:
+        return None
+    argv += ["--pid", str(pid), "--duration", str(int(run.args.profile))]
+    log = open(run.out / "py_spy.log", "ab")  # noqa: SIM115 - the child keeps it
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=run.env)
+
+
 def part_inf(run: Run, srv: Server, name: str) -> dict[str, Any]:
     before = srv.cpu()
+    spies = [
+        py_spy(run, pid, f"profile_{name}_{who}{pid}")
+        for who, pid in (("api", srv.proc.pid), *(("core", p) for p in child_pids(srv.proc.pid)))
+    ]
     flags = ["--dataset-name", "lognormal", *mix_flags(run.mix), "--num-prompts",
              str(run.args.num_prompts_inf), "--request-rate", "inf", "--seed", "0"]  # fmt: skip
     out = bench_serve(run, srv, name, flags, CLIENT_BOX_S)
     after = srv.cpu()
+    for spy in filter(None, spies):
+        spy.wait(30)
     tokens = max(out["total_output_tokens"], 1)
     for k in ("api", "children"):
         cpu = after[k] - before[k]
@@ -381,6 +409,8 @@ def part_offline(run: Run) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", *engine_flags(run.args, True),
            "--dataset-name", "lognormal", *mix_flags(run.mix), "--num-prompts",
            str(run.args.num_prompts_inf), "--seed", "0", "--output-json", str(res)]  # fmt: skip
+    if spy := py_spy_argv(run, "profile_offline"):
+        cmd = [*spy, "--", *cmd]
     rc, _ = run_boxed(run, cmd, run.box(OFFLINE_BOX_S), run.out / "offline.log")
     if rc != 0 or not res.exists():
         raise RuntimeError(f"pagoda bench throughput exited with {rc} (offline.log)")
@@ -410,10 +440,13 @@ def main_parts(run: Run) -> None:
             run.part("c_idle", part_idle, run, srv)
         if "a" not in only:
             return
-        inf = run.part("a_inf", part_inf, run, srv, "a_inf")
-        if not inf:
-            return
-        run.sat = inf["request_throughput"]
+        if a.sat:
+            run.sat = a.sat  # the saturation rate from an earlier run
+        else:
+            inf = run.part("a_inf", part_inf, run, srv, "a_inf")
+            if not inf:
+                return
+            run.sat = inf["request_throughput"]
         for i, f in enumerate(fractions):
             run.part(f"a_rate_{f:g}", part_rate, run, srv, f"a_rate_{f:g}", f * run.sat, 100 + i)
         if "d" in only:
@@ -435,6 +468,13 @@ def main_parts(run: Run) -> None:
 
     if "f" in only:
         serve_parts(run, "fp8", ["--kv-cache-dtype", "fp8"], fp8, need=70)
+
+    if "t" in only and run.sat:
+        for variant in filter(None, a.long_variants.split(";")):
+            label, flags = variant.split(":", 1)
+            serve_parts(run, label, flags.split(), lambda srv, label=label: run.part(
+                f"d1_long_mix_{label}", part_long_mix, run, srv,
+                a.long_mix_fraction * run.sat, need=40), need=70)  # fmt: skip
 
 
 def table(run: Run) -> list[tuple[str, Any, str, str]]:
@@ -478,6 +518,15 @@ def table(run: Run) -> list[tuple[str, Any, str, str]]:
         ratio = d1["short_requests"]["p99_itl_ms"] / max(r["p99_itl_ms"], 1e-9)
         row("long mix: p99 ITL of the others ms", d1["short_requests"]["p99_itl_ms"])
         row("long mix / plain p99 ITL", round(ratio, 2), "<= 2", ratio <= 2)
+    base = p.get(f"a_rate_{run.args.long_mix_fraction:g}")
+    for key in [k for k in p if k.startswith("d1_long_mix_")] if base else []:
+        short, long = p[key]["short_requests"], p[key]["long_requests"]
+        ratio = short["p99_itl_ms"] / max(base["p99_itl_ms"], 1e-9)
+        label = key.removeprefix("d1_long_mix_")
+        row(f"long mix {label}: others' p99 ITL ms, x plain", f"{short['p99_itl_ms']}, "
+            f"{ratio:.2f}", "<= 2", ratio <= 2)  # fmt: skip
+        row(f"long mix {label}: output tok/s, long TTFT p50 ms",
+            f"{p[key]['all']['output_throughput']:.0f}, {long['p50_ttft_ms']}")  # fmt: skip
     on, off = p.get("d2_multi_turn_prefix_caching"), p.get("d2_multi_turn_no_prefix_caching")
     if on:
         row("multi-turn prefix-cache hit rate", on["prefix_cache_hit_rate"])
@@ -512,6 +561,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--turns", type=int, default=4)
     a("--conversations", type=int, default=48)
     a("--conversation-rate", type=float, default=8.0, help="conversations started per second")
+    a(
+        "--long-variants",
+        default="lpt1024:--long-prefill-token-threshold 1024;"
+        "lpt512:--long-prefill-token-threshold 512;mbt512:--max-num-batched-tokens 512",
+        help="part t: label:server flags;... each serving part d1's long mix again",
+    )
+    a("--sat", type=float, default=0.0, help="the saturation rate, req/s (skips the inf point)")
+    a(
+        "--profile",
+        type=float,
+        default=0.0,
+        help="py-spy the inf point's processes (s) and the offline run, where py-spy is installed",
+    )
     a("--mix-max-len", type=int, default=2048, help="the log-normal mix's prompt+output cap")
     a("--dry-run", action="store_true", help="small numbers on a CPU (with a tiny --model)")
     args = ap.parse_args(argv)
