@@ -124,6 +124,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
+    # With chunked prefill, a prompt longer than this is computed at most this many tokens per
+    # step (vLLM's long_prefill_token_threshold): short prompts still take the whole budget,
+    # while one long prompt no longer fills a step and stalls every running decode. 0: off.
+    long_prefill_token_threshold: int = 0
     # Schedule and launch step N+1 before step N's sampled tokens reach the host, so the
     # host's work overlaps the device's (`LLMEngine.step`). The engine turns it on for CUDA.
     async_scheduling: bool = False
@@ -134,6 +138,11 @@ class SchedulerConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0: off), got "
+                f"{self.long_prefill_token_threshold}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")

@@ -45,6 +45,11 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.policy = scheduler_config.policy
+        self.long_prefill_token_threshold = (
+            scheduler_config.long_prefill_token_threshold
+            if scheduler_config.enable_chunked_prefill
+            else 0
+        )
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -158,9 +163,11 @@ class Scheduler:
                 req_index += 1  # the token in flight is its last one
                 continue
             num_new_tokens = min(
-                request.num_tokens_with_spec
-                + request.num_output_placeholders
-                - request.num_computed_tokens,
+                self._chunk_cap(
+                    request.num_tokens_with_spec
+                    + request.num_output_placeholders
+                    - request.num_computed_tokens
+                ),
                 token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
@@ -213,7 +220,7 @@ class Scheduler:
                 )
                 if not chunked and num_new_tokens > token_budget:
                     break
-                num_new_tokens = min(num_new_tokens, token_budget)
+                num_new_tokens = min(self._chunk_cap(num_new_tokens), token_budget)
                 if kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks) is None:
                     break
                 self.waiting.pop()
@@ -259,6 +266,11 @@ class Scheduler:
             preempted_req_ids=preempted_req_ids,
             num_computed_tokens=num_computed_tokens,
         )
+
+    def _chunk_cap(self, num_new_tokens: int) -> int:
+        """A long prefill's share of one step (long_prefill_token_threshold, 0: no cap)."""
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and send it back to the front of the queue; it

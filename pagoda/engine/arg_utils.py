@@ -129,6 +129,7 @@ class EngineArgs:
     # Scheduler
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     # Execution
@@ -280,6 +281,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             async_scheduling=async_scheduling,
         )
 
@@ -337,6 +339,13 @@ class EngineArgs:
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=d.long_prefill_token_threshold,
+            help="with chunked prefill, compute a longer prompt at most this many tokens per "
+            "step, so running decodes keep their inter-token latency (0: off)",
+        )
         g.add_argument(
             "--scheduling-policy",
             "--scheduler-policy",

@@ -48,6 +48,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     sliding_window: int | None = None,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -55,6 +56,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         policy=policy,
         enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     cache_cfg = CacheConfig(
         block_size=block_size,

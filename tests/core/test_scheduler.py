@@ -74,6 +74,25 @@ def test_decodes_not_starved_by_long_prompt():
         assert [r.request_id for r in out.scheduled_requests][:3] == ["d0", "d1", "d2"]
 
 
+def test_long_prefill_token_threshold_caps_long_prompts_only():
+    sched = make_scheduler(max_num_batched_tokens=256, long_prefill_token_threshold=48)
+    sched.add_request(make_request("d", [1, 2], max_tokens=50))
+    step(sched)
+    sched.add_request(make_request("long", list(range(100)), max_tokens=5))
+    sched.add_request(make_request("short", list(range(500, 540)), max_tokens=5))
+    chunks, short = [], []
+    for _ in range(3):
+        out, results = step(sched)
+        assert out.num_scheduled_tokens["d"] == 1
+        chunks.append(out.num_scheduled_tokens["long"])
+        short.append(out.num_scheduled_tokens["short"])
+    assert chunks == [48, 48, 4]
+    assert short == [40, 1, 1]  # not longer than the threshold: computed whole
+    assert results["long"].new_token_ids == [7]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        make_scheduler(long_prefill_token_threshold=-1)
+
+
 def test_no_chunked_prefill_admits_only_whole_prompts():
     sched = make_scheduler(
         max_num_batched_tokens=100, max_model_len=100, enable_chunked_prefill=False
