@@ -7,9 +7,12 @@ import importlib
 from torch import nn
 
 _LLAMA = "pagoda.model.models.llama"
+_GEMMA = "pagoda.model.models.gemma"
 
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": (_GEMMA, "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": (_GEMMA, "Gemma3ForCausalLM"),
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),

@@ -30,6 +30,7 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+_GEMMA_ATTN_CAP, _GEMMA_FINAL_CAP = 1.0, 2.0
 # name -> (transformers config class, model class, overrides of TINY_CONFIG)
 TINY_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama_gqa_tied_llama3_rope": (
@@ -50,6 +51,30 @@ TINY_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     # A window shorter than the test prompts: the backends and the KV cache manager drop keys.
     "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Local layer 0 (window 8), global layer 1; caps low enough to change the logits.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=_GEMMA_ATTN_CAP,
+            final_logit_softcapping=_GEMMA_FINAL_CAP,
+            initializer_range=0.1,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            initializer_range=0.1,
+        ),
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }

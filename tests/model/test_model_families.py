@@ -1,6 +1,7 @@
-"""Newer model families end to end against `transformers`: Mistral with a sliding window (and,
-as they land, the other families of issue 19) through `LLM` with batching, chunked prefill and
-prefix caching on, prompts longer than any sliding window.
+"""Newer model families end to end against `transformers`: Mistral with a sliding window, Gemma 2
+(local/global layers, attention and final logit soft-caps) and Gemma 3 text (q/k norms, local
+RoPE base), through `LLM` with batching, chunked prefill and prefix caching on, prompts longer
+than any sliding window.
 
 Each checkpoint is a tiny random model written by transformers' own class (float32,
 safetensors). Greedy continuations must equal transformers' (`_hf_reference`), and the log-probability Pagoda
@@ -46,7 +47,7 @@ def _hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens[len(prompt) :], torch.log_softmax(logits, -1)
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding_window"])
+@pytest.mark.parametrize("case", ["mistral_sliding_window", "gemma2", "gemma3"])
 def test_engine_matches_transformers(tmp_path, case):
     from pagoda import LLM, SamplingParams
 
