@@ -295,6 +295,61 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return sums
 
 
+# What w4a16_linear runs by row count, from the H200 measurement of the Llama-3-8B layers
+# (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md): the few-row kernel
+# (`w4a16_skinny._pairs_kernel`) up to SKINNY_MAX_M rows, and up to SKINNY_WIDE_MAX_M for
+# layers of at least SKINNY_WIDE_N outputs (gate_up: 92 vs 104 us at 64 rows, where this
+# module's kernel won on qkv, o and down); dequantize-then-cuBLAS from DEQUANT_MIN_M rows
+# (256 rows: 11.9 vs 15.8 ms a decode step; at 128 this module's kernel won, 9.1 vs 10.7);
+# this module's kernel in between, and wherever the groups do not hold whole K tiles.
+SKINNY_MAX_M = 32
+SKINNY_WIDE_MAX_M = 64
+SKINNY_WIDE_N = 16384
+DEQUANT_MIN_M = 256
+DEQUANT = "dequant"
+
+
+def skinny_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132):
+    """The few-row kernel's config (`w4a16_skinny.SkinnyConfig`), or None where the groups
+    do not hold whole K tiles of 128 or 64 inputs. From the H200 sweep (4 GEMMs of
+    Llama-3-8B, M = 1..16): 128 x 128 weight tiles, 4 warps and 3 stages everywhere (4 and 6
+    stages and 256-row tiles were slower but for gate_up, by 3%); K split until about two
+    programs per SM run (qkv 8, o 8, gate_up 2), twice that for a deep layer whose splits
+    would still hold 12+ K tiles (down: 16 splits, 18.7 vs 20.2 us). 64-row x tiles (wide
+    layers only): 256-row weight tiles, 8 warps, about one program per SM."""
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig, skinny_supported
+
+    block_k = next((bk for bk in (128, 64) if skinny_supported(k, group_size, bk)), None)
+    if block_k is None:
+        return None
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    programs = triton.next_power_of_2(2 * num_sms + 1) // 2  # 256 for 132 SMs
+    if block_m <= 32:
+        block_n, num_warps = 128, 4
+        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+        split_k = triton.next_power_of_2(triton.cdiv(programs, tiles))
+        if triton.cdiv(k, block_k) // split_k >= 12 and 2 * split_k * tiles <= 2 * programs:
+            split_k *= 2
+    else:
+        block_n, num_warps = 256, 8
+        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+        split_k = max(1, programs // tiles)
+    split_k = split_k_plan(k, block_k, min(16, split_k))[1]
+    return SkinnyConfig(block_m, block_n, block_k, split_k, num_warps, 3)
+
+
+def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
+    """What `w4a16_linear` runs by default (see SKINNY_MAX_M): a `SkinnyConfig`, `DEQUANT`
+    (16-bit x only), or a `W4A16Config` of this module's kernel."""
+    if m <= SKINNY_MAX_M or (m <= SKINNY_WIDE_MAX_M and n >= SKINNY_WIDE_N):
+        cfg = skinny_config(m, n, k, group_size, num_sms)
+        if cfg is not None:
+            return cfg
+    if m >= DEQUANT_MIN_M and elem_bytes == 2:
+        return DEQUANT
+    return default_config(m, n, k, group_size, num_sms, elem_bytes=elem_bytes)
+
+
 def w4a16_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -304,13 +359,14 @@ def w4a16_linear(
     bias: torch.Tensor | None = None,
     perm: torch.Tensor | None = None,
     *,
-    config: W4A16Config | None = None,
+    config=None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W in the packed layout above (qweight,
-    scales and zeros of the same device; perm for an act-order layer); `config` defaults to
-    `default_config`. With `pre_sums`, x's tile sums (and an act-order x's gather) are made
-    once before the kernel instead of in every N tile. Raises ValueError where
-    `w4a16_supported` says no or the config cannot run."""
+    scales and zeros of the same device; perm for an act-order layer). `config` defaults to
+    `choose_config`: a `W4A16Config` runs this module's kernel (with `pre_sums`, x's tile
+    sums and an act-order x's gather are made once before it instead of in every N tile), a
+    `w4a16_skinny.SkinnyConfig` the few-row kernel, `DEQUANT` the dequantized weight and
+    cuBLAS. Raises ValueError where `w4a16_supported` says no or the config cannot run."""
     if not w4a16_supported(x, qweight, bias):
         raise ValueError(
             f"w4a16_linear: unsupported inputs x {tuple(x.shape)} {x.dtype} {x.device}, "
@@ -328,9 +384,15 @@ def w4a16_linear(
         raise ValueError(f"perm must be int32 of shape ({k},), got {tuple(perm.shape)}")
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    cfg = config or default_config(
+    cfg = config or choose_config(
         m, n, k, group_size, _num_sms(x.device), elem_bytes=x.element_size()
     )
+    if cfg == DEQUANT or not isinstance(cfg, W4A16Config):
+        from pagoda.kernels import w4a16_skinny
+
+        if cfg == DEQUANT:
+            return w4a16_skinny.dequantize_linear(x, qweight, scales, zeros, group_size, bias, perm)
+        return w4a16_skinny.skinny_w4a16(x, qweight, scales, zeros, group_size, bias, perm, cfg)
     block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):

@@ -466,3 +466,167 @@ def test_row_count_is_never_a_compile_time_constant() -> None:
         assert [p.do_not_specialize for p in _w4a16_kernel.params if p.name == "M"] == [True]
     else:  # the interpreter's wrapper keeps the decorator's arguments
         assert "M" in _w4a16_kernel.kwargs["do_not_specialize"]
+
+
+# The few-row kernel (w4a16_skinny.py) and dequantize-then-cuBLAS, and the dispatch between them.
+
+
+def _linear(x, w4: W4Weight, bias=None, config=None):
+    return w4a16_linear(
+        x, w4.qweight, w4.scales, w4.zeros, w4.group_size, bias, w4.perm, config=config
+    )
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 130])
+@pytest.mark.parametrize("group", [64, 128])
+def test_few_row_kernel_matches_dequantized_linear(fmt: str, m: int, group: int) -> None:
+    """N = 40 against 32-row tiles, K = 200 against 64- and 128-input tiles (ragged last tile
+    and group), split K in 3 (the last split shorter), 16- and 64-row x tiles."""
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig
+
+    w4, dense = packed_weights(fmt, n=40, k=K, group=group, seed=m + group)
+    x = _randn(m, K, seed=m)
+    bias = _randn(40, seed=4)
+    block_m = 16 if m <= 16 else 64
+    for split in (1, 3):
+        cfg = SkinnyConfig(block_m, 32, group, split, 4, 2)
+        out = _linear(x, w4, bias, cfg)
+        assert out.shape == (m, 40)
+        torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_few_row_kernel_float16_and_one_group() -> None:
+    """The 16-bit unpacking (1024 + q in fp16's mantissa) under the interpreter, and a layer
+    with one group per row (group_size >= K)."""
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig
+
+    w4, dense = packed_weights("gptq_act_order", n=48, k=256, group=128, seed=21)
+    x = _randn(5, 256, seed=22, dtype=torch.float16)
+    out = _linear(x, w4, config=SkinnyConfig(16, 16, 128, 2, 4, 2))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), F.linear(x.float(), dense), atol=2e-3, rtol=2e-3)
+    w4, dense = packed_weights("awq", k=96, group=96, seed=23)
+    x = _randn(2, 96, seed=24)
+    torch.testing.assert_close(_linear(x, w4), x @ dense.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 130])
+def test_dequantize_then_matmul_matches(fmt: str, m: int) -> None:
+    from pagoda.kernels.w4a16 import DEQUANT
+
+    w4, dense = packed_weights(fmt, seed=25)
+    x = _randn(m, K, seed=26)
+    bias = _randn(N, seed=27)
+    out = _linear(x, w4, bias, DEQUANT)
+    torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_choose_config_by_rows_and_groups() -> None:
+    """Few rows take the few-row kernel where the groups hold whole 64- or 128-input tiles
+    (else this module's kernel), up to 64 rows for wide layers; many 16-bit rows the
+    dequantized weight and cuBLAS; this module's kernel in between."""
+    from pagoda.kernels.w4a16 import DEQUANT, W4A16Config, choose_config
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig
+
+    n, k = LLAMA3_8B["down"]
+    for m in (1, 4, 16, 32):
+        cfg = choose_config(m, n, k, 128)
+        assert isinstance(cfg, SkinnyConfig) and cfg.block_m >= min(m, 16)
+        assert skinny_gemm.split_k_plan(k, cfg.block_k, cfg.split_k)[1] == cfg.split_k
+    assert choose_config(1, n, k, 128).split_k == 16  # deep: twice the splits
+    assert choose_config(1, n, k, 64).block_k == 64
+    assert isinstance(choose_config(1, n, k, 32), W4A16Config)
+    assert isinstance(choose_config(64, n, k, 128), W4A16Config)
+    assert isinstance(choose_config(64, *LLAMA3_8B["gate_up"], 128), SkinnyConfig)
+    assert isinstance(choose_config(128, n, k, 128), W4A16Config)
+    assert choose_config(1024, n, k, 128) == DEQUANT
+    assert isinstance(choose_config(1024, n, k, 128, elem_bytes=4), W4A16Config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,fmt", [("qkv", "awq"), ("down", "gptq_act_order")])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+def test_default_dispatch_at_llama8b_shapes(dtype, name: str, fmt: str, m: int) -> None:
+    """What `w4a16_linear` runs by default (the few-row kernel with its inline-PTX unpacking,
+    this module's kernel, dequantize-then-cuBLAS) in bf16 and fp16 on the GPU."""
+    w4, dense = _llama_weights(name, fmt)
+    x = _randn(m, dense.shape[1], seed=m, dtype=dtype)
+    bias = _randn(dense.shape[0], seed=3, dtype=dtype) if m == 4 else None
+    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    out = _linear(x, w4, bias)
+    assert out.dtype == dtype
+    _assert_bf16_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_few_row_kernel_in_a_cuda_graph_replays_exactly() -> None:
+    """Split K (o at 2 rows: 8 splits), reduced by the last split in split order."""
+    w4, dense = _llama_weights("o", "awq")
+    x = _randn(2, dense.shape[1], seed=1, dtype=torch.bfloat16)
+    eager = _linear(x, w4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _linear(x, w4)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert not skinny_gemm.prepare(x.device).any()
+
+
+_SKINNY_SM90_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.kernels.w4a16_skinny import _pairs_kernel as fn
+
+block_m, block_n, warps, split = (int(a) for a in sys.argv[1:5])
+sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
+sig.update(dict.fromkeys(("x_ptr", "bias_ptr", "y_ptr"), "*bf16"))
+sig.update(qh_ptr="*i16", scales_ptr="*fp16", zeros_ptr="*u8", perm_ptr="*i32",
+           partial_ptr="*fp32", counter_ptr="*i32", offset="fp32",
+           stride_x="i64", stride_qh="i64", stride_y="i64")
+consts = dict(GROUP_SIZE=128, HAS_BIAS=False, HAS_PERM=False, EVEN_K=True, SPLIT=split > 1,
+              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, NUM_STAGES=4,
+              DOT_PRECISION="tf32", USE_ASM=True)
+sig.update(dict.fromkeys(consts, "constexpr"))
+aligned = ("x_ptr", "qh_ptr", "y_ptr", "scales_ptr", "zeros_ptr", "partial_ptr", "N", "K",
+           "k_per_split", "stride_x", "stride_qh")
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+src = ASTSource(fn, sig, {(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=warps, num_stages=4))
+print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"],
+                  "ttgir": kernel.asm["ttgir"]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_m,block_n,warps,split", [(16, 128, 4, 4), (64, 256, 8, 1)])
+def test_few_row_kernel_keeps_the_unpacked_tile_in_registers(block_m, block_n, warps, split):
+    """A real sm_90 build (no GPU needed): the packed halves go from the pipeline's shared
+    memory straight into the wgmma operand's registers, unpacked there by the inline PTX; no
+    unpacked tile is written to shared memory (no local_alloc of a register tensor)."""
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _SKINNY_SM90_BUILD, *map(str, (block_m, block_n, warps, split))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.splitlines()[-1])
+    assert built["shared"] <= 227 * 1024
+    assert "wgmma.mma_async" in built["ptx"] and "lop3.b32" in built["ptx"]
+    ttgir = built["ttgir"]
+    assert "dot_op<{opIdx = 0" in ttgir and "elementwise_inline_asm" in ttgir
+    allocs = [line for line in ttgir.splitlines() if "ttg.local_alloc %" in line]
+    assert allocs == [], allocs

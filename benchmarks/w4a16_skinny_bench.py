@@ -1,0 +1,214 @@
+"""W4A16 on the GPU by row count: the few-row kernel (`pagoda/kernels/w4a16_skinny.py`, a
+small sweep of its configs), `_w4a16_kernel` (`pagoda/kernels/w4a16.py`, default_config),
+dequantize-then-cuBLAS, what `w4a16_linear` picks by default (`choose_config`), and dense bf16
+cuBLAS, for the Llama-3-8B linear layers (group 128), cold weights (copies cycled, more bytes
+than the L2), in CUDA graphs.
+
+    python benchmarks/w4a16_skinny_bench.py --out w4a16_skinny.json
+    python benchmarks/w4a16_skinny_bench.py --m 1 16 --shapes o    # a subset
+
+One line per (shape, M, variant): us and the packed weights' bandwidth (qweight + scales +
+zeros bytes / time; the dense bf16 weight's bytes for cuBLAS); per (shape, M) the fastest
+few-row config; then ms per decode step (4 GEMMs x 32 layers) per M and variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_common import graph_seconds, precompile  # noqa: E402
+from w4a16_bench import GROUP, L2_BYTES, LAYERS, SHAPES, packed_layer  # noqa: E402
+
+M_VALUES = (1, 4, 16, 64, 128, 256, 1024)
+
+
+def skinny_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
+    """SkinnyConfig tuples to time: choose_config's first, then block_n x warps x stages x
+    split around the one that covers the SMs about twice."""
+    from pagoda.kernels.skinny_gemm import split_k_plan
+    from pagoda.kernels.w4a16 import skinny_config
+
+    base = skinny_config(m, n, k, GROUP, num_sms)
+    if base is None or m > 128:
+        return []
+    configs = [tuple(base)]
+    bm = base.block_m
+    for bn, warps, stages in itertools.product((128, 256), (4, 8), (3, 4)):
+        if (bn == 128 and warps == 8) or (bm == 64 and stages == 4):
+            continue
+        if stages * (bn * 128 // 2 + bm * 128 * 2) > 200 * 1024:
+            continue
+        tiles = -(-n // bn) * -(-m // bm)
+        auto = max(1, min(8, (2 * num_sms) // tiles))
+        for split in sorted({auto, min(16, auto * 2)}):
+            split = split_k_plan(k, 128, split)[1]
+            cfg = (bm, bn, 128, split, warps, stages)
+            if cfg not in configs:
+                configs.append(cfg)
+    return configs
+
+
+def _build(job: tuple) -> str | None:
+    """Compile one few-row config (into Triton's cache) by running it on a small layer."""
+    import torch
+
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig, skinny_w4a16
+
+    cfg = SkinnyConfig(*job)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 512, 128 * max(8, cfg.split_k)
+    qweight, scales, zeros = packed_layer(n, k, GROUP, "cuda", gen)
+    x = torch.randn(cfg.block_m, k, device="cuda", dtype=torch.bfloat16)
+    try:
+        skinny_w4a16(x, qweight, scales, zeros, GROUP, None, None, cfg)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported by the timing loop
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write every timing to this JSON file")
+    ap.add_argument("--shapes", nargs="+", help="subset of " + " ".join(SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, help="row counts (default: 1..1024)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--no-sweep", action="store_true", help="choose_config only")
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    from pagoda.kernels.skinny_gemm import prepare
+    from pagoda.kernels.w4a16 import DEQUANT, choose_config, default_config, w4a16_linear
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig
+    from pagoda.model.quantization.w4_layout import W4Weight, dequantize_w4
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = {s: SHAPES[s] for s in (args.shapes or SHAPES)}
+    m_values = args.m or M_VALUES
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    grids = {
+        (s, m): ([] if args.no_sweep else skinny_grid(m, n, k, num_sms))
+        for (s, (n, k)), m in itertools.product(shapes.items(), m_values)
+    }
+    keys = {(c[0], c[1], c[2], max(1, min(c[3], 2)), c[4], c[5]) for g in grids.values() for c in g}
+    if args.jobs > 1 and keys:
+        precompile(_build, sorted(keys), args.jobs, cpu=False)
+    prepare("cuda")
+
+    rows, t0 = [], time.perf_counter()
+    for name, (n, k) in shapes.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        one = packed_layer(n, k, GROUP, "cuda", gen)
+        packed_bytes = sum(t.nbytes for t in one)
+        copies = math.ceil(3 * L2_BYTES / packed_bytes)
+        packed = [one] + [packed_layer(n, k, GROUP, "cuda", gen) for _ in range(copies - 1)]
+        dense = [
+            torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+            for _ in range(math.ceil(3 * L2_BYTES / (n * k * 2)))
+        ]
+        ref_w = dequantize_w4(W4Weight(*one, GROUP, None), k)
+        for m in m_values:
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), ref_w)
+
+            def timed(call, weights) -> float:
+                def run() -> None:
+                    for w in weights:
+                        call(w)
+
+                return graph_seconds(run, args.reps) / len(weights) * 1e6
+
+            def record(variant, us, nbytes, cfg=None, err=None, where=(name, n, k, m)) -> dict:
+                row = dict(zip(("shape", "n", "k", "m"), where), variant=variant, us=us)
+                row.update(tbps=nbytes / (us * 1e-6) / 1e12, config=cfg, max_err=err)
+                rows.append(row)
+                return row
+
+            def w4(cfg, x=x):
+                return lambda p: w4a16_linear(x, *p, GROUP, config=cfg)
+
+            def error(cfg, x=x, one=one, ref=ref) -> float:
+                out = w4a16_linear(x, *one, GROUP, config=cfg).float()
+                return (out - ref).abs().max().item() / ref.abs().max().item()
+
+            record("cublas_bf16", timed(lambda w, x=x: F.linear(x, w), dense), n * k * 2)
+            old = default_config(m, n, k, GROUP, num_sms)
+            record("old_kernel", timed(w4(old), packed), packed_bytes, list(old), error(old))
+            if m >= 64:
+                record("dequant_cublas", timed(w4(DEQUANT), packed), packed_bytes, None)
+            chosen = choose_config(m, n, k, GROUP, num_sms)
+            chosen_row = record(
+                "default",
+                timed(w4(None), packed),
+                packed_bytes,
+                chosen if chosen == DEQUANT else list(chosen),
+                error(None),
+            )
+            best = None
+            for cfg in grids[name, m]:
+                try:
+                    us = timed(w4(SkinnyConfig(*cfg)), packed)
+                except Exception as e:  # noqa: BLE001 - a config that does not build or run
+                    print(f"  {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                row = record("skinny", us, packed_bytes, list(cfg))
+                if best is None or us < best["us"]:
+                    best = row
+            line = f"{name:8s} M={m:5d} " + "  ".join(
+                f"{r['variant']} {r['us']:7.1f} us {r['tbps']:5.2f} TB/s"
+                for r in rows
+                if r["shape"] == name and r["m"] == m and r["variant"] != "skinny"
+            )
+            if best is not None:
+                best["variant"] = "skinny_best"
+                line += (
+                    f"  skinny_best {best['us']:7.1f} us {best['tbps']:5.2f} TB/s {best['config']}"
+                )
+            print(line + f"  err {chosen_row['max_err']:.2g}", flush=True)
+        del packed, dense, ref_w
+        torch.cuda.empty_cache()
+
+    variants = ("cublas_bf16", "old_kernel", "dequant_cublas", "default", "skinny_best")
+    print(f"\nms per decode step ({len(shapes)} GEMMs x {LAYERS} layers):")
+    print(f"{'M':>5s} " + " ".join(f"{v:>14s}" for v in variants))
+    summary = []
+    for m in m_values:
+        step = {"m": m}
+        for v in variants:
+            times = [r["us"] for r in rows if r["m"] == m and r["variant"] == v]
+            step[v] = sum(times) * LAYERS / 1e3 if len(times) == len(shapes) else None
+        summary.append(step)
+        print(
+            f"{m:5d} "
+            + " ".join(f"{step[v]:14.3f}" if step[v] else f"{'-':>14s}" for v in variants)
+        )
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "seconds": time.perf_counter() - t0,
+        "rows": rows,
+        "summary": summary,
+    }
+    print(f"\ntimed in {result['seconds']:.0f} s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
