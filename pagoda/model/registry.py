@@ -15,6 +15,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": (_GEMMA, "Gemma3ForCausalLM"),
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "Phi3ForCausalLM": (_LLAMA, "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": (_LLAMA, "Qwen3ForCausalLM"),
 }

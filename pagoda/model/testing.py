@@ -64,6 +64,28 @@ TINY_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
             initializer_range=0.1,
         ),
     ),
+    # LongRoPE with its long factors (the context, 256, exceeds the original 64), partial
+    # rotary (12 of 16 dims), a sliding window on every layer.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            head_dim=16,
+            pad_token_id=0,
+            eos_token_id=1,
+            sliding_window=24,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 64,
+                # Equal: transformers picks them per forward by its length, Pagoda once.
+                "short_factor": [1.0 + 0.5 * i for i in range(6)],
+                "long_factor": [1.0 + 0.5 * i for i in range(6)],
+            },
+        ),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",

@@ -1,6 +1,7 @@
 """Newer model families end to end against `transformers`: Mistral with a sliding window, Gemma 2
 (local/global layers, attention and final logit soft-caps) and Gemma 3 text (q/k norms, local
-RoPE base), through `LLM` with batching, chunked prefill and prefix caching on, prompts longer
+RoPE base) and Phi-3 (fused checkpoint projections, partial LongRoPE, a window on every layer),
+through `LLM` with batching, chunked prefill and prefix caching on, prompts longer
 than any sliding window.
 
 Each checkpoint is a tiny random model written by transformers' own class (float32,
@@ -47,7 +48,7 @@ def _hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens[len(prompt) :], torch.log_softmax(logits, -1)
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding_window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["mistral_sliding_window", "gemma2", "gemma3", "phi3"])
 def test_engine_matches_transformers(tmp_path, case):
     from pagoda import LLM, SamplingParams
 
@@ -85,3 +86,37 @@ def test_engine_matches_transformers(tmp_path, case):
         for i, (tok, lp) in enumerate(zip(tokens, a.outputs[0].logprobs)):
             want = ref_logprobs[len(prompt) - 1 + i, tok].item()
             assert abs(lp[tok].logprob - want) < 1e-3, (i, lp[tok].logprob, want)
+
+
+@pytest.mark.parametrize("max_position", [256, 64])
+def test_longrope_table_matches_transformers(max_position):
+    """Long factors and the attention factor when the context exceeds the original one (as
+    transformers computes them for a forward that long), short factors and no scaling when not."""
+    import transformers
+
+    from pagoda.model.layers.rotary_embedding import get_rope
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.0 + 0.7 * i for i in range(8)],
+    }
+    cfg = dict(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        max_position_embeddings=max_position,
+        original_max_position_embeddings=64,
+        rope_parameters=rope,
+    )
+    hf_rope = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(
+        transformers.Phi3Config(**cfg)
+    )
+    n = max_position  # past the original context only when max_position is
+    cos, sin = hf_rope(torch.zeros(1, n, 32), torch.arange(n)[None])
+    table = get_rope(cfg, 32).cos_sin_cache[:n]
+    assert table.shape == (n, 16)  # half of the head rotated: 8 frequencies
+    torch.testing.assert_close(table, torch.cat([cos[0, :, :8], sin[0, :, :8]], -1))

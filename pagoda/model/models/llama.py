@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Touvron et al. 2023): Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3.
+"""The Llama-family decoder (Touvron et al. 2023): Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3,
+Phi-3/Phi-4.
 
 One set of blocks with flags read from the config: each layer's sliding window (Mistral; Qwen2
 with `use_sliding_window`; `layer_sliding_windows`), bias on the q/k/v projections (Qwen2),
@@ -285,6 +286,17 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
         return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3.5 / Phi-4 (-mini): Llama blocks whose checkpoints store qkv_proj and
+    gate_up_proj already fused in Pagoda's order (q, k, v; gate, up), loaded as they are and
+    split by output rows under tensor parallelism; RoPE may be partial and LongRoPE-scaled
+    (`get_rope`); `sliding_window`, where set, applies to every layer."""
+
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        return {"qkv_bias": False, "o_bias": False, "qk_norm": False}
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
