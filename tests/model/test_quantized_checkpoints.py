@@ -193,9 +193,9 @@ def test_configuration_errors(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="GEMM-version"):
         load_model(mc, "cpu")
-    cfg["quantization_config"] = {"quant_method": "fp8"}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="'fp8' is not supported yet"):
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported yet"):
         EngineArgs(model=str(path)).create_engine_config()
 
 

@@ -149,11 +149,13 @@ def load_model(
         attn_backend = get_attn_backend(device)
     source, load_format = model_config.model, model_config.load_format
     gguf_why, gguf_blocks = None, False  # quantization="gguf": blocks kept or not, and why
-    if linear_method is None and load_format != "dummy":
+    if linear_method is None:
         from pagoda.model.quantization import get_linear_method
 
-        linear_method = get_linear_method(model_config.quantization, model_config.hf_config)
-        if model_config.quantization == "gguf":
+        linear_method = get_linear_method(
+            model_config.quantization, model_config.hf_config, dummy=load_format == "dummy"
+        )
+        if model_config.quantization == "gguf" and load_format != "dummy":
             from pagoda.model.quantization.gguf import GGUFLinearMethod, gguf_weights_stay_quantized
 
             gguf_blocks, gguf_why = gguf_weights_stay_quantized(source, device, dtype)

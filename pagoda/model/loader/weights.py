@@ -149,7 +149,9 @@ class WeightLoadingState:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights for benchmarks of real shapes: normal(0, std) matrices, unit norm weights,
-    deterministic for a given seed (generated on the parameter's device, so fast on a GPU)."""
+    deterministic for a given seed (generated on the parameter's device, so fast on a GPU).
+    A quantized layer's packed integer tensors get random bits (every 4-bit value of an AWQ /
+    GPTQ word), its scales |normal(0, std)| / 8, about the step of 4-bit weights of that size."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         gen = generators.get(param.device)
@@ -157,8 +159,15 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif name.endswith("scales"):
+            param.normal_(0.0, std / 8, generator=gen).abs_()
         elif param.is_floating_point():
             param.normal_(0.0, std, generator=gen)
+        elif name.endswith("g_idx"):
+            continue  # its default (in-order groups) is the only valid one for random weights
+        elif param.dtype in (torch.int32, torch.int8, torch.uint8):
+            info = torch.iinfo(param.dtype)
+            param.random_(info.min, info.max, generator=gen)
         else:
             param.zero_()
     for module in model.modules():

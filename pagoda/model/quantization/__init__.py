@@ -13,6 +13,10 @@ once every tensor is in, each layer is repacked or dequantized, on its device, o
   dequantized to a dense weight in the model dtype and runs as an unquantized layer (the
   packed C GEMM on a CPU, the Triton GEMV / cuBLAS on a GPU): the dense model's memory.
 `formats.dequantize_*` + F.linear is the reference of both (tests compare them).
+
+8-bit weights and activations (INT8 W8A8 and FP8, compressed-tensors checkpoints, or FP8 made
+at load from a dense checkpoint with `quantization="fp8"`) are `w8a8.py`'s; `--load-format
+dummy` with a quantization builds that format's layers with random weights.
 """
 
 from __future__ import annotations
@@ -36,7 +40,33 @@ from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, dequantize_
 
 logger = logging.getLogger(__name__)
 
-QUANT_METHODS = ("awq", "gptq", "gguf")  # gguf: `quantization/gguf.py`, decided at load
+# gguf: `quantization/gguf.py`, decided at load; compressed-tensors (and its aliases w8a8 for
+# int8, fp8 for float8 checkpoints, fp8 also for a bf16/fp16 checkpoint quantized at load):
+# `quantization/w8a8.py`.
+QUANT_METHODS = ("awq", "gptq", "gguf", "compressed-tensors", "w8a8", "fp8")
+CT = "compressed-tensors"
+
+# `--load-format dummy --quantization X`: the quantization_config a checkpoint of that format
+# would carry (random weights of its shapes, `init_dummy_weights`).
+DUMMY_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+             "sym": True, "checkpoint_format": "gptq"},
+}  # fmt: skip
+
+
+def checkpoint_accepts(quantization: str, ckpt_method: str, hf_config: dict[str, Any]) -> bool:
+    """Whether `quantization` names the checkpoint's method: itself, or for a compressed-tensors
+    checkpoint w8a8 (int weights) / fp8 (float weights)."""
+    if quantization == ckpt_method:
+        return True
+    if ckpt_method != CT or quantization not in ("w8a8", "fp8"):
+        return False
+    from pagoda.model.quantization.w8a8 import parse_compressed_tensors
+
+    scheme = parse_compressed_tensors(hf_config["quantization_config"])
+    return scheme.weight_type == ("int" if quantization == "w8a8" else "float")
 
 
 def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
@@ -46,13 +76,41 @@ def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
 
 
 def get_linear_method(
-    quantization: str | None, hf_config: dict[str, Any]
+    quantization: str | None, hf_config: dict[str, Any], dummy: bool = False
 ) -> LinearMethodBase | None:
-    """The linear method for `quantization` ("awq", "gptq"; None: the default). "gguf" is
-    `load_model`'s to decide (`pagoda.model.quantization.gguf`)."""
+    """The linear method for `quantization` ("awq", "gptq", "compressed-tensors", "w8a8",
+    "fp8"; None: the default). "gguf" is `load_model`'s to decide
+    (`pagoda.model.quantization.gguf`). With `dummy` (random weights) and a config without a
+    quantization_config, the method of a typical checkpoint of that format."""
+    qc = hf_config.get("quantization_config")
+    ckpt = qc.get("quant_method") if isinstance(qc, dict) else None
+    if quantization is None and ckpt in (CT, "fp8"):
+        quantization = ckpt  # nothing else can hold its int8 / fp8 tensors
+    if quantization in (CT, "w8a8", "fp8"):
+        from pagoda.model.quantization.w8a8 import CompressedTensorsW8A8Method, OnlineW8A8Method
+
+        if ckpt == "fp8":  # vLLM's FP8 checkpoint format (per-tensor scales)
+            return CompressedTensorsW8A8Method(qc)
+        if ckpt == CT:
+            if not checkpoint_accepts(quantization, CT, hf_config):
+                raise ValueError(
+                    f"quantization={quantization!r} but the checkpoint's "
+                    "compressed-tensors weights are of the other 8-bit type"
+                )
+            return CompressedTensorsW8A8Method(qc)
+        if quantization == "fp8":  # a bf16/fp16 checkpoint, quantized per channel at load
+            return OnlineW8A8Method(torch.float8_e4m3fn)
+        if dummy:
+            return OnlineW8A8Method(torch.int8)
+        raise ValueError(
+            f"quantization={quantization!r} but the checkpoint's config.json has no "
+            "compressed-tensors quantization_config: make one with `pagoda quantize --method "
+            "w8a8`, or use --quantization fp8 to quantize a bf16/fp16 checkpoint at load"
+        )
     if quantization not in ("awq", "gptq"):
         return None
-    qc = hf_config.get("quantization_config")
+    if dummy and ckpt is None:
+        qc = DUMMY_QUANTIZATION_CONFIGS[quantization]
     if not isinstance(qc, dict) or qc.get("quant_method") != quantization:
         raise ValueError(
             f"quantization={quantization!r} but the checkpoint's config.json has no "
@@ -301,6 +359,8 @@ class GPTQLinearMethod(_PackedUntilLoaded):
 
 __all__ = [
     "AWQLinearMethod",
+    "DUMMY_QUANTIZATION_CONFIGS",
+    "checkpoint_accepts",
     "GPTQLinearMethod",
     "QUANT_METHODS",
     "W4A16LinearMethod",

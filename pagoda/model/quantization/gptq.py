@@ -326,7 +326,9 @@ def calibration_sequences(token_ids: list[int], num_samples: int, seq_len: int) 
 
 def add_quantize_args(sub: Any) -> None:
     p = sub.add_parser(
-        "quantize", help="quantize a model with GPTQ or AWQ into a GPTQ / AutoAWQ checkpoint"
+        "quantize",
+        help="quantize a model with GPTQ, AWQ or SmoothQuant W8A8 into a GPTQ / AutoAWQ / "
+        "compressed-tensors checkpoint",
     )
     p.add_argument(
         "model", nargs="?", default=None, help="HF directory or .gguf (default: embedded)"
@@ -334,9 +336,16 @@ def add_quantize_args(sub: Any) -> None:
     p.add_argument("--output", "-o", required=True, help="directory for the checkpoint")
     p.add_argument(
         "--method",
-        choices=["gptq", "awq"],
+        choices=["gptq", "awq", "w8a8"],
         default="gptq",
-        help="gptq (AutoGPTQ format) or awq (activation-aware scales, AutoAWQ GEMM, 4-bit)",
+        help="gptq (AutoGPTQ format), awq (activation-aware scales, AutoAWQ GEMM, 4-bit) or "
+        "w8a8 (SmoothQuant int8 weights and activations, compressed-tensors format)",
+    )
+    p.add_argument(
+        "--smoothing-alpha",
+        type=float,
+        default=0.5,
+        help="w8a8: SmoothQuant's migration strength (0: none, 1: all into the weights)",
     )
     p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="awq: 4 only")
     p.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
@@ -373,6 +382,18 @@ def cmd_quantize(args: Any) -> int:
         from pagoda.model.quantization.awq import quantize_model_awq
 
         errors = quantize_model_awq(model, args.output, sequences, args.bits, args.group_size)
+    elif method == "w8a8":
+        from pagoda.model.quantization.smoothquant import quantize_model_w8a8
+
+        errors = quantize_model_w8a8(model, args.output, sequences, args.smoothing_alpha)
+        ours = sum(e[0] for e in errors.values()) / len(errors)
+        plain = sum(e[1] for e in errors.values()) / len(errors)
+        print(
+            f"W8A8 int8 (SmoothQuant, alpha {args.smoothing_alpha}): {len(errors)} linear layers, "
+            f"{sum(len(s) for s in sequences)} calibration tokens; relative output error "
+            f"{ours:.2e} (without smoothing: {plain:.2e}); wrote {args.output}"
+        )
+        return 0
     else:
         errors = quantize_model(
             model, args.output, sequences, args.bits, args.group_size, args.act_order

@@ -1,0 +1,285 @@
+"""INT8 W8A8 (SmoothQuant) and FP8: `pagoda quantize --method w8a8` writes a compressed-tensors
+checkpoint that compressed-tensors itself decompresses to the weights Pagoda serves, and that
+Pagoda loads and runs close to the dense model; `quantization="fp8"` quantizes a dense checkpoint
+at load; compressed-tensors FP8 checkpoints load; a checkpoint whose tensors contradict its
+quantization_config fails naming the tensor; the dummy presets build every format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagoda.config import ModelConfig
+from pagoda.kernels.scaled_mm import quantize_weight
+from pagoda.model.loader import get_model_config_dict, load_model
+from pagoda.model.quantization.smoothquant import (
+    quantize_model_w8a8,
+    smoothing_scales,
+    w8a8_quantization_config,
+)
+from pagoda.model.quantization.w8a8 import fp8_unsupported_message, parse_compressed_tensors
+from pagoda.model.testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
+
+
+def _sequences(n: int = 4, length: int = 48) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        torch.randint(0, TINY_CONFIG["vocab_size"], (length,), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def _load(path, quantization=None, load_format="auto"):
+    hf_config = get_model_config_dict(str(path), load_format)
+    mc = ModelConfig(
+        model=str(path),
+        hf_config=hf_config,
+        dtype="float32",
+        max_model_len=128,
+        quantization=quantization,
+        load_format=load_format,
+    )
+    return load_model(mc, "cpu"), {**TINY_CONFIG, **hf_config}
+
+
+def _logits(model, cfg, seqs) -> torch.Tensor:
+    return torch.cat([PagedRunner(model, cfg).step(s, 0) for s in seqs])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def w8a8_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w8a8")
+    make_tiny_checkpoint(root / "dense", "llama_untied_linear_rope", num_key_value_heads=4)
+    errors = quantize_model_w8a8(str(root / "dense"), str(root / "q"), _sequences())
+    return root, errors
+
+
+def test_smoothing_scales_balance_activation_and_weight_ranges() -> None:
+    x_max = torch.tensor([100.0, 1.0, 4.0])
+    w = torch.tensor([[1.0, 4.0, 1.0], [-1.0, 1.0, 0.25]])
+    s = smoothing_scales(x_max, w, alpha=0.5)
+    torch.testing.assert_close(s, torch.tensor([10.0, 0.5, 2.0]))
+    # After smoothing the input's and the weight's column ranges are equal (alpha = 0.5).
+    torch.testing.assert_close(x_max / s, w.abs().amax(0) * s)
+
+
+def test_w8a8_checkpoint_layout_is_compressed_tensors(w8a8_checkpoint) -> None:
+    root, errors = w8a8_checkpoint
+    config = json.loads((root / "q" / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc == w8a8_quantization_config()
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "int-quantized"
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["type"] == "int"
+    assert group["input_activations"]["strategy"] == "token"
+    assert group["input_activations"]["dynamic"] is True
+    tensors = load_file(str(root / "q" / "model.safetensors"))
+    n = TINY_CONFIG["hidden_size"]
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale"].shape == (n, 1)
+    assert tensors["model.layers.1.mlp.up_proj.weight"].dtype == torch.int8
+    assert "lm_head.weight" in tensors and tensors["lm_head.weight"].dtype == torch.float16
+    # Smoothing lowers the W8A8 output error on the calibration inputs on average.
+    assert sum(e[0] for e in errors.values()) < sum(e[1] for e in errors.values())
+
+
+def test_w8a8_checkpoint_runs_close_to_the_dense_model(w8a8_checkpoint) -> None:
+    root, _ = w8a8_checkpoint
+    seqs = _sequences(2, 32)
+    dense, cfg = _load(root / "dense")
+    quant, _ = _load(root / "q")
+    layer = quant.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (layer.weight.shape[0],)
+    assert _rel(_logits(quant, cfg, seqs), _logits(dense, cfg, seqs)) < 0.05
+
+
+def test_compressed_tensors_decompresses_pagoda_w8a8_to_the_same_weights(w8a8_checkpoint) -> None:
+    ct = pytest.importorskip(
+        "compressed_tensors",
+        reason="compressed-tensors not installed (pip install --no-deps "
+        "compressed-tensors loguru): vLLM's format reader",
+    )
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    root, _ = w8a8_checkpoint
+    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(qc)  # its own parser accepts the config
+    assert config.format == "int-quantized"
+    scheme = config.config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    tensors = load_file(str(root / "q" / "model.safetensors"))
+    quant, _ = _load(root / "q")
+    prefix = "model.layers.1.mlp.down_proj"
+    dense = compressor.decompress(
+        {"weight": tensors[prefix + ".weight"], "weight_scale": tensors[prefix + ".weight_scale"]},
+        scheme,
+    )["weight"]
+    module = quant.model.layers[1].mlp.down_proj
+    ours = module.weight.float() * module.weight_scale[:, None]
+    assert torch.equal(dense.float(), ours), ct.__version__
+    # The fused q/k/v rows too, shard by shard.
+    qkv = quant.model.layers[0].self_attn.qkv_proj
+    rows = 0
+    for shard in ("q_proj", "k_proj", "v_proj"):
+        p = f"model.layers.0.self_attn.{shard}"
+        d = compressor.decompress(
+            {"weight": tensors[p + ".weight"], "weight_scale": tensors[p + ".weight_scale"]},
+            scheme,
+        )["weight"]
+        ours = (
+            qkv.weight[rows : rows + d.shape[0]].float()
+            * qkv.weight_scale[rows : rows + d.shape[0], None]
+        )
+        assert torch.equal(d.float(), ours)
+        rows += d.shape[0]
+
+
+def test_fp8_at_load_runs_close_to_the_dense_model(tmp_path) -> None:
+    make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias")
+    seqs = _sequences(2, 32)
+    dense, cfg = _load(tmp_path)
+    fp8, _ = _load(tmp_path, "fp8")
+    layer = fp8.model.layers[1].mlp.gate_up_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert _rel(_logits(fp8, cfg, seqs), _logits(dense, cfg, seqs)) < 0.1
+
+
+def _fp8_checkpoint(tmp_path, strategy: str, static_input: bool, vllm_format: bool = False) -> None:
+    """A compressed-tensors float-quantized checkpoint (as llm-compressor's FP8 / FP8_DYNAMIC
+    schemes write them) made from a tiny dense one."""
+    make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name]
+        if strategy == "channel":
+            w_q, scale = quantize_weight(w, torch.float8_e4m3fn)
+        else:
+            scale = (w.abs().amax() / 448.0).reshape(1)
+            w_q = (w / scale).to(torch.float8_e4m3fn)
+        tensors[name] = w_q
+        tensors[name + "_scale"] = scale.to(torch.bfloat16)
+        if static_input:
+            tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    args = {"num_bits": 8, "type": "float", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**args, "strategy": strategy, "dynamic": False},
+                "input_activations": {
+                    **args,
+                    "strategy": "tensor" if static_input else "token",
+                    "dynamic": not static_input,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    if vllm_format:  # AutoFP8's layout: per-tensor scales, quant_method fp8
+        scheme = "static" if static_input else "dynamic"
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "static_input", "vllm_format"),
+    [("channel", False, False), ("tensor", True, False), ("tensor", True, True)],
+)
+def test_compressed_tensors_fp8_checkpoints_load(tmp_path, strategy, static_input, vllm_format):
+    _fp8_checkpoint(tmp_path / "c", strategy, static_input, vllm_format)
+    make_tiny_checkpoint(tmp_path / "d", "llama_gqa_tied_llama3_rope")
+    seqs = _sequences(2, 32)
+    dense, cfg = _load(tmp_path / "d")
+    fp8, _ = _load(tmp_path / "c")
+    qkv = fp8.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dim() == 1
+    if strategy == "tensor":  # q, k and v each keep their own scale
+        sizes = qkv.output_partition_sizes
+        assert qkv.weight_scale[0] != qkv.weight_scale[sizes[0]]
+    assert _rel(_logits(fp8, cfg, seqs), _logits(dense, cfg, seqs)) < 0.1
+
+
+def test_a_checkpoint_contradicting_its_config_fails_naming_the_tensor(
+    w8a8_checkpoint, tmp_path
+) -> None:
+    root, _ = w8a8_checkpoint
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((root / "q" / "config.json").read_text())
+    tensors = load_file(str(root / "q" / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors[name] = tensors[name].half()  # a dense weight where int8 is promised
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj\.weight.*float16.*torch\.int8"):
+        _load(bad)
+    tensors = load_file(str(root / "q" / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(1)  # per-tensor, not channel
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"down_proj\.weight_scale.*shape"):
+        _load(bad)
+
+
+def test_unsupported_compressed_tensors_configs_name_the_field() -> None:
+    qc = w8a8_quantization_config()
+    qc["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    with pytest.raises(ValueError, match="num_bits"):
+        parse_compressed_tensors(qc)
+    qc = w8a8_quantization_config()
+    qc["config_groups"]["group_0"]["input_activations"] = None
+    with pytest.raises(ValueError, match="weights only"):
+        parse_compressed_tensors(qc)
+    qc = w8a8_quantization_config()
+    qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with pytest.raises(ValueError, match="asymmetric"):
+        parse_compressed_tensors(qc)
+
+
+def test_fp8_on_a_gpu_without_fp8_names_the_problem() -> None:
+    message = fp8_unsupported_message((8, 0), "NVIDIA A100-SXM4-80GB")
+    assert "FP8" in message and "sm_80" in message and "A100" in message and "8.9" in message
+    assert fp8_unsupported_message((8, 9), "NVIDIA L4") is None
+    assert fp8_unsupported_message((9, 0), "NVIDIA H200") is None
+
+
+@pytest.mark.parametrize("quantization", ["awq", "gptq", "w8a8", "fp8"])
+def test_dummy_presets_build_quantized_layers(tmp_path, quantization) -> None:
+    make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
+    model, cfg = _load(tmp_path / "config.json", quantization, load_format="dummy")
+    layer = model.model.layers[0].mlp.down_proj
+    if quantization in ("w8a8", "fp8"):
+        expected = torch.int8 if quantization == "w8a8" else torch.float8_e4m3fn
+        assert layer.weight.dtype == expected
+    else:  # a CPU dequantizes 4-bit layers: random nibbles, non-zero weights
+        assert layer.weight.abs().sum() > 0
+    logits = _logits(model, cfg, _sequences(1, 16))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_the_engine_takes_a_w8a8_checkpoint_by_its_names(w8a8_checkpoint) -> None:
+    from pagoda import LLM, SamplingParams
+    from pagoda.engine.arg_utils import EngineArgs
+
+    root, _ = w8a8_checkpoint
+    path = str(root / "q")
+    assert EngineArgs(model=path).create_engine_config().model_config.quantization == (
+        "compressed-tensors"
+    )
+    for name in ("w8a8", "compressed-tensors"):
+        assert EngineArgs(model=path, quantization=name).create_engine_config()
+    with pytest.raises(ValueError, match="'compressed-tensors' checkpoint"):
+        EngineArgs(model=path, quantization="fp8").create_engine_config()
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
