@@ -194,7 +194,11 @@ class EngineArgs:
         return model, hf_config, max_model_len
 
     def create_engine_config(self) -> EngineConfig:
-        from pagoda.model.quantization import QUANT_METHODS, checkpoint_quant_method
+        from pagoda.model.quantization import (
+            QUANT_METHODS,
+            checkpoint_accepts,
+            checkpoint_quant_method,
+        )
 
         model, hf_config, max_model_len = self.check_model_config()
         if self.quantization not in (None, "gguf", *QUANT_METHODS):
@@ -210,11 +214,13 @@ class EngineArgs:
                     f"{model}: quantization_config.quant_method {ckpt_method!r} is not "
                     f"supported yet; supported: {', '.join(QUANT_METHODS)}"
                 )
-            if quantization not in (None, ckpt_method):
+            if quantization is not None and not checkpoint_accepts(
+                quantization, ckpt_method, hf_config
+            ):
                 raise ValueError(
                     f"quantization={quantization!r} but {model} is a {ckpt_method!r} checkpoint"
                 )
-            quantization = ckpt_method
+            quantization = quantization or ckpt_method
         from pagoda.model.loader.hf_config import kv_cache_sliding_window
 
         device = resolve_device(self.device)
