@@ -60,6 +60,35 @@ def test_rank_shards_are_slices_of_the_checkpoint(tmp_path, case):
         set_tensor_parallel(0, 1)
 
 
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_fused_checkpoint_tensors_are_split_per_rank(tmp_path, num_kv_heads):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: each rank takes its slice of each shard."""
+    hf = make_tiny_checkpoint(tmp_path, "phi3", num_key_value_heads=num_kv_heads)
+    ref = hf.state_dict()
+    qkv = ref["model.layers.1.self_attn.qkv_proj.weight"]
+    q_rows, kv_rows = 4 * 16, num_kv_heads * 16
+    q, k, v = qkv.split([q_rows, kv_rows, kv_rows])
+    gate, up = ref["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+    try:
+        for rank in range(2):
+            set_tensor_parallel(rank, 2)
+            layer = _load(tmp_path).model.layers[1]
+            kv = (
+                slice(rank * kv_rows // 2, (rank + 1) * kv_rows // 2)
+                if num_kv_heads == 2
+                else (
+                    slice(0, kv_rows)  # one KV head: replicated on both ranks
+                )
+            )
+            half_q = slice(rank * q_rows // 2, (rank + 1) * q_rows // 2)
+            expected = torch.cat([q[half_q], k[kv], v[kv]])
+            assert torch.equal(layer.self_attn.qkv_proj.weight, expected)
+            half = slice(rank * 48, (rank + 1) * 48)
+            assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([gate[half], up[half]]))
+    finally:
+        set_tensor_parallel(0, 1)
+
+
 def _worker(rank: int, path: str, init_file: str, result_file: str) -> None:
     import torch.distributed as dist
 

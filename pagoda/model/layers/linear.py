@@ -241,6 +241,27 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError("a pre-fused checkpoint tensor cannot be split across TP ranks")
         self._load_shard(param, loaded_weight, 0, self.output_size_per_partition, self.tp_rank)
 
+    def _load_fused(
+        self,
+        param: nn.Parameter,
+        loaded_weight: torch.Tensor,
+        checkpoint_sizes: list[int],
+        shard_ids: list[Any],
+    ) -> None:
+        """A checkpoint tensor holding every shard stacked along the output dim (Phi-3's
+        qkv_proj / gate_up_proj), split into its shards (logical sizes `checkpoint_sizes`) and
+        loaded one by one, so each rank takes its slice of each."""
+        dim, total = param.output_dim, sum(checkpoint_sizes)
+        rows = loaded_weight.shape[dim] if loaded_weight.dim() > dim else 0
+        if rows == 0 or rows * total == 0 or (rows * checkpoint_sizes[0]) % total:
+            raise ValueError(
+                f"a fused tensor of shape {tuple(loaded_weight.shape)} does not split into "
+                f"shards of {checkpoint_sizes} outputs"
+            )
+        pieces = loaded_weight.split([rows * s // total for s in checkpoint_sizes], dim)
+        for piece, sid in zip(pieces, shard_ids):
+            self.weight_loader(param, piece, sid)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column layers on one input, fused (e.g. gate_proj and up_proj); shard_id = index."""
@@ -249,7 +270,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
     ) -> None:
         if shard_id is None:  # a checkpoint that already stores the fused tensor
-            return super().weight_loader(param, loaded_weight)
+            if self.tp_size == 1:
+                return super().weight_loader(param, loaded_weight)
+            ids = list(range(len(self.output_sizes)))
+            return self._load_fused(param, loaded_weight, self.output_sizes, ids)
         offset = sum(self.output_partition_sizes[:shard_id])
         self._load_shard(
             param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank
@@ -291,8 +315,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
     ) -> None:
-        if shard_id is None:
-            return super().weight_loader(param, loaded_weight)
+        if shard_id is None:  # a checkpoint that already stores the fused tensor
+            if self.tp_size == 1:
+                return super().weight_loader(param, loaded_weight)
+            q = self.num_heads * self.head_size * self.tp_size
+            kv = self.num_kv_heads * self.head_size * self.tp_size // self.num_kv_head_replicas
+            return self._load_fused(param, loaded_weight, [q, kv, kv], ["q", "k", "v"])
         q_size, kv_size = self.output_partition_sizes[0], self.output_partition_sizes[1]
         if shard_id == "q":
             offset, size, rank = 0, q_size, self.tp_rank
