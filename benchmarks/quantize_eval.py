@@ -1,13 +1,17 @@
-"""Perplexity of the embedded model (or MODEL) dense, GPTQ-, AWQ- and round-to-nearest
-quantized, on held-out text: what `pagoda quantize` buys.
+"""Perplexity of the embedded model (or MODEL) dense, GPTQ-, AWQ-, round-to-nearest-, INT8
+W8A8 (SmoothQuant) and FP8-quantized, on held-out text: what `pagoda quantize` buys.
 
     python benchmarks/quantize_eval.py [--model PATH] [--bits 4] [--group-size 64]
         [--calibration-file FILE] [--eval-file FILE] [--act-order]
-        [--methods dense,gptq,awq,rtn] [--num-samples 32] [--seq-len 512] [--eval-tokens N]
+        [--methods dense,gptq,awq,rtn,w8a8,fp8] [--num-samples 32] [--seq-len 512]
+        [--eval-tokens N]
 
 Calibrates on the built-in text (or FILE) in up to --num-samples windows of --seq-len tokens,
 evaluates on benchmarks/README.md (or FILE; its first N tokens with --eval-tokens) in 512-token
-windows through prompt logprobs, float32 on the CPU. AWQ is 4-bit only.
+windows through prompt logprobs, float32 on the CPU. AWQ is 4-bit only; W8A8 is int8 weights
+per channel and activations per token (SmoothQuant, alpha 0.5), FP8 the model's weights cast per
+channel to e4m3 at load (`quantization="fp8"`, activations per token). Ends with one table
+(perplexity, change against dense, quantization time) and the commit and CPU it ran on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pagoda.model.quantization.gptq import (
     calibration_sequences,
     quantize_model,
 )
+from pagoda.model.quantization.smoothquant import quantize_model_w8a8
 from pagoda.tokenizer import get_tokenizer
 
 
@@ -49,12 +54,12 @@ def main() -> None:
     p.add_argument("--calibration-file", default=None)
     p.add_argument("--eval-file", default=os.path.join(os.path.dirname(__file__), "README.md"))
     p.add_argument("--eval-tokens", type=int, default=None, help="evaluate the first N only")
-    p.add_argument("--methods", default="dense,gptq,awq,rtn", help="comma-separated")
+    p.add_argument("--methods", default="dense,gptq,awq,rtn,w8a8,fp8", help="comma-separated")
     p.add_argument("--num-samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     args = p.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - {"dense", "gptq", "awq", "rtn"}
+    unknown = set(methods) - {"dense", "gptq", "awq", "rtn", "w8a8", "fp8"}
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}")
     model = args.model or embedded_model_path()
@@ -75,25 +80,65 @@ def main() -> None:
         f"({os.path.basename(args.eval_file)})",
         flush=True,
     )
+    results: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             start = time.perf_counter()
-            out = os.path.join(tmp, method)
-            if method == "dense":
+            out, quantization = os.path.join(tmp, method), None
+            if method in ("dense", "fp8"):
                 out = model
+                quantization = "fp8" if method == "fp8" else None
             elif method == "awq":
                 quantize_model_awq(model, out, sequences, args.bits, args.group_size)
+            elif method == "w8a8":
+                quantize_model_w8a8(model, out, sequences)
             else:
                 quantize_model(
                     model, out, sequences, args.bits, args.group_size, args.act_order, method
                 )
             seconds = time.perf_counter() - start
-            llm = LLM(out, tokenizer=model, dtype="float32", max_model_len=1024)
+            llm = LLM(
+                out, quantization=quantization, dtype="float32", max_model_len=1024
+            )  # the quantized directories carry the source's tokenizer
             ppl = perplexity(llm, windows)
             del llm
+            results[method] = (ppl, seconds)
             print(
                 f"  {method:5s} perplexity {ppl:8.3f}  (quantization {seconds:6.1f} s)", flush=True
             )
+    print_table(results, args.bits, args.group_size)
+
+
+def print_table(results: dict[str, tuple[float, float]], bits: int, group_size: int) -> None:
+    import platform
+    import subprocess
+
+    names = {
+        "dense": "dense (the source as served)",
+        "w8a8": "INT8 W8A8 (SmoothQuant)",
+        "fp8": "FP8 e4m3 (at load)",
+        "awq": f"AWQ {bits}-bit g{group_size}",
+        "gptq": f"GPTQ {bits}-bit g{group_size}",
+        "rtn": f"round-to-nearest {bits}-bit g{group_size}",
+    }
+    dense = results.get("dense", (None, 0))[0]
+    print("\n| method | perplexity | vs dense | quantization |\n|---|---|---|---|")
+    for method, (ppl, seconds) in results.items():
+        change = "" if dense is None or method == "dense" else f"{(ppl / dense - 1) * 100:+.2f}%"
+        print(f"| {names[method]} | {ppl:.3f} | {change} | {seconds:.0f} s |")
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"\ncommit {commit}; {cpu}, {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

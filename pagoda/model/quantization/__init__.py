@@ -58,9 +58,12 @@ DUMMY_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
 
 def checkpoint_accepts(quantization: str, ckpt_method: str, hf_config: dict[str, Any]) -> bool:
     """Whether `quantization` names the checkpoint's method: itself, or for a compressed-tensors
-    checkpoint w8a8 (int weights) / fp8 (float weights)."""
+    checkpoint w8a8 (int weights) / fp8 (float weights); fp8 also takes a GGUF file (its
+    weights dequantized, then cast to fp8 at load, as a bf16 checkpoint's)."""
     if quantization == ckpt_method:
         return True
+    if quantization == "fp8" and ckpt_method == "gguf":
+        return True  # the GGUF file's weights, dequantized, cast to fp8 at load
     if ckpt_method != CT or quantization not in ("w8a8", "fp8"):
         return False
     from pagoda.model.quantization.w8a8 import parse_compressed_tensors
