@@ -75,12 +75,15 @@ def _int8_epilogue_kernel(
     )
 
 
-def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows_ref` in one kernel: (q [M, K] `dtype`, scale [M, 1] float32)."""
+def quantize_rows_triton(
+    x: torch.Tensor, dtype: torch.dtype, min_rows: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_ref` in one kernel: (q [max(M, min_rows), K] `dtype`, scale [M, 1]
+    float32); rows past M are left unwritten (padding whose products nobody reads)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    q = torch.empty((max(m, min_rows), k), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(k), 4096)
     qmax = INT8_MAX if dtype == torch.int8 else FP8_MAX
@@ -107,7 +110,7 @@ def int8_epilogue(
     out_dtype: torch.dtype,
     rows: int,
 ) -> torch.Tensor:
-    """The first `rows` rows of acc [M', N] int32 * x_scale [M', 1] * w_scale [N] (+ bias)."""
+    """The first `rows` rows of acc [M', N] int32 * x_scale [rows, 1] * w_scale [N] (+ bias)."""
     n = acc.shape[1]
     out = torch.empty((rows, n), dtype=out_dtype, device=acc.device)
     bm, bn = 32, 128
@@ -133,11 +136,10 @@ def _int8_mm(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     m = x.shape[0]
-    x_q, x_scale = quantize_rows_triton(x, torch.int8)
-    if m <= 16:  # cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 rows
-        x_q = torch.cat([x_q, x_q.new_zeros(32 - m, x_q.shape[1])])
-        x_scale = torch.cat([x_scale, x_scale.new_zeros(32 - m, 1)])
-    acc = torch._int_mm(x_q, w_q.t())  # [M, N] int32; w_q.t() is column-major, as cuBLAS likes
+    # cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 rows: fewer are padded to 32
+    # (rows of garbage int8 whose products the epilogue does not read).
+    x_q, x_scale = quantize_rows_triton(x, torch.int8, min_rows=32 if m <= 16 else 0)
+    acc = torch._int_mm(x_q, w_q.t())  # [M', N] int32; w_q.t() column-major, as cuBLAS likes
     return int8_epilogue(acc, x_scale, w_scale, bias, x.dtype, m)
 
 
@@ -145,16 +147,17 @@ def _fp8_mm(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     x_q, x_scale = quantize_rows_triton(x, w_q.dtype)
-    # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) wants a bfloat16 output and bias.
+    # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) wants a bfloat16 output; the bias is
+    # added after (not every torch version takes one with row-wise scales; Llamas have none).
     y = torch._scaled_mm(
         x_q,
         w_q.t(),
         scale_a=x_scale,
         scale_b=w_scale.reshape(1, -1),
-        bias=None if bias is None else bias.to(torch.bfloat16),
         out_dtype=torch.bfloat16,
     )
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def scaled_mm_cuda(

@@ -82,8 +82,9 @@ def test_triton_row_quantization_matches_reference(dtype, k) -> None:
     diff = (q.float() - q_ref.float()).abs()
     if dtype == torch.int8:
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3  # a tie rounded otherwise
-    elif dev.type == "cuda":
-        assert torch.equal(q.float(), q_ref.float())  # the hardware cast rounds to nearest even
+    elif dev.type == "cuda":  # within one e4m3 step (a cast through fp16 may round twice)
+        assert (diff <= torch.clamp(q_ref.float().abs() / 8, min=2.0**-9)).all()
+        assert (diff > 0).float().mean() < 0.01
     else:
         # The interpreter's fp32 -> e4m3 cast drops the carry when rounding up crosses a power
         # of two (125.5 -> 64, not 128): a mismatch is allowed only there.
@@ -107,6 +108,19 @@ def test_triton_int8_epilogue_matches_reference(with_bias) -> None:
     if bias is not None:
         ref = ref + bias
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 16, 20])
+def test_int8_tensor_core_path_matches_reference(m) -> None:
+    # The CUDA int8 path end to end (row quantization, padding to 32 rows, torch._int_mm, the
+    # epilogue); without a GPU, the kernels under the interpreter and torch._int_mm on the CPU.
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import scaled_mm_cuda
+
+    x, w_q, w_scale, bias = _problem(m, 64, 48, torch.int8, device=kernel_device())
+    y = scaled_mm_cuda(x, w_q, w_scale, bias)
+    assert y.shape == (m, 48)
+    torch.testing.assert_close(y, scaled_mm_ref(x, w_q, w_scale, bias), atol=1e-4, rtol=1e-4)
 
 
 # ---- GPU: the tensor-core paths --------------------------------------------------------------
