@@ -97,9 +97,21 @@ def main() -> None:
                     model, out, sequences, args.bits, args.group_size, args.act_order, method
                 )
             seconds = time.perf_counter() - start
-            llm = LLM(
-                out, quantization=quantization, dtype="float32", max_model_len=1024
-            )  # the quantized directories carry the source's tokenizer
+            # dense: a GGUF source's weights dequantized to float32 (PAGODA_GGUF_QUANTIZED=0),
+            # not its blocks through the int8-activation kernels, so that the 8-bit methods
+            # are measured against the float model they quantize.
+            before = os.environ.get("PAGODA_GGUF_QUANTIZED")
+            if method == "dense":
+                os.environ["PAGODA_GGUF_QUANTIZED"] = "0"
+            try:
+                llm = LLM(
+                    out, quantization=quantization, dtype="float32", max_model_len=1024
+                )  # the quantized directories carry the source's tokenizer
+            finally:
+                if before is None:
+                    os.environ.pop("PAGODA_GGUF_QUANTIZED", None)
+                else:
+                    os.environ["PAGODA_GGUF_QUANTIZED"] = before
             ppl = perplexity(llm, windows)
             del llm
             results[method] = (ppl, seconds)
@@ -114,7 +126,7 @@ def print_table(results: dict[str, tuple[float, float]], bits: int, group_size: 
     import subprocess
 
     names = {
-        "dense": "dense (the source as served)",
+        "dense": "dense (float32)",
         "w8a8": "INT8 W8A8 (SmoothQuant)",
         "fp8": "FP8 e4m3 (at load)",
         "awq": f"AWQ {bits}-bit g{group_size}",
