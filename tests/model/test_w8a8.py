@@ -283,3 +283,42 @@ def test_the_engine_takes_a_w8a8_checkpoint_by_its_names(w8a8_checkpoint) -> Non
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantization", ["w8a8", "fp8"])
+def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(tmp_path, quantization) -> None:
+    from pagoda import LLM, SamplingParams
+    from pagoda.kernels.scaled_mm import fp8_supported
+
+    if quantization == "fp8" and not fp8_supported():
+        pytest.skip("no FP8 tensor cores on this GPU (sm_89+)")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **TINY_CONFIG,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [{"prompt_token_ids": list(range(1, 1 + n))} for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):  # CUDA graphs replay the same kernels: the same greedy tokens
+        llm = LLM(
+            str(tmp_path / "config.json"),
+            load_format="dummy",
+            quantization=quantization,
+            skip_tokenizer_init=True,
+            enforce_eager=eager,
+            max_model_len=128,
+            gpu_memory_utilization=0.3,
+        )
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False] and all(len(t) == 8 for t in outs[True])
