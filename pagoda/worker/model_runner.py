@@ -273,6 +273,11 @@ class ModelRunner:
             self._calibrate_kv_scales = True
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
+        if self.device.type == "cuda" and not self._calibrate_kv_scales:
+            from pagoda.worker.warmup import warm_up_eager_kernels
+
+            seconds = warm_up_eager_kernels(self)
+            logger.info("eager-step kernels compiled (warm-up steps) in %.1f s", seconds)
 
     def capture_cuda_graphs(self, capture_fn: CaptureFn | None = None) -> None:
         """Capture the decode and mixed-step graphs over the current KV cache (`capture_fn`: a
