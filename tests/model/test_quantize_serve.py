@@ -73,8 +73,24 @@ def test_a_hf_source_directory_has_its_tokenizer_files_copied(tmp_path) -> None:
     assert not (out / "merges.txt").exists()
 
 
+def _perplexity_and_greedy(llm, text: str, prompts: list[str]):
+    import math
+
+    from pagoda import SamplingParams
+
+    ids = llm.get_tokenizer().encode(text)[:512]
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    out = llm.generate([{"prompt_token_ids": ids}], scored, use_tqdm=False)[0]
+    nll = -sum(e[t].logprob for t, e in zip(ids[1:], out.prompt_logprobs[1:])) / (len(ids) - 1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    return math.exp(nll), [o.outputs[0] for o in outs]
+
+
 @pytest.mark.slow
 def test_awq_quantized_embedded_model_serves_without_a_tokenizer_argument(tmp_path, capsys) -> None:
+    import pathlib
+
     from pagoda import LLM, SamplingParams
     from pagoda.cli import main
 
@@ -82,21 +98,25 @@ def test_awq_quantized_embedded_model_serves_without_a_tokenizer_argument(tmp_pa
     argv = ["quantize", "--method", "awq", "--num-samples", "4", "--seq-len", "128"]
     assert main([*argv, "--output", str(out)]) == 0
     assert "AWQ 4-bit, group 128: 120 linear layers" in capsys.readouterr().out
+    # Held-out text: this repository's README (the calibration is the built-in text).
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     prompts = [
         "The capital of France is",
         "def fibonacci(n):",
         "The three primary colors are",
         "Water boils at a temperature of",
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=12)
-    quant = LLM(model=str(out), max_model_len=256)  # no tokenizer=: the directory has one
-    chat = quant.chat([MESSAGES], SamplingParams(temperature=0.0, max_tokens=8))
-    assert "4" in chat[0].outputs[0].text
-    got = [o.outputs[0].token_ids for o in quant.generate(prompts, params)]
+    chat_params = SamplingParams(temperature=0.0, max_tokens=8)
+    quant = LLM(model=str(out), max_model_len=1024)  # no tokenizer=: the directory has one
+    chat = quant.chat([MESSAGES], chat_params, use_tqdm=False)[0]
+    quant_ppl, got = _perplexity_and_greedy(quant, text, prompts)
     del quant
-    source = LLM(model=embedded_model_path(), max_model_len=256)
-    want = [o.outputs[0].token_ids for o in source.generate(prompts, params)]
-    # 4-bit weights: greedy paths may part after near-ties, but mostly agree.
-    same_first = sum(g[:4] == w[:4] for g, w in zip(got, want))
-    agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-    assert same_first >= 3 and agree >= 0.5 * sum(len(w) for w in want), (got, want)
+    source = LLM(model=embedded_model_path(), max_model_len=1024)
+    assert chat.prompt_token_ids == source.chat([MESSAGES], chat_params)[0].prompt_token_ids
+    source_ppl, want = _perplexity_and_greedy(source, text, prompts)
+    # 4-bit weights of a 135M model: perplexity ~1.2x the source's (8 x 256 calibration
+    # tokens: 59.8 vs 50.3 on benchmarks/README.md); greedy paths part after a few tokens.
+    assert quant_ppl < 1.35 * source_ppl, (quant_ppl, source_ppl)
+    assert "Paris" in got[0].text, got[0].text
+    same_first = sum(g.token_ids[0] == w.token_ids[0] for g, w in zip(got, want))
+    assert same_first >= 2, ([g.text for g in got], [w.text for w in want])
