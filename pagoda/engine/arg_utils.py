@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import (
+    DEFAULT_MAX_NUM_SEQS,
     DTYPES,
     KV_CACHE_DTYPES,
     CacheConfig,
@@ -127,7 +128,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     # Scheduler
-    max_num_seqs: int = 256
+    # None: DEFAULT_MAX_NUM_SEQS, except that a server on a CPU sizes it to the cores
+    # (`serving_engine_args`).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -276,7 +279,7 @@ class EngineArgs:
             if not self.enable_chunked_prefill:
                 max_batched = max(max_batched, max_model_len)
         return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=max_batched,
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
@@ -337,7 +340,13 @@ class EngineArgs:
             default=d.enable_prefix_caching,
         )
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=d.max_num_seqs,
+            help=f"requests running at once (default {DEFAULT_MAX_NUM_SEQS}; a server on a CPU: "
+            "4 per core, so that a full batch still streams at a readable pace)",
+        )
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument(
             "--long-prefill-token-threshold",

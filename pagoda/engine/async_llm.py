@@ -80,19 +80,30 @@ def multiprocessing_enabled() -> bool:
 # bound the step and hand first tokens out 4 at a time (32 requests of 128 tokens: median TTFT
 # 815-909 ms against 1081-1126 with 2048, the same throughput).
 SERVING_CPU_MAX_NUM_BATCHED_TOKENS = 512
+# And runs this many requests per core at once unless --max-num-seqs says otherwise. A CPU's
+# decode step grows with the batch almost as fast as the batch (2 cores, SmolLM2-135M: ~50
+# output tok/s at 8 sequences, ~100 at 64), so 256 running requests each get a token every few
+# seconds: under overload every stream crawls and none meets a latency target, where a small
+# batch keeps streams at a readable pace and load shedding (the waiting bound, 503 with
+# Retry-After) refuses the excess at once. --max-num-seqs 256 trades that for throughput.
+SERVING_CPU_SEQS_PER_CORE = 4
 
 
 def serving_engine_args(engine_args: Any) -> Any:
-    """`engine_args` with the server's defaults filled in (the CPU prefill chunk)."""
-    if engine_args.max_num_batched_tokens is not None or not engine_args.enable_chunked_prefill:
-        return engine_args
+    """`engine_args` with the server's CPU defaults filled in: the prefill chunk and the
+    running batch."""
     from pagoda.engine.arg_utils import resolve_device
 
     if resolve_device(engine_args.device) != "cpu":
         return engine_args
-    return dataclasses.replace(
-        engine_args, max_num_batched_tokens=SERVING_CPU_MAX_NUM_BATCHED_TOKENS
-    )
+    changes: dict[str, Any] = {}
+    if engine_args.max_num_batched_tokens is None and engine_args.enable_chunked_prefill:
+        changes["max_num_batched_tokens"] = SERVING_CPU_MAX_NUM_BATCHED_TOKENS
+    if engine_args.max_num_seqs is None:
+        from pagoda.worker.model_runner import num_cpu_threads
+
+        changes["max_num_seqs"] = SERVING_CPU_SEQS_PER_CORE * num_cpu_threads()
+    return dataclasses.replace(engine_args, **changes) if changes else engine_args
 
 
 def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = False) -> Any:
@@ -102,8 +113,10 @@ def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = Fals
     served_args = serving_engine_args(engine_args)
     if served_args is not engine_args:
         logger.info(
-            "serving on a CPU: prefill chunks of %d tokens (--max-num-batched-tokens)",
-            served_args.max_num_batched_tokens,
+            "serving on a CPU: prefill chunks of %s tokens (--max-num-batched-tokens), %s "
+            "requests at once (--max-num-seqs)",
+            served_args.max_num_batched_tokens or "the default",
+            served_args.max_num_seqs or "the default",
         )
     engine = LLMEngine.from_engine_args(served_args)
     if same_process_as_frontend:

@@ -272,17 +272,29 @@ def test_child_exits_when_the_parent_is_killed(tmp_path):
         parent.kill()
 
 
-def test_a_cpu_server_prefills_in_small_chunks_unless_told_otherwise():
+def test_a_cpu_server_prefills_in_small_chunks_and_runs_few_requests_unless_told_otherwise():
+    from pagoda.config import DEFAULT_MAX_NUM_SEQS
     from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.engine.async_llm import SERVING_CPU_MAX_NUM_BATCHED_TOKENS, serving_engine_args
+    from pagoda.engine.async_llm import (
+        SERVING_CPU_MAX_NUM_BATCHED_TOKENS,
+        SERVING_CPU_SEQS_PER_CORE,
+        serving_engine_args,
+    )
+    from pagoda.worker.model_runner import num_cpu_threads
 
     args = serving_engine_args(EngineArgs(device="cpu"))
     assert args.max_num_batched_tokens == SERVING_CPU_MAX_NUM_BATCHED_TOKENS
-    given = EngineArgs(device="cpu", max_num_batched_tokens=4096)
+    assert args.max_num_seqs == SERVING_CPU_SEQS_PER_CORE * num_cpu_threads()
+    given = EngineArgs(device="cpu", max_num_batched_tokens=4096, max_num_seqs=256)
     assert serving_engine_args(given).max_num_batched_tokens == 4096
+    assert serving_engine_args(given).max_num_seqs == 256
     whole = EngineArgs(device="cpu", enable_chunked_prefill=False)
     assert serving_engine_args(whole).max_num_batched_tokens is None
-    assert serving_engine_args(EngineArgs(device="cuda")).max_num_batched_tokens is None
+    gpu = serving_engine_args(EngineArgs(device="cuda"))
+    assert gpu.max_num_batched_tokens is None and gpu.max_num_seqs is None
+    # Offline (LLM, bench throughput) keeps vLLM's default.
+    config = EngineArgs(device="cpu")._scheduler_config(2048, async_scheduling=False)
+    assert config.max_num_seqs == DEFAULT_MAX_NUM_SEQS
 
 
 def test_process_core_streams_exactly_what_the_thread_core_streams():
