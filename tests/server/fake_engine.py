@@ -15,7 +15,7 @@ from typing import Any
 
 import jinja2
 
-from pagoda.config import CacheConfig
+from pagoda.config import DEFAULT_MAX_NUM_SEQS, CacheConfig
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -87,13 +87,15 @@ class _Req:
 
 class FakeEngine:
     def __init__(
-        self, max_model_len: int = 128, max_num_seqs: int = 4, step_delay: float = 0.0,
+        self, max_model_len: int = 128, max_num_seqs: int | None = 4, step_delay: float = 0.0,
         num_blocks: int = 64, block_size: int = 16,
     ) -> None:  # fmt: skip
         self.tokenizer = FakeTokenizer()
         self.model_config = SimpleNamespace(
             max_model_len=max_model_len, name="fake-model", model="/models/fake", vocab_size=258
         )
+        if max_num_seqs is None:  # the --max-num-seqs flag not given: the engine's default
+            max_num_seqs = DEFAULT_MAX_NUM_SEQS
         self.config = SimpleNamespace(
             cache_config=CacheConfig(block_size=block_size),
             scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
