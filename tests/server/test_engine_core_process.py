@@ -317,3 +317,12 @@ def test_process_core_streams_exactly_what_the_thread_core_streams():
     finally:
         in_thread.shutdown()
         in_process.shutdown()
+
+
+def test_default_waiting_bound_is_a_quarter_of_the_batch_within_the_kv_cache():
+    from pagoda.engine.async_llm import default_max_waiting_requests
+
+    assert default_max_waiting_requests(8, 46592, 8192) == 2  # a 2-core CPU server
+    assert default_max_waiting_requests(256, 894480, 8192) == 64  # Llama-3-8B on an H200
+    assert default_max_waiting_requests(256, 3 * 8192, 8192) == 3  # the KV cache binds
+    assert default_max_waiting_requests(2, 100, 8192) == 1  # never 0 by default
