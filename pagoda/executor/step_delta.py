@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.core.block_pool import NULL_BLOCK_ID
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -39,6 +40,9 @@ class ScheduledRequestDelta:
     num_computed_tokens: int  # before this step: where its scheduled tokens start
     block_ids: list[int]  # appended to its block table, or the whole table if replace_blocks
     replace_blocks: bool
+    # A sliding window's freed blocks: the table's first this many entries are the null block
+    # (the KV cache manager nulls them in place, from the front).
+    num_null_blocks: int = 0
 
 
 @dataclass
@@ -59,6 +63,7 @@ class _Sent:
     blocks: list[int]  # the KV cache manager's live list, as last sent
     num_blocks: int
     last_block: int | None
+    num_null_blocks: int = 0
 
 
 class StepDeltaEncoder:
@@ -100,6 +105,10 @@ class StepDeltaEncoder:
             )
             sent.blocks, sent.num_blocks = blocks, len(blocks)
             sent.last_block = blocks[-1] if blocks else None
+            nulls = sent.num_null_blocks if grown else 0
+            while nulls < len(blocks) and blocks[nulls] == NULL_BLOCK_ID:
+                nulls += 1
+            sent.num_null_blocks = nulls
             start = so.num_computed_tokens.get(rid)
             scheduled.append(
                 ScheduledRequestDelta(
@@ -110,6 +119,7 @@ class StepDeltaEncoder:
                     req.num_computed_tokens - n if start is None else start,
                     blocks[k:] if grown else blocks,
                     not grown,
+                    nulls,
                 )
             )
         return StepDelta(
@@ -157,7 +167,13 @@ class RequestMirror:
             if d.replace_blocks:
                 self.block_ids[rid] = d.block_ids
             else:  # in place: the runner's block-table cache sees the same list grow
-                self.block_ids[rid].extend(d.block_ids)
+                table = self.block_ids[rid]
+                table.extend(d.block_ids)
+                # Walk back from the last freed block: the ones before it were nulled earlier.
+                for i in range(d.num_null_blocks - 1, -1, -1):
+                    if table[i] == NULL_BLOCK_ID:
+                        break
+                    table[i] = NULL_BLOCK_ID
             reqs.append(req)
             num_scheduled[rid] = d.num_scheduled_tokens
             num_computed[rid] = d.num_computed_tokens
