@@ -11,7 +11,7 @@ def freeze_startup_heap() -> None:
     The model, torch's modules and the tokenizer are hundreds of thousands of objects that live
     as long as the engine; without this each full collection walks them all: ~140 ms in the
     HTTP front end, where a burst of requests triggered one and stalled the event loop, and
-    110-120 ms of an H200 sitting idle mid-run in offline workload a. vLLM freezes its heaps
+    110-120 ms of an H200 sitting idle in the middle of an offline benchmark. vLLM freezes its heaps
     after start-up for the same reason. What an earlier engine of this process left frozen is
     unfrozen first, so that its cycles, if it is gone, are collected now and not kept forever.
     """

@@ -141,9 +141,8 @@ def default_config(
     m: int, n: int, k: int, num_sms: int = 132, *, elem_bytes: int = 2
 ) -> tuple[int, int, int, int, int]:
     """(block_n, block_k, split_k, num_warps, num_stages) for an [m, k] x [n, k]^T product:
-    the fastest settings of the H200 sweep (`python benchmarks/gemm_sweep.py --quick`, run
-    2026-11-29, benchmarks/results/h200/run13-sweeps) for the Llama-3-8B shapes, as a
-    rule by shape class. Few N tiles did not need split-K (qkv's 96 and o's 64 programs ran
+    the fastest settings of an H200 sweep (`python benchmarks/gemm_sweep.py --quick`) for the
+    Llama-3-8B shapes, as a rule by shape class. Few N tiles did not need split-K (qkv's 96 and o's 64 programs ran
     fastest unsplit, 256-wide K blocks); only the deep down projection (K = 3.5 N) gains
     from it. `num_sms` is kept for other GPUs' rules."""
     del num_sms

@@ -128,7 +128,7 @@ def bench_prefill(runner: ModelRunner, num_tokens: int, iters: int, cached: int 
 def bench_mixed(
     runner: ModelRunner, prefill_tokens: int, num_decodes: int, iters: int, seed: int = 0
 ) -> float:
-    """Median ms of a step shaped like workload a's prefill steps: `num_decodes` decodes whose
+    """Median ms of a step shaped like the prefill steps of the 256-request offline workload (prompts and outputs uniform in [100, 1024]): `num_decodes` decodes whose
     contexts are uniform in [100, 1024], then fresh prompts of lengths uniform in [100, 1024]
     (the last one cut as a chunk) filling `prefill_tokens`."""
     bs = runner.block_size
@@ -175,7 +175,7 @@ def _profile(runner: ModelRunner, title: str, run) -> None:  # noqa: ANN001 - ru
 
 
 def profile_mixed(runner: ModelRunner, prefill_tokens: int, num_decodes: int) -> None:
-    """The kernels of 3 steps shaped like workload a's prefill steps (`bench_mixed`)."""
+    """The kernels of 3 steps shaped like `bench_mixed`'s."""
     _profile(
         runner,
         f"3 steps of {num_decodes} decodes + {prefill_tokens} prompt tokens",
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         "--mixed",
         nargs="*",
         default=[],
-        help="P:D steps of D decodes + P prompt tokens (workload a's prefill steps)",
+        help="P:D steps of D decodes + P prompt tokens (the offline workload's prefill steps)",
     )
     p.add_argument("--profile-mixed", nargs="*", default=[], help="profile these P:D steps")
     args = p.parse_args(argv)

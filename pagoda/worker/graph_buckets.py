@@ -74,7 +74,7 @@ def mixed_graph_reserve_bytes(
 # 35 Llama-3-8B graphs on an H200 against 0.07 GiB for a later capture).
 POOL_SLACK_BYTES = 256 << 20
 # With tensor parallelism each graph also holds NCCL's captured all-reduces: two H200s at tp=2
-# took 0.77 GiB for 71 Llama-3-8B graphs against 0.55 GiB estimated without this (run 18),
+# took 0.77 GiB for 71 Llama-3-8B graphs against 0.55 GiB estimated without this,
 # ~3.2 MiB more a graph.
 TP_PER_GRAPH_BYTES = 4 << 20
 

@@ -6,7 +6,7 @@ flight, and each fp8 value is converted and then moved into the dot operand layo
 `paged_decode.cu` streams every warp's 16-key chunks through a cp.async ring (several chunks in
 flight) and lays the operands out so each lane converts the bytes it loaded, with no shuffles
 (its header says how): 3.4 TB/s of fp8 and 4.05 TB/s of bf16 at 256 ragged requests
-(`python benchmarks/cuda_decode_bench.py`, H200 run 21). It covers the decode steps of the
+(`python benchmarks/cuda_decode_bench.py` on an H200). It covers the decode steps of the
 common shapes: one query token per request, head size 128, up to 8 query heads per KV head,
 block sizes that are multiples of 16, bf16/fp16 queries over an e4m3/e5m2 cache or a cache of
 their own dtype, on sm_89 or newer. Everything else, and any GPU where the kernel does not
