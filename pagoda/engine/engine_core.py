@@ -179,7 +179,7 @@ class PromptElider:
                 out.prompt, out.prompt_token_ids = None, None
             if out.finished:
                 sent.discard(rid)
-            elif rid not in sent:
+            else:
                 sent.add(rid)
         for rid in (*report.aborted, *report.expired):
             sent.discard(rid)
