@@ -8,6 +8,7 @@ from torch import nn
 
 _LLAMA = "pagoda.model.models.llama"
 _GEMMA = "pagoda.model.models.gemma"
+_MOE = "pagoda.model.models.moe"
 
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -15,9 +16,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": (_GEMMA, "Gemma3ForCausalLM"),
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
     "Phi3ForCausalLM": (_LLAMA, "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": (_LLAMA, "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": (_MOE, "Qwen3MoeForCausalLM"),
 }
 
 

@@ -98,6 +98,25 @@ TINY_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         ),
     ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # Mixture of experts: 4 experts, top 2, softmax over the chosen logits.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
+    # 8 experts of 32, top 3 of the softmax renormalized; layer 1 a dense MLP (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }
 

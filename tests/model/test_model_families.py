@@ -1,7 +1,7 @@
 """Newer model families end to end against `transformers`: Mistral with a sliding window, Gemma 2
 (local/global layers, attention and final logit soft-caps) and Gemma 3 text (q/k norms, local
-RoPE base) and Phi-3 (fused checkpoint projections, partial LongRoPE, a window on every layer),
-through `LLM` with batching, chunked prefill and prefix caching on, prompts longer
+RoPE base), Phi-3 (fused checkpoint projections, partial LongRoPE, a window on every layer) and
+the mixtures of experts Mixtral and Qwen3-MoE (routing, stacked experts, a dense layer), through `LLM` with batching, chunked prefill and prefix caching on, prompts longer
 than any sliding window.
 
 Each checkpoint is a tiny random model written by transformers' own class (float32,
@@ -48,7 +48,9 @@ def _hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens[len(prompt) :], torch.log_softmax(logits, -1)
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding_window", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize(
+    "case", ["mistral_sliding_window", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+)
 def test_engine_matches_transformers(tmp_path, case):
     from pagoda import LLM, SamplingParams
 

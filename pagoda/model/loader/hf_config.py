@@ -99,13 +99,20 @@ def validate_hf_config(
 
 def estimated_weight_bytes(config: Mapping[str, Any], bytes_per_param: int) -> int:
     """The dense weights' size of a (checked) Llama-family config: embeddings, the LM head
-    unless tied, and per layer q/k/v/o and the gated MLP (norms are negligible)."""
+    unless tied, and per layer q/k/v/o and the gated MLP, or for a mixture of experts (Mixtral's
+    `num_local_experts`, Qwen3-MoE's `num_experts`) the router and every expert's gated MLP
+    (norms are negligible; Qwen3-MoE's dense `mlp_only_layers` are counted as sparse)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
     per_layer = hidden * (2 * heads + 2 * kv_heads) * head_dim
-    per_layer += 3 * hidden * config["intermediate_size"]
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if experts:
+        inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+        per_layer += experts * (3 * hidden * inter + hidden)
+    else:
+        per_layer += 3 * hidden * config["intermediate_size"]
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     return (embeddings + config["num_hidden_layers"] * per_layer) * bytes_per_param
 

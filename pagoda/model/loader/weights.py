@@ -88,16 +88,22 @@ class WeightLoadingState:
         self.model = model
         self.params = dict(model.named_parameters())
         self.mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+        # A model's own (parameter, shard) for names the mapping cannot express (MoE experts).
+        self.remap = getattr(model, "map_checkpoint_name", None)
         self.tied = bool(getattr(model, "tie_word_embeddings", False))
         self.expected: set[tuple[str, object]] = set()
         for name, param in self.params.items():
             if getattr(param, "optional", False):  # has a default when the checkpoint lacks it
                 continue
-            shards = [sid for (fused, sid) in self.mapping.values() if f".{fused}." in name]
+            shards = getattr(param, "shard_ids", None) or [
+                sid for (fused, sid) in self.mapping.values() if f".{fused}." in name
+            ]
             self.expected.update((name, sid) for sid in (shards or [None]))
         self.loaded: set[tuple[str, object]] = set()
 
     def _checkpoint_name(self, name: str, shard_id: object) -> str:
+        if isinstance(shard_id, tuple):  # (expert, shard) of a MoE layer's stacked experts
+            return f"{name} (expert {shard_id[0]}, {shard_id[1]})"
         for ckpt, (fused, sid) in self.mapping.items():
             if sid == shard_id and f".{fused}." in name:
                 return name.replace(f".{fused}.", f".{ckpt}.")
@@ -108,10 +114,14 @@ class WeightLoadingState:
             if name.endswith(_SKIPPED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
                 continue
             param_name, shard_id = name, None
-            for ckpt, (fused, sid) in self.mapping.items():
-                if f".{ckpt}." in name:
-                    param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
-                    break
+            mapped = self.remap(name) if self.remap is not None else None
+            if mapped is not None:
+                param_name, shard_id = mapped
+            else:
+                for ckpt, (fused, sid) in self.mapping.items():
+                    if f".{ckpt}." in name:
+                        param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                        break
             param = self.params.get(param_name)
             if param is None:
                 raise ValueError(

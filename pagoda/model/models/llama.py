@@ -145,9 +145,15 @@ class LlamaDecoderLayer(nn.Module):
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         hidden = int(cfg["hidden_size"])
         self.self_attn = LlamaAttention(cfg, layer_idx, flags, linear_method, attn_backend)
-        self.mlp = LlamaMLP(cfg, linear_method)
+        self.mlp = self.make_mlp(cfg, layer_idx, linear_method)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def make_mlp(
+        self, cfg: dict[str, Any], layer_idx: int, linear_method: LinearMethodBase | None
+    ) -> nn.Module:
+        """The layer's feed-forward block (a mixture-of-experts model overrides this)."""
+        return LlamaMLP(cfg, linear_method)
 
     def forward(
         self,
@@ -173,12 +179,13 @@ class LlamaModel(nn.Module):
         flags: dict[str, bool],
         linear_method: LinearMethodBase | None,
         attn_backend: AttentionBackend,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
         self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), hidden)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, flags, linear_method, attn_backend)
+            layer_cls(cfg, i, flags, linear_method, attn_backend)
             for i in range(int(cfg["num_hidden_layers"]))
         )
         self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
@@ -209,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    decoder_layer_cls = LlamaDecoderLayer
 
     @classmethod
     def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
@@ -224,7 +232,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         attn_backend = attn_backend or get_attn_backend("cpu", "torch")
-        self.model = LlamaModel(hf_config, self.flags(hf_config), linear_method, attn_backend)
+        self.model = LlamaModel(
+            hf_config, self.flags(hf_config), linear_method, attn_backend, self.decoder_layer_cls
+        )
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.vocab_size = int(hf_config["vocab_size"])
         self.lm_head = ParallelLMHead(self.vocab_size, int(hf_config["hidden_size"]))

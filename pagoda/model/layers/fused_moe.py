@@ -1,0 +1,186 @@
+"""A sparse mixture-of-experts MLP block (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): a
+router picks top_k of E SwiGLU experts per token and sums their outputs weighted by the
+router's probabilities.
+
+Routing follows each family's rule (`topk_softmax`: Mixtral, a softmax over the top-k logits;
+`softmax_topk`: Qwen3-MoE, top-k of the softmax over all experts, renormalized to sum 1 when
+`norm_topk_prob`). Every expert's gate and up projections are stored stacked as w13
+[E, 2 * I, H] (gate rows, then up rows) and its down projection as w2 [E, H, I], the layout of
+vLLM and of transformers 5's fused checkpoints; the loader fills them from per-expert tensors
+(Mixtral's w1/w3/w2, Qwen3-MoE's gate_proj/up_proj/down_proj) or from the fused ones.
+
+Under tensor parallelism each rank holds a slice of every expert's intermediate dimension
+(rows of gate and up, columns of down), as vLLM does: its partial outputs are summed by an
+all-reduce, like a row-parallel linear layer's. On CUDA with Triton the experts run as two
+grouped GEMMs (`pagoda.kernels.fused_moe`), CUDA-graph safe; elsewhere, or with `fused_ops`
+off, `moe_experts_ref`'s loop over the experts in use is the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.kernels import triton_available
+from pagoda.model.layers.linear import ReplicatedLinear, copy_checked, set_weight_attrs
+from pagoda.model.parallel import (
+    divide,
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_reduce,
+)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral: the top_k logits, softmaxed among themselves (float32). -> (weights, ids)."""
+    logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+    return torch.softmax(logits, dim=-1), ids
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: the top_k probabilities of a softmax over all experts (float32), divided by
+    their sum when `renormalize` (norm_topk_prob), then rounded to the logits' dtype as
+    transformers does. -> (weights, ids)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype).float(), ids
+
+
+def moe_experts_ref(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The per-expert loop (transformers' eager experts): each expert in use takes its tokens,
+    runs its SwiGLU MLP, scales by the routing weights and adds into the output. Reads which
+    experts are in use on the host (not CUDA-graph safe)."""
+    out = torch.zeros_like(hidden_states)
+    inter = w2.shape[-1]
+    for expert in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        x = hidden_states[token_idx]
+        gate, up = F.linear(x, w13[expert]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        y = y * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer: w13 [E, 2 * I/tp, H] and w2 [E, H, I/tp] on each rank."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.inter_per_rank = divide(intermediate_size, self.tp_size, "moe intermediate size")
+        dtype = params_dtype or torch.get_default_dtype()
+        inter = self.inter_per_rank
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, inter, dtype=dtype), requires_grad=False
+        )
+        # Every (expert, shard) the checkpoint must supply (WeightLoadingState reads this).
+        w13_shards = [(e, s) for e in range(num_experts) for s in ("w1", "w3")]
+        set_weight_attrs(
+            self.w13_weight, {"weight_loader": self.weight_loader, "shard_ids": w13_shards}
+        )
+        w2_shards = [(e, "w2") for e in range(num_experts)]
+        set_weight_attrs(
+            self.w2_weight, {"weight_loader": self.weight_loader, "shard_ids": w2_shards}
+        )
+        self.fused_ops = True  # the Triton grouped GEMMs on CUDA
+
+    def _rank_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        full = self.intermediate_size
+        if t.shape[dim] != full:
+            raise ValueError(f"expected {full} along dim {dim}, got shape {tuple(t.shape)}")
+        return t.narrow(dim, self.tp_rank * self.inter_per_rank, self.inter_per_rank)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        """shard_id (expert, "w1" | "w3" | "w2"): one expert's gate [I, H], up [I, H] or down
+        [H, I] projection; None: every expert's at once (transformers 5's gate_up_proj
+        [E, 2I, H] or down_proj [E, H, I])."""
+        inter = self.inter_per_rank
+        if shard_id is None:
+            if param is self.w2_weight:
+                return copy_checked(param.data, self._rank_slice(loaded_weight, 2))
+            if loaded_weight.dim() != 3 or loaded_weight.shape[1] != 2 * self.intermediate_size:
+                raise ValueError(
+                    f"expected gate_up_proj [{self.num_experts}, {2 * self.intermediate_size}"
+                    f", H], got {tuple(loaded_weight.shape)}"
+                )
+            gate, up = loaded_weight.chunk(2, dim=1)
+            copy_checked(param.data[:, :inter], self._rank_slice(gate, 1))
+            return copy_checked(param.data[:, inter:], self._rank_slice(up, 1))
+        expert, shard = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside the config's {self.num_experts}")
+        if shard == "w2":
+            return copy_checked(param.data[expert], self._rank_slice(loaded_weight, 1))
+        rows = slice(0, inter) if shard == "w1" else slice(inter, 2 * inter)
+        copy_checked(param.data[expert, rows], self._rank_slice(loaded_weight, 0))
+
+    def forward(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """[T, H] and the routing [T, top_k] -> this rank's partial sum [T, H]."""
+        w13, w2 = self.w13_weight, self.w2_weight
+        if self.fused_ops and hidden_states.is_cuda and triton_available():
+            from pagoda.kernels.fused_moe import fused_experts
+
+            return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids)
+        return moe_experts_ref(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, replicated) + experts, with the family's routing rule; the output is
+    all-reduced across tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: str,
+        renormalize: bool = True,
+    ) -> None:
+        super().__init__()
+        if routing not in ("topk_softmax", "softmax_topk"):
+            raise ValueError(f"unknown MoE routing {routing!r}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{num_experts}")
+        self.top_k, self.routing, self.renormalize = top_k, routing, renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.routing == "topk_softmax":
+            return topk_softmax(router_logits, self.top_k)
+        return softmax_topk(router_logits, self.top_k, self.renormalize)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.select_experts(self.gate(hidden_states))
+        out = self.experts(hidden_states, topk_weights, topk_ids)
+        return tensor_model_parallel_all_reduce(out)

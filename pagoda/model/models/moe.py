@@ -1,0 +1,112 @@
+"""Mixture-of-experts decoders: Mixtral (Jiang et al. 2024, arXiv:2401.04088) and Qwen3-MoE
+(Qwen3 technical report, arXiv:2505.09388).
+
+Both are Llama blocks (`llama.py`: attention, norms, residual order) whose MLP is a sparse MoE
+block (`pagoda.model.layers.fused_moe`), as Hugging Face reads their configs:
+- Mixtral: `num_local_experts` experts of `intermediate_size`, top `num_experts_per_tok`,
+  weights a softmax over the chosen logits; the config's sliding window on every layer;
+- Qwen3-MoE: `num_experts` experts of `moe_intermediate_size`, top `num_experts_per_tok` of a
+  softmax over all experts, renormalized when `norm_topk_prob`; q/k RMSNorm; a dense MLP of
+  `intermediate_size` on the layers in `mlp_only_layers` and those off `decoder_sparse_step`.
+Checkpoint expert tensors come per expert (`block_sparse_moe.experts.{e}.w1/w3/w2`, `mlp.experts.
+{e}.gate_proj/up_proj/down_proj`) or fused over experts (transformers 5's `mlp.experts.
+gate_up_proj` / `down_proj`); `map_checkpoint_name` sends each to its stacked parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from pagoda.model.layers.fused_moe import SparseMoeBlock
+from pagoda.model.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagoda.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_FUSED_EXPERTS = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+_SHARDS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2",
+           "down_proj": "w2"}  # fmt: skip
+
+
+def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
+    """Qwen3-MoE's rule (Mixtral's configs have neither field: every layer is sparse)."""
+    if layer_idx in (cfg.get("mlp_only_layers") or []):
+        return False
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return moe_num_experts(cfg) > 0 and (layer_idx + 1) % step == 0
+
+
+def moe_num_experts(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
+def moe_intermediate_size(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    routing = "softmax_topk"
+
+    def make_mlp(
+        self, cfg: dict[str, Any], layer_idx: int, linear_method: LinearMethodBase | None
+    ) -> nn.Module:
+        if not is_moe_layer(cfg, layer_idx):
+            return LlamaMLP(cfg, linear_method)
+        if linear_method is not None and not isinstance(linear_method, UnquantizedLinearMethod):
+            raise ValueError(
+                f"{type(linear_method).__name__} does not cover MoE experts yet: serve this "
+                "mixture-of-experts model unquantized (no --quantization)"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        return SparseMoeBlock(
+            num_experts=moe_num_experts(cfg),
+            top_k=int(cfg["num_experts_per_tok"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=moe_intermediate_size(cfg),
+            routing=self.routing,
+            renormalize=bool(cfg.get("norm_topk_prob", False)),  # as transformers reads it
+        )
+
+
+class MixtralDecoderLayer(MoeDecoderLayer):
+    routing = "topk_softmax"
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = MixtralDecoderLayer
+
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        return {"qkv_bias": False, "o_bias": False, "qk_norm": False}
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """(parameter name, shard id) for an expert or router tensor, None for the others."""
+        m = _PER_EXPERT.match(name)
+        if m:
+            prefix, expert, proj = m.groups()
+            shard = _SHARDS[proj]
+            param = "w2_weight" if shard == "w2" else "w13_weight"
+            return f"{prefix}.mlp.experts.{param}", (int(expert), shard)
+        m = _FUSED_EXPERTS.match(name)
+        if m:
+            prefix, proj = m.groups()
+            param = "w13_weight" if proj == "gate_up_proj" else "w2_weight"
+            return f"{prefix}.mlp.experts.{param}", None
+        if ".block_sparse_moe." in name:  # Mixtral's router
+            return name.replace(".block_sparse_moe.", ".mlp."), None
+        return None
+
+
+class Qwen3MoeForCausalLM(MixtralForCausalLM):
+    decoder_layer_cls = MoeDecoderLayer
+
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        bias = bool(cfg.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
