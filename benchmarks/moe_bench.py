@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small workloads (a dry run)")
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of parts s and a")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds for parts s, d, a")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.load(f)
     result: dict[str, Any] = {
         "model": os.path.relpath(args.model, REPO),
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "none (dry run)",
         "torch": torch.__version__,
     }
 
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(x in parts for x in ("s", "d", "a")):
         t0 = time.perf_counter()
         engine_args = argparse.Namespace(
-            model=args.model, dtype="bfloat16", device="cuda", kv_cache_memory_bytes=None,
+            model=args.model, dtype="bfloat16", device=args.device,
+            kv_cache_memory_bytes=None if args.device == "cuda" else 1 << 28,
             max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=False,
         )  # fmt: skip
         llm = make_llm(engine_args, w)
