@@ -122,3 +122,21 @@ def test_fused_experts_in_cuda_graph():
         logits.copy_(torch.randn(t, e, device="cuda", generator=gen) * 3)
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8), (16, 1)])
+@pytest.mark.parametrize("rule", ["mixtral", "qwen3_moe", "qwen3_moe_unnormalized"])
+def test_triton_routing_matches_torch(num_experts, top_k, rule):
+    from pagoda.kernels.moe_routing import softmax_topk_triton
+    from pagoda.model.layers.fused_moe import topk_softmax
+
+    g = torch.Generator().manual_seed(num_experts)
+    logits = (torch.randn(37, num_experts, generator=g) * 2).to(DEV)
+    if rule == "mixtral":
+        want_w, want_ids = topk_softmax(logits, top_k)
+    else:
+        want_w, want_ids = softmax_topk(logits, top_k, rule == "qwen3_moe")
+    weights, ids = softmax_topk_triton(logits, top_k, rule != "qwen3_moe_unnormalized",
+                                       rule != "mixtral")  # fmt: skip
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)

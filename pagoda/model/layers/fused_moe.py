@@ -176,6 +176,15 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, E] logits -> (weights [T, top_k] float32, expert ids [T, top_k])."""
+        if self.experts.fused_ops and router_logits.is_cuda and triton_available():
+            from pagoda.kernels.moe_routing import softmax_topk_triton
+
+            # Mixtral's softmax over the top-k logits is the renormalized top-k of the softmax.
+            mixtral = self.routing == "topk_softmax"
+            return softmax_topk_triton(
+                router_logits, self.top_k, mixtral or self.renormalize, not mixtral
+            )
         if self.routing == "topk_softmax":
             return topk_softmax(router_logits, self.top_k)
         return softmax_topk(router_logits, self.top_k, self.renormalize)
