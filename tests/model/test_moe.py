@@ -165,7 +165,8 @@ def test_moe_gpu_engine_matches_transformers_eager_and_in_cuda_graphs(tmp_path, 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for eager in (True, False):
         llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager,
-                  max_model_len=128, gpu_memory_utilization=0.3)  # fmt: skip
+                  max_model_len=128, max_num_seqs=8, max_num_batched_tokens=256,
+                  gpu_memory_utilization=0.3)  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, eager
         del llm
