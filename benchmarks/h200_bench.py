@@ -294,7 +294,12 @@ def summarize(
         return node
 
     bw = get("ceilings", "copy_GBps")
-    roofline = bw * 1e9 / decode_weight_bytes(hf_config, args.dtype) if bw else None
+    weight_bytes = decode_weight_bytes(hf_config, args.dtype)
+    loaded = get("engine", "param_bytes")
+    if getattr(args, "quantization", None) and loaded:
+        # Quantized layers: the loaded parameters, less the input embedding (one row a token).
+        weight_bytes = loaded - int(hf_config["vocab_size"]) * int(hf_config["hidden_size"]) * 2
+    roofline = bw * 1e9 / weight_bytes if bw else None
     a, b = "a_offline_throughput", "b_single_stream"
     pa, pb = get(a, "output_tokens_per_s"), get(b, "decode_tokens_per_s")
     ha = get("peer", "offline_throughput", "output_tokens_per_s")
@@ -401,6 +406,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma list, e.g. auto,fp8 (overrides --kv-cache-dtype): the first runs every "
         "part, each further one part a again in an engine of its own",
     )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["awq", "gptq", "w8a8", "fp8"],
+        help="of the Pagoda engine: dummy weights in that format (awq/gptq: 4-bit, group 128)",
+    )
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -482,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = (merged.get("env") or {}).get("gpu", "?")
     model = os.path.basename(os.path.normpath(args.model))
     kv = "" if args.kv_cache_dtypes == ["auto"] else f" | KV cache {','.join(args.kv_cache_dtypes)}"
+    if getattr(args, "quantization", None):
+        kv += f" | {args.quantization} weights"
     print_table(
         results["table"], f"{gpu} | {model} {args.dtype}{kv}" + (" | QUICK" if args.quick else "")
     )

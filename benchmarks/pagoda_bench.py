@@ -65,6 +65,7 @@ def make_llm(args: argparse.Namespace, w: Workloads) -> Any:
         enforce_eager=args.enforce_eager,
         async_scheduling=getattr(args, "async_scheduling", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        quantization=getattr(args, "quantization", None),
         **extra,
     )
 

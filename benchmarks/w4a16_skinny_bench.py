@@ -1,5 +1,6 @@
-"""W4A16 on the GPU by row count: the few-row kernel (`pagoda/kernels/w4a16_skinny.py`, a
-small sweep of its configs), `_w4a16_kernel` (`pagoda/kernels/w4a16.py`, default_config),
+"""W4A16 on the GPU by row count: the CUDA decode kernel (`pagoda/kernels/w4a16_gemv.py`, a
+sweep of its configs, up to 64 rows, each checked against the reference), the Triton few-row kernel (`pagoda/kernels/w4a16_skinny.py`,
+a small sweep of its configs), `_w4a16_kernel` (`pagoda/kernels/w4a16.py`, default_config),
 dequantize-then-cuBLAS, what `w4a16_linear` picks by default (`choose_config`), and dense bf16
 cuBLAS, for the Llama-3-8B linear layers (group 128), cold weights (copies cycled, more bytes
 than the L2), in CUDA graphs.
@@ -9,7 +10,8 @@ than the L2), in CUDA graphs.
 
 One line per (shape, M, variant): us and the packed weights' bandwidth (qweight + scales +
 zeros bytes / time; the dense bf16 weight's bytes for cuBLAS); per (shape, M) the fastest
-few-row config; then ms per decode step (4 GEMMs x 32 layers) per M and variant.
+CUDA and Triton few-row configs; then ms per decode step (4 GEMMs x 32 layers) per M and
+variant. Every CUDA config's timing is in the JSON (variant "cuda").
 """
 
 from __future__ import annotations
@@ -28,7 +30,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sweep_common import graph_seconds, precompile  # noqa: E402
 from w4a16_bench import GROUP, L2_BYTES, LAYERS, SHAPES, packed_layer  # noqa: E402
 
-M_VALUES = (1, 4, 16, 64, 128, 256, 1024)
+M_VALUES = (1, 4, 16, 24, 32, 64, 128, 192, 256, 1024)
+
+
+def gemv_grid(m: int) -> list[tuple]:
+    """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
+    with the code paths (L2 prefetch, sums by mma, early x) on and off."""
+    from pagoda.kernels.w4a16_gemv import MAX_M, SMEM_LIMIT, GemvConfig, m_tiles, smem_bytes
+
+    if m > MAX_M:
+        return []
+    configs = [tuple(GemvConfig())]
+    shapes = ((1, 8, 2), (1, 4, 2), (1, 8, 4), (2, 8, 2), (2, 4, 2), (2, 4, 4))
+    flags = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 0), (1, 1, 1))
+    configs += [shape + f for shape in shapes for f in flags]
+    configs = [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
+    return list(dict.fromkeys(configs))
+
+
+def _build_gemv(job: tuple) -> str | None:
+    """Compile the CUDA kernel variants of (m, GemvConfig) for bf16 x and fp16 scales."""
+    import torch
+
+    from pagoda.kernels.w4a16_gemv import GemvConfig, get_kernel
+
+    m, cfg = job
+    x = torch.empty(m, 128, device="cuda", dtype=torch.bfloat16)
+    scales = torch.empty(1, 1, device="cuda", dtype=torch.float16)
+    return None if get_kernel(x, scales, GemvConfig(*cfg), False, False) else "no kernel"
 
 
 def skinny_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
@@ -92,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from pagoda.kernels.skinny_gemm import prepare
     from pagoda.kernels.w4a16 import DEQUANT, choose_config, default_config, w4a16_linear
+    from pagoda.kernels.w4a16_gemv import GemvConfig
     from pagoda.kernels.w4a16_skinny import SkinnyConfig
     from pagoda.model.quantization.w4_layout import W4Weight, dequantize_w4
 
@@ -106,6 +136,19 @@ def main(argv: list[str] | None = None) -> dict:
     keys = {(c[0], c[1], c[2], max(1, min(c[3], 2)), c[4], c[5]) for g in grids.values() for c in g}
     if args.jobs > 1 and keys:
         precompile(_build, sorted(keys), args.jobs, cpu=False)
+    from concurrent.futures import ThreadPoolExecutor
+
+    gemv_grids = {m: gemv_grid(m) for m in m_values}
+    # Each config's variants for every row count, compiled by NVRTC on threads.
+    jobs = {c: (1, c) for g in gemv_grids.values() for c in g}
+    t_build = time.perf_counter()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        failed = [j for j, e in zip(jobs.values(), pool.map(_build_gemv, jobs.values())) if e]
+    print(
+        f"compiled {len(jobs)} CUDA variants in {time.perf_counter() - t_build:.1f} s"
+        + (f", failed: {failed}" if failed else ""),
+        flush=True,
+    )
     prepare("cuda")
 
     rows, t0 = [], time.perf_counter()
@@ -157,6 +200,21 @@ def main(argv: list[str] | None = None) -> dict:
                 chosen if chosen == DEQUANT else list(chosen),
                 error(None),
             )
+            gemv_best = None
+            for cfg in gemv_grids[m]:
+                try:
+                    us = timed(w4(GemvConfig(*cfg)), packed)
+                    err = error(GemvConfig(*cfg))
+                except Exception as e:  # noqa: BLE001 - a config that does not build or run
+                    print(f"  {name} M={m} cuda {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                row = record("cuda", us, packed_bytes, list(cfg), err)
+                if err > 2e-2:
+                    print(f"  {name} M={m} cuda {cfg}: WRONG, max error {err:.3g}")
+                elif gemv_best is None or us < gemv_best["us"]:
+                    gemv_best = row
+            if gemv_best is not None:
+                gemv_best["variant"] = "cuda_best"
             best = None
             for cfg in grids[name, m]:
                 try:
@@ -170,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
             line = f"{name:8s} M={m:5d} " + "  ".join(
                 f"{r['variant']} {r['us']:7.1f} us {r['tbps']:5.2f} TB/s"
                 for r in rows
-                if r["shape"] == name and r["m"] == m and r["variant"] != "skinny"
+                if r["shape"] == name and r["m"] == m and r["variant"] not in ("skinny", "cuda")
             )
             if best is not None:
                 best["variant"] = "skinny_best"
@@ -181,7 +239,14 @@ def main(argv: list[str] | None = None) -> dict:
         del packed, dense, ref_w
         torch.cuda.empty_cache()
 
-    variants = ("cublas_bf16", "old_kernel", "dequant_cublas", "default", "skinny_best")
+    variants = (
+        "cublas_bf16",
+        "old_kernel",
+        "dequant_cublas",
+        "default",
+        "skinny_best",
+        "cuda_best",
+    )
     print(f"\nms per decode step ({len(shapes)} GEMMs x {LAYERS} layers):")
     print(f"{'M':>5s} " + " ".join(f"{v:>14s}" for v in variants))
     summary = []

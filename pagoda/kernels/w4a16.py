@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import w4a16_gemv
 from pagoda.kernels.skinny_gemm import (
     MAX_SPLIT_TILES,
     SMEM_BUDGET,
@@ -47,6 +48,7 @@ from pagoda.kernels.skinny_gemm import (
     split_k_plan,
     store_tile,
 )
+from pagoda.kernels.w4a16_gemv import GemvConfig
 
 MAX_BLOCK_M = 128
 # The exponent bits of 16.0 in both halves of a word (bf16, fp16); fp32 converts instead.
@@ -296,16 +298,19 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 # What w4a16_linear runs by row count, from the H200 measurement of the Llama-3-8B layers
-# (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md): the few-row kernel
+# (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md): the CUDA decode kernel
+# (`w4a16_gemv`) up to GEMV_MAX_M rows, the Triton few-row kernel
 # (`w4a16_skinny._pairs_kernel`) up to SKINNY_MAX_M rows, and up to SKINNY_WIDE_MAX_M for
 # layers of at least SKINNY_WIDE_N outputs (gate_up: 92 vs 104 us at 64 rows, where this
-# module's kernel won on qkv, o and down); dequantize-then-cuBLAS from DEQUANT_MIN_M rows
-# (256 rows: 11.9 vs 15.8 ms a decode step; at 128 this module's kernel won, 9.1 vs 10.7);
-# this module's kernel in between, and wherever the groups do not hold whole K tiles.
+# module's kernel won on qkv, o and down); dequantize-then-cuBLAS past DEQUANT_MIN_M - 1 rows
+# (192 rows: 11.4 vs 15.5 ms a decode step, 256: 11.9 vs 15.8, where this module's kernel
+# takes a second 128-row block; at 128 rows it won, 9.1 vs 10.7); this module's kernel in
+# between, and wherever the groups do not hold whole K tiles.
+GEMV_MAX_M = 8
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
-DEQUANT_MIN_M = 256
+DEQUANT_MIN_M = MAX_BLOCK_M + 1
 DEQUANT = "dequant"
 
 
@@ -338,9 +343,44 @@ def skinny_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132):
     return SkinnyConfig(block_m, block_n, block_k, split_k, num_warps, 3)
 
 
+def gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig | None:
+    """The CUDA decode kernel's config (`w4a16_gemv`) for these shapes, or None where it is
+    not chosen: more than GEMV_MAX_M rows, or its shape rules say no (the inputs' own checks
+    come at the call: `unsupported_reason`). From the H200 sweep of the Llama-3-8B layers
+    (`benchmarks/w4a16_skinny_bench.py`, 43 configs, M = 1..32): 2 K steps per batch;
+    16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of >= 16384 outputs
+    (gate_up 25.1 vs 27.5 us at 1 row: more CTAs per SM), 8 for the others; x's loads issued
+    early; the zero point on the product (sums by mma) for deep layers with 16-row tiles
+    (down 16.2 vs 18.3 us at 1 row; slower elsewhere); no L2 prefetch (10% slower on average).
+    Past 8 rows the Triton few-row kernel won (2.39 vs 2.82 ms a decode step at 16 rows)."""
+    if m > GEMV_MAX_M or k % w4a16_gemv.STEP:
+        return None
+    if group_size % w4a16_gemv.STEP and group_size < k:
+        return None
+    row_tiles = 1 if m <= 4 else 2
+    return GemvConfig(
+        row_tiles=row_tiles,
+        warps=4 if n >= SKINNY_WIDE_N else 8,
+        depth=2,
+        l2_prefetch=0,
+        sum_mma=int(row_tiles == 1 and k >= 8192),
+        x_early=1,
+    )
+
+
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
-    """What `w4a16_linear` runs by default (see SKINNY_MAX_M): a `SkinnyConfig`, `DEQUANT`
-    (16-bit x only), or a `W4A16Config` of this module's kernel."""
+    """What `w4a16_linear` runs by default (see SKINNY_MAX_M): a `GemvConfig` (16-bit x, the
+    CUDA kernel; the call falls back to `fallback_config` where it cannot run), a
+    `SkinnyConfig`, `DEQUANT` (16-bit x only), or a `W4A16Config` of this module's kernel."""
+    if elem_bytes == 2:
+        cfg = gemv_config(m, n, k, group_size)
+        if cfg is not None:
+            return cfg
+    return fallback_config(m, n, k, group_size, num_sms, elem_bytes)
+
+
+def fallback_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
+    """`choose_config` without the CUDA kernel: the Triton kernels' choice."""
     if m <= SKINNY_MAX_M or (m <= SKINNY_WIDE_MAX_M and n >= SKINNY_WIDE_N):
         cfg = skinny_config(m, n, k, group_size, num_sms)
         if cfg is not None:
@@ -363,7 +403,7 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W in the packed layout above (qweight,
     scales and zeros of the same device; perm for an act-order layer). `config` defaults to
-    `choose_config`: a `W4A16Config` runs this module's kernel (with `pre_sums`, x's tile
+    `choose_config`: a `GemvConfig` runs the CUDA decode kernel (`w4a16_gemv`), a `W4A16Config` runs this module's kernel (with `pre_sums`, x's tile
     sums and an act-order x's gather are made once before it instead of in every N tile), a
     `w4a16_skinny.SkinnyConfig` the few-row kernel, `DEQUANT` the dequantized weight and
     cuBLAS. Raises ValueError where `w4a16_supported` says no or the config cannot run."""
@@ -387,6 +427,19 @@ def w4a16_linear(
     cfg = config or choose_config(
         m, n, k, group_size, _num_sms(x.device), elem_bytes=x.element_size()
     )
+    if isinstance(cfg, GemvConfig):
+        reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
+        kernel = None
+        if reason is None:
+            kernel = w4a16_gemv.get_kernel(x, scales, cfg, perm is not None, bias is not None)
+            reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
+        if kernel is not None:
+            return w4a16_gemv.w4a16_gemv(
+                kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg
+            )
+        if config is not None:
+            raise ValueError(f"{cfg}: the CUDA kernel cannot run: {reason}")
+        cfg = fallback_config(m, n, k, group_size, _num_sms(x.device), x.element_size())
     if cfg == DEQUANT or not isinstance(cfg, W4A16Config):
         from pagoda.kernels import w4a16_skinny
 

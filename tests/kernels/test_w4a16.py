@@ -524,23 +524,25 @@ def test_dequantize_then_matmul_matches(fmt: str, m: int) -> None:
 
 
 def test_choose_config_by_rows_and_groups() -> None:
-    """Few rows take the few-row kernel where the groups hold whole 64- or 128-input tiles
-    (else this module's kernel), up to 64 rows for wide layers; many 16-bit rows the
-    dequantized weight and cuBLAS; this module's kernel in between."""
-    from pagoda.kernels.w4a16 import DEQUANT, W4A16Config, choose_config
+    """Without the CUDA decode kernel (`fallback_config`; `test_w4a16_gemv.py` checks when
+    that kernel is chosen): few rows take the few-row kernel where the groups hold whole 64- or
+    128-input tiles (else this module's kernel), up to 64 rows for wide layers; many 16-bit
+    rows the dequantized weight and cuBLAS; this module's kernel in between."""
+    from pagoda.kernels.w4a16 import DEQUANT, W4A16Config, choose_config, fallback_config
     from pagoda.kernels.w4a16_skinny import SkinnyConfig
 
     n, k = LLAMA3_8B["down"]
     for m in (1, 4, 16, 32):
-        cfg = choose_config(m, n, k, 128)
+        cfg = fallback_config(m, n, k, 128)
         assert isinstance(cfg, SkinnyConfig) and cfg.block_m >= min(m, 16)
         assert skinny_gemm.split_k_plan(k, cfg.block_k, cfg.split_k)[1] == cfg.split_k
-    assert choose_config(1, n, k, 128).split_k == 16  # deep: twice the splits
+    assert fallback_config(1, n, k, 128).split_k == 16  # deep: twice the splits
     assert choose_config(1, n, k, 64).block_k == 64
     assert isinstance(choose_config(1, n, k, 32), W4A16Config)
-    assert isinstance(choose_config(64, n, k, 128), W4A16Config)
-    assert isinstance(choose_config(64, *LLAMA3_8B["gate_up"], 128), SkinnyConfig)
+    assert isinstance(fallback_config(64, n, k, 128), W4A16Config)
+    assert isinstance(fallback_config(64, *LLAMA3_8B["gate_up"], 128), SkinnyConfig)
     assert isinstance(choose_config(128, n, k, 128), W4A16Config)
+    assert choose_config(129, n, k, 128) == DEQUANT
     assert choose_config(1024, n, k, 128) == DEQUANT
     assert isinstance(choose_config(1024, n, k, 128, elem_bytes=4), W4A16Config)
 
@@ -566,12 +568,15 @@ def test_default_dispatch_at_llama8b_shapes(dtype, name: str, fmt: str, m: int) 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_few_row_kernel_in_a_cuda_graph_replays_exactly() -> None:
     """Split K (o at 2 rows: 8 splits), reduced by the last split in split order."""
+    from pagoda.kernels.w4a16 import skinny_config
+
     w4, dense = _llama_weights("o", "awq")
     x = _randn(2, dense.shape[1], seed=1, dtype=torch.bfloat16)
-    eager = _linear(x, w4)
+    cfg = skinny_config(2, *dense.shape, 128)
+    eager = _linear(x, w4, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _linear(x, w4)
+        out = _linear(x, w4, config=cfg)
     for _ in range(2):
         out.zero_()
         graph.replay()

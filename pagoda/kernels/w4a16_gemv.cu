@@ -1,0 +1,346 @@
+// W4A16 for decode batches (up to 8 * M_TILES activation rows) with tensor-core dots
+// (mma.sync m16n8k16), reading the packed layout of `pagoda/kernels/w4a16.py` as it is:
+// qweight [N, K/8] u32, word j of a row holding input 8j + 2s in nibble s and 8j + 2s + 1 in
+// nibble s + 4 (s = 0..3); scales [K/G, N] bf16 or fp16; zeros [K/G, N] u8.
+//
+// Swap-AB: the weight rows are the mma's 16-row A side, the activation rows its 8-column B
+// side (B columns past M are zero). A CTA owns 16 * ROW_TILES weight rows and all of K; its
+// warps take K steps of 128 inputs in turn (warp w: steps w, w + WARPS, ...), DEPTH steps
+// per batch, every load of a batch issued before the first use, straight from global memory
+// into registers (no shared memory: each weight byte is used once, by the lane that loads it).
+// A CTA's 16 * ROW_TILES rows are one contiguous block of qweight; with L2_PREFETCH the copy
+// engine is asked for all of it at the CTA's start (registers bound how many bytes the loads
+// alone keep in flight).
+// The warps' fp32 tiles are summed through shared memory at the end (in warp order), so no
+// partial leaves the CTA and no second pass is needed.
+//
+// Which input each k-slot of an mma holds is free as long as A and B agree. Lane (g, t)
+// loads 16 bytes of rows g and g + 8 of its 16-row tile: inputs [32t, 32t + 32) of the K
+// step, words w = 0..3. Word w gives mma 2w its slots (pair 0, pair 1) and mma 2w + 1 its
+// slots (pair 2, pair 3): pair s of a word is inputs 8j + 2s, 8j + 2s + 1, which is
+// (w >> 4s) & 0x000f000f, turned into two 16-bit floats OFFSET + q by OR-ing the exponent
+// bits in (one LOP3) and into q - z exactly by one packed subtract of OFFSET + z (or, with
+// SUM_MMA, the zero point applied to the product). B's lane
+// (g, t) then needs x[row g][32t + 8w, +8): one 16-byte load per word, whose 32-bit parts
+// are exactly pairs 0..3. So no lane needs another lane's bytes and nothing is shuffled.
+// Per K step and lane: 2 * ROW_TILES 16-byte weight loads, 4 * M_TILES 16-byte x loads (x
+// is small and stays in L1/L2), 16 * ROW_TILES LOP3 + SUB pairs, 8 * ROW_TILES * M_TILES mma,
+// then the group's scale on the step's fp32 product (G a multiple of 128, so a K step lies in
+// one group).
+//
+// Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
+// M_TILES (1, 2, 4 or 8), ROW_TILES (1 or 2), WARPS, DEPTH (K steps per warp and batch),
+// HAS_PERM (act order: input k of the packed layout is x[:, perm[k]]), HAS_BIAS, L2_PREFETCH
+// (1: the CTA's weight rows are prefetched into L2 at its start, sm_90), SUM_MMA (1: no
+// per-weight zero-point subtract; the zero point is applied to the product with the sums of
+// x that an mma of all-ones A gives), X_EARLY (1: a step's x loads all before its first mma;
+// up to 16 rows).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define ROWS (16 * ROW_TILES)
+#define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
+#define STEP 128  // inputs per K step
+
+#if BF16
+#define MAGIC 0x43004300u  // bf16 128.0 in both halves: OR-ing q into the mantissa gives 128 + q
+#define OFFSET 128.f
+#else
+#define MAGIC 0x64006400u  // fp16 1024.0
+#define OFFSET 1024.f
+#endif
+
+template <bool IS_BF16>
+__device__ __forceinline__ float to_f32(u16 v) {
+  if (IS_BF16) return __uint_as_float(((u32)v) << 16);
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+  return r;
+}
+
+__device__ __forceinline__ u16 from_f32(float v) {
+  u16 r;
+#if BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#endif
+  return r;
+}
+
+// Pair s of a word (nibbles s and s + 4) as two 16-bit floats: OFFSET + q, and with SUB
+// q - z exactly (zoff = OFFSET + z in both halves).
+template <int S, bool SUB>
+__device__ __forceinline__ u32 pair(u32 w, u32 zoff) {
+  u32 v, r;
+  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(v) : "r"(w >> (4 * S)), "r"(MAGIC));
+  if (!SUB) return v;
+#if BF16  // v * 1 - zoff (bf16x2 sub needs sm_90, fma sm_80)
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+      : "=r"(r)
+      : "r"(v), "r"(0x3f803f80u), "r"(zoff ^ 0x80008000u));
+#else
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(zoff));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm(
+#if BF16
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+#else
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+#endif
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Weights are read once: no L1 allocation, first out of L2.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, unsigned long long policy) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policy));
+  return r;
+}
+
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_nc_u16(const u16* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
+  unsigned short r;
+  asm("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 part(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// x[row][k0 + 8w, +8) for lane (g, t)'s B fragment, zero for rows past M.
+__device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int* __restrict__ perm,
+                                        int k, bool valid) {
+  uint4 r;
+  r.x = r.y = r.z = r.w = 0u;
+  if (valid) {
+#if HAS_PERM
+    const uint4 p0 = ld_nc_v4(perm + k), p1 = ld_nc_v4(perm + k + 4);
+    r.x = ld_nc_u16(xrow + p0.x) | (ld_nc_u16(xrow + p0.y) << 16);
+    r.y = ld_nc_u16(xrow + p0.z) | (ld_nc_u16(xrow + p0.w) << 16);
+    r.z = ld_nc_u16(xrow + p1.x) | (ld_nc_u16(xrow + p1.y) << 16);
+    r.w = ld_nc_u16(xrow + p1.z) | (ld_nc_u16(xrow + p1.w) << 16);
+#else
+    r = ld_nc_v4(xrow + k);
+#endif
+  }
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    pagoda_w4a16_gemv(u16* __restrict__ y, const u16* __restrict__ x,
+                      const u32* __restrict__ qweight, const u16* __restrict__ scales,
+                      const u8* __restrict__ zeros, const int* __restrict__ perm,
+                      const u16* __restrict__ bias, int M, int N, int K, int G, int stride_x,
+                      int stride_y) {
+  __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * ROWS;
+  const int steps = K / STEP;
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+
+  // Rows g and g + 8 of each row tile (past N: row N - 1, never stored); 16 bytes at 16t.
+  const uint4* wrow[ROW_TILES][2];
+  int nrow[ROW_TILES][2];
+#pragma unroll
+  for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      nrow[rt][h] = min(n0 + 16 * rt + 8 * h + g, N - 1);
+      wrow[rt][h] = reinterpret_cast<const uint4*>(qweight + (long long)nrow[rt][h] * (K / 8)) + t;
+    }
+#if L2_PREFETCH && __CUDA_ARCH__ >= 900
+  // The CTA's rows are one contiguous block of qweight: warp 0 asks the copy engine to bring
+  // all of it into L2 at once (4 KiB pieces, one per lane in turn), so the whole block is in
+  // flight from the start without holding registers, and the loads below mostly hit L2.
+  if (warp == 0) {
+    const char* block = reinterpret_cast<const char*>(qweight + (long long)n0 * (K / 8));
+    const int bytes = min(ROWS, N - n0) * (K / 2);
+    for (int off = 4096 * lane; off < bytes; off += 4096 * 32)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(block + off),
+                   "r"(min(4096, bytes - off))
+                   : "memory");
+  }
+#endif
+  const u16* xrow[M_TILES];
+  bool xok[M_TILES];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    xok[mt] = 8 * mt + g < M;
+    xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
+  }
+
+  float acc[ROW_TILES][M_TILES][4];
+#pragma unroll
+  for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
+
+  for (int s0 = warp; s0 < steps; s0 += WARPS * DEPTH) {
+    uint4 wv[DEPTH][ROW_TILES][2];
+    u32 sc[DEPTH][ROW_TILES][2], zp[DEPTH][ROW_TILES][2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int s = s0 + d * WARPS;
+      if (s < steps) {
+        const int grp = s * STEP / G;
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            wv[d][rt][h] = ld_weights(wrow[rt][h] + 4 * s, policy);
+            sc[d][rt][h] = ld_nc_u16(scales + grp * N + nrow[rt][h]);
+            zp[d][rt][h] = ld_nc_u8(zeros + grp * N + nrow[rt][h]);
+          }
+      }
+    }
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int s = s0 + d * WARPS;
+      if (s < steps) {
+        // Two accumulator chains per tile (words 0, 2 and 1, 3): half the mma dependency.
+        float tmp[2][ROW_TILES][M_TILES][4];
+#if SUM_MMA
+        float xs[2][M_TILES][4];
+#endif
+        u32 zoff[ROW_TILES][2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#if SUM_MMA
+              xs[c][mt][i] = 0.f;
+#endif
+#pragma unroll
+              for (int rt = 0; rt < ROW_TILES; ++rt) tmp[c][rt][mt][i] = 0.f;
+            }
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) zoff[rt][h] = MAGIC | (zp[d][rt][h] * 0x10001u);
+        uint4 xv[4][M_TILES];
+#if X_EARLY && M_TILES <= 2  // all of the step's x loads before the first mma
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+            xv[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+#endif
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#if !(X_EARLY && M_TILES <= 2)
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+            xv[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+#endif
+#if SUM_MMA
+          // The sums of x over the step, in the accumulator's layout (every row the same):
+          // an mma of all-ones A. The zero point is then applied to the product:
+          // sum (q - z) x = sum (OFFSET + q) x - (OFFSET + z) sum x.
+          const u32 one = BF16 ? 0x3f803f80u : 0x3c003c00u;
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].x, xv[w][mt].y);
+            mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].z, xv[w][mt].w);
+          }
+#endif
+#pragma unroll
+          for (int rt = 0; rt < ROW_TILES; ++rt) {
+            const u32 lo = part(wv[d][rt][0], w), hi = part(wv[d][rt][1], w);
+            const u32 l0 = pair<0, SUB_ZERO>(lo, zoff[rt][0]);
+            const u32 h0 = pair<0, SUB_ZERO>(hi, zoff[rt][1]);
+            const u32 l1 = pair<1, SUB_ZERO>(lo, zoff[rt][0]);
+            const u32 h1 = pair<1, SUB_ZERO>(hi, zoff[rt][1]);
+            const u32 l2 = pair<2, SUB_ZERO>(lo, zoff[rt][0]);
+            const u32 h2 = pair<2, SUB_ZERO>(hi, zoff[rt][1]);
+            const u32 l3 = pair<3, SUB_ZERO>(lo, zoff[rt][0]);
+            const u32 h3 = pair<3, SUB_ZERO>(hi, zoff[rt][1]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+              mma(tmp[w & 1][rt][mt], l0, h0, l1, h1, xv[w][mt].x, xv[w][mt].y);
+              mma(tmp[w & 1][rt][mt], l2, h2, l3, h3, xv[w][mt].z, xv[w][mt].w);
+            }
+          }
+        }
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+          const float s_lo = to_f32<SCALES_BF16>((u16)sc[d][rt][0]);
+          const float s_hi = to_f32<SCALES_BF16>((u16)sc[d][rt][1]);
+#if SUM_MMA
+          const float z_lo = (float)zp[d][rt][0] + OFFSET, z_hi = (float)zp[d][rt][1] + OFFSET;
+#endif
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            float v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              v[i] = tmp[0][rt][mt][i] + tmp[1][rt][mt][i];
+#if SUM_MMA
+              v[i] -= (i < 2 ? z_lo : z_hi) * (xs[0][mt][i] + xs[1][mt][i]);
+#endif
+            }
+            acc[rt][mt][0] += s_lo * v[0];
+            acc[rt][mt][1] += s_lo * v[1];
+            acc[rt][mt][2] += s_hi * v[2];
+            acc[rt][mt][3] += s_hi * v[3];
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][(rt * M_TILES + mt) * 4 + i][lane] = acc[rt][mt][i];
+  __syncthreads();
+  // Element (j, l) of the tile: lane l's C register j % 4 of tile j / 4 = (rt, mt): row
+  // 16 rt + l / 4 + 8 (j % 4 / 2), column 8 mt + 2 (l % 4) + j % 2.
+  for (int e = threadIdx.x; e < ROW_TILES * M_TILES * 4 * 32; e += WARPS * 32) {
+    const int j = e / 32, l = e % 32;
+    const int rt = j / (4 * M_TILES), mt = (j / 4) % M_TILES, i = j % 4;
+    const int row = n0 + 16 * rt + l / 4 + 8 * (i / 2);
+    const int col = 8 * mt + 2 * (l % 4) + (i % 2);
+    if (row < N && col < M) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
+#if HAS_BIAS
+      sum += to_f32<BF16>(bias[row]);
+#endif
+      y[(long long)col * stride_y + row] = from_f32(sum);
+    }
+  }
+}

@@ -1,0 +1,204 @@
+"""W4A16 for decode batches (up to 64 rows) as a CUDA kernel with tensor-core dots, on the
+packed layout of `pagoda.kernels.w4a16` (`w4a16_gemv.cu`'s header says how).
+
+At few rows a 4-bit layer is a stream of K*N/2 bytes and the kernel's whole job is to keep
+enough of them in flight. The Triton few-row kernel (`w4a16_skinny.py`) goes through shared
+memory and waits on each tile's wgmma, and read the Llama-3-8B layers at 1.0-1.9 TB/s on the
+H200. Here every lane loads the 16-byte pieces that are exactly its own mma operands, several
+K steps at once, straight into registers; a CTA owns its rows over all of K, so the split over
+K is summed in shared memory inside the CTA, with no workspace, counter or second pass.
+
+It covers: 16-bit x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a
+multiple of 128 inputs or one group per row, act order, bias, M <= 64, sm_80 or newer (run
+and measured on sm_90 only); `w4a16.choose_config` takes it up to 8 rows, where it beat the
+Triton kernels on the H200 (`w4a16.gemv_config` says by how much). The rest keeps the Triton
+kernels, which stay its reference in the tests along with
+`formats.dequantize_*` + F.linear. The source is compiled at first use with NVRTC
+(`torch.cuda._compile_kernel`), once per variant, never during CUDA-graph capture (the caller
+falls back to Triton then). `PAGODA_W4A16_CUDA=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
+_KERNEL_NAME = "pagoda_w4a16_gemv"
+MAX_M = 64
+SMEM_LIMIT = 48 * 1024  # static shared memory of a CTA (the warps' tiles, summed at the end)
+STEP = 128  # inputs per K step of the kernel
+
+
+class GemvConfig(NamedTuple):
+    """row_tiles: 16-row weight tiles per warp (a CTA owns 16 * row_tiles rows); warps: warps
+    of a CTA, which take the K steps in turn; depth: K steps a warp loads before using the
+    first; l2_prefetch: 1 to have the CTA's rows prefetched into L2 at its start (sm_90);
+    sum_mma: 1 to apply the zero point to the product (sums of x by an extra mma) instead of
+    subtracting it from every weight; x_early: 1 to issue a K step's x loads before its first
+    mma."""
+
+    row_tiles: int = 1
+    warps: int = 8
+    depth: int = 2
+    l2_prefetch: int = 0
+    sum_mma: int = 0
+    x_early: int = 1
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGODA_W4A16_CUDA", "1") != "0"
+
+
+def m_tiles(m: int) -> int:
+    """8-column B tiles the kernel computes for m activation rows."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+
+
+def smem_bytes(mt: int, cfg: GemvConfig) -> int:
+    """Shared memory of a CTA: every warp's fp32 tiles, summed in warp order at the end."""
+    return cfg.warps * cfg.row_tiles * mt * 4 * 32 * 4
+
+
+def unsupported_reason(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> str | None:
+    """Why these inputs cannot take the CUDA kernel, or None when they can (the shapes and
+    dtypes `w4a16_linear` has already checked are not repeated)."""
+    if not enabled():
+        return "PAGODA_W4A16_CUDA=0"
+    if not x.is_cuda or torch.version.cuda is None:
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "needs sm_80 or newer"
+    m, k = x.shape
+    if m > MAX_M:
+        return f"{m} rows > {MAX_M}"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x dtype {x.dtype}"
+    if scales.dtype not in (torch.bfloat16, torch.float16):
+        return f"scales dtype {scales.dtype}"
+    if bias is not None and bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype}"
+    if k % STEP:
+        return f"K={k} is not a multiple of {STEP}"
+    if group_size % STEP and group_size < k:
+        return f"group size {group_size} is not a multiple of {STEP}"
+    if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * 2) % 16:
+        return "x is not 16-byte aligned with contiguous rows"
+    if qweight.data_ptr() % 16 or not qweight.is_contiguous():
+        return "qweight is not contiguous and 16-byte aligned"
+    if k * max(qweight.shape[0], m) >= 2**31:
+        return "too large for 32-bit indices"
+    return None
+
+
+@functools.cache
+def _compile(
+    bf16: bool, scales_bf16: bool, mt: int, cfg: GemvConfig, has_perm: bool, has_bias: bool
+) -> Any | None:
+    """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
+    build it."""
+    defines = {
+        "BF16": int(bf16),
+        "SCALES_BF16": int(scales_bf16),
+        "M_TILES": mt,
+        "ROW_TILES": cfg.row_tiles,
+        "WARPS": cfg.warps,
+        "DEPTH": cfg.depth,
+        "L2_PREFETCH": cfg.l2_prefetch,
+        "SUM_MMA": cfg.sum_mma,
+        "X_EARLY": cfg.x_early,
+        "HAS_PERM": int(has_perm),
+        "HAS_BIAS": int(has_bias),
+    }
+    src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
+    try:
+        return torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
+    except Exception as e:  # no NVRTC, an old toolkit
+        logger.warning("CUDA W4A16 kernel unavailable, using Triton's: %s", e)
+        return None
+
+
+_compiled_keys: set[tuple] = set()
+
+
+def get_kernel(
+    x: torch.Tensor, scales: torch.Tensor, cfg: GemvConfig, has_perm: bool, has_bias: bool
+) -> Any | None:
+    """The kernel for these inputs, or None. Never compiles while a CUDA graph is being
+    captured (loading a module is not a stream operation); the first call for a layer kind
+    also builds the variants for the other row counts, so that a warm-up at one batch size
+    prepares the captures of all."""
+    key = (
+        x.dtype == torch.bfloat16,
+        scales.dtype == torch.bfloat16,
+        m_tiles(x.shape[0]),
+        GemvConfig(*cfg),
+        has_perm,
+        has_bias,
+    )
+    if smem_bytes(key[2], cfg) > SMEM_LIMIT:
+        return None
+    if key not in _compiled_keys:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        for mt in (1, 2, 4, 8):
+            if smem_bytes(mt, cfg) > SMEM_LIMIT:
+                continue
+            sibling = key[:2] + (mt,) + key[3:]
+            _compile(*sibling)
+            _compiled_keys.add(sibling)
+    return _compile(*key)
+
+
+@functools.cache
+def _libcuda():
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
+def w4a16_gemv(
+    kernel: Any,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    cfg: GemvConfig,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) with `kernel` (from `get_kernel`); the caller has checked the
+    inputs (`w4a16_linear`, `unsupported_reason`)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    args = [
+        y, x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
+    ]  # fmt: skip
+    cargs = [
+        ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+        for a in args
+    ]
+    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
+    grid = -(-n // (16 * cfg.row_tiles))
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    err = _libcuda().cuLaunchKernel(
+        kernel.func, grid, 1, 1, 32 * cfg.warps, 1, 1, 0, ctypes.c_void_p(stream), ptrs, None
+    )
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+    return y

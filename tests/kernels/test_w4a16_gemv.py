@@ -1,0 +1,152 @@
+"""The CUDA W4A16 decode kernel (`pagoda.kernels.w4a16_gemv`) against the checkpoints'
+dequantization + F.linear and against the Triton few-row kernel: AWQ, GPTQ and act-order GPTQ
+weights, bf16 and fp16, 1-64 rows (each B-tile count and its ragged edges), N not a multiple
+of the CTA's rows, groups of 128 and 256 and one group per row, bias, every launch shape, and a
+CUDA-graph replay. Marked `gpu`; on a CPU only the dispatch rules are checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import enable_interpreter_without_cuda
+
+enable_interpreter_without_cuda()
+pytest.importorskip("triton")
+
+from pagoda.kernels import w4a16_gemv  # noqa: E402
+from pagoda.kernels.w4a16 import (  # noqa: E402
+    DEQUANT,
+    choose_config,
+    fallback_config,
+    skinny_config,
+    w4a16_linear,
+)
+from pagoda.kernels.w4a16_gemv import GemvConfig  # noqa: E402
+from pagoda.kernels.w4a16_skinny import SkinnyConfig  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x.
+LAUNCHES = [
+    GemvConfig(),
+    GemvConfig(2, 4, 2, 0, 0, 0),
+    GemvConfig(1, 4, 8, 1, 0, 1),
+    GemvConfig(2, 4, 1, 1, 1, 0),
+]
+
+
+def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
+    from test_w4a16 import packed_weights
+
+    return packed_weights(fmt, n=n, k=k, group=group, seed=seed, device="cuda")
+
+
+def _linear(x, w4, bias=None, config=None):
+    return w4a16_linear(
+        x, w4.qweight, w4.scales, w4.zeros, w4.group_size, bias, w4.perm, config=config
+    )
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1% of the output's range (bf16 rounding of x and y, fp32 sums in another
+    order); a wrong nibble, row or group is off by ~100%."""
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_matches_dequantized_linear(fmt: str, m: int, dtype: torch.dtype) -> None:
+    n, k = 200, 640  # 200 rows: the last CTA's rows past N; K = 5 steps over 8 warps
+    w4, dense = _weights(fmt, n, k, 128, seed=m)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if m % 2 else None
+    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    _assert_close(_linear(x, w4, bias, GemvConfig()), ref)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", LAUNCHES[1:], ids=str)
+@pytest.mark.parametrize("m", [3, 17, 64])
+def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
+    n, k = 200, 1920  # 15 K steps: batches of DEPTH steps cut short
+    w4, dense = _weights("awq", n, k, 128, seed=m)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [256, 4096])
+def test_gemv_larger_groups_and_one_group_per_row(group: int) -> None:
+    n, k = 96, 1024
+    w4, dense = _weights("gptq", n, k, group)
+    x = torch.randn(5, k, device="cuda").to(torch.bfloat16)
+    _assert_close(_linear(x, w4, config=GemvConfig()), F.linear(x.float(), dense))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> None:
+    from test_w4a16 import LLAMA3_8B
+
+    n, k = LLAMA3_8B[name]
+    w4, dense = _weights("awq", n, k, 128)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = F.linear(x.float(), dense)
+    _assert_close(_linear(x, w4), ref)  # the default
+    _assert_close(_linear(x, w4, config=GemvConfig(2, 8, 2, 0, 0, 1)), ref)  # M > 8 too
+    _assert_close(_linear(x, w4, config=skinny_config(m, n, k, 128)), ref)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gemv_in_a_cuda_graph_replays_exactly() -> None:
+    w4, _ = _weights("gptq_act_order", 512, 1024, 128)
+    x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
+    eager = _linear(x, w4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _linear(x, w4)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_default_config_takes_the_cuda_kernel_where_its_shapes_allow() -> None:
+    n, k = 4096, 14336
+    for m in (1, 4, 8):
+        assert isinstance(choose_config(m, n, k, 128), GemvConfig)
+        assert isinstance(choose_config(m, n, k, k), GemvConfig)  # one group per row
+    assert choose_config(1, n, k, 128).sum_mma and not choose_config(8, n, k, 128).sum_mma
+    assert choose_config(1, 28672, 4096, 128).warps == 4
+    assert isinstance(choose_config(1, n, k, 64), SkinnyConfig)  # groups within a K step
+    assert isinstance(choose_config(1, n, 4000, 128), SkinnyConfig)  # K not a multiple of 128
+    assert not isinstance(choose_config(1, n, k, 128, elem_bytes=4), GemvConfig)
+    assert isinstance(choose_config(9, n, k, 128), SkinnyConfig)  # the Triton kernel won there
+    assert choose_config(1024, n, k, 128) == DEQUANT
+    assert fallback_config(1, n, k, 128) == skinny_config(1, n, k, 128)
+
+
+def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
+    x = torch.randn(2, 256)
+    qweight = torch.zeros(32, 32, dtype=torch.int32)
+    scales = torch.ones(2, 32, dtype=torch.float16)
+    reason = w4a16_gemv.unsupported_reason(x, qweight, scales, None, 128)
+    assert reason is not None
+    if not torch.cuda.is_available():
+        assert "CUDA" in reason
+    # An explicit GemvConfig that cannot run is an error, the default falls back.
+    zeros = torch.zeros(2, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="CUDA kernel cannot run"):
+        w4a16_linear(x, qweight, scales, zeros, 128, config=GemvConfig())
