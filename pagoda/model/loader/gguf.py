@@ -202,6 +202,7 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # llama.cpp's converter interleaves the rotary halves of Q/K rows for these (LlamaModel.permute).
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
@@ -222,7 +223,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+# A MoE layer's experts stacked in one tensor [E, rows, cols]: yielded per expert, HF's names.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}  # fmt: skip
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -370,6 +375,17 @@ def gguf_to_hf_config(
     ):
         # blocks the quantized CPU GEMM can keep: the engine selects quantization="gguf"
         config["quantization_config"] = {"quant_method": "gguf"}
+    if get("expert_count"):  # a mixture of experts (llama with experts: Mixtral)
+        experts = _int(get("expert_count"), f"{arch}.expert_count")
+        config["num_experts_per_tok"] = _int(get("expert_used_count"), f"{arch}.expert_used_count")
+        if arch == "llama":
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                          num_local_experts=experts)  # fmt: skip
+        else:  # llama.cpp renormalizes Qwen3-MoE's top-k weights (norm_topk_prob)
+            config.update(num_experts=experts, norm_topk_prob=True)
+            config["moe_intermediate_size"] = _int(
+                get("expert_feed_forward_length"), f"{arch}.expert_feed_forward_length"
+            )
     if get("attention.sliding_window"):
         config["sliding_window"] = _int(
             get("attention.sliding_window"), f"{arch}.attention.sliding_window"
@@ -382,6 +398,8 @@ def gguf_name_to_hf(name: str) -> str | None:
     if name in _SKIPPED_TENSORS:
         return None
     parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
@@ -418,7 +436,9 @@ def iter_gguf_weights(
         hf_name = gguf_name_to_hf(name)
         if hf_name is None:
             continue
-        blocks = info.ggml_type in keep_quantized and len(info.shape) == 2
+        # The router stays float (it is no quantized linear layer), as do stacked experts.
+        blocks = (info.ggml_type in keep_quantized and len(info.shape) == 2
+                  and ".ffn_gate_inp." not in name)  # fmt: skip
         if blocks:  # [rows, bytes per row]: a row permutation keeps the blocks whole
             weight = np.array(reader.raw(name)).reshape(info.shape[0], -1)
         else:
@@ -426,6 +446,10 @@ def iter_gguf_weights(
         if arch in _PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             n_head = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             weight = reverse_permute_qk(weight, n_head)
+        if "{}" in hf_name:  # stacked experts: one tensor per expert
+            for expert, w in enumerate(weight):
+                yield hf_name.format(expert), torch.from_numpy(np.ascontiguousarray(w))
+            continue
         tensor = torch.from_numpy(np.ascontiguousarray(weight))
         if blocks:
             from pagoda.kernels.cpu.quant import QuantWeight

@@ -9,8 +9,9 @@ block (`pagoda.model.layers.fused_moe`), as Hugging Face reads their configs:
   softmax over all experts, renormalized when `norm_topk_prob`; q/k RMSNorm; a dense MLP of
   `intermediate_size` on the layers in `mlp_only_layers` and those off `decoder_sparse_step`.
 Checkpoint expert tensors come per expert (`block_sparse_moe.experts.{e}.w1/w3/w2`, `mlp.experts.
-{e}.gate_proj/up_proj/down_proj`) or fused over experts (transformers 5's `mlp.experts.
-gate_up_proj` / `down_proj`); `map_checkpoint_name` sends each to its stacked parameter.
+{e}.gate_proj/up_proj/down_proj`; a GGUF file's stacked `ffn_*_exps` are yielded so) or fused
+over experts (transformers 5's `mlp.experts.gate_up_proj` / `down_proj`);
+`map_checkpoint_name` sends each to its stacked parameter.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     ) -> nn.Module:
         if not is_moe_layer(cfg, layer_idx):
             return LlamaMLP(cfg, linear_method)
-        if linear_method is not None and not isinstance(linear_method, UnquantizedLinearMethod):
+        from pagoda.model.quantization.gguf import GGUFLinearMethod
+
+        # GGUF experts come dequantized (`iter_gguf_weights`); other formats' would not load.
+        if linear_method is not None and not isinstance(
+            linear_method, (UnquantizedLinearMethod, GGUFLinearMethod)
+        ):
             raise ValueError(
                 f"{type(linear_method).__name__} does not cover MoE experts yet: serve this "
                 "mixture-of-experts model unquantized (no --quantization)"
