@@ -49,7 +49,7 @@ def gemv_grid(m: int) -> list[tuple]:
 
 
 def _build_gemv(job: tuple) -> str | None:
-    """Compile the CUDA kernel variants of (m, GemvConfig) for bf16 x and fp16 scales."""
+    """Compile the CUDA kernel variant of (m, GemvConfig) for bf16 x and fp16 scales."""
     import torch
 
     from pagoda.kernels.w4a16_gemv import GemvConfig, get_kernel
@@ -138,9 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
         precompile(_build, sorted(keys), args.jobs, cpu=False)
     from concurrent.futures import ThreadPoolExecutor
 
+    from pagoda.kernels.w4a16_gemv import m_tiles
+
     gemv_grids = {m: gemv_grid(m) for m in m_values}
-    # Each config's variants for every row count, compiled by NVRTC on threads.
-    jobs = {c: (1, c) for g in gemv_grids.values() for c in g}
+    # Each config's variant for every row count, compiled by NVRTC on threads.
+    jobs = {(m_tiles(m), c): (m, c) for m, g in gemv_grids.items() for c in g}
     t_build = time.perf_counter()
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         failed = [j for j, e in zip(jobs.values(), pool.map(_build_gemv, jobs.values())) if e]

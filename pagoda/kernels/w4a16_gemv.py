@@ -139,9 +139,8 @@ def get_kernel(
     x: torch.Tensor, scales: torch.Tensor, cfg: GemvConfig, has_perm: bool, has_bias: bool
 ) -> Any | None:
     """The kernel for these inputs, or None. Never compiles while a CUDA graph is being
-    captured (loading a module is not a stream operation); the first call for a layer kind
-    also builds the variants for the other row counts, so that a warm-up at one batch size
-    prepares the captures of all."""
+    captured (loading a module is not a stream operation): the eager warm-up run before each
+    capture (`cuda_graphs`) builds what that capture needs."""
     key = (
         x.dtype == torch.bfloat16,
         scales.dtype == torch.bfloat16,
@@ -155,12 +154,7 @@ def get_kernel(
     if key not in _compiled_keys:
         if torch.cuda.is_current_stream_capturing():
             return None
-        for mt in (1, 2, 4, 8):
-            if smem_bytes(mt, cfg) > SMEM_LIMIT:
-                continue
-            sibling = key[:2] + (mt,) + key[3:]
-            _compile(*sibling)
-            _compiled_keys.add(sibling)
+        _compiled_keys.add(key)
     return _compile(*key)
 
 
