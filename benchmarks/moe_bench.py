@@ -7,9 +7,11 @@ Parts, each written to --json as soon as it ends:
   per layer over 8 layers' own weights in turn (so no layer's experts sit in L2), the weight
   bytes of the experts in use over that time, and the error of fused against loop;
 - s: single-stream decode through the engine (128-token prompt, 256 tokens, median of 3);
-- d: one decode step at batch 1 and 64 (512-token contexts, CUDA graphs) against the 48 MoE
-  blocks alone at that batch (router + experts, in a graph): the MoE layers' share of step
-  time, and the bytes a step must read (weights once, experts in use, KV) over its time;
+- d: one decode step at batch 1 and 64 through the model runner (contexts of 256 tokens, the
+  single stream's mean; CUDA graphs) and, at batch 1, the engine's time per token from part s,
+  against the 48 MoE blocks alone at that batch (router + experts, in a graph): the MoE
+  layers' share of step time, and the bytes a step must read (every weight but the embedding
+  table once, the experts in use, the KV cache) over its time;
 - a: offline throughput, 256 requests, prompts and outputs U[100, 1024] (h200_bench's a).
 
     python benchmarks/moe_bench.py [--parts k,s,d,a] [--json $OUT/moe_bench.json] [--quick]
@@ -142,7 +144,11 @@ def _weight_bytes(model: Any) -> tuple[int, int]:
     return dense, expert
 
 
-def bench_decode_share(llm: Any, batches: list[int], context: int) -> list[dict[str, Any]]:
+def bench_decode_share(
+    llm: Any, batches: list[int], context: int, stream_tok_s: float | None
+) -> list[dict[str, Any]]:
+    """Per batch: a decode step through the model runner (`pagoda.worker.benchmark`) and the
+    MoE blocks alone; at batch 1 also the single-stream engine's time per token (part s)."""
     from pagoda.worker.benchmark import bench_decode
 
     runner = _runner(llm)
@@ -154,7 +160,11 @@ def bench_decode_share(llm: Any, batches: list[int], context: int) -> list[dict[
                     * int(cfg["head_dim"]) * 2)  # fmt: skip
     rows = []
     for b in batches:
-        step_ms = bench_decode(runner, b, context, 10)
+        try:
+            step_ms = bench_decode(runner, b, context, 10)
+        except Exception:  # noqa: BLE001 - the engine's per-token time still gives the share
+            traceback.print_exc()
+            step_ms = float("nan")
         x = torch.randn(b, int(cfg["hidden_size"]), device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             used = sum(int(torch.unique(m.select_experts(m.gate(x))[1]).numel()) for m in blocks)
@@ -175,6 +185,13 @@ def bench_decode_share(llm: Any, batches: list[int], context: int) -> list[dict[
                 "step_gb_s": round(step_bytes / step_ms / 1e6, 1),
             }
         )
+        if b == 1 and stream_tok_s:
+            engine_ms = 1e3 / stream_tok_s
+            rows[-1].update(
+                engine_ms_per_token=round(engine_ms, 3),
+                moe_share_of_engine_token=round(moe_ms / engine_ms, 3),
+                engine_gb_s=round(step_bytes / engine_ms / 1e6, 1),
+            )
         print(rows[-1], flush=True)
     return rows
 
@@ -222,7 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         for part, fn in (
             ("s", lambda: bench_single_stream(llm, w, deadline)),
             ("a", lambda: bench_offline_throughput(llm, w, deadline)),
-            ("d", lambda: bench_decode_share(llm, [1, 64], w.profile_context_len // 2)),
+            (
+                "d",
+                lambda: bench_decode_share(
+                    llm,
+                    [1, 64],
+                    w.stream_prompt_len + w.stream_output_len // 2,
+                    (result.get("s") or {}).get("decode_tokens_per_s"),
+                ),
+            ),
         ):
             if part not in parts:
                 continue
