@@ -11,7 +11,8 @@ from kernel_testing import enable_interpreter_without_cuda, kernel_device
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
 
-from pagoda.kernels.fused_moe import fused_experts, moe_align_block_size  # noqa: E402
+from pagoda.kernels.fused_moe import fused_experts  # noqa: E402
+from pagoda.kernels.moe_align import moe_align_block_size  # noqa: E402
 from pagoda.model.layers.fused_moe import moe_experts_ref, softmax_topk  # noqa: E402
 
 DEV = kernel_device()
@@ -25,7 +26,8 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int):
     return weights.to(DEV), ids.to(DEV)
 
 
-@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (5, 3), (300, 4)])
+# 2, 15 and 64 pairs: the one-launch path; 65 and 1200: count, prefix, scatter.
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (5, 3), (16, 4), (13, 5), (300, 4)])
 @pytest.mark.parametrize("num_experts", [4, 8, 130])
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_align_groups_pairs_by_expert(num_tokens, top_k, num_experts, block_m):
