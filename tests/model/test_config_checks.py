@@ -45,6 +45,9 @@ def _config_dir(tmp_path, **overrides):
         ("rope_scaling", {"rope_type": "linear", "factor": "2"}),
         ("rope_scaling", "linear"),
         ("sliding_window", "4k"),
+        ("num_experts_per_tok", 0),
+        ("moe_intermediate_size", "768"),
+        ("norm_topk_prob", "true"),
     ],
 )
 def test_bad_field_names_file_and_field(tmp_path, field, value) -> None:

@@ -20,9 +20,12 @@ _REQUIRED_COUNTS = (
     "vocab_size",
 )
 # None (or absent) means "derive it": from num_attention_heads, hidden_size, or 2048.
-_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
+                    # mixtures of experts (Mixtral, Qwen3-MoE)
+                    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")  # fmt: skip
 _OPTIONAL_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
-_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+                   "norm_topk_prob")  # fmt: skip
 
 
 def _is_int(value: Any) -> bool:
