@@ -9,7 +9,7 @@ layout is `unpack_weight`'s copy, for the torch reference path.
 
 Dispatch: packed layers take this kernel for every row count, F.linear never (so no plain
 copy is kept). Measured on a 2-core Zen 5 (avx512_bf16, no AMX), weights cycled through more
-than the L3 as at decode (`python -m pagoda.kernels.cpu.benchmark --rows ...`), speedup of the
+than the L3 as at decode (`python benchmarks/cpu_ops_bench.py --rows ...`), speedup of the
 packed kernel over oneDNN's F.linear:
 
     M rows        1     8    16    32    64   128   256   512  2048

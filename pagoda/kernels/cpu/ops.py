@@ -34,7 +34,7 @@ _ABI = 3
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest row count (tokens) the skinny GEMM takes on a plain (unpacked) weight; above it
 # torch's GEMM (oneDNN for bf16, MKL for float32) is as fast or faster. Measured on a 2-core
-# Zen 4 for the SmolLM2 shapes (`python -m pagoda.kernels.cpu.benchmark [--dtype float32]`).
+# Zen 4 for the SmolLM2 shapes (`python benchmarks/cpu_ops_bench.py [--dtype float32]`).
 # bf16 layers loaded on CPU are packed and take `gemm.packed_linear` for every row count.
 MAX_GEMV_ROWS = {torch.bfloat16: 16, torch.float32: 32}
 

@@ -2,7 +2,7 @@
 `MAX_GEMV_ROWS` and check the packed kernel's lead over torch's GEMM) and the element-wise ops
 at decode shapes, at the ISA level selected (or forced with --isa / $PAGODA_CPU_ISA).
 
-    python -m pagoda.kernels.cpu.benchmark [--rows 1 2 4 8 16 32 64] [--shapes 960x576 ...]
+    python benchmarks/cpu_ops_bench.py [--rows 1 2 4 8 16 32 64] [--shapes 960x576 ...]
         [--isa avx2] [--threads 2] [--stat median|min]
 
 Defaults are SmolLM2-135M's projections (qkv, o, gate_up, down, lm_head). Prints microseconds
@@ -18,17 +18,21 @@ import argparse
 import functools
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.cpu.build import ISA_ENV, ISA_LEVELS
-from pagoda.kernels import cpu
-from pagoda.kernels.cpu import gemm as cpu_gemm
-from pagoda.kernels.cpu import ops
-from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
+
+from pagoda.attention.cpu.build import ISA_ENV, ISA_LEVELS  # noqa: E402
+from pagoda.kernels import cpu  # noqa: E402
+from pagoda.kernels.cpu import gemm as cpu_gemm  # noqa: E402
+from pagoda.kernels.cpu import ops  # noqa: E402
+from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref  # noqa: E402
 
 _COLD_BYTES = 96 << 20
 _SHAPES = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]

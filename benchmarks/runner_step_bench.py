@@ -1,6 +1,6 @@
 """Step-time benchmark of the model runner: decode at batch B with C-token contexts, and prefill.
 
-    python -m pagoda.worker.benchmark [--model PATH] [--dtype bfloat16] [--batch 1 64]
+    python benchmarks/runner_step_bench.py [--model PATH] [--dtype bfloat16] [--batch 1 64]
         [--context 300] [--prefill 512] [--cached-prefix 500] [--iters 10]
         [--graphs on|off|both] [--profile 1 256] [--profile-prefill 8192] [--engine-batch 1 256]
 
@@ -9,7 +9,7 @@ so the time is inputs + model + logits + sampling. Prints ms per step (median of
 CUDA with decode CUDA graphs on and/or off, and with --profile the host-side operators of a
 step. --engine-batch N runs N requests through the whole `LLMEngine` and splits one decode
 step into its host parts (schedule, prepare inputs, launch, output handling) and the wait for
-the GPU (`pagoda.worker.host_benchmark`).
+the GPU (`engine_step_host.py`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,19 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pagoda.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagoda.core.outputs import SchedulerOutput
-from pagoda.core.request import Request
-from pagoda.sampling_params import SamplingParams
-from pagoda.worker.model_runner import ModelRunner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
+
+from pagoda.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pagoda.core.outputs import SchedulerOutput  # noqa: E402
+from pagoda.core.request import Request  # noqa: E402
+from pagoda.sampling_params import SamplingParams  # noqa: E402
+from pagoda.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def build_runner(
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                 profile_prefill(runner, n)
             _release(runner)
     for batch in args.engine_batch:
-        from pagoda.worker.host_benchmark import bench_engine_step
+        from engine_step_host import bench_engine_step
 
         for run_ahead in (False, True):
             bench_engine_step(

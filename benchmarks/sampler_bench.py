@@ -1,4 +1,6 @@
-"""Time the sampler on a mixed batch: `python -m pagoda.sample.benchmark --batch 64 --vocab 49152`.
+"""Time the sampler on a mixed batch:
+
+    python benchmarks/sampler_bench.py [--batch 64] [--vocab 49152]
 
 The batch cycles through greedy, plain random, top-p, top-k + top-p, min-p, seeded and
 penalised/logprob requests, like a busy server's, with 200-token prompts and 100 output tokens
@@ -10,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pagoda.sample.sampler import Sampler, SamplingMetadata
-from pagoda.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
+
+from pagoda.sample.sampler import Sampler, SamplingMetadata  # noqa: E402
+from pagoda.sampling_params import SamplingParams  # noqa: E402
 
 MIXED_PARAMS = [
     SamplingParams(temperature=0.0),

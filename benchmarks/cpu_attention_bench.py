@@ -1,6 +1,6 @@
 """Attention-only benchmark: the C kernel vs the torch backend on one layer's decode batch.
 
-    python -m pagoda.attention.cpu.benchmark [--batch 64] [--context 300] [--heads 9 3]
+    python benchmarks/cpu_attention_bench.py [--batch 64] [--context 300] [--heads 9 3]
         [--head-size 64] [--block-size 16] [--dtype bfloat16] [--layers 30] [--prefill 0]
         [--isa avx2]
 
@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pagoda.attention.metadata import AttentionMetadata
-from pagoda.model.loader import torch_dtype
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
+
+from pagoda.attention.metadata import AttentionMetadata  # noqa: E402
+from pagoda.model.loader import torch_dtype  # noqa: E402
 
 
 class _Layer:
