@@ -126,11 +126,14 @@ def run_pagoda(model: str, threads: int, repeats: int, job: dict) -> dict:
 
 def perplexities(model: str, ids: list[int], window: int = 512) -> dict:
     """Perplexity of the quantized (quantization="gguf") and dequantized float32 models."""
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    )
     import torch
+    from model_testing import PagedRunner  # one sequence through a paged cache, no scheduler
 
     from pagoda.config import ModelConfig
     from pagoda.model.loader import get_model_config_dict, load_model
-    from pagoda.model.testing import PagedRunner
 
     cfg = get_model_config_dict(model)
     out = {}

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from pagoda.config import ModelConfig, embedded_model_path
-from pagoda.model.layers.linear import LinearBase
-from pagoda.model.loader import get_model_config_dict, load_model
-from pagoda.model.quantization.gptq import (
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "model")]
+
+from calibration_testing import collect_hessians  # noqa: E402
+
+from pagoda.config import ModelConfig, embedded_model_path  # noqa: E402
+from pagoda.model.layers.linear import LinearBase  # noqa: E402
+from pagoda.model.loader import get_model_config_dict, load_model  # noqa: E402
+from pagoda.model.quantization.gptq import (  # noqa: E402
     calibration_sequences,
-    collect_hessians,
     gptq_quantize,
     output_error,
     rtn,
 )
-from pagoda.tokenizer import get_tokenizer
+from pagoda.tokenizer import get_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -10,8 +10,7 @@ import sys
 import textwrap
 
 import pytest
-
-from pagoda.model.testing import TINY_CONFIG
+from model_testing import TINY_CONFIG
 
 
 def _pagoda(*args: str) -> subprocess.CompletedProcess:

@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 import pytest
+from model_testing import TINY_CONFIG
 
 from pagoda import LLM, SamplingParams
-from pagoda.model.testing import TINY_CONFIG
 from pagoda.sampling_params import MAX_LOGPROBS, MAX_N, RequestOutputKind
 
 

@@ -7,12 +7,12 @@ import json
 import logging
 
 import pytest
+from model_testing import TINY_CONFIG
 
 from pagoda import LLM
 from pagoda.cli import build_parser
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.entrypoints.llm import _legacy_speculative_config
-from pagoda.model.testing import TINY_CONFIG
 
 
 @pytest.fixture

@@ -31,9 +31,10 @@ def test_freeze_hides_the_heap_and_releases_an_earlier_one() -> None:
 
 
 def test_llm_engine_freezes_after_start_up(monkeypatch, tmp_path) -> None:
+    from model_testing import TINY_CONFIG
+
     import pagoda.engine.llm_engine as llm_engine
     from pagoda import LLM
-    from pagoda.model.testing import TINY_CONFIG
 
     calls = []
     monkeypatch.setattr(llm_engine, "freeze_startup_heap", lambda: calls.append(1))

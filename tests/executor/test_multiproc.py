@@ -20,6 +20,7 @@ import textwrap
 import time
 
 import pytest
+from model_testing import make_tiny_checkpoint
 from tp_testing import (  # noqa: E402
     GREEDY,
     PROMPTS,
@@ -35,7 +36,6 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.executor import check_tensor_parallel_config, make_executor
 from pagoda.executor.multiproc import WorkerError
-from pagoda.model.testing import make_tiny_checkpoint
 
 PENALTY = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}

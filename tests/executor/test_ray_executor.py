@@ -23,6 +23,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from model_testing import make_tiny_checkpoint  # noqa: E402
 from tp_testing import (  # noqa: E402
     GREEDY,
     PROMPTS,
@@ -37,7 +38,6 @@ from tp_testing import (  # noqa: E402
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.executor import ray_executor  # noqa: E402
 from pagoda.executor.multiproc import WorkerError  # noqa: E402
-from pagoda.model.testing import make_tiny_checkpoint  # noqa: E402
 
 
 def _actor_pids() -> set[int]:

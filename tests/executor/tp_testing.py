@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
+from model_testing import make_tiny_checkpoint
+
 from pagoda import LLM, SamplingParams
-from pagoda.model.testing import make_tiny_checkpoint
 
 PROMPTS = [
     {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)

@@ -135,9 +135,10 @@ def test_float32_layers_stay_plain():
 
 def test_tied_lm_head_keeps_the_plain_embedding(tmp_path):
     """The LM head's packed copy sits beside the weight it shares with the embedding."""
+    from model_testing import make_tiny_checkpoint
+
     from pagoda.config import ModelConfig
     from pagoda.model.loader import get_model_config_dict, load_model
-    from pagoda.model.testing import make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
     cfg = get_model_config_dict(str(tmp_path))

@@ -233,7 +233,7 @@ def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
 
 def _teacher_forced_logits(model, cfg, fused: bool, tokens: list[int], prompt_len: int):
     """Logits of a prefill of tokens[:prompt_len] then one decode step per further token."""
-    from pagoda.model.testing import PagedRunner
+    from model_testing import PagedRunner
 
     model.set_fused_ops(fused)
     runner = PagedRunner(model, cfg, num_blocks=128)
@@ -248,9 +248,10 @@ def _teacher_forced_logits(model, cfg, fused: bool, tokens: list[int], prompt_le
 def test_tiny_models_with_c_ops_stay_as_close_to_float32(tmp_path, case):
     """fp32: the C path equals torch to rounding. bf16: the C path is no further from the fp32
     logits than torch's bf16 path (both prefill, 11 rows, and decode take the skinny GEMM)."""
+    from model_testing import TINY_CASES, TINY_CONFIG, make_tiny_checkpoint
+
     from pagoda.config import ModelConfig
     from pagoda.model.loader import get_model_config_dict, load_model
-    from pagoda.model.testing import TINY_CASES, TINY_CONFIG, make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path, case)
     hf_config = get_model_config_dict(str(tmp_path))
@@ -320,9 +321,10 @@ def test_embedded_model_greedy_tokens_unchanged_by_c_ops(ops_off, monkeypatch):
 def test_embedded_model_bf16_c_ops_as_close_to_float32_as_torch():
     """Teacher-forced on float32 greedy tokens: the bf16 C path's logits are no further from
     the float32 model's than torch's bf16 path, and pick the same argmax as often."""
+    from model_testing import PagedRunner
+
     from pagoda.config import ModelConfig, embedded_model_path
     from pagoda.model.loader import get_model_config_dict, load_model
-    from pagoda.model.testing import PagedRunner
 
     path = embedded_model_path()
     cfg = get_model_config_dict(path)

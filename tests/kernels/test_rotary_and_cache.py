@@ -311,9 +311,10 @@ def test_tiny_model_on_the_triton_backend_matches_the_torch_backend(tmp_path, ca
     # The model's own call (positions, q/k views of qkv, qk-norm): a prefill then decodes, with
     # RoPE + cache write fused on the Triton backend vs the whole reference path.
     pytest.importorskip("transformers")
+    from model_testing import TINY_CASES, TINY_CONFIG, PagedRunner, make_tiny_checkpoint
+
     from pagoda.config import ModelConfig
     from pagoda.model.loader import get_model_config_dict, load_model
-    from pagoda.model.testing import TINY_CASES, TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path, case)
     hf_config = get_model_config_dict(str(tmp_path))

@@ -257,11 +257,12 @@ def test_tiny_model_with_packed_layers_gives_transformers_logits(
     prefill and a decode step give the logits of `transformers` on the dequantized weights.
     GPTQ act-order: the shards of one input share their permutation (as AutoGPTQ's, from the
     same Hessian), so every layer stays packed and reads x through it."""
+    from model_testing import TINY_CONFIG, PagedRunner
+
     from pagoda.config import ModelConfig
     from pagoda.model import quantization
     from pagoda.model.loader import get_model_config_dict, load_model
     from pagoda.model.quantization import W4A16LinearMethod
-    from pagoda.model.testing import TINY_CONFIG, PagedRunner
 
     hf, path = _checkpoint_builder()(tmp_path, method, 4, act_order)
     monkeypatch.setattr(quantization, "w4a16_enabled", lambda device: True)

@@ -12,6 +12,8 @@ import json
 
 import pytest
 import torch
+from calibration_testing import capture_layer_inputs
+from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 from safetensors.torch import load_file
 
 from pagoda.config import ModelConfig
@@ -21,7 +23,6 @@ from pagoda.model.quantization.awq import (
     GROUPS,
     _weight_mean,
     awq_quantize,
-    capture_layer_inputs,
     fake_quantize,
     fold_scales,
     mlp_output,
@@ -32,7 +33,6 @@ from pagoda.model.quantization.awq import (
 )
 from pagoda.model.quantization.formats import dequantize_awq, pack_awq
 from pagoda.model.quantization.gptq import add_quantize_args
-from pagoda.model.testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 CASES = {  # name -> (tiny case, overrides)
     "gqa_tied": ("llama_gqa_tied_llama3_rope", {}),

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from calibration_testing import FullModelCalibration
+from model_testing import TINY_CONFIG, make_tiny_checkpoint
 from safetensors.torch import load_file
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.quantization import awq, calibration
 from pagoda.model.quantization.awq import _calibration_inputs, quantize_model_awq
-from pagoda.model.quantization.calibration import FullModelCalibration, LayerwiseCalibration
+from pagoda.model.quantization.calibration import LayerwiseCalibration
 from pagoda.model.quantization.gptq import quantize_model
-from pagoda.model.testing import TINY_CONFIG, make_tiny_checkpoint
 
 CASES = {  # name -> (tiny case, overrides)
     "gqa_tied": ("llama_gqa_tied_llama3_rope", {}),

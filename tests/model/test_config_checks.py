@@ -8,10 +8,10 @@ import json
 
 import gguf
 import pytest
+from model_testing import TINY_CONFIG
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.model.loader import get_model_config_dict
-from pagoda.model.testing import TINY_CONFIG
 
 
 def _config_dir(tmp_path, **overrides):

@@ -11,10 +11,10 @@ import os
 
 import pytest
 import torch
+from model_testing import PagedRunner
 
 from pagoda.config import ModelConfig, embedded_model_path
 from pagoda.model.loader import get_model_config_dict, load_model
-from pagoda.model.testing import PagedRunner
 
 pytestmark = pytest.mark.slow
 

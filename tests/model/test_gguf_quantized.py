@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_testing import PagedRunner
 
 from pagoda.config import ModelConfig, embedded_model_path
 from pagoda.kernels.cpu import quant
@@ -20,7 +21,6 @@ from pagoda.model.layers.linear import MergedColumnParallelLinear
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.loader.gguf_quants import GGML_BLOCK_SIZES, dequantize
 from pagoda.model.quantization.gguf import GGUFLinearMethod, gguf_weights_stay_quantized
-from pagoda.model.testing import PagedRunner
 
 if not quant.quant_kernel_available():
     pytest.skip("quantized CPU GEMM unavailable (no C compiler)", allow_module_level=True)

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 from pagoda.config import ModelConfig
 from pagoda.engine.arg_utils import EngineArgs
@@ -20,7 +21,6 @@ from pagoda.model.quantization.gptq import (
     quantize_model,
     rtn,
 )
-from pagoda.model.testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 
 def _problem(k: int = 256, n: int = 64):

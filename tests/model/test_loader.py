@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
+from model_testing import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.registry import get_model_class, supported_architectures
-from pagoda.model.testing import make_tiny_checkpoint
 
 
 def _model_config(path, load_format="auto", dtype="float32", seed=0):

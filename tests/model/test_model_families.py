@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_testing import make_tiny_checkpoint
 
 from pagoda.model.loader import get_model_config_dict
 from pagoda.model.loader.hf_config import layer_sliding_windows
-from pagoda.model.testing import make_tiny_checkpoint
 
 PROMPT_LEN, MAX_TOKENS = 100, 12
 

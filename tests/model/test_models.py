@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_testing import TINY_CASES, TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
-from pagoda.model.testing import TINY_CASES, TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 SMALL = TINY_CONFIG
 CASES = TINY_CASES

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 from safetensors.torch import save_file
 
 from pagoda.config import ModelConfig
@@ -27,7 +28,6 @@ from pagoda.model.quantization.formats import (
     unpack_awq,
     unpack_gptq_weight,
 )
-from pagoda.model.testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32

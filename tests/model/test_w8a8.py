@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pagoda.config import ModelConfig
@@ -21,7 +22,6 @@ from pagoda.model.quantization.smoothquant import (
     w8a8_quantization_config,
 )
 from pagoda.model.quantization.w8a8 import fp8_unsupported_message, parse_compressed_tensors
-from pagoda.model.testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 
 
 def _sequences(n: int = 4, length: int = 48) -> list[list[int]]:

@@ -28,8 +28,9 @@ from kernel_testing import enable_interpreter_without_cuda  # noqa: E402
 
 enable_interpreter_without_cuda()
 
+from model_testing import make_tiny_checkpoint  # noqa: E402
+
 from pagoda.core.outputs import SchedulerOutput  # noqa: E402
-from pagoda.model.testing import make_tiny_checkpoint  # noqa: E402
 from pagoda.worker.cuda_graphs import (  # noqa: E402
     describe_mixed_shapes,
     mixed_graph_reserve_bytes,

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_testing import make_tiny_checkpoint
 from test_gpu_model_runner import teacher_forced_logits
 from test_model_runner import PROMPTS, Driver, make_runner, one_cpu_thread, req  # noqa: F401
 
 from pagoda.core.outputs import SchedulerOutput
-from pagoda.model.testing import make_tiny_checkpoint
 from pagoda.worker.cuda_graphs import cuda_graph_capture_sizes, padded_batch_size
 from pagoda.worker.input_batch import InputBuilder
 

@@ -13,12 +13,12 @@ import random
 
 import pytest
 import torch
+from model_testing import make_tiny_checkpoint
 
 from pagoda.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request
 from pagoda.model.loader import get_model_config_dict
-from pagoda.model.testing import make_tiny_checkpoint
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
 

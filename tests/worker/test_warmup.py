@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_testing import make_tiny_checkpoint
 from test_model_runner import make_runner
 
-from pagoda.model.testing import make_tiny_checkpoint
 from pagoda.worker.warmup import warm_up_eager_kernels, warm_up_shapes
 
 

@@ -24,15 +24,14 @@ inputs and runs only that layer, once quantized, to get the next one's).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from pagoda.model.quantization.calibration import FullModelCalibration, LayerwiseCalibration
+from pagoda.model.quantization.calibration import Calibration, LayerwiseCalibration
 from pagoda.model.quantization.checkpoint import (
     layer_progress,
     load_calibration_model,
@@ -303,20 +302,7 @@ def _input_hooks(layer: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
             h.remove()
 
 
-def capture_layer_inputs(
-    model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]], layer_idx: int
-) -> dict[str, torch.Tensor]:
-    """The inputs [tokens, K] of decoder layer `layer_idx`'s linears (GROUPS) over the
-    calibration sequences, from full-model passes that stop after that layer (`awq_quantize`
-    gets the same from `LayerwiseCalibration` without the earlier layers)."""
-    calib = FullModelCalibration(model, cfg, sequences)
-    calib.index = layer_idx
-    return _calibration_inputs(calib)
-
-
-def _calibration_inputs(
-    calib: LayerwiseCalibration | FullModelCalibration,
-) -> dict[str, torch.Tensor]:
+def _calibration_inputs(calib: Calibration) -> dict[str, torch.Tensor]:
     """The inputs [tokens, K] of the calibration's current layer's linears (GROUPS)."""
     with _input_hooks(calib.layers[calib.index]) as captured:
         calib.forward()
@@ -337,7 +323,7 @@ def awq_layer(
     clip: bool = True,
     max_tokens: int = 4096,
 ) -> dict[str, tuple[RTNResult, float, float]]:
-    """AWQ of one decoder layer in place: scale search on `inputs` (capture_layer_inputs),
+    """AWQ of one decoder layer in place: scale search on `inputs` (`_calibration_inputs`),
     folding, clipping search, round-to-nearest; the linears' weights become their dequantized
     values. The searches see up to `max_tokens` evenly spaced calibration tokens. Returns per
     GROUPS entry (quantization, relative output error of AWQ on the folded layer's inputs, of

@@ -6,25 +6,24 @@ states and residual entering the current decoder layer. The quantizer runs that 
 with its hooks (`forward`), quantizes it in place, and `advance` runs the quantized layer once
 more to get the next layer's inputs: O(layers) layer forwards where a pass through the whole
 model per layer costs O(layers^2). Each layer is driven with the arguments the model's own
-forward gives it on `PagedRunner.step(seq, 0)` (positions 0..n-1, a paged KV cache of 16-token
-blocks in the same shuffled order, the same attention metadata), so every layer sees bit for bit
-the activations of a full-model pass (`collect_hessians` / `capture_layer_inputs` are those
-passes; `FullModelCalibration`, the same interface on such passes, is the reference the tests
-compare checkpoints with).
+forward gives it on a one-sequence prefill from position 0 (positions 0..n-1, a paged KV cache
+of 16-token blocks in a fixed shuffled order, the matching attention metadata), so every layer
+sees bit for bit the activations of a full-model pass over the same paged cache (the tests
+compare it, and the checkpoints written on it, with such passes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from pagoda.attention.metadata import AttentionMetadata
 
-BLOCK_SIZE = 16  # the KV cache blocks of the full-model passes (collect_hessians)
+BLOCK_SIZE = 16  # tokens per KV cache block of each calibration sequence's cache
 
 
 @dataclass
@@ -37,8 +36,9 @@ class _Sequence:
 
 
 def _paged_sequence(n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> _Sequence:
-    """Positions, metadata and cache of `PagedRunner(model, cfg, num_blocks, block_size=16)
-    .step(seq, 0)` for a sequence of n tokens (hidden states filled in by the caller)."""
+    """Positions, metadata and cache of a prefill of n tokens from position 0: ceil(n / 16) + 1
+    blocks, the block table a seed-0 permutation of blocks 1.. (hidden states filled in by the
+    caller)."""
     num_blocks = -(-n // BLOCK_SIZE) + 1
     g = torch.Generator().manual_seed(0)
     bt = (torch.randperm(num_blocks - 1, generator=g) + 1).to(torch.int32)
@@ -55,6 +55,18 @@ def _paged_sequence(n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> _S
     )
     cache = torch.zeros((2, num_blocks, BLOCK_SIZE, *kv_shape), dtype=dtype)
     return _Sequence(pos, md, cache, torch.empty(0), None)
+
+
+class Calibration(Protocol):
+    """What a quantizer drives: `layers[index]` is the layer whose inputs are held, `forward`
+    runs it on them (the caller's hooks see its activations), `advance` moves to the next."""
+
+    layers: nn.ModuleList
+    index: int
+
+    def forward(self) -> None: ...
+
+    def advance(self) -> None: ...
 
 
 class LayerwiseCalibration:
@@ -95,7 +107,7 @@ class LayerwiseCalibration:
                 # Copies: the fused CPU RMSNorm writes into its input and the residual.
                 hidden = s.hidden_states.clone()
                 residual = None if s.residual is None else s.residual.clone()
-                s.kv_cache.zero_()  # as a fresh PagedRunner's (the layer fills its slots first)
+                s.kv_cache.zero_()  # as a fresh cache's (the layer fills its slots first)
                 out, res = layer(s.positions, hidden, residual, s.kv_cache, s.attn_metadata)
                 if keep:
                     s.hidden_states, s.residual = out, res
@@ -111,43 +123,4 @@ class LayerwiseCalibration:
             self._run(keep=True)
         else:
             self._sequences.clear()
-        self.index += 1
-
-
-class _Stop(Exception):
-    pass
-
-
-class FullModelCalibration:
-    """The reference of `LayerwiseCalibration` (same interface): `forward` runs every sequence
-    through the model from the embeddings (`PagedRunner.step(seq, 0)`, 16-token blocks),
-    stopping after the current layer; `advance` only moves on. O(layers^2) layer forwards."""
-
-    def __init__(
-        self, model: nn.Module, cfg: dict[str, Any], sequences: Iterable[list[int]]
-    ) -> None:
-        self.model, self.cfg = model, cfg
-        self.layers: nn.ModuleList = model.model.layers
-        self.index = 0
-        self._sequences = list(sequences)
-
-    def forward(self) -> None:
-        from pagoda.model.testing import PagedRunner
-
-        def stop(mod: nn.Module, args: tuple, out: Any) -> None:
-            raise _Stop
-
-        hook = self.layers[self.index].register_forward_hook(stop)
-        try:
-            for seq in self._sequences:
-                blocks = -(-len(seq) // BLOCK_SIZE) + 1
-                runner = PagedRunner(self.model, self.cfg, num_blocks=blocks, block_size=BLOCK_SIZE)
-                try:
-                    runner.step(seq, 0)
-                except _Stop:
-                    pass
-        finally:
-            hook.remove()
-
-    def advance(self) -> None:
         self.index += 1

@@ -1,8 +1,8 @@
 """Quantize a model ourselves with GPTQ (Frantar et al. 2022, arXiv:2210.17323) and write a
 GPTQ checkpoint (the AutoGPTQ layout of `formats.py`) that Pagoda, vLLM and transformers load.
 
-Calibration: the model runs over calibration token sequences (`PagedRunner`, the torch path on
-a CPU) while hooks on linear layers accumulate the Hessian H = 2/n * sum x x^T of their
+Calibration: the model runs over calibration token sequences (prefills through a paged KV
+cache, the torch path on a CPU) while hooks on linear layers accumulate the Hessian H = 2/n * sum x x^T of their
 inputs. Each weight matrix is then quantized column by column, each column's rounding error
 spread over the columns not yet quantized through the inverse Hessian's Cholesky factor, in
 blocks of 128 columns; group scales and zeros are set when a group's first column comes up;
@@ -174,30 +174,6 @@ def _hessian_hooks(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[dict[st
     finally:
         for h in hooks:
             h.remove()
-
-
-def collect_hessians(
-    model: nn.Module,
-    cfg: dict[str, Any],
-    sequences: Iterable[list[int]],
-    only: set[str] | None = None,
-) -> dict[str, torch.Tensor]:
-    """H = 2/n sum x x^T of the inputs of every linear layer (or those named in `only`), over
-    the calibration sequences, from full-model passes (`quantize_model` gets the same per
-    decoder layer from `LayerwiseCalibration`)."""
-    from pagoda.model.layers.linear import LinearBase
-    from pagoda.model.testing import PagedRunner
-
-    modules = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, LinearBase) and (only is None or name in only)
-    ]
-    with _hessian_hooks(modules) as hessians:
-        for seq in sequences:
-            blocks = -(-len(seq) // 16) + 1
-            PagedRunner(model, cfg, num_blocks=blocks, block_size=16).step(seq, 0)
-    return hessians
 
 
 def quantize_model(
