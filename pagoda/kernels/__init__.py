@@ -4,7 +4,7 @@ few-row GEMM).
 The functions here pick the Triton kernel for CUDA tensors and the torch reference
 (`pagoda.kernels.reference`) otherwise, so model code calls them on any device; importing
 this package never imports triton. The Triton versions are `*_triton` in `norm_act` and
-`rotary`, called directly by the tests (under TRITON_INTERPRET=1 on a CPU).
+`rotary`, called directly by the tests (on a CPU through Triton's interpreter).
 """
 
 from __future__ import annotations

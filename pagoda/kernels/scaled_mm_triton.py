@@ -3,7 +3,7 @@ activations (absmax, then the row divided by its scale and rounded to int8 / cas
 one program per row), cuBLASLt for the 8-bit product (`torch._int_mm` for int8,
 `torch._scaled_mm` with row-wise scales for fp8), and for int8 a Triton epilogue that turns the
 int32 products into the model dtype (x_scale * w_scale, + bias) in one pass. Semantics are
-`scaled_mm_ref`'s; the kernels also run under TRITON_INTERPRET=1 on a CPU (the tests)."""
+`scaled_mm_ref`'s; the tests also run the kernels on a CPU through Triton's interpreter."""
 
 from __future__ import annotations
 

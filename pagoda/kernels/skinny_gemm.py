@@ -22,7 +22,6 @@ concurrently (two streams at once): they would mix their counts.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -209,11 +208,10 @@ def prepare(device: torch.device | str) -> torch.Tensor:
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """2..128 rows of K-contiguous x [M, K] times a row-major weight [N, K] of x's dtype
-    (fp16, bf16, fp32), K a multiple of 8; on CUDA, or on the CPU under TRITON_INTERPRET=1."""
-    on_device = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    (fp16, bf16, fp32), K a multiple of 8, on one device. Which device runs Triton is the
+    caller's choice (`pagoda.kernels.few_rows_linear` calls this for CUDA tensors only)."""
     return (
-        on_device
-        and x.dim() == 2
+        x.dim() == 2
         and weight.dim() == 2
         and weight.device == x.device
         and x.dtype == weight.dtype

@@ -33,7 +33,6 @@ order, with the same per-device counters: `skinny_gemm.prepare` before CUDA-grap
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -267,11 +266,9 @@ def _tile_groups(k: int, group_size: int, block_k: int) -> bool:
 
 def w4a16_supported(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """K-contiguous x [M, K] (fp16, bf16, fp32) and a packed qweight [N, ceil(K/8)] on one
-    CUDA device, or on the CPU under TRITON_INTERPRET=1."""
-    on_device = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    device (CUDA, unless the caller runs Triton elsewhere: `w4a16_enabled` decides)."""
     return (
-        on_device
-        and x.dim() == 2
+        x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and x.stride(1) == 1
         and qweight.dtype == torch.int32

@@ -115,7 +115,7 @@ def test_unsupported_inputs_return_none() -> None:
     assert skinny_linear(x[None], w) is None  # 3-D
     assert skinny_linear(x, w, _randn(23, seed=11)) is None
     if torch.cuda.is_available():
-        assert skinny_linear(x.cpu(), w.cpu()) is None
+        assert skinny_linear(x, w.cpu()) is None  # two devices
     with pytest.raises(ValueError, match="power of two"):
         skinny_linear(x, w, block_n=48)
 
@@ -266,5 +266,6 @@ def test_linear_layers_take_the_skinny_gemm_for_few_rows_only() -> None:
     for m, expect_skinny in ((1, False), (16, True), (48, False), (256, False)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         assert (few_rows_linear(x, w) is not None) == expect_skinny, m
+        assert few_rows_linear(x.cpu(), w.cpu()) is None  # CPU tensors: torch's GEMM
         y = UnquantizedLinearMethod().apply(layer, x)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=2e-2, rtol=2e-2)
