@@ -297,10 +297,11 @@ def add_log_level_flag(parser: argparse.ArgumentParser, top: bool = True) -> Non
 def set_log_level(level: str | None) -> None:
     """Pagoda's loggers at `level` (None: $PAGODA_LOGGING_LEVEL, else info), in this process
     and, through the environment, in the processes it spawns (engine core, workers)."""
+    from pagoda import envs
     from pagoda.logger import init_logger
 
-    level = (level or os.environ.get("PAGODA_LOGGING_LEVEL") or "info").upper()
-    os.environ["PAGODA_LOGGING_LEVEL"] = level
+    level = (level or envs.PAGODA_LOGGING_LEVEL).upper()
+    envs.set_logging_level(level)
     init_logger("pagoda").setLevel(level)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from pagoda import envs
 
 _FORMAT = "%(levelname)s %(asctime)s %(name)s] %(message)s"
 
@@ -14,6 +15,6 @@ def init_logger(name: str) -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
         root.addHandler(handler)
-        root.setLevel(os.environ.get("PAGODA_LOGGING_LEVEL", "INFO").upper())
+        root.setLevel(envs.PAGODA_LOGGING_LEVEL)
         root.propagate = False
     return logging.getLogger(name)

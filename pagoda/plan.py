@@ -18,6 +18,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagoda import envs
 from pagoda.config import KV_CACHE_DTYPES
 from pagoda.worker.memory_plan import (
     KV_CACHE_ITEMSIZE,
@@ -206,7 +207,7 @@ def _weights(
 
     if quant == "gguf" or model.endswith(".gguf"):
         keep = (device == "cpu" and dtype == "float32" and tp == 1
-                and os.environ.get("PAGODA_GGUF_QUANTIZED", "1").strip() != "0")  # fmt: skip
+                and envs.PAGODA_GGUF_QUANTIZED)  # fmt: skip
         if keep:
             return est.gguf_weight_bytes(model, True), "GGUF blocks kept quantized"
         return est.weight_bytes(hf_config, itemsize, tp), f"GGUF dequantized to {dtype}"

@@ -22,12 +22,13 @@ import enum
 import json as _json
 import numbers
 import operator
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda import envs
+
 _SAMPLING_EPS = 1e-5
-MAX_N = int(os.environ.get("PAGODA_MAX_N_SEQUENCES") or 128)
+MAX_N: int = envs.PAGODA_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda import envs
 from pagoda.config import (
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
@@ -32,7 +32,6 @@ logger = init_logger(__name__)
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
 _DTYPE_ALIASES["bf16"] = "bfloat16"
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-_OFF = ("0", "false", "off", "no")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # A field's annotated type -> (check, what the message says it must be).
 _TYPE_CHECKS = {
@@ -79,8 +78,7 @@ def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
     quant = (hf_config.get("quantization_config") or {}).get("quant_method")
     if quant == "gguf":
         return "bfloat16" if fast_bf16 else "float32"
-    c_ops = os.environ.get("PAGODA_CPU_FAST_OPS", "1").strip().lower() not in _OFF
-    if c_ops and build.compiler_available():
+    if envs.PAGODA_CPU_FAST_OPS and build.compiler_available():
         return "bfloat16"
     return "bfloat16" if fast_bf16 else "float32"
 

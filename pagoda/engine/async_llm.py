@@ -17,13 +17,13 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda import envs
 from pagoda.engine.core_client import ProcessCore, RemoteEngine, ThreadCore
 from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -70,7 +70,7 @@ class _Stream:
 def multiprocessing_enabled() -> bool:
     """$PAGODA_ENABLE_MULTIPROCESSING=0 keeps the served engine on a thread (like vLLM's
     VLLM_ENABLE_V1_MULTIPROCESSING)."""
-    return os.environ.get("PAGODA_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
+    return envs.PAGODA_ENABLE_MULTIPROCESSING
 
 
 # A server on a CPU prefills in chunks of this many tokens unless --max-num-batched-tokens says

@@ -35,13 +35,13 @@ from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.executor.step_delta import StepDeltaEncoder
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_STEP_TIMEOUT_S = 300.0
 _JOIN_TIMEOUT_S = 5.0
 # After the first sign of a failure, how long to gather what the other workers report.
 _FAILURE_GRACE_S = 0.5
@@ -49,19 +49,6 @@ _FAILURE_GRACE_S = 0.5
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker failed or died; the executor is unusable afterwards."""
-
-
-def step_timeout_s() -> float:
-    env = os.environ.get("PAGODA_EXECUTE_MODEL_TIMEOUT_S")
-    if env is None:
-        return _DEFAULT_STEP_TIMEOUT_S
-    try:
-        value = float(env)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"PAGODA_EXECUTE_MODEL_TIMEOUT_S must be a positive number, got {env!r}")
-    return value
 
 
 class MultiprocStepFuture:
@@ -112,7 +99,7 @@ class MultiprocExecutor(TensorParallelExecutorBase):
 
         self.config = config
         self.world_size = tp = config.parallel_config.tensor_parallel_size
-        self.step_timeout_s = step_timeout_s()
+        self.step_timeout_s = envs.PAGODA_EXECUTE_MODEL_TIMEOUT_S
         self._error: BaseException | None = None
         self._launched = 0  # steps sent
         self._received = 0  # steps whose result rank 0 has sent and the driver read

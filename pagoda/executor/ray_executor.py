@@ -26,7 +26,6 @@ the placement group it made; it never shuts Ray down, whoever started it.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import re
 import time
@@ -37,13 +36,13 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.executor.multiproc import (
     TensorParallelExecutorBase,
     WorkerError,
     _worker_config,
-    step_timeout_s,
 )
 from pagoda.executor.ray_worker import RayWorker
 from pagoda.executor.step_delta import StepDeltaEncoder
@@ -77,7 +76,7 @@ class RayExecutor(TensorParallelExecutorBase):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.tensor_parallel_size
-        self.step_timeout_s = step_timeout_s()
+        self.step_timeout_s = envs.PAGODA_EXECUTE_MODEL_TIMEOUT_S
         self._error: BaseException | None = None
         self._encoder = StepDeltaEncoder(max_tracked=4 * config.scheduler_config.max_num_seqs)
         if not ray.is_initialized():
@@ -172,7 +171,7 @@ class RayExecutor(TensorParallelExecutorBase):
         ip0 = infos[0][1]
         port = self._wait([self._actors[0].free_port.remote()], _PLACEMENT_TIMEOUT_S, "start")[0]
         init_method = f"tcp://{f'[{ip0}]' if ':' in ip0 else ip0}:{port}"
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith("PAGODA_")}
+        forwarded = envs.pagoda_environment()
         starts = []
         for rank, (node_id, _, gpu_ids, _) in enumerate(infos):
             node_gpus = sorted(

@@ -18,12 +18,12 @@ device (async scheduling), receive them by a broadcast from rank 0.
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.engine.heap import freeze_startup_heap
@@ -44,8 +44,10 @@ WORKER_METHODS = frozenset({"determine_num_blocks", "bytes_per_block", "initiali
 class TensorParallelModelRunner(ModelRunner):
     """A `ModelRunner` on one rank's shard: rank 0 samples, the other ranks do not."""
 
-    def __init__(self, engine_config: EngineConfig, tp_rank: int) -> None:
-        super().__init__(engine_config)
+    def __init__(
+        self, engine_config: EngineConfig, tp_rank: int, cpu_threads: int | None = None
+    ) -> None:
+        super().__init__(engine_config, cpu_threads)
         self.tp_rank = tp_rank
         # With async scheduling a step's placeholder rows read the previous step's sampled ids
         # on the device (`_fill_placeholders`): every rank needs them. (Never with speculation:
@@ -119,9 +121,8 @@ class TensorParallelWorker:
         device_index: int | None = None,
     ) -> None:
         on_cuda = config.device_config.device == "cuda"
-        if not on_cuda and "PAGODA_CPU_THREADS" not in os.environ:
-            # The ranks share the cores: one thread per core each would oversubscribe them.
-            os.environ["PAGODA_CPU_THREADS"] = str(cpu_threads)
+        # On a CPU the ranks share the cores: one thread per core each would oversubscribe them.
+        threads = None if on_cuda else (envs.PAGODA_CPU_THREADS or cpu_threads)
         if on_cuda:
             torch.cuda.set_device(rank if device_index is None else device_index)
         dist.init_process_group(
@@ -132,7 +133,7 @@ class TensorParallelWorker:
         )
         set_tensor_parallel(rank, world_size)
         self.rank = rank
-        self.runner = TensorParallelModelRunner(config, rank)
+        self.runner = TensorParallelModelRunner(config, rank, threads)
         self.runner.load_model()
         self.mirror = RequestMirror()
         freeze_startup_heap()  # the model's objects, out of every full collection

@@ -18,6 +18,8 @@ import logging
 import os
 from typing import Any
 
+from pagoda import envs
+
 logger = logging.getLogger("pagoda.server")
 
 
@@ -49,7 +51,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
             raise ValueError(f"--api-key-file: cannot read {path}: {e}") from None
         if not key:
             raise ValueError(f"--api-key-file: {path} is empty")
-    return key if key is not None else os.environ.get("PAGODA_API_KEY") or None
+    return key if key is not None else envs.PAGODA_API_KEY
 
 
 def _has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -64,24 +63,22 @@ def kv_cache_layout(device: torch.device) -> str:
     """ "hnd" on CUDA: each (block, KV head) one contiguous [block_size, head_size] piece, so a
     decode kernel's 16-key chunk of one head is 2-4 KiB of consecutive bytes instead of 16 rows
     strided by the other heads (decode steps ~5% faster on an H200, FP8 cache, in the
-    256-request offline workload). "nhd" (token-major, the logical order) elsewhere: the CPU kernels read it directly.
-    `PAGODA_KV_CACHE_LAYOUT=nhd|hnd` overrides."""
-    layout = os.environ.get("PAGODA_KV_CACHE_LAYOUT") or ("hnd" if device.type == "cuda" else "nhd")
-    if layout not in ("nhd", "hnd"):
-        raise ValueError(f"PAGODA_KV_CACHE_LAYOUT must be nhd or hnd, got {layout!r}")
-    return layout
+    256-request offline workload). "nhd" (token-major, the logical order) elsewhere: the CPU
+    kernels read it directly."""
+    return "hnd" if device.type == "cuda" else "nhd"
 
 
 def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, layout: str | None = None
 ) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, num_kv_heads, head_size] cache per layer. With the
-    "hnd" layout (`kv_cache_layout`) that shape is a view of [2, num_blocks, num_kv_heads,
-    block_size, head_size] memory; kernels address the cache through its strides."""
+    "hnd" layout (default `kv_cache_layout(device)`) that shape is a view of [2, num_blocks,
+    num_kv_heads, block_size, head_size] memory; kernels address the cache through its
+    strides."""
     # Zeroed: attention reads (and masks out) the unwritten tail of a request's last block, and
     # uninitialised memory could hold NaN bit patterns that a mask does not remove.
     b, h, d = spec.block_shape
-    if kv_cache_layout(device) == "hnd":
+    if (layout or kv_cache_layout(device)) == "hnd":
         return [
             torch.zeros(2, num_blocks, h, b, d, dtype=spec.dtype, device=device).transpose(2, 3)
             for _ in range(spec.num_layers)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from pagoda import envs
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -58,11 +59,8 @@ def num_cpu_threads() -> int:
 
     On a machine shared with other busy processes, fewer threads can be much faster: each
     parallel op waits at a barrier for its slowest thread, which may be waiting for a core."""
-    env = os.environ.get("PAGODA_CPU_THREADS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"PAGODA_CPU_THREADS must be a positive integer, got {env!r}")
-        return int(env)
+    if envs.PAGODA_CPU_THREADS is not None:
+        return envs.PAGODA_CPU_THREADS
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -70,13 +68,14 @@ def num_cpu_threads() -> int:
 
 
 class ModelRunner:
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, cpu_threads: int | None = None) -> None:
+        """`cpu_threads`: threads for CPU kernels (default `num_cpu_threads()`)."""
         self.config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
         self.scheduler_config = engine_config.scheduler_config
         self.device = torch.device(engine_config.device_config.device)
-        self.cpu_threads = num_cpu_threads()
+        self.cpu_threads = cpu_threads or num_cpu_threads()
         # Serving sets this: threads for steps of few requests, leaving a core to the HTTP
         # front end (see `reserve_core_for_frontend`).
         self.small_batch_cpu_threads: int | None = None

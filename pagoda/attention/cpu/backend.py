@@ -15,11 +15,11 @@ a head size over 256, a non-CPU tensor) goes to the torch backend, which stays t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pagoda import envs
 from pagoda.attention.backend import (
     AttentionBackend,
     AttentionLayer,
@@ -40,13 +40,7 @@ _CHUNK_QUERY_VECTORS = 16
 
 def num_threads() -> int:
     """Threads the kernel uses: $PAGODA_CPU_THREADS, else torch's intra-op thread count."""
-    env = os.environ.get("PAGODA_CPU_THREADS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise ValueError(f"PAGODA_CPU_THREADS must be an integer, got {env!r}") from None
-    return torch.get_num_threads()
+    return envs.PAGODA_CPU_THREADS or torch.get_num_threads()
 
 
 @dataclass

@@ -35,6 +35,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagoda import envs
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -63,8 +65,7 @@ class CpuKernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGODA_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "pagoda"
+    return envs.PAGODA_CACHE_DIR
 
 
 def _find_compiler() -> str:
@@ -125,7 +126,7 @@ def selected_isa() -> str:
 
     Raises ValueError for an unknown level or one this CPU lacks (the message names the
     variable and the CPU's best level)."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    forced = envs.PAGODA_CPU_ISA
     if not forced:
         return best_isa()
     if forced not in ISA_LEVELS:
@@ -164,7 +165,7 @@ def log_isa(isa: str) -> None:
     if "isa" in _said:
         return
     _said.add("isa")
-    how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"set {ISA_ENV} to force one"
+    how = f"forced by {ISA_ENV}" if envs.PAGODA_CPU_ISA else f"set {ISA_ENV} to force one"
     logger.info("CPU kernels: %s (this CPU's best level: %s; %s)", isa, best_isa(), how)
 
 
@@ -235,7 +236,7 @@ def build_with_fallback(
     try:
         return build_library(source, headers, chosen), chosen
     except CpuKernelUnavailable as e:
-        if chosen == "portable" or isa is not None or os.environ.get(ISA_ENV):
+        if chosen == "portable" or isa is not None or envs.PAGODA_CPU_ISA:
             raise
         reason = (str(e).strip().splitlines() or ["build failed"])[-1][:300]
         log_once(

@@ -22,13 +22,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagoda import envs
 from pagoda.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGODA_CUDA_DECODE", "1") != "0"
+    return envs.PAGODA_CUDA_DECODE
 
 
 def unsupported_reason(

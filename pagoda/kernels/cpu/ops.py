@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from pagoda import envs
 from pagoda.attention.cpu.build import (
     ISA_LEVELS,
     CpuKernelUnavailable,
@@ -41,12 +41,7 @@ MAX_GEMV_ROWS = {torch.bfloat16: 16, torch.float32: 32}
 
 def fast_ops_enabled_by_env() -> bool:
     """False when $PAGODA_CPU_FAST_OPS is 0 / false / off (the torch path everywhere)."""
-    value = os.environ.get("PAGODA_CPU_FAST_OPS", "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("1", "true", "on", "yes", ""):
-        return True
-    raise ValueError(f"PAGODA_CPU_FAST_OPS must be 0 or 1, got {value!r}")
+    return envs.PAGODA_CPU_FAST_OPS
 
 
 @functools.cache

@@ -22,13 +22,13 @@ dummy` with a quantization builds that format's layers with random weights.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.kernels import triton_available
 from pagoda.model.layers.linear import (
     LinearMethodBase,
@@ -168,7 +168,7 @@ class W4A16LinearMethod(LinearMethodBase):
 
 def w4a16_enabled(device: torch.device) -> bool:
     """Whether 4-bit layers on `device` stay packed: CUDA with triton, unless PAGODA_W4A16=0."""
-    return device.type == "cuda" and triton_available() and os.environ.get("PAGODA_W4A16") != "0"
+    return device.type == "cuda" and triton_available() and envs.PAGODA_W4A16
 
 
 class _PackedUntilLoaded(LinearMethodBase):

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from pagoda import envs
+
 T = TypeVar("T")
 
 
@@ -45,10 +47,8 @@ def calibration_threads() -> Iterator[int]:
     import torch
 
     before = torch.get_num_threads()
-    env = os.environ.get("PAGODA_CALIBRATION_THREADS", "").strip()
-    if env:
-        threads = max(1, int(env))
-    else:
+    threads = envs.PAGODA_CALIBRATION_THREADS
+    if threads is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         free = (cores or 1) - os.getloadavg()[0] if hasattr(os, "getloadavg") else before
         threads = max(1, min(before, int(round(free))))
@@ -68,8 +68,9 @@ def layer_progress(layers: Sequence[T], desc: str) -> Iterator[T]:
 
     from tqdm import tqdm
 
-    flag = os.environ.get("PAGODA_PROGRESS", "").strip()
-    show = flag != "0" and (flag == "1" or sys.stderr.isatty())
+    show = envs.PAGODA_PROGRESS
+    if show is None:
+        show = sys.stderr.isatty()
     with (
         calibration_threads(),
         tqdm(total=len(layers), desc=desc, unit="layer", file=sys.stderr, disable=not show) as bar,

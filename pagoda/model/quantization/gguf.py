@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.kernels.cpu import quant
 from pagoda.kernels.cpu.quant import QuantWeight
 from pagoda.model.layers.linear import (
@@ -52,7 +53,7 @@ def gguf_weights_stay_quantized(
     """(keep the GGUF blocks, why) for a `quantization="gguf"` model on `device` in `dtype`."""
     if not (os.path.isfile(model) and model.endswith(".gguf")):
         raise ValueError(f"quantization='gguf' needs a .gguf model file, got {model!r}")
-    if os.environ.get("PAGODA_GGUF_QUANTIZED", "1").strip() == "0":
+    if not envs.PAGODA_GGUF_QUANTIZED:
         return False, f"dequantized to {dtype} (PAGODA_GGUF_QUANTIZED=0)"
     if device.type != "cpu":
         return False, f"dequantized to {dtype} on {device.type} (quantized kernels are CPU only)"

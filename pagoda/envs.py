@@ -1,0 +1,216 @@
+"""Every `PAGODA_*` environment variable Pagoda reads: one table of name, type, default and
+meaning (`VARIABLES`), and the one parser of each.
+
+A variable is read when its attribute is (`envs.PAGODA_CPU_THREADS`), not at import, so a test
+or a launcher that sets it before the use is seen. A value that does not parse is a ValueError
+naming the variable. Flags take 0/false/off/no or 1/true/on/yes in any case; unset or empty is
+the default. The README's table of environment variables lists the same rows
+(`markdown_table()`; a test keeps the two equal). Standard library only: the torch-free core
+reads it too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    PAGODA_LOGGING_LEVEL: str
+    PAGODA_CPU_THREADS: int | None
+    PAGODA_CPU_FAST_OPS: bool
+    PAGODA_CPU_ISA: str | None
+    PAGODA_CACHE_DIR: Path
+    PAGODA_CALIBRATION_THREADS: int | None
+    PAGODA_PROGRESS: bool | None
+    PAGODA_GGUF_QUANTIZED: bool
+    PAGODA_CUDA_DECODE: bool
+    PAGODA_W4A16: bool
+    PAGODA_ENABLE_MULTIPROCESSING: bool
+    PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
+    PAGODA_MAX_N_SEQUENCES: int
+    PAGODA_API_KEY: str | None
+
+_OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
+
+
+def _flag(name: str, default: bool | None) -> Callable[[], bool | None]:
+    def read() -> bool | None:
+        value = os.environ.get(name, "").strip().lower()
+        if not value:
+            return default
+        if value in _OFF:
+            return False
+        if value in _ON:
+            return True
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+    return read
+
+
+def _positive_int(name: str, default: int | None) -> Callable[[], int | None]:
+    def read() -> int | None:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            return default
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        return int(value)
+
+    return read
+
+
+def _positive_float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not number > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+        return number
+
+    return read
+
+
+def _text(name: str, default: str | None, transform: Callable[[str], str] = str.strip):
+    def read() -> str | None:
+        value = transform(os.environ.get(name, ""))
+        return value or default
+
+    return read
+
+
+def _cache_dir() -> Path:
+    value = os.environ.get("PAGODA_CACHE_DIR", "").strip()
+    return Path(value) if value else Path.home() / ".cache" / "pagoda"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: str  # as the docs table shows it
+    default: str  # as the docs table shows it
+    doc: str  # one line
+    read: Callable[[], Any]
+
+
+VARIABLES: dict[str, EnvVar] = {
+    var.name: var
+    for var in (
+        EnvVar(
+            "PAGODA_LOGGING_LEVEL", "str", "info",
+            "Log level (debug, info, warning, error); `--log-level` sets it for the processes "
+            "Pagoda spawns too.",
+            _text("PAGODA_LOGGING_LEVEL", "INFO", lambda v: v.strip().upper()),
+        ),
+        EnvVar(
+            "PAGODA_CPU_THREADS", "int", "every core this process may use",
+            "Threads of the CPU kernels and torch's CPU ops; fewer can be faster on a machine "
+            "shared with other busy processes.",
+            _positive_int("PAGODA_CPU_THREADS", None),
+        ),
+        EnvVar(
+            "PAGODA_CPU_FAST_OPS", "flag", "1",
+            "0: the torch path everywhere instead of Pagoda's C CPU kernels.",
+            _flag("PAGODA_CPU_FAST_OPS", True),
+        ),
+        EnvVar(
+            "PAGODA_CPU_ISA", "str", "the CPU's best level",
+            "Force the ISA level the C CPU kernels build for (portable, avx2, avx512, "
+            "avx512_bf16).",
+            _text("PAGODA_CPU_ISA", None, lambda v: v.strip().lower()),
+        ),
+        EnvVar(
+            "PAGODA_CACHE_DIR", "path", "~/.cache/pagoda",
+            "Where the built C kernels are kept.",
+            _cache_dir,
+        ),
+        EnvVar(
+            "PAGODA_CALIBRATION_THREADS", "int", "cores minus the load average",
+            "torch threads of `pagoda quantize`'s calibration.",
+            _positive_int("PAGODA_CALIBRATION_THREADS", None),
+        ),
+        EnvVar(
+            "PAGODA_PROGRESS", "flag", "on when stderr is a terminal",
+            "The progress bar of `pagoda quantize`.",
+            _flag("PAGODA_PROGRESS", None),
+        ),
+        EnvVar(
+            "PAGODA_GGUF_QUANTIZED", "flag", "1",
+            "0: dequantize a GGUF model's blocks at load (the float reference) instead of "
+            "running the quantized CPU kernels.",
+            _flag("PAGODA_GGUF_QUANTIZED", True),
+        ),
+        EnvVar(
+            "PAGODA_CUDA_DECODE", "flag", "1",
+            "0: decode attention on CUDA takes the Triton kernel instead of the CUDA one.",
+            _flag("PAGODA_CUDA_DECODE", True),
+        ),
+        EnvVar(
+            "PAGODA_W4A16", "flag", "1",
+            "0: 4-bit AWQ/GPTQ layers on CUDA are dequantized at load instead of kept packed "
+            "for the W4A16 kernel.",
+            _flag("PAGODA_W4A16", True),
+        ),
+        EnvVar(
+            "PAGODA_ENABLE_MULTIPROCESSING", "flag", "1",
+            "0: the served engine core runs on a thread of the server process instead of its "
+            "own process.",
+            _flag("PAGODA_ENABLE_MULTIPROCESSING", True),
+        ),
+        EnvVar(
+            "PAGODA_EXECUTE_MODEL_TIMEOUT_S", "float", "300",
+            "Seconds a tensor-parallel step may take before its workers count as failed.",
+            _positive_float("PAGODA_EXECUTE_MODEL_TIMEOUT_S", 300.0),
+        ),
+        EnvVar(
+            "PAGODA_MAX_N_SEQUENCES", "int", "128",
+            "Largest `n` (sequences per request) a request may ask for.",
+            _positive_int("PAGODA_MAX_N_SEQUENCES", 128),
+        ),
+        EnvVar(
+            "PAGODA_API_KEY", "str", "none",
+            "The API key `pagoda serve` requires when neither --api-key nor --api-key-file "
+            "is given.",
+            _text("PAGODA_API_KEY", None, lambda v: v),
+        ),
+    )
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    var = VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *VARIABLES])
+
+
+def pagoda_environment() -> dict[str, str]:
+    """The `PAGODA_*` variables set in this process, as set: what a worker started elsewhere
+    (a Ray actor, maybe on another machine) must see to behave like this process."""
+    return {k: v for k, v in os.environ.items() if k.startswith("PAGODA_")}
+
+
+def set_logging_level(level: str) -> None:
+    """Write the log level into this process's environment: the processes Pagoda spawns (the
+    engine core, tensor-parallel workers; Ray actors through `pagoda_environment`) configure
+    their loggers from it at start-up, before any argument could reach them."""
+    os.environ["PAGODA_LOGGING_LEVEL"] = level
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables."""
+    rows = ["| Variable | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {v.type} | {v.default} | {v.doc} |" for v in VARIABLES.values()]
+    return "\n".join(rows)
