@@ -270,7 +270,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     add_tune_args(sub)
 
-    from pagoda.model.quantization.gptq import add_quantize_args
+    from pagoda.quantize import add_quantize_args
 
     add_quantize_args(sub)
     return parser

@@ -17,7 +17,6 @@ from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.heap import freeze_startup_heap
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.logger import init_logger
 from pagoda.metrics.loggers import LoggingStatLogger
@@ -27,6 +26,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode import DraftModelProposer, NgramProposer
 from pagoda.structured_output import StructuredOutputManager
 from pagoda.tokenizer import Tokenizer, get_tokenizer
+from pagoda.utils.heap import freeze_startup_heap
 
 logger = init_logger(__name__)
 

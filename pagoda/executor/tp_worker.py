@@ -26,9 +26,9 @@ import torch.distributed as dist
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.engine.heap import freeze_startup_heap
 from pagoda.executor.step_delta import RequestMirror, StepDelta
 from pagoda.model.parallel import set_tensor_parallel
+from pagoda.utils.heap import freeze_startup_heap
 from pagoda.worker.input_batch import StepInputs
 from pagoda.worker.model_runner import (
     _PROMPT_LOGPROBS_CHUNK,

@@ -197,10 +197,10 @@ def run_server(args: argparse.Namespace) -> None:
 def serve(engine: Any, args: argparse.Namespace, chat_template: str | None = None) -> None:
     """Serve `engine` (an `AsyncLLM`) with the server flags in `args` until SIGTERM/SIGINT, or
     until the engine is gone for good (then exit with code 1)."""
-    from pagoda.engine.heap import freeze_startup_heap
     from pagoda.server.app import build_app
     from pagoda.server.draining import DrainingServer, uvicorn
     from pagoda.server.preprocess import Preprocessor
+    from pagoda.utils.heap import freeze_startup_heap
 
     logging.basicConfig(  # a no-op where run_server configured it already
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"

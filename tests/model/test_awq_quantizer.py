@@ -32,7 +32,7 @@ from pagoda.model.quantization.awq import (
     search_scale,
 )
 from pagoda.model.quantization.formats import dequantize_awq, pack_awq
-from pagoda.model.quantization.gptq import add_quantize_args
+from pagoda.quantize import add_quantize_args
 
 CASES = {  # name -> (tiny case, overrides)
     "gqa_tied": ("llama_gqa_tied_llama3_rope", {}),

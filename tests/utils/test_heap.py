@@ -7,7 +7,7 @@ import gc
 import json
 import weakref
 
-from pagoda.engine.heap import freeze_startup_heap
+from pagoda.utils.heap import freeze_startup_heap
 
 
 class _Cycle:

@@ -1,0 +1,4 @@
+"""Helpers that several layers use and that belong to none of them: the C build of the CPU
+kernels (`cpu_build`, used by `pagoda.kernels.cpu` and `pagoda.attention.cpu`) and the
+garbage collector's start-up freeze (`heap`, used by the engine and the tensor-parallel
+workers). Nothing here imports another part of Pagoda but `pagoda.envs`."""
