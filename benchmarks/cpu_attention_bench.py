@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"])
     p.add_argument("--isa", help="force the kernel's ISA level ($PAGODA_CPU_ISA)")
     args = p.parse_args(argv)
-    from pagoda.attention.cpu.build import ISA_ENV, load_library, selected_isa
+    from pagoda.attention.cpu.library import load_library
+    from pagoda.utils.cpu_build import ISA_ENV, selected_isa
 
     if args.isa:
         os.environ[ISA_ENV] = args.isa

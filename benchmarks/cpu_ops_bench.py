@@ -28,11 +28,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
 
-from pagoda.attention.cpu.build import ISA_ENV, ISA_LEVELS  # noqa: E402
 from pagoda.kernels import cpu  # noqa: E402
 from pagoda.kernels.cpu import gemm as cpu_gemm  # noqa: E402
 from pagoda.kernels.cpu import ops  # noqa: E402
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref  # noqa: E402
+from pagoda.utils.cpu_build import ISA_ENV, ISA_LEVELS  # noqa: E402
 
 _COLD_BYTES = 96 << 20
 _SHAPES = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]

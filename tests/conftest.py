@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from pagoda.attention.cpu import build
+from pagoda.attention.cpu import library
+from pagoda.utils import cpu_build as build
 
 
 def _clear_cpu_kernel_caches() -> None:
@@ -14,7 +15,7 @@ def _clear_cpu_kernel_caches() -> None:
 
     ops.load_cpu_ops.cache_clear()
     ops.cpu_ops_available.cache_clear()
-    build.load_library.cache_clear()
+    library.load_library.cache_clear()
 
 
 def _isa_params() -> list:

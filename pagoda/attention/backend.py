@@ -135,7 +135,7 @@ def get_attn_backend(device: str | torch.device, name: str | None = None) -> Att
             except ImportError as e:  # no Triton build for this GPU: the torch path still works
                 logger.warning("Triton attention unavailable (%s); using the torch backend", e)
         elif device_type == "cpu":
-            from pagoda.attention.cpu.build import CpuKernelUnavailable, warn_unavailable
+            from pagoda.utils.cpu_build import CpuKernelUnavailable, warn_unavailable
 
             try:
                 return _load("cpu")

@@ -71,7 +71,7 @@ def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
     the dtype in which its blocks stay quantized (issue 14: the quantized kernels are the
     default for a GGUF model on a CPU), although on the Zen 3 above the embedded model ran
     faster dequantized to bf16 (20.6 vs 11.1 output tok/s): `--dtype bfloat16` takes that."""
-    from pagoda.attention.cpu import build  # stdlib only: no torch in the front end
+    from pagoda.utils import cpu_build as build  # stdlib only: no torch in the front end
 
     flags = set(build.cpu_flags().split())
     fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from pagoda.attention.backend import get_attn_backend
-from pagoda.attention.cpu.build import CpuKernelUnavailable, load_library
+from pagoda.attention.cpu.library import load_library
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.torch_ref import TorchAttentionBackend
+from pagoda.utils.cpu_build import CpuKernelUnavailable
 
 try:
     load_library()
@@ -224,7 +225,7 @@ def test_registry_picks_cpu_kernel_by_default_on_cpu():
 
 def test_registry_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, caplog):
     import pagoda.attention.cpu.backend as cpu_backend
-    from pagoda.attention.cpu import build
+    from pagoda.utils import cpu_build as build
 
     def no_compiler():
         raise CpuKernelUnavailable("no C compiler found (set $CC or install gcc)")
@@ -253,7 +254,7 @@ def test_concurrent_first_builds_leave_one_library(tmp_path):
     import subprocess
     import sys
 
-    code = "from pagoda.attention.cpu.build import load_library; load_library()"
+    code = "from pagoda.attention.cpu.library import load_library; load_library()"
     env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]

@@ -15,9 +15,10 @@ import random
 import pytest
 import torch
 
-from pagoda.attention.cpu.build import CpuKernelUnavailable, load_library
+from pagoda.attention.cpu.library import load_library
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.torch_ref import TorchAttentionBackend, first_window_block
+from pagoda.utils.cpu_build import CpuKernelUnavailable
 
 
 class Layer:

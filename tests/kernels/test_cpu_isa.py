@@ -1,4 +1,4 @@
-"""ISA levels of the C CPU kernels (`pagoda.attention.cpu.build`): which level a CPU gets,
+"""ISA levels of the C CPU kernels (`pagoda.utils.cpu_build`): which level a CPU gets,
 `$PAGODA_CPU_ISA`, the per-level builds and their cache entries, and the fallbacks."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from pagoda.attention.cpu import build
-from pagoda.attention.cpu.build import CpuKernelUnavailable
+from pagoda.attention.cpu import library
+from pagoda.utils import cpu_build as build
+from pagoda.utils.cpu_build import CpuKernelUnavailable
 
 AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c avx2 bmi1 bmi2"
 ZEN4_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
@@ -57,9 +58,9 @@ def test_every_level_of_this_cpu_builds_its_own_library(cpu_isa):
     from pagoda.kernels.cpu import ops
 
     assert ops.ops_isa() == cpu_isa  # the library reports the level its -m flags gave it
-    attention = build.load_library()
+    attention = library.load_library()
     assert attention.pagoda_paged_attention_bf16dp() == (cpu_isa == "avx512_bf16")
-    for source, headers in ((ops.SOURCE, ops.HEADERS), (build.SOURCE, build.HEADERS)):
+    for source, headers in ((ops.SOURCE, ops.HEADERS), (library.SOURCE, library.HEADERS)):
         assert f"_{cpu_isa}_" in build.build_library(source, headers, cpu_isa).name
 
 
@@ -82,7 +83,7 @@ def test_a_level_that_does_not_build_falls_back_to_portable(monkeypatch, caplog)
     monkeypatch.setattr(build, "_said", set())
     with caplog.at_level(logging.INFO):
         path, level = build.build_with_fallback(ops.SOURCE, ops.HEADERS)
-        build.build_with_fallback(build.SOURCE, build.HEADERS)  # the next kernel: no new line
+        build.build_with_fallback(library.SOURCE, library.HEADERS)  # the next kernel: no new line
         build.log_isa(level)
     assert level == "portable" and built[:2] == ["avx2", "portable"] and path.exists()
     assert caplog.text.count("the avx2 build failed") == 1

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.cpu.build import CpuKernelUnavailable
 from pagoda.kernels import cpu
 from pagoda.kernels.cpu import gemm, ops
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from pagoda.utils.cpu_build import CpuKernelUnavailable
 
 pytestmark = pytest.mark.skipif(
     not cpu.cpu_ops_available(), reason="C CPU ops unavailable (no C compiler?)"
@@ -208,7 +208,7 @@ def test_env_var_turns_the_c_ops_off(ops_off):
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
-    from pagoda.attention.cpu import build
+    from pagoda.utils import cpu_build as build
 
     monkeypatch.setattr(build, "_said", set())  # nothing logged yet in this process
 

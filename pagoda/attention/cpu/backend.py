@@ -26,7 +26,7 @@ from pagoda.attention.backend import (
     sliding_window_of,
     soft_cap_of,
 )
-from pagoda.attention.cpu.build import load_library
+from pagoda.attention.cpu.library import load_library
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.torch_ref import TorchAttentionBackend, attend, window_mask, write_kv_cache
 

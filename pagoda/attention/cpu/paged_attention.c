@@ -16,7 +16,7 @@
  * as in FlashAttention (Dao et al., 2022) and Milakov & Gimelshein (2018).
  *
  * Vectors are GCC vector extensions of the register's width (vec.h), so the same source
- * compiles to AVX-512, AVX2, SSE2 or NEON, once per ISA level (pagoda/attention/cpu/build.py);
+ * compiles to AVX-512, AVX2, SSE2 or NEON, once per ISA level (pagoda/utils/cpu_build.py);
  * x86 intrinsics serve fp16 conversion and the AVX512_BF16 path (tile.h).
  */
 #include "tile.h"

@@ -2,7 +2,7 @@
 SiLU-and-mul and RoPE, with the checks that pick them over torch.
 
 The library is built at first use by the attention kernel's helper
-(`pagoda.attention.cpu.build.build_library`: gcc -O3 -fopenmp with one ISA level's -m flags,
+(`pagoda.utils.cpu_build.build_library`: gcc -O3 -fopenmp with one ISA level's -m flags,
 cached on disk), for the level `selected_isa()` picks: the CPU's best of portable / avx2 /
 avx512 / avx512_bf16, or `$PAGODA_CPU_ISA`. When that level does not build, the portable one
 does (one warning); without a compiler, or with `PAGODA_CPU_FAST_OPS=0`, `cpu_ops_available()`
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pagoda import envs
-from pagoda.attention.cpu.build import (
+from pagoda.utils.cpu_build import (
     ISA_LEVELS,
     CpuKernelUnavailable,
     build_with_fallback,

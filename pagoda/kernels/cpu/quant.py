@@ -5,7 +5,7 @@ A weight is a `QuantWeight`: uint8 blocks of a ggml type in one of two layouts. 
 GGUF file's, `[N, row_bytes]`, each row the blocks of one output (a row permutation such as the
 Q/K un-permutation keeps them valid); "x8" (Q4_0, Q4_1, Q8_0: `pack_x8`) interleaves groups of 8
 rows block by block, the same bytes reordered so that one integer dot product serves 8 outputs
-(`quant_x8.h`), `[ceil(N/8), 8 * row_bytes]`. The library is built at first use by `pagoda.attention.cpu.build` at the selected ISA level
+(`quant_x8.h`), `[ceil(N/8), 8 * row_bytes]`. The library is built at first use by `pagoda.utils.cpu_build` at the selected ISA level
 (AVX-512 VNNI, AVX2 or portable C; `$PAGODA_CPU_ISA` forces one), and `load_quant_library(isa)`
 builds any other level the CPU runs (the tests compare them). Threads: torch's intra-op count.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pagoda.attention.cpu import build
-from pagoda.attention.cpu.build import CpuKernelUnavailable
+from pagoda.utils import cpu_build as build
+from pagoda.utils.cpu_build import CpuKernelUnavailable
 
 logger = logging.getLogger(__name__)
 

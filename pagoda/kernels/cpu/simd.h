@@ -3,7 +3,7 @@
  * portable build), so the same code compiles to each level's instructions. Loads and stores
  * widen bf16 to fp32 by a 16-bit shift and round back to nearest even (vcvtneps2bf16 where
  * AVX512_BF16 has it); tails go through a zeroed buffer so nothing past a row is read. The
- * level is what the compiler's -m flags (pagoda/attention/cpu/build.py) make available:
+ * level is what the compiler's -m flags (pagoda/utils/cpu_build.py) make available:
  * AVX512_BF16 also gets the vdpbf16ps GEMM of gemm_bf16dp.h. Included by cpu_ops.c only (one
  * translation unit). */
 #pragma once

@@ -1,9 +1,10 @@
 """Build and load Pagoda's C CPU kernels at first use, one build per ISA level.
 
-`build_library` is the shared helper (the paged-attention kernel here, the element-wise ops and
-GEMMs of `pagoda.kernels.cpu` and its quantized GEMM build through it): a source is compiled
-with the system C compiler (`$CC`, else `cc`, else `gcc`; `-O3`, OpenMP when the compiler has
-it) for one ISA level, named by explicit `-m` flags rather than `-march=native`:
+`build_library` is the one build helper (the paged-attention kernel of `pagoda.attention.cpu`,
+the element-wise ops and GEMMs of `pagoda.kernels.cpu` and its quantized GEMM build through
+it): a source is compiled with the system C compiler (`$CC`, else `cc`, else `gcc`; `-O3`,
+OpenMP when the compiler has it) for one ISA level, named by explicit `-m` flags rather than
+`-march=native`:
 
     portable     the compiler's baseline (SSE2 on x86-64, NEON on AArch64), any CPU
     avx2         -mavx2 -mfma -mf16c -mbmi2
@@ -23,8 +24,6 @@ tries the portable level once (one warning), and the callers fall back to torch.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -39,9 +38,6 @@ from pagoda import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
-HEADERS = ("vec.h", "tile.h")  # included by SOURCE: part of the cache key
-_ABI = 2  # pagoda_paged_attention_abi() of the source this loader can call
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # lowest first
@@ -244,29 +240,3 @@ def build_with_fallback(
         )
         _said.add("isa")  # that line says which level runs
         return build_library(source, headers, "portable"), "portable"
-
-
-@functools.cache
-def load_library(isa: str | None = None) -> ctypes.CDLL:
-    """The paged-attention kernel built for `isa` (default: the selected level, falling back
-    to portable), on first call (~2 s) and cached on disk afterwards.
-
-    Raises CpuKernelUnavailable when there is no compiler or the build or load fails (see
-    `build_library`)."""
-    lib_path, built = build_with_fallback(SOURCE, HEADERS, isa)
-    # torch is imported first, so an OpenMP build links the libgomp torch already loaded and the
-    # kernel shares torch's worker threads instead of spinning up a second pool.
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
-    if lib.pagoda_paged_attention_abi() != _ABI:
-        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
-    fn = lib.pagoda_paged_attention
-    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
-    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float, i32]
-    fn.restype = ctypes.c_int
-    if isa is None:
-        log_isa(built)
-    return lib

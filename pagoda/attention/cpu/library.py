@@ -1,0 +1,39 @@
+"""Build (through `pagoda.utils.cpu_build`) and load the paged-attention C kernel."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, log_isa
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+HEADERS = ("vec.h", "tile.h")  # included by SOURCE: part of the cache key
+_ABI = 2  # pagoda_paged_attention_abi() of the source this loader can call
+
+
+@functools.cache
+def load_library(isa: str | None = None) -> ctypes.CDLL:
+    """The paged-attention kernel built for `isa` (default: the selected level, falling back
+    to portable), on first call (~2 s) and cached on disk afterwards.
+
+    Raises CpuKernelUnavailable when there is no compiler or the build or load fails (see
+    `pagoda.utils.cpu_build.build_library`)."""
+    lib_path, built = build_with_fallback(SOURCE, HEADERS, isa)
+    # torch is imported first, so an OpenMP build links the libgomp torch already loaded and the
+    # kernel shares torch's worker threads instead of spinning up a second pool.
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:
+        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
+    if lib.pagoda_paged_attention_abi() != _ABI:
+        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    fn = lib.pagoda_paged_attention
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
+    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float, i32]
+    fn.restype = ctypes.c_int
+    if isa is None:
+        log_isa(built)
+    return lib
