@@ -9,21 +9,14 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-# OpenMP threads (torch's and the CPU kernels': one libgomp) sleep as soon as a parallel region
-# ends instead of spinning for it to be handed new work. Spinning threads take the cores the
-# working ones and any other process need: on a 2-core machine with one other busy process,
-# decoding 16 sequences ran at 9.5 output tok/s spinning and 50 sleeping (on an idle machine
-# sleeping costs single-stream decode about a quarter: OMP_WAIT_POLICY=ACTIVE for a dedicated
-# one). libgomp reads this when it is loaded, so it must be set before torch is imported; a
-# value the user set (or GOMP_SPINCOUNT) is kept.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
+from pagoda import envs
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+# Before anything imports torch (libgomp reads it when loaded); the imports above do not.
+envs.set_openmp_wait_policy()
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pagoda import envs
 from pagoda.bench.datasets import (
     LocalTokenizer,
     SampleRequest,
@@ -235,7 +235,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     a("--endpoint", default="/v1/completions")
     a("--model", default=None, help="model name to send (default: the server's first model)")
     a("--tokenizer", default=None, help="local tokenizer path (default: the server's /tokenize)")
-    a("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    a("--api-key", default=envs.OPENAI_API_KEY)
     a(
         "--dataset-name",
         default="random",

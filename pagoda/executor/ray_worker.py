@@ -19,6 +19,7 @@ import pickle
 import socket
 from typing import TYPE_CHECKING, Any
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class RayWorker:
         """Join the process group and load this rank's shard; returns its bytes per KV block.
         `env` is set first (CUDA_VISIBLE_DEVICES, the driver's $PAGODA_* variables), before
         anything here touches CUDA, which reads the visible devices once."""
-        os.environ.update(env)
+        envs.update_environment(env)
 
         def build() -> int:
             from pagoda.executor.tp_worker import TensorParallelWorker

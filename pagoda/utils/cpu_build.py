@@ -65,7 +65,7 @@ def cache_dir() -> Path:
 
 
 def _find_compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
+    for name in (envs.CC, "cc", "gcc"):
         if name and (path := shutil.which(name)):
             return path
     raise CpuKernelUnavailable("no C compiler found (set $CC or install gcc)")
