@@ -82,7 +82,9 @@ def _positive_float(name: str, default: float) -> Callable[[], float]:
     return read
 
 
-def _text(name: str, default: str | None, transform: Callable[[str], str] = str.strip):
+def _text(
+    name: str, default: str | None, transform: Callable[[str], str] = str.strip
+) -> Callable[[], str | None]:
     def read() -> str | None:
         value = transform(os.environ.get(name, ""))
         return value or default
