@@ -344,7 +344,12 @@ def run_command(func: Callable[[argparse.Namespace], Any], args: argparse.Namesp
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(only=_light_command(argv))
+    only = _light_command(argv)
+    if only is None:
+        # The engine commands run torch in this process, and `pagoda serve` checks here, with
+        # torch, what its engine core would refuse (`check_engine_start`).
+        import torch  # noqa: F401
+    parser = build_parser(only=only)
     add_log_level_flag(parser)
     args = parser.parse_args(argv)
     return run_command(args.func, args)
