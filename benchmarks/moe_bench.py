@@ -147,9 +147,9 @@ def _weight_bytes(model: Any) -> tuple[int, int]:
 def bench_decode_share(
     llm: Any, batches: list[int], context: int, stream_tok_s: float | None
 ) -> list[dict[str, Any]]:
-    """Per batch: a decode step through the model runner (`pagoda.worker.benchmark`) and the
+    """Per batch: a decode step through the model runner (`runner_step_bench.py`) and the
     MoE blocks alone; at batch 1 also the single-stream engine's time per token (part s)."""
-    from pagoda.worker.benchmark import bench_decode
+    from runner_step_bench import bench_decode
 
     runner = _runner(llm)
     model = runner.model

@@ -23,11 +23,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from pagoda import envs
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class GemvConfig(NamedTuple):
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGODA_W4A16_CUDA", "1") != "0"
+    return envs.PAGODA_W4A16_CUDA
 
 
 def m_tiles(m: int) -> int:

@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from model_testing import PagedRunner, make_tiny_checkpoint
 
 from pagoda.config import ModelConfig
 from pagoda.model.layers.fused_moe import softmax_topk, topk_softmax
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.parallel import set_tensor_parallel
-from pagoda.model.testing import PagedRunner, make_tiny_checkpoint
 
 
 def _load(path):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_testing import PagedRunner, make_tiny_checkpoint
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
-from pagoda.model.testing import PagedRunner, make_tiny_checkpoint
 
 gguf = pytest.importorskip("gguf")
 
