@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     PAGODA_CPU_THREADS: int | None
     PAGODA_CPU_FAST_OPS: bool
     PAGODA_CPU_ISA: str | None
+    PAGODA_CPU_POOL: bool
+    PAGODA_CPU_POOL_SPIN_US: int | None
     PAGODA_CACHE_DIR: Path
     PAGODA_CALIBRATION_THREADS: int | None
     PAGODA_PROGRESS: bool | None
@@ -132,6 +134,17 @@ VARIABLES: dict[str, EnvVar] = {
             "Force the ISA level the C CPU kernels build for (portable, avx2, avx512, "
             "avx512_bf16).",
             _text("PAGODA_CPU_ISA", None, lambda v: v.strip().lower()),
+        ),
+        EnvVar(
+            "PAGODA_CPU_POOL", "flag", "1",
+            "0: the quantized CPU GEMM splits its work by OpenMP regions instead of Pagoda's "
+            "thread pool.",
+            _flag("PAGODA_CPU_POOL", True),
+        ),
+        EnvVar(
+            "PAGODA_CPU_POOL_SPIN_US", "int", "100",
+            "How long a pool thread waits busily for the next job before it sleeps.",
+            _positive_int("PAGODA_CPU_POOL_SPIN_US", None),
         ),
         EnvVar(
             "PAGODA_CACHE_DIR", "path", "~/.cache/pagoda",

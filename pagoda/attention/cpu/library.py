@@ -6,11 +6,12 @@ import ctypes
 import functools
 from pathlib import Path
 
+from pagoda.kernels.cpu import pool
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, log_isa
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 HEADERS = ("vec.h", "tile.h")  # included by SOURCE: part of the cache key
-_ABI = 2  # pagoda_paged_attention_abi() of the source this loader can call
+_ABI = 3  # pagoda_paged_attention_abi() of the source this loader can call
 
 
 @functools.cache
@@ -34,6 +35,8 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
     fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float, i32]
     fn.restype = ctypes.c_int
+    lib.pagoda_paged_attention_set_parallel_run.argtypes = [ctypes.c_void_p]
+    lib.pagoda_paged_attention_set_parallel_run(pool.parallel_run_pointer())  # NULL: OpenMP
     if isa is None:
         log_isa(built)
     return lib

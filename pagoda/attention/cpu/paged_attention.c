@@ -229,6 +229,43 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
 }
 
 /* ---- entry point ----------------------------------------------------------------------- */
+/* The pool (pagoda/kernels/cpu/pool.c) the loader hands over; without it an OpenMP region
+ * runs the same body on every thread. */
+typedef void (*pool_body)(void *ctx, int thread);
+typedef void (*parallel_run_fn)(pool_body body, void *ctx, int nthreads);
+static parallel_run_fn parallel_run;
+
+void pagoda_paged_attention_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
+
+typedef struct {
+    const Params *P;
+    const int32_t *items;
+    int num_items;
+    size_t scratch_bytes;
+    int next_item; /* atomic */
+    int failed;    /* atomic */
+} AttnJob;
+
+/* Each participant claims items one at a time (they come longest first), claiming its next
+ * before running the current one so it can prefetch it. */
+static void attn_body(void *p, int thread) {
+    AttnJob *j = p;
+    (void)thread;
+    /* 64-byte aligned, rounded to whole cache lines: no line shared between threads. */
+    float *scratch = (float *)aligned_alloc(64, (j->scratch_bytes + 63) / 64 * 64);
+    if (scratch == NULL) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    int cur = __atomic_fetch_add(&j->next_item, 1, __ATOMIC_RELAXED);
+    while (cur < j->num_items) {
+        const int nxt = __atomic_fetch_add(&j->next_item, 1, __ATOMIC_RELAXED);
+        run_item(j->P, j->items + 5 * cur, nxt < j->num_items ? j->items + 5 * nxt : NULL, scratch);
+        cur = nxt;
+    }
+    free(scratch);
+}
+
 /* out: [num_tokens, num_heads, head_size] contiguous, same dtype as q and the cache.
  * items: [num_items, 5] int32 rows (request, kv_head_begin, kv_head_end, row_begin, row_end).
  * sliding_window: 0 for full causal attention; soft_cap: 0 for none.
@@ -258,31 +295,19 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
         max_qv = n > max_qv ? n : max_qv;
     }
     const size_t scratch_bytes = scratch_floats(max_qv, head_size) * sizeof(float);
-    int failed = 0, next_item = 0;
+    AttnJob j = {&P, items, num_items, scratch_bytes, 0, 0};
     if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
-    {
-        /* 64-byte aligned, rounded to whole cache lines: no line shared between threads. */
-        float *scratch = (float *)aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* Dynamic scheduling, one item at a time (they come longest first), each thread
-         * claiming its next item before running the current one so it can prefetch it. */
-        int cur = scratch != NULL ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : num_items;
-        while (cur < num_items) {
-            const int nxt = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
-            run_item(&P, items + 5 * cur, nxt < num_items ? items + 5 * nxt : NULL, scratch);
-            cur = nxt;
-        }
-        free(scratch);
+    if (parallel_run && num_threads > 1 && num_items > 1) {
+        parallel_run(attn_body, &j, num_threads);
+        return j.failed ? -4 : 0;
     }
-    return failed ? -4 : 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
+    attn_body(&j, 0);
+    return j.failed ? -4 : 0;
 }
 
 /* Lets the loader check it has the library it built (bump when the signature changes). */
-int pagoda_paged_attention_abi(void) { return 2; }
+int pagoda_paged_attention_abi(void) { return 3; }
 
 /* 1 when bf16 caches take the AVX512_BF16 path (p.v rounds p to bf16), for tests and logs. */
 int pagoda_paged_attention_bf16dp(void) { return HAVE_BF16DP; }

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.kernels.cpu import pool
 from pagoda.utils import cpu_build as build
 from pagoda.utils.cpu_build import CpuKernelUnavailable
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 HEADERS = ("quant_blocks.h", "quant_rows.h", "quant_x8.h")
-_ABI = 1
+_ABI = 2
 
 # ggml type -> (weights per block, bytes per block) of the types the kernel reads.
 QUANT_TYPES = {
@@ -123,6 +124,8 @@ def load_quant_library(isa: str | None = None) -> ctypes.CDLL:
     lib.pagoda_quant_dequantize_rows.argtypes = [ptr, i64, i32, i32, ptr, i64, i64, i64, ptr]
     lib.pagoda_quant_gemm.restype = lib.pagoda_quant_dequantize_rows.restype = ctypes.c_int
     lib.pagoda_quant_isa.restype = ctypes.c_char_p
+    lib.pagoda_quant_set_parallel_run.argtypes = [ctypes.c_void_p]
+    lib.pagoda_quant_set_parallel_run(pool.parallel_run_pointer())  # NULL: OpenMP regions
     return lib
 
 

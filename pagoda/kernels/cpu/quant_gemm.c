@@ -22,7 +22,7 @@
 #include <omp.h>
 #endif
 
-#define PAGODA_QUANT_ABI 1
+#define PAGODA_QUANT_ABI 2
 #define TILE_W 2  /* weight rows per tile */
 #define TILE_X 4  /* activation rows per tile */
 #define CHUNK 16  /* weight rows per thread work item */
@@ -216,6 +216,49 @@ static int pick_threads(int nthreads, int64_t work, int64_t unit_cost) {
     return work < nthreads ? (int)(work > 0 ? work : 1) : nthreads;
 }
 
+/* The pool (pool.c) the loader hands over; without it the OpenMP regions below run. */
+typedef void (*pool_body)(void *ctx, int thread);
+typedef void (*parallel_run_fn)(pool_body body, void *ctx, int nthreads);
+static parallel_run_fn parallel_run;
+
+void pagoda_quant_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
+
+/* One GEMM as pool jobs: rows to quantize, then (panel, chunk) items in panel order, each
+ * claimed by whichever thread comes next. */
+typedef struct {
+    int type, x8, x_bf16;
+    const GemmArgs *g;
+    const QActs *a;
+    const char *x;
+    int64_t x_stride, es, chunks, items;
+    float *offsets; /* TILE_W * nb floats per thread */
+    int64_t next;   /* the next item to claim, atomic */
+} GemmJob;
+
+static void quantize_body(void *p, int thread) {
+    GemmJob *j = p;
+    const QActs *a = j->a;
+    (void)thread;
+    for (;;) {
+        const int64_t m = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (m >= j->g->M) return;
+        quantize_row(j->x + m * j->x_stride * j->es, j->x_bf16, a->K, a->q + m * a->K,
+                     a->d + m * a->nb, a->s + m * a->nb);
+    }
+}
+
+static void gemm_body(void *p, int thread) {
+    GemmJob *j = p;
+    float *offsets = j->offsets + (int64_t)thread * TILE_W * j->a->nb;
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->items) return;
+        const int64_t ma = i / j->chunks * PANEL, M = j->g->M;
+        run_chunk(j->type, j->x8, j->g, j->a, i % j->chunks, ma, ma + PANEL < M ? ma + PANEL : M,
+                  offsets);
+    }
+}
+
 /* y[M, N] (fp32, or bf16 when y_bf16) = x[M, K] (fp32, or bf16 when x_bf16) @ W^T + bias;
  * W [N, K] as rows of GGUF blocks `w_stride` bytes apart, or with `x8` in the x8 layout
  * (quant_x8.h), groups of 8 rows `w_stride` bytes apart; bias fp32 or NULL. */
@@ -236,6 +279,16 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     QActs a = {(int8_t *)buf, (float *)(buf + M * K), (float *)(buf + M * K) + M * nb, K, nb};
     GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
     const int64_t es = x_bf16 ? 2 : 4, chunks = (N + CHUNK - 1) / CHUNK;
+    if (parallel_run && nt > 1) {
+        GemmJob j = {type, x8, x_bf16, &g, &a, x, x_stride, es, chunks,
+                     chunks * ((M + PANEL - 1) / PANEL), (float *)(buf + act_bytes), 0};
+        if (M >= 8) parallel_run(quantize_body, &j, nt);
+        else quantize_body(&j, 0);
+        j.next = 0;
+        parallel_run(gemm_body, &j, nt);
+        free(buf);
+        return 0;
+    }
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #ifdef _OPENMP
@@ -263,7 +316,6 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     return 0;
 }
 
-/* Rows `ids[i]` of W (either layout) dequantized to fp32: out[i, K] (the embedding lookup). */
 int pagoda_quant_dequantize_rows(const uint8_t *w, int64_t w_stride, int type, int x8,
                                  const int64_t *ids, int64_t n, int64_t n_rows, int64_t K,
                                  float *out) {
