@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.worker.memory_plan import (  # noqa: F401 - re-exported
@@ -80,8 +82,18 @@ def allocate_kv_caches(
     b, h, d = spec.block_shape
     if (layout or kv_cache_layout(device)) == "hnd":
         return [
-            torch.zeros(2, num_blocks, h, b, d, dtype=spec.dtype, device=device).transpose(2, 3)
+            _zeros((2, num_blocks, h, b, d), spec.dtype, device).transpose(2, 3)
             for _ in range(spec.num_layers)
         ]
-    shape = (2, num_blocks, b, h, d)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [_zeros((2, num_blocks, b, h, d), spec.dtype, device) for _ in range(spec.num_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, except that on a CPU the memory is the kernel's zero pages, made resident
+    only when a block is first written: numpy's zeros is calloc, which for a large size maps
+    fresh (already zero) pages instead of writing zeros over them as torch.zeros does. So a
+    CPU server's resident memory grows with the KV blocks in use, not the whole cache."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
