@@ -110,15 +110,20 @@ def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = Fals
     """The `LLMEngine` a server runs (in the engine core process, by default)."""
     from pagoda.engine.llm_engine import LLMEngine
 
+    from pagoda.cli import check_engine_start
+
     served_args = serving_engine_args(engine_args)
-    if served_args is not engine_args:
+    # What a server's front end (without torch) could not check: refused here in one line
+    # (architecture, weight files, memory) before anything is allocated.
+    check_engine_start(served_args)
+    engine = LLMEngine.from_engine_args(served_args)
+    if served_args is not engine_args:  # said once the engine started (a refusal is one line)
         logger.info(
             "serving on a CPU: prefill chunks of %s tokens (--max-num-batched-tokens), %s "
             "requests at once (--max-num-seqs)",
             served_args.max_num_batched_tokens or "the default",
             served_args.max_num_seqs or "the default",
         )
-    engine = LLMEngine.from_engine_args(served_args)
     if same_process_as_frontend:
         # The HTTP event loop shares this process's GIL: leave it a core at small batches. In
         # its own process the core does better with every thread (c1 on 2 cores: TPOT 11.5 ms

@@ -159,7 +159,9 @@ class ProcessCore:
         self._stop_requested = False
         try:
             ready = self._wait_ready()
-        except BaseException:
+        except BaseException as e:
+            if not isinstance(e, KeyboardInterrupt):
+                self.process.join(5)  # a child that refused to start exits right after saying so
             self._kill()
             raise
         self.engine = RemoteEngine(ready)

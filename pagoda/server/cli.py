@@ -182,7 +182,8 @@ def run_server(args: argparse.Namespace) -> None:
     args.api_key = resolve_api_key(args)
     check_server_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
-    # User errors found here are one line; in the engine core process, a traceback in its log.
+    # User errors found here are one line, before the engine core starts (the checks that need
+    # torch run there, with the same one-line error).
     check_listen_address(args.host, args.port)
     check_engine_start(engine_args)
     engine = AsyncLLM.from_engine_args(
