@@ -108,9 +108,8 @@ def serving_engine_args(engine_args: Any) -> Any:
 
 def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = False) -> Any:
     """The `LLMEngine` a server runs (in the engine core process, by default)."""
-    from pagoda.engine.llm_engine import LLMEngine
-
     from pagoda.cli import check_engine_start
+    from pagoda.engine.llm_engine import LLMEngine
 
     served_args = serving_engine_args(engine_args)
     # What a server's front end (without torch) could not check: refused here in one line
