@@ -48,6 +48,7 @@ GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types -> struct format (scalars) ; 8 = string, 9 = array.
+_U64 = struct.Struct("<Q")
 _SCALAR_FORMATS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd"))
 _NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
                  6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
@@ -95,13 +96,30 @@ class _Cursor:
         n = self.scalar(10)
         return bytes(self._take(n)).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a tokenizer's vocabulary and merges: ~10^5 of them), in
+        one loop without a call per value."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        unpack = _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                self._take(end + 1)  # the truncation error
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > end:
+                self._take(end + 1)
+            out.append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.scalar(4), self.scalar(10)
             if etype == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if etype == _ARRAY:
                 return [self.value(self.scalar(4)) for _ in range(count)]
             if etype not in _NUMPY_DTYPES:
@@ -112,6 +130,9 @@ class _Cursor:
         if vtype not in _SCALAR_FORMATS:
             raise ValueError(f"GGUF file {self.path} has a metadata value of unknown type {vtype}")
         return self.scalar(vtype)
+
+
+_PARSED: dict[tuple[str, int, int], tuple] = {}
 
 
 class GGUFReader:
@@ -125,6 +146,19 @@ class GGUFReader:
         if file_size < 24:
             raise ValueError(f"GGUF file {self.path} is truncated ({file_size} bytes)")
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # The config, the tokenizer and the weights each open the file: its header (a
+        # vocabulary of ~10^5 strings, most of a second) is parsed once per process and file.
+        st = os.stat(self.path)
+        key = (os.path.realpath(self.path), st.st_mtime_ns, st.st_size)
+        if key not in _PARSED:
+            self._parse(file_size)
+            _PARSED.clear()  # one file at a time is what a process loads
+            _PARSED[key] = (self.version, self.metadata, self.alignment, self.data_offset,
+                            self.tensors)  # fmt: skip
+        version, metadata, self.alignment, self.data_offset, tensors = _PARSED[key]
+        self.version, self.metadata, self.tensors = version, dict(metadata), dict(tensors)
+
+    def _parse(self, file_size: int) -> None:
         cur = _Cursor(memoryview(self._mmap), self.path)
         if bytes(cur._take(4)) != GGUF_MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (bad magic; expected b'GGUF')")
