@@ -12,7 +12,8 @@ Parts, each written to --json as soon as it ends:
   against the 48 MoE blocks alone at that batch (router + experts, in a graph): the MoE
   layers' share of step time, and the bytes a step must read (every weight but the embedding
   table once, the experts in use, the KV cache) over its time;
-- a: offline throughput, 256 requests, prompts and outputs U[100, 1024] (h200_bench's a).
+- a: offline throughput, 256 requests, prompts and outputs U[100, 1024] (h200_bench's a);
+- t (not in the default parts): the fused experts at batch 1 and 16 per tile config.
 
     python benchmarks/moe_bench.py [--parts k,s,d,a] [--json $OUT/moe_bench.json] [--quick]
 """
@@ -126,6 +127,43 @@ def bench_kernels(cfg: dict[str, Any], batches: list[int], layers: int) -> list[
     return rows
 
 
+# Tiles tried by part t for few-token steps: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+SWEEP_TILES = [(16, 64, 128, 4, 3), (16, 32, 128, 4, 4), (16, 64, 256, 4, 2), (16, 128, 128, 4, 2),
+               (16, 64, 64, 4, 4)]  # fmt: skip
+
+
+def sweep_tiles(cfg: dict[str, Any], batches: list[int], layers: int) -> list[dict[str, Any]]:
+    """Part t: the fused experts in a CUDA graph per tile config (default_config's first)."""
+    from pagoda.kernels.fused_moe import fused_experts
+    from pagoda.model.layers.fused_moe import softmax_topk
+
+    e, h = int(cfg["num_experts"]), int(cfg["hidden_size"])
+    inter, k = int(cfg["moe_intermediate_size"]), int(cfg["num_experts_per_tok"])
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+
+    weights = [(randn(e, 2 * inter, h), randn(e, h, inter)) for _ in range(layers)]
+    rows = []
+    for b in batches:
+        x = randn(b, h) * 50
+        routing = [softmax_topk(torch.randn(b, e, device="cuda", generator=g), k, True)
+                   for _ in range(layers)]  # fmt: skip
+        for bm, bn, bk, warps, stages in SWEEP_TILES:
+            tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps,
+                        num_stages=stages)  # fmt: skip
+
+            def run(tile: dict[str, int] = tile, x: torch.Tensor = x, routing: list = routing):
+                for (w13, w2), r in zip(weights, routing):
+                    fused_experts(x, w13, w2, *r, config=tile)
+
+            us = _time_ms(_graph(run), 30) / layers * 1e3
+            rows.append({"batch": b, "tile": [bm, bn, bk, warps, stages], "graph_us": round(us, 1)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def _runner(llm: Any) -> Any:
     return llm.llm_engine.executor.model_runner
 
@@ -224,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if "k" in parts:
         batches = [int(b) for b in args.batches.split(",")]
         result["kernels"] = bench_kernels(cfg, batches, layers=2 if args.quick else 8)
+        save()
+    if "t" in parts:
+        result["tiles"] = sweep_tiles(cfg, [1, 16], layers=4)
+        torch.cuda.empty_cache()
         save()
     deadline = time.perf_counter() + args.time_budget
     if any(x in parts for x in ("s", "d", "a")):
