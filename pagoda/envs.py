@@ -137,8 +137,8 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "PAGODA_CPU_POOL", "flag", "1",
-            "0: the quantized CPU GEMM splits its work by OpenMP regions instead of Pagoda's "
-            "thread pool.",
+            "0: the quantized CPU GEMM and paged attention split their work by OpenMP regions "
+            "instead of Pagoda's thread pool.",
             _flag("PAGODA_CPU_POOL", True),
         ),
         EnvVar(
@@ -246,7 +246,7 @@ def pagoda_environment() -> dict[str, str]:
 
 def set_openmp_wait_policy() -> None:
     """OMP_WAIT_POLICY=PASSIVE unless the user chose a policy (it or GOMP_SPINCOUNT is set):
-    OpenMP threads (torch's and the CPU kernels': one libgomp) sleep as soon as a parallel
+    OpenMP threads (torch's and the C ops': one libgomp) sleep as soon as a parallel
     region ends instead of spinning for new work, which takes the cores the working threads
     and any other process need; on a 2-core machine with one other busy process, decoding 16
     sequences ran at 9.5 output tok/s spinning and 50 sleeping (on an idle machine sleeping

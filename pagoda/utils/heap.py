@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 
@@ -18,3 +19,15 @@ def freeze_startup_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    trim_c_heap()
+
+
+def trim_c_heap() -> None:
+    """Give the C heap's free pages back to the operating system (glibc's malloc_trim; a no-op
+    elsewhere). Loading a model frees much (the GGUF header's strings, the sources of repacked
+    weights) that glibc would otherwise keep resident: ~15 MB of a CPU server's engine core."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
