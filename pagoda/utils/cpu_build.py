@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagoda import envs
@@ -240,3 +241,18 @@ def build_with_fallback(
         )
         _said.add("isa")  # that line says which level runs
         return build_library(source, headers, "portable"), "portable"
+
+
+def prebuild(libraries: Sequence[tuple[Path, Sequence[str], str | None]]) -> None:
+    """Build the (source, headers, isa) libraries into the cache at once, one compiler per
+    library in parallel: a first start compiles them in the time of the longest, not of all
+    (each is ~3-5 s of gcc -O3). Errors are left to the loaders, which say them."""
+    if not compiler_available():
+        return
+    with ThreadPoolExecutor(max_workers=len(libraries) or 1) as pool:
+        futures = [pool.submit(build_with_fallback, *lib) for lib in libraries]
+        for f in futures:
+            try:
+                f.result()
+            except CpuKernelUnavailable:
+                pass

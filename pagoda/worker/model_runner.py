@@ -67,6 +67,22 @@ def num_cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
+def prebuild_cpu_kernels(gguf: bool) -> None:
+    """Compile the C kernels a CPU engine loads (attention, the fused ops, the thread pool and,
+    for a GGUF model, the quantized GEMM) side by side before their loaders ask for them one
+    after the other; a no-op once they are in the cache."""
+    from pagoda.attention.cpu import library as attention
+    from pagoda.kernels.cpu import ops, pool, quant
+    from pagoda.utils.cpu_build import prebuild
+
+    libraries = [(attention.SOURCE, attention.HEADERS, None), (pool.SOURCE, (), "portable")]
+    if envs.PAGODA_CPU_FAST_OPS:
+        libraries.append((ops.SOURCE, ops.HEADERS, None))
+    if gguf:
+        libraries.append((quant.SOURCE, quant.HEADERS, None))
+    prebuild(libraries)
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, cpu_threads: int | None = None) -> None:
         """`cpu_threads`: threads for CPU kernels (default `num_cpu_threads()`)."""
@@ -125,6 +141,8 @@ class ModelRunner:
         from pagoda.attention.backend import get_attn_backend
         from pagoda.model.loader import load_model
 
+        if self.device.type == "cpu":
+            prebuild_cpu_kernels(gguf=self.model_config.quantization == "gguf")
         backend = get_attn_backend(self.device, self.config.device_config.attention_backend)
         self.attn_backend = backend
         on_cuda = self.device.type == "cuda"
