@@ -75,7 +75,7 @@ def prebuild_cpu_kernels(gguf: bool) -> None:
     from pagoda.kernels.cpu import ops, pool, quant
     from pagoda.utils.cpu_build import prebuild
 
-    libraries = [(attention.SOURCE, attention.HEADERS, None), (pool.SOURCE, (), "portable")]
+    libraries = [(attention.SOURCE, attention.HEADERS, None), (pool.SOURCE, (), pool.ISA)]
     if envs.PAGODA_CPU_FAST_OPS:
         libraries.append((ops.SOURCE, ops.HEADERS, None))
     if gguf:

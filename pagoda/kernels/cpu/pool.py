@@ -17,6 +17,7 @@ from pagoda import envs
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
 
 SOURCE = Path(__file__).with_name("pool.c")
+ISA = "portable"  # the level it is built for: it holds no arithmetic
 _ABI = 1
 DEFAULT_SPIN_US = 100
 
@@ -27,7 +28,7 @@ def load_pool() -> ctypes.CDLL | None:
     if not envs.PAGODA_CPU_POOL:
         return None
     try:
-        lib = ctypes.CDLL(str(build_library(SOURCE, (), "portable")))
+        lib = ctypes.CDLL(str(build_library(SOURCE, (), ISA)))
     except (CpuKernelUnavailable, OSError):
         return None
     if lib.pagoda_pool_abi() != _ABI:
