@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     PAGODA_CPU_ISA: str | None
     PAGODA_CPU_POOL: bool
     PAGODA_CPU_POOL_SPIN_US: int | None
+    PAGODA_CPU_DECODER: bool
     PAGODA_CACHE_DIR: Path
     PAGODA_CALIBRATION_THREADS: int | None
     PAGODA_PROGRESS: bool | None
@@ -140,6 +141,12 @@ VARIABLES: dict[str, EnvVar] = {
             "0: the quantized CPU GEMM and paged attention split their work by OpenMP regions "
             "instead of Pagoda's thread pool.",
             _flag("PAGODA_CPU_POOL", True),
+        ),
+        EnvVar(
+            "PAGODA_CPU_DECODER", "flag", "1",
+            "0: CPU decode steps of Llama-family models run layer by layer from Python "
+            "instead of all decoder layers in one C call.",
+            _flag("PAGODA_CPU_DECODER", True),
         ),
         EnvVar(
             "PAGODA_CPU_POOL_SPIN_US", "int", "100",

@@ -139,3 +139,17 @@ def test_bad_inputs_raise_value_error():
         Sampler()(torch.zeros(2, 11), md)
     with pytest.raises(ValueError, match="num_rows"):
         Sampler()(torch.zeros(3, 10), md)
+
+
+def test_cpu_greedy_argmax_is_torch_argmax():
+    """The numpy argmax CPU greedy steps take: first maximal index, ties and NaN included."""
+    from pagoda.sample.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (6, 49152), generator=gen).float()  # many ties per row
+    x[3, 100] = float("nan")
+    x[4, 7] = x[4, 9000] = float("inf")
+    for rows in (x, x[:1], x[:, :1000], x[2:5]):
+        got = greedy_argmax(rows)
+        assert got.dtype is torch.int64
+        assert got.tolist() == rows.argmax(dim=-1).tolist()

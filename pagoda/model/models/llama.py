@@ -35,6 +35,7 @@ from pagoda.model.layers.linear import (
 from pagoda.model.layers.rotary_embedding import get_rope
 from pagoda.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.loader.hf_config import layer_sliding_windows
+from pagoda.model.models.llama_cpu_decoder import CpuDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,9 @@ class LlamaModel(nn.Module):
             for i in range(int(cfg["num_hidden_layers"]))
         )
         self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
+        # Decode steps on CPU: every layer in one C call (llama_cpu_decoder.py).
+        self.cpu_decoder = CpuDecoder()
+        self.fused_ops = True
 
     def forward(
         self,
@@ -197,6 +201,10 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor] | None,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.fused_ops and not input_ids.is_cuda:
+            out = self.cpu_decoder.forward(self, input_ids, positions, kv_caches, attn_metadata)
+            if out is not None:
+                return out
         hidden_states, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
