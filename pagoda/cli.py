@@ -349,12 +349,12 @@ def run_command(func: Callable[[argparse.Namespace], Any], args: argparse.Namesp
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only = _light_command(argv)
+    parser = build_parser(only=only)
+    add_log_level_flag(parser)
+    args = parser.parse_args(argv)  # --help and usage errors exit here, before torch loads
     if only is None:
         # The other engine commands run torch in this process.
         import torch  # noqa: F401
-    parser = build_parser(only=only)
-    add_log_level_flag(parser)
-    args = parser.parse_args(argv)
     return run_command(args.func, args)
 
 

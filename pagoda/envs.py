@@ -144,8 +144,8 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "PAGODA_CPU_DECODER", "flag", "1",
-            "0: CPU decode steps of Llama-family models run layer by layer from Python "
-            "instead of all decoder layers in one C call.",
+            "0: CPU steps of Llama-family models run layer by layer from Python instead of "
+            "all decoder layers in one C call.",
             _flag("PAGODA_CPU_DECODER", True),
         ),
         EnvVar(

@@ -108,3 +108,20 @@ def test_a_bug_keeps_its_traceback() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "KeyError: 'a bug, not a user error'" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "throughput", "--help"], ["nosuch"]])
+def test_help_and_usage_errors_do_not_import_torch(argv) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from pagoda.cli import main
+        try:
+            main({argv!r})
+        except SystemExit:
+            pass
+        print("torch" in sys.modules, file=sys.stderr)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr

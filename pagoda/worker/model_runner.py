@@ -166,6 +166,9 @@ class ModelRunner:
         set_fused = getattr(self.model, "set_fused_ops", None)
         if set_fused is not None:
             set_fused(backend.name != "torch")
+        enable_cpu_decoder = getattr(self.model, "enable_cpu_decoder", None)
+        if enable_cpu_decoder is not None and self.device.type == "cpu":
+            enable_cpu_decoder()  # the weights are final from here on
         if self.use_cuda_graphs and backend.name != "triton":
             # Graphs bake in host-side choices; only the Triton backend makes none per step.
             logger.info("CUDA graphs off: the %s attention backend runs eagerly", backend.name)

@@ -49,7 +49,7 @@ def _check_equal(monkeypatch, model, prompts, max_tokens, **kw):
     ref, ref_calls = _generate(monkeypatch, False, model, prompts, max_tokens, **kw)
     got, calls = _generate(monkeypatch, True, model, prompts, max_tokens, **kw)
     assert ref_calls == []
-    assert max(calls) > 1  # batches of several requests went through the stack
+    assert max(calls) > 1  # batches of several rows went through the stack
     assert len(calls) >= max_tokens - 1
     for (ref_tokens, ref_lps), (tokens, lps) in zip(ref, got, strict=True):
         assert tokens == ref_tokens

@@ -1,7 +1,8 @@
 /* A Llama-family decoder stack run in one call on CPU: what `LlamaModel.forward` does for the
  * decoder layers and the final norm, with the same kernels in the same order, minus the Python
  * and torch dispatch between them (at decode on a small model that dispatch, ~10 calls a layer,
- * costs as much as the arithmetic).
+ * costs as much as the arithmetic). A step's rows may be decodes and prompt chunks alike: the
+ * attention work items say which query rows see which keys.
  *
  * The kernels stay in their own libraries (cpu_ops.c, quant_gemm.c, paged_attention.c); the
  * loader hands their entry points over as function pointers, so this file holds no arithmetic

@@ -1,4 +1,4 @@
-"""ctypes side of `decoder.c`: a Llama-family decoder stack in one C call at decode.
+"""ctypes side of `decoder.c`: a Llama-family decoder stack in one C call per step.
 
 `DecoderSpec` / `LayerSpec` / `PartSpec` describe a model in plain values (weight tensors,
 norms, shapes); `CpuDecoderStack` turns them into the C structs once and runs a step. The

@@ -255,6 +255,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Attention):
                 module.backend = backend
 
+    def enable_cpu_decoder(self) -> None:
+        """CPU steps run every decoder layer in one C call from now on where they qualify
+        (`llama_cpu_decoder.py`); the weights must stay as they are."""
+        decoder = getattr(self.model, "cpu_decoder", None)  # a LlamaModel's, not Gemma's
+        if decoder is not None:
+            decoder.enable()
+
     def set_fused_ops(self, enabled: bool) -> None:
         """Fused Triton RMSNorm / SiLU-and-mul / RoPE on CUDA and the C ops on CPU (skinny
         GEMM for linear layers and logits, RMSNorm, SiLU-and-mul, RoPE: `pagoda.kernels.cpu`)

@@ -1,4 +1,4 @@
-"""Decode steps of a Llama-family model on CPU in one C call (`pagoda.kernels.cpu.decoder`).
+"""Steps of a Llama-family model on CPU in one C call (`pagoda.kernels.cpu.decoder`).
 
 At decode on a small model, dispatching ~10 kernels a layer from Python costs as much as the
 kernels. `CpuDecoder` describes the model's layers to the C stack once and, for a step that
@@ -10,9 +10,11 @@ same bits either way (tests/model/test_cpu_decoder.py).
 A model qualifies when every layer is a plain `LlamaDecoderLayer` (no mixture of experts),
 unsharded, on the CPU attention backend without logit soft-capping, with C-supported linear
 layers (GGUF blocks kept quantized, packed bf16, or plain weights in the model dtype) and
-norms in the model dtype. A step qualifies when every request decodes one token into a valid
-cache slot, the cache holds the model dtype, and (with plain weights) the rows are few
-enough for the skinny GEMM, which the layer path would also pick.
+norms in the model dtype. A step (decodes, prompt chunks or both) qualifies when it has no
+padding rows, every row has a cache slot (so the attention kernel reads every key from the
+cache, as the backend then does too), the cache holds the model dtype, and, with plain
+weights, the rows are few enough for the skinny GEMM (more go to torch's GEMM, which only
+the layer path calls).
 """
 
 from __future__ import annotations
@@ -151,13 +153,20 @@ def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class CpuDecoder:
-    """A model's C decoder stack, built at its first decode step; `forward` returns None for
-    a step the layer path must run."""
+    """A model's C decoder stack, built at its first step with a KV cache; `forward` returns
+    None for a step the layer path must run."""
 
     def __init__(self) -> None:
         self._stack: cdec.CpuDecoderStack | None = None
-        self._unsupported = not envs.PAGODA_CPU_DECODER
+        self._unsupported = True  # until `enable`
         self._max_rows: int | None = None
+
+    def enable(self) -> None:
+        """Let steps take the stack (unless `PAGODA_CPU_DECODER=0`). The stack points at the
+        weights as they are at its first step and runs no module hooks, so only an owner that
+        keeps both fixed from then on (the model runner, after loading) enables it; code that
+        hooks or edits layers (calibration) drives them one by one instead."""
+        self._unsupported = not envs.PAGODA_CPU_DECODER
 
     def _build(self, model: LlamaModel, block_size: int) -> None:
         from pagoda.kernels.cpu.ops import MAX_GEMV_ROWS
@@ -167,14 +176,14 @@ class CpuDecoder:
             spec = _spec(model)
             self._stack = cdec.CpuDecoderStack(spec, block_size)
         except (_Unsupported, CpuKernelUnavailable) as e:
-            logger.info("CPU decode runs layer by layer (%s)", e)
+            logger.info("CPU steps run layer by layer (%s)", e)
             self._unsupported = True
             return
         gemv = any(
             p.kind == cdec.PART_GEMV for layer in spec.layers for p in cdec.layer_parts(layer)
         )
         self._max_rows = MAX_GEMV_ROWS[spec.dtype] if gemv else None
-        logger.info("CPU decode steps run the %d layers in one C call", len(spec.layers))
+        logger.info("CPU steps run the %d decoder layers in one C call", len(spec.layers))
 
     def forward(
         self,
@@ -187,11 +196,9 @@ class CpuDecoder:
         rows = input_ids.shape[0]
         if (
             self._unsupported
-            or md.max_query_len != 1
             or input_ids.is_cuda
             or not kv_caches
             or rows != md.num_actual_tokens
-            or rows != md.num_reqs
             or (self._max_rows is not None and rows > self._max_rows)
         ):
             return None
