@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     PAGODA_CUDA_DECODE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
+    PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
     PAGODA_MAX_N_SEQUENCES: int
@@ -190,6 +191,12 @@ VARIABLES: dict[str, EnvVar] = {
             "0: packed 4-bit layers on CUDA take the Triton kernels instead of the CUDA GEMV "
             "at few rows.",
             _flag("PAGODA_W4A16_CUDA", True),
+        ),
+        EnvVar(
+            "PAGODA_W8A16", "flag", "1",
+            "0: 8-bit GPTQ layers on CUDA are dequantized at load instead of kept 8-bit for the "
+            "W8A16 kernel.",
+            _flag("PAGODA_W8A16", True),
         ),
         EnvVar(
             "PAGODA_ENABLE_MULTIPROCESSING", "flag", "1",

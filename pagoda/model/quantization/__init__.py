@@ -9,10 +9,15 @@ once every tensor is in, each layer is repacked or dequantized, on its device, o
   `pagoda.kernels.w4a16` at every row count (`W4A16LinearMethod`). GPTQ act-order layers too,
   their inputs sorted by group at load (the kernel gathers x through that permutation), when
   the shards of a fused layer share one g_idx; otherwise such a layer is dequantized.
-- everything else (a CPU, 8-bit GPTQ, act-order shards that differ, `PAGODA_W4A16=0`) is
-  dequantized to a dense weight in the model dtype and runs as an unquantized layer (the
+- 8-bit GPTQ layers on CUDA (with triton) stay 8-bit: their codes as uint8 [N, K], scales
+  and zeros (none where symmetric) [groups, N] (`w8_layout.py`), about K*N bytes a layer;
+  they run `pagoda.kernels.w8a16` (`W8A16LinearMethod`: the Triton kernel up to 128 rows,
+  the dequantized weight and cuBLAS above), act order as for 4 bits.
+- everything else (a CPU, act-order shards that differ, `PAGODA_W4A16=0` or `PAGODA_W8A16=0`)
+  is dequantized to a dense weight in the model dtype and runs as an unquantized layer (the
   packed C GEMM on a CPU, the Triton GEMV / cuBLAS on a GPU): the dense model's memory.
-`formats.dequantize_*` + F.linear is the reference of both (tests compare them).
+`formats.dequantize_*` + F.linear is the reference of all (tests compare them); the methods of
+the layers kept quantized are `packed_methods.py`'s.
 
 8-bit weights and activations (INT8 W8A8 and FP8, compressed-tensors checkpoints, or FP8 made
 at load from a dense checkpoint with `quantization="fp8"`) are `w8a8.py`'s; `--load-format
@@ -25,7 +30,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda import envs
@@ -36,7 +40,9 @@ from pagoda.model.layers.linear import (
     set_weight_attrs,
 )
 from pagoda.model.quantization.formats import dequantize_awq, dequantize_gptq
-from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, dequantize_w4, gptq_to_w4
+from pagoda.model.quantization.packed_methods import W4A16LinearMethod, W8A16LinearMethod
+from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, gptq_to_w4
+from pagoda.model.quantization.w8_layout import W8Weight, gptq_to_w8
 
 logger = logging.getLogger(__name__)
 
@@ -122,53 +128,14 @@ def get_linear_method(
     return AWQLinearMethod(qc) if quantization == "awq" else GPTQLinearMethod(qc)
 
 
-class W4A16LinearMethod(LinearMethodBase):
-    """A loaded 4-bit layer kept packed (`w4_qweight`, `w4_scales`, `w4_zeros`, `w4_perm`,
-    `w4_group_size`, made by `_PackedUntilLoaded.repack_to_w4a16`): the Triton W4A16 kernel;
-    with the layer's `fused_ops` off, the dequantized weight and F.linear (the reference)."""
-
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
-    ) -> None:
-        raise TypeError("W4A16LinearMethod runs layers that an AWQ/GPTQ method repacked")
-
-    @staticmethod
-    def packed(layer: nn.Module) -> W4Weight:
-        return W4Weight(
-            layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_group_size, layer.w4_perm
-        )
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        k = layer.input_size_per_partition
-        if not getattr(layer, "fused_ops", True):
-            weight = dequantize_w4(self.packed(layer), k).to(x.dtype)
-            return F.linear(x, weight, bias)
-        from pagoda.kernels.w4a16 import w4a16_linear
-
-        x2 = x.reshape(-1, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        y = w4a16_linear(
-            x2,
-            layer.w4_qweight,
-            layer.w4_scales,
-            layer.w4_zeros,
-            layer.w4_group_size,
-            bias,
-            layer.w4_perm,
-        )
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
 def w4a16_enabled(device: torch.device) -> bool:
     """Whether 4-bit layers on `device` stay packed: CUDA with triton, unless PAGODA_W4A16=0."""
     return device.type == "cuda" and triton_available() and envs.PAGODA_W4A16
+
+
+def w8a16_enabled(device: torch.device) -> bool:
+    """Whether 8-bit layers on `device` stay 8-bit: CUDA with triton, unless PAGODA_W8A16=0."""
+    return device.type == "cuda" and triton_available() and envs.PAGODA_W8A16
 
 
 class _PackedUntilLoaded(LinearMethodBase):
@@ -180,6 +147,7 @@ class _PackedUntilLoaded(LinearMethodBase):
         self.pack = 32 // bits
         self.dense = UnquantizedLinearMethod()
         self.w4a16 = W4A16LinearMethod()
+        self.w8a16 = W8A16LinearMethod()
 
     def _group(self, in_size: int) -> int:
         return in_size if self.group_size in (-1, 0) else self.group_size
@@ -213,25 +181,47 @@ class _PackedUntilLoaded(LinearMethodBase):
         """The layer in the W4A16 kernel's layout, or None where it has none."""
         raise NotImplementedError
 
+    def _w8(self, layer: nn.Module) -> W8Weight | None:
+        """The layer in the W8A16 kernel's layout, or None where it has none."""
+        return None
+
+    def _install(
+        self, layer: nn.Module, packed: W4Weight | W8Weight, prefix: str, method: LinearMethodBase
+    ) -> None:
+        """The checkpoint's tensors replaced by `packed`'s as `prefix`_qweight etc."""
+        self._drop_checkpoint_tensors(layer)
+        for name in ("qweight", "scales", "zeros", "perm"):
+            t = getattr(packed, name)
+            layer.register_parameter(
+                prefix + name, None if t is None else nn.Parameter(t, requires_grad=False)
+            )
+        setattr(layer, prefix + "group_size", packed.group_size)
+        layer.register_parameter("weight", None)  # no dense weight (callers check for None)
+        layer.linear_method = method  # from now on the kernel, no check per call
+
     def repack_to_w4a16(self, layer: nn.Module) -> bool:
         """Keep the loaded layer 4-bit, repacked for the W4A16 kernel, on its device; False
         (the layer untouched) where its format cannot be."""
         w4 = self._w4(layer) if self.bits == 4 else None
         if w4 is None:
             return False
-        self._drop_checkpoint_tensors(layer)
-        for name in ("qweight", "scales", "zeros", "perm"):
-            t = getattr(w4, name)
-            layer.register_parameter(
-                "w4_" + name, None if t is None else nn.Parameter(t, requires_grad=False)
-            )
-        layer.w4_group_size = w4.group_size
-        layer.register_parameter("weight", None)  # no dense weight (callers check for None)
-        layer.linear_method = self.w4a16  # from now on the kernel, no check per call
+        self._install(layer, w4, "w4_", self.w4a16)
+        return True
+
+    def repack_to_w8a16(self, layer: nn.Module) -> bool:
+        """Keep the loaded layer 8-bit, in the W8A16 kernel's layout, on its device; False
+        (the layer untouched) where its format cannot be."""
+        w8 = self._w8(layer) if self.bits == 8 else None
+        if w8 is None:
+            return False
+        self._install(layer, w8, "w8_", self.w8a16)
         return True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if w4a16_enabled(layer.qweight.device) and self.repack_to_w4a16(layer):
+        device = layer.qweight.device
+        if w4a16_enabled(device) and self.repack_to_w4a16(layer):
+            return
+        if w8a16_enabled(device) and self.repack_to_w8a16(layer):
             return
         weight = self._dense(layer).to(layer.params_dtype)
         self._drop_checkpoint_tensors(layer)
@@ -282,9 +272,9 @@ class AWQLinearMethod(_PackedUntilLoaded):
 
 
 class GPTQLinearMethod(_PackedUntilLoaded):
-    """AutoGPTQ's layout, 4 or 8 bits, act-order through g_idx (one per fused shard). 4-bit
-    layers stay packed on CUDA (the W4A16 kernel; act-order ones with their inputs sorted by
-    group, when all shards share one g_idx); 8-bit layers are dequantized (no int8 kernel)."""
+    """AutoGPTQ's layout, 4 or 8 bits, act-order through g_idx (one per fused shard). On CUDA
+    4-bit layers stay packed (the W4A16 kernel) and 8-bit ones 8-bit (the W8A16 kernel),
+    act-order ones with their inputs sorted by group when all shards share one g_idx."""
 
     def __init__(self, qc: dict[str, Any]) -> None:
         bits = int(qc.get("bits", 4))
@@ -350,14 +340,24 @@ class GPTQLinearMethod(_PackedUntilLoaded):
 
     def _w4(self, layer: nn.Module) -> W4Weight | None:
         group = self._group(layer.input_size_per_partition)
-        w4 = gptq_to_w4(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
-        if w4 is None and not getattr(self, "_told_act_order", False):
+        return self._told_if_none(
+            gptq_to_w4(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
+        )
+
+    def _w8(self, layer: nn.Module) -> W8Weight | None:
+        group = self._group(layer.input_size_per_partition)
+        return self._told_if_none(
+            gptq_to_w8(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
+        )
+
+    def _told_if_none(self, packed: W4Weight | W8Weight | None) -> W4Weight | W8Weight | None:
+        if packed is None and not getattr(self, "_told_act_order", False):
             self._told_act_order = True  # once per model, not per layer
             logger.info(
                 "GPTQ act-order layers whose fused shards have different g_idx are "
                 "dequantized (one input permutation must serve the shards that share x)"
             )
-        return w4
+        return packed
 
 
 __all__ = [
@@ -367,7 +367,9 @@ __all__ = [
     "GPTQLinearMethod",
     "QUANT_METHODS",
     "W4A16LinearMethod",
+    "W8A16LinearMethod",
     "checkpoint_quant_method",
     "get_linear_method",
     "w4a16_enabled",
+    "w8a16_enabled",
 ]
