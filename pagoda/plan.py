@@ -213,8 +213,10 @@ def _weights(
         return est.weight_bytes(hf_config, itemsize, tp), f"GGUF dequantized to {dtype}"
     qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else None
     qc = qc if isinstance(qc, dict) else {"bits": 4, "group_size": 128}
-    if quant in ("awq", "gptq") and device == "cuda" and int(qc.get("bits", 4)) == 4:
-        return est.weight_bytes(hf_config, itemsize, tp, qc), f"{quant} 4-bit layers kept packed"
+    bits = int(qc.get("bits", 4))
+    if quant in ("awq", "gptq") and device == "cuda" and bits in (4, 8):
+        kept = "4-bit layers kept packed" if bits == 4 else "8-bit layers kept 8-bit"
+        return est.weight_bytes(hf_config, itemsize, tp, qc), f"{quant} {kept}"
     if quant in ("awq", "gptq"):
         return est.weight_bytes(hf_config, itemsize, tp), f"{quant} dequantized to {dtype}"
     return est.weight_bytes(hf_config, itemsize, tp), dtype

@@ -85,16 +85,20 @@ class ModelShape:
 def weight_bytes(
     cfg: Mapping[str, Any], itemsize: int, tp: int = 1, quant: Mapping[str, Any] | None = None
 ) -> int:
-    """One rank's weights: dense in `itemsize` bytes, or with `quant` ({"bits": 4,
-    "group_size": g}: AWQ/GPTQ kept 4-bit on CUDA) the linear layers packed."""
+    """One rank's weights: dense in `itemsize` bytes, or with `quant` ({"bits": 4 or 8,
+    "group_size": g}: AWQ/GPTQ kept 4-bit, GPTQ kept 8-bit on CUDA) the linear layers packed."""
     shape = ModelShape.from_hf_config(cfg)
     total = estimated_weight_bytes(cfg, itemsize)
-    if quant is not None and int(quant.get("bits", 4)) == 4:
+    bits = None if quant is None else int(quant.get("bits", 4))
+    if bits in (4, 8):
         linear = estimated_weight_bytes(cfg, 1) - shape.embedding_params
         group = int(quant.get("group_size") or 128)
         if group <= 0:  # -1: one group per input row
             group = shape.hidden_size
-        packed = linear // 2 + linear * 3 // group  # nibbles, float16 scale + uint8 zero
+        if bits == 4:  # nibbles, float16 scale + uint8 zero
+            packed = linear // 2 + linear * 3 // group
+        else:  # bytes, float16 scale + int16 zero (none for symmetric weights: an upper bound)
+            packed = linear + linear * 4 // group
         total = packed + shape.embedding_params * itemsize
     return total // tp
 

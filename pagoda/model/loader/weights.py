@@ -182,4 +182,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             param.zero_()
     for module in model.modules():
         if isinstance(module, LinearBase):
+            # A format may constrain its random tensors (GPTQ: symmetric zeros, 8-bit steps).
+            init = getattr(module.linear_method, "init_dummy_weights", None)
+            if init is not None:
+                init(module)
             module.linear_method.process_weights_after_loading(module)

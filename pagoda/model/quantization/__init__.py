@@ -285,6 +285,17 @@ class GPTQLinearMethod(_PackedUntilLoaded):
                 "checkpoints in the 'gptq' format"
             )
         super().__init__(bits, int(qc.get("group_size", 128)))
+        self.sym = bool(qc.get("sym", False))
+
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """After `init_dummy_weights`' random bits: symmetric zeros where the config says sym
+        (every zero 2**(bits-1), stored minus one), and scales the step of `bits`-bit weights
+        of the same size (the random ones are 4-bit steps)."""
+        if self.sym:
+            stored = (1 << (self.bits - 1)) - 1
+            word = sum(stored << s for s in range(0, 32, self.bits))
+            layer.qzeros.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+        layer.scales.mul_(2.0 ** (4 - self.bits))
 
     def create_weights(
         self,
