@@ -2,7 +2,8 @@
 GPTQ's input-packed words and zero-minus-one), and tiny Llama checkpoints quantized into each
 format that Pagoda loads and runs with the logits of `transformers` on the dequantized weights
 (act-order g_idx included); config detection and clear errors. On a GPU (marked `gpu`): 4-bit
-layers stay packed (the W4A16 kernel) and compute what the CPU's dense layers do, and the
+layers stay packed (the W4A16 kernel), 8-bit GPTQ ones 8-bit (the W8A16 kernel, whose own tests
+are tests/kernels/test_w8a16.py), and compute what the CPU's dense layers do, and the
 engine's greedy tokens are the same with CUDA graphs, eagerly and on the torch reference path."""
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def test_which_layers_stay_packed_where_the_kernel_runs(
     tmp_path, monkeypatch, method, bits, act_order
 ) -> None:
     # As on CUDA (the repacking needs no GPU): 4-bit layers stay packed, act-order ones too
-    # when the shards of one input share their permutation; 8-bit layers go dense.
+    # when the shards of one input share their permutation; 8-bit layers go dense where the
+    # W8A16 path is off (here: w8a16_enabled is False on a CPU).
     import pagoda.model.quantization as quant
 
     monkeypatch.setattr(quant, "w4a16_enabled", lambda device: True)
@@ -231,7 +233,7 @@ def test_which_layers_stay_packed_where_the_kernel_runs(
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_keeps_4bit_layers_packed(tmp_path, method, bits, act_order, dtype) -> None:
-    from pagoda.model.quantization import W4A16LinearMethod
+    from pagoda.model.quantization import W4A16LinearMethod, W8A16LinearMethod
 
     _, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
     hf_config = get_model_config_dict(str(path))
@@ -242,7 +244,8 @@ def test_cuda_keeps_4bit_layers_packed(tmp_path, method, bits, act_order, dtype)
     linears = [(n, m) for n, m in gpu.named_modules() if isinstance(m, LinearBase)]
     assert len(linears) == 4 * TINY_CONFIG["num_hidden_layers"]
     for name, layer in linears:
-        assert isinstance(layer.linear_method, W4A16LinearMethod) == (bits == 4), name
+        kept = W4A16LinearMethod if bits == 4 else W8A16LinearMethod  # 8-bit stays 8-bit
+        assert isinstance(layer.linear_method, kept) and layer.weight is None, name
         dense = cpu.get_submodule(name)
         x = torch.randn(5, dense.input_size_per_partition)
         ref = dense(x)

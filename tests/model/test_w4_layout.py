@@ -2,7 +2,8 @@
 nibble order bit by bit, repacked weights that dequantize to exactly what the checkpoint's own
 dequantization gives (ragged last group, GPTQ act-order sorted by group), the act-order cases
 that cannot be one permutation, and which path a loaded layer takes (packed on CUDA with
-triton, dense on a CPU, for 8-bit GPTQ or with PAGODA_W4A16=0)."""
+triton, dense on a CPU or with PAGODA_W4A16=0; 8-bit GPTQ kept 8-bit for the W8A16 kernel,
+whose layout tests/kernels/test_w8a16.py checks)."""
 
 from __future__ import annotations
 
@@ -141,8 +142,32 @@ def test_w4a16_needs_cuda_and_can_be_turned_off(monkeypatch) -> None:
 
 def test_8bit_gptq_is_not_repacked() -> None:
     layer, method = _gptq_layer(bits=8)
-    assert not method.repack_to_w4a16(layer)
+    assert not method.repack_to_w4a16(layer)  # 8-bit layers take the W8A16 layout instead
     assert isinstance(layer.linear_method, GPTQLinearMethod) and hasattr(layer, "qweight")
+
+
+def test_w8a16_needs_cuda_and_can_be_turned_off(monkeypatch) -> None:
+    from pagoda.kernels import triton_available
+    from pagoda.model.quantization import w8a16_enabled
+
+    assert not w8a16_enabled(torch.device("cpu"))
+    assert w8a16_enabled(torch.device("cuda")) == triton_available()
+    monkeypatch.setenv("PAGODA_W8A16", "0")
+    assert not w8a16_enabled(torch.device("cuda"))
+
+
+def test_8bit_layer_kept_8bit_holds_a_byte_per_weight() -> None:
+    """What a CUDA layer keeps (repacked here on the CPU, where it does not run): K*N bytes of
+    codes, a scale and an int16 zero per group and output, the checkpoint's tensors gone."""
+    from pagoda.model.quantization import W8A16LinearMethod
+
+    layer, method = _gptq_layer(bits=8)
+    assert method.repack_to_w8a16(layer)
+    assert isinstance(layer.linear_method, W8A16LinearMethod) and layer.weight is None
+    k, n = layer.input_size_per_partition, sum(layer.output_partition_sizes)
+    groups = k // method.group_size
+    held = {name: p.numel() * p.element_size() for name, p in layer.named_parameters()}
+    assert held == {"w8_qweight": k * n, "w8_scales": groups * n * 2, "w8_zeros": groups * n * 2}
 
 
 def test_repacked_layer_holds_half_a_byte_per_weight() -> None:
