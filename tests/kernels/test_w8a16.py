@@ -382,3 +382,22 @@ def test_cuda_8bit_checkpoint_kept_8bit_gives_the_dequantized_outputs(tmp_path, 
         out = layer(x.to("cuda", getattr(torch, dtype))).float().cpu()
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=2e-2)
         torch.testing.assert_close(out, dense(x), **tol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")
+def test_w8a16_bench_tiny_run_covers_its_code_paths(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "w8a16_bench", os.path.join(os.path.dirname(__file__), "../../benchmarks/w8a16_bench.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--tiny", "--sweep", "--zeros", "--shapes", "down", "--m", "1", "3"]
+    result = bench.main([*argv, "--out-dir", str(tmp_path / "out")])
+    saved = json.loads((tmp_path / "out" / "w8a16_bench.json").read_text())
+    assert saved["rows"] == result["rows"]
+    assert [(r["shape"], r["m"]) for r in result["rows"]] == [("down", 1), ("down", 3)]
+    assert [s["m"] for s in result["summary"]["steps"]] == [1, 3]
+    for r in result["rows"]:
+        assert r["max_abs_err"] < 1e-4 * r["max_abs_ref"]
+        assert r["best_us"] is not None and not r["failures"]
+        assert all(r[c + "_us"] > 0 for c in ("w8a16", "kernel", "dequant", "cublas"))
