@@ -1,9 +1,11 @@
 """Single-stream decode on the CPU, the embedded model: a 128-token prompt, 256 new tokens
 (greedy, time of 257 tokens minus time of 1), medians of --repeats runs after a warm-up. For
-A/B runs of an environment switch, one process per setting, e.g. the thread pool:
+A/B runs of an environment switch, one process per setting, e.g. the thread pool or the
+one-call decoder stack:
 
     PAGODA_CPU_POOL=1 python benchmarks/cpu_decode.py
     PAGODA_CPU_POOL=0 python benchmarks/cpu_decode.py
+    PAGODA_CPU_DECODER=0 python benchmarks/cpu_decode.py
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def main() -> None:
 
     seconds(8)
     runs = [256 / (seconds(257) - seconds(1)) for _ in range(args.repeats)]
+    switches = " ".join(
+        f"{name}={os.environ.get(name, '1')}" for name in ("PAGODA_CPU_POOL", "PAGODA_CPU_DECODER")
+    )
     print(
-        f"PAGODA_CPU_POOL={os.environ.get('PAGODA_CPU_POOL', '1')} decode tok/s: median "
-        f"{statistics.median(runs):.1f}, runs {[round(r, 1) for r in runs]}"
+        f"{switches} decode tok/s: median {statistics.median(runs):.1f}, "
+        f"runs {[round(r, 1) for r in runs]}"
     )
 
 
