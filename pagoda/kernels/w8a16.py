@@ -217,22 +217,26 @@ def _group_arg(k: int, group_size: int, block_k: int) -> int:
 def default_config(
     m: int, n: int, k: int, group_size: int, num_sms: int = 132, *, elem_bytes: int = 2
 ) -> W8A16Config:
-    """A first guess by row count, not yet timed on a GPU (`benchmarks/w8a16_bench.py --sweep`
-    times the alternatives), following the 4-bit kernel's measured choices with twice the
-    weight bytes per tile. Up to 64 rows the layer streams its weights: 128-row weight tiles
-    (16 KB a stage) with zero and scale on each tile's product, deep pipelines, K split until
-    the grid covers the SMs about twice; from 65 rows 128 x 128 x 64 tiles and 8 warps,
-    dequantized per element (no second accumulator to hold)."""
+    """The tile by row count (`benchmarks/w8a16_bench.py --sweep` times the alternatives on a
+    GPU). Up to 64 rows the layer streams its weights with zero and scale on each tile's
+    product: to 32 rows 64-row weight tiles, three stages and K split until the grid covers
+    the SMs about four times (the best of the sweep on an H200 for the Llama-3-8B layers at
+    1 and 16 rows, 1.3x the default it replaced); at 64 rows 64 x 64 tiles, the grid twice
+    over the SMs. From 65 rows 128 x 128 x 64 tiles and 8 warps, dequantized per element (no
+    second accumulator to hold)."""
     block_m = block_m_for(m)
     block_k = tile_block_k(group_size, k)
     if block_m <= 32:
-        block_n, num_warps, num_stages = 128, 4, 4
+        block_n, num_warps, num_stages = 64, 4, 3
     elif block_m == 64:
         block_n, num_warps, num_stages = 64, 4, 4
     else:
         block_n, block_k, num_warps, num_stages = 128, min(block_k, 64), 8, 3
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split_k = max(1, min(8, (2 * num_sms) // tiles))
+    if block_m <= 32:
+        split_k = max(1, min(8, triton.cdiv(4 * num_sms, tiles)))
+    else:
+        split_k = max(1, min(8, (2 * num_sms) // tiles))
     stage_bytes = block_n * block_k + block_m * block_k * elem_bytes
     num_stages = max(2, min(num_stages, SMEM_BUDGET // (2 * stage_bytes)))
     split_k = split_k_plan(k, block_k, split_k)[1]
