@@ -77,7 +77,8 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
         for (int l = 0; l < 32; l++) {
             v[l] = x_bf16 ? bf16_to_fp32(((const uint16_t *)x)[b * 32 + l])
                           : ((const float *)x)[b * 32 + l];
-            amax = fmaxf(amax, fabsf(v[l]));
+            const float a = fabsf(v[l]);
+            amax = a > amax ? a : amax; /* fmaxf's result (a NaN is skipped), but inlined */
         }
         const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
         int sum = 0;
