@@ -8,12 +8,12 @@
  * may be soft-capped (Gemma 2: cap * tanh(score / cap)).
  *
  * The work is a list of items (request, kv heads [h0, h1), query rows [r0, r1)) built by the
- * Python side and shared out over OpenMP threads. An item walks its keys in tiles of LANES
- * positions (one vector lane per key: 16 with AVX-512, 8 with AVX2, 4 in the portable build):
- * for each KV head it scores the tile against every query
- * vector of that head (the GQA group x the item's rows, so each K/V row is read from memory
- * once per item), then does an online-softmax update (running max m, sum l, fp32 accumulator)
- * as in FlashAttention (Dao et al., 2022) and Milakov & Gimelshein (2018).
+ * Python side and shared out over OpenMP threads. An item walks its keys in tiles of TILE_KEYS
+ * = 16 positions (one or more vectors of scores per query: one with AVX-512, two with AVX2, four
+ * in the portable build): for each KV head it scores the tile against every query vector of
+ * that head (the GQA group x the item's rows, so each K/V row is read from memory once per
+ * item), then does an online-softmax update (running max m, sum l, fp32 accumulator) as in
+ * FlashAttention (Dao et al., 2022) and Milakov & Gimelshein (2018).
  *
  * Vectors are GCC vector extensions of the register's width (vec.h), so the same source
  * compiles to AVX-512, AVX2, SSE2 or NEON, once per ISA level (pagoda/utils/cpu_build.py);
@@ -22,9 +22,9 @@
 #include "tile.h"
 
 /* ---- tile dispatch ------------------------------------------------------------------- */
-/* Head sizes 64 and 128 get code specialised on the group size (loops unrolled, accumulators
- * in registers); other head sizes and dtypes share one generic body per dtype, which keeps the
- * first-use compile short. */
+/* Every tile body is specialised on the number of query vectors (loops unrolled, accumulators in
+ * registers); head sizes 64 and 128 also on the chunk count, other head sizes share one body per
+ * dtype and group size, which keeps the first-use compile short. */
 typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float *, float *,
                         const int *, const int *);
 
@@ -32,8 +32,7 @@ typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float 
     static void NAME(const Tile *tl, int nq, void *const *q, float *const *acc, float *m,          \
                      float *l, const int *lo, const int *nv) {                                     \
         float *const *qf = (float *const *)q;                                                      \
-        if (CC == 0) attend_tile(tl, DT, nq, 0, qf, acc, m, l, lo, nv);                            \
-        else switch (nq) {                                                                         \
+        switch (nq) {                                                                              \
         case 1: attend_tile(tl, DT, 1, CC, qf, acc, m, l, lo, nv); break;                          \
         case 2: attend_tile(tl, DT, 2, CC, qf, acc, m, l, lo, nv); break;                          \
         case 3: attend_tile(tl, DT, 3, CC, qf, acc, m, l, lo, nv); break;                          \
@@ -100,19 +99,20 @@ typedef struct {
 /* Floats of per-thread scratch an item of nqv query vectors needs (see run_item). */
 static size_t scratch_floats(int nqv, int d) {
     const int cp = (d + 31) / 32 * 32;
-    return (size_t)nqv * (2 * cp + 3) + 64;
+    return (size_t)nqv * (2 * cp + LANES + 2) + 64;
 }
 
-/* Slots of key positions [t0, t0 + LANES) clipped to num_keys > t0 (lanes past it repeat lane 0);
- * returns the number of valid lanes. */
-static int tile_slots(const Params *P, const int32_t *table, int t0, int num_keys, int64_t *slot) {
-    const int nt = num_keys - t0 < LANES ? num_keys - t0 : LANES;
+/* Byte offsets (slot * token_bytes) of the rows of key positions [t0, t0 + TILE_KEYS) clipped
+ * to num_keys > t0 (keys past it repeat key t0); returns the number of valid keys. */
+static int tile_rows(const Params *P, const int32_t *table, int64_t token_bytes, int t0,
+                     int num_keys, int64_t *row) {
+    const int nt = num_keys - t0 < TILE_KEYS ? num_keys - t0 : TILE_KEYS;
     int b = t0 / P->block_size, o = t0 % P->block_size;
     for (int t = 0; t < nt; t++) {
-        slot[t] = (int64_t)table[b] * P->block_size + o;
+        row[t] = ((int64_t)table[b] * P->block_size + o) * token_bytes;
         if (++o == P->block_size) o = 0, b++;
     }
-    for (int t = nt; t < LANES; t++) slot[t] = slot[0];
+    for (int t = nt; t < TILE_KEYS; t++) row[t] = row[0];
     return nt;
 }
 
@@ -144,9 +144,11 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
     const int64_t head_bytes = (int64_t)d * es, token_bytes = head_bytes * P->num_kv_heads;
 
     /* Per query vector i = (kv head - h0) * per_head + row * group + g: its q (fp32 pre-scaled,
-     * or raw bf16 for bf16dp), accumulator, running max and sum, and position. */
-    float *qf = scratch, *acc = qf + (size_t)nqv * cp, *m = acc + (size_t)nqv * cp, *l = m + nqv;
-    int *pos = (int *)(l + nqv);
+     * or raw bf16 for bf16dp), accumulator, running sum (LANES partial sums), running max and
+     * position. */
+    float *qf = scratch, *acc = qf + (size_t)nqv * cp, *l = acc + (size_t)nqv * cp;
+    float *m = l + (size_t)nqv * LANES;
+    int *pos = (int *)(m + nqv);
     for (int h = h0; h < h1; h++)
         for (int r = 0; r < nrows; r++)
             for (int g = 0; g < group; g++) {
@@ -156,42 +158,39 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
                 if (P->bf16dp)
                     memcpy((uint16_t *)(qf + (size_t)i * cp), src, (size_t)d * 2);
                 else
-                    for (int e = 0; e < cp; e++)
-                        qf[(size_t)i * cp + e] = e < d ? load_scalar(src, dt, e) * P->scale : 0;
+                    for (int c = 0; c < cp / LANES; c++) {
+                        const vf x = load_chunk(src, dt, es, c, d, (c + 1) * LANES > d) * P->scale;
+                        memcpy(qf + (size_t)i * cp + c * LANES, &x, sizeof x);
+                    }
                 memset(acc + (size_t)i * cp, 0, sizeof(float) * cp);
                 m[i] = -INFINITY;
-                l[i] = 0.0f;
+                memset(l + (size_t)i * LANES, 0, sizeof(float) * LANES);
                 pos[i] = first_pos + r;
             }
 
     Tile tl;
-    tl.es = es, tl.d = d, tl.scale = P->scale, tl.soft_cap = P->soft_cap;
-    int64_t slot[LANES], next[LANES];
+    tl.d = d, tl.scale = P->scale, tl.soft_cap = P->soft_cap;
     const int key0 = first_key(P, first_pos); /* keys before it are out of every row's window */
-    int nt_next = tile_slots(P, table, key0, num_keys, next);
-    for (int t0 = key0; t0 < num_keys; t0 += LANES) {
+    int nt_next = tile_rows(P, table, token_bytes, key0, num_keys, tl.next_row);
+    for (int t0 = key0; t0 < num_keys; t0 += TILE_KEYS) {
         const int nt = nt_next;
-        memcpy(slot, next, sizeof slot);
-        int next_h0 = h0, next_h1 = h1; /* kv heads of the rows in `next` */
-        if (t0 + LANES < num_keys) {
-            nt_next = tile_slots(P, table, t0 + LANES, num_keys, next);
+        memcpy(tl.row, tl.next_row, sizeof tl.row);
+        int next_h0 = h0, next_h1 = h1; /* kv heads of the rows in `next_row` */
+        if (t0 + TILE_KEYS < num_keys) {
+            nt_next = tile_rows(P, table, token_bytes, t0 + TILE_KEYS, num_keys, tl.next_row);
         } else if (next_item != NULL) {
             const int32_t *next_table = P->block_tables + next_item[0] * P->block_table_stride;
             const int next_first = first_position(P, next_item);
             const int next_keys = next_first + next_item[4] - next_item[3];
-            tile_slots(P, next_table, first_key(P, next_first), next_keys, next);
+            tile_rows(P, next_table, token_bytes, first_key(P, next_first), next_keys,
+                      tl.next_row);
             next_h0 = next_item[1], next_h1 = next_item[2];
         }
         for (int h = h0; h < h1; h++) {
             const int next_h = next_h0 + (h - h0) < next_h1 ? next_h0 + (h - h0) : next_h0;
-            for (int t = 0; t < LANES; t++) {
-                const int64_t off = slot[t] * token_bytes + h * head_bytes;
-                const int64_t next_off = next[t] * token_bytes + next_h * head_bytes;
-                tl.krow[t] = P->k_cache + off;
-                tl.vrow[t] = P->v_cache + off;
-                tl.next_krow[t] = P->k_cache + next_off;
-                tl.next_vrow[t] = P->v_cache + next_off;
-            }
+            tl.k = P->k_cache + h * head_bytes, tl.v = P->v_cache + h * head_bytes;
+            tl.next_k = P->k_cache + next_h * head_bytes;
+            tl.next_v = P->v_cache + next_h * head_bytes;
             for (int i0 = 0; i0 < per_head; i0 += MAX_GROUP) {
                 const int nq = per_head - i0 < MAX_GROUP ? per_head - i0 : MAX_GROUP;
                 void *qp[MAX_GROUP];
@@ -205,7 +204,7 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
                     nvalid[j] = n < nt ? n : nt;
                     nlo[j] = P->sliding_window > 0 ? n - P->sliding_window : 0;
                 }
-                P->tile(&tl, nq, qp, ap, m + base, l + base, nlo, nvalid);
+                P->tile(&tl, nq, qp, ap, m + base, l + (size_t)base * LANES, nlo, nvalid);
             }
         }
     }
@@ -216,7 +215,9 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
                 const int i = (h - h0) * per_head + r * group + g;
                 const int head = h * group + g;
                 char *dst = P->out + ((int64_t)(r0 + r) * P->num_heads + head) * d * es;
-                const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+                vf lv;
+                memcpy(&lv, l + (size_t)i * LANES, sizeof lv);
+                const float sum = hsum(lv), inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 const float *a = acc + (size_t)i * cp;
 #if HAVE_BF16DP
                 if (P->bf16dp) {

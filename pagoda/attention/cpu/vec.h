@@ -147,50 +147,50 @@ INLINE float hmax(vf v) {
 }
 
 /* One level of the transpose-and-add tree of reduce_keys: a and b each hold g keys' partial
- * sums (LANES / g lanes a key); the result holds a's keys then b's, each key's lanes summed in
- * halves. PAIRg for g = 1, 2, 4, 8. */
+ * sums (LANES / g lanes a key); the result holds their 2g keys, each key's lanes summed in
+ * pairs. PAIRg for g = 1, 2, 4, 8. The levels that shuffle within 128-bit lanes (cheap) come
+ * first and the ones that cross them last; in between a key's lanes are spread over the vector,
+ * and the last level leaves key t in lane t. */
 #if LANES == 16
 #define PAIR1(a, b)                                                                                \
-    (SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +                          \
-     SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    (SHUF(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +                        \
+     SHUF(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
 #define PAIR2(a, b)                                                                                \
+    (SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +                       \
+     SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31))
+#define PAIR4(a, b)                                                                                \
     (SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +                        \
      SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
-#define PAIR4(a, b)                                                                                \
-    (SHUF(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +                        \
-     SHUF(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
-#define PAIR8(a, b)                                                                                \
-    (SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +                       \
-     SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+#define PAIR8(a, b) PAIR4(a, b)
 #elif LANES == 8
-#define PAIR1(a, b) (SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
-#define PAIR2(a, b) (SHUF(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + SHUF(a, b, 2, 3, 6, 7, 10, 11, 14, 15))
-#define PAIR4(a, b) (SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
+#define PAIR1(a, b) (SHUF(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+#define PAIR2(a, b) (SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15))
+#define PAIR4(a, b) (SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
 #else
 #define PAIR1(a, b) (SHUF(a, b, 0, 1, 4, 5) + SHUF(a, b, 2, 3, 6, 7))
 #define PAIR2(a, b) (SHUF(a, b, 0, 2, 4, 6) + SHUF(a, b, 1, 3, 5, 7))
 #endif
 
-/* p[t] holds LANES partial sums of key t's dot product; returns r with r[t] = sum(p[t]).
- * A transpose-and-add tree: each level halves the vectors and doubles the keys per vector. */
-INLINE vf reduce_keys(const vf *p) {
-    vf a[LANES];
-    int n = LANES;
-#define LEVEL(PAIR, src)                                                                           \
-    do {                                                                                           \
-        for (int j = 0; j < n / 2; j++) a[j] = PAIR(src[2 * j], src[2 * j + 1]);                   \
-        n /= 2;                                                                                    \
-    } while (0)
-    LEVEL(PAIR1, p);
-    LEVEL(PAIR2, a);
-#if LANES >= 8
-    LEVEL(PAIR4, a);
-#endif
+/* PAIRg(a, b); g is a constant wherever the tree is unrolled. */
+INLINE vf pair_keys(vf a, vf b, int g) {
 #if LANES >= 16
-    LEVEL(PAIR8, a);
+    if (g == 8) return PAIR8(a, b);
 #endif
-#undef LEVEL
-    return a[0];
+#if LANES >= 8
+    if (g == 4) return PAIR4(a, b);
+#endif
+    return g == 2 ? PAIR2(a, b) : PAIR1(a, b);
+}
+
+/* p[0 .. n) each hold the partial sums of g keys' dot products (LANES / g lanes a key; n g <=
+ * LANES keys in all, in order); folds them in place into p[0], which then holds each key's sum
+ * over LANES / (n g) lanes (key t's whole sum in lane t when n g = LANES). A transpose-and-add
+ * tree: each level halves the vectors and doubles the keys per vector, so the keys a q.k block
+ * scores can be folded at once and the blocks' results folded further later. */
+INLINE void reduce_keys(vf *p, int n, int g) {
+    for (; n > 1; n /= 2, g *= 2)
+#pragma GCC unroll 16
+        for (int j = 0; j < n / 2; j++) p[j] = pair_keys(p[2 * j], p[2 * j + 1], g);
 }
 
 /* LANES values of an fp32, bf16 or fp16 row, widened to fp32. */
@@ -218,15 +218,21 @@ INLINE vf load_lanes(const void *p, int dt) {
 #endif
 }
 
-/* Chunk c (LANES elements) of a row of `d` elements; the tail chunk of an odd head size is read
- * element by element so nothing past the row is touched. */
-INLINE vf load_chunk(const char *row, int dt, int es, int c, int d) {
-    if ((c + 1) * LANES <= d) return load_lanes(row + (size_t)c * LANES * es, dt);
+/* The tail chunk c (elements c LANES .. d - 1) of a row of d elements, zero padded and read
+ * element by element so that nothing past the row is touched. Out of line: it is rare (a head
+ * size LANES does not divide), and a call keeps its code out of the unrolled loops. */
+static __attribute__((noinline)) vf load_tail(const char *row, int dt, int c, int d) {
     float t[LANES] = {0};
     for (int i = c * LANES; i < d; i++) t[i - c * LANES] = load_scalar(row, dt, i);
     vf v;
     memcpy(&v, t, sizeof v);
     return v;
+}
+
+/* Chunk c (LANES elements) of a row of d elements, widened to fp32; `partial`: the chunk runs
+ * past d (load_tail). */
+INLINE vf load_chunk(const char *row, int dt, int es, int c, int d, int partial) {
+    return partial ? load_tail(row, dt, c, d) : load_lanes(row + (size_t)c * LANES * es, dt);
 }
 
 /* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp).
