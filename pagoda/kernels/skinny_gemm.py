@@ -206,6 +206,22 @@ def prepare(device: torch.device | str) -> torch.Tensor:
     return counters
 
 
+def split_k_buffers(y: torch.Tensor, tiles: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counters, partials) of a launch of `tiles` output tiles whose K is split `split_k`
+    ways into the output y [M, N]: the device's tile counters (`prepare`) and fp32 partial sums
+    [split_k, M, N]; without a split, y twice (placeholders the kernel does not touch). Raises
+    ValueError when the tiles outnumber the counters."""
+    if split_k == 1:
+        return y, y
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(
+            f"split_k > 1 takes one counter per output tile: {tiles} tiles exceed "
+            f"{MAX_SPLIT_TILES}; use larger blocks or split_k=1"
+        )
+    m, n = y.shape
+    return prepare(y.device), torch.empty((split_k, m, n), dtype=torch.float32, device=y.device)
+
+
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """2..128 rows of K-contiguous x [M, K] times a row-major weight [N, K] of x's dtype
     (fp16, bf16, fp32), K a multiple of 8, on one device. Which device runs Triton is the
@@ -263,16 +279,7 @@ def skinny_linear(
     k_per_split, split_k = split_k_plan(k, block_k, split_k)
     tiles = triton.cdiv(n, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split_k > 1:
-        if tiles > MAX_SPLIT_TILES:
-            raise ValueError(
-                f"split_k > 1 takes one counter per N tile: {tiles} tiles of {block_n} rows "
-                f"exceed {MAX_SPLIT_TILES}; use a larger block_n or split_k=1"
-            )
-        counters = prepare(x.device)
-        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    else:
-        counters = partials = y  # unused
+    counters, partials = split_k_buffers(y, tiles, split_k)
     _skinny_gemm_kernel[(tiles, split_k)](
         x,
         weight,

@@ -41,9 +41,8 @@ import triton.language as tl
 
 from pagoda.kernels import w4a16_gemv
 from pagoda.kernels.skinny_gemm import (
-    MAX_SPLIT_TILES,
     SMEM_BUDGET,
-    prepare,
+    split_k_buffers,
     split_k_plan,
     store_tile,
 )
@@ -464,16 +463,7 @@ def w4a16_linear(
         x_sums = chunk_sums(x, block_k)
     m_tiles, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split_k > 1:
-        if m_tiles * n_tiles > MAX_SPLIT_TILES:
-            raise ValueError(
-                f"split_k > 1 takes one counter per output tile: {m_tiles * n_tiles} tiles "
-                f"exceed {MAX_SPLIT_TILES}; use larger blocks or split_k=1"
-            )
-        counters = prepare(x.device)
-        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    else:
-        counters = partials = y  # unused
+    counters, partials = split_k_buffers(y, m_tiles * n_tiles, split_k)
     _w4a16_kernel[(m_tiles, n_tiles, split_k)](
         x,
         qweight,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.skinny_gemm import MAX_SPLIT_TILES, prepare, split_k_plan, store_tile
+from pagoda.kernels.skinny_gemm import split_k_buffers, split_k_plan, store_tile
 from pagoda.kernels.w4a16 import NIBBLE_MAGIC, _unpack
 
 # A nibble q in the low mantissa bits of a 16-bit float whose last mantissa bit is worth 1
@@ -243,13 +243,7 @@ def skinny_w4a16(
     k_per_split, split_k = split_k_plan(k, cfg.block_k, cfg.split_k)
     m_tiles, n_tiles = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split_k > 1:
-        if m_tiles * n_tiles > MAX_SPLIT_TILES:
-            raise ValueError(f"split_k > 1: {m_tiles * n_tiles} tiles exceed {MAX_SPLIT_TILES}")
-        counters = prepare(x.device)
-        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    else:
-        counters = partials = y  # unused
+    counters, partials = split_k_buffers(y, m_tiles * n_tiles, split_k)
     halves = qweight.view(torch.int16)
     _pairs_kernel[(m_tiles, n_tiles, split_k)](
         x,

@@ -35,10 +35,9 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.skinny_gemm import (
-    MAX_SPLIT_TILES,
     SMEM_BUDGET,
     _num_sms,
-    prepare,
+    split_k_buffers,
     split_k_plan,
     store_tile,
 )
@@ -357,16 +356,7 @@ def w8a16_linear(
         )
     m_tiles, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split_k > 1:
-        if m_tiles * n_tiles > MAX_SPLIT_TILES:
-            raise ValueError(
-                f"split_k > 1 takes one counter per output tile: {m_tiles * n_tiles} tiles "
-                f"exceed {MAX_SPLIT_TILES}; use larger blocks or split_k=1"
-            )
-        counters = prepare(x.device)
-        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    else:
-        counters = partials = y  # unused
+    counters, partials = split_k_buffers(y, m_tiles * n_tiles, split_k)
     _w8a16_kernel[(m_tiles, n_tiles, split_k)](
         x,
         qweight,
