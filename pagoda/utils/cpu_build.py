@@ -16,14 +16,17 @@ OpenMP when the compiler has it) for one ISA level, named by explicit `-m` flags
 directory (`$PAGODA_CACHE_DIR`, else `~/.cache/pagoda`) under a name keyed by a hash of the
 source, the level, the flags, the compiler and the CPU's feature flags, so a changed source,
 another level or another machine builds afresh and everything else loads the cached library.
-Concurrent builders (test workers, several engines) each compile to a private temporary file
-and `os.replace` it into place, which is atomic: a reader sees either no library or a whole
-one. Any failure raises `CpuKernelUnavailable` with the reason; `build_with_fallback` then
+Concurrent builders (threads, test workers, several engines, a server's front end and its
+engine core) take a lock file beside the library (`flock`) before compiling it, so one of them
+compiles and the others wait for it and load its result; the compiler writes a private
+temporary file that `os.replace` moves into place, which is atomic: a reader sees either no
+library or a whole one. Any failure raises `CpuKernelUnavailable` with the reason; `build_with_fallback` then
 tries the portable level once (one warning), and the callers fall back to torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -31,11 +34,17 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from pagoda import envs
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: concurrent builders then compile side by side
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +198,17 @@ def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
+@contextlib.contextmanager
+def _build_lock(lib: Path) -> Iterator[None]:
+    """Held while `lib` is compiled: other threads and processes wait here for it."""
+    if fcntl is None:
+        yield
+        return
+    with open(lib.with_name(lib.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
+
+
 def _build(cc: str, flags: list[str], source: Path, headers: Sequence[str], isa: str) -> Path:
     text = b"".join(source.with_name(f).read_bytes() for f in (source.name, *headers))
     parts = [text, isa.encode(), " ".join(flags).encode(), cc.encode(), cpu_flags().encode()]
@@ -200,7 +220,9 @@ def _build(cc: str, flags: list[str], source: Path, headers: Sequence[str], isa:
         raise CpuKernelUnavailable(f"cache dir {directory} not writable ({e})") from e
     lib = directory / f"{source.stem}_{isa}_{key}.so"
     if not lib.exists():
-        _compile(cc, flags, source, lib)
+        with _build_lock(lib):
+            if not lib.exists():  # else another builder made it while this one waited
+                _compile(cc, flags, source, lib)
     return lib
 
 
@@ -243,16 +265,45 @@ def build_with_fallback(
         return build_library(source, headers, "portable"), "portable"
 
 
-def prebuild(libraries: Sequence[tuple[Path, Sequence[str], str | None]]) -> None:
-    """Build the (source, headers, isa) libraries into the cache at once, one compiler per
-    library in parallel: a first start compiles them in the time of the longest, not of all
-    (each is ~3-5 s of gcc -O3). Errors are left to the loaders, which say them."""
+Library = tuple[Path, Sequence[str], str | None]  # (source, headers, ISA level or None)
+# The builds prebuild started in this process, by what decides their library file.
+_started: dict[tuple, Future[tuple[Path, str]]] = {}
+_started_lock = threading.Lock()
+
+
+def build_workers() -> int:
+    """Compilers run at once: one per core this process may use (more only share them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def prebuild(libraries: Sequence[Library], wait: bool = True) -> None:
+    """Build the (source, headers, isa) libraries into the cache, `build_workers()` compilers at
+    a time taking them in the order given: listed longest first, a first start on 2 cores
+    compiles the longest on one core while the others follow one another on the second, and
+    both finish together. Without `wait` it returns at once and the builds go on in the
+    background; a loader asking for a library still being compiled waits for it
+    (`_build_lock`). A build an earlier call started is not started again. Errors are left to
+    the loaders, which say them."""
     if not compiler_available():
         return
-    with ThreadPoolExecutor(max_workers=len(libraries) or 1) as pool:
-        futures = [pool.submit(build_with_fallback, *lib) for lib in libraries]
-        for f in futures:
-            try:
-                f.result()
-            except CpuKernelUnavailable:
-                pass
+    keys = [
+        (cache_dir(), src, tuple(hdrs), isa, envs.PAGODA_CPU_ISA) for src, hdrs, isa in libraries
+    ]
+    with _started_lock:
+        new = [(k, lib) for k, lib in zip(keys, libraries) if k not in _started]
+        if new:
+            pool = ThreadPoolExecutor(max_workers=min(len(new), build_workers()))
+            for k, lib in new:
+                _started[k] = pool.submit(build_with_fallback, *lib)
+            pool.shutdown(wait=False)  # its threads exit once the queue is done
+        futures = [_started[k] for k in keys]
+    if not wait:
+        return
+    for f in futures:
+        try:
+            f.result()
+        except CpuKernelUnavailable:
+            pass

@@ -69,19 +69,20 @@ def num_cpu_threads() -> int:
 
 def prebuild_cpu_kernels(gguf: bool) -> None:
     """Compile the C kernels a CPU engine loads (attention, the fused ops, the decoder stack,
-    the thread pool and, for a GGUF model, the quantized GEMM) side by side before their loaders ask for them one
-    after the other; a no-op once they are in the cache."""
+    the thread pool and, for a GGUF model, the quantized GEMM) side by side before their
+    loaders ask for them one after the other; a no-op once they are in the cache. Listed
+    longest build first (`prebuild` takes them in this order, a compiler per core)."""
     from pagoda.attention.cpu import library as attention
     from pagoda.kernels.cpu import decoder, ops, pool, quant
     from pagoda.utils.cpu_build import prebuild
 
-    libraries = [(attention.SOURCE, attention.HEADERS, None), (pool.SOURCE, (), pool.ISA)]
+    libraries = [(quant.SOURCE, quant.HEADERS, None)] if gguf else []
+    libraries.append((attention.SOURCE, attention.HEADERS, None))
     if envs.PAGODA_CPU_FAST_OPS:
         libraries.append((ops.SOURCE, ops.HEADERS, None))
         if envs.PAGODA_CPU_DECODER:
             libraries.append((decoder.SOURCE, (), decoder.ISA))
-    if gguf:
-        libraries.append((quant.SOURCE, quant.HEADERS, None))
+    libraries.append((pool.SOURCE, (), pool.ISA))
     prebuild(libraries)
 
 
