@@ -26,6 +26,7 @@ from pagoda.config import (
     embedded_model_path,
 )
 from pagoda.logger import init_logger
+from pagoda.utils import cpu_kernels
 
 logger = init_logger(__name__)
 
@@ -195,13 +196,19 @@ class EngineArgs:
         return model, hf_config, max_model_len
 
     def create_engine_config(self) -> EngineConfig:
+        model, hf_config, max_model_len = self.check_model_config()
+        if cpu_kernels.runs_on_cpu(self.device):
+            # A CPU engine's C kernels compile in the background from here, beside the import
+            # of torch and the model's loading rather than between them.
+            ckpt = (hf_config.get("quantization_config") or {}).get("quant_method")
+            gguf = (self.quantization or (ckpt if self.load_format != "dummy" else None)) == "gguf"
+            cpu_kernels.start_build(gguf)
         from pagoda.model.quantization import (
             QUANT_METHODS,
             checkpoint_accepts,
             checkpoint_quant_method,
         )
 
-        model, hf_config, max_model_len = self.check_model_config()
         if self.quantization not in (None, "gguf", *QUANT_METHODS):
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported yet; supported: gguf, "

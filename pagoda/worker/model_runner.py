@@ -32,6 +32,7 @@ from pagoda.sample.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from pagoda.utils import cpu_kernels
 from pagoda.worker.cuda_graphs import (
     CaptureFn,
     CUDAGraphRunner,
@@ -65,25 +66,6 @@ def num_cpu_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def prebuild_cpu_kernels(gguf: bool) -> None:
-    """Compile the C kernels a CPU engine loads (attention, the fused ops, the decoder stack,
-    the thread pool and, for a GGUF model, the quantized GEMM) side by side before their
-    loaders ask for them one after the other; a no-op once they are in the cache. Listed
-    longest build first (`prebuild` takes them in this order, a compiler per core)."""
-    from pagoda.attention.cpu import library as attention
-    from pagoda.kernels.cpu import decoder, ops, pool, quant
-    from pagoda.utils.cpu_build import prebuild
-
-    libraries = [(quant.SOURCE, quant.HEADERS, None)] if gguf else []
-    libraries.append((attention.SOURCE, attention.HEADERS, None))
-    if envs.PAGODA_CPU_FAST_OPS:
-        libraries.append((ops.SOURCE, ops.HEADERS, None))
-        if envs.PAGODA_CPU_DECODER:
-            libraries.append((decoder.SOURCE, (), decoder.ISA))
-    libraries.append((pool.SOURCE, (), pool.ISA))
-    prebuild(libraries)
 
 
 class ModelRunner:
@@ -145,7 +127,9 @@ class ModelRunner:
         from pagoda.model.loader import load_model
 
         if self.device.type == "cpu":
-            prebuild_cpu_kernels(gguf=self.model_config.quantization == "gguf")
+            # Usually started already (`EngineArgs.create_engine_config`); the loaders below
+            # wait for their own library.
+            cpu_kernels.start_build(gguf=self.model_config.quantization == "gguf")
         backend = get_attn_backend(self.device, self.config.device_config.attention_backend)
         self.attn_backend = backend
         on_cuda = self.device.type == "cuda"

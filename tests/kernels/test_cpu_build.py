@@ -95,3 +95,24 @@ def test_prebuild_in_the_background_and_the_loader_waits_for_it(tmp_path, cache,
     threading.Timer(0.3, release.set).start()
     monkeypatch.setattr(build, "_compile", lambda *a: pytest.fail("compiled a second time"))
     assert build.build_library(source, (), "portable").exists()  # waited for the first build
+
+
+def test_a_cpu_engine_config_starts_the_kernel_build(monkeypatch):
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.utils import cpu_kernels
+
+    started = []
+    monkeypatch.setattr(cpu_kernels, "start_build", started.append)
+    EngineArgs(device="cpu", max_model_len=256).create_engine_config()
+    assert started == [True]  # the embedded model is a GGUF file: the quantized GEMM too
+    assert cpu_kernels.engine_libraries(True)[0] == cpu_kernels.QUANT  # the longest first
+
+
+def test_auto_device_is_the_cpu_without_a_gpu_driver(monkeypatch):
+    from pagoda.utils import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels.os.path, "exists", lambda path: False)
+    assert cpu_kernels.runs_on_cpu("auto") and cpu_kernels.runs_on_cpu("cpu")
+    assert not cpu_kernels.runs_on_cpu("cuda")
+    monkeypatch.setattr(cpu_kernels.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert not cpu_kernels.runs_on_cpu("auto")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 from pagoda.kernels.cpu import pool
+from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, log_isa
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
-HEADERS = ("vec.h", "tile.h")  # included by SOURCE: part of the cache key
+SOURCE, HEADERS, _ = cpu_kernels.ATTENTION  # HEADERS: included by SOURCE, part of the cache key
 _ABI = 3  # pagoda_paged_attention_abi() of the source this loader can call
 
 

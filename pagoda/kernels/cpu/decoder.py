@@ -13,14 +13,13 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
 
-SOURCE = Path(__file__).with_name("decoder.c")
-ISA = "portable"  # it holds no arithmetic: the kernels it calls are built per ISA level
+SOURCE, _, ISA = cpu_kernels.DECODER  # portable: the kernels it calls are built per ISA level
 _ABI = 1
 MAX_PARTS = 4
 PART_QUANT, PART_PACKED, PART_GEMV = 0, 1, 2

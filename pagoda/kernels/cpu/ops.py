@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from pagoda import envs
+from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import (
     ISA_LEVELS,
     CpuKernelUnavailable,
@@ -28,8 +28,7 @@ from pagoda.utils.cpu_build import (
     warn_unavailable,
 )
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
-HEADERS = ("simd.h", "gemv.h", "gemm.h")
+SOURCE, HEADERS, _ = cpu_kernels.OPS
 _ABI = 3
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest row count (tokens) the skinny GEMM takes on a plain (unpacked) weight; above it

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 from pagoda import envs
+from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
 
-SOURCE = Path(__file__).with_name("pool.c")
-ISA = "portable"  # the level it is built for: it holds no arithmetic
+SOURCE, _, ISA = cpu_kernels.POOL  # ISA: portable, it holds no arithmetic
 _ABI = 1
 DEFAULT_SPIN_US = 100
 

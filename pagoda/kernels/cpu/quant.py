@@ -22,12 +22,12 @@ import torch
 
 from pagoda.kernels.cpu import pool
 from pagoda.utils import cpu_build as build
+from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("quant_gemm.c")
-HEADERS = ("quant_blocks.h", "quant_rows.h", "quant_x8.h")
+SOURCE, HEADERS, _ = cpu_kernels.QUANT
 _ABI = 2
 
 # ggml type -> (weights per block, bytes per block) of the types the kernel reads.
