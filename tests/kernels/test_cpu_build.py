@@ -81,17 +81,18 @@ def test_prebuild_takes_the_libraries_in_order_a_compiler_per_core(tmp_path, cac
 
 
 def test_prebuild_in_the_background_and_the_loader_waits_for_it(tmp_path, cache, monkeypatch):
-    release = threading.Event()
+    compiling, release = threading.Event(), threading.Event()
     real = build._compile
 
     def held(cc, flags, source, out):
+        compiling.set()
         release.wait(10)
         real(cc, flags, source, out)
 
     monkeypatch.setattr(build, "_compile", held)
     (source,) = sources(tmp_path, 1)
     build.prebuild([(source, (), "portable")], wait=False)  # returns with the build held
-    assert not list(cache.glob("*.so"))
+    assert compiling.wait(10) and not list(cache.glob("*.so"))
     threading.Timer(0.3, release.set).start()
     monkeypatch.setattr(build, "_compile", lambda *a: pytest.fail("compiled a second time"))
     assert build.build_library(source, (), "portable").exists()  # waited for the first build
