@@ -120,7 +120,7 @@ def bench_engine_step(
 
     def schedule():
         out = sched()
-        n = len(out.scheduled_requests)
+        n = len(out.num_scheduled_tokens)
         pure_decode[0] = n == batch == out.total_num_scheduled_tokens
         return out
 

@@ -4,8 +4,9 @@
         [--context 300] [--prefill 512] [--cached-prefix 500] [--iters 10]
         [--graphs on|off|both] [--profile 1 256] [--profile-prefill 8192] [--engine-batch 1 256]
 
-Runs `ModelRunner.execute_model` on hand-made SchedulerOutputs (no scheduler, no tokenizer),
-so the time is inputs + model + logits + sampling. Prints ms per step (median of --iters), on
+Runs `ModelRunner.execute_model` on hand-made SchedulerOutputs (no scheduler, no tokenizer; a
+request whole the first step, then diffs, as the scheduler sends them), so the time is inputs +
+model + logits + sampling. Prints ms per step (median of --iters), on
 CUDA with decode CUDA graphs on and/or off, and with --profile the host-side operators of a
 step. --engine-batch N runs N requests through the whole `LLMEngine` and splits one decode
 step into its host parts (schedule, prepare inputs, launch, output handling) and the wait for
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
 
 from pagoda.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from pagoda.core.outputs import SchedulerOutput  # noqa: E402
+from pagoda.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from pagoda.core.request import Request  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.worker.model_runner import ModelRunner  # noqa: E402
@@ -75,12 +76,31 @@ def build_runner(
     return runner
 
 
+# id(runner) -> req_id -> (request, output tokens sent): what each runner was told.
+_SENT: dict[int, dict[str, tuple[Request, int]]] = {}
+
+
 def _step(runner: ModelRunner, reqs: list[Request], counts: list[int], tables) -> float:
+    """One step; each table is the request's whole block list, fixed for its life."""
+    sent = _SENT.setdefault(id(runner), {})
+    cached, new = CachedRequestData(), []
+    for r, table in zip(reqs, tables):
+        known = sent.get(r.request_id)
+        if known is not None and known[0] is r:
+            cached.append(r.request_id, r.output_token_ids[known[1] :], [])
+        else:
+            outputs = list(r.output_token_ids)
+            new.append(
+                NewRequestData(r.request_id, r.prompt_token_ids, outputs, r.sampling_params, table)
+            )
+        sent[r.request_id] = (r, r.num_output_tokens)
+    order = cached.req_ids + [n.req_id for n in new]  # the batch order the runner sees
+    count_of = {r.request_id: n for r, n in zip(reqs, counts)}
     so = SchedulerOutput(
-        scheduled_requests=reqs,
-        num_scheduled_tokens={r.request_id: n for r, n in zip(reqs, counts)},
+        scheduled_cached_reqs=cached,
+        scheduled_new_reqs=new,
+        num_scheduled_tokens={rid: count_of[rid] for rid in order},
         total_num_scheduled_tokens=sum(counts),
-        block_ids={r.request_id: t for r, t in zip(reqs, tables)},
         num_computed_tokens={r.request_id: r.num_computed_tokens for r in reqs},
     )
     start = time.perf_counter()

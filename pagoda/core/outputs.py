@@ -1,8 +1,14 @@
-"""The narrow boundary between the scheduler and the model runner.
+"""The narrow boundary between the scheduler and the model runner (vLLM v1's `SchedulerOutput`,
+`NewRequestData`, `CachedRequestData`).
 
 `SchedulerOutput` goes in, `ModelRunnerOutput` comes out; both hold plain Python values only
-(lists, dicts, ints), so they cross process boundaries unchanged. The runner treats the
-`Request` objects it is handed as read-only.
+(lists, dicts, ints, `SamplingParams`), never a scheduler object or a list the scheduler keeps
+changing, so every executor takes the same object: the in-process runner as it is, tensor-parallel
+workers pickled. A request reaches the runner whole once (`NewRequestData`: when it is first
+scheduled, or again after a preemption), then only as a diff (`CachedRequestData`: the output
+tokens and blocks it gained since it was last sent); the runner keeps its own copy of each
+request (`pagoda.worker.request_state`) and forgets it when the request is reported finished or
+preempted.
 """
 
 from __future__ import annotations
@@ -10,32 +16,63 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.core.request import Request
+from pagoda.sampling_params import SamplingParams
 
 
 @dataclass
+class NewRequestData:
+    """Everything the runner keeps of a request it does not know yet. It replaces whatever the
+    runner held under the same id."""
+
+    req_id: str
+    # The request's own prompt list: nobody changes it.
+    prompt_token_ids: list[int]
+    # Tokens generated before this step (a request resumed after a preemption has some); a copy.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The request's whole block table (physical block ids, in order); a copy. Block 0 is the
+    # null block (never allocated), free to use as padding.
+    block_ids: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    """What changed in the scheduled requests the runner already knows, one entry per request in
+    each list (vLLM's layout: a few lists pickle much faster than many small objects)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Output tokens appended to the request since it was last sent (tokens sampled by a step
+    # still in flight come a step later: the runner reads them on the device meanwhile).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # Block ids appended to its block table since it was last sent. (A sliding window's freed
+    # blocks stay in the runner's table: attention never reads outside the window.)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+
+    def append(self, req_id: str, new_token_ids: list[int], new_block_ids: list[int]) -> None:
+        self.req_ids.append(req_id)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+
+
+@dataclass(eq=False)  # compared by identity: the scheduler keeps each step's requests by it
 class SchedulerOutput:
-    # Requests to run this step, in batch order: running ones first, then newly admitted ones.
-    scheduled_requests: list[Request]
-    # req_id -> tokens to compute this step: all_token_ids[start : start + n] with
+    # The step's requests, in batch order: those the runner knows (running ones) first, then
+    # those it does not (newly admitted or resumed ones).
+    scheduled_cached_reqs: CachedRequestData
+    scheduled_new_reqs: list[NewRequestData]
+    # req_id -> tokens to compute this step: the request's tokens [start, start + n) with
     # start = num_computed_tokens[req_id] below
-    # (plus spec_token_ids at the end when the request carries drafts to verify).
+    # (plus its scheduled_spec_decode_tokens at the end when it carries drafts to verify).
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # req_id -> the request's whole block table (physical block ids, in order). The KV cache
-    # manager's live list: read it during the step, copy what you keep. Block 0 is the null
-    # block (never allocated), free to use as padding.
-    block_ids: dict[str, list[int]]
-    # req_id -> number of draft tokens scheduled for verification (speculative decoding).
-    scheduled_spec_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> tokens in the KV cache before this step: where its scheduled tokens start.
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> the draft tokens scheduled for verification (speculative decoding); a copy.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests that finished, were aborted or were preempted since the last step:
     # the runner drops any per-request state it keeps for them.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # req_id -> request.num_computed_tokens BEFORE this step: where its scheduled tokens start.
-    # The scheduler has already advanced request.num_computed_tokens past this step when
-    # schedule() returns, so the runner must read the start here, not from the request.
-    num_computed_tokens: dict[str, int] = field(default_factory=dict)
     # Structured outputs: one row per request in structured_output_request_ids, a numpy int32
     # array [rows, ceil(vocab / 32)] whose bit t of a row allows token t; None when no
     # structured request samples this step.
@@ -45,6 +82,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        """The step's request ids, in batch order."""
+        return self.scheduled_cached_reqs.req_ids + [r.req_id for r in self.scheduled_new_reqs]
 
 
 @dataclass

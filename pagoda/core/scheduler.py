@@ -12,17 +12,29 @@ separate prefill and decode phases, and speculative drafts are just more tokens 
 Under "priority" the running list is kept in priority order, so higher-priority requests get
 the budget first and the victim of a preemption is always one not yet scheduled this step.
 Waiting requests never preempt running ones (vLLM's optional priority preemption is not done).
+
+`schedule()` hands the executor plain data (`pagoda.core.outputs`): a request in full the step it
+is admitted (again, after a preemption), afterwards only the output tokens and blocks it gained
+since it was last sent. The scheduler keeps each step's `Request` objects to itself, for
+`update_from_output` and for the engine (`scheduled_requests`).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections.abc import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagoda.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import (
     FCFSRequestQueue,
@@ -65,6 +77,12 @@ class Scheduler:
         self.running: list[Request] = []
         # Reported (and cleared) by the next schedule().
         self.finished_req_ids: set[str] = set()
+        # req_id -> output tokens the executors know of the running request (sent to them).
+        self._num_output_tokens_sent: dict[str, int] = {}
+        # Each step's scheduled requests, in batch order, until its output is processed.
+        self._step_requests: weakref.WeakKeyDictionary[SchedulerOutput, list[Request]] = (
+            weakref.WeakKeyDictionary()
+        )
         # Cumulative counters, and their values at the last make_stats() (for deltas).
         self.num_preemptions = 0
         self._last_stats = (0, 0, 0)
@@ -119,6 +137,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._num_output_tokens_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -136,6 +155,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def scheduled_requests(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The `Request` objects of a step this scheduler made, in batch order (until its
+        output is processed by `update_from_output`)."""
+        return self._step_requests[scheduler_output]
+
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -149,7 +173,9 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         num_scheduled_tokens: dict[str, int] = {}
-        scheduled_spec_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        # req_id -> blocks a running request gained this step (what the runner appends).
+        new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted_req_ids: set[str] = set()
@@ -175,7 +201,9 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                if kv.allocate_slots(request, num_new_tokens) is not None:
+                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    new_block_ids[request.request_id] = new_blocks
                     scheduled = True
                     break
                 victim = self.running.pop()
@@ -200,7 +228,7 @@ class Scheduler:
                 # Drafts cut by the budget or max_model_len are dropped, so the runner sees
                 # exactly the drafts it verifies.
                 del request.spec_token_ids[num_spec:]
-                scheduled_spec_tokens[request.request_id] = num_spec
+                scheduled_spec_decode_tokens[request.request_id] = list(request.spec_token_ids)
             elif request.spec_token_ids:
                 request.spec_token_ids.clear()
 
@@ -241,7 +269,6 @@ class Scheduler:
         # (as vLLM does: the next schedule() may run before this step's output comes back).
         scheduled_requests = scheduled_running + scheduled_new
         num_computed_tokens: dict[str, int] = {}
-        block_ids: dict[str, list[int]] = {}
         now = time.time()
         for request in scheduled_requests:
             rid = request.request_id
@@ -251,21 +278,45 @@ class Scheduler:
             if request.num_computed_tokens >= known:
                 # Reaches its end: the step samples a token that update_from_output appends.
                 request.num_output_placeholders += 1
-            block_ids[rid] = kv.get_block_ids(rid)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
 
+        # 4. What the executors learn: running requests as diffs, admitted ones in full.
+        sent = self._num_output_tokens_sent
+        cached_reqs = CachedRequestData()
+        for request in scheduled_running:
+            rid = request.request_id
+            outputs = request.output_token_ids
+            num_sent = sent[rid]
+            cached_reqs.append(rid, outputs[num_sent:], new_block_ids[rid])
+            sent[rid] = len(outputs)
+        new_reqs: list[NewRequestData] = []
+        for request in scheduled_new:
+            rid = request.request_id
+            new_reqs.append(
+                NewRequestData(
+                    rid,
+                    request.prompt_token_ids,
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                    list(kv.get_block_ids(rid)),
+                )
+            )
+            sent[rid] = request.num_output_tokens
+
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_requests=scheduled_requests,
+        out = SchedulerOutput(
+            scheduled_cached_reqs=cached_reqs,
+            scheduled_new_reqs=new_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
-            block_ids=block_ids,
-            scheduled_spec_tokens=scheduled_spec_tokens,
+            num_computed_tokens=num_computed_tokens,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
-            num_computed_tokens=num_computed_tokens,
         )
+        self._step_requests[out] = scheduled_requests
+        return out
 
     def _chunk_cap(self, num_new_tokens: int) -> int:
         """A long prefill's share of one step (long_prefill_token_threshold, 0: no cap)."""
@@ -276,6 +327,7 @@ class Scheduler:
         """Free a running request's blocks and send it back to the front of the queue; it
         recomputes its prompt and generated tokens when it is admitted again."""
         self.kv_cache_manager.free(request)
+        self._num_output_tokens_sent.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
@@ -292,7 +344,11 @@ class Scheduler:
         all_prompt_logprobs = model_runner_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         now = time.time()
-        for request in scheduler_output.scheduled_requests:
+        scheduled = self._step_requests.pop(scheduler_output, None)
+        if scheduled is None:  # not made by schedule(): its requests by id
+            ids = scheduler_output.num_scheduled_tokens
+            scheduled = [self.requests[rid] for rid in ids if rid in self.requests]
+        for request in scheduled:
             rid = request.request_id
             # Aborted (or finished by a stop string) while the step ran.
             if request.is_finished() or self.requests.get(rid) is not request:
@@ -300,7 +356,7 @@ class Scheduler:
             sampled = sampled_token_ids.get(rid) or []
             if sampled and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            num_spec = scheduler_output.scheduled_spec_tokens.get(rid, 0)
+            num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
             if num_spec:
                 # Accepted drafts + 1 bonus/corrected token come back; the KV written for the
                 # rejected drafts is stale, so those positions are computed again.

@@ -271,7 +271,7 @@ class LLMEngine:
         launched = self._launch_step()
         previous, self._in_flight = self._in_flight, None
         outputs = self._finish_step(*previous) if previous is not None else []
-        if launched[0].scheduled_requests:
+        if launched[0].num_scheduled_tokens:
             self._in_flight = launched
         else:  # nothing to run ahead of: finish it now (finished ids, stats)
             outputs += self._finish_step(*launched)
@@ -284,17 +284,23 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         sched_out = self.scheduler.schedule()
+        scheduled = self.scheduler.scheduled_requests(sched_out)
         if self.structured_output.backend_ready:
-            self.structured_output.grammar_bitmask(sched_out)
+            self.structured_output.grammar_bitmask(sched_out, scheduled)
         now = time.time()
         stats = IterationStats(iteration_timestamp=now)
-        for req in sched_out.scheduled_requests:
+        for req in scheduled:
             self.output_processor.mark_scheduled(req.request_id, now)
             start = sched_out.num_computed_tokens[req.request_id]
             n = sched_out.num_scheduled_tokens[req.request_id]
             stats.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         stats.num_scheduled_tokens = sched_out.total_num_scheduled_tokens
-        if sched_out.total_num_scheduled_tokens > 0 or sched_out.finished_req_ids:
+        # Every step that tells the runner something goes to it: it keeps its requests by them.
+        if (
+            sched_out.total_num_scheduled_tokens > 0
+            or sched_out.finished_req_ids
+            or sched_out.preempted_req_ids
+        ):
             future = self.executor.execute_model_async(sched_out)
         else:
             future = None
@@ -307,9 +313,10 @@ class LLMEngine:
             runner_out = future.get()
         else:
             runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids={})
-        for rid, num_spec in sched_out.scheduled_spec_tokens.items():
+        for rid, drafts in sched_out.scheduled_spec_decode_tokens.items():
             sampled = runner_out.sampled_token_ids.get(rid)
             if sampled:  # verified: the accepted drafts, then the target's own token
+                num_spec = len(drafts)
                 stats.num_drafts += 1
                 stats.num_draft_tokens += num_spec
                 stats.num_accepted_tokens += min(len(sampled) - 1, num_spec)

@@ -3,11 +3,10 @@ MultiprocExecutor, in small).
 
 The driver (the engine's process) spawns `tensor_parallel_size` workers (`multiproc_worker`),
 which join a torch.distributed group (gloo on CPU, NCCL on CUDA, rendezvous on a free local
-port) and each build a `ModelRunner` on their shard. Each step's `SchedulerOutput` goes as a delta
-over the workers' mirror of the requests (`step_delta`), pickled once when the step is launched
-(the snapshot the runner would have read in-process) and written to every worker's pipe by a
-sender thread, so the engine never blocks on a full pipe; only rank 0 answers with the sampled
-tokens. The KV cache gets the smallest block count any rank
+port) and each build a `ModelRunner` on their shard. Each step's `SchedulerOutput` (plain data:
+new requests whole, then per-step diffs) is pickled once when the step is launched and written
+to every worker's pipe by a sender thread, so the engine never blocks on a full pipe; only
+rank 0 answers with the sampled tokens. The KV cache gets the smallest block count any rank
 can hold.
 
 Failures reach the engine as exceptions, never as a hang: every wait watches all workers' pipes
@@ -38,7 +37,6 @@ from typing import Any
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.executor.step_delta import StepDeltaEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +102,6 @@ class MultiprocExecutor(TensorParallelExecutorBase):
         self._launched = 0  # steps sent
         self._received = 0  # steps whose result rank 0 has sent and the driver read
         self._results: dict[int, ModelRunnerOutput] = {}
-        self._encoder = StepDeltaEncoder(max_tracked=4 * config.scheduler_config.max_num_seqs)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         worker_config = _worker_config(config)
         cpu_threads = max(1, num_cpu_threads() // tp)
@@ -142,12 +139,12 @@ class MultiprocExecutor(TensorParallelExecutorBase):
 
     # -- the executor interface (the rest in TensorParallelExecutorBase) ----------------------
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> MultiprocStepFuture:
-        """Send the step to every worker now (a snapshot of what changed in its requests, see
-        `step_delta`); `.get()` on the result waits for rank 0's output."""
+        """Send the step to every worker now; `.get()` on the result waits for rank 0's
+        output."""
         self._check_alive()
         try:
-            self._send("execute_step", (self._encoder.encode(scheduler_output),))
-        except Exception as e:  # noqa: BLE001 - the mirrors would be out of step from here on
+            self._send("execute_step", (scheduler_output,))
+        except Exception as e:  # noqa: BLE001 - the runners' requests would be out of step
             self._fail(WorkerError("cannot send the step to the tensor-parallel workers"), e)
         self._launched += 1
         return MultiprocStepFuture(self, self._launched - 1)

@@ -3,9 +3,10 @@
 cache.
 
 `run_worker` builds the worker and then serves the driver's pipe: each message is a pickled
-`(method, args)`; a step ("execute_step", a `StepDelta`) is answered by rank 0 only (the sampled
-tokens), a call of a runner method by each rank. On CUDA a step already followed by the next one
-in the pipe is answered after that one is launched (the device stays busy: async scheduling).
+`(method, args)`; a step ("execute_step", a `SchedulerOutput`) is answered by rank 0 only (the
+sampled tokens), a call of a runner method by each rank. On CUDA a step already followed by the
+next one in the pipe is answered after that one is launched (the device stays busy: async
+scheduling).
 A failure is sent back as `("error", exception, traceback)` and ends the worker: the ranks'
 collectives would be out of step. The worker also ends when the driver's pipe closes or the driver process is gone.
 """

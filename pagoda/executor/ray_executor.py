@@ -13,8 +13,8 @@ torch.distributed rendezvous is rank 0's node address and a port free there (ask
 actor), so it works across machines, not only on 127.0.0.1. The ranks themselves are
 `TensorParallelWorker`s, the same as `MultiprocExecutor`'s worker processes.
 
-Each step goes as a delta over the actors' request mirrors (`step_delta`), pickled once and
-passed to every actor's `execute_step` (through Ray's object store when it is large); its
+Each step's `SchedulerOutput` (plain data: new requests whole, then per-step diffs) is pickled
+once and passed to every actor's `execute_step` (through Ray's object store when it is large); its
 future waits for every rank (rank 0 returns the sampled tokens), at most
 $PAGODA_EXECUTE_MODEL_TIMEOUT_S (default 300 s). An actor that raised or died (Ray's
 `RayTaskError`, `ActorDiedError`, ...) becomes a `WorkerError` naming the ranks and causes;
@@ -45,7 +45,6 @@ from pagoda.executor.multiproc import (
     _worker_config,
 )
 from pagoda.executor.ray_worker import RayWorker
-from pagoda.executor.step_delta import StepDeltaEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,6 @@ class RayExecutor(TensorParallelExecutorBase):
         self.world_size = config.parallel_config.tensor_parallel_size
         self.step_timeout_s = envs.PAGODA_EXECUTE_MODEL_TIMEOUT_S
         self._error: BaseException | None = None
-        self._encoder = StepDeltaEncoder(max_tracked=4 * config.scheduler_config.max_num_seqs)
         if not ray.is_initialized():
             ray.init()  # $RAY_ADDRESS, a cluster started here, or a new local instance
         self._actors: list[Any] = []  # in rank order
@@ -101,16 +99,16 @@ class RayExecutor(TensorParallelExecutorBase):
 
     # -- the executor interface (the rest in TensorParallelExecutorBase) ----------------------
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> RayStepFuture:
-        """Send the step to every actor now (a snapshot of what changed in its requests, see
-        `step_delta`); `.get()` on the result waits for rank 0's output."""
+        """Send the step to every actor now; `.get()` on the result waits for rank 0's
+        output."""
         self._check_alive()
         try:
-            buf = pickle.dumps(self._encoder.encode(scheduler_output), pickle.HIGHEST_PROTOCOL)
+            buf = pickle.dumps(scheduler_output, pickle.HIGHEST_PROTOCOL)
             # Small steps travel inside the calls (a `ray.put` costs ~1 ms more); a large one
             # is put into the object store once rather than copied for each actor.
             arg = buf if len(buf) <= _INLINE_STEP_BYTES else ray.put(buf)
             refs = [actor.execute_step.remote(arg) for actor in self._actors]
-        except Exception as e:  # noqa: BLE001 - the mirrors would be out of step from here on
+        except Exception as e:  # noqa: BLE001 - the runners' requests would be out of step
             self._fail(WorkerError("cannot send the step to the tensor-parallel actors"), e)
         return RayStepFuture(self, refs)
 

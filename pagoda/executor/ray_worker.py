@@ -5,9 +5,9 @@ The actor is created bare, so that the driver can first ask where it landed (`no
 node, IP address, GPU ids and pid) and, on rank 0, for a free port for the torch.distributed
 rendezvous; `start` then sets the environment the driver decided (the node's GPUs made visible
 to each of its ranks, the driver's $PAGODA_* settings) and builds the worker. Ray runs an
-actor's calls from one caller one at a time, in the order they were made, so the step deltas
-reach the request mirror in order. After a failure every later call raises at once: this rank's
-peers would wait for it in a collective that never comes.
+actor's calls from one caller one at a time, in the order they were made, so the steps reach
+the runner in order (it keeps its requests by their diffs). After a failure every later call
+raises at once: this rank's peers would wait for it in a collective that never comes.
 
 Torch-free until `start`; `ray` is imported only inside the actor process.
 """
@@ -76,7 +76,7 @@ class RayWorker:
         return self._run(build)
 
     def execute_step(self, step: bytes) -> ModelRunnerOutput | None:
-        """Run one step, a pickled `StepDelta`; rank 0 returns its sampled tokens."""
+        """Run one step, a pickled `SchedulerOutput`; rank 0 returns its sampled tokens."""
         return self._run(lambda: self._worker().execute_step(pickle.loads(step)))
 
     def call(self, method: str, args: tuple[Any, ...]) -> Any:

@@ -4,11 +4,11 @@ drive a `TensorParallelWorker`.
 
 A `TensorParallelWorker` joins the process group (gloo on CPU, NCCL on CUDA), sets the layers'
 rank (`set_tensor_parallel`) and builds a `TensorParallelModelRunner` on its shard; then each
-step arrives as a `StepDelta`, which the worker's `RequestMirror` turns back into a
-`SchedulerOutput`, and only rank 0 returns the sampled tokens. The runner methods in
-`WORKER_METHODS` are called on every rank. The deltas must be applied in the order the driver
-encoded them, and a rank that failed once must not run again: its peers' collectives would be
-out of step (the carriers end the worker, or refuse later calls).
+step arrives as the scheduler's own `SchedulerOutput` (plain data: new requests whole, then
+diffs, which each rank's runner keeps its requests by), and only rank 0 returns the sampled
+tokens. The runner methods in `WORKER_METHODS` are called on every rank. Steps must run in the
+order the scheduler made them, and a rank that failed once must not run again: its peers'
+collectives would be out of step (the carriers end the worker, or refuse later calls).
 
 Only rank 0 samples, so seeded and unseeded sampling cannot diverge between ranks; the others
 take part in the LM head's all-gather and, when the next step may read the sampled ids on the
@@ -26,7 +26,6 @@ import torch.distributed as dist
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.executor.step_delta import RequestMirror, StepDelta
 from pagoda.model.parallel import set_tensor_parallel
 from pagoda.utils.heap import freeze_startup_heap
 from pagoda.worker.input_batch import StepInputs
@@ -88,7 +87,7 @@ class TensorParallelModelRunner(ModelRunner):
         if self.share_sampled:
             ids = torch.empty(len(step.sample_rows), dtype=torch.int64, device=hidden.device)
             dist.broadcast(ids, src=0)
-            rows = {req.request_id: lo for req, lo, hi in step.sample_reqs if hi - lo == 1}
+            rows = {req.req_id: lo for req, lo, hi in step.sample_reqs if hi - lo == 1}
             self._prev_sampled = (ids, rows)
 
     def _prompt_logprobs(
@@ -104,7 +103,7 @@ class TensorParallelModelRunner(ModelRunner):
 
 class TensorParallelWorker:
     """Rank `rank` of `world_size`: its process group, its shard of the model and KV cache, and
-    its mirror of the driver's requests.
+    its runner's copy of the driver's requests.
 
     `init_method` is the torch.distributed rendezvous (`tcp://host:port`, rank 0's machine);
     `device_index` is the CUDA device this rank runs on (default: its rank, one machine with
@@ -135,20 +134,19 @@ class TensorParallelWorker:
         self.rank = rank
         self.runner = TensorParallelModelRunner(config, rank, threads)
         self.runner.load_model()
-        self.mirror = RequestMirror()
         freeze_startup_heap()  # the model's objects, out of every full collection
 
-    def execute_step(self, delta: StepDelta) -> ModelRunnerOutput | None:
+    def execute_step(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns its sampled tokens, the other ranks None."""
-        output = self.runner.execute_model(self.mirror.decode(delta))
+        output = self.runner.execute_model(so)
         return output if self.rank == 0 else None
 
-    def launch_step(self, delta: StepDelta) -> StepOutputFuture:
+    def launch_step(self, so: SchedulerOutput) -> StepOutputFuture:
         """Queue one step on the device without waiting for it: `.get()` on the result gives
         rank 0's sampled tokens (the other ranks' futures hold nothing to wait for). A worker
         that launches the next step before answering this one keeps its device busy while it
         prepares inputs, as the engine's async scheduling does in one process."""
-        return self.runner.execute_model_async(self.mirror.decode(delta))
+        return self.runner.execute_model_async(so)
 
     def call(self, method: str, args: tuple[Any, ...] = ()) -> Any:
         """`method(*args)` of this rank's runner, one of `WORKER_METHODS`."""

@@ -5,9 +5,11 @@ The draft runs in its own `ModelRunner` with its own paged KV cache and block al
 (`KVCacheManager`, no prefix caching). Per target request it keeps a shadow `Request` whose
 computed positions are those of the draft's cache. Before each target step, `propose` brings
 every shadow up to its request's tokens (positions whose tokens changed since, i.e. rejected
-drafts, are recomputed), then decodes k tokens greedily. Greedy drafting is a deterministic
-function of the request's known tokens, so the runner's verification (accept a draft iff the
-target samples it) is exact: the output distribution is the target's.
+drafts, are recomputed), then decodes k tokens greedily. The draft runner gets the same plain
+data as the target's: a shadow whole the first time (and again when a rejected draft changed
+tokens it had been sent), then the tokens and blocks it gained since. Greedy drafting is a
+deterministic function of the request's known tokens, so the runner's verification (accept a
+draft iff the target samples it) is exact: the output distribution is the target's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.outputs import SchedulerOutput
+from pagoda.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.core.request import Request
 from pagoda.logger import init_logger
 from pagoda.sampling_params import SamplingParams
@@ -75,6 +77,8 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, cc.block_size, False, mc.max_model_len)
         self.shadows: dict[str, Request] = {}
         self._released: set[str] = set()
+        # req_id -> (tokens, blocks) of the shadow the draft runner holds (has been sent).
+        self._sent: dict[str, tuple[int, int]] = {}
         logger.info(
             "Draft model %s for speculative decoding (%d tokens a step): KV cache of %d blocks",
             spec.model,
@@ -86,6 +90,7 @@ class DraftModelProposer:
         """Free the draft cache of every request not in `keep` (finished, aborted, preempted)."""
         for rid in [r for r in self.shadows if r not in keep]:
             self.kv.free(self.shadows.pop(rid))
+            self._sent.pop(rid, None)
             self._released.add(rid)
 
     def propose_requests(
@@ -153,6 +158,9 @@ class DraftModelProposer:
         while same < limit and have[same] == want[same]:
             same += 1
         shadow.num_computed_tokens = same
+        sent = self._sent.get(req.request_id)
+        if sent is not None and sent[0] > same and want[: sent[0]] != have[: sent[0]]:
+            del self._sent[req.request_id]  # the runner's tokens are stale: send it whole
         shadow.all_token_ids = list(want)
         shadow.output_token_ids = list(req.output_token_ids)
         return shadow
@@ -160,13 +168,26 @@ class DraftModelProposer:
     def _run(self, shadows: list[Request], counts: dict[str, int]) -> dict[str, list[int]]:
         """One draft-model step over `counts[id]` tokens of each shadow, from its computed
         position; returns the greedy samples of the shadows whose tokens ran out."""
+        cached, new = CachedRequestData(), []
+        for shadow in shadows:
+            rid = shadow.request_id
+            tokens, blocks = shadow.all_token_ids, self.kv.get_block_ids(rid)
+            sent = self._sent.get(rid)
+            if sent is None:
+                outputs = list(shadow.output_token_ids)
+                new.append(
+                    NewRequestData(rid, shadow.prompt_token_ids, outputs, _GREEDY, list(blocks))
+                )
+            else:
+                cached.append(rid, tokens[sent[0] :], blocks[sent[1] :])
+            self._sent[rid] = (len(tokens), len(blocks))
         so = SchedulerOutput(
-            scheduled_requests=shadows,
+            scheduled_cached_reqs=cached,
+            scheduled_new_reqs=new,
             num_scheduled_tokens=counts,
             total_num_scheduled_tokens=sum(counts.values()),
-            block_ids={s.request_id: self.kv.get_block_ids(s.request_id) for s in shadows},
-            finished_req_ids=self._released,
             num_computed_tokens={s.request_id: s.num_computed_tokens for s in shadows},
+            finished_req_ids=self._released,
         )
         self._released = set()
         out = self.executor.execute_model(so)

@@ -51,12 +51,13 @@ class StructuredOutputManager:
         if so is not None:
             request.structured_output = self.backend.new_state(so)
 
-    def grammar_bitmask(self, sched_out: SchedulerOutput) -> None:
+    def grammar_bitmask(self, sched_out: SchedulerOutput, scheduled: list[Request]) -> None:
         """Fill `sched_out.grammar_bitmask` for the structured requests that sample this step
-        (their scheduled tokens reach the end of their known tokens)."""
+        (their scheduled tokens reach the end of their known tokens); `scheduled` are the
+        step's requests (`Scheduler.scheduled_requests`)."""
         rids: list[str] = []
         states = []
-        for req in sched_out.scheduled_requests:
+        for req in scheduled:
             state = req.structured_output
             if state is None or req.num_computed_tokens < req.num_tokens:
                 continue

@@ -1,4 +1,5 @@
-"""Turns a `SchedulerOutput` into one step's flat model inputs, in persistent buffers.
+"""Turns a `SchedulerOutput` and the runner's requests (`request_state`) into one step's flat
+model inputs, in persistent buffers.
 
 The scheduled tokens of all requests are laid end to end (decodes first, so attention backends
 can batch them): input ids, positions, the KV-cache slot of every token, query start offsets,
@@ -27,8 +28,8 @@ import torch
 
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.core.outputs import SchedulerOutput
-from pagoda.core.request import Request
 from pagoda.worker.cuda_graphs import pad_mixed_requests, pad_tokens
+from pagoda.worker.request_state import RequestState
 
 
 @dataclass
@@ -36,7 +37,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_padded_tokens] int64
     positions: torch.Tensor  # [num_padded_tokens] int64
     attn_metadata: AttentionMetadata
-    requests: list[Request]  # batch order (decodes first)
+    requests: list[RequestState]  # batch order (decodes first)
     num_tokens: int = 0  # scheduled tokens (rows past it are CUDA-graph padding)
     # Batch size of the decode CUDA graph this step is padded for, or (num_tokens, num_reqs)
     # of the mixed graph; both None: run eagerly.
@@ -45,7 +46,7 @@ class StepInputs:
     # Rows of the hidden states to compute logits for, and for each sampling request the
     # slice of those rows it owns (1 + number of drafts).
     sample_rows: list[int] = field(default_factory=list)
-    sample_reqs: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, lo, hi)
+    sample_reqs: list[tuple[RequestState, int, int]] = field(default_factory=list)  # (req, lo, hi)
     # sample_rows on the device; None when they are rows 0 .. len(sample_rows) - 1 in order.
     logits_indices: torch.Tensor | None = None
     # request -> (rows, target token ids) for prompt logprobs.
@@ -128,7 +129,7 @@ class InputBuilder:
         # device since (`copies_done`), as every step that samples does.
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
         self._copies_pending = False
-        # req_id -> (the KV cache manager's live block list, ids copied, those ids as int32):
+        # req_id -> (the request's block list in `RequestState`, ids copied, those ids as int32):
         # the list only grows while the request runs, so a step copies only new block ids.
         self._block_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}
         self._alloc_tokens(max_num_tokens)
@@ -283,12 +284,15 @@ class InputBuilder:
     def prepare(
         self,
         so: SchedulerOutput,
+        requests: list[RequestState],
         cuda_graph_size: Callable[[int], int | None] | None = None,
         mixed_graph_shape: Callable[[int, int], tuple[int, int] | None] | None = None,
     ) -> StepInputs:
-        """Build the step's inputs. `cuda_graph_size(num_reqs)` gives the padded batch size of
-        a pure-decode step that can replay a CUDA graph, `mixed_graph_shape(num_tokens,
-        num_reqs)` the (tokens, requests) bucket of any other step that can (None: eager)."""
+        """Build the step's inputs: `requests` are the step's, in the scheduler's batch order,
+        as `RequestStates.update(so)` returns them. `cuda_graph_size(num_reqs)` gives the
+        padded batch size of a pure-decode step that can replay a CUDA graph,
+        `mixed_graph_shape(num_tokens, num_reqs)` the (tokens, requests) bucket of any other
+        step that can (None: eager)."""
         self._wait_for_copies()
         self.forget(so.finished_req_ids)
         self.forget(so.preempted_req_ids)
@@ -296,14 +300,13 @@ class InputBuilder:
             self._block_rows.clear()
         n_sched = so.num_scheduled_tokens
         # Decodes (one token, no drafts) first, the rest after, each group in scheduler order.
-        reqs = [r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
+        reqs = [r for r in requests if n_sched[r.req_id] == 1]
         num_decodes = len(reqs)
-        reqs += [r for r in so.scheduled_requests if n_sched[r.request_id] != 1]
+        reqs += [r for r in requests if n_sched[r.req_id] != 1]
         num_reqs = len(reqs)
-        counts = np.fromiter((n_sched[r.request_id] for r in reqs), np.int64, num_reqs)
-        starts = np.fromiter(
-            (_start(so, r, n_sched[r.request_id]) for r in reqs), np.int64, num_reqs
-        )
+        counts = np.fromiter((n_sched[r.req_id] for r in reqs), np.int64, num_reqs)
+        start_of = so.num_computed_tokens
+        starts = np.fromiter((start_of[r.req_id] for r in reqs), np.int64, num_reqs)
         num_tokens = int(counts.sum())
         seq_lens = starts + counts
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
@@ -326,9 +329,10 @@ class InputBuilder:
         out = StepInputs(None, None, None, reqs, num_tokens)  # type: ignore[arg-type]
         # Python ints: indexing numpy scalars in this per-request loop costs more than it does.
         los, ns, start_list = qsl[:num_reqs].tolist(), counts.tolist(), starts.tolist()
+        spec = so.scheduled_spec_decode_tokens
         for i, req in enumerate(reqs):
-            rid = req.request_id
-            blocks = self._block_row(rid, so.block_ids[rid])[:max_blocks]
+            rid = req.req_id
+            blocks = self._block_row(rid, req.block_ids)[:max_blocks]
             nb = len(blocks)
             table[i, :nb] = blocks
             if nb < max_blocks:
@@ -341,12 +345,12 @@ class InputBuilder:
                 ids[lo] = all_ids[start]
             elif end <= num_known:
                 ids[lo : lo + n] = all_ids[start:end]
-            elif n == 1 and start == num_known and not req.spec_token_ids:
+            elif n == 1 and start == num_known and rid not in spec:
                 # Async scheduling: the previous step is still sampling this token.
                 out.placeholder_rows.append((lo, rid))
             else:  # drafts to verify follow the known tokens
-                ids[lo : lo + n] = (all_ids[start:] + req.spec_token_ids)[:n]
-            num_spec = so.scheduled_spec_tokens.get(rid, 0)
+                ids[lo : lo + n] = (all_ids[start:] + spec.get(rid, []))[:n]
+            num_spec = len(spec.get(rid, ()))
             if end >= num_known:  # reaches the end: sample the last row and one per draft
                 first = lo + n - 1 - num_spec
                 out.sample_reqs.append(
@@ -413,10 +417,3 @@ class InputBuilder:
                 num_decodes=num_decodes,
             )
         return out
-
-
-def _start(so: SchedulerOutput, req: Request, num_scheduled: int) -> int:
-    """Tokens already in the cache before this step (the scheduler records it; it has already
-    advanced request.num_computed_tokens past this step)."""
-    start = so.num_computed_tokens.get(req.request_id)
-    return req.num_computed_tokens - num_scheduled if start is None else start

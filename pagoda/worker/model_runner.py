@@ -5,11 +5,12 @@ run the model over every scheduled token (on CUDA a pure-decode step, or any ste
 tokens, replays a captured CUDA graph, `cuda_graphs`), compute logits only for the rows that
 sample (and the prompt rows whose logprobs were asked for), sample, verify speculative drafts,
 and return plain Python lists. The only device-to-host wait of a step is reading the sampled
-token ids. Per-request state kept
-here is only each seeded request's `torch.Generator`, created on first sight and dropped when
-the request finishes. Sizing the cache (`determine_num_blocks`) follows vLLM: a fixed budget on
-CPU; on CUDA the weights, a profiling forward at full batch and the CUDA-graph reserve are
-taken from gpu_memory_utilization and the rest goes to KV blocks (`memory_plan`).
+token ids. The runner keeps its own copy of the requests it runs (`request_state`), kept by the
+steps' plain data (new requests whole, then diffs), and each seeded request's
+`torch.Generator`, created on first sight and dropped when the request finishes. Sizing the
+cache (`determine_num_blocks`) follows vLLM: a fixed budget on CPU; on CUDA the weights, a
+profiling forward at full batch and the CUDA-graph reserve are taken from
+gpu_memory_utilization and the rest goes to KV blocks (`memory_plan`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pagoda import envs
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.core.request import Request
 from pagoda.sample.bitmask import apply_token_bitmask
 from pagoda.sample.metadata import to_device_tensor
 from pagoda.sample.sampler import (
@@ -43,6 +43,7 @@ from pagoda.worker.cuda_graphs import (
 from pagoda.worker.input_batch import InputBuilder, StepInputs
 from pagoda.worker.kv_cache import KVCacheSpec, allocate_kv_caches, cpu_kv_cache_bytes
 from pagoda.worker.memory_plan import MemoryPlan, check_fits_one_request, plan_kv_cache_memory
+from pagoda.worker.request_state import RequestState, RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
@@ -347,10 +349,12 @@ class ModelRunner:
         """Queue one step on the device and return without waiting for it; `.get()` on the
         result waits for the sampled tokens. Requests whose last token is still being sampled
         by the previous step (async scheduling: `Request.num_output_placeholders`) take it
-        from that step's sampled ids on the device."""
+        from that step's sampled ids on the device. Every step must reach the runner, in the
+        order the scheduler made them: it keeps its requests by their diffs."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
-        req_ids = [r.request_id for r in so.scheduled_requests]
+        requests = self.requests.update(so)
+        req_ids = [r.req_id for r in requests]
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids})
         if so.is_empty or not req_ids:
             return StepOutputFuture(output)
@@ -358,11 +362,11 @@ class ModelRunner:
             self._set_cpu_threads(len(req_ids))
         graphs = self.cuda_graphs
         if graphs is None or self._calibrate_kv_scales:
-            step = self.inputs.prepare(so)
+            step = self.inputs.prepare(so, requests)
             step.attn_metadata.calibrate_kv_scales = self._calibrate_kv_scales
             self._calibrate_kv_scales = False
         else:
-            step = self.inputs.prepare(so, graphs.padded_size, graphs.mixed_shape)
+            step = self.inputs.prepare(so, requests, graphs.padded_size, graphs.mixed_shape)
         if step.placeholder_rows:
             self._fill_placeholders(step)
         graph_key = step.graph_key
@@ -399,14 +403,14 @@ class ModelRunner:
         src_t = to_device_tensor(src, torch.int64, ids.device)
         ids.index_copy_(0, dst_t, prev_ids.index_select(0, src_t))
 
-    def _generator(self, req) -> torch.Generator | None:
+    def _generator(self, req: RequestState) -> torch.Generator | None:
         seed = req.sampling_params.seed
         if seed is None:
             return None
-        gen = self.generators.get(req.request_id)
+        gen = self.generators.get(req.req_id)
         if gen is None:
             gen = torch.Generator(self.device).manual_seed(seed)
-            self.generators[req.request_id] = gen
+            self.generators[req.req_id] = gen
         return gen
 
     def _sample(
@@ -420,6 +424,7 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, step, so)
         params, prompts, outputs, generators = [], [], [], []
+        spec = so.scheduled_spec_decode_tokens
         for req, lo, hi in step.sample_reqs:
             sp = req.sampling_params
             gen = self._generator(req) if sp.seed is not None else None
@@ -427,8 +432,10 @@ class ModelRunner:
             prompts.append(req.prompt_token_ids)
             outputs.append(req.output_token_ids)
             generators.append(gen)
+            if hi - lo == 1:
+                continue
             # Row j verifies draft j: its penalties see the drafts before it as output.
-            drafts = req.spec_token_ids[: hi - lo - 1]
+            drafts = spec[req.req_id]
             for j in range(1, hi - lo):
                 params.append(sp)
                 prompts.append(req.prompt_token_ids)
@@ -441,11 +448,16 @@ class ModelRunner:
         # The next step may read these ids on the device (its placeholder rows).
         self._prev_sampled = (
             sampled.sampled_token_ids,
-            {req.request_id: lo for req, lo, hi in step.sample_reqs if hi - lo == 1},
+            {req.req_id: lo for req, lo, hi in step.sample_reqs if hi - lo == 1},
         )
-        # Drafts as they are now: the scheduler may edit the list before get() (async).
         sample_reqs = [
-            (req, lo, hi, req.spec_token_ids[: hi - lo - 1] if hi - lo > 1 else [])
+            (
+                req.req_id,
+                lo,
+                hi,
+                spec[req.req_id] if hi - lo > 1 else [],
+                req.sampling_params.logprobs is not None,
+            )
             for req, lo, hi in step.sample_reqs
         ]
         future.set_sampled(sampled.to_host_async(), md, sample_reqs)
@@ -455,14 +467,14 @@ class ModelRunner:
     ) -> None:
         """Structured outputs: mask the rows of the requests the bitmask names, before the
         sampler (so its penalties, temperature, top-k/p and logprobs see the masked logits)."""
-        first_row = {req.request_id: lo for req, lo, _ in step.sample_reqs}
+        first_row = {req.req_id: lo for req, lo, _ in step.sample_reqs}
         rows = [first_row[rid] for rid in so.structured_output_request_ids]
         apply_token_bitmask(logits, torch.from_numpy(so.grammar_bitmask), rows)
 
     def _prompt_logprobs(
         self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], targets: list[int]
     ) -> list[dict[int, tuple[float, int]]]:
-        req = next(r for r in step.requests if r.request_id == rid)
+        req = next(r for r in step.requests if r.req_id == rid)
         k = req.sampling_params.prompt_logprobs or 0
         result: list[dict[int, tuple[float, int]]] = []
         for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):
@@ -480,17 +492,18 @@ class StepOutputFuture:
         self.output = output
         self._sampled: SamplerTensors | None = None
         self._md: SamplingMetadata | None = None
-        self._sample_reqs: list[tuple[Request, int, int, list[int]]] = []
+        self._sample_reqs: list[tuple[str, int, int, list[int], bool]] = []
         self._event: torch.cuda.Event | None = None
 
     def set_sampled(
         self,
         sampled: SamplerTensors,
         md: SamplingMetadata,
-        sample_reqs: list[tuple[Request, int, int, list[int]]],
+        sample_reqs: list[tuple[str, int, int, list[int], bool]],
     ) -> None:
         """The sampler's results (host copies being made), its metadata, and per sampling
-        request (request, first row, end row, drafts verified by rows after the first)."""
+        request (request id, first row, end row, drafts verified by rows after the first,
+        whether it asked for logprobs)."""
         self._sampled, self._md, self._sample_reqs = sampled, md, sample_reqs
         if sampled.sampled_token_ids.is_pinned():
             self._event = torch.cuda.Event()
@@ -509,11 +522,11 @@ class StepOutputFuture:
         self._sampled = None
         token_ids, sampled_logprobs = result.sampled_token_ids, result.logprobs
         output = self.output
-        for req, lo, hi, drafts in self._sample_reqs:
+        for rid, lo, hi, drafts, wants_logprobs in self._sample_reqs:
             if hi - lo == 1:  # no drafts: the common case, kept short
-                output.sampled_token_ids[req.request_id] = [token_ids[lo]]
-                if req.sampling_params.logprobs is not None:
-                    output.logprobs[req.request_id] = [sampled_logprobs[lo]]
+                output.sampled_token_ids[rid] = [token_ids[lo]]
+                if wants_logprobs:
+                    output.logprobs[rid] = [sampled_logprobs[lo]]
                 continue
             tokens = token_ids[lo:hi]
             logprobs = sampled_logprobs[lo:hi]
@@ -526,7 +539,7 @@ class StepOutputFuture:
                     break
                 num_accepted += 1
             keep = num_accepted + 1
-            output.sampled_token_ids[req.request_id] = tokens[:keep]
-            if req.sampling_params.logprobs is not None:
-                output.logprobs[req.request_id] = logprobs[:keep]
+            output.sampled_token_ids[rid] = tokens[:keep]
+            if wants_logprobs:
+                output.logprobs[rid] = logprobs[:keep]
         return output

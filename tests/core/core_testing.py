@@ -3,6 +3,7 @@ KV cache contents it reads, and the bookkeeping invariants of the block pool."""
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections import Counter
 
@@ -12,6 +13,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.request_state import RequestStates
 
 
 def make_request(
@@ -86,6 +88,10 @@ class FakeModelRunner:
     """
 
     def __init__(self, scheduler: Scheduler, vocab: int = 50, seed: int = 0, accept_p: float = 0.7):
+        self.scheduler = scheduler
+        # What a real runner keeps of the requests, from the steps' plain data alone; every
+        # step checks it against the scheduler's own requests.
+        self.states = RequestStates()
         self.block_size = scheduler.block_size
         self.window = scheduler.kv_cache_manager.sliding_window
         self.kv: dict[int, dict[int, int]] = {}
@@ -99,18 +105,35 @@ class FakeModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
         steps = []
-        for req in out.scheduled_requests:
+        kv = self.scheduler.kv_cache_manager
+        states = self.states.update(pickle.loads(pickle.dumps(out)))  # as a TP worker gets it
+        scheduled = self.scheduler.scheduled_requests(out)
+        assert (
+            [s.req_id for s in states]
+            == [r.request_id for r in scheduled]
+            == list(out.num_scheduled_tokens)
+        )
+        assert set(self.states.requests) == {r.request_id for r in self.scheduler.running}
+        for req, state in zip(scheduled, states):
             rid = req.request_id
+            assert state.all_token_ids == req.all_token_ids
+            assert state.output_token_ids == req.output_token_ids
+            assert state.prompt_token_ids == req.prompt_token_ids
+            assert state.sampling_params == req.sampling_params
+            # A sliding window nulls the scheduler's freed blocks; the runner keeps their ids.
+            live = kv.get_block_ids(rid)
+            assert len(state.block_ids) == len(live)
+            assert all(a == b or b == NULL_BLOCK_ID for a, b in zip(state.block_ids, live))
             start, n = out.num_computed_tokens[rid], out.num_scheduled_tokens[rid]
             tokens = req.all_token_ids + self.in_flight.get(rid, []) + req.spec_token_ids
             assert len(self.in_flight.get(rid, [])) == req.num_output_placeholders - (
                 start + n >= len(tokens)
             ), (req, self.in_flight.get(rid))
-            assert len(req.spec_token_ids) == out.scheduled_spec_tokens.get(rid, 0)
+            assert req.spec_token_ids == out.scheduled_spec_decode_tokens.get(rid, [])
             assert start + n <= len(tokens), (req, start, n)
             keys = _prefix_keys(tokens[: start + n])
-            table = out.block_ids[rid]
-            assert NULL_BLOCK_ID not in table[self._first_read(start) // bs :]
+            assert NULL_BLOCK_ID not in live[self._first_read(start) // bs :]
+            table = state.block_ids  # the runner's own table, as a real runner reads it
             for pos in range(start, start + n):
                 self.kv.setdefault(table[pos // bs], {})[pos % bs] = keys[pos]
             steps.append((req, start, n, keys, table))
@@ -173,7 +196,7 @@ def check_block_invariants(scheduler: Scheduler) -> None:
 
 def check_step_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
     cfg = scheduler.scheduler_config
-    ids = [r.request_id for r in out.scheduled_requests]
+    ids = out.scheduled_req_ids
     assert len(ids) == len(set(ids)) == len(out.num_scheduled_tokens)
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens

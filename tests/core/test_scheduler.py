@@ -14,7 +14,7 @@ def step(sched: Scheduler, token: int = 7, tokens: dict[str, list[int]] | None =
     """schedule() then feed back `token` (or tokens[rid]) for every request that samples."""
     out = sched.schedule()
     sampled = {}
-    for req in out.scheduled_requests:
+    for req in sched.scheduled_requests(out):
         rid = req.request_id
         if out.num_computed_tokens[rid] + out.num_scheduled_tokens[rid] >= req.num_tokens:
             sampled[rid] = (tokens or {}).get(rid, [token])
@@ -71,7 +71,7 @@ def test_decodes_not_starved_by_long_prompt():
         out, _ = step(sched)
         assert [out.num_scheduled_tokens[f"d{i}"] for i in range(3)] == [1, 1, 1]
         assert out.num_scheduled_tokens["long"] == 61
-        assert [r.request_id for r in out.scheduled_requests][:3] == ["d0", "d1", "d2"]
+        assert out.scheduled_req_ids[:3] == ["d0", "d1", "d2"]
 
 
 def test_long_prefill_token_threshold_caps_long_prompts_only():
@@ -148,7 +148,7 @@ def test_priority_policy_order():
     order = []
     while sched.has_unfinished_requests():
         out, _ = step(sched)
-        order += [r.request_id for r in out.scheduled_requests]
+        order += out.scheduled_req_ids
     assert order == ["early_hi", "late_hi", "lo"]
 
 
@@ -157,7 +157,7 @@ def test_priority_preempts_lowest_priority_running():
     for rid, prio in [("p1", 1), ("p0", 0), ("p2", 2)]:
         sched.add_request(make_request(rid, [prio] * 4, 8, priority=prio, arrival_time=prio))
     out, _ = step(sched)
-    assert [r.request_id for r in out.scheduled_requests] == ["p0", "p1", "p2"]
+    assert out.scheduled_req_ids == ["p0", "p1", "p2"]
     out, _ = step(sched)  # p0 needs a block: the lowest priority (p2), then p1, go
     assert out.preempted_req_ids == {"p2", "p1"} and out.num_scheduled_tokens == {"p0": 1}
 
@@ -169,8 +169,8 @@ def test_fcfs_order_and_max_num_seqs():
     seen = []
     while sched.has_unfinished_requests():
         out, _ = step(sched)
-        assert sched.num_running <= 2 and len(out.scheduled_requests) <= 2
-        seen += [r.request_id for r in out.scheduled_requests if r.request_id not in seen]
+        assert sched.num_running <= 2 and len(out.scheduled_req_ids) <= 2
+        seen += [rid for rid in out.scheduled_req_ids if rid not in seen]
     assert seen == [f"r{i}" for i in range(5)]
 
 
@@ -232,7 +232,9 @@ def test_spec_tokens_scheduled_and_rejected_drafts_rolled_back():
     step(sched, token=4)  # prompt + first token: 4 known, 3 computed
     req.spec_token_ids = [5, 6, 7]
     out = sched.schedule()
-    assert out.num_scheduled_tokens["r"] == 4 and out.scheduled_spec_tokens == {"r": 3}
+    assert out.num_scheduled_tokens["r"] == 4 and out.scheduled_spec_decode_tokens == {
+        "r": [5, 6, 7]
+    }
     assert out.num_computed_tokens["r"] == 3
     # Drafts 5, 6 accepted, 7 rejected, 8 sampled in its place.
     res = sched.update_from_output(out, ModelRunnerOutput(["r"], {"r": [5, 6, 8]}))
@@ -242,7 +244,7 @@ def test_spec_tokens_scheduled_and_rejected_drafts_rolled_back():
     sched.max_num_batched_tokens = 3  # drafts beyond the token budget are cut
     out = sched.schedule()
     assert out.num_scheduled_tokens["r"] == 3 and req.spec_token_ids == [1, 1]
-    assert out.scheduled_spec_tokens == {"r": 2}
+    assert out.scheduled_spec_decode_tokens == {"r": [1, 1]}
 
 
 def test_stop_token_among_accepted_drafts_drops_the_rest():

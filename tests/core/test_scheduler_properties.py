@@ -128,7 +128,7 @@ def run_workload(w: dict) -> None:
             assert rid in finished
         launched = (out, runner.execute(out))
         if run_ahead:
-            previous, in_flight = in_flight, launched if out.scheduled_requests else None
+            previous, in_flight = in_flight, launched if out.num_scheduled_tokens else None
             if previous is not None:
                 deliver(*previous)
             if in_flight is None:

@@ -29,6 +29,7 @@ from kernel_testing import enable_interpreter_without_cuda  # noqa: E402
 enable_interpreter_without_cuda()
 
 from model_testing import make_tiny_checkpoint  # noqa: E402
+from step_testing import one_step  # noqa: E402
 
 from pagoda.core.outputs import SchedulerOutput  # noqa: E402
 from pagoda.worker.cuda_graphs import (  # noqa: E402
@@ -40,6 +41,7 @@ from pagoda.worker.cuda_graphs import (  # noqa: E402
     pad_tokens,
 )
 from pagoda.worker.input_batch import InputBuilder  # noqa: E402
+from pagoda.worker.request_state import RequestState, RequestStates  # noqa: E402
 
 BIG = mixed_graph_shapes(256, 8192)  # the H200 benchmark's settings
 
@@ -135,7 +137,7 @@ def test_padding_that_does_not_fit_is_refused():
         pad_mixed_requests(qsl, seq_lens, table, 0, 0, 16, 4, 4)  # 16 pad keys > 2 blocks of 4
 
 
-def _mixed_step(block_size: int = 4) -> SchedulerOutput:
+def _mixed_step(block_size: int = 4) -> tuple[SchedulerOutput, list[RequestState]]:
     """Two decodes and a 7-token chunk after an 8-token cached prefix (9 tokens, 3 requests)."""
     d0, d1 = req("d0", list(range(10, 15))), req("d1", list(range(20, 26)))
     c = req("c", list(range(30, 45)))
@@ -144,25 +146,20 @@ def _mixed_step(block_size: int = 4) -> SchedulerOutput:
     tables = {"d0": [11, 12], "d1": [13, 14], "c": [21, 22, 23, 24]}
     for r in (d0, d1, c):
         r.num_computed_tokens = starts[r.request_id] + counts[r.request_id]
-    return SchedulerOutput(
-        scheduled_requests=[c, d0, d1],
-        num_scheduled_tokens=counts,
-        total_num_scheduled_tokens=9,
-        block_ids=tables,
-        num_computed_tokens=starts,
-    )
+    so = one_step([c, d0, d1], counts, tables, starts)
+    return so, RequestStates().update(so)
 
 
 def test_builder_pads_a_mixed_step_into_the_device_buffers():
     builder = InputBuilder(64, 8, 16, 4, torch.device("cpu"), copy_to_device=True)
-    so = _mixed_step()
-    plain = builder.prepare(so)
+    so, reqs = _mixed_step()
+    plain = builder.prepare(so, reqs)
     want = [plain.input_ids.clone(), plain.positions.clone(), plain.attn_metadata.slot_mapping]
     want[2] = want[2].clone()
     want_md = plain.attn_metadata
     shapes = mixed_graph_shapes(8, 64)
     builder.block_table.dev.fill_(99)  # stale device rows: the step must copy all it needs
-    step = builder.prepare(so, lambda n: 4, lambda n, r: mixed_graph_shape(n, r, shapes))
+    step = builder.prepare(so, reqs, lambda n: 4, lambda n, r: mixed_graph_shape(n, r, shapes))
     md = step.attn_metadata
     assert step.graph_key == step.mixed_graph_shape == (16, 4) and step.cuda_graph_size is None
     assert step.num_tokens == 9 and md.num_actual_tokens == 16 and md.max_query_len == 16
@@ -181,8 +178,8 @@ def test_builder_pads_a_mixed_step_into_the_device_buffers():
     # A pure-decode step takes the decode graph; a step past every bucket runs eagerly.
     so.num_scheduled_tokens["c"] = 1
     so.num_computed_tokens["c"] = 14
-    assert builder.prepare(so, lambda n: 4, lambda n, r: (16, 4)).graph_key == 4
-    assert builder.prepare(_mixed_step(), None, lambda n, r: None).graph_key is None
+    assert builder.prepare(so, reqs, lambda n: 4, lambda n, r: (16, 4)).graph_key == 4
+    assert builder.prepare(*_mixed_step(), None, lambda n, r: None).graph_key is None
 
 
 # -- the runner, with the Triton kernel under the interpreter ----------------------------------

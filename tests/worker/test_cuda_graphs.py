@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 from model_testing import make_tiny_checkpoint
+from step_testing import one_step
 from test_gpu_model_runner import teacher_forced_logits
 from test_model_runner import PROMPTS, Driver, make_runner, one_cpu_thread, req  # noqa: F401
 
-from pagoda.core.outputs import SchedulerOutput
 from pagoda.worker.cuda_graphs import cuda_graph_capture_sizes, padded_batch_size
 from pagoda.worker.input_batch import InputBuilder
+from pagoda.worker.request_state import RequestStates
 
 
 def test_capture_sizes_follow_vllm_buckets():
@@ -55,19 +56,14 @@ def _decode_output(num_reqs: int, block_size: int = 4):
         reqs.append(r)
         tables[r.request_id] = [100 + 10 * i + j for j in range(-(-(start + 1) // block_size))]
         starts[r.request_id] = start
-    return SchedulerOutput(
-        scheduled_requests=reqs,
-        num_scheduled_tokens={r.request_id: 1 for r in reqs},
-        total_num_scheduled_tokens=num_reqs,
-        block_ids=tables,
-        num_computed_tokens=starts,
-    )
+    so = one_step(reqs, {r.request_id: 1 for r in reqs}, tables, starts)
+    return so, RequestStates().update(so)
 
 
 def test_padded_decode_rows_write_nothing_and_attend_the_null_block():
     builder = InputBuilder(64, 8, 16, 4, torch.device("cpu"))
-    so = _decode_output(3)
-    plain = builder.prepare(so)
+    so, reqs = _decode_output(3)
+    plain = builder.prepare(so, reqs)
     plain_vals = [
         t.clone()
         for t in (
@@ -77,7 +73,7 @@ def test_padded_decode_rows_write_nothing_and_attend_the_null_block():
             plain.attn_metadata.seq_lens,
         )
     ]
-    padded = builder.prepare(so, lambda n: padded_batch_size(n, [1, 2, 4, 8]))
+    padded = builder.prepare(so, reqs, lambda n: padded_batch_size(n, [1, 2, 4, 8]))
     md = padded.attn_metadata
     assert padded.cuda_graph_size == 4 and padded.num_tokens == 3
     assert md.num_actual_tokens == 4 and md.max_query_len == 1 and md.query_start_loc_cpu is None
@@ -93,7 +89,7 @@ def test_padded_decode_rows_write_nothing_and_attend_the_null_block():
     # Mixed steps are never padded.
     so.num_scheduled_tokens["r0"] = 2
     so.num_computed_tokens["r0"] -= 1
-    mixed = builder.prepare(so, lambda n: 4)
+    mixed = builder.prepare(so, reqs, lambda n: 4)
     assert mixed.cuda_graph_size is None and mixed.attn_metadata.num_actual_tokens == 4
     assert mixed.logits_indices is not None
     assert mixed.logits_indices.tolist() == mixed.sample_rows == [0, 1, 3]

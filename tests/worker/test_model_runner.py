@@ -1,7 +1,8 @@
 """ModelRunner end to end on a tiny checkpoint, driven by hand-made SchedulerOutputs.
 
 A small driver plays the scheduler: it hands out scattered blocks, records where each request
-starts (SchedulerOutput.num_computed_tokens), advances requests and appends sampled tokens.
+starts (SchedulerOutput.num_computed_tokens), advances requests and appends sampled tokens; the
+runner hears of them as the scheduler tells it (`step_testing.StepFeed`: whole, then diffs).
 Greedy tokens must not depend on batching, chunking, prefix reuse or speculation, and must
 equal transformers' greedy continuation.
 """
@@ -14,9 +15,9 @@ import random
 import pytest
 import torch
 from model_testing import make_tiny_checkpoint
+from step_testing import StepFeed
 
 from pagoda.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request
 from pagoda.model.loader import get_model_config_dict
 from pagoda.sampling_params import SamplingParams
@@ -52,24 +53,26 @@ class Driver:
         self.free = list(range(1, runner.num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
+        self.feed = StepFeed()
 
     def step(self, plan, spec=None, finished=()):
-        """plan: list of (request, num_tokens incl. drafts); spec: req_id -> num drafts."""
-        so = SchedulerOutput(
-            scheduled_requests=[r for r, _ in plan],
-            num_scheduled_tokens={r.request_id: n for r, n in plan},
-            total_num_scheduled_tokens=sum(n for _, n in plan),
-            block_ids={},
-            scheduled_spec_tokens=dict(spec or {}),
-            finished_req_ids=set(finished),
-            num_computed_tokens={r.request_id: r.num_computed_tokens for r, _ in plan},
-        )
+        """plan: list of (request, num_tokens incl. drafts), requests the runner knows first
+        (as the scheduler orders a step); spec: req_id -> num drafts."""
+        starts = {r.request_id: r.num_computed_tokens for r, _ in plan}
+        by_id = {r.request_id: r for r, _ in plan}
         for r, n in plan:
             table = self.tables.setdefault(r.request_id, [])
             while len(table) * self.block_size < r.num_computed_tokens + n:
                 table.append(self.free.pop())
-            so.block_ids[r.request_id] = table
             r.num_computed_tokens += n
+        so = self.feed.step(
+            [r for r, _ in plan],
+            {r.request_id: n for r, n in plan},
+            self.tables,
+            starts,
+            spec={rid: by_id[rid].spec_token_ids[:k] for rid, k in (spec or {}).items()},
+            finished=set(finished),
+        )
         out = self.runner.execute_model(so)
         for r, _ in plan:
             sampled = out.sampled_token_ids[r.request_id]
@@ -156,8 +159,8 @@ def test_mixed_step_of_decodes_and_a_prefill_chunk(runner):
     reqs = [req(f"m{i}", p) for i, p in enumerate(PROMPTS)]
     d.step([(reqs[0], 11), (reqs[1], 3)])  # two prefills
     d.step([(reqs[0], 1), (reqs[2], 20), (reqs[1], 1)])  # decodes + a partial prefill chunk
-    out = d.step([(reqs[1], 1), (reqs[2], 17), (reqs[3], 1), (reqs[0], 1)])
-    assert out.req_ids == ["m1", "m2", "m3", "m0"]  # scheduler order is kept in the output
+    out = d.step([(reqs[1], 1), (reqs[2], 17), (reqs[0], 1), (reqs[3], 1)])
+    assert out.req_ids == ["m1", "m2", "m0", "m3"]  # scheduler order is kept in the output
     assert d.generate(reqs, 5) == expected
 
 
