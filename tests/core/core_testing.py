@@ -1,5 +1,7 @@
-"""Helpers for the core tests: request/scheduler factories, a fake model runner that checks the
-KV cache contents it reads, and the bookkeeping invariants of the block pool."""
+"""Helpers for the core tests: request/scheduler factories, a fake model runner that keeps its
+requests from the steps' plain data as a real runner does (checked against the scheduler's
+every step) and checks the KV cache contents it reads, and the bookkeeping invariants of the
+block pool."""
 
 from __future__ import annotations
 
