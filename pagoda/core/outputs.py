@@ -1,14 +1,14 @@
 """The narrow boundary between the scheduler and the model runner (vLLM v1's `SchedulerOutput`,
 `NewRequestData`, `CachedRequestData`).
 
-`SchedulerOutput` goes in, `ModelRunnerOutput` comes out; both hold plain Python values only
-(lists, dicts, ints, `SamplingParams`), never a scheduler object or a list the scheduler keeps
-changing, so every executor takes the same object: the in-process runner as it is, tensor-parallel
-workers pickled. A request reaches the runner whole once (`NewRequestData`: when it is first
-scheduled, or again after a preemption), then only as a diff (`CachedRequestData`: the output
-tokens and blocks it gained since it was last sent); the runner keeps its own copy of each
-request (`pagoda.worker.request_state`) and forgets it when the request is reported finished or
-preempted.
+`SchedulerOutput` goes in, `ModelRunnerOutput` comes out; both hold plain values only (lists,
+dicts, ints, `SamplingParams`, the structured-output bitmask as a numpy array), never a
+scheduler object or a list the scheduler keeps changing, so every executor takes the same
+object: the in-process runner as it is, tensor-parallel workers pickled. A request reaches the
+runner whole once (`NewRequestData`: when it is first scheduled, or again after a preemption),
+then only as a diff (`CachedRequestData`: the output tokens and blocks it gained since it was
+last sent); the runner keeps its own copy of each request (`pagoda.worker.request_state`) and
+forgets it when the request is reported finished or preempted.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class SchedulerOutput:
     # (plus its scheduled_spec_decode_tokens at the end when it carries drafts to verify).
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # req_id -> tokens in the KV cache before this step: where its scheduled tokens start.
+    # req_id -> tokens in the KV cache before this step, for every scheduled request: where its
+    # scheduled tokens start (the scheduler has already advanced its own request past them).
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> the draft tokens scheduled for verification (speculative decoding); a copy.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
