@@ -1,8 +1,9 @@
 """Draft-model speculative decoding: the embedded model drafting for itself has every draft
 accepted (positions line up) and the same greedy output; a random draft of the same vocabulary
 changes nothing but the acceptance; seeded sampling keeps the target's distribution with a
-different tiny model as the draft; the draft's cache is released with its requests, also on
-aborts and preemption; a draft with another vocabulary is refused."""
+different tiny model as the draft, and the draft runner's requests (kept from plain data, sent
+again whole after a rejection) match the shadows; the draft's cache is released with its
+requests, also on aborts and preemption; a draft with another vocabulary is refused."""
 
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ def _tokens(llm: LLM, params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def _check_draft_runner_requests(llm: LLM, monkeypatch) -> list[int]:
+    """After every draft step, the draft runner's copy of each shadow it ran must equal the
+    shadow (tokens and block table); returns [steps checked]."""
+    proposer = llm.llm_engine.proposer
+    runner = proposer.executor.model_runner
+    run, checked = proposer._run, [0]
+
+    def checked_run(shadows, counts):
+        out = run(shadows, counts)
+        for shadow in shadows:
+            state = runner.requests.requests[shadow.request_id]
+            assert state.all_token_ids == shadow.all_token_ids
+            assert state.block_ids == proposer.kv.get_block_ids(shadow.request_id)
+        checked[0] += 1
+        return out
+
+    monkeypatch.setattr(proposer, "_run", checked_run)
+    return checked
+
+
 def _assert_released(llm: LLM) -> None:
     proposer = llm.llm_engine.proposer
     proposer.release(set())  # as the next step would, with nothing running
@@ -49,10 +70,11 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(plain) -> None:
     _assert_released(spec)
 
 
-def test_a_random_draft_changes_only_the_acceptance(plain, tmp_path) -> None:
+def test_a_random_draft_changes_only_the_acceptance(plain, tmp_path, monkeypatch) -> None:
     vocab = plain.llm_engine.model_config.hf_config["vocab_size"]
     draft = tiny_model(tmp_path, vocab=vocab, seed=3, max_len=512)
     spec = _llm({"model": draft, "num_speculative_tokens": 3}, max_num_batched_tokens=16)
+    checked = _check_draft_runner_requests(spec, monkeypatch)
     params = [
         SamplingParams(temperature=0.0, max_tokens=20),
         SamplingParams(temperature=0.0, max_tokens=20, stop=["."]),
@@ -62,6 +84,7 @@ def test_a_random_draft_changes_only_the_acceptance(plain, tmp_path) -> None:
     assert _tokens(spec, params) == _tokens(plain, params)
     tally = spec.llm_engine.stat_logger
     assert tally.draft_tokens > 20 and tally.accepted < tally.draft_tokens
+    assert checked[0] > 10
     _assert_released(spec)
 
 
