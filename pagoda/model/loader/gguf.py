@@ -6,8 +6,8 @@ and dequantized to float32 by `gguf_quants` (ggml's block layouts; its names are
 here). It turns the metadata into the equivalent of a Hugging Face `config.json`
 (`gguf_to_hf_config`) and yields the weights under HF parameter names in the HF layout
 (`iter_gguf_weights`), undoing the Q/K row permutation that llama.cpp's converter applies to
-Llama checkpoints. It needs numpy only (torch for the
-yielded tensors); the `gguf` package is a test oracle, never imported here.
+Llama checkpoints; the architectures laid out differently (Gemma 2/3, Phi-3) are described in
+`gguf_archs`. It needs numpy only (torch for the yielded tensors); the `gguf` package is a test oracle, never imported here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from pagoda.model.loader.gguf_archs import (
+    LAYER_NAMES,
+    ROPE_FACTOR_TENSORS,
+    arch_config,
+    norm_offset,
+)
 from pagoda.model.loader.gguf_quants import (
     GGML_BLOCK_SIZES,
     QK_K,
@@ -237,6 +243,9 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # llama.cpp's converter interleaves the rotary halves of Q/K rows for these (LlamaModel.permute).
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
@@ -267,8 +276,9 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors with no HF parameter: precomputed llama3 rope factors (derived from config instead).
-_SKIPPED_TENSORS = ("rope_freqs.weight",)
+# Tensors with no HF parameter: precomputed llama3 rope factors (derived from config instead),
+# Phi-3's LongRoPE factors (read into the config).
+_SKIPPED_TENSORS = ("rope_freqs.weight", *ROPE_FACTOR_TENSORS)
 
 
 def _architecture(metadata: Mapping[str, Any]) -> str:
@@ -349,7 +359,7 @@ def gguf_to_hf_config(
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
-    for key in ("embedding_length", "block_count", "attention.head_count"):
+    for key in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
         if get(key) is None:
             raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
     num_heads = _one_value(get("attention.head_count"), f"{arch}.attention.head_count")
@@ -424,14 +434,20 @@ def gguf_to_hf_config(
         config["sliding_window"] = _int(
             get("attention.sliding_window"), f"{arch}.attention.sliding_window"
         )
+    read_tensor = reader.dequantize if reader is not None else None
+    config.update(arch_config(arch, config, get, read_tensor, names))
     return config
 
 
-def gguf_name_to_hf(name: str) -> str | None:
-    """HF parameter name of a GGUF tensor, or None for tensors HF models do not hold."""
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
+    """HF parameter name of a GGUF tensor of architecture `arch`, or None for tensors HF models
+    do not hold."""
     if name in _SKIPPED_TENSORS:
         return None
     parts = name.split(".")
+    arch_names = LAYER_NAMES.get(arch, {})
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in arch_names:
+        return f"model.layers.{parts[1]}.{arch_names[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _EXPERT_NAMES:
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
@@ -467,7 +483,7 @@ def iter_gguf_weights(
     config = gguf_to_hf_config(reader)
     keep_quantized = set(keep_quantized)
     for name, info in reader.tensors.items():
-        hf_name = gguf_name_to_hf(name)
+        hf_name = gguf_name_to_hf(name, arch)
         if hf_name is None:
             continue
         # The router stays float (it is no quantized linear layer), as do stacked experts.
@@ -477,6 +493,8 @@ def iter_gguf_weights(
             weight = np.array(reader.raw(name)).reshape(info.shape[0], -1)
         else:
             weight = reader.dequantize(name)
+            if offset := norm_offset(arch, name):
+                weight = weight + np.float32(offset)
         if arch in _PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             n_head = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             weight = reverse_permute_qk(weight, n_head)
