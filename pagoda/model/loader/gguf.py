@@ -7,7 +7,8 @@ here). It turns the metadata into the equivalent of a Hugging Face `config.json`
 (`gguf_to_hf_config`) and yields the weights under HF parameter names in the HF layout
 (`iter_gguf_weights`), undoing the Q/K row permutation that llama.cpp's converter applies to
 Llama checkpoints; the architectures laid out differently (Gemma 2/3, Phi-3) are described in
-`gguf_archs`. It needs numpy only (torch for the yielded tensors); the `gguf` package is a test oracle, never imported here.
+`gguf_archs`. It needs numpy only (torch for the yielded tensors); the `gguf` package is a test
+oracle, never imported here.
 """
 
 from __future__ import annotations
