@@ -8,12 +8,10 @@ checkpoint tensor into the right slice of them. Fused layers (`QKVParallelLinear
 index of `gate_proj` / `up_proj`), which is how one loader serves every checkpoint (nano-vllm's
 `packed_modules_mapping`). Tensor parallelism follows Megatron-LM: column layers split their
 outputs across ranks, row layers their inputs and sum the partial products with an all-reduce.
-On CPU, a bf16 weight is packed after loading for the C GEMM of `pagoda.kernels.cpu.gemm`,
-which then takes every product (it beats oneDNN at all row counts); other small products
-(float32 decode) go to the skinny GEMM on the plain weight. On CUDA a one-row product
-(single-stream decode) takes the Triton GEMV of `pagoda.kernels.gemv`, 2..32 rows (64 for wide
-outputs) the skinny GEMM of `pagoda.kernels.skinny_gemm`, the rest cuBLAS. With the
-layer's `fused_ops` off, `F.linear` (on the unpacked weight) is the reference.
+On CPU, a bf16 weight is packed after loading for the C GEMM of `pagoda.kernels.cpu.gemm`.
+With the layer's `fused_ops` on, `pagoda.kernels.linear.dense_linear` picks the kernel (GEMV,
+skinny GEMM, packed GEMM, cuBLAS / oneDNN; its docstring holds the rules); off, `F.linear` (on
+the unpacked weight) is the reference.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import cpu as cpu_ops
-from pagoda.kernels import few_rows_linear, one_row_linear
 from pagoda.kernels.cpu import gemm as cpu_gemm
+from pagoda.kernels.linear import dense_linear
 from pagoda.model.parallel import (
     divide,
     get_tp_rank,
@@ -100,24 +97,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        weight, fused = layer.weight, getattr(layer, "fused_ops", False)
-        if x.is_cuda:
-            # One row (single-stream decode): a Triton GEMV streams the weight faster than
-            # cuBLAS's split-K kernels (pagoda/kernels/gemv.py); a few rows, the Triton skinny
-            # GEMM (pagoda/kernels/skinny_gemm.py).
-            y = None
-            if fused:
-                y = one_row_linear(x, weight, bias)
-                if y is None:
-                    y = few_rows_linear(x, weight, bias)
-            return F.linear(x, weight, bias) if y is None else y
+        if getattr(layer, "fused_ops", False):
+            return dense_linear(x, layer.weight, bias)  # the kernel choice: pagoda.kernels.linear
+        weight = layer.weight
         if cpu_gemm.is_packed(weight):
-            if fused and cpu_gemm.packed_linear_supported(x, weight):
-                return cpu_gemm.packed_linear(x, weight, bias)
             weight = cpu_gemm.unpack_weight(weight)  # the reference path, at a copy per call
-        elif fused and cpu_ops.linear_supported(x, weight):
-            # A decode's few rows: one streaming pass over the weight in C beats oneDNN's setup.
-            return cpu_ops.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -16,13 +16,12 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention.backend import AttentionBackend, get_attn_backend
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.kernels import cpu as cpu_ops
-from pagoda.kernels import one_row_linear
-from pagoda.kernels.cpu import gemm as cpu_gemm
+from pagoda.kernels.linear import lm_head_logits, silu_and_mul_linear
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.layernorm import RMSNorm
@@ -58,10 +57,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
-        if self.act_fn.fused_ops and down.tp_size == 1 and down.weight is not None:
-            # One row on CUDA (single-stream decode): the activation inside the down GEMV
-            # (a 4-bit layer kept packed has no dense weight).
-            y = one_row_linear(gate_up, down.weight, down.bias, silu_and_mul=True)
+        if self.act_fn.fused_ops and down.tp_size == 1:  # the activation inside the down GEMV
+            y = silu_and_mul_linear(gate_up, down.weight, down.bias)
             if y is not None:
                 return y
         return down(self.act_fn(gate_up))
@@ -248,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.vocab_size, int(hf_config["hidden_size"]))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.fused_ops = True  # logits by the C skinny GEMM on CPU (compute_logits)
+        self.fused_ops = True  # logits by pagoda.kernels.linear (compute_logits)
 
     def set_attn_backend(self, backend: AttentionBackend) -> None:
         for module in self.modules():
@@ -282,28 +279,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""
-        weight = self.lm_head.weight
-        if getattr(weight, "quant", None) is not None:  # GGUF blocks kept (quantization="gguf")
-            if self.fused_ops or self.lm_head.tp_size > 1:
-                return self.lm_head.compute_logits(hidden_states).float()
+        if self.fused_ops:
+            return lm_head_logits(hidden_states, self.lm_head)
+        quant = getattr(self.lm_head.weight, "quant", None)
+        if quant is not None and self.lm_head.tp_size == 1:  # GGUF blocks, dequantized
             from pagoda.model.quantization.gguf import dequantize_weight
 
-            return torch.nn.functional.linear(
-                hidden_states.float(), dequantize_weight(weight.quant)
-            )
-        if self.fused_ops and self.lm_head.tp_size == 1:
-            # Straight to float32 from the fp32 accumulators: no bf16 rounding of the logits.
-            packed = cpu_gemm.packed_copy(self.lm_head)  # bf16 on CPU: packed once, kept
-            if packed is not None and cpu_gemm.packed_linear_supported(hidden_states, packed):
-                return cpu_gemm.packed_linear(hidden_states, packed, out_dtype=torch.float32)
-            if cpu_ops.linear_supported(hidden_states, weight):
-                return cpu_ops.linear(hidden_states, weight, out_dtype=torch.float32)
-            logits = one_row_linear(hidden_states, weight, out_dtype=torch.float32)
-            if logits is not None:
-                return logits
-            if hidden_states.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
-                # cuBLAS writes float32 straight from its accumulators (no extra pass).
-                return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
+            return F.linear(hidden_states.float(), dequantize_weight(quant))
         return self.lm_head.compute_logits(hidden_states).float()
 
 
