@@ -4,7 +4,9 @@ few-row GEMM).
 The functions here pick the Triton kernel for CUDA tensors and the torch reference
 (`pagoda.kernels.reference`) otherwise, so model code calls them on any device; importing
 this package never imports triton. The Triton versions are `*_triton` in `norm_act` and
-`rotary`, called directly by the tests (on a CPU through Triton's interpreter).
+`rotary`, called directly by the tests (on a CPU through Triton's interpreter). Which of the
+linear kernels (these, the C CPU GEMMs, cuBLAS) takes a layer's product is decided in one place,
+`pagoda.kernels.linear`.
 """
 
 from __future__ import annotations
