@@ -5,7 +5,8 @@ kernel's output bit for bit, and that it matches the torch reference (`fused_ops
 Cases: a packed bf16 layer (the packed GEMM at every row count); a float32 layer with at most
 MAX_GEMV_ROWS rows (the C skinny GEMM) and with more (F.linear); the LM head in bf16 (a packed
 copy), in float32, and kept as GGUF blocks (the quantized GEMM); the fused SiLU-and-mul GEMV,
-which is CUDA's only.
+which is CUDA's only. On a GPU (`-m gpu`), the CUDA rules: the GEMV for one row, the skinny
+GEMM for a few, cuBLAS for many and for float32 logits.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import cpu
+from pagoda.kernels import linear as dispatch
 from pagoda.kernels.cpu import gemm, quant
 from pagoda.kernels.linear import dense_linear, lm_head_logits, silu_and_mul_linear
+from pagoda.kernels.reference import silu_and_mul_ref
 from pagoda.model.layers.linear import ReplicatedLinear
 from pagoda.model.layers.vocab_embedding import ParallelLMHead
 
-pytestmark = pytest.mark.skipif(
+needs_cpu_ops = pytest.mark.skipif(
     not cpu.cpu_ops_available(), reason="C CPU ops unavailable (no C compiler?)"
 )
 
@@ -69,6 +72,7 @@ def _reference(layer: ReplicatedLinear, x: torch.Tensor) -> torch.Tensor:
         layer.fused_ops = True
 
 
+@needs_cpu_ops
 @pytest.mark.parametrize("m", [1, 5, 40, 300])
 def test_a_packed_bf16_layer_takes_the_packed_gemm_at_every_row_count(m, kernel_calls):
     layer = _layer(40, 48, BF16)
@@ -80,6 +84,7 @@ def test_a_packed_bf16_layer_takes_the_packed_gemm_at_every_row_count(m, kernel_
     torch.testing.assert_close(y, _reference(layer, x), rtol=2**-7, atol=1e-2)
 
 
+@needs_cpu_ops
 @pytest.mark.parametrize(
     "m,kernel", [(1, ["skinny"]), (FP32_ROWS, ["skinny"]), (FP32_ROWS + 1, []), (300, [])]
 )
@@ -97,6 +102,7 @@ def test_a_float32_layer_takes_the_skinny_gemm_for_few_rows_else_f_linear(m, ker
     assert torch.equal(dense_linear(x, layer.weight, layer.bias), y)
 
 
+@needs_cpu_ops
 def test_dense_linear_writes_float32_from_a_plain_bf16_weight(kernel_calls):
     w, x = _randn(24, 32, dtype=BF16), _randn(3, 32, seed=1, dtype=BF16)
     y = dense_linear(x, w, out_dtype=F32)
@@ -111,6 +117,7 @@ def _lm_head(vocab: int, hidden: int, dtype: torch.dtype) -> ParallelLMHead:
     return head
 
 
+@needs_cpu_ops
 @pytest.mark.parametrize("m", [1, 100])
 def test_a_bf16_lm_head_takes_its_packed_copy_to_float32(m, kernel_calls):
     head = _lm_head(70, 64, BF16)
@@ -122,6 +129,7 @@ def test_a_bf16_lm_head_takes_its_packed_copy_to_float32(m, kernel_calls):
     torch.testing.assert_close(logits, F.linear(x.float(), head.weight.float()))
 
 
+@needs_cpu_ops
 @pytest.mark.parametrize("m,kernel", [(2, ["skinny"]), (FP32_ROWS + 1, [])])
 def test_a_float32_lm_head_takes_the_skinny_gemm_for_few_rows_else_f_linear(
     m, kernel, kernel_calls
@@ -137,6 +145,7 @@ def test_a_float32_lm_head_takes_the_skinny_gemm_for_few_rows_else_f_linear(
         assert torch.equal(logits, ref)
 
 
+@needs_cpu_ops
 @pytest.mark.skipif(not quant.quant_kernel_available(), reason="quantized CPU GEMM unavailable")
 def test_a_gguf_lm_head_takes_the_quantized_gemm(kernel_calls):
     from pagoda.model.loader.gguf_quants import GGML_BLOCK_SIZES
@@ -165,3 +174,50 @@ def test_the_fused_silu_and_mul_gemv_is_cuda_only():
     gate_up, w = _randn(1, 64), _randn(16, 32)
     assert silu_and_mul_linear(gate_up, w) is None  # CPU: the activation, then down_proj
     assert silu_and_mul_linear(gate_up, None) is None  # no dense weight (4-bit kept packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cuda_rules(monkeypatch):
+    picked: list[str] = []
+
+    def spy(name: str, label: str) -> None:
+        kernel = getattr(dispatch, name)
+
+        def wrapped(*args, **kwargs):
+            y = kernel(*args, **kwargs)
+            if y is not None:
+                picked.append(label)
+            return y
+
+        monkeypatch.setattr(dispatch, name, wrapped)
+
+    spy("one_row_linear", "gemv")
+    spy("few_rows_linear", "skinny")
+    w = _randn(4096, 4096, seed=1, dtype=BF16).cuda()
+    for m, expect in ((1, ["gemv"]), (8, ["skinny"]), (512, [])):
+        picked.clear()
+        x = _randn(m, 4096, seed=m, dtype=BF16).cuda()
+        y = dense_linear(x, w)
+        assert picked == expect, m
+        if not expect:
+            assert torch.equal(y, F.linear(x, w))  # cuBLAS
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=0.5)
+
+    head = ParallelLMHead(4096, 4096, params_dtype=BF16).cuda()
+    head.weight.data.copy_(w)
+    for m, expect in ((1, ["gemv"]), (100, [])):
+        picked.clear()
+        x = _randn(m, 4096, seed=m, dtype=BF16).cuda()
+        logits = lm_head_logits(x, head)
+        assert picked == expect and logits.dtype is F32, m
+        if not expect:  # cuBLAS writing float32 from its accumulators
+            assert torch.equal(logits, torch.mm(x, w.t(), out_dtype=F32))
+        ref = F.linear(x.float(), w.float())
+        torch.testing.assert_close(logits, ref, rtol=1e-2, atol=1e-2)
+
+    gate_up = _randn(1, 2 * 4096, seed=5, dtype=BF16).cuda()
+    y = silu_and_mul_linear(gate_up, w)
+    assert y is not None
+    ref = F.linear(silu_and_mul_ref(gate_up.float()), w.float())
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=0.5)
