@@ -42,7 +42,7 @@ def _kernel_linear(
     the module docstring pick one, else None: the caller's torch op."""
     if x.is_cuda:
         y = one_row_linear(x, weight, bias, out_dtype=out_dtype)
-        if y is None and out_dtype is None:
+        if y is None and out_dtype is None:  # the skinny GEMM writes x's dtype only
             y = few_rows_linear(x, weight, bias)
         if (
             y is None
@@ -98,7 +98,7 @@ def lm_head_logits(hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Ten
     `weight`, `tp_size` and `compute_logits`), straight from the kernels' fp32 accumulators (no
     rounding to the model dtype on the way).
 
-    A GGUF LM head kept quantized (`weight.quant`) takes its own dequantizing GEMM
+    A GGUF LM head kept quantized (`weight.quant`) takes the quantized GEMM
     (`lm_head.compute_logits`); with tensor parallelism, the head's own product and all-gather.
     Otherwise a bf16 CPU weight gets a packed copy, made at first use and kept
     (`cpu_gemm.packed_copy`), for the packed GEMM; then `dense_linear`'s kernels on the plain
