@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,11 +90,15 @@ def allocate_kv_caches(
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, except that on a CPU the memory is the kernel's zero pages, made resident
-    only when a block is first written: numpy's zeros is calloc, which for a large size maps
-    fresh (already zero) pages instead of writing zeros over them as torch.zeros does. So a
-    CPU server's resident memory grows with the KV blocks in use, not the whole cache."""
+    """torch.zeros, except that on a CPU the memory is an anonymous mapping of the kernel's
+    zero pages, made resident only when a block is first written (torch.zeros writes zeros
+    over the whole cache; calloc does too when the heap has a freed region large enough to
+    reuse). So a CPU server's resident memory grows with the KV blocks in use, not the whole
+    cache. The tensor keeps the mapping alive; it is unmapped with the last reference."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    return torch.from_numpy(pages).view(dtype).view(shape)
