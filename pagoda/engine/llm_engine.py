@@ -68,7 +68,9 @@ class LLMEngine:
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
         elif spec is not None:
-            self.proposer = DraftModelProposer(config, num_blocks)
+            from pagoda.engine.draft import make_draft_executor
+
+            self.proposer = DraftModelProposer(config, *make_draft_executor(config, num_blocks))
         # Async scheduling: the launched step whose tokens are not processed yet. Off with
         # speculation: how many drafts a step accepts decides where the next one starts.
         self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None

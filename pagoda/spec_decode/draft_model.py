@@ -14,7 +14,7 @@ draft iff the target samples it) is exact: the output distribution is the target
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -33,47 +33,16 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 class DraftModelProposer:
     """Proposes up to `num_speculative_tokens` drafts per request from a draft model."""
 
-    def __init__(self, target: EngineConfig, num_target_blocks: int) -> None:
-        from pagoda.engine.arg_utils import EngineArgs
-        from pagoda.executor.uniproc import UniProcExecutor
-
+    def __init__(self, target: EngineConfig, executor: Any, num_blocks: int) -> None:
+        """`executor`: the draft model's, its KV cache of `num_blocks` blocks initialised
+        (`pagoda.engine.draft.make_draft_executor` builds it; this layer builds no engine)."""
         spec = target.speculative_config
         assert spec is not None and spec.model is not None
         mc, cc, sc = target.model_config, target.cache_config, target.scheduler_config
         self.k = spec.num_speculative_tokens
         self.max_model_len = mc.max_model_len
         self.budget = sc.max_num_batched_tokens
-        # As many tokens as the target's cache, at most what max_num_seqs full requests need.
-        tokens = min(num_target_blocks * cc.block_size, sc.max_num_seqs * mc.max_model_len)
-        num_blocks = -(-tokens // cc.block_size) + 1  # + the null block
-        args = EngineArgs(
-            model=spec.model,
-            dtype=mc.dtype,
-            device=target.device_config.device,
-            seed=mc.seed,
-            max_model_len=mc.max_model_len,
-            load_format=mc.load_format if mc.load_format == "dummy" else "auto",
-            skip_tokenizer_init=True,
-            block_size=cc.block_size,
-            enable_prefix_caching=False,
-            num_gpu_blocks_override=num_blocks,
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            enforce_eager=True,
-            async_scheduling=False,
-            attention_backend=target.device_config.attention_backend,
-        )
-        config = args.create_engine_config()
-        draft_vocab = int(config.model_config.hf_config.get("vocab_size", 0))
-        target_vocab = int(mc.hf_config.get("vocab_size", 0))
-        if draft_vocab != target_vocab:
-            raise ValueError(
-                f"speculative draft model {spec.model} has vocab_size {draft_vocab}, the target "
-                f"{target_vocab}: a draft model must share the target's tokenizer"
-            )
-        self.executor = UniProcExecutor(config)
-        _check_device_memory(self.executor, num_blocks)
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor = executor
         self.kv = KVCacheManager(num_blocks, cc.block_size, False, mc.max_model_len)
         self.shadows: dict[str, Request] = {}
         self._released: set[str] = set()
@@ -194,23 +163,6 @@ class DraftModelProposer:
         for shadow in shadows:
             shadow.num_computed_tokens += counts[shadow.request_id]
         return out.sampled_token_ids
-
-
-def _check_device_memory(executor: object, num_blocks: int) -> None:
-    """On a GPU the target's cache took its share first: fail now, with the numbers, if the
-    draft's cache does not fit in what is left."""
-    runner = executor.model_runner  # type: ignore[attr-defined]
-    if runner.device.type != "cuda":
-        return
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(runner.device)
-    need = num_blocks * runner.bytes_per_block()
-    if need > 0.95 * free:
-        raise ValueError(
-            f"the draft model's KV cache needs {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB "
-            "are free after the target's: lower --gpu-memory-utilization to leave room"
-        )
 
 
 __all__ = ["DraftModelProposer"]
