@@ -224,16 +224,18 @@ static parallel_run_fn parallel_run;
 
 void pagoda_quant_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
 
-/* One GEMM as pool jobs: rows to quantize, then (panel, chunk) items in panel order, each
- * claimed by whichever thread comes next. */
+/* One GEMM as pool jobs: rows to quantize, then (panel, chunk) items in panel order, claimed
+ * `claim` consecutive items at a time by whichever thread comes next: a thread streams a run
+ * of weight rows, and the shared counter moves a few dozen times per GEMM rather than once
+ * per 16 rows (its cache line going back and forth between the cores each time). */
 typedef struct {
     int type, x8, x_bf16;
     const GemmArgs *g;
     const QActs *a;
     const char *x;
-    int64_t x_stride, es, chunks, items;
+    int64_t x_stride, es, chunks, items, claim;
     float *offsets; /* TILE_W * nb floats per thread */
-    int64_t next;   /* the next item to claim, atomic */
+    _Alignas(64) int64_t next; /* the next item to claim, atomic, on a line of its own */
 } GemmJob;
 
 static void quantize_body(void *p, int thread) {
@@ -252,11 +254,14 @@ static void gemm_body(void *p, int thread) {
     GemmJob *j = p;
     float *offsets = j->offsets + (int64_t)thread * TILE_W * j->a->nb;
     for (;;) {
-        const int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (i >= j->items) return;
-        const int64_t ma = i / j->chunks * PANEL, M = j->g->M;
-        run_chunk(j->type, j->x8, j->g, j->a, i % j->chunks, ma, ma + PANEL < M ? ma + PANEL : M,
-                  offsets);
+        const int64_t i0 = __atomic_fetch_add(&j->next, j->claim, __ATOMIC_RELAXED);
+        if (i0 >= j->items) return;
+        const int64_t i1 = i0 + j->claim < j->items ? i0 + j->claim : j->items;
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t ma = i / j->chunks * PANEL, M = j->g->M;
+            run_chunk(j->type, j->x8, j->g, j->a, i % j->chunks, ma,
+                      ma + PANEL < M ? ma + PANEL : M, offsets);
+        }
     }
 }
 
@@ -281,8 +286,10 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
     const int64_t es = x_bf16 ? 2 : 4, chunks = (N + CHUNK - 1) / CHUNK;
     if (parallel_run && nt > 1) {
-        GemmJob j = {type, x8, x_bf16, &g, &a, x, x_stride, es, chunks,
-                     chunks * ((M + PANEL - 1) / PANEL), (float *)(buf + act_bytes), 0};
+        const int64_t items = chunks * ((M + PANEL - 1) / PANEL);
+        const int64_t claim = items / (8 * nt) > 1 ? items / (8 * nt) : 1; /* ~8 claims a thread */
+        GemmJob j = {type,  x8,    x_bf16, &g, &a, x, x_stride, es, chunks,
+                     items, claim, (float *)(buf + act_bytes), 0};
         if (M >= 8) parallel_run(quantize_body, &j, nt);
         else quantize_body(&j, 0);
         j.next = 0;
