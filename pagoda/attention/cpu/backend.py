@@ -125,6 +125,17 @@ def _build_plan(md: AttentionMetadata, kv_cache: torch.Tensor, group: int) -> _P
     )
 
 
+def step_plan(md: AttentionMetadata, kv_cache: torch.Tensor, group: int) -> _Plan:
+    """The step's plan, built by the first layer that asks and kept in `md.extra` for the rest
+    (and for the one-call decoder stack, which runs the same kernel over it)."""
+    if md.extra is None:
+        md.extra = {}
+    plan = md.extra.get(_PLAN_KEY)
+    if plan is None or plan.block_size != kv_cache.shape[2] or plan.group != group:
+        plan = md.extra[_PLAN_KEY] = _build_plan(md, kv_cache, group)
+    return plan
+
+
 class CpuAttentionBackend(AttentionBackend):
     """Paged attention on CPU with the C kernel; see the module docstring for the split."""
 
@@ -163,11 +174,7 @@ class CpuAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_size = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
-        if md.extra is None:
-            md.extra = {}
-        plan = md.extra.get(_PLAN_KEY)
-        if plan is None or plan.block_size != kv_cache.shape[2] or plan.group != group:
-            plan = md.extra[_PLAN_KEY] = _build_plan(md, kv_cache, group)
+        plan = step_plan(md, kv_cache, group)
 
         n = md.num_actual_tokens
         k_new, v_new = k[:n], v[:n]

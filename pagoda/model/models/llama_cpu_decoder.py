@@ -212,30 +212,24 @@ class CpuDecoder:
         spec = self._stack.spec
         if cache.dtype is not spec.dtype or not cache.is_contiguous() or cache.numel() == 0:
             return None
-        slots = md.slot_mapping[:rows]
-        if slots.dtype is not torch.int64:
-            slots = slots.long()
-        if not bool((slots >= 0).all()):
+        from pagoda.attention.cpu.backend import step_plan
+
+        # The attention backend's plan of this step (its work items, int32 tables, slots).
+        plan = step_plan(md, cache, spec.num_heads // spec.num_kv_heads)
+        if plan.write_rows is not None:  # some row has no cache slot
             return None
         self._stack.bind_kv_caches(kv_caches)
-        from pagoda.attention.cpu.backend import build_items, num_threads
-
-        qsl = md.query_start_loc_cpu or md.query_start_loc.tolist()
-        seq_lens = md.seq_lens_cpu or md.seq_lens.tolist()
-        attention_threads = num_threads()
-        group = spec.num_heads // spec.num_kv_heads
-        items, _ = build_items(qsl, seq_lens, spec.num_kv_heads, group, attention_threads)
         x = model.embed_tokens(input_ids)
         if not x.is_contiguous() or x.dtype is not spec.dtype:
             x = x.to(spec.dtype).contiguous()
         return self._stack.run(
             x,
             positions if positions.dtype is torch.int64 else positions.long(),
-            slots.contiguous(),
-            md.block_tables.to(torch.int32).contiguous(),
-            md.seq_lens.to(torch.int32).contiguous(),
-            md.query_start_loc.to(torch.int32).contiguous(),
-            torch.tensor(items, dtype=torch.int32).reshape(-1, 5),
+            plan.write_slots.contiguous(),
+            plan.block_tables,
+            plan.seq_lens,
+            plan.query_start_loc,
+            plan.items,
             torch.get_num_threads(),
-            attention_threads,
+            plan.num_threads,
         )
