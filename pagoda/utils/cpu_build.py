@@ -271,12 +271,17 @@ _started: dict[tuple, Future[tuple[Path, str]]] = {}
 _started_lock = threading.Lock()
 
 
-def build_workers() -> int:
-    """Compilers run at once: one per core this process may use (more only share them)."""
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; all of them where there is none)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def build_workers() -> int:
+    """Compilers run at once: one per core this process may use (more only share them)."""
+    return usable_cores()
 
 
 def prebuild(libraries: Sequence[Library], wait: bool = True) -> None:

@@ -16,7 +16,6 @@ gpu_memory_utilization and the rest goes to KV blocks (`memory_plan`).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -33,6 +32,7 @@ from pagoda.sample.sampler import (
     compute_prompt_logprobs,
 )
 from pagoda.utils import cpu_kernels
+from pagoda.utils.cpu_build import usable_cores
 from pagoda.worker.cuda_graphs import (
     CaptureFn,
     CUDAGraphRunner,
@@ -63,10 +63,7 @@ def num_cpu_threads() -> int:
     parallel op waits at a barrier for its slowest thread, which may be waiting for a core."""
     if envs.PAGODA_CPU_THREADS is not None:
         return envs.PAGODA_CPU_THREADS
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 class ModelRunner:

@@ -49,8 +49,9 @@ def calibration_threads() -> Iterator[int]:
     before = torch.get_num_threads()
     threads = envs.PAGODA_CALIBRATION_THREADS
     if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        free = (cores or 1) - os.getloadavg()[0] if hasattr(os, "getloadavg") else before
+        from pagoda.utils.cpu_build import usable_cores
+
+        free = usable_cores() - os.getloadavg()[0] if hasattr(os, "getloadavg") else before
         threads = max(1, min(before, int(round(free))))
     torch.set_num_threads(threads)
     try:
