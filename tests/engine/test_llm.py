@@ -211,8 +211,18 @@ def test_serving_leaves_a_core_to_the_front_end_at_small_batches(llm: LLM) -> No
 
 def test_int8_kv_cache_scales_keep_greedy_output_close(reference) -> None:
     # With per-layer scales taken from the first cached step, an INT8 cache follows the full
-    # precision greedy path for a while (with scale 1.0 it produced garbage from token one).
+    # precision greedy path (with scale 1.0 it produced garbage from token one). Where the two
+    # part, it is at a near tie: the full precision token is within a small logprob gap of the
+    # INT8 cache's choice (the CPU kernels' results differ in the last bits from one ISA level
+    # to another, so which near tie flips depends on the machine).
     int8 = LLM(dtype="float32", max_model_len=1024, kv_cache_dtype="int8", seed=0)
-    outs = _texts(int8.generate(PROMPTS[:3:2], GREEDY, use_tqdm=False))
-    for got, want in zip(outs, reference[:3:2]):
-        assert got[:6] == want[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+    outs = int8.generate(PROMPTS[:3:2], params, use_tqdm=False)
+    for out, want in zip(outs, reference[:3:2]):
+        got = out.outputs[0].token_ids
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        assert same >= 4, (got, want)
+        if same < len(want):
+            top = out.outputs[0].logprobs[same]
+            assert want[same] in top, (got, want)
+            assert top[got[same]].logprob - top[want[same]].logprob < 0.25, (got, want)
