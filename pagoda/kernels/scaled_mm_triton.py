@@ -1,17 +1,38 @@
 """The CUDA side of `pagoda.kernels.scaled_mm`: a Triton kernel that quantizes each row of the
 activations (absmax, then the row divided by its scale and rounded to int8 / cast to e4m3, in
-one program per row), cuBLASLt for the 8-bit product (`torch._int_mm` for int8,
-`torch._scaled_mm` with row-wise scales for fp8), and for int8 a Triton epilogue that turns the
-int32 products into the model dtype (x_scale * w_scale, + bias) in one pass. Semantics are
-`scaled_mm_ref`'s; the tests also run the kernels on a CPU through Triton's interpreter."""
+one program per row), then the 8-bit product:
+
+- int8, by default: a fused Triton GEMM (`int8_gemm`). Both operands K-contiguous as stored
+  (x_q [M, K], w_q [N, K]), `tl.dot` int8 x int8 into an int32 accumulator (wgmma
+  m64nNk32.s32.s8.s8 on Hopper), and an epilogue that scales it in float32,
+  (acc * x_scale[m]) * w_scale[n] (+ bias[n]), and writes the output once in the model dtype.
+  `torch._int_mm` + a separate epilogue writes and reads an int32 [M, N] product in between
+  and needs more than 16 rows (fewer are padded); the fused kernel needs neither. Tiles come
+  from a fixed table by row count (`choose_int8_config`; no run-time autotuning, so it is
+  deterministic and CUDA-graph capturable): for decode-sized M a swap-AB layout (the weight
+  on the MMA's 64-row side, as `skinny_gemm.py` does for bf16) with split-K for the deep down
+  projection (int32 partials summed by the last split: exact in any order; the per-tile
+  counters are `skinny_gemm.prepare`'s), for larger M 64/128 x 128/256 tiles with a GROUP_M
+  swizzle so that weight tiles are reused from L2.
+- int8 with config=INT_MM: `torch._int_mm` (cuBLASLt, int32 out) and the epilogue kernel,
+  kept so that benchmarks/w8a8_bench.py can compare the two.
+- fp8: `torch._scaled_mm` with row-wise scales (both scales and the bias in cuBLASLt's
+  epilogue).
+
+Semantics are `scaled_mm_ref`'s; the tests also run the kernels on a CPU through Triton's
+interpreter."""
 
 from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm
+from pagoda.kernels.skinny_gemm import MAX_SPLIT_TILES, SMEM_BUDGET, prepare, split_k_plan
 
 
 @triton.jit
@@ -132,10 +153,295 @@ def int8_epilogue(
     return out
 
 
-def _int8_mm(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+@triton.jit
+def _int8_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    c_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    split_k,
+    stride_a: tl.int64,
+    stride_b: tl.int64,
+    stride_c: tl.int64,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """c[M, N] = (a[M, K] int8 @ b[N, K]^T int8, int32) * xs[M] * ws[N] (+ bias[N])."""
+    # Tile order: GROUP_M row tiles sweep the N tiles together, so B tiles are reused from L2.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past M / N load a valid row again (no mask on the hot loads); they are not stored.
+    a_rows = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_a
+    b_rows = b_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_b
+    k_start = pid_k * k_per_split  # a multiple of BLOCK_K: only the last block can be ragged
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        if EVEN_K:
+            a = tl.load(a_rows + kk[None, :])
+            b = tl.load(b_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+            b = tl.load(
+                b_rows + kk[None, :], mask=(kk < K)[None, :], other=0, eviction_policy="evict_first"
+            )
+        if SWAP_AB:  # weight rows on the MMA's 64-row side, the few activation rows on N
+            acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+
+    if SWAP_AB:  # acc[n, m]
+        rows_m = offs_m[None, :]
+        cols_n = offs_n[:, None]
+    else:  # acc[m, n]
+        rows_m = offs_m[:, None]
+        cols_n = offs_n[None, :]
+    if not SPLIT:
+        _int8_scale_store(
+            acc, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
+        )
+    else:
+        # Each split writes its int32 partial tile; the one that arrives last at this tile's
+        # counter sums them (integers: exact in any order), scales, stores, resets the counter.
+        mask = (rows_m < M) & (cols_n < N)
+        tile = rows_m.to(tl.int64) * N + cols_n
+        split_size = N.to(tl.int64) * M
+        tl.store(partial_ptr + pid_k * split_size + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial store before the one thread's release
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s in range(split_k):
+                total += tl.load(
+                    partial_ptr + s * split_size + tile, mask=mask, other=0, cache_modifier=".cg"
+                )
+            _int8_scale_store(
+                total, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
+            )
+            tl.store(counter_ptr + pid, 0)
+
+
+@triton.jit
+def _int8_scale_store(
+    acc, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS: tl.constexpr
+):
+    # (acc * x_scale) * w_scale (+ bias) in float32, in that order (the tests' exact reference).
+    m_ok = rows_m < M
+    n_ok = cols_n < N
+    mask = m_ok & n_ok
+    xs = tl.load(xs_ptr + rows_m, mask=m_ok, other=0.0)
+    ws = tl.load(ws_ptr + cols_n, mask=n_ok, other=0.0)
+    y = acc.to(tl.float32) * xs * ws
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)
+    c_ptrs = c_ptr + rows_m.to(tl.int64) * stride_c + cols_n
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+INT_MM = "int_mm"  # the config name of the torch._int_mm + separate epilogue path
+
+
+class Int8Config(NamedTuple):
+    """Tiles of the fused int8 GEMM. swap_ab: acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (for
+    few rows: the weight on the MMA's 64-row side, BLOCK_M activation rows on its N side).
+    split_k > 1 cuts K into that many ranges of whole BLOCK_K blocks (one program each)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_stages: int = 4
+    num_warps: int = 4
+    swap_ab: bool = False
+    split_k: int = 1
+
+    @property
+    def name(self) -> str:
+        kind = "swap" if self.swap_ab else "tile"
+        name = f"{kind}{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}"
+        name += f"_s{self.num_stages}w{self.num_warps}"
+        return name + (f"_k{self.split_k}" if self.split_k > 1 else "")
+
+
+def rows_tile(m: int) -> int:
+    """The activation-row tile of a swap-AB config: the next power of two >= m, at least 16
+    (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def choose_int8_config(m: int, n: int, k: int) -> Int8Config | str:
+    """The int8 GEMM of an [m, k] x [n, k]^T product: an `Int8Config` of the fused kernel, or
+    `INT_MM`. A fixed table by row bucket (deterministic, nothing measured at run time, so CUDA
+    graphs capture it):
+
+    - m <= 64 (decode): weight streaming. Swap-AB, 64 weight rows x 256-deep K tiles (the
+      bytes of the bf16 skinny GEMM's 64 x 128) so qkv / o / down get 96 / 64 / 64 programs,
+      128 weight rows for wide N (gate_up: 224); the deep down projection (k >= 2n) splits K
+      in 4 (256 programs) where the few programs would not fill 132 SMs' memory pipes.
+    - m <= 128: 64 x 128 tiles (more programs than 128 x 128 at these N).
+    - m <= 512: 128 x 128 x 128, one warpgroup, 4 stages (32 KB each).
+    - larger: 128 x 256 x 128, two warpgroups, 4 stages (48 KB each, 192 KB of 227),
+      GROUP_M 8 swizzle for L2 reuse of the weight tiles.
+
+    `int8_config_candidates` lists the neighbours `benchmarks/w8a8_bench.py --sweep` times."""
+    if m <= 64:
+        bm = rows_tile(m)
+        bn = 128 if n >= 16384 else 64
+        bk = 256 if bm <= 32 else 128
+        split = 4 if k >= 2 * n and k >= 8192 else 1
+        return Int8Config(bm, bn, bk, 1, 4, 4, True, split)
+    if m <= 128:
+        return Int8Config(64, 128, 128, 8, 4, 4)
+    if m <= 512:
+        return Int8Config(128, 128, 128, 8, 4, 4)
+    return Int8Config(128, 256, 128, 8, 4, 8)
+
+
+def int8_config_candidates(m: int, n: int, k: int) -> list[Int8Config | str]:
+    """The configs a sweep times for [m, k] x [n, k]^T: the chosen one first, then `INT_MM`
+    and the table's neighbours (tile sizes, stages, warps, swap-AB, split-K) that fit an SM's
+    shared memory."""
+    out: list[Int8Config | str] = [choose_int8_config(m, n, k), INT_MM]
+    cands: list[Int8Config] = []
+    if m <= 128:
+        bm = rows_tile(m)
+        for bn, bk, split, stages in itertools.product(
+            (32, 64, 128), (128, 256), (1, 2, 4), (3, 4, 6)
+        ):
+            cands.append(Int8Config(bm, bn, bk, 1, stages, 4, True, split))
+    if m > 16:
+        for bm, bn, bk, stages, group in itertools.product(
+            (64, 128), (64, 128, 256), (64, 128), (3, 4, 5), (8,)
+        ):
+            if bm > max(64, triton.next_power_of_2(m)) or (m > 512 and bm == 64 and bn < 128):
+                continue
+            warps = 8 if bm * bn >= 128 * 256 else 4
+            cands.append(Int8Config(bm, bn, bk, group, stages, warps))
+            if bm * bn == 128 * 128:
+                cands.append(Int8Config(bm, bn, bk, group, stages, 8))
+    for cfg in cands:
+        stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
+        if cfg.split_k > 1 and split_k_plan(k, cfg.block_k, cfg.split_k)[1] != cfg.split_k:
+            continue
+        if cfg.num_stages * stage_bytes <= SMEM_BUDGET - 32 * 1024 and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def int8_gemm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Int8Config | None = None,
 ) -> torch.Tensor:
-    m = x.shape[0]
+    """(x_q [M, K] int8 @ w_q [N, K]^T int8, exact int32) * x_scale [M(, 1)] * w_scale [N]
+    (+ bias [N]) -> [M, N] `out_dtype`, in one kernel (`choose_int8_config` unless `config`).
+    Both operands K-contiguous (w_q as stored); any K (a ragged last K block is masked)."""
+    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
+        raise ValueError(f"int8_gemm takes int8 operands, got {x_q.dtype} and {w_q.dtype}")
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    if w_q.shape[1] != k or x_q.stride(1) != 1 or w_q.stride(1) != 1:
+        raise ValueError(
+            f"int8_gemm needs K-contiguous x_q [M, K] and w_q [N, K], got {tuple(x_q.shape)} "
+            f"(strides {x_q.stride()}) and {tuple(w_q.shape)} (strides {w_q.stride()})"
+        )
+    cfg = config or choose_int8_config(m, n, k)
+    if cfg == INT_MM:
+        raise ValueError("int8_gemm runs the fused kernel; INT_MM is scaled_mm_cuda's choice")
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(cfg, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if cfg.block_k < 32:
+        raise ValueError(f"block_k must be >= 32 for int8 tensor cores, got {cfg.block_k}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+    k_per_split, split_k = split_k_plan(k, cfg.block_k, cfg.split_k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if split_k > 1:
+        if tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"split_k > 1 takes one counter per tile: {tiles} > {MAX_SPLIT_TILES}")
+        counters = prepare(x_q.device)
+        partials = torch.empty((split_k, m, n), dtype=torch.int32, device=x_q.device)
+    else:
+        counters = partials = out  # placeholders the kernel does not touch
+    _int8_gemm_kernel[(tiles, split_k)](
+        x_q,
+        w_q,
+        x_scale,
+        w_scale,
+        bias if bias is not None else w_scale,
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        k_per_split,
+        split_k,
+        x_q.stride(0),
+        w_q.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        SWAP_AB=cfg.swap_ab,
+        SPLIT=split_k > 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def _int8_mm(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: Int8Config | str | None = None,
+) -> torch.Tensor:
+    m, k = x.shape
+    cfg = config or choose_int8_config(m, w_q.shape[0], k)
+    if cfg != INT_MM:
+        x_q, x_scale = quantize_rows_triton(x, torch.int8)
+        return int8_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype, cfg)
     # cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 rows: fewer are padded to 32
     # (rows of garbage int8 whose products the epilogue does not read).
     x_q, x_scale = quantize_rows_triton(x, torch.int8, min_rows=32 if m <= 16 else 0)
@@ -161,16 +467,26 @@ def _fp8_mm(
 
 
 def scaled_mm_cuda(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: Int8Config | str | None = None,
 ) -> torch.Tensor:
     """x [M, K] on CUDA times w_q [N, K] (int8 or fp8, w_scale [N] float32): the tensor-core
-    path where the shapes allow it (int8: K and N multiples of 8; fp8: of 16, sm_89+), the
-    plain one otherwise."""
+    path where the shapes allow it, the plain one otherwise. int8: the fused Triton GEMM with
+    `config` (an `Int8Config`; None: `choose_int8_config`), or with config=INT_MM
+    `torch._int_mm` + the epilogue kernel (K and N multiples of 8). fp8: `torch._scaled_mm`
+    (K and N multiples of 16, sm_89+); `config` is ignored."""
     from pagoda.kernels.scaled_mm import fp8_supported
 
     n, k = w_q.shape
-    if w_q.dtype == torch.int8 and k % 8 == 0 and n % 8 == 0:
-        return _int8_mm(x, w_q, w_scale, bias)
-    if w_q.dtype != torch.int8 and k % 16 == 0 and n % 16 == 0 and fp8_supported(x.device):
+    if w_q.dtype == torch.int8:
+        cfg = config or choose_int8_config(x.shape[0], n, k)
+        if cfg != INT_MM and w_q.stride(1) == 1:
+            return _int8_mm(x, w_q, w_scale, bias, cfg)
+        if k % 8 == 0 and n % 8 == 0:
+            return _int8_mm(x, w_q, w_scale, bias, INT_MM)
+    elif k % 16 == 0 and n % 16 == 0 and fp8_supported(x.device):
         return _fp8_mm(x, w_q, w_scale, bias)
     return _plain_scaled_mm(x, w_q, w_scale, bias)
