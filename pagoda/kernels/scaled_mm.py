@@ -3,9 +3,12 @@ per output channel (int8 or float8 e4m3) and activations quantized per token at 
 (dynamic, symmetric), as SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) and FP8 inference
 (Micikevicius et al. 2022, arXiv:2209.05433) serve them.
 
-- CUDA, int8: one Triton kernel quantizes each row of x (absmax / 127), `torch._int_mm`
-  (cuBLASLt int8 tensor cores, int32 accumulators; it needs more than 16 rows: fewer are padded)
-  and one Triton epilogue scales the int32 products into the model dtype and adds the bias.
+- CUDA, int8: one Triton kernel quantizes each row of x (absmax / 127), then one Triton GEMM
+  multiplies the int8 operands on the tensor cores into int32 accumulators and scales them in
+  its epilogue (x_scale * w_scale, + bias), writing the model dtype once; its tiles come from a
+  fixed table by row count (`scaled_mm_triton.choose_int8_config`). The alternative it
+  replaces, `torch._int_mm` (cuBLASLt, an int32 [M, N] product in memory, more than 16 rows)
+  and a separate epilogue kernel, stays selectable (config="int_mm") for comparison.
 - CUDA sm_89+, fp8: the same row quantization (absmax / 448) and `torch._scaled_mm` with
   row-wise scales, which applies both scales and the bias in cuBLASLt's epilogue.
 - Elsewhere (a CPU, or no triton): the same quantization in torch and the product in float32 on

@@ -1,9 +1,15 @@
 """The W8A8 GEMMs (int8 and fp8, per-token activations, per-channel weights) against their
-dequantize-then-matmul reference: the plain path (CPU), the Triton row-quantization and int8
-epilogue kernels (under the Triton interpreter without a GPU), and on a GPU the whole
-tensor-core path (`torch._int_mm` / `torch._scaled_mm`, gpu-marked) at Llama-like shapes."""
+dequantize-then-matmul reference: the plain path (CPU), the Triton row-quantization, int8
+epilogue and fused int8 GEMM kernels (under the Triton interpreter without a GPU; the fused
+GEMM must give the exact integer product scaled in float32), the fused GEMM's configs built for
+sm_90 (slow), and on a GPU the whole tensor-core path (gpu-marked) at Llama-like shapes."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,17 +116,196 @@ def test_triton_int8_epilogue_matches_reference(with_bias) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", [None, "int_mm"])
 @pytest.mark.parametrize("m", [1, 16, 20])
-def test_int8_tensor_core_path_matches_reference(m) -> None:
-    # The CUDA int8 path end to end (row quantization, padding to 32 rows, torch._int_mm, the
-    # epilogue); without a GPU, the kernels under the interpreter and torch._int_mm on the CPU.
+def test_int8_tensor_core_path_matches_reference(m, config) -> None:
+    # The CUDA int8 path end to end (row quantization, then the fused GEMM, or padding to 32
+    # rows, torch._int_mm and the epilogue); without a GPU, the kernels under the interpreter
+    # and torch._int_mm on the CPU.
     pytest.importorskip("triton")
     from pagoda.kernels.scaled_mm_triton import scaled_mm_cuda
 
     x, w_q, w_scale, bias = _problem(m, 64, 48, torch.int8, device=kernel_device())
-    y = scaled_mm_cuda(x, w_q, w_scale, bias)
+    y = scaled_mm_cuda(x, w_q, w_scale, bias, config=config)
     assert y.shape == (m, 48)
     torch.testing.assert_close(y, scaled_mm_ref(x, w_q, w_scale, bias), atol=1e-4, rtol=1e-4)
+
+
+def _int8_operands(m: int, n: int, k: int, device, with_bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    xs = torch.rand(m, 1, generator=g) / 50 + 1e-4
+    ws = torch.rand(n, generator=g) / 50 + 1e-4
+    bias = torch.randn(n, generator=g) if with_bias else None
+    # The exact integer product (int64 on the CPU), then the kernel's float32 epilogue.
+    ref = (a.long() @ b.long().t()).to(torch.int32).float() * xs * ws
+    if bias is not None:
+        ref = ref + bias
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(a), to(xs), to(b), to(ws), to(bias), ref
+
+
+def _interp_config(swap_ab: bool, split_k: int, block_k: int = 32):
+    from pagoda.kernels.scaled_mm_triton import Int8Config
+
+    if swap_ab:
+        return Int8Config(16, 32, block_k, 1, 2, 4, True, split_k)
+    return Int8Config(32, 32, block_k, 2, 2, 4, False, split_k)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(
+    "m,n,k,swap_ab,split_k",
+    [
+        (1, 40, 96, True, 1),  # one row; N not a multiple of BLOCK_N
+        (13, 64, 100, True, 1),  # K ragged against BLOCK_K
+        (5, 48, 200, True, 3),  # split-K, the last split shorter and ragged
+        (70, 72, 160, False, 1),  # M, N past whole tiles; GROUP_M swizzle over 3 row tiles
+        (37, 40, 136, False, 2),  # tiles + split-K + ragged K
+    ],
+)
+def test_fused_int8_gemm_is_the_integer_product_scaled(m, n, k, swap_ab, split_k, with_bias):
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import int8_gemm
+
+    dev = kernel_device()
+    a, xs, b, ws, bias, ref = _int8_operands(m, n, k, dev, with_bias)
+    y = int8_gemm(a, xs, b, ws, bias, torch.float32, _interp_config(swap_ab, split_k))
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    if dev.type == "cpu":  # the interpreter: the same float32 operations, bit for bit
+        assert torch.equal(y, ref)
+    else:  # a GPU may fuse the bias into an FMA: one float32 rounding apart at most
+        torch.testing.assert_close(y.cpu(), ref, rtol=2e-7, atol=1e-6)
+
+
+def _assert_within_one_ulp(
+    y: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor | float = 0.0
+) -> None:
+    """y (bf16 / fp16) is ref (float32) rounded to y's dtype, or its neighbour: the kernel's
+    float32 epilogue may contract a multiply-add into an FMA (one float32 rounding of the
+    `terms` magnitude apart) and then round to the other side."""
+    mant = torch.finfo(y.dtype).eps  # 2^-7 bf16, 2^-10 fp16: one ulp relative to [1, 2)
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30)))) * mant
+    diff = (y.float() - ref).abs()
+    bound = ulp + terms * 2.0**-23
+    assert bool((diff <= bound).all()), float((diff / bound).max())
+
+
+def test_fused_int8_gemm_default_config_and_bf16_output() -> None:
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import int8_gemm
+
+    a, xs, b, ws, bias, ref = _int8_operands(3, 64, 256, kernel_device())
+    y = int8_gemm(a, xs, b, ws, bias, torch.bfloat16)  # choose_int8_config: swap-AB
+    assert y.dtype == torch.bfloat16
+    # One bf16 rounding of the exact float32 result (the interpreter's fp32 -> bf16 cast
+    # truncates rather than rounding to nearest: one ulp, not half).
+    _assert_within_one_ulp(y.cpu(), ref)
+
+
+def test_fused_int8_gemm_rejects_what_it_cannot_run() -> None:
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import Int8Config, int8_gemm
+
+    a, xs, b, ws, _, _ = _int8_operands(4, 32, 64, "cpu")
+    with pytest.raises(ValueError, match="int8 operands"):
+        int8_gemm(a.float(), xs, b, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="K-contiguous"):
+        int8_gemm(a, xs, b.t().contiguous().t(), ws, None, torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        int8_gemm(a, xs, b, ws, None, torch.float32, Int8Config(16, 48, 64))
+    with pytest.raises(ValueError, match="block_k"):
+        int8_gemm(a, xs, b, ws, None, torch.float32, Int8Config(16, 32, 16))
+    with pytest.raises(ValueError, match="INT_MM"):
+        int8_gemm(a, xs, b, ws, None, torch.float32, "int_mm")
+
+
+LLAMA3_8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+BENCH_M = (1, 16, 64, 128, 256, 512, 1024, 4096)
+
+
+def test_int8_config_table_covers_the_buckets_within_shared_memory() -> None:
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import (
+        INT_MM,
+        Int8Config,
+        choose_int8_config,
+        int8_config_candidates,
+    )
+    from pagoda.kernels.skinny_gemm import SMEM_BUDGET, split_k_plan
+
+    for n, k in LLAMA3_8B.values():
+        for m in BENCH_M:
+            cfg = choose_int8_config(m, n, k)
+            assert cfg == choose_int8_config(m, n, k)  # a table, not a measurement
+            assert isinstance(cfg, Int8Config) and cfg.swap_ab == (m <= 64)
+            if cfg.swap_ab:
+                assert cfg.block_m >= m
+            cands = int8_config_candidates(m, n, k)
+            assert cands[0] == cfg and INT_MM in cands and len(set(cands)) == len(cands)
+            for c in cands[2:]:
+                assert c.num_stages * (c.block_m + c.block_n) * c.block_k <= SMEM_BUDGET
+                assert split_k_plan(k, c.block_k, c.split_k)[1] == c.split_k
+            assert 8 <= len(cands) <= 120
+
+
+# A fresh interpreter: a process that imported triton under TRITON_INTERPRET=1 (this module
+# does, without a GPU) cannot compile for real any more.
+_SM90_BUILD = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.kernels.scaled_mm_triton import _int8_gemm_kernel as fn, choose_int8_config
+
+m, n, k = (int(v) for v in sys.argv[1:4])
+cfg = choose_int8_config(m, n, k)
+sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
+sig.update(a_ptr="*i8", b_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
+           c_ptr="*bf16", partial_ptr="*i32", counter_ptr="*i32", stride_a="i64",
+           stride_b="i64", stride_c="i64")
+consts = dict(HAS_BIAS=True, EVEN_K=True, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
+              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+              GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages)
+sig.update(dict.fromkeys(consts, "constexpr"))
+# The runtime specializes 16-aligned pointers and 16-divisible sizes: say so, as a launch would.
+aligned = ("a_ptr", "b_ptr", "c_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_a",
+           "stride_b", "stride_c")
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+src = ASTSource(fn, sig, {(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+ptx = kernel.asm["ptx"]
+print(json.dumps({"shared": kernel.metadata.shared, "ptx": ptx}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,name", [(1, "qkv"), (16, "down"), (64, "gate_up"), (128, "o"),
+                                    (256, "qkv"), (4096, "gate_up")])  # fmt: skip
+def test_chosen_int8_configs_compile_for_sm90(m: int, name: str) -> None:
+    """A real sm_90 build (no GPU needed) of the chosen configs: int8 wgmma into int32 and
+    shared memory within the SM's 227 KB."""
+    pytest.importorskip("triton")
+    n, k = LLAMA3_8B[name]
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _SM90_BUILD, str(m), str(n), str(k)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.splitlines()[-1])
+    assert built["shared"] <= 227 * 1024
+    assert "wgmma.mma_async.sync.aligned" in built["ptx"] and ".s32.s8.s8" in built["ptx"]
 
 
 # ---- GPU: the tensor-core paths --------------------------------------------------------------
@@ -157,3 +342,57 @@ def test_gpu_scaled_mm_without_bias_and_in_float16(dtype) -> None:
     assert y.dtype == torch.float16
     ref = scaled_mm_ref(x, w_q, w_scale).float()
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 100, 300, 1024])
+@pytest.mark.parametrize("name", list(LLAMA3_8B))
+def test_gpu_fused_int8_gemm_is_the_integer_product_scaled(name, m) -> None:
+    from pagoda.kernels.scaled_mm_triton import int8_gemm
+
+    n, k = LLAMA3_8B[name]
+    g = torch.Generator(device="cuda").manual_seed(m)
+    a = torch.randint(-127, 128, (m, k), generator=g, device="cuda", dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, device="cuda", dtype=torch.int8)
+    xs = torch.rand(m, 1, generator=g, device="cuda") / 1e3
+    ws = torch.rand(n, generator=g, device="cuda") / 1e3
+    bias = torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+    y = int8_gemm(a, xs, b, ws, bias, torch.bfloat16)
+    # |sums| < 127^2 * 14336 < 2^28: exact in int64 here and in the kernel's int32
+    acc = (a.cpu().long() @ b.cpu().long().t()).to(torch.int32).cuda()
+    prod = acc.float() * xs * ws
+    ref = prod + bias.float()
+    _assert_within_one_ulp(y, ref, terms=prod.abs() + bias.float().abs())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_gpu_int8_configs_agree_and_replay_in_a_cuda_graph(m) -> None:
+    # Every candidate config (split-K ones included) gives the same bits as the chosen one;
+    # the split-K counters reset themselves across CUDA-graph replays.
+    from pagoda.kernels.scaled_mm_triton import (
+        INT_MM,
+        int8_config_candidates,
+        scaled_mm_cuda,
+    )
+
+    n, k = LLAMA3_8B["down"]
+    x, w_q, w_scale, _ = _problem(m, k, n, torch.int8, device="cuda", x_dtype=torch.bfloat16)
+    y0 = scaled_mm_cuda(x, w_q, w_scale, None)
+    cands = int8_config_candidates(m, n, k)
+    for cfg in cands[2:][::7]:
+        y = scaled_mm_cuda(x, w_q, w_scale, None, config=cfg)
+        assert torch.equal(y, y0), cfg
+    y_int_mm = scaled_mm_cuda(x, w_q, w_scale, None, config=INT_MM)
+    _assert_within_one_ulp(y_int_mm, y0.float())
+    split = next((c for c in cands[1:] if c != INT_MM and c.split_k > 1), cands[0])
+    scaled_mm_cuda(x, w_q, w_scale, None, config=split)  # eager: the counters exist
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = scaled_mm_cuda(x, w_q, w_scale, None, config=split)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y0)
