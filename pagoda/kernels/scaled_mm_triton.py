@@ -206,14 +206,10 @@ def _int8_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
-        if EVEN_K:
-            a = tl.load(a_rows + kk[None, :])
-            b = tl.load(b_rows + kk[None, :], eviction_policy="evict_first")
-        else:
-            a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
-            b = tl.load(
-                b_rows + kk[None, :], mask=(kk < K)[None, :], other=0, eviction_policy="evict_first"
-            )
+        a = _load_k_tile(a_rows, kk, K, EVEN_K, False)
+        # Swap-AB (one row tile) reads each weight tile once: keep it from evicting what the
+        # next kernels reuse. Other tiles share weight tiles across GROUP_M rows through L2.
+        b = _load_k_tile(b_rows, kk, K, EVEN_K, SWAP_AB)
         if SWAP_AB:  # weight rows on the MMA's 64-row side, the few activation rows on N
             acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
         else:
@@ -248,6 +244,24 @@ def _int8_gemm_kernel(
                 total, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
             )
             tl.store(counter_ptr + pid, 0)
+
+
+@triton.jit
+def _load_k_tile(rows, kk, K, EVEN_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    # rows [R, 1] row pointers, kk [BLOCK_K] columns; a ragged last K block reads zeros.
+    if EVEN_K:
+        if EVICT_FIRST:
+            t = tl.load(rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            t = tl.load(rows + kk[None, :])
+    else:
+        if EVICT_FIRST:
+            t = tl.load(
+                rows + kk[None, :], mask=(kk < K)[None, :], other=0, eviction_policy="evict_first"
+            )
+        else:
+            t = tl.load(rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+    return t
 
 
 @triton.jit
