@@ -7,23 +7,28 @@ CUDA graph, at M = 1, 16, 64, 128, 256, 512, 1024, 4096 rows. Columns:
 - int_mm: Pagoda's Triton row quantization + `torch._int_mm` (cuBLASLt, int32 out) + the
   Triton epilogue kernel (`scaled_mm_cuda(..., config="int_mm")`);
 - int8: the row quantization + the fused Triton int8 GEMM (scales and bias in its epilogue)
-  with the config `choose_int8_config` picks, what `scaled_mm` runs;
-- fp8: the row quantization + `torch._scaled_mm` with row-wise scales (sm_89+).
+  with the config `choose_w8a8_config` picks, what `scaled_mm` runs;
+- scaled_mm: the row quantization + `torch._scaled_mm` (cuBLASLt fp8) with row-wise scales
+  (sm_89+), at every M;
+- fp8: what `scaled_mm` runs for fp8 weights: the fused Triton GEMM on e4m3 up to 64 rows,
+  `torch._scaled_mm` above.
 
 Activation quantization is included in every 8-bit time.
 
     python benchmarks/w8a8_bench.py                    # the table (~2 min on an H200)
-    python benchmarks/w8a8_bench.py --sweep            # + every int8 config (~6 min)
+    python benchmarks/w8a8_bench.py --sweep            # + every int8 and fp8 config (~1 min)
     python benchmarks/w8a8_bench.py --sweep --out w8a8.json   # the same, kept as JSON
     python benchmarks/w8a8_bench.py --tiny --sweep     # tiny shapes on a CPU through the
         # Triton interpreter (float32): every code path, in about a minute
 
 Prints per M: ms per step for each column, the speed-ups over bf16, and first each 8-bit path's
 relative error against its dequantize-then-matmul reference on one layer. --sweep then times
-every config of `int8_config_candidates` per (shape, M) on cold weights (copies of the layer
-cycled past the L2, one CUDA graph) and prints per (shape, M) the chosen config's time, the
-int_mm path's, the best config and its time; then per M the step time (x 32 layers) of the
-chosen configs vs the best per shape: what `choose_int8_config` should say.
+every config of `w8a8_config_candidates` per (dtype, shape, M) on cold weights (copies of
+the layer cycled past the L2, one CUDA graph) and prints per (shape, M) the chosen config's
+time, the library GEMM's (int_mm / scaled_mm), the best config and its time; then per M the
+step time (x 32 layers) of the chosen configs vs the best per shape: what
+`choose_w8a8_config` should say. (The interpreter sweeps int8 only: it cannot fill a masked
+fp8 load.)
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ L2_BYTES = 60e6
 TINY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 200)}
 TINY_LAYERS = 1
 TINY_M_VALUES = (1, 70)
-MODES = ("bf16", "int_mm", "int8", "fp8")
+MODES = ("bf16", "int_mm", "int8", "scaled_mm", "fp8")
+FP8_MODES = ("scaled_mm", "fp8")
 
 
 def make_layers(shapes, layers, device, modes, dtype):
@@ -58,23 +64,22 @@ def make_layers(shapes, layers, device, modes, dtype):
     from pagoda.kernels.scaled_mm import FP8_DTYPE, quantize_weight
 
     g = torch.Generator(device=device).manual_seed(0)
-    qdtypes = {"int_mm": torch.int8, "int8": torch.int8, "fp8": FP8_DTYPE}
+    qdtypes = {"int_mm": torch.int8, "int8": torch.int8, "scaled_mm": FP8_DTYPE, "fp8": FP8_DTYPE}
     out = {m: [] for m in modes}
     for _ in range(layers):
         per = {m: [] for m in modes}
         for n, k in shapes.values():
             w = torch.randn(n, k, device=device, generator=g, dtype=dtype) * 0.02
-            int8 = None
+            made = {}  # the same quantized weights for both paths of a dtype
             for mode in modes:
                 if mode == "bf16":
                     per[mode].append((w, None))
-                elif mode in ("int_mm", "int8") and int8 is not None:
-                    per[mode].append(int8)  # the same int8 weights for both int8 paths
-                else:
-                    w_q, scale = quantize_weight(w, qdtypes[mode])
-                    per[mode].append((w_q, scale.reshape(-1).contiguous()))
-                    if qdtypes[mode] == torch.int8:
-                        int8 = per[mode][-1]
+                    continue
+                qd = qdtypes[mode]
+                if qd not in made:
+                    w_q, scale = quantize_weight(w, qd)
+                    made[qd] = (w_q, scale.reshape(-1).contiguous())
+                per[mode].append(made[qd])
             if "bf16" not in modes:
                 del w
         for m in modes:
@@ -86,12 +91,14 @@ def gemm(mode: str, config=None):
     """The call of one column: (x, w, scale) -> y."""
     import torch.nn.functional as F
 
-    from pagoda.kernels.scaled_mm_triton import INT_MM, scaled_mm_cuda
+    from pagoda.kernels.scaled_mm_triton import INT_MM, SCALED_MM, scaled_mm_cuda
 
     if mode == "bf16":
         return lambda x, w, s: F.linear(x, w)
     if mode == "int_mm":
         config = INT_MM
+    if mode == "scaled_mm":
+        config = SCALED_MM
     return lambda x, w, s: scaled_mm_cuda(x, w, s, None, config=config)
 
 
@@ -148,15 +155,16 @@ def _precompile_one(job: tuple) -> str | None:
     """Build one config in a worker process (into Triton's on-disk cache) by running it."""
     import torch
 
-    from pagoda.kernels.scaled_mm_triton import Int8Config, int8_gemm
+    from pagoda.kernels.scaled_mm_triton import W8A8Config, w8a8_gemm
 
-    m, n, k, cfg, device = job
-    a = torch.zeros(m, k, dtype=torch.int8, device=device)
-    b = torch.zeros(n, k, dtype=torch.int8, device=device)
+    m, n, k, cfg, device, dtype_name = job
+    dtype = getattr(torch, dtype_name)
+    a = torch.zeros(m, k, dtype=torch.int8, device=device).view(dtype)
+    b = torch.zeros(n, k, dtype=torch.int8, device=device).view(dtype)
     xs = torch.ones(m, 1, device=device)
     ws = torch.ones(n, device=device)
     try:
-        int8_gemm(a, xs, b, ws, None, torch.bfloat16, Int8Config(*cfg))
+        w8a8_gemm(a, xs, b, ws, None, torch.bfloat16, W8A8Config(*cfg))
         if device == "cuda":
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported by the sweep
@@ -164,39 +172,44 @@ def _precompile_one(job: tuple) -> str | None:
     return None
 
 
-def sweep(args, dev, shapes, weights, m_values, dtype, g) -> list[dict]:
-    """Every candidate config per (shape, M), on cold copies of the shape's int8 weights."""
+def sweep(args, dev, shapes, weights, m_values, dtype, g, mode: str = "int8") -> list[dict]:
+    """Every candidate config per (shape, M), on cold copies of the shape's `mode` weights
+    (int8 or fp8)."""
     import torch
 
-    from pagoda.kernels.scaled_mm_triton import INT_MM, int8_config_candidates
+    from pagoda.kernels.scaled_mm import FP8_DTYPE
+    from pagoda.kernels.scaled_mm_triton import INT_MM, SCALED_MM, w8a8_config_candidates
     from pagoda.kernels.skinny_gemm import prepare
 
+    qdtype = torch.int8 if mode == "int8" else FP8_DTYPE
+    library = INT_MM if mode == "int8" else SCALED_MM
     plan = {}
     for (name, (n, k)), m in ((s, m) for s in shapes.items() for m in m_values):
-        cands = int8_config_candidates(m, n, k)
+        cands = w8a8_config_candidates(m, n, k, qdtype)
         if args.tiny:  # a few, one split-K among them
             cands = cands[:3] + [c for c in cands[3:] if c.split_k > 1][:1]
         plan[name, m] = cands
     total = sum(len(c) for c in plan.values())
-    print(f"\nsweep: {total} timings over {len(plan)} (shape, M)", flush=True)
+    print(f"\n{mode} sweep: {total} timings over {len(plan)} (shape, M)", flush=True)
     if dev.on_gpu and args.jobs > 1:
         todo = {}
         for (name, m), cands in plan.items():
             n, k = shapes[name]
             for c in cands:
-                if c != INT_MM:
-                    todo.setdefault(_compile_key(m, k, c), (m, n, k, tuple(c), dev.device))
+                if not isinstance(c, str):
+                    job = (m, n, k, tuple(c), dev.device, str(qdtype).split(".")[-1])
+                    todo.setdefault(_compile_key(m, k, c), job)
         precompile(_precompile_one, todo.values(), args.jobs, cpu=False)
     prepare(dev.device)  # the split-K counters, outside any graph capture
     t0 = time.perf_counter()
     rows = []
-    header = f"{'shape':>8} {'M':>5} | {'chosen us':>9} {'int_mm us':>9} | best config"
+    header = f"{'shape':>8} {'M':>5} | {'chosen us':>9} {library + ' us':>12} | best config"
     print(header + " " * 30 + "| best us | chosen/best")
     for name, (n, k) in shapes.items():
         idx = list(shapes).index(name)
         per_copy = n * k
         copies = 1 if args.tiny else max(2, min(LAYERS, math.ceil(3 * L2_BYTES / per_copy)))
-        ws = [weights["int8"][layer][idx] for layer in range(min(copies, len(weights["int8"])))]
+        ws = [weights[mode][layer][idx] for layer in range(min(copies, len(weights[mode])))]
         for m in m_values:
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: {name} M={m} and later skipped")
@@ -204,39 +217,46 @@ def sweep(args, dev, shapes, weights, m_values, dtype, g) -> list[dict]:
             x = torch.randn(m, k, device=dev.device, generator=g, dtype=dtype)
             times = {}
             for cfg in plan[name, m]:
-                key = cfg if cfg == INT_MM else cfg.name
-                call = gemm("int8", cfg)
+                key = cfg if isinstance(cfg, str) else cfg.name
+                call = gemm(mode, cfg)
                 try:
                     ms = time_step(step_fn(call, [[w] for w in ws], [x]), dev.device, args.reps)
                     times[key] = ms / len(ws) * 1e3
                 except Exception as e:  # noqa: BLE001 - a config that does not build or run
                     print(f"  {name} M={m} {key}: {type(e).__name__}: {str(e)[:120]}")
-            chosen = plan[name, m][0].name
-            fused = {c: t for c, t in times.items() if c != INT_MM}
+            chosen = plan[name, m][0]
+            chosen = chosen if isinstance(chosen, str) else chosen.name
+            fused = {c: t for c, t in times.items() if c != library}
             best = min(fused, key=fused.get) if fused else None
-            row = dict(shape=name, m=m, n=n, k=k, chosen=chosen, best=best, times_us=times)
+            row = dict(
+                dtype=mode, shape=name, m=m, n=n, k=k, chosen=chosen, best=best, times_us=times
+            )
             rows.append(row)
-            tc, tm = times.get(chosen, math.nan), times.get(INT_MM, math.nan)
+            tc, tm = times.get(chosen, math.nan), times.get(library, math.nan)
             tb = times.get(best, math.nan)
             print(
-                f"{name:>8} {m:>5} | {tc:>9.1f} {tm:>9.1f} | {best or '-':<40} | {tb:>7.1f} | "
+                f"{name:>8} {m:>5} | {tc:>9.1f} {tm:>12.1f} | {best or '-':<40} | {tb:>7.1f} | "
                 f"{tc / tb:.2f}",
                 flush=True,
             )
-    # Per M: the step (32 layers) with the chosen configs, with the best per shape, with int_mm.
-    print("\nper step (x 32 layers), ms: chosen configs / best per shape / int_mm")
+    # Per M: the step (32 layers) with the chosen configs, the best per shape, the library's.
+    print(f"\n{mode} per step (x 32 layers), ms: chosen configs / best fused per shape / {library}")
     for m in m_values:
         got = [r for r in rows if r["m"] == m]
         if len(got) != len(shapes):
             continue
         sums = [
             sum(r["times_us"].get(key(r), math.nan) for r in got) * LAYERS / 1e3
-            for key in (lambda r: r["chosen"], lambda r: r["best"], lambda r: INT_MM)
+            for key in (lambda r: r["chosen"], lambda r: r["best"], lambda r: library)
         ]
         bests = ", ".join(f"{r['shape']} {r['best']}" for r in got)
         print(f"M={m:>5}: {sums[0]:.2f} / {sums[1]:.2f} / {sums[2]:.2f}   best: {bests}")
     print(f"sweep took {time.perf_counter() - t0:.0f} s")
     return rows
+
+
+def _config_name(cfg) -> str:
+    return cfg if isinstance(cfg, str) else cfg.name
 
 
 def main() -> None:
@@ -245,7 +265,7 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="the same as --tiny")
     p.add_argument("--m", default=None, help="comma-separated row counts")
     p.add_argument("--iters", type=int, default=None, help="graph replays per table timing")
-    p.add_argument("--sweep", action="store_true", help="time every int8 config per (shape, M)")
+    p.add_argument("--sweep", action="store_true", help="time every config per (shape, M)")
     p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     p.add_argument("--reps", type=int, default=10, help="graph replays per sweep timing")
     p.add_argument(
@@ -263,8 +283,8 @@ def main() -> None:
     dev = sweep_device(args.tiny)  # the interpreter without a GPU, before kernels are imported
     import triton
 
-    from pagoda.kernels.scaled_mm import fp8_supported, scaled_mm_ref
-    from pagoda.kernels.scaled_mm_triton import choose_int8_config
+    from pagoda.kernels.scaled_mm import FP8_DTYPE, fp8_supported, scaled_mm_ref
+    from pagoda.kernels.scaled_mm_triton import choose_w8a8_config
 
     device = dev.device
     dtype = dev.dtype  # bf16 on a GPU, float32 in the interpreter
@@ -273,7 +293,7 @@ def main() -> None:
         shapes = {s: shapes[s] for s in args.shapes.split(",")}
     m_values = tuple(int(v) for v in args.m.split(",")) if args.m else None
     m_values = m_values or (TINY_M_VALUES if args.tiny else M_VALUES)
-    modes = [mode for mode in MODES if mode != "fp8" or args.tiny or fp8_supported(device)]
+    modes = [m for m in MODES if m not in FP8_MODES or args.tiny or fp8_supported(device)]
     name = "CPU (Triton interpreter, float32)" if not dev.on_gpu else dev.name
     print(
         f"{name}, torch {torch.__version__}, triton {triton.__version__}; "
@@ -309,13 +329,21 @@ def main() -> None:
         }
         row = f"{m:>6} | " + " | ".join(f"{times[mode]:>9.2f}" for mode in modes)
         row += " | " + " | ".join(f"{times['bf16'] / times[mode]:>7.2f}x" for mode in modes[1:])
-        configs = {s: choose_int8_config(m, n, k).name for s, (n, k) in shapes.items()}
-        table.append(dict(m=m, ms=times, int8_configs=configs))
+        configs = {
+            dt: {s: _config_name(choose_w8a8_config(m, n, k, qd)) for s, (n, k) in shapes.items()}
+            for dt, qd in (("int8", torch.int8), ("fp8", FP8_DTYPE))
+        }
+        table.append(dict(m=m, ms=times, configs=configs))
         print(row, flush=True)
-    print("int8 configs: " + "; ".join(
-        f"M={r['m']}: " + ", ".join(f"{s} {c}" for s, c in r["int8_configs"].items())
-        for r in table))  # fmt: skip
-    rows = sweep(args, dev, shapes, weights, m_values, dtype, g) if args.sweep else []
+    for dt in ("int8", "fp8"):
+        print(f"{dt} configs: " + "; ".join(
+            f"M={r['m']}: " + ", ".join(f"{s} {c}" for s, c in r["configs"][dt].items())
+            for r in table))  # fmt: skip
+    rows = []
+    if args.sweep:
+        for mode in ("int8", "fp8"):
+            if mode in modes and (mode == "int8" or not args.tiny):
+                rows += sweep(args, dev, shapes, weights, m_values, dtype, g, mode)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=name, errors=errors, table=table, sweep=rows), f, indent=1)

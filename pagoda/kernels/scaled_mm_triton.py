@@ -2,22 +2,22 @@
 activations (absmax, then the row divided by its scale and rounded to int8 / cast to e4m3, in
 one program per row), then the 8-bit product:
 
-- int8, by default: a fused Triton GEMM (`int8_gemm`). Both operands K-contiguous as stored
+- by default, a fused Triton GEMM (`w8a8_gemm`). Both operands K-contiguous as stored
   (x_q [M, K], w_q [N, K]), `tl.dot` int8 x int8 into an int32 accumulator (wgmma
-  m64nNk32.s32.s8.s8 on Hopper), and an epilogue that scales it in float32,
-  (acc * x_scale[m]) * w_scale[n] (+ bias[n]), and writes the output once in the model dtype.
-  `torch._int_mm` + a separate epilogue writes and reads an int32 [M, N] product in between
-  and needs more than 16 rows (fewer are padded); the fused kernel needs neither. Tiles come
-  from a fixed table by row count (`choose_int8_config`; no run-time autotuning, so it is
-  deterministic and CUDA-graph capturable): for decode-sized M a swap-AB layout (the weight
-  on the MMA's 64-row side, as `skinny_gemm.py` does for bf16) with split-K for the deep down
-  projection (int32 partials summed by the last split: exact in any order; the per-tile
-  counters are `skinny_gemm.prepare`'s), for larger M 64/128 x 128/256 tiles with a GROUP_M
-  swizzle so that weight tiles are reused from L2.
+  m64nNk32.s32.s8.s8 on Hopper) or e4m3 x e4m3 into float32, and an epilogue that scales it
+  in float32, (acc * x_scale[m]) * w_scale[n] (+ bias[n]), and writes the output once in the
+  model dtype. `torch._int_mm` + a separate epilogue writes and reads an int32 [M, N] product
+  in between and needs more than 16 rows (fewer are padded); the fused kernel needs neither.
+  Tiles come from a fixed rule by shape (`choose_w8a8_config`; no run-time autotuning, so it
+  is deterministic and CUDA-graph capturable): for decode-sized M a swap-AB layout (the
+  weight on the MMA's 64-row side, as `skinny_gemm.py` does for bf16) with split-K for the
+  deep down projection (partials summed in split order by the last split to arrive; the
+  per-tile counters are `skinny_gemm.prepare`'s), for larger M 64/128 x 64/128 tiles with a
+  GROUP_M swizzle so that weight tiles are reused from L2.
 - int8 with config=INT_MM: `torch._int_mm` (cuBLASLt, int32 out) and the epilogue kernel,
   kept so that benchmarks/w8a8_bench.py can compare the two.
-- fp8: `torch._scaled_mm` with row-wise scales (both scales and the bias in cuBLASLt's
-  epilogue).
+- fp8 with config=SCALED_MM, the default from 65 rows: `torch._scaled_mm` with row-wise
+  scales (both scales and the bias in cuBLASLt's epilogue).
 
 Semantics are `scaled_mm_ref`'s; the tests also run the kernels on a CPU through Triton's
 interpreter."""
@@ -154,7 +154,7 @@ def int8_epilogue(
 
 
 @triton.jit
-def _int8_gemm_kernel(
+def _w8a8_gemm_kernel(
     a_ptr,
     b_ptr,
     xs_ptr,
@@ -175,13 +175,15 @@ def _int8_gemm_kernel(
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     SPLIT: tl.constexpr,
+    ACC_INT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """c[M, N] = (a[M, K] int8 @ b[N, K]^T int8, int32) * xs[M] * ws[N] (+ bias[N])."""
+    """c[M, N] = (a[M, K] @ b[N, K]^T) * xs[M] * ws[N] (+ bias[N]); a and b both int8 (an
+    int32 accumulator, ACC_INT) or both float8 e4m3 (float32)."""
     # Tile order: GROUP_M row tiles sweep the N tiles together, so B tiles are reused from L2.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -201,9 +203,9 @@ def _int8_gemm_kernel(
     k_start = pid_k * k_per_split  # a multiple of BLOCK_K: only the last block can be ragged
     k_end = tl.minimum(k_start + k_per_split, K)
     if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32 if ACC_INT else tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if ACC_INT else tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         a = _load_k_tile(a_rows, kk, K, EVEN_K, False)
@@ -211,9 +213,9 @@ def _int8_gemm_kernel(
         # next kernels reuse. Other tiles share weight tiles across GROUP_M rows through L2.
         b = _load_k_tile(b_rows, kk, K, EVEN_K, SWAP_AB)
         if SWAP_AB:  # weight rows on the MMA's 64-row side, the few activation rows on N
-            acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
+            acc = tl.dot(b, tl.trans(a), acc, out_dtype=acc.dtype)
         else:
-            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype)
 
     if SWAP_AB:  # acc[n, m]
         rows_m = offs_m[None, :]
@@ -222,12 +224,13 @@ def _int8_gemm_kernel(
         rows_m = offs_m[:, None]
         cols_n = offs_n[None, :]
     if not SPLIT:
-        _int8_scale_store(
+        _w8a8_scale_store(
             acc, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
         )
     else:
-        # Each split writes its int32 partial tile; the one that arrives last at this tile's
-        # counter sums them (integers: exact in any order), scales, stores, resets the counter.
+        # Each split writes its partial tile; the one that arrives last at this tile's counter
+        # sums them in split order (int32: exact; float32: the same order on every run),
+        # scales, stores, resets the counter.
         mask = (rows_m < M) & (cols_n < N)
         tile = rows_m.to(tl.int64) * N + cols_n
         split_size = N.to(tl.int64) * M
@@ -240,7 +243,7 @@ def _int8_gemm_kernel(
                 total += tl.load(
                     partial_ptr + s * split_size + tile, mask=mask, other=0, cache_modifier=".cg"
                 )
-            _int8_scale_store(
+            _w8a8_scale_store(
                 total, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
             )
             tl.store(counter_ptr + pid, 0)
@@ -265,7 +268,7 @@ def _load_k_tile(rows, kk, K, EVEN_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _int8_scale_store(
+def _w8a8_scale_store(
     acc, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS: tl.constexpr
 ):
     # (acc * x_scale) * w_scale (+ bias) in float32, in that order (the tests' exact reference).
@@ -281,11 +284,15 @@ def _int8_scale_store(
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-INT_MM = "int_mm"  # the config name of the torch._int_mm + separate epilogue path
+INT_MM = "int_mm"  # the config name of the torch._int_mm + separate epilogue path (int8)
+SCALED_MM = "scaled_mm"  # the config name of torch._scaled_mm, cuBLASLt's fp8 GEMM (fp8)
+# Programs a tile size must give to fill the H200's 132 SMs (two resident CTAs each at the
+# tiles' stage counts, less a ragged last wave); below it a smaller tile is taken.
+_MIN_PROGRAMS = 190
 
 
-class Int8Config(NamedTuple):
-    """Tiles of the fused int8 GEMM. swap_ab: acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (for
+class W8A8Config(NamedTuple):
+    """Tiles of the fused 8-bit GEMM. swap_ab: acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (for
     few rows: the weight on the MMA's 64-row side, BLOCK_M activation rows on its N side).
     split_k > 1 cuts K into that many ranges of whole BLOCK_K blocks (one program each)."""
 
@@ -312,46 +319,54 @@ def rows_tile(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def choose_int8_config(m: int, n: int, k: int) -> Int8Config | str:
-    """The int8 GEMM of an [m, k] x [n, k]^T product: an `Int8Config` of the fused kernel, or
-    `INT_MM`. A fixed table by row bucket (deterministic, nothing measured at run time, so CUDA
-    graphs capture it):
+def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
+    """The 8-bit GEMM of an [m, k] x [n, k]^T product: a `W8A8Config` of the fused kernel, or
+    `SCALED_MM` (fp8 from 65 rows: cuBLASLt's fp8 GEMM was faster there on the H200). A fixed
+    rule (deterministic, nothing measured at run time, so CUDA graphs capture it), fitted to
+    `benchmarks/w8a8_bench.py --sweep` on the Llama-3-8B shapes (within 5% of the best config
+    per shape at every row count):
 
-    - m <= 64 (decode): weight streaming. Swap-AB, 64 weight rows x 256-deep K tiles (the
-      bytes of the bf16 skinny GEMM's 64 x 128) so qkv / o / down get 96 / 64 / 64 programs,
-      128 weight rows for wide N (gate_up: 224); the deep down projection (k >= 2n) splits K
-      in 4 (256 programs) where the few programs would not fill 132 SMs' memory pipes.
-    - m <= 128: 64 x 128 tiles (more programs than 128 x 128 at these N).
-    - m <= 512: 128 x 128 x 128, one warpgroup, 4 stages (32 KB each).
-    - larger: 128 x 256 x 128, two warpgroups, 4 stages (48 KB each, 192 KB of 227),
-      GROUP_M 8 swizzle for L2 reuse of the weight tiles.
+    - m <= 64 (decode): weight streaming. Swap-AB; 64 weight rows x 256-deep K tiles, 6 stages;
+      wide N (>= 16384: gate_up) 128 x 128 tiles, 4 stages (3 from 64 rows); the deep down
+      projection (k >= 2n) splits K in 2, so its few programs fill the SMs' memory pipes.
+    - larger: the largest of 128 x 128 (3 stages), 64 x 128 (4) and 64 x 64 (5) tiles, K 128,
+      that still gives `_MIN_PROGRAMS` programs. Stage counts keep two CTAs resident per SM
+      (96 / 96 / 80 KB of shared memory); one more stage and one CTA per SM was up to 1.4x
+      slower. GROUP_M 8 swizzle, so row tiles reuse weight tiles from L2.
 
-    `int8_config_candidates` lists the neighbours `benchmarks/w8a8_bench.py --sweep` times."""
+    `w8a8_config_candidates` lists the neighbours the sweep times."""
     if m <= 64:
         bm = rows_tile(m)
-        bn = 128 if n >= 16384 else 64
-        bk = 256 if bm <= 32 else 128
-        split = 4 if k >= 2 * n and k >= 8192 else 1
-        return Int8Config(bm, bn, bk, 1, 4, 4, True, split)
-    if m <= 128:
-        return Int8Config(64, 128, 128, 8, 4, 4)
-    if m <= 512:
-        return Int8Config(128, 128, 128, 8, 4, 4)
-    return Int8Config(128, 256, 128, 8, 4, 8)
+        wide = n >= 16384
+        bn, bk = (128, 128) if wide else (64, 256)
+        stages = (3 if bm >= 64 else 4) if wide else 6
+        split = 2 if k >= 2 * n else 1
+        return W8A8Config(bm, bn, bk, 1, stages, 4, True, split)
+    if dtype != torch.int8:
+        return SCALED_MM
+    for bm, bn, stages in ((128, 128, 3), (64, 128, 4)):
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= _MIN_PROGRAMS:
+            return W8A8Config(bm, bn, 128, 8, stages, 4)
+    return W8A8Config(64, 64, 128, 8, 5, 4)
 
 
-def int8_config_candidates(m: int, n: int, k: int) -> list[Int8Config | str]:
-    """The configs a sweep times for [m, k] x [n, k]^T: the chosen one first, then `INT_MM`
-    and the table's neighbours (tile sizes, stages, warps, swap-AB, split-K) that fit an SM's
-    shared memory."""
-    out: list[Int8Config | str] = [choose_int8_config(m, n, k), INT_MM]
-    cands: list[Int8Config] = []
+def w8a8_config_candidates(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.int8
+) -> list[W8A8Config | str]:
+    """The configs a sweep times for [m, k] x [n, k]^T: the chosen one first, then the
+    library GEMM (`INT_MM` for int8, `SCALED_MM` for fp8) and the rule's neighbours (tile
+    sizes, stages, warps, swap-AB, split-K) that fit an SM's shared memory."""
+    library = INT_MM if dtype == torch.int8 else SCALED_MM
+    out: list[W8A8Config | str] = [choose_w8a8_config(m, n, k, dtype)]
+    if library not in out:
+        out.append(library)
+    cands: list[W8A8Config] = []
     if m <= 128:
         bm = rows_tile(m)
         for bn, bk, split, stages in itertools.product(
             (32, 64, 128), (128, 256), (1, 2, 4), (3, 4, 6)
         ):
-            cands.append(Int8Config(bm, bn, bk, 1, stages, 4, True, split))
+            cands.append(W8A8Config(bm, bn, bk, 1, stages, 4, True, split))
     if m > 16:
         for bm, bn, bk, stages, group in itertools.product(
             (64, 128), (64, 128, 256), (64, 128), (3, 4, 5), (8,)
@@ -359,9 +374,9 @@ def int8_config_candidates(m: int, n: int, k: int) -> list[Int8Config | str]:
             if bm > max(64, triton.next_power_of_2(m)) or (m > 512 and bm == 64 and bn < 128):
                 continue
             warps = 8 if bm * bn >= 128 * 256 else 4
-            cands.append(Int8Config(bm, bn, bk, group, stages, warps))
+            cands.append(W8A8Config(bm, bn, bk, group, stages, warps))
             if bm * bn == 128 * 128:
-                cands.append(Int8Config(bm, bn, bk, group, stages, 8))
+                cands.append(W8A8Config(bm, bn, bk, group, stages, 8))
     for cfg in cands:
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
         if cfg.split_k > 1 and split_k_plan(k, cfg.block_k, cfg.split_k)[1] != cfg.split_k:
@@ -371,36 +386,40 @@ def int8_config_candidates(m: int, n: int, k: int) -> list[Int8Config | str]:
     return out
 
 
-def int8_gemm(
+def w8a8_gemm(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    config: Int8Config | None = None,
+    config: W8A8Config | None = None,
 ) -> torch.Tensor:
-    """(x_q [M, K] int8 @ w_q [N, K]^T int8, exact int32) * x_scale [M(, 1)] * w_scale [N]
-    (+ bias [N]) -> [M, N] `out_dtype`, in one kernel (`choose_int8_config` unless `config`).
-    Both operands K-contiguous (w_q as stored); any K (a ragged last K block is masked)."""
-    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        raise ValueError(f"int8_gemm takes int8 operands, got {x_q.dtype} and {w_q.dtype}")
+    """(x_q [M, K] @ w_q [N, K]^T) * x_scale [M(, 1)] * w_scale [N] (+ bias [N]) -> [M, N]
+    `out_dtype`, in one kernel (`choose_w8a8_config` unless `config`). The operands are both
+    int8 (an exact int32 product) or both float8 e4m3 (a float32 one); both K-contiguous (w_q
+    as stored); any K (a ragged last K block is masked)."""
+    if x_q.dtype != w_q.dtype or w_q.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(
+            f"w8a8_gemm takes two int8 or two float8_e4m3fn operands, got {x_q.dtype} and "
+            f"{w_q.dtype}"
+        )
     m, k = x_q.shape
     n = w_q.shape[0]
     if w_q.shape[1] != k or x_q.stride(1) != 1 or w_q.stride(1) != 1:
         raise ValueError(
-            f"int8_gemm needs K-contiguous x_q [M, K] and w_q [N, K], got {tuple(x_q.shape)} "
+            f"w8a8_gemm needs K-contiguous x_q [M, K] and w_q [N, K], got {tuple(x_q.shape)} "
             f"(strides {x_q.stride()}) and {tuple(w_q.shape)} (strides {w_q.stride()})"
         )
-    cfg = config or choose_int8_config(m, n, k)
-    if cfg == INT_MM:
-        raise ValueError("int8_gemm runs the fused kernel; INT_MM is scaled_mm_cuda's choice")
+    cfg = config or choose_w8a8_config(m, n, k, w_q.dtype)
+    if isinstance(cfg, str):
+        raise ValueError(f"w8a8_gemm runs the fused kernel; {cfg} is scaled_mm_cuda's choice")
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if cfg.block_k < 32:
-        raise ValueError(f"block_k must be >= 32 for int8 tensor cores, got {cfg.block_k}")
+        raise ValueError(f"block_k must be >= 32 for 8-bit tensor cores, got {cfg.block_k}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
     k_per_split, split_k = split_k_plan(k, cfg.block_k, cfg.split_k)
@@ -410,10 +429,11 @@ def int8_gemm(
         if tiles > MAX_SPLIT_TILES:
             raise ValueError(f"split_k > 1 takes one counter per tile: {tiles} > {MAX_SPLIT_TILES}")
         counters = prepare(x_q.device)
-        partials = torch.empty((split_k, m, n), dtype=torch.int32, device=x_q.device)
+        acc_dtype = torch.int32 if w_q.dtype == torch.int8 else torch.float32
+        partials = torch.empty((split_k, m, n), dtype=acc_dtype, device=x_q.device)
     else:
         counters = partials = out  # placeholders the kernel does not touch
-    _int8_gemm_kernel[(tiles, split_k)](
+    _w8a8_gemm_kernel[(tiles, split_k)](
         x_q,
         w_q,
         x_scale,
@@ -434,6 +454,7 @@ def int8_gemm(
         EVEN_K=k % cfg.block_k == 0,
         SWAP_AB=cfg.swap_ab,
         SPLIT=split_k > 1,
+        ACC_INT=w_q.dtype == torch.int8,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -449,13 +470,13 @@ def _int8_mm(
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    config: Int8Config | str | None = None,
+    config: W8A8Config | str | None = None,
 ) -> torch.Tensor:
     m, k = x.shape
-    cfg = config or choose_int8_config(m, w_q.shape[0], k)
+    cfg = config or choose_w8a8_config(m, w_q.shape[0], k)
     if cfg != INT_MM:
         x_q, x_scale = quantize_rows_triton(x, torch.int8)
-        return int8_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype, cfg)
+        return w8a8_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype, cfg)
     # cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 rows: fewer are padded to 32
     # (rows of garbage int8 whose products the epilogue does not read).
     x_q, x_scale = quantize_rows_triton(x, torch.int8, min_rows=32 if m <= 16 else 0)
@@ -464,9 +485,17 @@ def _int8_mm(
 
 
 def _fp8_mm(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: W8A8Config | str | None = None,
 ) -> torch.Tensor:
+    m, k = x.shape
+    cfg = config or choose_w8a8_config(m, w_q.shape[0], k, w_q.dtype)
     x_q, x_scale = quantize_rows_triton(x, w_q.dtype)
+    if cfg != SCALED_MM:
+        return w8a8_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype, cfg)
     # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) wants a bfloat16 output; the bias is
     # added after (not every torch version takes one with row-wise scales; Llamas have none).
     y = torch._scaled_mm(
@@ -485,22 +514,26 @@ def scaled_mm_cuda(
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    config: Int8Config | str | None = None,
+    config: W8A8Config | str | None = None,
 ) -> torch.Tensor:
     """x [M, K] on CUDA times w_q [N, K] (int8 or fp8, w_scale [N] float32): the tensor-core
-    path where the shapes allow it, the plain one otherwise. int8: the fused Triton GEMM with
-    `config` (an `Int8Config`; None: `choose_int8_config`), or with config=INT_MM
-    `torch._int_mm` + the epilogue kernel (K and N multiples of 8). fp8: `torch._scaled_mm`
-    (K and N multiples of 16, sm_89+); `config` is ignored."""
+    path where the shapes allow it, the plain one otherwise. The fused Triton GEMM with
+    `config` (a `W8A8Config`; None: `choose_w8a8_config`); int8 with config=INT_MM
+    `torch._int_mm` + the epilogue kernel (K and N multiples of 8); fp8 (sm_89+) with
+    config=SCALED_MM `torch._scaled_mm` (K and N multiples of 16)."""
     from pagoda.kernels.scaled_mm import fp8_supported
 
     n, k = w_q.shape
     if w_q.dtype == torch.int8:
-        cfg = config or choose_int8_config(x.shape[0], n, k)
+        cfg = config or choose_w8a8_config(x.shape[0], n, k)
         if cfg != INT_MM and w_q.stride(1) == 1:
             return _int8_mm(x, w_q, w_scale, bias, cfg)
         if k % 8 == 0 and n % 8 == 0:
             return _int8_mm(x, w_q, w_scale, bias, INT_MM)
-    elif k % 16 == 0 and n % 16 == 0 and fp8_supported(x.device):
-        return _fp8_mm(x, w_q, w_scale, bias)
+    elif fp8_supported(x.device):
+        cfg = config or choose_w8a8_config(x.shape[0], n, k, w_q.dtype)
+        if cfg != SCALED_MM and w_q.stride(1) == 1:
+            return _fp8_mm(x, w_q, w_scale, bias, cfg)
+        if k % 16 == 0 and n % 16 == 0:
+            return _fp8_mm(x, w_q, w_scale, bias, SCALED_MM)
     return _plain_scaled_mm(x, w_q, w_scale, bias)

@@ -147,11 +147,11 @@ def _int8_operands(m: int, n: int, k: int, device, with_bias: bool = True, seed:
 
 
 def _interp_config(swap_ab: bool, split_k: int, block_k: int = 32):
-    from pagoda.kernels.scaled_mm_triton import Int8Config
+    from pagoda.kernels.scaled_mm_triton import W8A8Config
 
     if swap_ab:
-        return Int8Config(16, 32, block_k, 1, 2, 4, True, split_k)
-    return Int8Config(32, 32, block_k, 2, 2, 4, False, split_k)
+        return W8A8Config(16, 32, block_k, 1, 2, 4, True, split_k)
+    return W8A8Config(32, 32, block_k, 2, 2, 4, False, split_k)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -167,16 +167,42 @@ def _interp_config(swap_ab: bool, split_k: int, block_k: int = 32):
 )
 def test_fused_int8_gemm_is_the_integer_product_scaled(m, n, k, swap_ab, split_k, with_bias):
     pytest.importorskip("triton")
-    from pagoda.kernels.scaled_mm_triton import int8_gemm
+    from pagoda.kernels.scaled_mm_triton import w8a8_gemm
 
     dev = kernel_device()
     a, xs, b, ws, bias, ref = _int8_operands(m, n, k, dev, with_bias)
-    y = int8_gemm(a, xs, b, ws, bias, torch.float32, _interp_config(swap_ab, split_k))
+    y = w8a8_gemm(a, xs, b, ws, bias, torch.float32, _interp_config(swap_ab, split_k))
     assert y.shape == (m, n) and y.dtype == torch.float32
     if dev.type == "cpu":  # the interpreter: the same float32 operations, bit for bit
         assert torch.equal(y, ref)
     else:  # a GPU may fuse the bias into an FMA: one float32 rounding apart at most
         torch.testing.assert_close(y.cpu(), ref, rtol=2e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,swap_ab,split_k",
+    [(1, 40, 96, True, 1), (5, 48, 192, True, 3), (70, 72, 160, False, 1), (37, 40, 128, False, 2)],
+)
+def test_fused_fp8_gemm_is_the_float_product_scaled(m, n, k, swap_ab, split_k) -> None:
+    # e4m3 x e4m3 products are exact in float32; only the order of the float32 sums differs
+    # from the reference's. (K whole BLOCK_K blocks here: the interpreter cannot fill a masked
+    # fp8 load; ragged K on fp8 is the GPU tests'.)
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import w8a8_gemm
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(m, k, generator=g) * 40).to(FP8_DTYPE)
+    b = (torch.randn(n, k, generator=g) * 40).to(FP8_DTYPE)
+    xs = torch.rand(m, 1, generator=g) / 50 + 1e-4
+    ws = torch.rand(n, generator=g) / 50 + 1e-4
+    bias = torch.randn(n, generator=g)
+    ref = (a.double() @ b.double().t()).float() * xs * ws + bias
+    to = lambda t: t.to(dev)  # noqa: E731
+    y = w8a8_gemm(to(a), to(xs), to(b), to(ws), to(bias), torch.float32,
+                  _interp_config(swap_ab, split_k))  # fmt: skip
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
 def _assert_within_one_ulp(
@@ -194,10 +220,10 @@ def _assert_within_one_ulp(
 
 def test_fused_int8_gemm_default_config_and_bf16_output() -> None:
     pytest.importorskip("triton")
-    from pagoda.kernels.scaled_mm_triton import int8_gemm
+    from pagoda.kernels.scaled_mm_triton import w8a8_gemm
 
     a, xs, b, ws, bias, ref = _int8_operands(3, 64, 256, kernel_device())
-    y = int8_gemm(a, xs, b, ws, bias, torch.bfloat16)  # choose_int8_config: swap-AB
+    y = w8a8_gemm(a, xs, b, ws, bias, torch.bfloat16)  # choose_w8a8_config: swap-AB
     assert y.dtype == torch.bfloat16
     # One bf16 rounding of the exact float32 result (the interpreter's fp32 -> bf16 cast
     # truncates rather than rounding to nearest: one ulp, not half).
@@ -206,19 +232,21 @@ def test_fused_int8_gemm_default_config_and_bf16_output() -> None:
 
 def test_fused_int8_gemm_rejects_what_it_cannot_run() -> None:
     pytest.importorskip("triton")
-    from pagoda.kernels.scaled_mm_triton import Int8Config, int8_gemm
+    from pagoda.kernels.scaled_mm_triton import W8A8Config, w8a8_gemm
 
     a, xs, b, ws, _, _ = _int8_operands(4, 32, 64, "cpu")
-    with pytest.raises(ValueError, match="int8 operands"):
-        int8_gemm(a.float(), xs, b, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="two int8 or two float8"):
+        w8a8_gemm(a.float(), xs, b, ws, None, torch.float32)
     with pytest.raises(ValueError, match="K-contiguous"):
-        int8_gemm(a, xs, b.t().contiguous().t(), ws, None, torch.float32)
+        w8a8_gemm(a, xs, b.t().contiguous().t(), ws, None, torch.float32)
     with pytest.raises(ValueError, match="power of two"):
-        int8_gemm(a, xs, b, ws, None, torch.float32, Int8Config(16, 48, 64))
+        w8a8_gemm(a, xs, b, ws, None, torch.float32, W8A8Config(16, 48, 64))
     with pytest.raises(ValueError, match="block_k"):
-        int8_gemm(a, xs, b, ws, None, torch.float32, Int8Config(16, 32, 16))
-    with pytest.raises(ValueError, match="INT_MM"):
-        int8_gemm(a, xs, b, ws, None, torch.float32, "int_mm")
+        w8a8_gemm(a, xs, b, ws, None, torch.float32, W8A8Config(16, 32, 16))
+    with pytest.raises(ValueError, match="int_mm is scaled_mm_cuda's choice"):
+        w8a8_gemm(a, xs, b, ws, None, torch.float32, "int_mm")
+    with pytest.raises(ValueError, match="two int8 or two float8"):
+        w8a8_gemm(a, xs, b.view(FP8_DTYPE), ws, None, torch.float32)
 
 
 LLAMA3_8B = {
@@ -234,25 +262,31 @@ def test_int8_config_table_covers_the_buckets_within_shared_memory() -> None:
     pytest.importorskip("triton")
     from pagoda.kernels.scaled_mm_triton import (
         INT_MM,
-        Int8Config,
-        choose_int8_config,
-        int8_config_candidates,
+        SCALED_MM,
+        W8A8Config,
+        choose_w8a8_config,
+        w8a8_config_candidates,
     )
     from pagoda.kernels.skinny_gemm import SMEM_BUDGET, split_k_plan
 
     for n, k in LLAMA3_8B.values():
         for m in BENCH_M:
-            cfg = choose_int8_config(m, n, k)
-            assert cfg == choose_int8_config(m, n, k)  # a table, not a measurement
-            assert isinstance(cfg, Int8Config) and cfg.swap_ab == (m <= 64)
+            cfg = choose_w8a8_config(m, n, k)
+            assert cfg == choose_w8a8_config(m, n, k)  # a table, not a measurement
+            assert isinstance(cfg, W8A8Config) and cfg.swap_ab == (m <= 64)
             if cfg.swap_ab:
                 assert cfg.block_m >= m
-            cands = int8_config_candidates(m, n, k)
+            cands = w8a8_config_candidates(m, n, k)
             assert cands[0] == cfg and INT_MM in cands and len(set(cands)) == len(cands)
             for c in cands[2:]:
                 assert c.num_stages * (c.block_m + c.block_n) * c.block_k <= SMEM_BUDGET
                 assert split_k_plan(k, c.block_k, c.split_k)[1] == c.split_k
             assert 8 <= len(cands) <= 120
+            # fp8: the same fused kernel for decode, cuBLASLt's fp8 GEMM above.
+            fp8 = choose_w8a8_config(m, n, k, FP8_DTYPE)
+            assert fp8 == (cfg if m <= 64 else SCALED_MM)
+            fp8_cands = w8a8_config_candidates(m, n, k, FP8_DTYPE)
+            assert fp8_cands[0] == fp8 and SCALED_MM in fp8_cands and INT_MM not in fp8_cands
 
 
 # A fresh interpreter: a process that imported triton under TRITON_INTERPRET=1 (this module
@@ -262,15 +296,18 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagoda.kernels.scaled_mm_triton import _int8_gemm_kernel as fn, choose_int8_config
+from pagoda.kernels.scaled_mm_triton import _w8a8_gemm_kernel as fn, choose_w8a8_config
 
 m, n, k = (int(v) for v in sys.argv[1:4])
-cfg = choose_int8_config(m, n, k)
+is_int = sys.argv[4] == "int8"
+cfg = choose_w8a8_config(m, n, k)
+op, acc = ("*i8", "*i32") if is_int else ("*fp8e4nv", "*fp32")
 sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
-sig.update(a_ptr="*i8", b_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
-           c_ptr="*bf16", partial_ptr="*i32", counter_ptr="*i32", stride_a="i64",
+sig.update(a_ptr=op, b_ptr=op, xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
+           c_ptr="*bf16", partial_ptr=acc, counter_ptr="*i32", stride_a="i64",
            stride_b="i64", stride_c="i64")
 consts = dict(HAS_BIAS=True, EVEN_K=True, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
+              ACC_INT=is_int,
               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
               GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages)
 sig.update(dict.fromkeys(consts, "constexpr"))
@@ -287,16 +324,18 @@ print(json.dumps({"shared": kernel.metadata.shared, "ptx": ptx}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m,name", [(1, "qkv"), (16, "down"), (64, "gate_up"), (128, "o"),
-                                    (256, "qkv"), (4096, "gate_up")])  # fmt: skip
-def test_chosen_int8_configs_compile_for_sm90(m: int, name: str) -> None:
-    """A real sm_90 build (no GPU needed) of the chosen configs: int8 wgmma into int32 and
-    shared memory within the SM's 227 KB."""
+@pytest.mark.parametrize("m,name,dtype", [(1, "qkv", "int8"), (16, "down", "int8"),
+                                          (64, "gate_up", "int8"), (128, "o", "int8"),
+                                          (256, "qkv", "int8"), (4096, "gate_up", "int8"),
+                                          (1, "down", "fp8"), (64, "gate_up", "fp8")])  # fmt: skip
+def test_chosen_w8a8_configs_compile_for_sm90(m: int, name: str, dtype: str) -> None:
+    """A real sm_90 build (no GPU needed) of the chosen configs: int8 wgmma into int32 or
+    e4m3 wgmma into float32, and shared memory within the SM's 227 KB."""
     pytest.importorskip("triton")
     n, k = LLAMA3_8B[name]
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", _SM90_BUILD, str(m), str(n), str(k)],
+        [sys.executable, "-c", _SM90_BUILD, str(m), str(n), str(k), dtype],
         env=env,
         capture_output=True,
         text=True,
@@ -305,7 +344,8 @@ def test_chosen_int8_configs_compile_for_sm90(m: int, name: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.splitlines()[-1])
     assert built["shared"] <= 227 * 1024
-    assert "wgmma.mma_async.sync.aligned" in built["ptx"] and ".s32.s8.s8" in built["ptx"]
+    kind = ".s32.s8.s8" if dtype == "int8" else ".f32.e4m3.e4m3"
+    assert "wgmma.mma_async.sync.aligned" in built["ptx"] and kind in built["ptx"]
 
 
 # ---- GPU: the tensor-core paths --------------------------------------------------------------
@@ -349,7 +389,7 @@ def test_gpu_scaled_mm_without_bias_and_in_float16(dtype) -> None:
 @pytest.mark.parametrize("m", [1, 16, 17, 64, 100, 300, 1024])
 @pytest.mark.parametrize("name", list(LLAMA3_8B))
 def test_gpu_fused_int8_gemm_is_the_integer_product_scaled(name, m) -> None:
-    from pagoda.kernels.scaled_mm_triton import int8_gemm
+    from pagoda.kernels.scaled_mm_triton import w8a8_gemm
 
     n, k = LLAMA3_8B[name]
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -358,7 +398,7 @@ def test_gpu_fused_int8_gemm_is_the_integer_product_scaled(name, m) -> None:
     xs = torch.rand(m, 1, generator=g, device="cuda") / 1e3
     ws = torch.rand(n, generator=g, device="cuda") / 1e3
     bias = torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
-    y = int8_gemm(a, xs, b, ws, bias, torch.bfloat16)
+    y = w8a8_gemm(a, xs, b, ws, bias, torch.bfloat16)
     # |sums| <= 127^2 * 14336 < 2^28: exact in the kernel's int32 and in float64 here
     acc = (a.double() @ b.double().t()).to(torch.int32)
     prod = acc.float() * xs * ws
@@ -374,14 +414,14 @@ def test_gpu_int8_configs_agree_and_replay_in_a_cuda_graph(m) -> None:
     # the split-K counters reset themselves across CUDA-graph replays.
     from pagoda.kernels.scaled_mm_triton import (
         INT_MM,
-        int8_config_candidates,
         scaled_mm_cuda,
+        w8a8_config_candidates,
     )
 
     n, k = LLAMA3_8B["down"]
     x, w_q, w_scale, _ = _problem(m, k, n, torch.int8, device="cuda", x_dtype=torch.bfloat16)
     y0 = scaled_mm_cuda(x, w_q, w_scale, None)
-    cands = int8_config_candidates(m, n, k)
+    cands = w8a8_config_candidates(m, n, k)
     for cfg in cands[2:][::7]:
         y = scaled_mm_cuda(x, w_q, w_scale, None, config=cfg)
         assert torch.equal(y, y0), cfg
