@@ -27,8 +27,8 @@ every config of `w8a8_config_candidates` per (dtype, shape, M) on cold weights (
 the layer cycled past the L2, one CUDA graph) and prints per (shape, M) the chosen config's
 time, the library GEMM's (int_mm / scaled_mm), the best config and its time; then per M the
 step time (x 32 layers) of the chosen configs vs the best per shape: what
-`choose_w8a8_config` should say. (The interpreter sweeps int8 only: it cannot fill a masked
-fp8 load.)
+`choose_w8a8_config` should say. (--tiny sweeps int8 only: without fp8 tensor cores
+`scaled_mm_cuda` takes the plain path for fp8 weights.)
 """
 
 from __future__ import annotations

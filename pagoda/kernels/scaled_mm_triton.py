@@ -176,6 +176,7 @@ def _w8a8_gemm_kernel(
     SWAP_AB: tl.constexpr,
     SPLIT: tl.constexpr,
     ACC_INT: tl.constexpr,
+    IMPRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -183,7 +184,9 @@ def _w8a8_gemm_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     """c[M, N] = (a[M, K] @ b[N, K]^T) * xs[M] * ws[N] (+ bias[N]); a and b both int8 (an
-    int32 accumulator, ACC_INT) or both float8 e4m3 (float32)."""
+    int32 accumulator, ACC_INT) or both float8 e4m3 (float32; Hopper's fp8 MMA adds with
+    fewer mantissa bits, so each K tile's sum is added to the float32 accumulator: IMPRECISE,
+    Triton's max_num_imprecise_acc, is BLOCK_K, or None for int8)."""
     # Tile order: GROUP_M row tiles sweep the N tiles together, so B tiles are reused from L2.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -213,9 +216,9 @@ def _w8a8_gemm_kernel(
         # next kernels reuse. Other tiles share weight tiles across GROUP_M rows through L2.
         b = _load_k_tile(b_rows, kk, K, EVEN_K, SWAP_AB)
         if SWAP_AB:  # weight rows on the MMA's 64-row side, the few activation rows on N
-            acc = tl.dot(b, tl.trans(a), acc, out_dtype=acc.dtype)
+            acc = tl.dot(b, tl.trans(a), acc, out_dtype=acc.dtype, max_num_imprecise_acc=IMPRECISE)
         else:
-            acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype)
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype, max_num_imprecise_acc=IMPRECISE)
 
     if SWAP_AB:  # acc[n, m]
         rows_m = offs_m[None, :]
@@ -258,12 +261,19 @@ def _load_k_tile(rows, kk, K, EVEN_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
         else:
             t = tl.load(rows + kk[None, :])
     else:
+        # Read as bytes, masked lanes 0, then back to the operand type: a zero byte is a zero
+        # int8 and a zero e4m3 (a masked fp8 load cannot be filled with a constant).
+        byte_rows = rows.to(tl.pointer_type(tl.int8))
         if EVICT_FIRST:
             t = tl.load(
-                rows + kk[None, :], mask=(kk < K)[None, :], other=0, eviction_policy="evict_first"
+                byte_rows + kk[None, :],
+                mask=(kk < K)[None, :],
+                other=0,
+                eviction_policy="evict_first",
             )
         else:
-            t = tl.load(rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+            t = tl.load(byte_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+        t = t.to(rows.dtype.element_ty, bitcast=True)
     return t
 
 
@@ -455,6 +465,7 @@ def w8a8_gemm(
         SWAP_AB=cfg.swap_ab,
         SPLIT=split_k > 1,
         ACC_INT=w_q.dtype == torch.int8,
+        IMPRECISE=None if w_q.dtype == torch.int8 else cfg.block_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
