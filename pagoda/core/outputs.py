@@ -120,3 +120,32 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence for the engine core: token ids and the sampling parameters of ONE sample.
+    The front end has tokenized and validated it, fanned out n > 1 into such requests and
+    resolved max_tokens; the core never sees text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None
+    # min(sampling_params.max_tokens, max_model_len - len(prompt_token_ids)).
+    max_tokens: int
+    priority: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """What one `EngineCore.step()` returns: the per-request outputs of the step it finished,
+    and when requests were first scheduled (for queue-time metrics; with async scheduling these
+    belong to the step just launched, whose outputs come with the next call)."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    first_scheduled: dict[str, float] = field(default_factory=dict)
+    # The step's `IterationStats` as far as the core knows them (scheduled and prompt tokens,
+    # drafts); the output processor adds the token timings and the finished requests.
+    iteration_stats: Any = None

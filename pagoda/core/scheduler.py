@@ -93,13 +93,12 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
-        if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt: give at least one token")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
-                f"max_model_len ({self.max_model_len}): shorten it or raise max_model_len"
-            )
+        # The front end's `validate_request` (pagoda.engine.input_processor) admits a request:
+        # a non-empty prompt that leaves room for a generated token. Only an invariant here.
+        assert 0 < request.num_prompt_tokens < self.max_model_len, (
+            f"request {rid!r}: a prompt of {request.num_prompt_tokens} tokens did not pass "
+            f"validate_request (max_model_len {self.max_model_len})"
+        )
         # A request that cannot fit in the whole cache alone would be preempted forever.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         needed = self.kv_cache_manager.max_blocks_per_request(max_len, self.max_num_batched_tokens)

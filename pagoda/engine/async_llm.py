@@ -1,14 +1,20 @@
-"""`AsyncLLM`: the asyncio face of `LLMEngine`, with the engine core off the event loop.
+"""`AsyncLLM`: the asyncio front end of the engine core, which runs off the event loop.
 
-The engine is not thread-safe, so exactly one thread ever calls it: the engine core loop
-(`pagoda.engine.engine_core`). `AsyncLLM(engine)` runs that loop on a thread of this process;
-`AsyncLLM.from_engine_args` (what `pagoda serve` uses) runs it in a child process, as vLLM's
-EngineCore does, so the event loop's Python and the engine's never wait for each other's GIL
-(`pagoda.engine.core_client`). Either way the event loop hands `add`/`abort` commands over
-without blocking, and each step's `RequestOutput`s come back with one
-`loop.call_soon_threadsafe` per event loop into per-request `asyncio.Queue`s. This class also
-owns admission (a bound on queued requests, `EngineOverloadedError`), cancellation (a consumer
-that stops iterating aborts its request and frees its KV blocks) and graceful drain/shutdown.
+The front end does input processing (`InputProcessor`: tokenize, validate once, fan out n > 1
+into one-sample `EngineCoreRequest`s) and output processing (`OutputProcessor`: detokenize,
+stop strings, logprobs, n > 1 fan-in into `RequestOutput`s); the engine core
+(`pagoda.engine.core.EngineCore`) only schedules and executes, taking token ids and returning
+token ids. The core is not thread-safe, so exactly one thread ever calls it: the engine core
+loop (`pagoda.engine.engine_core`). `AsyncLLM(core)` runs that loop on a thread of this
+process; `AsyncLLM.from_engine_args` (what `pagoda serve` uses) runs it in a child process, as
+vLLM's EngineCore does, so the event loop's Python and the core's never wait for each other's
+GIL (`pagoda.engine.core_client`). Either way the event loop hands `add`/`abort` commands over
+without blocking; each step's core outputs are turned into `RequestOutput`s on the thread that
+receives them, and come back with one `loop.call_soon_threadsafe` per event loop into
+per-request `asyncio.Queue`s. When the output processor finds a stop string it aborts the
+request in the core, which frees its KV blocks. This class also owns admission (a bound on
+queued requests, `EngineOverloadedError`), cancellation (a consumer that stops iterating
+aborts its request and frees its KV blocks) and graceful drain/shutdown.
 """
 
 from __future__ import annotations
@@ -24,16 +30,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda import envs
+from pagoda.core.outputs import EngineCoreOutputs
 from pagoda.engine.core_client import ProcessCore, RemoteEngine, ThreadCore
 from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport
+from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.output_processor import OutputProcessor
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Called as hook(engine) after every step, when the engine's last_scheduler_stats /
-# last_iteration_stats are fresh (on the thread that receives the step's outputs; in process
-# mode `engine` is the front end's `RemoteEngine` view). The Prometheus logger is one.
+# last_iteration_stats are fresh (on the thread that receives the step's outputs, after the
+# output processor added its timings; in process mode `engine` is the front end's
+# `RemoteEngine` view of the core). The Prometheus logger is one.
 StatsHook = Callable[[Any], None]
 
 
@@ -107,15 +117,15 @@ def serving_engine_args(engine_args: Any) -> Any:
 
 
 def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = False) -> Any:
-    """The `LLMEngine` a server runs (in the engine core process, by default)."""
+    """The `EngineCore` a server runs (in the engine core process, by default)."""
     from pagoda.cli import check_engine_start
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.core import EngineCore
 
     served_args = serving_engine_args(engine_args)
     # What a server's front end (without torch) could not check: refused here in one line
     # (architecture, weight files, memory) before anything is allocated.
     check_engine_start(served_args)
-    engine = LLMEngine.from_engine_args(served_args)
+    engine = EngineCore(served_args.create_engine_config())
     if served_args is not engine_args:  # said once the engine started (a refusal is one line)
         logger.info(
             "serving on a CPU: prefill chunks of %s tokens (--max-num-batched-tokens), %s "
@@ -145,11 +155,12 @@ def default_max_waiting_requests(max_num_seqs: int, num_kv_tokens: int, max_mode
 
 
 class AsyncLLM:
-    """Streams an engine's outputs to asyncio callers; the engine core runs off the loop.
+    """Streams an engine core's outputs to asyncio callers; the core runs off the loop.
 
-    Give either `engine` (the core loop runs on a thread of this process and `self.engine` is
-    that object) or `engine_factory`, a picklable callable that builds the engine in a child
-    process (`self.engine` is then a `RemoteEngine` view: tokenizer, configs, last stats).
+    Give either `engine`, an `EngineCore` (or an `LLMEngine`, whose core is used; the core
+    loop runs on a thread of this process and `self.engine` is the core), or
+    `engine_factory`, a picklable callable that builds the core in a child process
+    (`self.engine` is then a `RemoteEngine` view: tokenizer, configs, last stats).
 
     Admission: `max_waiting_requests` bounds the requests admitted but not yet scheduled, past
     the free places of the running batch (`max_num_seqs` minus the running requests); past it
@@ -184,6 +195,7 @@ class AsyncLLM:
             raise ValueError(f"max_engine_restarts must be >= 0, got {max_engine_restarts}")
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine and engine_factory")
+        engine = getattr(engine, "engine_core", engine)  # an LLMEngine: its core
         self.max_waiting_requests = max_waiting_requests
         self.max_queue_delay_s = max_queue_delay_s
         self.max_engine_restarts = max_engine_restarts
@@ -197,6 +209,10 @@ class AsyncLLM:
         # ends the stream (the core's callback thread, or the consumer leaving early).
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams against _on_stopped, and the counters
+        # Guards the output processor: the event loop adds and aborts requests, the thread
+        # that receives the core's reports processes their outputs. Never held with _lock.
+        self._op_lock = threading.Lock()
+        self._aborting: dict[str, str] = {}  # sample id -> its request, aborted by abort()
         self._stopped: BaseException | None = None  # set once the core has stopped
         # Read (racily, which is fine for admission) on the loop.
         self._engine_waiting = 0
@@ -216,6 +232,7 @@ class AsyncLLM:
             self._core = self._start_process_core()
         self.engine = self._core.engine
         self._thread = self._core.thread  # the thread that calls back with each step's outputs
+        self._make_processors()
         sc = getattr(getattr(self.engine, "config", None), "scheduler_config", None)
         self.max_num_seqs: int = getattr(sc, "max_num_seqs", None) or 1
 
@@ -228,6 +245,12 @@ class AsyncLLM:
             self._idle_poll_s,
             self.max_queue_delay_s,
         )
+
+    def _make_processors(self) -> None:
+        """The front end's input and output processors, for the core now running."""
+        self.input_processor = InputProcessor(self.engine.tokenizer, self.engine.model_config)
+        with self._op_lock:
+            self.output_processor = OutputProcessor(self.engine.tokenizer)
 
     @classmethod
     def from_engine_args(
@@ -278,6 +301,10 @@ class AsyncLLM:
         aborts the request.
         """
         self._check_admission(params.n)
+        arrival_time = time.time()
+        prompt_text, prompt_ids, requests = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority
+        )
         loop = asyncio.get_running_loop()
         stream = _Stream(asyncio.Queue(), loop, params.n)
         with self._lock:
@@ -286,10 +313,27 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._num_pending_adds += params.n
+            self._num_pending_adds += len(requests)
             core = self._core
+        try:
+            with self._op_lock:
+                self.output_processor.add_request(
+                    request_id,
+                    prompt_text,
+                    prompt_ids,
+                    params,
+                    [r.request_id for r in requests],
+                    [r.sampling_params for r in requests],
+                    arrival_time,
+                )
+        except BaseException:
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+                self._num_pending_adds -= len(requests)
+            raise
         self._num_in_flight += 1
-        core.send(AddRequest(request_id, prompt, params, priority, time.time()))
+        core.send(AddRequest(requests))
         finished = False
         try:
             while True:
@@ -310,12 +354,39 @@ class AsyncLLM:
                     if live:
                         del self._streams[request_id]
                 if live:
-                    core.send(AbortRequests([request_id]))
+                    self._abort_in_core([request_id], core)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; a caller still iterating gets a final output with reason "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._core.send(AbortRequests(ids))
+        with self._op_lock:
+            op = self.output_processor
+            children = {rid: op.abort_requests([rid]) for rid in ids}
+            # The stream ends once the core has aborted the samples (its KV blocks are free).
+            for rid, cids in children.items():
+                for cid in cids:
+                    self._aborting[cid] = rid
+        if any(children.values()):
+            self._core.send(AbortRequests([c for cids in children.values() for c in cids]))
+        self._end_aborted([rid for rid, cids in children.items() if not cids])
+
+    def _end_aborted(self, request_ids: list[str]) -> None:
+        """Give each still-open stream of these requests its final "abort" output."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            for rid in request_ids:
+                st = self._streams.pop(rid, None)
+                if st is not None:
+                    batches.setdefault(st.loop, []).append((st.out, _aborted_output(rid, st.n)))
+        for loop, items in batches.items():
+            _send(loop, items)
+
+    def _abort_in_core(self, request_ids: list[str], core: Any = None) -> None:
+        """Forget user requests in the output processor and abort their samples in the core."""
+        with self._op_lock:
+            children = self.output_processor.abort_requests(request_ids)
+        if children:
+            (core or self._core).send(AbortRequests(children))
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting requests and wait until every in-flight one has finished. After
@@ -339,7 +410,7 @@ class AsyncLLM:
         with self._lock:
             streams, self._streams = self._streams, {}
         if streams:
-            self._core.send(AbortRequests(list(streams)))
+            self._abort_in_core(list(streams))
         _deliver_all(streams.values(), error)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -375,39 +446,60 @@ class AsyncLLM:
         with self._lock:
             self._num_pending_adds -= report.num_adds
         self._engine_waiting = report.num_waiting
+        # The core's ids are the samples': the output processor knows their user requests.
+        with self._op_lock:
+            op = self.output_processor
+            refused = []
+            for cid, error in report.add_errors:
+                for rid in op.parents_of([cid]):
+                    op.discard(rid)
+                    refused.append((rid, error))
+            expired = op.parents_of(report.expired)
+            if expired:
+                op.abort_requests(expired)
+            aborted = {self._aborting.pop(cid, None) for cid in report.aborted} - {None}
+            outputs: list[RequestOutput] = []
+            stopped: list[str] = []
+            if report.stepped:
+                outputs, stopped = op.process_core_outputs(
+                    EngineCoreOutputs(
+                        report.outputs, report.first_scheduled, report.iteration_stats
+                    )
+                )
+        if stopped:  # a stop string (or an error) ended them here: free their KV blocks
+            self._core.send(AbortRequests(stopped))
         if report.stepped:  # before the outputs: a caller who saw its last token sees metrics
             if report.scheduler_stats is not None:
                 self._engine_running = report.scheduler_stats.num_running_reqs
             if isinstance(self.engine, RemoteEngine):
                 self.engine.update(report)
             self._report_stats()
+        if aborted:
+            self._end_aborted(list(aborted))  # type: ignore[arg-type]
         # One wake-up per event loop per step, not one per request: at a few hundred running
         # requests, per-output call_soon_threadsafe calls would cost a syscall each.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        streams = self._streams
-        for rid, error in report.add_errors:
-            st = streams.pop(rid, None)
-            if st is not None:
-                batches.setdefault(st.loop, []).append((st.out, error))
-        for rid in report.expired:
-            st = streams.pop(rid, None)
-            if st is not None:
-                error = RequestQueueTimeoutError(
-                    f"the request waited more than {self.max_queue_delay_s:g} s without being "
-                    "scheduled (--max-queue-delay-s): retry later"
-                )
-                batches.setdefault(st.loop, []).append((st.out, error))
-        for rid in report.aborted:
-            st = streams.pop(rid, None)  # still there: aborted by abort(), not by its consumer
-            if st is not None:
-                batches.setdefault(st.loop, []).append((st.out, _aborted_output(rid, st.n)))
-        for out in report.outputs:
-            st = streams.get(out.request_id)
-            if st is None:
-                continue  # aborted by its caller meanwhile
-            if out.finished:
-                del streams[out.request_id]
-            batches.setdefault(st.loop, []).append((st.out, out))
+        with self._lock:
+            streams = self._streams
+            for rid, error in refused:
+                st = streams.pop(rid, None)
+                if st is not None:
+                    batches.setdefault(st.loop, []).append((st.out, error))
+            for rid in expired:
+                st = streams.pop(rid, None)
+                if st is not None:
+                    error = RequestQueueTimeoutError(
+                        f"the request waited more than {self.max_queue_delay_s:g} s without "
+                        "being scheduled (--max-queue-delay-s): retry later"
+                    )
+                    batches.setdefault(st.loop, []).append((st.out, error))
+            for out in outputs:
+                st = streams.get(out.request_id)
+                if st is None:
+                    continue  # aborted by its caller meanwhile
+                if out.finished:
+                    del streams[out.request_id]
+                batches.setdefault(st.loop, []).append((st.out, out))
         for loop, items in batches.items():
             _send(loop, items)
 
@@ -431,6 +523,9 @@ class AsyncLLM:
             self._stopped = self._stopped_error(error)
             streams, self._streams = self._streams, {}
             self.state = "restarting" if restart else ("dead" if error is not None else "stopped")
+        with self._op_lock:
+            self.output_processor = OutputProcessor(self.engine.tokenizer)
+            self._aborting.clear()
         _deliver_all(streams.values(), self._stopped)
         if restart:
             threading.Thread(target=self._restart, name="pagoda-core-restart", daemon=True).start()
@@ -451,6 +546,7 @@ class AsyncLLM:
             return
         with self._lock:
             self._core, self.engine, self._thread = core, core.engine, core.thread
+            self._make_processors()
             self._num_pending_adds = self._engine_waiting = self._engine_running = 0
             self._stopped = None
             self.num_restarts += 1

@@ -4,11 +4,11 @@ Both clients take commands with `send` (from any thread, never blocking) and cal
 thread of theirs: `on_report(CoreReport)` for each iteration of the core loop, then
 `on_stopped(error)` once, last (`error` is None after a requested stop).
 
-`ThreadCore` runs `EngineCoreLoop` on a thread: cheap, and the engine object stays reachable
+`ThreadCore` runs `EngineCoreLoop` on a thread: cheap, and the core object stays reachable
 (tests, in-process tools). `ProcessCore` runs it in a spawned child (`run_engine_core_process`)
 and talks over a pipe: a sender thread pickles commands (a full pipe never blocks the event
 loop), a receiver thread unpickles reports. The HTTP front end then never holds the GIL that
-the engine's step needs between its kernels, which on a small CPU is most of the serving
+the core's step needs between its kernels, which on a small CPU is most of the serving
 overhead. Shutdown stops the child, and a child whose parent died sees the pipe's end of file
 and exits: no orphan engine keeps the memory.
 """
@@ -29,7 +29,6 @@ from pagoda.engine.engine_core import (
     CoreReport,
     CoreStopped,
     EngineCoreLoop,
-    PromptRestorer,
     Stop,
     run_engine_core_process,
 )
@@ -41,7 +40,7 @@ OnStopped = Callable[[BaseException | None], None]
 
 
 class ThreadCore:
-    """The engine core loop on a daemon thread of this process."""
+    """The engine core loop on a daemon thread of this process; `engine` is the core."""
 
     def __init__(
         self,
@@ -94,8 +93,8 @@ class ThreadCore:
 
 
 class RemoteEngine:
-    """What the front end sees of an engine that lives in the core process: its tokenizer and
-    configuration, and the statistics of its last step (what stats hooks read)."""
+    """What the front end sees of an engine core that lives in its own process: its tokenizer
+    and configuration, and the statistics of its last step (what stats hooks read)."""
 
     def __init__(self, ready: CoreReady) -> None:
         self.tokenizer = ready.tokenizer
@@ -130,12 +129,13 @@ class EngineCoreStartError(RuntimeError):
 
 
 class ProcessCore:
-    """The engine core loop in a spawned child process, built there by `engine_factory`.
+    """The engine core loop in a spawned child process, the core built there by
+    `engine_factory`.
 
     `engine_factory` must be picklable (a module-level function or a partial of one). The
-    constructor returns once the engine is ready, with the engine's tokenizer and configs
-    (pickled by the child: the front end never imports torch or parses the model file), and
-    re-raises the error the engine's construction raised."""
+    constructor returns once the core is ready, with its tokenizer and configs (pickled by the
+    child: the front end never imports torch or parses the model file), and re-raises the
+    error the core's construction raised."""
 
     def __init__(
         self,
@@ -228,12 +228,11 @@ class ProcessCore:
 
     def _recv_loop(self) -> None:
         error: BaseException | None = None
-        restore = PromptRestorer()
         try:
             while True:
                 msg = self._conn.recv()
                 if isinstance(msg, CoreReport):
-                    self._on_report(restore(msg))
+                    self._on_report(msg)
                 elif isinstance(msg, CoreDead):
                     error = msg.error
                     break

@@ -1,4 +1,5 @@
-"""Turns the scheduler's per-step `EngineCoreOutput`s into user-facing `RequestOutput`s.
+"""Output processing, in the front end: the engine core's per-step `EngineCoreOutput`s (token
+ids, raw logprobs, finish reasons) become user-facing `RequestOutput`s.
 
 Owns, per request: incremental detokenization and stop strings, logprobs (with decoded
 tokens), the cumulative logprob, the fan-in of n > 1 samples into one `RequestOutput`, the
@@ -16,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagoda.core.outputs import EngineCoreOutput
+from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -112,9 +113,25 @@ class OutputProcessor:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
 
+    def parents_of(self, child_ids: list[str]) -> list[str]:
+        """The user requests of these child ids (each once, in order; unknown ids skipped)."""
+        parents: dict[str, None] = {}
+        for cid in child_ids:
+            state = self.samples.get(cid)
+            if state is not None:
+                parents[state.parent.request_id] = None
+        return list(parents)
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return [s.request_id for s in parent.samples] if parent else []
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request the engine core refused (it never ran: no statistics)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            for s in parent.samples:
+                self.samples.pop(s.request_id, None)
 
     def abort_requests(self, request_ids: list[str], now: float | None = None) -> list[str]:
         """Forget user requests; return the child ids the scheduler must abort."""
@@ -144,12 +161,21 @@ class OutputProcessor:
             state.first_scheduled_time = now
 
     # -- per step ----------------------------------------------------------------------------
+    def process_core_outputs(
+        self, core_out: EngineCoreOutputs, now: float | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """One `EngineCore.step()`'s result: its scheduling times, then its outputs (see
+        `process_outputs`; the step's `iteration_stats` get the timings and finished requests)."""
+        for rid, t in core_out.first_scheduled.items():
+            self.mark_scheduled(rid, t)
+        now = time.time() if now is None else now
+        return self.process_outputs(core_out.outputs, now, core_out.iteration_stats)
+
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput], now: float, stats: IterationStats
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs for users, child ids stopped by a stop string: abort them)."""
         """Returns (outputs for users, child ids stopped early: a stop string or an error in
-        their processing; the scheduler must finish them)."""
+        their processing; the engine core must abort them)."""
         touched: dict[str, ParentState] = {}
         stopped_early: list[str] = []
         stats.finished_requests.extend(self._aborted_stats)

@@ -1,5 +1,6 @@
 """What the completions and chat handlers share: errors, the model check, building
-`SamplingParams` from a request, context-length checks, logprob conversion, merging the
+`SamplingParams` from a request, the prompt's validation (the engine's own `validate_request`:
+one rule for the server, `LLM` and `AsyncLLM`), logprob conversion, merging the
 output streams of several prompts, collecting them, usage, and the SSE stream's framing.
 
 Every user error becomes an `APIError` (status, message naming the field, param), rendered by
@@ -16,6 +17,7 @@ from http import HTTPStatus
 from typing import Any
 
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.input_processor import PromptValidationError, validate_request
 from pagoda.logger import init_logger
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -201,59 +203,32 @@ def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
         raise APIError(f"invalid {param}: {e}", 400, param) from None
 
 
-def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Reject stop_token_ids / logit_bias / allowed_token_ids outside the vocabulary."""
-    try:
-        params.validate_token_ids(vocab_size)
-    except ValueError as e:
-        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
-
-
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def check_context_length(
-    num_prompt_tokens: int,
-    max_tokens: int | None,
-    max_model_len: int,
+def validate_prompt(
+    ctx: ServingContext,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
     prompt_field: str,
     max_tokens_field: str = "max_tokens",
-) -> int:
-    """Resolve max_tokens (None: the rest of the context) and reject what cannot fit."""
-    if num_prompt_tokens == 0:
-        raise APIError(f"{prompt_field} must not be empty", 400, prompt_field)
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens, but the "
-            f"{prompt_field} has {num_prompt_tokens} tokens: shorten the {prompt_field} "
-            f"(or restart the server with a larger --max-model-len).",
-            400,
-            prompt_field,
+) -> None:
+    """The engine's one validation (`validate_request`), with OpenAI's rule that a max_tokens
+    past the context is refused rather than cut; resolves `params.max_tokens` (None: the rest
+    of the context). Errors are 400s naming the request's field."""
+    mc = ctx.engine.model_config
+    try:
+        params.max_tokens = validate_request(
+            prompt_token_ids,
+            params,
+            ctx.max_model_len,
+            mc.vocab_size,
+            strict_max_tokens_field=max_tokens_field,
         )
-    room = max_model_len - num_prompt_tokens
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"{prompt_field}, {max_tokens} in the completion). Reduce {max_tokens_field} to at "
-            f"most {room} or shorten the {prompt_field}.",
-            400,
-            max_tokens_field,
-        )
-    return max_tokens
-
-
-def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(
-            f"{field_name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
-            400,
-            field_name,
-        )
+    except PromptValidationError as e:
+        param = prompt_field if e.param == "prompt" else e.param
+        raise APIError(str(e), 400, param) from None
 
 
 def token_str(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:

@@ -28,7 +28,6 @@ from pagoda.server.serving import (
     RequestState,
     ServingContext,
     build_sampling_params,
-    check_context_length,
     collect_outputs,
     first_output,
     merge_async_iterators,
@@ -38,7 +37,7 @@ from pagoda.server.serving import (
     sse_stream,
     token_str,
     usage_info,
-    validate_token_ids,
+    validate_prompt,
 )
 
 
@@ -144,7 +143,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         max_tokens, mt_field = req.max_tokens, "max_tokens"
     params = build_sampling_params(req, max_tokens, top_k if req.logprobs else None, None)
     ctx.require_tokenizer("messages")
-    validate_token_ids(params, ctx.vocab_size)
     prompt = await render_chat_prompt(
         ctx,
         req.messages,
@@ -155,9 +153,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.chat_template_kwargs,
     )
     prompt_ids = await ctx.encode(prompt, req.add_special_tokens, "messages")
-    params.max_tokens = check_context_length(
-        len(prompt_ids), max_tokens, ctx.max_model_len, "messages", mt_field
-    )
+    validate_prompt(ctx, prompt_ids, params, "messages", mt_field)
     request_id = req.request_id or f"chatcmpl-{random_uuid()}"
     stream = merge_async_iterators(
         ctx.engine.generate(prompt_ids, params, request_id, req.priority)

@@ -25,8 +25,6 @@ from pagoda.server.serving import (
     RequestState,
     ServingContext,
     build_sampling_params,
-    check_context_length,
-    check_token_ids,
     collect_outputs,
     first_output,
     merge_async_iterators,
@@ -36,7 +34,7 @@ from pagoda.server.serving import (
     sse_stream,
     token_str,
     usage_info,
-    validate_token_ids,
+    validate_prompt,
 )
 
 
@@ -91,7 +89,6 @@ async def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
             ids = await ctx.encode(item, req.add_special_tokens, "prompt")
             prompts.append(_Prompt(item, ids))
         else:
-            check_token_ids(item, ctx.vocab_size, "prompt")
             prompts.append(_Prompt(None, list(item)))
     return prompts
 
@@ -108,15 +105,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
     base = build_sampling_params(
         req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
     )
-    validate_token_ids(base, ctx.vocab_size)
     prompts = await _normalize_prompts(ctx, req)
     request_id = req.request_id or f"cmpl-{random_uuid()}"
     generators = []
     for i, pr in enumerate(prompts):
         params = base.clone()
-        params.max_tokens = check_context_length(
-            len(pr.token_ids), base.max_tokens, ctx.max_model_len, "prompt"
-        )
+        validate_prompt(ctx, pr.token_ids, params, "prompt")
         sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         generators.append(ctx.engine.generate(pr.token_ids, params, sub_id, req.priority))
     for pr in prompts:

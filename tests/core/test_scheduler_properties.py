@@ -37,7 +37,7 @@ def workloads(draw):
     requests = draw(
         st.lists(
             st.tuples(
-                st.integers(1, max_model_len),  # prompt length
+                st.integers(1, max_model_len - 1),  # prompt length (room for a token)
                 st.integers(1, 32),  # max_tokens
                 st.integers(0, 3),  # priority
                 st.integers(0, 2),  # shared-prefix family

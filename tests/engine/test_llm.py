@@ -166,7 +166,7 @@ def test_abort_frees_everything(llm: LLM) -> None:
     [
         ("", SamplingParams(), "empty"),
         ({"prompt_token_ids": [10**7]}, SamplingParams(), "token ids"),
-        ("x " * 2000, SamplingParams(), "longer than the maximum model length"),
+        ("x " * 2000, SamplingParams(), "maximum context length"),
         ("hi", SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
     ],
 )

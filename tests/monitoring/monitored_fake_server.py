@@ -12,14 +12,12 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "server"))
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from pagoda.metrics.stats import FinishedRequestStats  # noqa: E402
 from pagoda.server.cli import add_server_flags, serve  # noqa: E402
 
 GiB = 2**30
@@ -28,42 +26,28 @@ DIE_MARK = "DIE-ONCE"
 
 class MonitoredFakeEngine(FakeEngine):
     """FakeEngine whose statistics also count prefix-cache hits (half of each prompt),
-    a preemption every 40 steps, 3 drafted tokens per running request (2 accepted) and, as
-    LLMEngine does, aborted requests as finished with reason "abort"."""
+    a preemption every 40 steps and 3 drafted tokens per running request (2 accepted). (The
+    front end's output processor counts aborted requests as finished with reason "abort".)"""
 
     steps = 0
-    aborted: list[FinishedRequestStats] | None = None
 
     def __init__(self, die_once_file: str | None = None, **kw) -> None:  # noqa: ANN003
         super().__init__(**kw)
         self.die_once_file = die_once_file
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
+    def add_requests(self, requests) -> None:  # noqa: ANN001
         # The engine core process dies (as the OOM killer would end it) at the first prompt
         # holding DIE_MARK, so that the server restarts it once: engine_restarts_total moves.
-        text = prompt if isinstance(prompt, str) else bytes(t for t in prompt if t < 256).decode()
+        text = bytes(t for t in requests[0].prompt_token_ids if t < 256).decode()
         if DIE_MARK in text and self.die_once_file and not os.path.exists(self.die_once_file):
             open(self.die_once_file, "w").close()
             os._exit(3)
-        super().add_request(request_id, prompt, params, arrival_time, priority)
-
-    def abort_request(self, request_ids) -> None:  # noqa: ANN001
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        now = time.time()
-        for r in self.waiting + self.running:
-            if r.request_id in ids:
-                self.aborted = (self.aborted or []) + [
-                    FinishedRequestStats("abort", now - r.arrival, len(r.prompt_ids), 0, 0.0,
-                                         0.0, 0.0, 0.0)
-                ]  # fmt: skip
-        super().abort_request(request_ids)
+        super().add_requests(requests)
 
     def step(self):  # noqa: ANN201
         outputs = super().step()
         self.steps += 1
         s, it = self.last_scheduler_stats, self.last_iteration_stats
-        it.finished_requests += self.aborted or []
-        self.aborted = None
         s.prefix_cache_hits = s.prefix_cache_queries // 2
         s.num_preemptions = int(self.steps % 40 == 0 and bool(self.running))
         it.num_drafts = s.num_running_reqs

@@ -23,15 +23,15 @@ from pagoda.server.cli import add_server_flags, serve  # noqa: E402
 
 def dying_engine(die_on: str, **kw) -> FakeEngine:
     engine = FakeEngine(**kw)
-    add = engine.add_request
+    add = engine.add_requests
 
-    def add_request(request_id, prompt, params, arrival_time=None, priority=0) -> None:
-        text = prompt if isinstance(prompt, str) else bytes(t for t in prompt if t < 256).decode()
+    def add_requests(requests) -> None:  # noqa: ANN001
+        text = bytes(t for t in requests[0].prompt_token_ids if t < 256).decode()
         if die_on in text:
             os._exit(3)
-        add(request_id, prompt, params, arrival_time, priority)
+        add(requests)
 
-    engine.add_request = add_request
+    engine.add_requests = add_requests
     return engine
 
 

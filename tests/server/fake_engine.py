@@ -1,6 +1,7 @@
-"""A small deterministic stand-in for `LLMEngine` (same methods and attributes), so the server's
-protocol handling is tested in-process in milliseconds. Tokens are bytes (vocab 256 + BOS/EOS);
-greedy decoding continues the alphabet; sampling draws letters from a per-request seeded RNG.
+"""A small deterministic stand-in for `EngineCore` (same methods and attributes), so the server's
+protocol handling, and `AsyncLLM`'s input and output processing, are tested in-process in
+milliseconds. Tokens are bytes (vocab 256 + BOS/EOS); greedy decoding continues the alphabet;
+sampling draws letters from a per-request seeded RNG.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Any
 import jinja2
 
 from pagoda.config import DEFAULT_MAX_NUM_SEQS, CacheConfig
-from pagoda.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagoda.metrics.stats import IterationStats, SchedulerStats
 from pagoda.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
+UNDECODABLE = 999  # not a token the fake tokenizer knows: decoding it raises
 FAIL_MARK = b"FAIL"  # a prompt holding it ends with finish_reason "error" after two tokens
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -36,10 +38,12 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode())
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **kw: Any) -> str:
         specials = {BOS: "<s>", EOS: "</s>"}
         out = bytearray()
         for t in ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"token id {t} is not in the vocabulary")
             if t < 256:
                 out.append(t)
             elif not skip_special_tokens:
@@ -59,26 +63,17 @@ class FakeTokenizer:
 
 
 @dataclass
-class _Sample:
-    index: int
-    rng: random.Random
-    token_ids: list[int] = field(default_factory=list)
-    sent: int = 0
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    first_token_time: float | None = None
-
-
-@dataclass
 class _Req:
+    """One sequence (a sample: the front end fans n > 1 out)."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
     arrival: float
-    samples: list[_Sample]
+    rng: random.Random
+    token_ids: list[int] = field(default_factory=list)
     scheduled: float | None = None
-    prompt_logprobs_sent: bool = False
 
     @property
     def prompt_ids_bytes(self) -> bytes:
@@ -86,14 +81,18 @@ class _Req:
 
 
 class FakeEngine:
+    """A fake `EngineCore`: takes `EngineCoreRequest`s, returns token ids (`EngineCoreOutputs`);
+    the front end (`AsyncLLM`) tokenizes, validates, detokenizes and finds stop strings."""
+
     def __init__(
         self, max_model_len: int = 128, max_num_seqs: int | None = 4, step_delay: float = 0.0,
-        num_blocks: int = 64, block_size: int = 16,
+        num_blocks: int = 64, block_size: int = 16, skip_tokenizer_init: bool = False,
     ) -> None:  # fmt: skip
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = None if skip_tokenizer_init else FakeTokenizer()
         self.model_config = SimpleNamespace(
-            max_model_len=max_model_len, name="fake-model", model="/models/fake", vocab_size=258
-        )
+            max_model_len=max_model_len, name="fake-model", model="/models/fake", vocab_size=258,
+            hf_config={"eos_token_id": EOS},
+        )  # fmt: skip
         if max_num_seqs is None:  # the --max-num-seqs flag not given: the engine's default
             max_num_seqs = DEFAULT_MAX_NUM_SEQS
         self.config = SimpleNamespace(
@@ -104,40 +103,44 @@ class FakeEngine:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
+        self.groups: dict[str, tuple[str, ...]] = {}  # requests added together
         self.last_scheduler_stats = SchedulerStats(num_total_blocks=num_blocks)
         self.last_iteration_stats = IterationStats()
+        self.num_preemptions_total = 0
         self.engine_thread_ids: set[int] = set()  # every thread that called into the engine
 
     def _touch(self) -> None:
         self.engine_thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._touch()
-        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        if len(ids) >= self.model_config.max_model_len:
-            raise ValueError("the prompt is longer than the maximum model length")
-        if any(r.request_id == request_id for r in self.waiting + self.running):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        max_tokens = self.model_config.max_model_len - len(ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        samples = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            samples.append(_Sample(i, random.Random(seed)))
-        self.waiting.append(
-            _Req(request_id, list(ids), params, max_tokens, arrival_time or time.time(), samples)
-        )
+        known = {r.request_id for r in self.waiting + self.running}
+        for r in requests:
+            if r.request_id in known:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
+        for r in requests:
+            p = r.sampling_params
+            rng = random.Random(p.seed)
+            self.waiting.append(
+                _Req(r.request_id, list(r.prompt_token_ids), p, r.max_tokens, r.arrival_time, rng)
+            )
+        if len(requests) > 1:
+            group = tuple(r.request_id for r in requests)
+            for rid in group:
+                self.groups[rid] = group
 
-    def abort_request(self, request_ids) -> None:
+    def abort_requests(self, request_ids) -> None:
         self._touch()
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        ids = set(request_ids)
+        for rid in ids:
+            self.groups.pop(rid, None)
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
 
     def abort_expired_waiting(self, max_queue_delay_s: float, now: float) -> list[str]:
-        expired = [r.request_id for r in self.waiting if now - r.arrival > max_queue_delay_s]
-        self.abort_request(expired)
+        old = {r.request_id for r in self.waiting if now - r.arrival > max_queue_delay_s}
+        expired = [rid for rid in old if all(m in old for m in self.groups.get(rid, (rid,)))]
+        self.abort_requests(expired)
         return expired
 
     def has_unfinished_requests(self) -> bool:
@@ -153,96 +156,65 @@ class FakeEngine:
     @property
     def num_used_blocks(self) -> int:
         return sum(
-            math.ceil((len(r.prompt_ids) + len(s.token_ids) + 1) / self.block_size)
+            math.ceil((len(r.prompt_ids) + len(r.token_ids) + 1) / self.block_size)
             for r in self.running
-            for s in r.samples
         )
 
     @property
     def kv_cache_usage(self) -> float:
         return min(1.0, self.num_used_blocks / self.num_blocks)
 
-    def _next_token(self, r: _Req, s: _Sample) -> int:
+    def _next_token(self, r: _Req) -> int:
+        if FAIL_MARK in r.prompt_ids_bytes and len(r.token_ids) >= 2:
+            # An id the tokenizer cannot decode: the front end's output processing fails, and
+            # ends the request with finish_reason "error".
+            return UNDECODABLE
         if r.params.temperature == 0:
-            return ord("a") + (len(r.prompt_ids) + len(s.token_ids)) % 26
-        return ord("a") + s.rng.randrange(26)
+            return ord("a") + (len(r.prompt_ids) + len(r.token_ids)) % 26
+        return ord("a") + r.rng.randrange(26)
 
-    def _logprobs(self, tok: int, k: int) -> dict[int, Logprob]:
-        d = {tok: Logprob(-0.5, 1, chr(tok))}
+    def _logprobs(self, tok: int, k: int) -> dict[int, tuple[float, int]]:
+        d = {tok: (-0.5, 1)}
         for j in range(k):
             alt = ord("A") + (tok + j) % 26
-            d.setdefault(alt, Logprob(-2.0 - j, j + 2, chr(alt)))
+            d.setdefault(alt, (-2.0 - j, j + 2))
         return d
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> EngineCoreOutputs:
         self._touch()
         if self.step_delay:
             time.sleep(self.step_delay)
         now = time.time()
         it = IterationStats(iteration_timestamp=now)
+        result = EngineCoreOutputs(iteration_stats=it)
+        new: set[str] = set()
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting.pop(0)
             r.scheduled = now
+            result.first_scheduled[r.request_id] = now
             it.num_prompt_tokens += len(r.prompt_ids)
             self.running.append(r)
-        outputs = []
+            new.add(r.request_id)
         for r in list(self.running):
             p = r.params
-            completions = []
-            for s in r.samples:
-                if s.finish_reason is not None:
-                    continue
-                tok = self._next_token(r, s)
-                s.token_ids.append(tok)
-                it.num_generation_tokens += 1
-                if s.first_token_time is None:
-                    s.first_token_time = now
-                    it.time_to_first_tokens_iter.append(now - r.arrival)
-                else:
-                    it.inter_token_latencies_iter.append(self.step_delay)
-                text = self.tokenizer.decode(s.token_ids)
-                for stop in p.stop or []:
-                    if text.endswith(stop):
-                        s.finish_reason, s.stop_reason = "stop", stop
-                if s.finish_reason is None and len(s.token_ids) >= r.max_tokens:
-                    s.finish_reason = "length"
-                if (
-                    s.finish_reason is None
-                    and FAIL_MARK in r.prompt_ids_bytes
-                    and len(s.token_ids) > 1
-                ):
-                    s.finish_reason = "error"  # as LLMEngine ends a request it failed to process
-                new = s.token_ids[s.sent :]
-                s.sent = len(s.token_ids)
-                lps = (
-                    [self._logprobs(t, p.logprobs) for t in new] if p.logprobs is not None else None
-                )
-                completions.append(
-                    CompletionOutput(s.index, self.tokenizer.decode(new), new, None, lps,
-                                     s.finish_reason, s.stop_reason)
-                )  # fmt: skip
+            tok = self._next_token(r)
+            r.token_ids.append(tok)
+            finish = "length" if len(r.token_ids) >= r.max_tokens else None
             prompt_lps = None
-            if p.prompt_logprobs is not None and not r.prompt_logprobs_sent:
-                r.prompt_logprobs_sent = True
-                prompt_lps = [None] + [
-                    {t: Logprob(-1.0, 1, chr(t) if t < 256 else "<s>")} for t in r.prompt_ids[1:]
-                ]
-            finished = all(s.finish_reason is not None for s in r.samples)
-            error = "ValueError while processing the request's output" if any(
-                s.finish_reason == "error" for s in r.samples) else None  # fmt: skip
-            outputs.append(
-                RequestOutput(
-                    r.request_id, None, r.prompt_ids, prompt_lps, completions, finished, error=error
-                )  # fmt: skip
+            if p.prompt_logprobs is not None and r.request_id in new:
+                prompt_lps = [{t: (-1.0, 1)} for t in r.prompt_ids[1:]]
+            result.outputs.append(
+                EngineCoreOutput(
+                    r.request_id,
+                    [tok],
+                    [self._logprobs(tok, p.logprobs)] if p.logprobs is not None else None,
+                    prompt_lps,
+                    finish,
+                )
             )
-            if finished:
+            if finish is not None:
                 self.running.remove(r)
-                for s in r.samples:
-                    n = len(s.token_ids)
-                    it.finished_requests.append(
-                        FinishedRequestStats(s.finish_reason, now - r.arrival, len(r.prompt_ids),
-                                             n, r.scheduled - r.arrival, 0.0, 0.0, 0.0)
-                    )  # fmt: skip
+                self.groups.pop(r.request_id, None)
         self.last_iteration_stats = it
         self.last_scheduler_stats = SchedulerStats(
             num_running_reqs=len(self.running),
@@ -252,7 +224,7 @@ class FakeEngine:
             num_total_blocks=self.num_blocks,
             prefix_cache_queries=it.num_prompt_tokens,
         )
-        return outputs
+        return result
 
 
 # ---- factories for AsyncLLM(engine_factory=...): they run in the engine core process ----
@@ -260,7 +232,7 @@ def failing_engine() -> FakeEngine:
     """An engine whose first step raises (a device lost mid-serving)."""
     engine = FakeEngine()
 
-    def boom() -> list[RequestOutput]:
+    def boom() -> EngineCoreOutputs:
         raise RuntimeError("device lost")
 
     engine.step = boom  # type: ignore[method-assign]
@@ -273,7 +245,7 @@ def crashing_engine() -> FakeEngine:
 
     engine = FakeEngine()
 
-    def die() -> list[RequestOutput]:
+    def die() -> EngineCoreOutputs:
         os._exit(3)
 
     engine.step = die  # type: ignore[method-assign]

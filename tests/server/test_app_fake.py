@@ -316,6 +316,7 @@ def test_streaming_echo_with_logprobs_and_stop(client):
     assert first["text"] == "abd"  # the prompt comes first, then the first token
     assert first["logprobs"]["tokens"] == ["<s>", "a", "b", "d"]
     assert first["logprobs"]["token_logprobs"][0] is None
-    assert "".join(c["choices"][0]["text"] for c in chunks) == "abdef"
+    # The stop string ends the text and is not part of it (include_stop_str_in_output).
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abde"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["stop_reason"] == "f"

@@ -44,7 +44,7 @@ def test_generate_streams_deltas_and_only_the_engine_thread_touches_the_engine()
 def test_rejected_request_raises_value_error_and_engine_keeps_running():
     llm = AsyncLLM(FakeEngine(max_model_len=3))
     try:
-        with pytest.raises(ValueError, match="maximum model length"):
+        with pytest.raises(ValueError, match="maximum context length"):
             asyncio.run(_collect(llm, "long"))
         llm.engine.model_config.max_model_len = 64
         assert len(asyncio.run(_collect(llm, "ok", max_tokens=2))) == 2

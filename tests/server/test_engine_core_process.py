@@ -125,7 +125,7 @@ def test_prompts_cross_the_pipe_once_per_request():
 
 
 def test_refused_request_is_a_value_error_and_the_core_keeps_serving(llm):
-    with pytest.raises(ValueError, match="maximum model length"):
+    with pytest.raises(ValueError, match="maximum context length"):
         asyncio.run(_collect(llm, "long", prompt="x" * 200))
     assert len(asyncio.run(_collect(llm, "ok", max_tokens=2))) == 2
     assert llm.num_in_flight == 0 and llm._num_pending_adds == 0

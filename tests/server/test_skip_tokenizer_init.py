@@ -14,13 +14,9 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.server.app import build_app
 
 
-class _NoTokenizerLLM(AsyncLLM):
-    tokenizer = None  # what the server sees of an engine built with skip_tokenizer_init
-
-
 @pytest.fixture
 def client():
-    llm = _NoTokenizerLLM(FakeEngine(max_model_len=64))
+    llm = AsyncLLM(FakeEngine(max_model_len=64, skip_tokenizer_init=True))
     with TestClient(build_app(llm)) as c:
         yield c
     llm.shutdown()
@@ -80,7 +76,7 @@ def test_bench_serve_sends_token_ids_to_a_server_without_tokenizer(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    llm = _NoTokenizerLLM(FakeEngine(max_model_len=256, max_num_seqs=8))
+    llm = AsyncLLM(FakeEngine(max_model_len=256, max_num_seqs=8, skip_tokenizer_init=True))
     server = uvicorn.Server(
         uvicorn.Config(build_app(llm), host="127.0.0.1", port=port, log_level="warning")
     )

@@ -1,0 +1,155 @@
+"""Input processing, in the front end (`LLMEngine`, `AsyncLLM`, the HTTP server).
+
+A prompt (text, token ids, or a dict with `prompt` / `prompt_token_ids`) becomes token ids,
+is validated once by `validate_request` (THE rule for every entry point: a prompt must leave
+room for at least one generated token, so one of `max_model_len` tokens or more is refused),
+and a request with n > 1 is fanned out into n one-sample `EngineCoreRequest`s. The engine
+core receives only these: token ids and sampling parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda.core.outputs import EngineCoreRequest
+from pagoda.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class PromptValidationError(ValueError):
+    """A request refused by `validate_request`; `param` is the field at fault ("prompt",
+    "max_tokens", or the sampling parameter the message starts with)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    vocab_size: int,
+    *,
+    strict_max_tokens_field: str | None = None,
+) -> int:
+    """Validate a request's prompt and token ids; return its max_tokens resolved against the
+    context (None: the rest of it). A max_tokens past the context is cut to fit, or, with
+    `strict_max_tokens_field` (the OpenAI server: the field's name), refused."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise PromptValidationError("the prompt is empty: give at least one token", "prompt")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise PromptValidationError(
+            f"the prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+            "prompt",
+        )
+    if n >= max_model_len:
+        raise PromptValidationError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{n} tokens and at least one token must be generated: shorten the prompt (or raise "
+            "max_model_len, --max-model-len)",
+            "prompt",
+        )
+    try:
+        params.validate_token_ids(vocab_size)
+    except ValueError as e:
+        raise PromptValidationError(str(e), str(e).split(" ", 1)[0]) from None
+    room = max_model_len - n
+    if params.max_tokens is None:
+        return room
+    field_name = strict_max_tokens_field
+    if params.max_tokens > room and field_name is not None:
+        raise PromptValidationError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} "
+            f"in the completion). Reduce {field_name} to at most {room} or shorten the prompt.",
+            field_name,
+        )
+    return min(room, params.max_tokens)
+
+
+def fan_out(request_id: str, params: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
+    """The one-sample requests of a request with `params.n` samples: ids `{i}_{request_id}`,
+    seeds `seed + i` (distinct but reproducible samples)."""
+    if params.n == 1:
+        return [request_id], [params]
+    ids, plist = [], []
+    for i in range(params.n):
+        p = params.clone()
+        p.n = 1
+        if params.seed is not None:
+            p.seed = params.seed + i
+        ids.append(f"{i}_{request_id}")
+        plist.append(p)
+    return ids, plist
+
+
+class InputProcessor:
+    """Turns a user's prompt and sampling parameters into validated `EngineCoreRequest`s.
+
+    `model_config` is read at each request (its max_model_len and vocab_size); the tokenizer is
+    None for an engine started with skip_tokenizer_init, which then takes token ids only."""
+
+    def __init__(self, tokenizer: Any, model_config: Any) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return eos_token_id(self.tokenizer, self.model_config)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("the engine runs with skip_tokenizer_init: give prompt token ids")
+        return self.tokenizer.encode(text)
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(the prompt's text if it has one, its token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
+        """(prompt text, prompt token ids, the core requests: one per sample)."""
+        prompt_text, prompt_ids = self.process_prompt(prompt)
+        mc = self.model_config
+        max_tokens = validate_request(prompt_ids, params, mc.max_model_len, mc.vocab_size)
+        eos = self.eos_token_id
+        params.all_stop_token_ids = set(params.stop_token_ids or [])
+        if eos is not None:
+            params.all_stop_token_ids.add(eos)
+        child_ids, child_params = fan_out(request_id, params)
+        requests = [
+            EngineCoreRequest(cid, prompt_ids, p, arrival_time, eos, max_tokens, priority)
+            for cid, p in zip(child_ids, child_params)
+        ]
+        return prompt_text, prompt_ids, requests
+
+
+def eos_token_id(tokenizer: Any, model_config: Any) -> int | None:
+    """The tokenizer's EOS, else the model config's (the first, where it lists several)."""
+    if tokenizer is not None:
+        return tokenizer.eos_token_id
+    hf = getattr(model_config, "hf_config", None) or {}
+    eos = hf.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) else eos
