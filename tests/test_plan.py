@@ -71,7 +71,7 @@ def test_plan_agrees_with_the_engine_on_this_cpu():
     from pagoda.engine.llm_engine import LLMEngine
 
     plan = _plan("--device", "cpu", "--max-model-len", "2048")
-    log, handler = logging.getLogger("pagoda.engine.llm_engine"), _Lines()
+    log, handler = logging.getLogger("pagoda.engine.core"), _Lines()
     log.addHandler(handler)
     try:
         engine = LLMEngine(

@@ -109,12 +109,8 @@ class EngineCore:
         """Add the requests of one group (the samples of one user request): all or none. What
         only the core can check (a grammar that does not compile, a request the KV cache cannot
         hold) is a ValueError."""
-        if any(r.sampling_params.structured_outputs is not None for r in requests):
-            if self.config.parallel_config.tensor_parallel_size > 1:
-                raise ValueError(
-                    "structured_outputs is not supported with tensor_parallel_size > 1 yet"
-                )
-            self.structured_output.validate(requests[0].sampling_params)
+        if requests[0].sampling_params.structured_outputs is not None:
+            self._check_structured_outputs(requests[0].sampling_params)
         added: list[str] = []
         try:
             for r in requests:
@@ -137,6 +133,15 @@ class EngineCore:
             group = tuple(added)
             for rid in added:
                 self._groups[rid] = group
+
+    def _check_structured_outputs(self, params: Any) -> None:
+        """Refuse what structured outputs cannot run with; compile the constraint (cached), so
+        a bad schema / regex / grammar is a ValueError here."""
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                "structured_outputs is not supported with tensor_parallel_size > 1 yet"
+            )
+        self.structured_output.validate(params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests (unknown and finished ids are ignored) and free their KV blocks."""

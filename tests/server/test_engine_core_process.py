@@ -6,6 +6,7 @@ process after shutdown or after the parent is killed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import signal
@@ -76,7 +77,7 @@ def test_outputs_come_from_another_process(llm):
     assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 5
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert "".join(o.outputs[0].text for o in outs) == "defgh"  # as in the threaded engine
-    # The prompt crosses the pipe once (PromptElider) and is back on every output.
+    # The front end keeps the prompt (only token ids cross the pipe): it is on every output.
     assert all(o.prompt_token_ids == outs[0].prompt_token_ids != [] for o in outs)
     child = llm._core.process
     assert child.is_alive() and child.pid != os.getpid()
@@ -86,42 +87,31 @@ def test_outputs_come_from_another_process(llm):
     assert llm.engine.config.cache_config.block_size == 16
 
 
-def test_prompts_cross_the_pipe_once_per_request():
+def test_reports_carry_the_cores_token_ids_only():
+    """What crosses the pipe: the core's plain outputs (token ids, finish reasons), never text,
+    a prompt or a RequestOutput; the front end keeps those."""
     import pickle
 
-    from pagoda.engine.engine_core import CoreReport, PromptElider, PromptRestorer
-    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.core.outputs import EngineCoreOutput, EngineCoreRequest
+    from pagoda.engine.engine_core import AddRequest, EngineCoreLoop, Stop
 
-    def report(step: int, finished: set[str] = frozenset()) -> CoreReport:
-        outs = [
-            RequestOutput(
-                rid,
-                f"prompt {rid}",
-                list(range(300)),
-                None,
-                [CompletionOutput(0, "x", [step], None, None)],
-                rid in finished,
-            )  # fmt: skip
-            for rid in ("a", "b")
-        ]
-        return CoreReport(outputs=outs, stepped=True)
+    core = FakeEngine()
+    prompt = list(range(1, 120))
+    request = EngineCoreRequest("a", prompt, SamplingParams(max_tokens=3), time.time(), None, 3)
+    commands = [[AddRequest([request])]]
 
-    elide, restore = PromptElider(), PromptRestorer()
-    first = pickle.dumps(elide(report(0)))
-    later = pickle.dumps(elide(report(1, finished={"b"})))
-    assert len(later) < len(first) / 2
-    restore(pickle.loads(first))
-    outs = restore(pickle.loads(later)).outputs
-    assert [(o.prompt, o.prompt_token_ids) for o in outs] == [
-        ("prompt a", list(range(300))),
-        ("prompt b", list(range(300))),
-    ]
-    assert set(elide._sent) == set(restore._prompts) == {"a"}  # "b" finished
-    elide(CoreReport(aborted=["a"]))
-    restore(CoreReport(aborted=["a"]))
-    assert not elide._sent and not restore._prompts
-    # A request id used again after its end starts over with its prompt.
-    assert elide(report(3)).outputs[0].prompt_token_ids == list(range(300))
+    def get_commands(block: bool) -> list:
+        if commands:
+            return commands.pop(0)
+        return [] if core.has_unfinished_requests() else [Stop()]
+
+    reports: list = []
+    EngineCoreLoop(core, get_commands, reports.append).run()
+    outs = [o for r in reports for o in r.outputs]
+    assert all(type(o) is EngineCoreOutput for o in outs)
+    assert [len(o.new_token_ids) for o in outs] == [1, 1, 1]
+    assert outs[-1].finish_reason == "length"
+    assert all(len(pickle.dumps(r.outputs)) < 400 for r in reports)  # no 119-token prompt
 
 
 def test_refused_request_is_a_value_error_and_the_core_keeps_serving(llm):
@@ -302,7 +292,9 @@ def test_process_core_streams_exactly_what_the_thread_core_streams():
 
     async def run(llm: AsyncLLM) -> list:
         async def one(rid: str, **kw) -> list:
-            return [o async for o in llm.generate("abc", _params(**kw), rid)]
+            # Everything but the timestamps (RequestMetrics), which differ from run to run.
+            outs = [o async for o in llm.generate("abc", _params(**kw), rid)]
+            return [dataclasses.replace(o, metrics=None) for o in outs]
 
         return await asyncio.gather(
             one("greedy", max_tokens=6),

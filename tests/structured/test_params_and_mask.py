@@ -101,9 +101,9 @@ def test_xgrammar_is_imported_only_for_structured_requests():
 def test_tensor_parallel_is_refused_clearly():
     from types import SimpleNamespace
 
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.core import EngineCore
 
-    engine = LLMEngine.__new__(LLMEngine)  # only the check, without a model
+    engine = EngineCore.__new__(EngineCore)  # only the check, without a model
     engine.config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         engine._check_structured_outputs(SamplingParams(structured_outputs={"regex": "a"}))

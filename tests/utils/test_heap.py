@@ -33,11 +33,11 @@ def test_freeze_hides_the_heap_and_releases_an_earlier_one() -> None:
 def test_llm_engine_freezes_after_start_up(monkeypatch, tmp_path) -> None:
     from model_testing import TINY_CONFIG
 
-    import pagoda.engine.llm_engine as llm_engine
+    import pagoda.engine.core as engine_core
     from pagoda import LLM
 
     calls = []
-    monkeypatch.setattr(llm_engine, "freeze_startup_heap", lambda: calls.append(1))
+    monkeypatch.setattr(engine_core, "freeze_startup_heap", lambda: calls.append(1))
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=64)
     assert calls == [1] and llm.llm_engine.num_blocks > 0
