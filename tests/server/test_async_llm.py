@@ -176,3 +176,39 @@ def test_abort_from_elsewhere_ends_the_stream_with_finish_reason_abort():
         assert len(outs) < 10 and not engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+def test_a_stop_string_found_in_the_front_end_aborts_the_request_in_the_core():
+    engine = FakeEngine(step_delay=0.005)
+    aborted: list[list[str]] = []
+    abort = engine.abort_requests
+    engine.abort_requests = lambda ids: (aborted.append(list(ids)), abort(ids))[1]
+    llm = AsyncLLM(engine)
+    try:
+        # Greedy after "hi" (3 tokens with BOS) is "defgh...": "f" stops it at the third token.
+        outs = asyncio.run(_collect(llm, "r", max_tokens=100, stop=["f"]))
+        assert "".join(o.outputs[0].text for o in outs if o.outputs) == "de"
+        assert outs[-1].outputs[0].finish_reason == "stop"
+        deadline = time.monotonic() + 5
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert aborted == [["r"]] and not engine.has_unfinished_requests()
+        assert engine.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_n_samples_fan_in_to_one_stream():
+    engine = FakeEngine()
+    llm = AsyncLLM(engine)
+    try:
+        outs = asyncio.run(_collect(llm, "r", max_tokens=3, n=3, temperature=1.0, seed=5))
+        texts = {i: "" for i in range(3)}
+        for o in outs:
+            for c in o.outputs:
+                texts[c.index] += c.text
+        assert outs[-1].finished and all(len(t) == 3 for t in texts.values())
+        again = asyncio.run(_collect(llm, "r2", max_tokens=3, n=1, temperature=1.0, seed=6))
+        assert "".join(o.outputs[0].text for o in again) == texts[1]  # sample i: seed + i
+    finally:
+        llm.shutdown()
