@@ -129,7 +129,7 @@ class SchedulerConfig:
     # while one long prompt no longer fills a step and stalls every running decode. 0: off.
     long_prefill_token_threshold: int = 0
     # Schedule and launch step N+1 before step N's sampled tokens reach the host, so the
-    # host's work overlaps the device's (`LLMEngine.step`). The engine turns it on for CUDA.
+    # host's work overlaps the device's (`EngineCore.step`). The engine turns it on for CUDA.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

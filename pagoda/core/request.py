@@ -58,7 +58,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        # Resolved by the engine: min(sampling_params.max_tokens, max_model_len - prompt_len).
+        # Resolved by the front end (validate_request): min(sampling_params.max_tokens,
+        # max_model_len - prompt_len).
         self.max_tokens = (
             max_tokens if max_tokens is not None else (sampling_params.max_tokens or 16)
         )

@@ -457,7 +457,11 @@ class AsyncLLM:
             expired = op.parents_of(report.expired)
             if expired:
                 op.abort_requests(expired)
-            aborted = {self._aborting.pop(cid, None) for cid in report.aborted} - {None}
+            aborted: dict[str, None] = {}  # requests abort() ended, now gone from the core
+            for cid in report.aborted:
+                rid = self._aborting.pop(cid, None)
+                if rid is not None:
+                    aborted[rid] = None
             outputs: list[RequestOutput] = []
             stopped: list[str] = []
             if report.stepped:
@@ -475,7 +479,7 @@ class AsyncLLM:
                 self.engine.update(report)
             self._report_stats()
         if aborted:
-            self._end_aborted(list(aborted))  # type: ignore[arg-type]
+            self._end_aborted(list(aborted))
         # One wake-up per event loop per step, not one per request: at a few hundred running
         # requests, per-output call_soon_threadsafe calls would cost a syscall each.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}

@@ -134,7 +134,7 @@ class OutputProcessor:
                 self.samples.pop(s.request_id, None)
 
     def abort_requests(self, request_ids: list[str], now: float | None = None) -> list[str]:
-        """Forget user requests; return the child ids the scheduler must abort."""
+        """Forget user requests; return the child ids the engine core must abort."""
         children: list[str] = []
         now = time.time() if now is None else now
         for rid in request_ids:
