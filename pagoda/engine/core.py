@@ -154,7 +154,7 @@ class EngineCore:
         never been scheduled, a group only when none of its members has; returns their ids."""
         candidates = {
             req.request_id
-            for req in self.scheduler.requests.values()
+            for req in self.scheduler.waiting  # (a preempted request has been scheduled)
             if req.first_scheduled_time is None and now - req.arrival_time > max_queue_delay_s
         }
         expired = [

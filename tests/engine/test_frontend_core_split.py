@@ -91,3 +91,18 @@ def test_a_stop_string_aborts_the_request_in_the_core_and_frees_its_blocks() -> 
     assert "s" not in scheduler.requests  # ...and let go of it, blocks and all
     assert scheduler.kv_cache_manager.block_pool.num_used_blocks == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_load_shedding_drops_a_request_only_when_none_of_its_samples_ran(tiny_dir) -> None:
+    import time
+
+    engine = LLM(tiny_dir, max_num_seqs=1, **TINY_ARGS).llm_engine
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    engine.add_request("g", prompt, SamplingParams(n=2, max_tokens=4))
+    engine.add_request("w", prompt, SamplingParams(max_tokens=4))
+    engine.step()  # one running place: "0_g" runs, "1_g" and "w" wait
+    assert engine.abort_expired_waiting(0.0, time.time() + 10) == ["w"]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["g"] and len(outs[0].outputs) == 2
