@@ -125,3 +125,20 @@ def test_help_and_usage_errors_do_not_import_torch(argv) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr
+
+
+def test_python_dash_m_pagoda_is_the_pagoda_command() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: pagoda ")
+    for command in ("serve", "generate", "chat", "bench", "plan", "tune", "quantize"):
+        assert command in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda", "generate", "--max-tokens", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "usage: pagoda generate" in proc.stderr

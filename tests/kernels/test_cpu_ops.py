@@ -320,7 +320,8 @@ def test_embedded_model_greedy_tokens_unchanged_by_c_ops(ops_off, monkeypatch):
 @pytest.mark.slow
 def test_embedded_model_bf16_c_ops_as_close_to_float32_as_torch():
     """Teacher-forced on float32 greedy tokens: the bf16 C path's logits are no further from
-    the float32 model's than torch's bf16 path, and pick the same argmax as often."""
+    the float32 model's than torch's bf16 path, and where either picks another argmax than
+    float32, float32's own top two are a near-tie (a bf16 logit's rounding step is ~0.06)."""
     from model_testing import PagedRunner
 
     from pagoda.config import ModelConfig, embedded_model_path
@@ -330,7 +331,7 @@ def test_embedded_model_bf16_c_ops_as_close_to_float32_as_torch():
     cfg = get_model_config_dict(path)
     fp32 = load_model(ModelConfig(model=path, hf_config=cfg, dtype="float32", max_model_len=512))
     bf16 = load_model(ModelConfig(model=path, hf_config=cfg, dtype="bfloat16", max_model_len=512))
-    errors, agree = {False: [], True: []}, {False: 0, True: 0}
+    errors, flips = {False: [], True: []}, {False: [], True: []}
     for prompt in ([504, 3458, 282, 4649, 314], list(range(1000, 1012)), [2683, 359, 253]):
         fp32.set_fused_ops(False)
         runner, tokens = PagedRunner(fp32, cfg, num_blocks=128), list(prompt)
@@ -342,6 +343,9 @@ def test_embedded_model_bf16_c_ops_as_close_to_float32_as_torch():
         for fused in (False, True):
             out = _teacher_forced_logits(bf16, cfg, fused, tokens, len(prompt))
             errors[fused].append((out - ref).abs().mean())
-            agree[fused] += int((out.argmax(-1) == ref.argmax(-1)).sum())
+            picked, best = out.argmax(-1), ref.argmax(-1)
+            for i in (picked != best).nonzero().flatten().tolist():
+                flips[fused].append(float(ref[i, best[i]] - ref[i, picked[i]]))
     assert sum(errors[True]) <= 1.2 * sum(errors[False]), errors
-    assert agree[True] >= agree[False] - 1, agree
+    assert all(gap < 0.1 for gap in flips[False] + flips[True]), flips
+    assert len(flips[True]) <= len(flips[False]) + 3, flips
