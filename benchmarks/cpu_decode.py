@@ -6,6 +6,7 @@ one-call decoder stack:
     PAGODA_CPU_POOL=1 python benchmarks/cpu_decode.py
     PAGODA_CPU_POOL=0 python benchmarks/cpu_decode.py
     PAGODA_CPU_DECODER=0 python benchmarks/cpu_decode.py
+    python benchmarks/cpu_decode.py --dtype float32     # a GGUF model's blocks kept quantized
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from pagoda import LLM, SamplingParams
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto", help="float32 keeps a GGUF model's blocks quantized")
     args = p.parse_args()
-    llm = LLM(max_model_len=1024, max_num_batched_tokens=1024, enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        dtype=args.dtype,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     ids = list(range(1000, 1128))
 
     def seconds(n: int) -> float:

@@ -15,6 +15,7 @@ packages) with a 2048-token context and the same thread count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -81,7 +82,7 @@ def measure(cmd: list[str], port: int, env: dict[str, str] | None = None) -> dic
     try:
         while _get(url + "/health") != 200 and _get(url + "/v1/models") != 200:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
+                raise RuntimeError(f"{' '.join(cmd[:3])} exited with {proc.returncode}")
             if time.perf_counter() - t0 > 600:
                 raise RuntimeError("no answer in 600 s")
             time.sleep(0.05)
@@ -92,7 +93,8 @@ def measure(cmd: list[str], port: int, env: dict[str, str] | None = None) -> dic
             _complete(url, 64)
         rss = _tree_rss_kb(proc.pid)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited on its own
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return {"ready_s": ready, "first_token_s": first_token, "rss_mib": rss / 1024}
 

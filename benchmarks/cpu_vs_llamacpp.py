@@ -9,7 +9,7 @@ path against the dequantized one on a fixed text.
 llama.cpp runs through `llama-cpp-python` in its own interpreter (a venv made with
 `python -m venv V && V/bin/pip install llama-cpp-python numpy`, which builds llama.cpp from
 source), as a child process of this script given the same token ids. Pagoda runs with its
-defaults (on a CPU without AVX512_BF16: float32 activations, weights kept quantized).
+defaults (float32 activations, the weights kept quantized).
 Timings are medians of --repeats runs after one warm-up.
 """
 

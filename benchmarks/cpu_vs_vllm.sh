@@ -19,7 +19,7 @@ VLLM_VENV=${VLLM_VENV:?set VLLM_VENV to the vLLM virtualenv}
 RESULTS=${RESULTS:-benchmarks/results/cpu}
 ENGINES=${ENGINES:-pagoda vllm}
 PAGODA_SERVE_ARGS=${PAGODA_SERVE_ARGS:---max-num-seqs 32}
-PAGODA_DTYPE=${PAGODA_DTYPE:-auto}  # auto: float32 with GGUF blocks kept quantized below AVX512_BF16
+PAGODA_DTYPE=${PAGODA_DTYPE:-auto}  # auto: float32 with the GGUF blocks kept quantized
 PEERS=${PEERS:-../shared/peers}
 mkdir -p "$RESULTS"
 GGUF=$(python -c "from pagoda.config import embedded_model_path as p; print(p())")

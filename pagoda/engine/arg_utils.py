@@ -68,17 +68,20 @@ def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
     avx512_bf16. Without them the model runs torch's ops, whose bf16 GEMM is fast only with
     AVX512_BF16 / AMX (elsewhere several times slower than float32's): float32 there.
 
-    A GGUF file with quantized blocks (`quantization="gguf"`) keeps float32 below AVX512_BF16,
-    the dtype in which its blocks stay quantized (issue 14: the quantized kernels are the
-    default for a GGUF model on a CPU), although on the Zen 3 above the embedded model ran
-    faster dequantized to bf16 (20.6 vs 11.1 output tok/s): `--dtype bfloat16` takes that."""
+    A GGUF file with quantized blocks (`quantization="gguf"`) runs in float32, the dtype in which
+    its blocks stay quantized (the int8-activation kernels, as llama.cpp runs them), at every
+    ISA level: they read a third of bf16's bytes, so a single stream decodes ~3x faster, at
+    batch they compute as fast as the packed bf16 GEMM with AVX512-VNNI (`quant_x8.h`'s
+    512-bit tile), and the process holds ~230 MiB less for the embedded model (benchmarks/
+    README.md, "CPU: GGUF kept quantized"). `--dtype bfloat16` dequantizes at load. Without a
+    compiler the blocks are dequantized and the torch rule below applies."""
     from pagoda.utils import cpu_build as build  # stdlib only: no torch in the front end
 
     flags = set(build.cpu_flags().split())
     fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     quant = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if quant == "gguf":
-        return "bfloat16" if fast_bf16 else "float32"
+    if quant == "gguf" and build.compiler_available():
+        return "float32"
     if envs.PAGODA_CPU_FAST_OPS and build.compiler_available():
         return "bfloat16"
     return "bfloat16" if fast_bf16 else "float32"

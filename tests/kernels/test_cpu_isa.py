@@ -114,7 +114,9 @@ def test_one_line_says_which_level_runs_and_one_why_none_does(monkeypatch, caplo
         (AVX2_FLAGS, True, "0", False, "float32"),
         (ZEN4_FLAGS, False, "0", False, "bfloat16"),
         (AVX2_FLAGS, True, "1", True, "float32"),  # GGUF blocks stay quantized in float32
-        (ZEN4_FLAGS, True, "1", True, "bfloat16"),
+        (ZEN4_FLAGS, True, "1", True, "float32"),
+        (ZEN4_FLAGS, False, "1", True, "bfloat16"),  # no compiler: dequantized, torch's rule
+        (AVX2_FLAGS, False, "1", True, "float32"),
     ],
 )
 def test_auto_dtype_on_a_cpu(monkeypatch, flags, compiler, fast_ops, gguf, expected):

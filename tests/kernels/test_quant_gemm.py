@@ -85,7 +85,7 @@ def test_matches_dequantized_matmul_within_int8_bound(isa, name):
     for k in ks:
         for n in (1, 13, 37):  # fewer than 8, and not a multiple of 8 or of the 16-row chunk
             layouts, w = weights(ggml_type, n, k, seed=n * k)
-            for m in (1, 3, 70):  # tile remainders, and more rows than a 64-row panel
+            for m in (1, 3, 13, 70):  # tile remainders, more rows than a 64-row panel
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 2
                 for qw in layouts:
                     check(quant.quant_linear(x, qw, isa=isa), x, w)
@@ -122,6 +122,22 @@ def test_every_isa_level_agrees():
     tol = 18 * 2.0**-24 * (xq.abs() @ w.double().abs().T) * 2
     for y in ys[1:]:
         assert ((y - ys[0]).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_x8_tiles_give_the_same_bits_at_every_simd_level(name):
+    """The x8 layout's SIMD tiles (AVX2 256-bit, AVX-512 VNNI 512-bit: 16 weight rows x 8
+    activation rows) make the same integers and apply the scales in the same fp32 order, so
+    every level from AVX2 up gives the same bits, for every tile width and a last odd group."""
+    simd = [isa for isa in ISAS if isa != "portable"]
+    if len(simd) < 2:
+        pytest.skip(f"one SIMD level on this CPU ({ISAS})")
+    layouts, _ = weights(TYPES[name], 37, 320, seed=4)  # 5 groups: two pairs and one alone
+    for m in (1, 2, 5, 8, 13, 70):
+        x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m))
+        ys = [quant.quant_linear(x, layouts[1], isa=isa) for isa in simd]
+        for isa, y in zip(simd[1:], ys[1:]):
+            assert torch.equal(y, ys[0]), (isa, m)
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -7,9 +7,11 @@
  *                    + m_w[n, b] * s_x[i, b]
  * (m_w is the block offset of the asymmetric types: Q4_1's min, Q4_0's -8d, k-quants' -dmin*m).
  *
- * The integer dot is `vpdpbusd` where the compiler targets AVX512-VNNI (256-bit, with VL),
- * `vpmaddubsw` + `vpmaddwd` with AVX2, plain C otherwise: the same source builds at any ISA
- * level, and every level computes the same integers (only the fp32 summation order differs).
+ * The integer dot is `vpdpbusd` where the compiler targets AVX512-VNNI (the x8 layout's
+ * 512-bit tile, quant_x8.h, and 256-bit with VL elsewhere), `vpmaddubsw` + `vpmaddwd` with
+ * AVX2, plain C otherwise: the same source builds at any ISA level, and every level computes
+ * the same integers (only the fp32 summation order differs, and not between the x8 layout's
+ * SIMD tiles).
  * Work is split over OpenMP threads by chunks of weight rows; within a chunk, tiles of 2
  * weight rows x 4 activation rows reuse each decoded weight block four times and each
  * activation block twice (prefill), while a decode's single row streams the weights once.
@@ -46,11 +48,17 @@ const char *pagoda_quant_isa(void) {
 #if defined(__AVX2__) && defined(__FMA__)
 #define QUANT_AVX2 1
 #endif
+#if defined(QUANT_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QUANT_VNNI512 1 /* x8 weights: 16 rows x 8 activation rows a tile */
+#define X16_ROWS 8
+#endif
 
-/* Quantized activations: rows of K int8 (q) with per-32 scales d and sums s = d * sum(q). */
+/* Quantized activations: rows of K int8 (q) with per-32 scales d and sums s = d * sum(q),
+ * and the integer sums sum(q) themselves (qsum). */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *qsum;
     int64_t K, nb;
 } QActs;
 
@@ -71,7 +79,8 @@ INLINE uint16_t fp32_to_bf16(float f) {
 
 /* One row of x (fp32, or bf16 when x_bf16) -> K int8 + nb scales and sums. Rounds half to
  * even (nearbyint / _mm256_round_ps), so every ISA level makes the same integers. */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *d, float *s) {
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *d, float *s,
+                         int32_t *qsum) {
     for (int64_t b = 0; b < K / 32; b++) {
         float v[32], amax = 0.0f;
         for (int l = 0; l < 32; l++) {
@@ -105,6 +114,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
 #endif
         d[b] = dd;
         s[b] = dd * (float)sum;
+        qsum[b] = sum;
     }
 }
 
@@ -155,9 +165,57 @@ INLINE void gemm_chunk(const int type, const GemmArgs *g, const QActs *a, int64_
     }
 }
 
+INLINE void store_rows(const GemmArgs *g, int64_t n0, int nr, int64_t m0, int nc,
+                       const float *out, int ld) {
+    for (int c = 0; c < nc; c++)
+        for (int r = 0; r < nr; r++) {
+            float val = out[c * ld + r] + (g->bias ? g->bias[n0 + r] : 0.0f);
+            int64_t at = (m0 + c) * g->y_stride + n0 + r;
+            if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(val);
+            else ((float *)g->y)[at] = val;
+        }
+}
+
+#if defined(QUANT_VNNI512)
+/* Groups [g0, g1) of an x8 weight, two at a time, against every activation row. */
+INLINE void x16_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t g0, int64_t g1,
+                      int64_t ma, int64_t mb) {
+    float out[X16_ROWS][16];
+    for (int64_t m0 = ma; m0 < mb; m0 += X16_ROWS) {
+        const int nc = mb - m0 < X16_ROWS ? (int)(mb - m0) : X16_ROWS;
+        for (int64_t gi = g0; gi < g1; gi += 2) {
+            const uint8_t *grp = g->w + gi * g->w_stride;
+            const int64_t gs = gi + 1 < g1 ? g->w_stride : 0; /* a last odd group: twice */
+            __m512 v[X16_ROWS];
+            switch (nc) { /* constant tile shapes, so each call is unrolled into registers */
+            case 8: x16_tile(type, grp, gs, a, m0, 8, v); break;
+            case 7: x16_tile(type, grp, gs, a, m0, 7, v); break;
+            case 6: x16_tile(type, grp, gs, a, m0, 6, v); break;
+            case 5: x16_tile(type, grp, gs, a, m0, 5, v); break;
+            case 4: x16_tile(type, grp, gs, a, m0, 4, v); break;
+            case 3: x16_tile(type, grp, gs, a, m0, 3, v); break;
+            case 2: x16_tile(type, grp, gs, a, m0, 2, v); break;
+            default: x16_tile(type, grp, gs, a, m0, 1, v); break;
+            }
+            for (int c = 0; c < nc; c++) _mm512_storeu_ps(out[c], v[c]);
+            const int64_t left = g->N - gi * 8;
+            const int nr = left < (gs ? 16 : 8) ? (int)left : (gs ? 16 : 8);
+            store_rows(g, gi * 8, nr, m0, nc, &out[0][0], 16);
+        }
+    }
+}
+#endif
+
 /* Groups [g0, g1) of an x8 weight against every activation row. */
 INLINE void x8_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t g0, int64_t g1,
                      int64_t ma, int64_t mb) {
+#if defined(QUANT_VNNI512)
+    /* Q8_0 streams twice Q4's bytes: under 8 rows the 256-bit tile, one stream, keeps ahead */
+    if (type != GGML_Q8_0 || mb - ma >= 8) {
+        x16_chunk(type, g, a, g0, g1, ma, mb);
+        return;
+    }
+#endif
     float out[TILE_X][8];
     for (int64_t m0 = ma; m0 < mb; m0 += TILE_X) {
         const int nc = mb - m0 < TILE_X ? (int)(mb - m0) : TILE_X;
@@ -174,13 +232,7 @@ INLINE void x8_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t 
             x8_tile_portable(type, grp, a, m0, nc, out);
 #endif
             const int nr = g->N - gi * 8 < 8 ? (int)(g->N - gi * 8) : 8;
-            for (int c = 0; c < nc; c++)
-                for (int r = 0; r < nr; r++) {
-                    float val = out[c][r] + (g->bias ? g->bias[gi * 8 + r] : 0.0f);
-                    int64_t at = (m0 + c) * g->y_stride + gi * 8 + r;
-                    if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(val);
-                    else ((float *)g->y)[at] = val;
-                }
+            store_rows(g, gi * 8, nr, m0, nc, &out[0][0], 8);
         }
     }
 }
@@ -246,7 +298,7 @@ static void quantize_body(void *p, int thread) {
         const int64_t m = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (m >= j->g->M) return;
         quantize_row(j->x + m * j->x_stride * j->es, j->x_bf16, a->K, a->q + m * a->K,
-                     a->d + m * a->nb, a->s + m * a->nb);
+                     a->d + m * a->nb, a->s + m * a->nb, a->qsum + m * a->nb);
     }
 }
 
@@ -277,12 +329,13 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
         return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / 32;
-    /* activations (q, d, s) then one offsets buffer per thread */
+    /* activations (q, d, s, qsum) then one offsets buffer per thread */
     int nt = pick_threads(nthreads, (N + CHUNK - 1) / CHUNK, CHUNK * K / 2 + M * K / 8);
-    size_t act_bytes = (size_t)(M * K + 2 * M * nb * 4 + 64) & ~(size_t)63;
+    size_t act_bytes = (size_t)(M * K + 3 * M * nb * 4 + 64) & ~(size_t)63;
     char *buf = aligned_alloc(64, act_bytes + (size_t)nt * TILE_W * nb * 4 + 64);
     if (!buf) return -1;
-    QActs a = {(int8_t *)buf, (float *)(buf + M * K), (float *)(buf + M * K) + M * nb, K, nb};
+    float *scales = (float *)(buf + M * K);
+    QActs a = {(int8_t *)buf, scales, scales + M * nb, (int32_t *)(scales + 2 * M * nb), K, nb};
     GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
     const int64_t es = x_bf16 ? 2 : 4, chunks = (N + CHUNK - 1) / CHUNK;
     if (parallel_run && nt > 1) {
@@ -307,7 +360,7 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row((const char *)x + m * x_stride * es, x_bf16, K, a.q + m * K,
-                         a.d + m * nb, a.s + m * nb);
+                         a.d + m * nb, a.s + m * nb, a.qsum + m * nb);
         /* this thread's chunks, against panels of PANEL activation rows: the panel stays in
          * L2 while the thread's weights stream past it */
 #ifdef _OPENMP

@@ -4,7 +4,7 @@ A GGUF file's config carries `quantization_config: {"quant_method": "gguf"}` whe
 tensors the quantized CPU GEMM reads (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), so the engine
 selects `quantization="gguf"` for it as it does AWQ / GPTQ from their config. Whether the
 blocks stay quantized is decided once, at load (`gguf_weights_stay_quantized`): on a CPU, in
-float32 (the kernels' activations: the CPU default without AVX512_BF16, or `--dtype float32`),
+float32 (the kernels' activations: the CPU default for a GGUF file, or `--dtype float32`),
 with the kernel built. Otherwise (`--dtype bfloat16` / `float16`, a GPU, or
 `PAGODA_GGUF_QUANTIZED=0`, which gives the float32 reference) every tensor is dequantized to the
 model dtype at load, as before. One log line says which.
