@@ -42,6 +42,7 @@ def build_runner(
     attention_backend: str | None = None,
     enforce_eager: bool = False,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> ModelRunner:
     from pagoda.model.loader import get_model_config_dict
 
@@ -55,6 +56,7 @@ def build_runner(
             dtype=dtype,
             max_model_len=max_len,
             load_format=load_format,
+            quantization=quantization,
         ),
         # CPU: 1 GiB of KV; CUDA: sized by the profiling run, as the engine does.
         cache_config=CacheConfig(
@@ -261,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-batch", type=int, nargs="*", default=[], help="engine breakdown")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2 | int8 ...")
     p.add_argument(
+        "--quantization", default=None, help="gguf: a GGUF model's blocks kept (float32 only)"
+    )
+    p.add_argument(
         "--mixed",
         nargs="*",
         default=[],
@@ -286,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.attention_backend,
                 enforce_eager=eager,
                 kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization,
             )
             graphs = "CUDA graphs" if runner.cuda_graphs is not None else "eager"
             print(

@@ -177,10 +177,30 @@ INLINE void store_rows(const GemmArgs *g, int64_t n0, int nr, int64_t m0, int nc
 }
 
 #if defined(QUANT_VNNI512)
+/* store_rows for one activation row of a 16-row tile, in vectors: the same fp32 bias add and
+ * the same rounding to bf16 (nearest even, NaN kept quiet) as fp32_to_bf16. */
+INLINE void store16(const GemmArgs *g, int64_t n0, int nr, int64_t m, __m512 v) {
+    const __mmask16 k = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
+    if (g->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, g->bias + n0));
+    const int64_t at = m * g->y_stride + n0;
+    if (!g->y_bf16) {
+        _mm512_mask_storeu_ps((float *)g->y + at, k, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i up = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(up, one))),
+        16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(up, _mm512_set1_epi32(0x40)));
+    _mm256_mask_storeu_epi16((uint16_t *)g->y + at, k, _mm512_cvtepi32_epi16(r));
+}
+
 /* Groups [g0, g1) of an x8 weight, two at a time, against every activation row. */
 INLINE void x16_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t g0, int64_t g1,
                       int64_t ma, int64_t mb) {
-    float out[X16_ROWS][16];
     for (int64_t m0 = ma; m0 < mb; m0 += X16_ROWS) {
         const int nc = mb - m0 < X16_ROWS ? (int)(mb - m0) : X16_ROWS;
         for (int64_t gi = g0; gi < g1; gi += 2) {
@@ -197,10 +217,9 @@ INLINE void x16_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t
             case 2: x16_tile(type, grp, gs, a, m0, 2, v); break;
             default: x16_tile(type, grp, gs, a, m0, 1, v); break;
             }
-            for (int c = 0; c < nc; c++) _mm512_storeu_ps(out[c], v[c]);
             const int64_t left = g->N - gi * 8;
             const int nr = left < (gs ? 16 : 8) ? (int)left : (gs ? 16 : 8);
-            store_rows(g, gi * 8, nr, m0, nc, &out[0][0], 16);
+            for (int c = 0; c < nc; c++) store16(g, gi * 8, nr, m0 + c, v[c]);
         }
     }
 }
