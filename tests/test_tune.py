@@ -96,6 +96,26 @@ def test_ctrl_c_stops_tune_and_its_server(tmp_path):
         pytest.fail(f"the server's process group {pid} outlived pagoda tune")
 
 
+def test_ctrl_c_during_a_load_that_completes_anyway_still_stops_tune():
+    """asyncio.run's own SIGINT handling cancels the load's task; a load that finishes anyway
+    (the cancel landing as its last response arrives) would swallow the interrupt."""
+    import asyncio
+
+    from pagoda.tune.cli import interrupts_raise
+
+    async def load() -> str:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(2)
+        except asyncio.CancelledError:
+            pass  # as a load whose requests all completed
+        return "done"
+
+    with pytest.raises(KeyboardInterrupt), interrupts_raise():
+        asyncio.run(load())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_run_past_the_budget_is_stopped():
     import asyncio
 

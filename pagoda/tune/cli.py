@@ -10,11 +10,13 @@ command line, goodput before and after, and a PNG of latency against throughput
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 EXAMPLES = """examples:
@@ -168,12 +170,11 @@ def run_tune(args: argparse.Namespace) -> int:
 
     load_before = os.getloadavg()[0]
     tuner = Tuner(settings, progress)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        base, best, base_again, best_again = tuner.run()
+        with interrupts_raise():
+            base, best, base_again, best_again = tuner.run()
     finally:
         tuner.stop()  # whatever happened, no server is left running
-        signal.signal(signal.SIGTERM, previous)
         bar.close()
     n, n_in, n_out = (len(settings.requests), settings.requests[0].prompt_len,
                       settings.requests[0].expected_output_len)  # fmt: skip
@@ -207,3 +208,17 @@ def _cpu_name() -> str:
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (Python's own
+    Ctrl-C behaviour). Without this, `asyncio.run` (a trial's load) takes SIGINT for itself and
+    cancels the load's task instead, and an interrupt that lands as the load completes is lost:
+    the tune went on to its next trial."""
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
