@@ -70,8 +70,11 @@ def test_bad_values_are_one_line_errors(capsys):
 def test_ctrl_c_stops_tune_and_its_server(tmp_path):
     cmd = [sys.executable, "-m", "pagoda.cli", "tune", "--goal", "latency", "--budget-minutes",
            "5", "--output-dir", str(tmp_path), *SMALL]  # fmt: skip
+    # Ctrl-C as from a terminal, also when these tests run as a background job (which starts
+    # its children with SIGINT ignored)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     pid = None
     try:
         for line in proc.stderr:  # the first trial's server
@@ -111,9 +114,18 @@ def test_ctrl_c_during_a_load_that_completes_anyway_still_stops_tune():
             pass  # as a load whose requests all completed
         return "done"
 
-    with pytest.raises(KeyboardInterrupt), interrupts_raise():
-        asyncio.run(load())
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_raise():
+            asyncio.run(load())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's: still ignored
+        with interrupts_raise():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_run_past_the_budget_is_stopped():

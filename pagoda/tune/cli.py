@@ -214,9 +214,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 def interrupts_raise() -> Iterator[None]:
     """Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (Python's own
     Ctrl-C behaviour). Without this, `asyncio.run` (a trial's load) takes SIGINT for itself and
-    cancels the load's task instead, and an interrupt that lands as the load completes is lost:
-    the tune went on to its next trial."""
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    cancels the load's task instead, and an interrupt that lands as the load completes is lost.
+    A SIGINT the process was started ignoring (a background job's) stays ignored."""
+    signals = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signals.append(signal.SIGINT)
+    previous = {s: signal.signal(s, _interrupt) for s in signals}
     try:
         yield
     finally:
