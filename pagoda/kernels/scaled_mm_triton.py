@@ -32,7 +32,13 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm
-from pagoda.kernels.skinny_gemm import MAX_SPLIT_TILES, SMEM_BUDGET, prepare, split_k_plan
+from pagoda.kernels.skinny_gemm import (
+    MAX_SPLIT_TILES,
+    SMEM_BUDGET,
+    check_tiles,
+    prepare,
+    split_k_plan,
+)
 
 
 @triton.jit
@@ -424,14 +430,9 @@ def w8a8_gemm(
     cfg = config or choose_w8a8_config(m, n, k, w_q.dtype)
     if isinstance(cfg, str):
         raise ValueError(f"w8a8_gemm runs the fused kernel; {cfg} is scaled_mm_cuda's choice")
-    for name in ("block_m", "block_n", "block_k"):
-        value = getattr(cfg, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    check_tiles(cfg.split_k, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k)
     if cfg.block_k < 32:
         raise ValueError(f"block_k must be >= 32 for 8-bit tensor cores, got {cfg.block_k}")
-    if cfg.split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
     k_per_split, split_k = split_k_plan(k, cfg.block_k, cfg.split_k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)

@@ -172,6 +172,16 @@ def preferred(m: int, n: int, k: int) -> bool:
     return MIN_ROWS <= m <= 32 or (m <= 64 and n >= 16384)
 
 
+def check_tiles(split_k: int, **blocks: int) -> None:
+    """The tile sizes a Triton GEMM here is given: each block a power of two >= 16 (what
+    tl.dot takes), split_k >= 1."""
+    for name, value in blocks.items():
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+
+
 def split_k_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(k_per_split, splits): K cut into `split_k` ranges of whole BLOCK_K blocks, the last
     one shorter when they do not divide; fewer splits when some would be empty."""
@@ -271,11 +281,7 @@ def skinny_linear(
     block_n = block_n or cfg[0]
     block_k = block_k or cfg[1]
     split_k = split_k or cfg[2]
-    for name, value in (("block_n", block_n), ("block_k", block_k)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    check_tiles(split_k, block_n=block_n, block_k=block_k)
     k_per_split, split_k = split_k_plan(k, block_k, split_k)
     tiles = triton.cdiv(n, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -42,6 +42,7 @@ import triton.language as tl
 from pagoda.kernels import w4a16_gemv
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
+    check_tiles,
     split_k_buffers,
     split_k_plan,
     store_tile,
@@ -443,11 +444,7 @@ def w4a16_linear(
             return w4a16_skinny.dequantize_linear(x, qweight, scales, zeros, group_size, bias, perm)
         return w4a16_skinny.skinny_w4a16(x, qweight, scales, zeros, group_size, bias, perm, cfg)
     block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
-    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    if cfg.split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+    check_tiles(cfg.split_k, block_m=block_m, block_n=block_n, block_k=block_k)
     k_per_split, split_k = split_k_plan(k, block_k, cfg.split_k)
     group_arg = _group_arg(k, group_size, block_k)
     after_dot = cfg.scale_after_dot

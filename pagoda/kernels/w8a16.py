@@ -37,6 +37,7 @@ import triton.language as tl
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
     _num_sms,
+    check_tiles,
     split_k_buffers,
     split_k_plan,
     store_tile,
@@ -341,12 +342,7 @@ def w8a16_linear(
         return F.linear(x, w, bias)
     if not isinstance(cfg, W8A16Config):
         raise ValueError(f"config must be a W8A16Config or {DEQUANT!r}, got {cfg!r}")
-    for name in ("block_m", "block_n", "block_k"):
-        value = getattr(cfg, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    if cfg.split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+    check_tiles(cfg.split_k, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k)
     block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
     k_per_split, split_k = split_k_plan(k, block_k, cfg.split_k)
     group_arg = _group_arg(k, group_size, block_k)
