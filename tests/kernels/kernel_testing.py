@@ -7,7 +7,10 @@ softmax in float32. Kernels and backends are compared against it.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +45,21 @@ def _patch_interpreter_scalar_index() -> None:
 
     interpreter._patch_lang_tensor = patched
     interpreter._pagoda_index_patch = True
+
+
+def build_for_sm90(script: str, *args: object) -> dict:
+    """Run `script`, a real sm_90 Triton build (no GPU needed) that prints what it built as JSON
+    on its last line, in a fresh interpreter without TRITON_INTERPRET; that JSON."""
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 def kernel_device() -> torch.device:

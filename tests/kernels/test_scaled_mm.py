@@ -6,14 +6,9 @@ sm_90 (slow), and on a GPU the whole tensor-core path (gpu-marked) at Llama-like
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from kernel_testing import enable_interpreter_without_cuda, kernel_device
+from kernel_testing import build_for_sm90, enable_interpreter_without_cuda, kernel_device
 
 enable_interpreter_without_cuda()
 
@@ -338,16 +333,7 @@ def test_chosen_w8a8_configs_compile_for_sm90(m: int, name: str, dtype: str) -> 
     e4m3 wgmma into float32, and shared memory within the SM's 227 KB."""
     pytest.importorskip("triton")
     n, k = LLAMA3_8B[name]
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _SM90_BUILD, str(m), str(n), str(k), dtype],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.splitlines()[-1])
+    built = build_for_sm90(_SM90_BUILD, m, n, k, dtype)
     assert built["shared"] <= 227 * 1024
     kind = ".s32.s8.s8" if dtype == "int8" else ".f32.e4m3.e4m3"
     assert "wgmma.mma_async.sync.aligned" in built["ptx"] and kind in built["ptx"]

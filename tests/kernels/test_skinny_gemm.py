@@ -9,12 +9,10 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from kernel_testing import enable_interpreter_without_cuda, kernel_device
+from kernel_testing import build_for_sm90, enable_interpreter_without_cuda, kernel_device
 
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
@@ -213,16 +211,7 @@ def test_default_configs_compile_for_sm90(dtype: str, m: int, name: str) -> None
     227 KB, wgmma, and a CTA barrier between the partial stores and the one thread's release
     of the counter (else other threads' partials need not be visible to the last split)."""
     n, k = LLAMA3_8B[name]
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _SM90_BUILD, dtype, str(m), str(n), str(k)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.splitlines()[-1])
+    built = build_for_sm90(_SM90_BUILD, dtype, m, n, k)
     assert built["shared"] <= 227 * 1024
     ptx = built["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx

@@ -12,13 +12,11 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import enable_interpreter_without_cuda, kernel_device
+from kernel_testing import build_for_sm90, enable_interpreter_without_cuda, kernel_device
 
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
@@ -400,16 +398,7 @@ def test_default_configs_compile_for_sm90(m: int, name: str, split: int) -> None
     unpacked weights, weights copied asynchronously, no int-to-float conversion of the
     weights in the loop, and the split variant's barrier before the counter's release."""
     n, k = LLAMA3_8B[name]
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _SM90_BUILD, str(m), str(n), str(k), str(split)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.splitlines()[-1])
+    built = build_for_sm90(_SM90_BUILD, m, n, k, split)
     assert built["shared"] <= 227 * 1024
     ptx = built["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
@@ -620,16 +609,7 @@ def test_few_row_kernel_keeps_the_unpacked_tile_in_registers(block_m, block_n, w
     """A real sm_90 build (no GPU needed): the packed halves go from the pipeline's shared
     memory straight into the wgmma operand's registers, unpacked there by the inline PTX; no
     unpacked tile is written to shared memory (no local_alloc of a register tensor)."""
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _SKINNY_SM90_BUILD, *map(str, (block_m, block_n, warps, split))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.splitlines()[-1])
+    built = build_for_sm90(_SKINNY_SM90_BUILD, block_m, block_n, warps, split)
     assert built["shared"] <= 227 * 1024
     assert "wgmma.mma_async" in built["ptx"] and "lop3.b32" in built["ptx"]
     ttgir = built["ttgir"]
