@@ -322,8 +322,7 @@ class AsyncLLM:
                     prompt_text,
                     prompt_ids,
                     params,
-                    [r.request_id for r in requests],
-                    [r.sampling_params for r in requests],
+                    requests,
                     arrival_time,
                 )
         except BaseException:

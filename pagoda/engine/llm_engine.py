@@ -100,8 +100,7 @@ class LLMEngine:
             prompt_text,
             prompt_ids,
             params,
-            [r.request_id for r in requests],
-            [r.sampling_params for r in requests],
+            requests,
             arrival_time,
         )
 

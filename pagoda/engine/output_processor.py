@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -88,12 +88,13 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        child_ids: list[str],
-        child_params: list[SamplingParams],
+        samples: list[EngineCoreRequest],
         arrival_time: float,
     ) -> None:
+        """Track request `request_id`, whose `samples` (one core request each) went to the core."""
         parent = ParentState(request_id, prompt, prompt_token_ids, params, arrival_time)
-        for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
+        for index, sample in enumerate(samples):
+            child_id, p = sample.request_id, sample.sampling_params
             detok = None
             if p.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
