@@ -165,11 +165,12 @@ INLINE void gemm_chunk(const int type, const GemmArgs *g, const QActs *a, int64_
     }
 }
 
+/* out[c][r] (an x8 tile: activation row m0 + c, weight row n0 + r) into y, with the bias. */
 INLINE void store_rows(const GemmArgs *g, int64_t n0, int nr, int64_t m0, int nc,
-                       const float *out, int ld) {
+                       const float out[][8]) {
     for (int c = 0; c < nc; c++)
         for (int r = 0; r < nr; r++) {
-            float val = out[c * ld + r] + (g->bias ? g->bias[n0 + r] : 0.0f);
+            float val = out[c][r] + (g->bias ? g->bias[n0 + r] : 0.0f);
             int64_t at = (m0 + c) * g->y_stride + n0 + r;
             if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(val);
             else ((float *)g->y)[at] = val;
@@ -251,7 +252,7 @@ INLINE void x8_chunk(const int type, const GemmArgs *g, const QActs *a, int64_t 
             x8_tile_portable(type, grp, a, m0, nc, out);
 #endif
             const int nr = g->N - gi * 8 < 8 ? (int)(g->N - gi * 8) : 8;
-            store_rows(g, gi * 8, nr, m0, nc, &out[0][0], 8);
+            store_rows(g, gi * 8, nr, m0, nc, out);
         }
     }
 }
