@@ -119,7 +119,7 @@ def detect_gpu_memory_bytes() -> int | None:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """The plan for `args` (see `add_plan_args`); raises ValueError for a bad value."""
-    from pagoda.engine.arg_utils import EngineArgs, resolve_dtype
+    from pagoda.engine.arg_utils import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
     from pagoda.worker import memory_estimate as est
 
     if args.gpu_memory_gib is not None and args.device == "cpu":
@@ -156,7 +156,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             f"{shape.num_attention_heads} attention heads"
         )
     itemsize = est.DTYPE_ITEMSIZE[dtype]
-    cache_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     bytes_per_block = kv_cache_bytes_per_block(
         shape.num_layers, args.block_size, shape.kv_heads_per_rank(tp), shape.head_dim,
         KV_CACHE_ITEMSIZE[cache_dtype],

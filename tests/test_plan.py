@@ -80,10 +80,12 @@ def test_plan_agrees_with_the_engine_on_this_cpu():
         )
     finally:
         log.removeHandler(handler)
-    line = next(m for m in handler.lines if "KV cache:" in m)  # the engine's start-up line
-    blocks, tokens = map(
-        int, re.search(r"(\d+) blocks of \d+ tokens = (\d+) tokens", line).groups()
-    )
+    line = next(m for m in handler.lines if "KV cache (" in m)  # the engine's start-up line
+    cache_dtype, blocks, tokens = re.search(
+        r"KV cache \((\w+)\): (\d+) blocks of \d+ tokens = (\d+) tokens", line
+    ).groups()
+    blocks, tokens = int(blocks), int(tokens)
+    assert cache_dtype == plan.kv_cache_dtype
     assert blocks == engine.num_blocks
     assert plan.num_blocks == pytest.approx(blocks, rel=0.02)
     assert plan.num_tokens == pytest.approx(tokens, rel=0.02)

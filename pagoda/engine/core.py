@@ -90,12 +90,13 @@ class EngineCore:
         tokens = num_blocks * block_size
         max_len = self.model_config.max_model_len
         logger.info(
-            "Model %s (%s, %s) ready in %.1f s. KV cache: %d blocks of %d tokens = %d tokens "
-            "(%.2f GiB); maximum concurrency for %d-token requests: %.1fx",
+            "Model %s (%s, %s) ready in %.1f s. KV cache (%s): %d blocks of %d tokens = %d "
+            "tokens (%.2f GiB); maximum concurrency for %d-token requests: %.1fx",
             self.model_config.model,
             self.model_config.architecture,
             self.model_config.dtype,
             seconds,
+            self.config.cache_config.cache_dtype,
             num_blocks,
             block_size,
             tokens,

@@ -35,14 +35,16 @@ class Layer:
         self.head_size, self.k_scale, self.v_scale = head_size, 1.0, 1.0
 
 
-def make_case(seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype):
+def make_case(seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype, cache_dtype=None):
     """specs: (context_len, query_len) per request. Returns (q, k, v, cache, md, history) where
-    history[b] = (keys, values) of request b for positions 0 .. seq_len - 1 (float32)."""
+    history[b] = (keys, values) of request b for positions 0 .. seq_len - 1 (float32, as the
+    cache holds them: rounded to `cache_dtype`, default `dtype`)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-(c + n) // block_size) for c, n in specs]
     num_blocks = sum(blocks_needed) + 8
-    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    cache_dtype = cache_dtype or dtype
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dtype)
     free = list(range(1, num_blocks))
     rng.shuffle(free)  # scattered blocks; block 0 is the null block used as padding
     max_blocks = max(blocks_needed)
@@ -55,13 +57,13 @@ def make_case(seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype
         pos = torch.arange(context + n)
         flat_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
         flat = cache.view(2, -1, num_kv_heads, head_size)
-        flat[0, flat_slots[:context]] = keys[:context]  # the prefix earlier steps wrote
-        flat[1, flat_slots[:context]] = vals[:context]
+        flat[0, flat_slots[:context]] = keys[:context].to(cache_dtype)  # earlier steps' prefix
+        flat[1, flat_slots[:context]] = vals[:context].to(cache_dtype)
         slots += flat_slots[context:].tolist()
         ks.append(keys[context:])
         vs.append(vals[context:])
         qs.append(torch.randn(n, num_heads, head_size, generator=g).to(dtype))
-        history.append((keys.float(), vals.float()))
+        history.append((keys.to(cache_dtype).float(), vals.to(cache_dtype).float()))
     md = AttentionMetadata.from_lists(specs, slots, tables)
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, history
 
@@ -82,10 +84,10 @@ def naive_attention(q, md, history, num_heads, num_kv_heads, scale):
     return out
 
 
-def run_both(seed, block_size, heads, head_size, specs, dtype=torch.float32):
+def run_both(seed, block_size, heads, head_size, specs, dtype=torch.float32, cache_dtype=None):
     num_heads, num_kv_heads = heads
     q, k, v, cache, md, history = make_case(
-        seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype
+        seed, block_size, num_heads, num_kv_heads, head_size, specs, dtype, cache_dtype
     )
     layer, scale = Layer(num_heads, num_kv_heads, head_size), head_size**-0.5
     ref_cache = cache.clone()
@@ -130,6 +132,66 @@ def test_half_precision_stays_close(dtype, heads, head_size, cpu_isa):
     # One rounding of the output (2^-8 relative for bf16) on values of magnitude <~ 1.
     assert (out - naive).abs().max().item() < 2e-2
     assert (out - ref).abs().max().item() < 3e-2
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1)], ids=["gqa3", "mqa"])
+@pytest.mark.parametrize("head_size", [64, 128, 40])  # 40: the generic tile
+def test_float32_over_a_16_bit_cache_widens_exactly(cache_dtype, heads, head_size, cpu_isa):
+    """A float32 model over a 16-bit cache: the new rows are rounded as torch rounds them, and
+    the kernel widens the cached keys and values exactly, so against the naive loop fed the
+    same rounded history only float32 arithmetic differs. (The torch backend attends a fresh
+    prompt over its unrounded rows: it differs by the cache's rounding there.)"""
+    out, ref, naive = run_both(
+        head_size, 16, heads, head_size, MIXED, torch.float32, cache_dtype=cache_dtype
+    )
+    assert out.dtype == torch.float32
+    assert (out - naive).abs().max().item() < 2e-5
+    assert (out - ref).abs().max().item() < 3e-2
+
+
+def test_a_16_bit_q_over_a_float32_cache_goes_to_torch():
+    q, k, v, cache, md, _ = make_case(0, 16, 4, 2, 64, [(5, 1)], torch.bfloat16, torch.float32)
+    out = CpuAttentionBackend().forward(Layer(4, 2, 64), q, k, v, cache, md, 0.125)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [192, 40])  # 40: a tail no vector covers
+def test_write_kv_rounds_as_torch_does(cache_dtype, width, cpu_isa):
+    """pagoda_write_kv (the decoder stack's cache write) against torch's conversion, bit for
+    bit, on values that round both ways, ties, tiny and huge ones and infinities."""
+    lib = load_library()
+    g = torch.Generator().manual_seed(width)
+    rows = 7
+    src = torch.randn(rows, 3 * width, generator=g) * torch.logspace(-9, 6, 3 * width)
+    src[0, :5] = torch.tensor([float("inf"), -float("inf"), 1 + 2**-8, 1 + 3 * 2**-8, 65520.0])
+    src[1, :4] = torch.tensor([2**-24, 2**-25, 3 * 2**-26, -0.0])
+    k, v = src[:, width : 2 * width], src[:, 2 * width :]  # rows 3 * width apart, like qkv
+    cache = torch.full((2, 16, width), 7.0, dtype=cache_dtype)
+    slots = torch.tensor([3, -1, 0, 15, 8, -1, 9], dtype=torch.int64)
+    rc = lib.pagoda_write_kv(
+        k.data_ptr(), v.data_ptr(), 3 * width, 0, cache[0].data_ptr(), cache[1].data_ptr(),
+        {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[cache_dtype],
+        slots.data_ptr(), rows, width,
+    )  # fmt: skip
+    assert rc == 0
+    expected = torch.full_like(cache, 7.0)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot], expected[1, slot] = k[t].to(cache_dtype), v[t].to(cache_dtype)
+    assert torch.equal(
+        cache.view(torch.int16 if cache_dtype.itemsize == 2 else torch.int32),
+        expected.view(torch.int16 if cache_dtype.itemsize == 2 else torch.int32),
+    )
+
+
+def test_write_kv_rejects_a_narrower_source_than_the_cache():
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 1, 8)
+    slots = torch.zeros(1, dtype=torch.int64)
+    args = (x.data_ptr(), x.data_ptr(), 8, 1, cache[0].data_ptr(), cache[1].data_ptr(), 0)
+    assert load_library().pagoda_write_kv(*args, slots.data_ptr(), 1, 8) == -1
 
 
 @pytest.mark.parametrize("head_size", [8, 40, 80])

@@ -128,3 +128,28 @@ def test_auto_dtype_on_a_cpu(monkeypatch, flags, compiler, fast_ops, gguf, expec
     hf_config = {"quantization_config": {"quant_method": "gguf"}} if gguf else {}
     assert resolve_dtype("auto", hf_config, "cpu") == expected
     assert resolve_dtype("float32", hf_config, "cpu") == "float32"  # an explicit dtype stays
+
+
+@pytest.mark.parametrize(
+    "flags,compiler,isa,dtype,device,backend,expected",
+    [
+        (AVX2_FLAGS, True, "", "float32", "cpu", None, "float16"),  # the C kernel widens halves
+        (ZEN4_FLAGS, True, "", "float32", "cpu", "cpu", "float16"),
+        (ZEN4_FLAGS, True, "portable", "float32", "cpu", None, "float32"),  # no F16C there
+        (AVX2_FLAGS, False, "", "float32", "cpu", None, "float32"),  # torch attention
+        (AVX2_FLAGS, True, "", "float32", "cpu", "torch", "float32"),
+        (AVX2_FLAGS, True, "", "bfloat16", "cpu", None, "bfloat16"),  # the model dtype
+        (AVX2_FLAGS, True, "", "float32", "cuda", None, "float32"),
+    ],
+)
+def test_auto_kv_cache_dtype(monkeypatch, flags, compiler, isa, dtype, device, backend, expected):
+    from pagoda.engine.arg_utils import resolve_kv_cache_dtype
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(build, "cpu_arch", lambda: "x86_64")
+    monkeypatch.setattr(build, "compiler_available", lambda: compiler)
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    assert resolve_kv_cache_dtype("auto", dtype, device, backend) == expected
+    assert resolve_kv_cache_dtype("float32", dtype, device, backend) == "float32"  # explicit
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        resolve_kv_cache_dtype("half", dtype, device, backend)

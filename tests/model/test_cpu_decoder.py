@@ -4,9 +4,9 @@ same order, so greedy tokens and every reported log-probability must be bitwise 
 batches of several decoding requests, with the stack shown to have run.
 
 Cases: the embedded GGUF model (blocks kept quantized; its fused layers mix Q4_1 and Q8_0
-parts), and tiny transformers checkpoints in float32 (skinny GEMM on plain weights) and bf16
-(packed GEMM) covering GQA/MQA, q/k/v/o/MLP biases, q/k norms, partial LongRoPE and sliding
-windows.
+parts), and tiny transformers checkpoints in float32 (skinny GEMM on plain weights; over the
+default float16 cache, a float32 and a bf16 one) and bf16 (packed GEMM) covering GQA/MQA,
+q/k/v/o/MLP biases, q/k norms, partial LongRoPE and sliding windows.
 """
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ def test_embedded_gguf_model_decodes_as_layer_by_layer(monkeypatch):
     _check_equal(monkeypatch, None, prompts, 12, max_model_len=256)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype,kv_cache_dtype",
+    [("float32", "auto"), ("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "auto")],
+    ids=["float32", "float32-f32cache", "float32-bf16cache", "bfloat16"],
+)
 @pytest.mark.parametrize(
     "case",
     [
@@ -74,7 +78,7 @@ def test_embedded_gguf_model_decodes_as_layer_by_layer(monkeypatch):
         "qwen3",
     ],
 )
-def test_tiny_models_decode_as_layer_by_layer(tmp_path, monkeypatch, case, dtype):
+def test_tiny_models_decode_as_layer_by_layer(tmp_path, monkeypatch, case, dtype, kv_cache_dtype):
     hf = make_tiny_checkpoint(tmp_path, case)
     gen = torch.Generator().manual_seed(0)
     prompts = [
@@ -87,6 +91,7 @@ def test_tiny_models_decode_as_layer_by_layer(tmp_path, monkeypatch, case, dtype
         10,
         skip_tokenizer_init=True,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=128,
         block_size=8,
         kv_cache_memory_bytes=4 << 20,

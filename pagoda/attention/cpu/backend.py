@@ -9,8 +9,11 @@ together. New K/V rows are first written with `torch_ref.write_kv_cache`, and th
 every key from the cache, fresh prompts included (measured ~2x faster than SDPA for a 512-token
 prompt on a 2-core Zen 4); only when some row was not written (slot -1) do fresh prompts use
 SDPA over the step's own rows. Sliding windows and soft-capped scores are the kernel's too
-(from the layer's `sliding_window` / `logits_soft_cap`). What the kernel does not cover (no cache yet, an int8/fp8 cache,
-a head size over 256, a non-CPU tensor) goes to the torch backend, which stays the oracle.
+(from the layer's `sliding_window` / `logits_soft_cap`). The cache holds the model dtype, or a
+16-bit dtype under a float32 model (keys and values widened as they are read; the CPU default
+for a float32 model, see `pagoda.worker.kv_cache.resolve_cache_dtype`). What the kernel does not
+cover (no cache yet, an int8/fp8 cache, a head size over 256, a non-CPU tensor) goes to the
+torch backend, which stays the oracle.
 """
 
 from __future__ import annotations
@@ -151,8 +154,9 @@ class CpuAttentionBackend(AttentionBackend):
             kv_cache is not None
             and kv_cache.numel() > 0
             and q.device.type == "cpu"
-            and kv_cache.dtype == q.dtype
             and q.dtype in _DTYPE_CODES
+            and kv_cache.dtype in _DTYPE_CODES
+            and (kv_cache.dtype == q.dtype or q.dtype == torch.float32)
             and q.shape[-1] <= _MAX_HEAD_SIZE
             and kv_cache.is_contiguous()
         )
@@ -206,6 +210,7 @@ class CpuAttentionBackend(AttentionBackend):
                 head_size,
                 plan.block_size,
                 _DTYPE_CODES[q.dtype],
+                _DTYPE_CODES[kv_cache.dtype],
                 scale,
                 window or 0,
                 soft_cap or 0.0,

@@ -43,7 +43,11 @@ typedef void (*tile_fn)(const Tile *, int, void *const *, float *const *, float 
 DEFINE_TILE(tile_f32_64, DT_F32, 64 / LANES)
 DEFINE_TILE(tile_f32_128, DT_F32, 128 / LANES)
 DEFINE_TILE(tile_f32_n, DT_F32, 0)
+DEFINE_TILE(tile_f16_64, DT_F16, 64 / LANES)
+DEFINE_TILE(tile_f16_128, DT_F16, 128 / LANES)
 DEFINE_TILE(tile_f16_n, DT_F16, 0)
+DEFINE_TILE(tile_bf16_64, DT_BF16, 64 / LANES)
+DEFINE_TILE(tile_bf16_128, DT_BF16, 128 / LANES)
 DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
 
 #if HAVE_BF16DP
@@ -62,23 +66,24 @@ DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
 DEFINE_TILE_BF16DP(tile_bf16dp_2, 2) /* head 64 */
 DEFINE_TILE_BF16DP(tile_bf16dp_4, 4) /* head 128 */
 DEFINE_TILE_BF16DP(tile_bf16dp_n, 0)
-#else
-DEFINE_TILE(tile_bf16_64, DT_BF16, 64 / LANES)
-DEFINE_TILE(tile_bf16_128, DT_BF16, 128 / LANES)
 #endif
 
-/* Whether (dtype, head size) takes the AVX512_BF16 path: raw bf16 q, permuted accumulator. */
-static int uses_bf16dp(int dt, int d) { return HAVE_BF16DP && dt == DT_BF16 && d % 32 == 0; }
+/* Whether (q dtype, cache dtype, head size) takes the AVX512_BF16 path: raw bf16 q, permuted
+ * accumulator. A float32 q over a bf16 cache keeps its fp32 q and widens the keys instead. */
+static int uses_bf16dp(int qdt, int dt, int d) {
+    return HAVE_BF16DP && qdt == DT_BF16 && dt == DT_BF16 && d % 32 == 0;
+}
 
-static tile_fn pick_tile(int dt, int d) {
+static tile_fn pick_tile(int qdt, int dt, int d) {
 #if HAVE_BF16DP
-    if (uses_bf16dp(dt, d))
+    if (uses_bf16dp(qdt, dt, d))
         return d == 64 ? tile_bf16dp_2 : d == 128 ? tile_bf16dp_4 : tile_bf16dp_n;
 #else
-    if (dt == DT_BF16) return d == 64 ? tile_bf16_64 : d == 128 ? tile_bf16_128 : tile_bf16_n;
+    (void)qdt;
 #endif
     if (dt == DT_F32) return d == 64 ? tile_f32_64 : d == 128 ? tile_f32_128 : tile_f32_n;
-    return dt == DT_F16 ? tile_f16_n : tile_bf16_n;
+    if (dt == DT_F16) return d == 64 ? tile_f16_64 : d == 128 ? tile_f16_128 : tile_f16_n;
+    return d == 64 ? tile_bf16_64 : d == 128 ? tile_bf16_128 : tile_bf16_n;
 }
 
 /* ---- one work item --------------------------------------------------------------------- */
@@ -90,7 +95,10 @@ typedef struct {
     const int32_t *block_tables;
     int64_t block_table_stride;
     const int32_t *seq_lens, *query_start_loc;
-    int num_heads, num_kv_heads, head_size, block_size, dt, es, bf16dp;
+    int num_heads, num_kv_heads, head_size, block_size;
+    int qdt, qes; /* dtype and element size of q and out */
+    int dt, es;   /* dtype and element size of the cache */
+    int bf16dp;
     int sliding_window; /* > 0: a query at position p sees keys (p - sliding_window, p] */
     float scale, soft_cap;
     tile_fn tile;
@@ -133,7 +141,7 @@ static int first_key(const Params *P, int first_pos) {
 static void run_item(const Params *P, const int32_t *item, const int32_t *next_item,
                      float *scratch) {
     const int req = item[0], h0 = item[1], h1 = item[2], r0 = item[3], r1 = item[4];
-    const int d = P->head_size, es = P->es, dt = P->dt;
+    const int d = P->head_size, es = P->es, qdt = P->qdt, qes = P->qes;
     const int group = P->num_heads / P->num_kv_heads, nrows = r1 - r0;
     const int per_head = nrows * group; /* query vectors per KV head */
     const int nqv = (h1 - h0) * per_head;
@@ -154,12 +162,13 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
             for (int g = 0; g < group; g++) {
                 const int i = (h - h0) * per_head + r * group + g;
                 const char *src = P->q + ((int64_t)(r0 + r) * P->q_stride_token +
-                                          (int64_t)(h * group + g) * P->q_stride_head) * es;
+                                          (int64_t)(h * group + g) * P->q_stride_head) * qes;
                 if (P->bf16dp)
                     memcpy((uint16_t *)(qf + (size_t)i * cp), src, (size_t)d * 2);
                 else
                     for (int c = 0; c < cp / LANES; c++) {
-                        const vf x = load_chunk(src, dt, es, c, d, (c + 1) * LANES > d) * P->scale;
+                        const vf x =
+                            load_chunk(src, qdt, qes, c, d, (c + 1) * LANES > d) * P->scale;
                         memcpy(qf + (size_t)i * cp + c * LANES, &x, sizeof x);
                     }
                 memset(acc + (size_t)i * cp, 0, sizeof(float) * cp);
@@ -214,18 +223,19 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
             for (int g = 0; g < group; g++) {
                 const int i = (h - h0) * per_head + r * group + g;
                 const int head = h * group + g;
-                char *dst = P->out + ((int64_t)(r0 + r) * P->num_heads + head) * d * es;
+                char *dst = P->out + ((int64_t)(r0 + r) * P->num_heads + head) * d * qes;
                 vf lv;
                 memcpy(&lv, l + (size_t)i * LANES, sizeof lv);
                 const float sum = hsum(lv), inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 const float *a = acc + (size_t)i * cp;
 #if HAVE_BF16DP
                 if (P->bf16dp) {
-                    for (int j = 0; j < d; j++) store_scalar(dst, dt, bf16dp_column(j), a[j] * inv);
+                    for (int j = 0; j < d; j++)
+                        store_scalar(dst, qdt, bf16dp_column(j), a[j] * inv);
                     continue;
                 }
 #endif
-                for (int e = 0; e < d; e++) store_scalar(dst, dt, e, a[e] * inv);
+                for (int e = 0; e < d; e++) store_scalar(dst, qdt, e, a[e] * inv);
             }
 }
 
@@ -267,7 +277,8 @@ static void attn_body(void *p, int thread) {
     free(scratch);
 }
 
-/* out: [num_tokens, num_heads, head_size] contiguous, same dtype as q and the cache.
+/* out: [num_tokens, num_heads, head_size] contiguous, in q's dtype (`dtype`); the cache holds
+ * `cache_dtype` (the same, or a 16-bit cache under float32 q: keys and values widened on load).
  * items: [num_items, 5] int32 rows (request, kv_head_begin, kv_head_end, row_begin, row_end).
  * sliding_window: 0 for full causal attention; soft_cap: 0 for none.
  * Returns 0, or a negative code for arguments it cannot serve (checked before any work). */
@@ -277,17 +288,18 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
                            const int32_t *seq_lens, const int32_t *query_start_loc,
                            const int32_t *items, int32_t num_items, int32_t num_heads,
                            int32_t num_kv_heads, int32_t head_size, int32_t block_size,
-                           int32_t dtype, float scale, int32_t sliding_window, float soft_cap,
-                           int32_t num_threads) {
-    if (dtype < 0 || dtype > 2) return -1;
+                           int32_t dtype, int32_t cache_dtype, float scale,
+                           int32_t sliding_window, float soft_cap, int32_t num_threads) {
+    if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 2) return -1;
     if (head_size <= 0 || head_size > LANES * MAX_CHUNKS) return -2;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return -3;
     Params P = {(char *)out, (const char *)q, q_stride_token, q_stride_head,
                 (const char *)k_cache, (const char *)v_cache, block_tables, block_table_stride,
                 seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, block_size,
-                dtype, dtype == DT_F32 ? 4 : 2, uses_bf16dp(dtype, head_size),
+                dtype, dtype == DT_F32 ? 4 : 2, cache_dtype, cache_dtype == DT_F32 ? 4 : 2,
+                uses_bf16dp(dtype, cache_dtype, head_size),
                 sliding_window > 0 ? sliding_window : 0, scale, soft_cap > 0.0f ? soft_cap : 0.0f,
-                pick_tile(dtype, head_size)};
+                pick_tile(dtype, cache_dtype, head_size)};
     const int group = num_heads / num_kv_heads;
     int max_qv = 0;
     for (int i = 0; i < num_items; i++) {
@@ -307,8 +319,37 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
     return j.failed ? -4 : 0;
 }
 
+/* Writes row t of k and of v (`width` elements each, rows `row_stride` elements apart, in
+ * `dtype`) to slot slots[t] of the caches (rows of `width` elements in `cache_dtype`),
+ * narrowing float32 to a 16-bit cache; a slot < 0 is not written. Returns 0, or -1 for
+ * arguments it cannot serve (a narrower source than the cache, an unknown dtype). */
+int pagoda_write_kv(const void *k, const void *v, int64_t row_stride, int32_t dtype,
+                    void *k_cache, void *v_cache, int32_t cache_dtype, const int64_t *slots,
+                    int64_t rows, int64_t width) {
+    if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 2) return -1;
+    if (dtype != cache_dtype && dtype != DT_F32) return -1;
+    const int es = dtype == DT_F32 ? 4 : 2, ces = cache_dtype == DT_F32 ? 4 : 2;
+    const int64_t row_bytes = width * ces, whole = width / LANES * LANES;
+    for (int64_t t = 0; t < rows; t++) {
+        if (slots[t] < 0) continue;
+        for (int kv = 0; kv < 2; kv++) {
+            const char *src = (const char *)(kv ? v : k) + t * row_stride * es;
+            char *dst = (char *)(kv ? v_cache : k_cache) + slots[t] * row_bytes;
+            if (dtype == cache_dtype) {
+                memcpy(dst, src, (size_t)row_bytes);
+                continue;
+            }
+            int64_t i = 0;
+            for (; i < whole; i += LANES)
+                store_lanes(dst + i * ces, cache_dtype, load_lanes(src + i * 4, DT_F32));
+            for (; i < width; i++) store_scalar(dst, cache_dtype, (int)i, ((const float *)src)[i]);
+        }
+    }
+    return 0;
+}
+
 /* Lets the loader check it has the library it built (bump when the signature changes). */
-int pagoda_paged_attention_abi(void) { return 3; }
+int pagoda_paged_attention_abi(void) { return 4; }
 
 /* 1 when bf16 caches take the AVX512_BF16 path (p.v rounds p to bf16), for tests and logs. */
 int pagoda_paged_attention_bf16dp(void) { return HAVE_BF16DP; }

@@ -218,6 +218,33 @@ INLINE vf load_lanes(const void *p, int dt) {
 #endif
 }
 
+/* LANES fp32 values narrowed to the row's dtype and stored: bf16 rounded to nearest even (as
+ * torch rounds, a NaN quiet), fp16 by the CPU's conversion where it has one (round to nearest
+ * even, as torch converts). */
+INLINE void store_lanes(void *p, int dt, vf x) {
+    if (dt == DT_F32) {
+        memcpy(p, &x, sizeof x);
+        return;
+    }
+    if (dt == DT_BF16) {
+        const vu u = (vu)x, a = u & 0x7fffffffu;
+        const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const vu nan = (vu)(a > 0x7f800000u);
+        const vh h = __builtin_convertvector((r & ~nan) | ((u >> 16 | 0x40u) & nan), vh);
+        memcpy(p, &h, sizeof h);
+        return;
+    }
+#if LANES == 16
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT));
+#elif LANES == 8 && defined(__F16C__)
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT));
+#else
+    float t[LANES];
+    memcpy(t, &x, sizeof t);
+    for (int i = 0; i < LANES; i++) ((uint16_t *)p)[i] = f32_to_f16(t[i]);
+#endif
+}
+
 /* The tail chunk c (elements c LANES .. d - 1) of a row of d elements, zero padded and read
  * element by element so that nothing past the row is touched. Out of line: it is rare (a head
  * size LANES does not divide), and a call keeps its code out of the unrolled loops. */

@@ -5,8 +5,8 @@
  * attention work items say which query rows see which keys.
  *
  * The kernels stay in their own libraries (cpu_ops.c, quant_gemm.c, paged_attention.c); the
- * loader hands their entry points over as function pointers, so this file holds no arithmetic
- * but the K/V cache write. Per layer, with R the residual stream and X the layer's input:
+ * loader hands their entry points over as function pointers, so this file holds no arithmetic.
+ * Per layer, with R the residual stream and X the layer's input:
  *
  *     X, R  = rms_norm(X + R) * input_norm      (layer 0: R = X, X = rms_norm(X) * w)
  *     QKV   = X @ Wqkv^T (+ b)                   q/k RMSNorm per head where the model has it
@@ -45,8 +45,11 @@ typedef int (*attention_fn)(void *out, const void *q, int64_t q_stride_token,
                             const int32_t *seq_lens, const int32_t *query_start_loc,
                             const int32_t *items, int32_t num_items, int32_t num_heads,
                             int32_t num_kv_heads, int32_t head_size, int32_t block_size,
-                            int32_t dtype, float scale, int32_t sliding_window, float soft_cap,
-                            int32_t num_threads);
+                            int32_t dtype, int32_t cache_dtype, float scale,
+                            int32_t sliding_window, float soft_cap, int32_t num_threads);
+typedef int (*write_kv_fn)(const void *k, const void *v, int64_t row_stride, int32_t dtype,
+                           void *k_cache, void *v_cache, int32_t cache_dtype, const int64_t *slots,
+                           int64_t rows, int64_t width);
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { PART_QUANT = 0, PART_PACKED = 1, PART_GEMV = 2 };
@@ -70,7 +73,8 @@ typedef struct {
 typedef struct {
     Linear qkv, o, gate_up, down;
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL unless present */
-    void *k_cache, *v_cache; /* [num_blocks * block_size, num_kv_heads, head_size] each */
+    void *k_cache, *v_cache; /* [num_blocks * block_size, num_kv_heads, head_size] each, in
+                              * the cache dtype (the model dtype, or 16 bits under float32) */
     int32_t sliding_window, pad;
 } Layer;
 
@@ -82,12 +86,13 @@ typedef struct {
     silu_and_mul_fn silu_and_mul;
     rope_fn rope;
     attention_fn attention;
+    write_kv_fn write_kv;
     const Layer *layers;
     const void *final_norm;
     const float *cos_sin;
     int64_t max_position;
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_size, inter, rot, block_size;
-    int32_t dt, norm_dt;
+    int32_t dt, norm_dt, cache_dt, pad;
     float eps, scale;
 } Decoder;
 
@@ -124,19 +129,6 @@ static int linear(const Decoder *d, const Linear *lin, const void *x, int64_t x_
         if (rc != 0) return rc;
     }
     return 0;
-}
-
-/* K/V rows of the step into their cache slots (a slot < 0 is not written). */
-static void write_kv(const Decoder *d, const Layer *L, const Step *s, int64_t qkv_cols) {
-    const int64_t es = d->dt == DT_BF16 ? 2 : 4;
-    const int64_t kv_bytes = (int64_t)d->num_kv_heads * d->head_size * es;
-    const int64_t q_bytes = (int64_t)d->num_heads * d->head_size * es;
-    for (int64_t t = 0; t < s->rows; t++) {
-        if (s->slots[t] < 0) continue;
-        const char *row = (const char *)s->qkv + t * qkv_cols * es + q_bytes;
-        memcpy((char *)L->k_cache + s->slots[t] * kv_bytes, row, kv_bytes);
-        memcpy((char *)L->v_cache + s->slots[t] * kv_bytes, row + kv_bytes, kv_bytes);
-    }
 }
 
 #define CHECK(call)                                                                                \
@@ -181,11 +173,13 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
                     d->num_kv_heads, (int)hd, d->rot, d->cos_sin, d->max_position, M, (int)dt,
                     nt) != 0)
             return ROPE_POSITION_ERROR; /* layer 0 fails before any cache write */
-        write_kv(d, L, s, qkv_cols);
+        CHECK(d->write_kv(qkv + q_cols * es, qkv + (q_cols + kv_cols) * es, qkv_cols, (int32_t)dt,
+                          L->k_cache, L->v_cache, d->cache_dt, s->slots, M, kv_cols));
         CHECK(d->attention(attn, qkv, qkv_cols, hd, L->k_cache, L->v_cache, s->block_tables,
                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->items,
                            s->num_items, d->num_heads, d->num_kv_heads, (int32_t)hd,
-                           d->block_size, (int32_t)dt, d->scale, L->sliding_window, 0.0f,
+                           d->block_size, (int32_t)dt, d->cache_dt, d->scale,
+                           L->sliding_window, 0.0f,
                            s->attention_threads));
         CHECK(linear(d, &L->o, attn, q_cols, x, M, nt));
         CHECK(d->rms_norm(x, H, res, H, L->post_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt));
@@ -196,4 +190,4 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
     return d->rms_norm(x, H, res, H, d->final_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt);
 }
 
-int pagoda_decoder_abi(void) { return 1; }
+int pagoda_decoder_abi(void) { return 2; }

@@ -20,10 +20,11 @@ from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
 
 SOURCE, _, ISA = cpu_kernels.DECODER  # portable: the kernels it calls are built per ISA level
-_ABI = 1
+_ABI = 2
 MAX_PARTS = 4
 PART_QUANT, PART_PACKED, PART_GEMV = 0, 1, 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ROPE_POSITION_ERROR = -100
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -79,6 +80,7 @@ class _Decoder(ctypes.Structure):
         ("silu_and_mul", _p),
         ("rope", _p),
         ("attention", _p),
+        ("write_kv", _p),
         ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _p),
         ("cos_sin", _p),
@@ -93,6 +95,8 @@ class _Decoder(ctypes.Structure):
         ("block_size", _i32),
         ("dt", _i32),
         ("norm_dt", _i32),
+        ("cache_dt", _i32),
+        ("pad", _i32),
         ("eps", _f32),
         ("scale", _f32),
     ]
@@ -250,6 +254,7 @@ class CpuDecoderStack:
             silu_and_mul=_address(ops_lib.pagoda_silu_and_mul),
             rope=_address(ops_lib.pagoda_rotary_embedding),
             attention=_address(load_library().pagoda_paged_attention),
+            write_kv=_address(load_library().pagoda_write_kv),
             layers=self._layers,
             final_norm=spec.final_norm.data_ptr(),
             cos_sin=spec.cos_sin.data_ptr(),
@@ -264,6 +269,7 @@ class CpuDecoderStack:
             block_size=block_size,
             dt=_DTYPES[spec.dtype],
             norm_dt=_DTYPES[spec.final_norm.dtype],
+            cache_dt=_DTYPES[spec.dtype],
             eps=spec.eps,
             scale=spec.scale,
         )
@@ -271,12 +277,19 @@ class CpuDecoderStack:
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Point layer i at kv_caches[i] ([2, num_blocks, block_size, kv_heads, head_size],
-        contiguous, the model dtype); a no-op when they are the tensors already bound."""
+        contiguous, all in the model dtype or all in a 16-bit dtype under a float32 model); a
+        no-op when they are the tensors already bound."""
         key = tuple(c.data_ptr() for c in kv_caches)
         if key == self._bound:
             return
         if len(kv_caches) != len(self.spec.layers):
             raise ValueError(f"{len(self.spec.layers)} layers, {len(kv_caches)} KV caches")
+        dtypes = {c.dtype for c in kv_caches}
+        if len(dtypes) != 1 or not cache_dtype_supported(self.spec.dtype, kv_caches[0].dtype):
+            raise ValueError(
+                f"KV caches in {sorted(map(str, dtypes))} for a {self.spec.dtype} model"
+            )
+        self._decoder.cache_dt = _CACHE_DTYPES[kv_caches[0].dtype]
         for layer, cache in zip(self._layers, kv_caches, strict=True):
             layer.k_cache, layer.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
         self._bound = key
@@ -328,6 +341,14 @@ class CpuDecoderStack:
         if rc != 0:
             raise RuntimeError(f"pagoda_decoder_run failed (code {rc})")
         return x
+
+
+def cache_dtype_supported(model_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the stack runs a model of `model_dtype` over a KV cache of `cache_dtype`: the
+    model dtype, or a 16-bit cache under float32 (widened as the attention kernel reads it)."""
+    return cache_dtype == model_dtype or (
+        model_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def layer_parts(layer: LayerSpec) -> tuple[PartSpec, ...]:

@@ -12,7 +12,8 @@ unsharded, on the CPU attention backend without logit soft-capping, with C-suppo
 layers (GGUF blocks kept quantized, packed bf16, or plain weights in the model dtype) and
 norms in the model dtype. A step (decodes, prompt chunks or both) qualifies when it has no
 padding rows, every row has a cache slot (so the attention kernel reads every key from the
-cache, as the backend then does too), the cache holds the model dtype, and, with plain
+cache, as the backend then does too), the cache holds the model dtype (or 16 bits under a
+float32 model), and, with plain
 weights, the rows are few enough for the skinny GEMM (more go to torch's GEMM, which only
 the layer path calls).
 """
@@ -210,7 +211,11 @@ class CpuDecoder:
             if self._max_rows is not None and rows > self._max_rows:
                 return None
         spec = self._stack.spec
-        if cache.dtype is not spec.dtype or not cache.is_contiguous() or cache.numel() == 0:
+        if (
+            not cdec.cache_dtype_supported(spec.dtype, cache.dtype)
+            or not cache.is_contiguous()
+            or cache.numel() == 0
+        ):
             return None
         from pagoda.attention.cpu.backend import step_plan
 
