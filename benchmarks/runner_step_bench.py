@@ -44,6 +44,7 @@ def build_runner(
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
 ) -> ModelRunner:
+    from pagoda.engine.arg_utils import resolve_kv_cache_dtype
     from pagoda.model.loader import get_model_config_dict
 
     load_format = "dummy" if model.endswith(".json") else "auto"
@@ -61,7 +62,7 @@ def build_runner(
         # CPU: 1 GiB of KV; CUDA: sized by the profiling run, as the engine does.
         cache_config=CacheConfig(
             block_size=16,
-            cache_dtype=kv_cache_dtype,
+            cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dtype, device, attention_backend),
             kv_cache_memory_bytes=(1 << 30) if device == "cpu" else None,
             gpu_memory_utilization=0.8,
         ),

@@ -76,3 +76,51 @@ def test_forked_child_gets_its_own_workers():
         os._exit(0 if ok and pool.load_pool().pagoda_pool_workers() >= 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_ops_on_the_pool_equal_openmp_and_one_thread():
+    """The ops library's row ops and GEMMs (`cpu_ops.c`, simd.h's parallel_range) on the pool,
+    on OpenMP regions and on one thread: each row, panel or tile is one thread's, so the
+    results are bitwise equal."""
+    from pagoda.kernels.cpu import gemm, ops
+
+    if not ops.cpu_ops_available():
+        pytest.skip("the C CPU ops do not build here")
+    lib = ops.load_cpu_ops()
+    g = torch.Generator().manual_seed(0)
+    rows, hidden, heads, hs = 300, 576, 9, 64  # enough work to split at every op
+    x = torch.randn(rows, hidden, generator=g)
+    res = torch.randn(rows, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    gu = torch.randn(rows, 2 * 1536, generator=g)
+    qk = torch.randn(rows, (heads + 3) * hs, generator=g)
+    positions = torch.randint(0, 1000, (rows,), generator=g)
+    cos_sin = torch.randn(1000, hs, generator=g)
+    w_dense = torch.randn(1000, hidden, generator=g)
+    packed = gemm.pack_weight(w_dense.bfloat16()) if gemm.packing_supported(w_dense) else None
+
+    def all_ops(use_pool: bool, threads: int) -> list[torch.Tensor]:
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        lib.pagoda_cpu_ops_set_parallel_run(pool.parallel_run_pointer() if use_pool else None)
+        try:
+            h, r = x.clone(), res.clone()
+            ops.rms_norm(h, w, 1e-5, residual=r)
+            q, k = qk[:, : heads * hs].clone(), qk[:, heads * hs :].clone()
+            ops.rotary_embedding(positions, q, k, cos_sin, hs)
+            out = [h, r, ops.silu_and_mul(gu), q, k, ops.linear(x[:7], w_dense)]
+            if packed is not None:
+                out.append(gemm.packed_linear(x.bfloat16(), packed))
+            return out
+        finally:
+            lib.pagoda_cpu_ops_set_parallel_run(pool.parallel_run_pointer())
+            torch.set_num_threads(old)
+
+    one = all_ops(use_pool=False, threads=1)
+    for threads in (2, 3):
+        for use_pool in (True, False):
+            got = all_ops(use_pool, threads)
+            assert all(torch.equal(a, b) for a, b in zip(got, one, strict=True)), (
+                use_pool,
+                threads,
+            )

@@ -7,8 +7,9 @@
  * (bf16 models: the residual sum, the normalised value, silu's output; statistics and RoPE in
  * fp32), so they agree with them to one bf16 ulp. Rows are addressed by a stride (in elements),
  * so views into a fused projection's output (q and k inside qkv) need no copy. Large inputs
- * (prefill) are split over OpenMP threads by rows; a decode's few rows run on the calling
- * thread, where a fork/join would cost more than the work. Every entry point returns 0, or -1
+ * (prefill) are split over threads by rows (the pool, pool.c, or OpenMP: simd.h's
+ * parallel_range); a decode's few rows run on the calling thread, where a fork/join would cost
+ * more than the work. Every entry point returns 0, or -1
  * for arguments it does not handle (the Python side checks first; this is a last guard).
  *
  * One source for every ISA level (simd.h): the build helper compiles it once per level with
@@ -16,9 +17,12 @@
 #include "gemm.h"
 #include "gemv.h"
 
-#define PAGODA_CPU_OPS_ABI 3
+#define PAGODA_CPU_OPS_ABI 4
 
 int pagoda_cpu_ops_abi(void) { return PAGODA_CPU_OPS_ABI; }
+
+/* The pool's pagoda_parallel_run (pool.c), or NULL for OpenMP regions (simd.h). */
+void pagoda_cpu_ops_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
 
 /* The ISA level the library was compiled for (simd.h), so the loader can check it got the
  * build it asked for. */
@@ -92,20 +96,33 @@ static void rms_norm_row(const char *x, char *res, const char *w, char *out, int
     }
 }
 
+typedef struct {
+    const char *x, *w;
+    char *res, *out;
+    int64_t x_stride, res_stride, out_stride, cols;
+    float eps;
+    int dt, w_dt;
+} RmsNormJob;
+
+static void rms_norm_rows(void *p, int64_t begin, int64_t end) {
+    const RmsNormJob *j = p;
+    const int64_t es = j->dt == DT_BF16 ? 2 : 4;
+    for (int64_t r = begin; r < end; r++) {
+        char *rr = j->res ? j->res + r * j->res_stride * es : NULL;
+        const char *xr = j->x + r * j->x_stride * es;
+        char *orow = j->out + r * j->out_stride * es;
+        if (j->dt == DT_BF16) rms_norm_row(xr, rr, j->w, orow, j->cols, j->eps, DT_BF16, j->w_dt);
+        else rms_norm_row(xr, rr, j->w, orow, j->cols, j->eps, DT_F32, j->w_dt);
+    }
+}
+
 int pagoda_rms_norm(const void *x, int64_t x_stride, void *res, int64_t res_stride, const void *w,
                     void *out, int64_t out_stride, int64_t rows, int64_t cols, float eps, int dt,
                     int w_dt, int nthreads) {
     if ((dt != DT_F32 && dt != DT_BF16) || (w_dt != DT_F32 && w_dt != DT_BF16)) return -1;
     const int64_t es = dt == DT_BF16 ? 2 : 4;
-    int nt = pick_threads(nthreads, rows, cols * es * 3);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        char *rr = res ? (char *)res + r * res_stride * es : NULL;
-        const char *xr = (const char *)x + r * x_stride * es;
-        char *orow = (char *)out + r * out_stride * es;
-        if (dt == DT_BF16) rms_norm_row(xr, rr, (const char *)w, orow, cols, eps, DT_BF16, w_dt);
-        else rms_norm_row(xr, rr, (const char *)w, orow, cols, eps, DT_F32, w_dt);
-    }
+    RmsNormJob j = {x, w, res, out, x_stride, res_stride, out_stride, cols, eps, dt, w_dt};
+    parallel_range(rms_norm_rows, &j, rows, 1, pick_threads(nthreads, rows, cols * es * 3));
     return 0;
 }
 
@@ -125,18 +142,30 @@ static void silu_and_mul_row(const char *x, char *out, int64_t d, const int dt) 
     }
 }
 
+typedef struct {
+    const char *x;
+    char *out;
+    int64_t x_stride, out_stride, d;
+    int dt;
+} SiluJob;
+
+static void silu_and_mul_rows(void *p, int64_t begin, int64_t end) {
+    const SiluJob *j = p;
+    const int64_t es = j->dt == DT_BF16 ? 2 : 4;
+    for (int64_t r = begin; r < end; r++) {
+        const char *xr = j->x + r * j->x_stride * es;
+        char *orow = j->out + r * j->out_stride * es;
+        if (j->dt == DT_BF16) silu_and_mul_row(xr, orow, j->d, DT_BF16);
+        else silu_and_mul_row(xr, orow, j->d, DT_F32);
+    }
+}
+
 int pagoda_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
                         int64_t rows, int64_t d, int dt, int nthreads) {
     if (dt != DT_F32 && dt != DT_BF16) return -1;
     const int64_t es = dt == DT_BF16 ? 2 : 4;
-    int nt = pick_threads(nthreads, rows, d * es * 3);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *xr = (const char *)x + r * x_stride * es;
-        char *orow = (char *)out + r * out_stride * es;
-        if (dt == DT_BF16) silu_and_mul_row(xr, orow, d, DT_BF16);
-        else silu_and_mul_row(xr, orow, d, DT_F32);
-    }
+    SiluJob j = {x, out, x_stride, out_stride, d, dt};
+    parallel_range(silu_and_mul_rows, &j, rows, 1, pick_threads(nthreads, rows, d * es * 3));
     return 0;
 }
 
@@ -158,6 +187,31 @@ static void rope_heads(char *x, int heads, int head_size, int rot, const float *
     }
 }
 
+typedef struct {
+    const int64_t *positions;
+    char *q, *k;
+    int64_t q_stride, k_stride;
+    int num_heads, num_kv_heads, head_size, rot, dt;
+    const float *cos_sin;
+} RopeJob;
+
+static void rope_tokens(void *p, int64_t begin, int64_t end) {
+    const RopeJob *j = p;
+    const int64_t es = j->dt == DT_BF16 ? 2 : 4;
+    for (int64_t t = begin; t < end; t++) {
+        const float *cs = j->cos_sin + j->positions[t] * j->rot;
+        char *qt = j->q + t * j->q_stride * es;
+        char *kt = j->k ? j->k + t * j->k_stride * es : NULL;
+        if (j->dt == DT_BF16) {
+            rope_heads(qt, j->num_heads, j->head_size, j->rot, cs, DT_BF16);
+            if (kt) rope_heads(kt, j->num_kv_heads, j->head_size, j->rot, cs, DT_BF16);
+        } else {
+            rope_heads(qt, j->num_heads, j->head_size, j->rot, cs, DT_F32);
+            if (kt) rope_heads(kt, j->num_kv_heads, j->head_size, j->rot, cs, DT_F32);
+        }
+    }
+}
+
 int pagoda_rotary_embedding(const int64_t *positions, void *q, int64_t q_stride, int num_heads,
                             void *k, int64_t k_stride, int num_kv_heads, int head_size, int rot,
                             const float *cos_sin_cache, int64_t max_position, int64_t tokens,
@@ -166,19 +220,9 @@ int pagoda_rotary_embedding(const int64_t *positions, void *q, int64_t q_stride,
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_position) return -1;
     const int64_t es = dt == DT_BF16 ? 2 : 4;
+    RopeJob j = {positions, q, k, q_stride, k_stride, num_heads, num_kv_heads, head_size, rot, dt,
+                 cos_sin_cache};
     int nt = pick_threads(nthreads, tokens, (int64_t)(num_heads + num_kv_heads) * head_size * es);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *cs = cos_sin_cache + positions[t] * rot;
-        char *qt = (char *)q + t * q_stride * es;
-        char *kt = k ? (char *)k + t * k_stride * es : NULL;
-        if (dt == DT_BF16) {
-            rope_heads(qt, num_heads, head_size, rot, cs, DT_BF16);
-            if (kt) rope_heads(kt, num_kv_heads, head_size, rot, cs, DT_BF16);
-        } else {
-            rope_heads(qt, num_heads, head_size, rot, cs, DT_F32);
-            if (kt) rope_heads(kt, num_kv_heads, head_size, rot, cs, DT_F32);
-        }
-    }
+    parallel_range(rope_tokens, &j, tokens, 1, nt);
     return 0;
 }

@@ -174,28 +174,27 @@ static void widen_row(const GemmArgs *a, float *dst, int64_t r) {
     for (int64_t k = a->K; k < a->xf_stride; k++) dst[k] = 0.0f;
 }
 
+static void widen_rows(void *a, int64_t begin, int64_t end) {
+    const GemmArgs *g = a;
+    for (int64_t r = begin; r < end; r++) widen_row(g, (float *)g->xf + r * g->xf_stride, r);
+}
+
+static void gemm_panel_run(void *a, int64_t begin, int64_t end) { gemm_range(a, begin, end); }
+
 /* Returns -1 when the fp32 copy of x cannot be allocated. */
 static int gemm_packed(GemmArgs *a, int nthreads) {
     const int64_t panels = (a->N + GEMM_PANEL - 1) / GEMM_PANEL;
     const int64_t panel_bytes = GEMM_PANEL * 2 * ((a->K + 1) / 2) * 2;
     float *xf = NULL;
+    int nt = pick_threads(nthreads, panels, panel_bytes + 32 * a->M * GEMM_PANEL);
     if (!HAVE_BF16DP) {
         a->xf_stride = (a->K + 1) / 2 * 2;
         xf = (float *)malloc((size_t)(a->M * a->xf_stride) * sizeof(float));
         if (xf == NULL) return -1;
         a->xf = xf;
+        parallel_range(widen_rows, a, a->M, 1, nt);
     }
-    int nt = pick_threads(nthreads, panels, panel_bytes + 32 * a->M * GEMM_PANEL);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int t = thread_num(), T = thread_count();
-        if (xf != NULL) {
-            for (int64_t r = a->M * t / T; r < a->M * (t + 1) / T; r++) widen_row(a, xf + r * a->xf_stride, r);
-#pragma omp barrier
-        }
-        int64_t begin = panels * t / T, end = panels * (t + 1) / T;
-        if (begin < end) gemm_range(a, begin, end);
-    }
+    parallel_range(gemm_panel_run, a, panels, 1, nt);
     free(xf);
     return 0;
 }

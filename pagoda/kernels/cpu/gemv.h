@@ -123,15 +123,22 @@ static void gemv_range(const GemvArgs *a, int dt, int64_t n_begin, int64_t n_end
     }
 }
 
+typedef struct {
+    const GemvArgs *a;
+    int dt;
+} GemvJob;
+
+/* Tiles [begin, end) of GEMV_R weight rows. */
+static void gemv_tiles(void *p, int64_t begin, int64_t end) {
+    const GemvJob *j = p;
+    const int64_t n_end = end * GEMV_R < j->a->N ? end * GEMV_R : j->a->N;
+    gemv_range(j->a, j->dt, begin * GEMV_R, n_end);
+}
+
 static void gemv(const GemvArgs *a, int dt, int nthreads) {
-    /* Split N into one contiguous run per thread, in whole tiles. */
+    /* N in runs of whole tiles */
     int64_t tiles = (a->N + GEMV_R - 1) / GEMV_R;
     int nt = pick_threads(nthreads, tiles, GEMV_R * a->K * (dt == DT_BF16 ? 2 : 4));
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int t = thread_num(), T = thread_count();
-        int64_t begin = tiles * t / T * GEMV_R, end = tiles * (t + 1) / T * GEMV_R;
-        if (end > a->N) end = a->N;
-        if (begin < end) gemv_range(a, dt, begin, end);
-    }
+    GemvJob j = {a, dt};
+    parallel_range(gemv_tiles, &j, tiles, 1, nt);
 }

@@ -19,6 +19,7 @@ import functools
 import torch
 
 from pagoda import envs
+from pagoda.kernels.cpu import pool
 from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import (
     ISA_LEVELS,
@@ -29,7 +30,7 @@ from pagoda.utils.cpu_build import (
 )
 
 SOURCE, HEADERS, _ = cpu_kernels.OPS
-_ABI = 3
+_ABI = 4
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest row count (tokens) the skinny GEMM takes on a plain (unpacked) weight; above it
 # torch's GEMM (oneDNN for bf16, MKL for float32) is as fast or faster. Measured on a 2-core
@@ -68,6 +69,8 @@ def load_cpu_ops(isa: str | None = None) -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.pagoda_cpu_ops_set_parallel_run.argtypes = [ctypes.c_void_p]
+    lib.pagoda_cpu_ops_set_parallel_run(pool.parallel_run_pointer())  # NULL: OpenMP regions
     if isa is None:
         log_isa(built)
     return lib
