@@ -114,11 +114,12 @@ def test_threads_bias_bf16_and_strided_rows(isa):
     check(quant.quant_linear(xb, layouts[1], out_dtype=torch.float32, isa=isa), xb.float(), w)
 
 
-def test_every_isa_level_agrees():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_level_agrees(dtype):
     layouts, w = weights(3, 37, 320, seed=2)
-    x = torch.randn(5, 320)
+    x = torch.randn(5, 320).to(dtype)
     ys = [quant.quant_linear(x, layouts[1], isa=isa).double() for isa in ISAS]
-    xq, _ = quantized_acts(x)
+    xq, _ = quantized_acts(x.float())
     tol = 18 * 2.0**-24 * (xq.abs() @ w.double().abs().T) * 2
     for y in ys[1:]:
         assert ((y - ys[0]).abs() <= tol).all()

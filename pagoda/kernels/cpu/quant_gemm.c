@@ -83,12 +83,34 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
                          int32_t *qsum) {
     for (int64_t b = 0; b < K / 32; b++) {
         float v[32], amax = 0.0f;
+#if defined(QUANT_AVX2)
+        /* max|x| in vectors: max_ps(a, m) keeps m when a is NaN, as the scalar loop does */
+        __m256 m8 = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int k = 0; k < 4; k++) {
+            __m256 xv;
+            if (x_bf16) {
+                const uint16_t *src = (const uint16_t *)x + b * 32 + 8 * k;
+                const __m128i h = _mm_loadu_si128((const __m128i *)src);
+                xv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            } else {
+                xv = _mm256_loadu_ps((const float *)x + b * 32 + 8 * k);
+            }
+            _mm256_storeu_ps(v + 8 * k, xv);
+            m8 = _mm256_max_ps(_mm256_and_ps(xv, abs_mask), m8);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        amax = _mm_cvtss_f32(m4);
+#else
         for (int l = 0; l < 32; l++) {
             v[l] = x_bf16 ? bf16_to_fp32(((const uint16_t *)x)[b * 32 + l])
                           : ((const float *)x)[b * 32 + l];
             const float a = fabsf(v[l]);
             amax = a > amax ? a : amax; /* fmaxf's result (a NaN is skipped), but inlined */
         }
+#endif
         const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
         int sum = 0;
 #if defined(QUANT_AVX2)
