@@ -146,12 +146,14 @@ class PagedRunner:
         num_blocks: int = 64,
         seed: int = 0,
         block_size: int = 4,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`cache_dtype`: the KV cache's (default: the model's)."""
         self.model = model
         self.block_size = block_size
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         shape = (2, num_blocks, self.block_size, cfg["num_key_value_heads"], head_dim)
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = cache_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg["num_hidden_layers"])]
         g = torch.Generator().manual_seed(seed)
         self.block_table = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
