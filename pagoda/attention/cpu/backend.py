@@ -11,7 +11,7 @@ prompt on a 2-core Zen 4); only when some row was not written (slot -1) do fresh
 SDPA over the step's own rows. Sliding windows and soft-capped scores are the kernel's too
 (from the layer's `sliding_window` / `logits_soft_cap`). The cache holds the model dtype, or a
 16-bit dtype under a float32 model (keys and values widened as they are read; the CPU default
-for a float32 model, see `pagoda.worker.kv_cache.resolve_cache_dtype`). What the kernel does not
+for a float32 model, see `pagoda.engine.arg_utils.resolve_kv_cache_dtype`). What the kernel does not
 cover (no cache yet, an int8/fp8 cache, a head size over 256, a non-CPU tensor) goes to the
 torch backend, which stays the oracle.
 """
