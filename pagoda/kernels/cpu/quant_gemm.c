@@ -318,16 +318,18 @@ static parallel_run_fn parallel_run;
 
 void pagoda_quant_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
 
-/* One GEMM as pool jobs: rows to quantize, then (panel, chunk) items in panel order, claimed
- * `claim` consecutive items at a time by whichever thread comes next: a thread streams a run
- * of weight rows, and the shared counter moves a few dozen times per GEMM rather than once
- * per 16 rows (its cache line going back and forth between the cores each time). */
+/* One GEMM as pool jobs: rows to quantize, `qclaim` at a time, then (panel, chunk) items in
+ * panel order, claimed `claim` consecutive items at a time by whichever thread comes next: a
+ * thread streams a run of weight rows, and the shared counter moves a few dozen times per GEMM
+ * rather than once per 16 rows or per activation row (its cache line going back and forth
+ * between the cores each time: claimed row by row, the quantize job spent most of its time
+ * there). */
 typedef struct {
     int type, x8, x_bf16;
     const GemmArgs *g;
     const QActs *a;
     const char *x;
-    int64_t x_stride, es, chunks, items, claim;
+    int64_t x_stride, es, chunks, items, claim, qclaim;
     float *offsets; /* TILE_W * nb floats per thread */
     _Alignas(64) int64_t next; /* the next item to claim, atomic, on a line of its own */
 } GemmJob;
@@ -336,11 +338,13 @@ static void quantize_body(void *p, int thread) {
     GemmJob *j = p;
     const QActs *a = j->a;
     (void)thread;
+    const int64_t M = j->g->M;
     for (;;) {
-        const int64_t m = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (m >= j->g->M) return;
-        quantize_row(j->x + m * j->x_stride * j->es, j->x_bf16, a->K, a->q + m * a->K,
-                     a->d + m * a->nb, a->s + m * a->nb, a->qsum + m * a->nb);
+        const int64_t m0 = __atomic_fetch_add(&j->next, j->qclaim, __ATOMIC_RELAXED);
+        if (m0 >= M) return;
+        for (int64_t m = m0; m < m0 + j->qclaim && m < M; m++)
+            quantize_row(j->x + m * j->x_stride * j->es, j->x_bf16, a->K, a->q + m * a->K,
+                         a->d + m * a->nb, a->s + m * a->nb, a->qsum + m * a->nb);
     }
 }
 
@@ -383,8 +387,9 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     if (parallel_run && nt > 1) {
         const int64_t items = chunks * ((M + PANEL - 1) / PANEL);
         const int64_t claim = items / (8 * nt) > 1 ? items / (8 * nt) : 1; /* ~8 claims a thread */
+        const int64_t qclaim = M / (4 * nt) > 1 ? M / (4 * nt) : 1;       /* ~4 claims a thread */
         GemmJob j = {type,  x8,    x_bf16, &g, &a, x, x_stride, es, chunks,
-                     items, claim, (float *)(buf + act_bytes), 0};
+                     items, claim, qclaim, (float *)(buf + act_bytes), 0};
         if (M >= 8) parallel_run(quantize_body, &j, nt);
         else quantize_body(&j, 0);
         j.next = 0;
