@@ -73,7 +73,8 @@ def knob_path(goal: str, d: dict[str, Any], device: str, quantized: str | None) 
         path: list[tuple] = [
             ("max_num_seqs", [seqs * 2, max(seqs // 4, 1)]),
             ("max_num_batched_tokens", [tokens * 2, tokens * 4]),
-            ("kv_cache_dtype", ["fp8"]),
+            # on a CPU only e5m2 has the C attention kernel (e4m3 runs the torch path)
+            ("kv_cache_dtype", ["fp8_e5m2" if device == "cpu" else "fp8"]),
             ("enable_prefix_caching", [not d["enable_prefix_caching"]]),
             ("speculative_config", [NGRAM]),
         ]

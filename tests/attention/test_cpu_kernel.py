@@ -150,6 +150,51 @@ def test_float32_over_a_16_bit_cache_widens_exactly(cache_dtype, heads, head_siz
     assert (out - ref).abs().max().item() < 3e-2
 
 
+def _fp8_case(q_dtype, k_scale, v_scale, head_size=64, heads=(9, 3)):
+    """MIXED over an fp8 e5m2 cache holding k / k_scale, v / v_scale (written as the torch
+    backend writes: saturated, rounded to nearest even); history as the cache holds it."""
+    from pagoda.attention.torch_ref import write_kv_cache
+
+    num_heads, num_kv_heads = heads
+    q, k, v, cache32, md, history = make_case(
+        5, 16, num_heads, num_kv_heads, head_size, MIXED, q_dtype, torch.float32
+    )
+    cache = torch.zeros(cache32.shape, dtype=torch.float8_e5m2)
+    flat32 = cache32.view(2, -1, num_kv_heads, head_size)
+    written = (flat32[0].abs().sum((1, 2)) > 0).nonzero().squeeze(1)  # the prefix's slots
+    write_kv_cache(cache, flat32[0, written], flat32[1, written], written, k_scale, v_scale)
+    layer = Layer(num_heads, num_kv_heads, head_size)
+    layer.k_scale, layer.v_scale = k_scale, v_scale
+
+    def as_cached(x, s):
+        return (x / s).clamp(-57344, 57344).to(torch.float8_e5m2).float() * s
+
+    history = [(as_cached(kk, k_scale), as_cached(vv, v_scale)) for kk, vv in history]
+    return q, k, v, cache, md, history, layer
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.25, 3.0)])
+def test_fp8_e5m2_cache_is_read_exactly(q_dtype, scales, cpu_isa):
+    """An fp8 e5m2 cache (`--kv-cache-dtype fp8_e5m2`): the kernel widens each byte exactly and
+    applies the scales (k_scale folded into q, v_scale into the output), so against the naive
+    loop over the same stored values only float32 arithmetic (and the output's rounding)
+    differs, and so against the torch backend reading the same cache."""
+    q, k, v, cache, md, history, layer = _fp8_case(q_dtype, *scales)
+    ref_cache = cache.clone()
+    scale = 64**-0.5
+    out = CpuAttentionBackend().forward(layer, q, k, v, cache, md, scale).float()
+    md.extra = None
+    ref = TorchAttentionBackend().forward(layer, q, k, v, ref_cache, md, scale).float()
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    naive = naive_attention(q, md, history, 9, 3, scale)
+    tol = 2e-5 if q_dtype == torch.float32 else 2e-2
+    assert (out - naive).abs().max().item() < tol * max(1.0, scales[1])
+    # The torch backend attends a fresh prompt over its unrounded rows: compare the others.
+    cached = torch.cat([torch.full((n,), ctx > 0) for ctx, n in MIXED])
+    assert (out - ref)[cached].abs().max().item() < tol * max(1.0, scales[1])
+
+
 def test_a_16_bit_q_over_a_float32_cache_goes_to_torch():
     q, k, v, cache, md, _ = make_case(0, 16, 4, 2, 64, [(5, 1)], torch.bfloat16, torch.float32)
     out = CpuAttentionBackend().forward(Layer(4, 2, 64), q, k, v, cache, md, 0.125)

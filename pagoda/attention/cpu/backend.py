@@ -9,11 +9,12 @@ together. New K/V rows are first written with `torch_ref.write_kv_cache`, and th
 every key from the cache, fresh prompts included (measured ~2x faster than SDPA for a 512-token
 prompt on a 2-core Zen 4); only when some row was not written (slot -1) do fresh prompts use
 SDPA over the step's own rows. Sliding windows and soft-capped scores are the kernel's too
-(from the layer's `sliding_window` / `logits_soft_cap`). The cache holds the model dtype, or a
-16-bit dtype under a float32 model (keys and values widened as they are read; the CPU default
-for a float32 model, see `pagoda.engine.arg_utils.resolve_kv_cache_dtype`). What the kernel does not
-cover (no cache yet, an int8/fp8 cache, a head size over 256, a non-CPU tensor) goes to the
-torch backend, which stays the oracle.
+(from the layer's `sliding_window` / `logits_soft_cap`). The cache holds the model dtype, a
+16-bit dtype under a float32 model (the CPU default for a float32 model, see
+`pagoda.engine.arg_utils.resolve_kv_cache_dtype`), or fp8 e5m2 (`--kv-cache-dtype fp8_e5m2`,
+stored as k / k_scale, v / v_scale); keys and values are widened as they are read. What the
+kernel does not cover (no cache yet, an int8 or e4m3 cache, a head size over 256, a non-CPU
+tensor) goes to the torch backend, which stays the oracle.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pagoda.attention.torch_ref import TorchAttentionBackend, attend, window_mas
 
 _PLAN_KEY = "cpu_plan"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CACHE_CODES = {**_DTYPE_CODES, torch.float8_e5m2: 3}
 _MAX_HEAD_SIZE = 256
 # Query vectors (rows x GQA group) an item of a prefill chunk scores against each K/V tile:
 # more reuse each key read from memory more often, fewer leave threads idle on short chunks.
@@ -155,8 +157,8 @@ class CpuAttentionBackend(AttentionBackend):
             and kv_cache.numel() > 0
             and q.device.type == "cpu"
             and q.dtype in _DTYPE_CODES
-            and kv_cache.dtype in _DTYPE_CODES
-            and (kv_cache.dtype == q.dtype or q.dtype == torch.float32)
+            and kv_cache.dtype in _CACHE_CODES
+            and (kv_cache.dtype in (q.dtype, torch.float8_e5m2) or q.dtype == torch.float32)
             and q.shape[-1] <= _MAX_HEAD_SIZE
             and kv_cache.is_contiguous()
         )
@@ -184,7 +186,11 @@ class CpuAttentionBackend(AttentionBackend):
         k_new, v_new = k[:n], v[:n]
         if plan.write_rows is not None:
             k_new, v_new = k_new[plan.write_rows], v_new[plan.write_rows]
-        write_kv_cache(kv_cache, k_new, v_new, plan.write_slots)
+        k_scale, v_scale = (
+            float(getattr(layer, "k_scale", 1.0)),
+            float(getattr(layer, "v_scale", 1.0)),
+        )
+        write_kv_cache(kv_cache, k_new, v_new, plan.write_slots, k_scale, v_scale)
 
         out = q.new_empty(num_tokens, num_heads, head_size)
         if n < num_tokens:
@@ -210,8 +216,10 @@ class CpuAttentionBackend(AttentionBackend):
                 head_size,
                 plan.block_size,
                 _DTYPE_CODES[q.dtype],
-                _DTYPE_CODES[kv_cache.dtype],
+                _CACHE_CODES[kv_cache.dtype],
                 scale,
+                k_scale,
+                v_scale,
                 window or 0,
                 soft_cap or 0.0,
                 plan.num_threads,

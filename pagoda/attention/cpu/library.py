@@ -10,7 +10,7 @@ from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, log_isa
 
 SOURCE, HEADERS, _ = cpu_kernels.ATTENTION  # HEADERS: included by SOURCE, part of the cache key
-_ABI = 4  # pagoda_paged_attention_abi() of the source this loader can call
+_ABI = 5  # pagoda_paged_attention_abi() of the source this loader can call
 
 
 @functools.cache
@@ -32,7 +32,8 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     fn = lib.pagoda_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
-    fn.argtypes += [i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float, i32]
+    f32 = ctypes.c_float
+    fn.argtypes += [i32, i32, i32, i32, i32, i32, f32, f32, f32, i32, f32, i32]
     fn.restype = ctypes.c_int
     write = lib.pagoda_write_kv
     write.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i32, ptr, i64, i64]

@@ -49,6 +49,9 @@ DEFINE_TILE(tile_f16_n, DT_F16, 0)
 DEFINE_TILE(tile_bf16_64, DT_BF16, 64 / LANES)
 DEFINE_TILE(tile_bf16_128, DT_BF16, 128 / LANES)
 DEFINE_TILE(tile_bf16_n, DT_BF16, 0)
+DEFINE_TILE(tile_e5m2_64, DT_E5M2, 64 / LANES)
+DEFINE_TILE(tile_e5m2_128, DT_E5M2, 128 / LANES)
+DEFINE_TILE(tile_e5m2_n, DT_E5M2, 0)
 
 #if HAVE_BF16DP
 #define DEFINE_TILE_BF16DP(NAME, CC)                                                               \
@@ -83,6 +86,7 @@ static tile_fn pick_tile(int qdt, int dt, int d) {
 #endif
     if (dt == DT_F32) return d == 64 ? tile_f32_64 : d == 128 ? tile_f32_128 : tile_f32_n;
     if (dt == DT_F16) return d == 64 ? tile_f16_64 : d == 128 ? tile_f16_128 : tile_f16_n;
+    if (dt == DT_E5M2) return d == 64 ? tile_e5m2_64 : d == 128 ? tile_e5m2_128 : tile_e5m2_n;
     return d == 64 ? tile_bf16_64 : d == 128 ? tile_bf16_128 : tile_bf16_n;
 }
 
@@ -101,6 +105,8 @@ typedef struct {
     int bf16dp;
     int sliding_window; /* > 0: a query at position p sees keys (p - sliding_window, p] */
     float scale, soft_cap;
+    float k_scale, v_scale; /* an fp8 cache holds k / k_scale and v / v_scale */
+    float q_scale;          /* scale * k_scale, applied to q as it is loaded */
     tile_fn tile;
 } Params;
 
@@ -168,7 +174,7 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
                 else
                     for (int c = 0; c < cp / LANES; c++) {
                         const vf x =
-                            load_chunk(src, qdt, qes, c, d, (c + 1) * LANES > d) * P->scale;
+                            load_chunk(src, qdt, qes, c, d, (c + 1) * LANES > d) * P->q_scale;
                         memcpy(qf + (size_t)i * cp + c * LANES, &x, sizeof x);
                     }
                 memset(acc + (size_t)i * cp, 0, sizeof(float) * cp);
@@ -226,7 +232,7 @@ static void run_item(const Params *P, const int32_t *item, const int32_t *next_i
                 char *dst = P->out + ((int64_t)(r0 + r) * P->num_heads + head) * d * qes;
                 vf lv;
                 memcpy(&lv, l + (size_t)i * LANES, sizeof lv);
-                const float sum = hsum(lv), inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                const float sum = hsum(lv), inv = sum > 0.0f ? P->v_scale / sum : 0.0f;
                 const float *a = acc + (size_t)i * cp;
 #if HAVE_BF16DP
                 if (P->bf16dp) {
@@ -278,7 +284,9 @@ static void attn_body(void *p, int thread) {
 }
 
 /* out: [num_tokens, num_heads, head_size] contiguous, in q's dtype (`dtype`); the cache holds
- * `cache_dtype` (the same, or a 16-bit cache under float32 q: keys and values widened on load).
+ * `cache_dtype`: the same, a 16-bit cache under float32 q, or fp8 e5m2 (DT_E5M2) under any q,
+ * holding k / k_scale and v / v_scale (the scales are ignored for other caches); keys and
+ * values are widened on load.
  * items: [num_items, 5] int32 rows (request, kv_head_begin, kv_head_end, row_begin, row_end).
  * sliding_window: 0 for full causal attention; soft_cap: 0 for none.
  * Returns 0, or a negative code for arguments it cannot serve (checked before any work). */
@@ -288,18 +296,20 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
                            const int32_t *seq_lens, const int32_t *query_start_loc,
                            const int32_t *items, int32_t num_items, int32_t num_heads,
                            int32_t num_kv_heads, int32_t head_size, int32_t block_size,
-                           int32_t dtype, int32_t cache_dtype, float scale,
-                           int32_t sliding_window, float soft_cap, int32_t num_threads) {
-    if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 2) return -1;
+                           int32_t dtype, int32_t cache_dtype, float scale, float k_scale,
+                           float v_scale, int32_t sliding_window, float soft_cap,
+                           int32_t num_threads) {
+    if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 3) return -1;
+    if (cache_dtype != DT_E5M2) k_scale = v_scale = 1.0f; /* only fp8 is stored scaled */
     if (head_size <= 0 || head_size > LANES * MAX_CHUNKS) return -2;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return -3;
     Params P = {(char *)out, (const char *)q, q_stride_token, q_stride_head,
                 (const char *)k_cache, (const char *)v_cache, block_tables, block_table_stride,
                 seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, block_size,
-                dtype, dtype == DT_F32 ? 4 : 2, cache_dtype, cache_dtype == DT_F32 ? 4 : 2,
+                dtype, dt_size(dtype), cache_dtype, dt_size(cache_dtype),
                 uses_bf16dp(dtype, cache_dtype, head_size),
                 sliding_window > 0 ? sliding_window : 0, scale, soft_cap > 0.0f ? soft_cap : 0.0f,
-                pick_tile(dtype, cache_dtype, head_size)};
+                k_scale, v_scale, scale * k_scale, pick_tile(dtype, cache_dtype, head_size)};
     const int group = num_heads / num_kv_heads;
     int max_qv = 0;
     for (int i = 0; i < num_items; i++) {
@@ -328,7 +338,7 @@ int pagoda_write_kv(const void *k, const void *v, int64_t row_stride, int32_t dt
                     int64_t rows, int64_t width) {
     if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 2) return -1;
     if (dtype != cache_dtype && dtype != DT_F32) return -1;
-    const int es = dtype == DT_F32 ? 4 : 2, ces = cache_dtype == DT_F32 ? 4 : 2;
+    const int es = dt_size(dtype), ces = dt_size(cache_dtype);
     const int64_t row_bytes = width * ces, whole = width / LANES * LANES;
     for (int64_t t = 0; t < rows; t++) {
         if (slots[t] < 0) continue;
@@ -349,7 +359,7 @@ int pagoda_write_kv(const void *k, const void *v, int64_t row_stride, int32_t dt
 }
 
 /* Lets the loader check it has the library it built (bump when the signature changes). */
-int pagoda_paged_attention_abi(void) { return 4; }
+int pagoda_paged_attention_abi(void) { return 5; }
 
 /* 1 when bf16 caches take the AVX512_BF16 path (p.v rounds p to bf16), for tests and logs. */
 int pagoda_paged_attention_bf16dp(void) { return HAVE_BF16DP; }

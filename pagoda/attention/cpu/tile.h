@@ -113,7 +113,7 @@ INLINE vf softmax_weights(vf s, float m, int masked) {
 /* s[i][t] += chunk c of q[i] . chunk c of key row t, for NQ queries and KB keys. */
 INLINE void score_chunk(vf (*s)[LANES], float *const *q, const char *const *krow, int c,
                         int partial, const int dt, const int NQ, const int KB, int d) {
-    const int es = dt == DT_F32 ? 4 : 2;
+    const int es = dt_size(dt);
     vf qc[MAX_GROUP];
 #pragma GCC unroll 4
     for (int i = 0; i < NQ; i++) memcpy(&qc[i], q[i] + c * LANES, sizeof(vf));
@@ -130,7 +130,7 @@ INLINE void score_chunk(vf (*s)[LANES], float *const *q, const char *const *krow
 INLINE void pv_columns(const Tile *tl, const float (*p)[TILE_KEYS], float *const *acc, int nkeys,
                        int c0, int nc, int partial, const int dt, const int NQ, const int PC,
                        int d) {
-    const int es = dt == DT_F32 ? 4 : 2;
+    const int es = dt_size(dt);
     vf a[MAX_GROUP][MAX_CHUNKS];
 #pragma GCC unroll 4
     for (int i = 0; i < NQ; i++)
@@ -199,7 +199,7 @@ INLINE void attend_tile(const Tile *tl, const int dt, const int NQ, const int CC
         for (int c = 0; c < CW; c++) score_chunk(s, q, krow, c, 0, dt, NQ, KB, d);
         if (CW < C) score_chunk(s, q, krow, CW, 1, dt, NQ, KB, d);
 #pragma GCC unroll 16
-        for (int t = 0; t < KB; t++) prefetch_next(tl, t0 + t, d * (dt == DT_F32 ? 4 : 2));
+        for (int t = 0; t < KB; t++) prefetch_next(tl, t0 + t, d * dt_size(dt));
 #pragma GCC unroll 4
         for (int i = 0; i < NQ; i++) {
             reduce_keys(s[i], KB, 1);

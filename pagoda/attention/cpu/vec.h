@@ -33,9 +33,12 @@ typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* DT_E5M2: an fp8 cache (e5m2), read only: its byte is the top half of an fp16. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E5M2 = 3 };
 
 #define INLINE static inline __attribute__((always_inline))
+
+INLINE int dt_size(int dt) { return dt == DT_F32 ? 4 : dt == DT_E5M2 ? 1 : 2; }
 
 /* ---- scalar conversions (tails and fallbacks) -------------------------------------------- */
 INLINE float bf16_to_f32(uint16_t h) {
@@ -97,6 +100,7 @@ static uint16_t f32_to_f16(float f) {
 INLINE float load_scalar(const void *p, int dt, int i) {
     if (dt == DT_F32) return ((const float *)p)[i];
     if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == DT_E5M2) return f16_to_f32((uint16_t)(((const uint8_t *)p)[i] << 8));
     return f16_to_f32(((const uint16_t *)p)[i]);
 }
 
@@ -206,12 +210,18 @@ INLINE vf load_lanes(const void *p, int dt) {
         return (vf)(__builtin_convertvector(h, vu) << 16);
     }
 #if LANES == 16
+    if (dt == DT_E5M2)
+        return (vf)_mm512_cvtph_ps(
+            _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #elif LANES == 8 && defined(__F16C__)
+    if (dt == DT_E5M2)
+        return (vf)_mm256_cvtph_ps(
+            _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
     float t[LANES];
-    for (int i = 0; i < LANES; i++) t[i] = f16_to_f32(((const uint16_t *)p)[i]);
+    for (int i = 0; i < LANES; i++) t[i] = load_scalar(p, dt, i);
     vf v;
     memcpy(&v, t, sizeof v);
     return v;

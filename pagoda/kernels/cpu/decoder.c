@@ -45,8 +45,9 @@ typedef int (*attention_fn)(void *out, const void *q, int64_t q_stride_token,
                             const int32_t *seq_lens, const int32_t *query_start_loc,
                             const int32_t *items, int32_t num_items, int32_t num_heads,
                             int32_t num_kv_heads, int32_t head_size, int32_t block_size,
-                            int32_t dtype, int32_t cache_dtype, float scale,
-                            int32_t sliding_window, float soft_cap, int32_t num_threads);
+                            int32_t dtype, int32_t cache_dtype, float scale, float k_scale,
+                            float v_scale, int32_t sliding_window, float soft_cap,
+                            int32_t num_threads);
 typedef int (*write_kv_fn)(const void *k, const void *v, int64_t row_stride, int32_t dtype,
                            void *k_cache, void *v_cache, int32_t cache_dtype, const int64_t *slots,
                            int64_t rows, int64_t width);
@@ -178,7 +179,7 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
         CHECK(d->attention(attn, qkv, qkv_cols, hd, L->k_cache, L->v_cache, s->block_tables,
                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->items,
                            s->num_items, d->num_heads, d->num_kv_heads, (int32_t)hd,
-                           d->block_size, (int32_t)dt, d->cache_dt, d->scale,
+                           d->block_size, (int32_t)dt, d->cache_dt, d->scale, 1.0f, 1.0f,
                            L->sliding_window, 0.0f,
                            s->attention_threads));
         CHECK(linear(d, &L->o, attn, q_cols, x, M, nt));
@@ -190,4 +191,4 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
     return d->rms_norm(x, H, res, H, d->final_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt);
 }
 
-int pagoda_decoder_abi(void) { return 2; }
+int pagoda_decoder_abi(void) { return 3; }

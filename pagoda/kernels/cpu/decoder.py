@@ -20,7 +20,7 @@ from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
 
 SOURCE, _, ISA = cpu_kernels.DECODER  # portable: the kernels it calls are built per ISA level
-_ABI = 2
+_ABI = 3
 MAX_PARTS = 4
 PART_QUANT, PART_PACKED, PART_GEMV = 0, 1, 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
