@@ -218,7 +218,7 @@ def test_write_kv_rounds_as_torch_does(cache_dtype, width, cpu_isa):
     rc = lib.pagoda_write_kv(
         k.data_ptr(), v.data_ptr(), 3 * width, 0, cache[0].data_ptr(), cache[1].data_ptr(),
         {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[cache_dtype],
-        slots.data_ptr(), rows, width,
+        slots.data_ptr(), rows, width, 1.0, 1.0,
     )  # fmt: skip
     assert rc == 0
     expected = torch.full_like(cache, 7.0)
@@ -236,7 +236,35 @@ def test_write_kv_rejects_a_narrower_source_than_the_cache():
     cache = torch.zeros(2, 1, 8)
     slots = torch.zeros(1, dtype=torch.int64)
     args = (x.data_ptr(), x.data_ptr(), 8, 1, cache[0].data_ptr(), cache[1].data_ptr(), 0)
-    assert load_library().pagoda_write_kv(*args, slots.data_ptr(), 1, 8) == -1
+    assert load_library().pagoda_write_kv(*args, slots.data_ptr(), 1, 8, 1.0, 1.0) == -1
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 5.0)])
+def test_write_kv_to_fp8_e5m2_rounds_and_saturates_as_torch_does(scales, cpu_isa):
+    """The e5m2 cache write (decoder stack) against the torch backend's write, bit for bit:
+    x / scale saturated to +-57344, round to nearest even, subnormals and ties included."""
+    from pagoda.attention.torch_ref import write_kv_cache
+
+    lib = load_library()
+    width, rows = 200, 6
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(rows, 2 * width, generator=g) * torch.logspace(-9, 6, 2 * width)
+    src[0, :6] = torch.tensor([1e9, -1e9, float("inf"), 2**-16, 3 * 2**-17, 1.125])
+    src[1, :4] = torch.tensor([1.375, 1.625, -0.0, 2**-20])  # ties to even, tiny
+    k, v = src[:, :width], src[:, width:]
+    slots = torch.tensor([3, -1, 0, 9, 4, 7], dtype=torch.int64)
+    cache = torch.zeros(2, 16, 1, 1, width, dtype=torch.float8_e5m2)
+    rc = lib.pagoda_write_kv(
+        k.data_ptr(), v.data_ptr(), 2 * width, 0, cache[0].data_ptr(), cache[1].data_ptr(), 3,
+        slots.data_ptr(), rows, width, *scales,
+    )  # fmt: skip
+    assert rc == 0
+    ref = torch.zeros_like(cache)
+    keep = slots >= 0
+    write_kv_cache(
+        ref, k[keep].view(-1, 1, width), v[keep].view(-1, 1, width), slots[keep], *scales
+    )
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("head_size", [8, 40, 80])

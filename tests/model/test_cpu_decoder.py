@@ -5,7 +5,7 @@ batches of several decoding requests, with the stack shown to have run.
 
 Cases: the embedded GGUF model (blocks kept quantized; its fused layers mix Q4_1 and Q8_0
 parts), and tiny transformers checkpoints in float32 (skinny GEMM on plain weights; over the
-default float16 cache, a float32 and a bf16 one) and bf16 (packed GEMM) covering GQA/MQA,
+default float16 cache, a float32, a bf16 and an fp8 e5m2 one) and bf16 (packed GEMM) covering GQA/MQA,
 q/k/v/o/MLP biases, q/k norms, partial LongRoPE and sliding windows.
 """
 
@@ -64,8 +64,14 @@ def test_embedded_gguf_model_decodes_as_layer_by_layer(monkeypatch):
 
 @pytest.mark.parametrize(
     "dtype,kv_cache_dtype",
-    [("float32", "auto"), ("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "auto")],
-    ids=["float32", "float32-f32cache", "float32-bf16cache", "bfloat16"],
+    [
+        ("float32", "auto"),
+        ("float32", "float32"),
+        ("float32", "bfloat16"),
+        ("float32", "fp8_e5m2"),
+        ("bfloat16", "auto"),
+    ],
+    ids=["float32", "float32-f32cache", "float32-bf16cache", "float32-e5m2cache", "bfloat16"],
 )
 @pytest.mark.parametrize(
     "case",

@@ -36,7 +36,7 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     fn.argtypes += [i32, i32, i32, i32, i32, i32, f32, f32, f32, i32, f32, i32]
     fn.restype = ctypes.c_int
     write = lib.pagoda_write_kv
-    write.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i32, ptr, i64, i64]
+    write.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i32, ptr, i64, i64, f32, f32]
     write.restype = ctypes.c_int
     lib.pagoda_paged_attention_set_parallel_run.argtypes = [ctypes.c_void_p]
     lib.pagoda_paged_attention_set_parallel_run(pool.parallel_run_pointer())  # NULL: OpenMP

@@ -331,12 +331,14 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
 
 /* Writes row t of k and of v (`width` elements each, rows `row_stride` elements apart, in
  * `dtype`) to slot slots[t] of the caches (rows of `width` elements in `cache_dtype`),
- * narrowing float32 to a 16-bit cache; a slot < 0 is not written. Returns 0, or -1 for
- * arguments it cannot serve (a narrower source than the cache, an unknown dtype). */
+ * narrowing float32 to a 16-bit cache, or to fp8 e5m2 as x / scale saturated to +-57344 (what
+ * the torch backend writes; k_scale and v_scale apply to e5m2 only); a slot < 0 is not written.
+ * Returns 0, or -1 for arguments it cannot serve (a narrower source than the cache, an unknown
+ * dtype). */
 int pagoda_write_kv(const void *k, const void *v, int64_t row_stride, int32_t dtype,
                     void *k_cache, void *v_cache, int32_t cache_dtype, const int64_t *slots,
-                    int64_t rows, int64_t width) {
-    if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 2) return -1;
+                    int64_t rows, int64_t width, float k_scale, float v_scale) {
+    if (dtype < 0 || dtype > 2 || cache_dtype < 0 || cache_dtype > 3) return -1;
     if (dtype != cache_dtype && dtype != DT_F32) return -1;
     const int es = dt_size(dtype), ces = dt_size(cache_dtype);
     const int64_t row_bytes = width * ces, whole = width / LANES * LANES;
@@ -349,10 +351,19 @@ int pagoda_write_kv(const void *k, const void *v, int64_t row_stride, int32_t dt
                 memcpy(dst, src, (size_t)row_bytes);
                 continue;
             }
+            const float *x = (const float *)src;
+            if (cache_dtype == DT_E5M2) {
+                const float scale = kv ? v_scale : k_scale, bound = 57344.0f;
+                for (int64_t i = 0; i < width; i++) {
+                    const float y = x[i] / scale;
+                    ((uint8_t *)dst)[i] = f32_to_e5m2(y > bound ? bound : y < -bound ? -bound : y);
+                }
+                continue;
+            }
             int64_t i = 0;
             for (; i < whole; i += LANES)
-                store_lanes(dst + i * ces, cache_dtype, load_lanes(src + i * 4, DT_F32));
-            for (; i < width; i++) store_scalar(dst, cache_dtype, (int)i, ((const float *)src)[i]);
+                store_lanes(dst + i * ces, cache_dtype, load_lanes(x + i, DT_F32));
+            for (; i < width; i++) store_scalar(dst, cache_dtype, (int)i, x[i]);
         }
     }
     return 0;

@@ -97,6 +97,32 @@ static uint16_t f32_to_f16(float f) {
 #endif
 }
 
+/* fp32 -> fp8 e5m2, as torch converts (c10's fp8e5m2_from_fp32_value): round to nearest even,
+ * 65536 and over become inf, NaN stays NaN. */
+static uint8_t f32_to_e5m2(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u >= 143u << 23) {
+        r = u > 255u << 23 ? 0x7f : 0x7c;
+    } else if (u < 113u << 23) { /* a subnormal e5m2: let the fp32 adder round */
+        float a, b;
+        const uint32_t dm = 134u << 23;
+        memcpy(&a, &u, 4);
+        memcpy(&b, &dm, 4);
+        a += b;
+        memcpy(&u, &a, 4);
+        r = (uint8_t)(u - dm);
+    } else {
+        const uint32_t odd = (u >> 21) & 1u;
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffffu + odd;
+        r = (uint8_t)(u >> 21);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
 INLINE float load_scalar(const void *p, int dt, int i) {
     if (dt == DT_F32) return ((const float *)p)[i];
     if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);

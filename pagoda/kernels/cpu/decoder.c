@@ -50,7 +50,7 @@ typedef int (*attention_fn)(void *out, const void *q, int64_t q_stride_token,
                             int32_t num_threads);
 typedef int (*write_kv_fn)(const void *k, const void *v, int64_t row_stride, int32_t dtype,
                            void *k_cache, void *v_cache, int32_t cache_dtype, const int64_t *slots,
-                           int64_t rows, int64_t width);
+                           int64_t rows, int64_t width, float k_scale, float v_scale);
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { PART_QUANT = 0, PART_PACKED = 1, PART_GEMV = 2 };
@@ -75,8 +75,11 @@ typedef struct {
     Linear qkv, o, gate_up, down;
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL unless present */
     void *k_cache, *v_cache; /* [num_blocks * block_size, num_kv_heads, head_size] each, in
-                              * the cache dtype (the model dtype, or 16 bits under float32) */
-    int32_t sliding_window, pad;
+                              * the cache dtype (the model dtype, 16 bits under float32, or
+                              * fp8 e5m2 holding k / k_scale, v / v_scale) */
+    int32_t sliding_window;
+    float k_scale, v_scale;
+    int32_t pad;
 } Layer;
 
 typedef struct {
@@ -175,13 +178,13 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
                     nt) != 0)
             return ROPE_POSITION_ERROR; /* layer 0 fails before any cache write */
         CHECK(d->write_kv(qkv + q_cols * es, qkv + (q_cols + kv_cols) * es, qkv_cols, (int32_t)dt,
-                          L->k_cache, L->v_cache, d->cache_dt, s->slots, M, kv_cols));
+                          L->k_cache, L->v_cache, d->cache_dt, s->slots, M, kv_cols,
+                          L->k_scale, L->v_scale));
         CHECK(d->attention(attn, qkv, qkv_cols, hd, L->k_cache, L->v_cache, s->block_tables,
                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->items,
                            s->num_items, d->num_heads, d->num_kv_heads, (int32_t)hd,
-                           d->block_size, (int32_t)dt, d->cache_dt, d->scale, 1.0f, 1.0f,
-                           L->sliding_window, 0.0f,
-                           s->attention_threads));
+                           d->block_size, (int32_t)dt, d->cache_dt, d->scale, L->k_scale,
+                           L->v_scale, L->sliding_window, 0.0f, s->attention_threads));
         CHECK(linear(d, &L->o, attn, q_cols, x, M, nt));
         CHECK(d->rms_norm(x, H, res, H, L->post_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt));
         CHECK(linear(d, &L->gate_up, x, H, gu, M, nt));
@@ -191,4 +194,4 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
     return d->rms_norm(x, H, res, H, d->final_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt);
 }
 
-int pagoda_decoder_abi(void) { return 3; }
+int pagoda_decoder_abi(void) { return 4; }

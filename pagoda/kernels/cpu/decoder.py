@@ -20,11 +20,11 @@ from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
 
 SOURCE, _, ISA = cpu_kernels.DECODER  # portable: the kernels it calls are built per ISA level
-_ABI = 3
+_ABI = 4
 MAX_PARTS = 4
 PART_QUANT, PART_PACKED, PART_GEMV = 0, 1, 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e5m2: 3}
 ROPE_POSITION_ERROR = -100
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -67,6 +67,8 @@ class _Layer(ctypes.Structure):
         ("k_cache", _p),
         ("v_cache", _p),
         ("sliding_window", _i32),
+        ("k_scale", _f32),
+        ("v_scale", _f32),
         ("pad", _i32),
     ]
 
@@ -159,6 +161,8 @@ class LayerSpec:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     sliding_window: int
+    k_scale: float = 1.0  # an fp8 cache holds k / k_scale and v / v_scale
+    v_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,8 @@ class CpuDecoderStack:
                 q_norm=_ptr(layer.q_norm),
                 k_norm=_ptr(layer.k_norm),
                 sliding_window=layer.sliding_window,
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
             )
         self._decoder = _Decoder(
             quant_gemm=quant_gemm,
@@ -345,9 +351,11 @@ class CpuDecoderStack:
 
 def cache_dtype_supported(model_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the stack runs a model of `model_dtype` over a KV cache of `cache_dtype`: the
-    model dtype, or a 16-bit cache under float32 (widened as the attention kernel reads it)."""
+    model dtype, a 16-bit cache under float32, or fp8 e5m2 under float32 (widened as the
+    attention kernel reads it)."""
     return cache_dtype == model_dtype or (
-        model_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
+        model_dtype == torch.float32
+        and cache_dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2)
     )
 
 

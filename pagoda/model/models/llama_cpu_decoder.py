@@ -12,8 +12,8 @@ unsharded, on the CPU attention backend without logit soft-capping, with C-suppo
 layers (GGUF blocks kept quantized, packed bf16, or plain weights in the model dtype) and
 norms in the model dtype. A step (decodes, prompt chunks or both) qualifies when it has no
 padding rows, every row has a cache slot (so the attention kernel reads every key from the
-cache, as the backend then does too), the cache holds the model dtype (or 16 bits under a
-float32 model), and, with plain
+cache, as the backend then does too), the cache holds the model dtype (or 16 bits or fp8 e5m2
+under a float32 model), and, with plain
 weights, the rows are few enough for the skinny GEMM (more go to torch's GEMM, which only
 the layer path calls).
 """
@@ -124,6 +124,8 @@ def _spec(model: LlamaModel) -> cdec.DecoderSpec:
                 q_norm=attn.q_norm.weight if attn.qk_norm else None,
                 k_norm=attn.k_norm.weight if attn.qk_norm else None,
                 sliding_window=attn.attn.sliding_window or 0,
+                k_scale=float(attn.attn.k_scale),
+                v_scale=float(attn.attn.v_scale),
             )
         )
     eps = {nm.variance_epsilon for layer in model.layers for nm in _norms(layer)}
