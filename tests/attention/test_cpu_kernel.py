@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagoda.attention.backend import get_attn_backend
-from pagoda.attention.cpu.library import load_library
+from pagoda.attention.cpu.library import CACHE_DTYPE_CODES, load_library
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.torch_ref import TorchAttentionBackend
 from pagoda.utils.cpu_build import CpuKernelUnavailable
@@ -217,7 +217,7 @@ def test_write_kv_rounds_as_torch_does(cache_dtype, width, cpu_isa):
     slots = torch.tensor([3, -1, 0, 15, 8, -1, 9], dtype=torch.int64)
     rc = lib.pagoda_write_kv(
         k.data_ptr(), v.data_ptr(), 3 * width, 0, cache[0].data_ptr(), cache[1].data_ptr(),
-        {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[cache_dtype],
+        CACHE_DTYPE_CODES[cache_dtype],
         slots.data_ptr(), rows, width, 1.0, 1.0,
     )  # fmt: skip
     assert rc == 0

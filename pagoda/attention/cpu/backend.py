@@ -30,13 +30,11 @@ from pagoda.attention.backend import (
     sliding_window_of,
     soft_cap_of,
 )
-from pagoda.attention.cpu.library import load_library
+from pagoda.attention.cpu.library import CACHE_DTYPE_CODES, DTYPE_CODES, load_library
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.torch_ref import TorchAttentionBackend, attend, window_mask, write_kv_cache
 
 _PLAN_KEY = "cpu_plan"
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_CACHE_CODES = {**_DTYPE_CODES, torch.float8_e5m2: 3}
 _MAX_HEAD_SIZE = 256
 # Query vectors (rows x GQA group) an item of a prefill chunk scores against each K/V tile:
 # more reuse each key read from memory more often, fewer leave threads idle on short chunks.
@@ -156,8 +154,8 @@ class CpuAttentionBackend(AttentionBackend):
             kv_cache is not None
             and kv_cache.numel() > 0
             and q.device.type == "cpu"
-            and q.dtype in _DTYPE_CODES
-            and kv_cache.dtype in _CACHE_CODES
+            and q.dtype in DTYPE_CODES
+            and kv_cache.dtype in CACHE_DTYPE_CODES
             and (kv_cache.dtype in (q.dtype, torch.float8_e5m2) or q.dtype == torch.float32)
             and q.shape[-1] <= _MAX_HEAD_SIZE
             and kv_cache.is_contiguous()
@@ -215,8 +213,8 @@ class CpuAttentionBackend(AttentionBackend):
                 num_kv_heads,
                 head_size,
                 plan.block_size,
-                _DTYPE_CODES[q.dtype],
-                _CACHE_CODES[kv_cache.dtype],
+                DTYPE_CODES[q.dtype],
+                CACHE_DTYPE_CODES[kv_cache.dtype],
                 scale,
                 k_scale,
                 v_scale,

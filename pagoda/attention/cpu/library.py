@@ -5,12 +5,17 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import torch
+
 from pagoda.kernels.cpu import pool
 from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, log_isa
 
 SOURCE, HEADERS, _ = cpu_kernels.ATTENTION  # HEADERS: included by SOURCE, part of the cache key
 _ABI = 5  # pagoda_paged_attention_abi() of the source this loader can call
+# The kernel's dtype codes (vec.h): q and out take DTYPE_CODES, the cache CACHE_DTYPE_CODES.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e5m2: 3}
 
 
 @functools.cache

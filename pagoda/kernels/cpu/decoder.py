@@ -24,7 +24,6 @@ _ABI = 4
 MAX_PARTS = 4
 PART_QUANT, PART_PACKED, PART_GEMV = 0, 1, 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e5m2: 3}
 ROPE_POSITION_ERROR = -100
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -231,7 +230,7 @@ class CpuDecoderStack:
 
         self.spec = spec
         self._lib = load_decoder_library()
-        ops_lib = ops.load_cpu_ops()
+        ops_lib, attention_lib = ops.load_cpu_ops(), load_library()
         quant_gemm = 0
         if any(p.kind == PART_QUANT for layer in spec.layers for p in layer_parts(layer)):
             from pagoda.kernels.cpu import quant
@@ -259,8 +258,8 @@ class CpuDecoderStack:
             rms_norm=_address(ops_lib.pagoda_rms_norm),
             silu_and_mul=_address(ops_lib.pagoda_silu_and_mul),
             rope=_address(ops_lib.pagoda_rotary_embedding),
-            attention=_address(load_library().pagoda_paged_attention),
-            write_kv=_address(load_library().pagoda_write_kv),
+            attention=_address(attention_lib.pagoda_paged_attention),
+            write_kv=_address(attention_lib.pagoda_write_kv),
             layers=self._layers,
             final_norm=spec.final_norm.data_ptr(),
             cos_sin=spec.cos_sin.data_ptr(),
@@ -295,7 +294,9 @@ class CpuDecoderStack:
             raise ValueError(
                 f"KV caches in {sorted(map(str, dtypes))} for a {self.spec.dtype} model"
             )
-        self._decoder.cache_dt = _CACHE_DTYPES[kv_caches[0].dtype]
+        from pagoda.attention.cpu.library import CACHE_DTYPE_CODES
+
+        self._decoder.cache_dt = CACHE_DTYPE_CODES[kv_caches[0].dtype]
         for layer, cache in zip(self._layers, kv_caches, strict=True):
             layer.k_cache, layer.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
         self._bound = key

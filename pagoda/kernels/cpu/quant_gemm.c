@@ -153,15 +153,18 @@ typedef struct {
     int64_t M, N;
 } GemmArgs;
 
+/* y[m, n] = v + bias[n], in fp32 or rounded to bf16. */
+INLINE void store_value(const GemmArgs *g, int64_t n, int64_t m, float v) {
+    v += g->bias ? g->bias[n] : 0.0f;
+    const int64_t at = m * g->y_stride + n;
+    if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(v);
+    else ((float *)g->y)[at] = v;
+}
+
 INLINE void store_tile(const GemmArgs *g, int64_t n0, int nr, int64_t m0, int nc,
                        float out[TILE_W][TILE_X]) {
     for (int c = 0; c < nc; c++)
-        for (int r = 0; r < nr; r++) {
-            float v = out[r][c] + (g->bias ? g->bias[n0 + r] : 0.0f);
-            int64_t at = (m0 + c) * g->y_stride + n0 + r;
-            if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(v);
-            else ((float *)g->y)[at] = v;
-        }
+        for (int r = 0; r < nr; r++) store_value(g, n0 + r, m0 + c, out[r][c]);
 }
 
 /* Weight rows [n0, n1) against every activation row; `offsets` is TILE_W * nb floats. */
@@ -191,12 +194,7 @@ INLINE void gemm_chunk(const int type, const GemmArgs *g, const QActs *a, int64_
 INLINE void store_rows(const GemmArgs *g, int64_t n0, int nr, int64_t m0, int nc,
                        const float out[][8]) {
     for (int c = 0; c < nc; c++)
-        for (int r = 0; r < nr; r++) {
-            float val = out[c][r] + (g->bias ? g->bias[n0 + r] : 0.0f);
-            int64_t at = (m0 + c) * g->y_stride + n0 + r;
-            if (g->y_bf16) ((uint16_t *)g->y)[at] = fp32_to_bf16(val);
-            else ((float *)g->y)[at] = val;
-        }
+        for (int r = 0; r < nr; r++) store_value(g, n0 + r, m0 + c, out[c][r]);
 }
 
 #if defined(QUANT_VNNI512)
