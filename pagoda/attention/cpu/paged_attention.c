@@ -105,8 +105,9 @@ typedef struct {
     int bf16dp;
     int sliding_window; /* > 0: a query at position p sees keys (p - sliding_window, p] */
     float scale, soft_cap;
-    float k_scale, v_scale; /* an fp8 cache holds k / k_scale and v / v_scale */
-    float q_scale;          /* scale * k_scale, applied to q as it is loaded */
+    /* an fp8 cache holds k / k_scale and v / v_scale: q is loaded times scale * k_scale, the
+     * output written times v_scale */
+    float q_scale, v_scale;
     tile_fn tile;
 } Params;
 
@@ -309,7 +310,7 @@ int pagoda_paged_attention(void *out, const void *q, int64_t q_stride_token,
                 dtype, dt_size(dtype), cache_dtype, dt_size(cache_dtype),
                 uses_bf16dp(dtype, cache_dtype, head_size),
                 sliding_window > 0 ? sliding_window : 0, scale, soft_cap > 0.0f ? soft_cap : 0.0f,
-                k_scale, v_scale, scale * k_scale, pick_tile(dtype, cache_dtype, head_size)};
+                scale * k_scale, v_scale, pick_tile(dtype, cache_dtype, head_size)};
     const int group = num_heads / num_kv_heads;
     int max_qv = 0;
     for (int i = 0; i < num_items; i++) {
