@@ -86,6 +86,29 @@ def skinny_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
     return configs
 
 
+def wide_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
+    """SkinnyConfig tuples of the many-row modes (x in planar order, zero and scale per
+    weight: `planar`, `scale_w`) from 64 rows: 64-row x tiles against 128- and 256-row weight
+    tiles (the unpacked tile stays in registers), 128-row ones against 64 and 128 (through
+    shared memory: Triton's choice at 8 warps), 3 and 4 stages, K split until the grid covers
+    the SMs about twice."""
+    from pagoda.kernels.skinny_gemm import split_k_plan
+
+    if m < 64 or k % 128:
+        return []
+    configs = []
+    for bm, bn, warps in ((64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8)):
+        if bm > max(64, m):
+            continue
+        for stages in (3, 4):
+            if stages * (bn * 128 // 2 + bm * 128 * 2) > 200 * 1024:
+                continue
+            tiles = -(-n // bn) * -(-m // bm)
+            split = split_k_plan(k, 128, max(1, min(8, (2 * num_sms) // tiles)))[1]
+            configs.append((bm, bn, 128, split, warps, stages, True, True))
+    return configs
+
+
 def _build(job: tuple) -> str | None:
     """Compile one few-row config (into Triton's cache) by running it on a small layer."""
     import torch
@@ -113,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--no-sweep", action="store_true", help="choose_config only")
+    ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
     args = ap.parse_args(argv)
 
     import torch
@@ -130,17 +154,19 @@ def main(argv: list[str] | None = None) -> dict:
     m_values = args.m or M_VALUES
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     grids = {
-        (s, m): ([] if args.no_sweep else skinny_grid(m, n, k, num_sms))
+        (s, m): (
+            [] if args.no_sweep else skinny_grid(m, n, k, num_sms) + wide_grid(m, n, k, num_sms)
+        )
         for (s, (n, k)), m in itertools.product(shapes.items(), m_values)
     }
-    keys = {(c[0], c[1], c[2], max(1, min(c[3], 2)), c[4], c[5]) for g in grids.values() for c in g}
+    keys = {(*c[:3], max(1, min(c[3], 2)), *c[4:]) for g in grids.values() for c in g}
     if args.jobs > 1 and keys:
         precompile(_build, sorted(keys), args.jobs, cpu=False)
     from concurrent.futures import ThreadPoolExecutor
 
     from pagoda.kernels.w4a16_gemv import m_tiles
 
-    gemv_grids = {m: gemv_grid(m) for m in m_values}
+    gemv_grids = {m: [] if args.no_cuda_sweep else gemv_grid(m) for m in m_values}
     # Each config's variant for every row count, compiled by NVRTC on threads.
     jobs = {(m_tiles(m), c): (m, c) for m, g in gemv_grids.items() for c in g}
     t_build = time.perf_counter()
@@ -217,25 +243,31 @@ def main(argv: list[str] | None = None) -> dict:
                     gemv_best = row
             if gemv_best is not None:
                 gemv_best["variant"] = "cuda_best"
-            best = None
+            best = {}  # few-row configs ("skinny") and the many-row modes ("wide") apart
             for cfg in grids[name, m]:
+                variant = "wide" if SkinnyConfig(*cfg).planar else "skinny"
                 try:
                     us = timed(w4(SkinnyConfig(*cfg)), packed)
+                    err = error(SkinnyConfig(*cfg))
                 except Exception as e:  # noqa: BLE001 - a config that does not build or run
                     print(f"  {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:160]}")
                     continue
-                row = record("skinny", us, packed_bytes, list(cfg))
-                if best is None or us < best["us"]:
-                    best = row
+                row = record(variant, us, packed_bytes, list(cfg), err)
+                if err > 2e-2:
+                    print(f"  {name} M={m} {cfg}: WRONG, max error {err:.3g}")
+                elif variant not in best or us < best[variant]["us"]:
+                    best[variant] = row
             line = f"{name:8s} M={m:5d} " + "  ".join(
                 f"{r['variant']} {r['us']:7.1f} us {r['tbps']:5.2f} TB/s"
                 for r in rows
-                if r["shape"] == name and r["m"] == m and r["variant"] not in ("skinny", "cuda")
+                if r["shape"] == name
+                and r["m"] == m
+                and r["variant"] not in ("skinny", "wide", "cuda")
             )
-            if best is not None:
-                best["variant"] = "skinny_best"
+            for variant, row in best.items():
+                row["variant"] = f"{variant}_best"
                 line += (
-                    f"  skinny_best {best['us']:7.1f} us {best['tbps']:5.2f} TB/s {best['config']}"
+                    f"  {variant}_best {row['us']:7.1f} us {row['tbps']:5.2f} TB/s {row['config']}"
                 )
             print(line + f"  err {chosen_row['max_err']:.2g}", flush=True)
         del packed, dense, ref_w
@@ -247,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dequant_cublas",
         "default",
         "skinny_best",
+        "wide_best",
         "cuda_best",
     )
     print(f"\nms per decode step ({len(shapes)} GEMMs x {LAYERS} layers):")

@@ -297,16 +297,22 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 # What w4a16_linear runs by row count, from the H200 measurement of the Llama-3-8B layers
 # (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md): the CUDA decode kernel
 # (`w4a16_gemv`) up to GEMV_MAX_M rows, the Triton few-row kernel
-# (`w4a16_skinny._pairs_kernel`) up to SKINNY_MAX_M rows, and up to SKINNY_WIDE_MAX_M for
-# layers of at least SKINNY_WIDE_N outputs (gate_up: 92 vs 104 us at 64 rows, where this
-# module's kernel won on qkv, o and down); dequantize-then-cuBLAS past DEQUANT_MIN_M - 1 rows
-# (192 rows: 11.4 vs 15.5 ms a decode step, 256: 11.9 vs 15.8, where this module's kernel
-# takes a second 128-row block; at 128 rows it won, 9.1 vs 10.7); this module's kernel in
-# between, and wherever the groups do not hold whole K tiles.
+# (`w4a16_skinny._pairs_kernel`) up to SKINNY_MAX_M rows; then the same kernel in its many-row
+# modes (`many_rows_config`: x reordered into the nibble planes' order, zero and scale per
+# weight, one accumulator) up to MANY_ROWS_MAX_M rows, and up to MANY_ROWS_WIDE_MAX_M for
+# layers of at least SKINNY_WIDE_N outputs: they won over this module's kernel and
+# dequantize-then-cuBLAS on every layer but o at 64 rows (23.3 vs 21.0 us), 5.06 vs 6.34 ms a
+# decode step at 64 rows, 7.62 vs 9.15 at 128, gate_up 169 vs 192 us at 256.
+# Dequantize-then-cuBLAS from DEQUANT_MIN_M rows otherwise (192 rows: 11.4 vs 15.5 ms a
+# decode step with this module's kernel, 256: 11.9 vs 15.8). Where the groups do not hold
+# whole 128-input tiles: the few-row kernel on 64-input tiles up to SKINNY_WIDE_MAX_M rows
+# for wide layers, else this module's kernel up to MAX_BLOCK_M rows.
 GEMV_MAX_M = 8
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
+MANY_ROWS_MAX_M = 128
+MANY_ROWS_WIDE_MAX_M = 256
 DEQUANT_MIN_M = MAX_BLOCK_M + 1
 DEQUANT = "dequant"
 
@@ -338,6 +344,24 @@ def skinny_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132):
         split_k = max(1, programs // tiles)
     split_k = split_k_plan(k, block_k, min(16, split_k))[1]
     return SkinnyConfig(block_m, block_n, block_k, split_k, num_warps, 3)
+
+
+def many_rows_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132):
+    """The few-row kernel in its many-row modes (`SkinnyConfig` with `planar` and `scale_w`),
+    or None where K is not whole 128-input tiles within groups. From the H200 sweep of the
+    Llama-3-8B layers at 64, 128 and 256 rows (8 tiles each): 64-row x tiles against 128-row
+    weight tiles up to 64 rows and past 128, 128-row x tiles against 64-row weight tiles in
+    between (down 64.1 vs 74.2 us at 128 rows); 4 warps, 3 stages (4 were as fast or up to
+    1.4x slower); K split until the grid covers the SMs about twice."""
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig, skinny_supported
+
+    if k % 128 or not skinny_supported(k, group_size, 128):
+        return None
+    block_m = 128 if 64 < m <= 128 else 64
+    block_n = 8192 // block_m
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split_k = split_k_plan(k, 128, max(1, min(8, (2 * num_sms) // tiles)))[1]
+    return SkinnyConfig(block_m, block_n, 128, split_k, 4, 3, planar=True, scale_w=True)
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig | None:
@@ -378,8 +402,14 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, e
 
 def fallback_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
     """`choose_config` without the CUDA kernel: the Triton kernels' choice."""
-    if m <= SKINNY_MAX_M or (m <= SKINNY_WIDE_MAX_M and n >= SKINNY_WIDE_N):
+    if m <= SKINNY_MAX_M:
         cfg = skinny_config(m, n, k, group_size, num_sms)
+        if cfg is not None:
+            return cfg
+    if m <= MANY_ROWS_MAX_M or (m <= MANY_ROWS_WIDE_MAX_M and n >= SKINNY_WIDE_N):
+        cfg = many_rows_config(m, n, k, group_size, num_sms)
+        if cfg is None and m <= SKINNY_WIDE_MAX_M and n >= SKINNY_WIDE_N:
+            cfg = skinny_config(m, n, k, group_size, num_sms)
         if cfg is not None:
             return cfg
     if m >= DEQUANT_MIN_M and elem_bytes == 2:

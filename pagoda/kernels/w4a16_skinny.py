@@ -75,9 +75,11 @@ def _plane(h, T: tl.constexpr, dtype: tl.constexpr, USE_ASM: tl.constexpr):
     nothing crosses between the halves under the mask). Being elementwise and unary, Triton
     applies it in the MMA operand's register layout, loaded straight from the pipeline's
     shared memory (no shared-memory round trip of the unpacked tile)."""
+    # One if/elif/else chain: Triton compiles the code after a constexpr branch's return too,
+    # and a float32 x reaching the 16-bit PTX below failed to build.
     if dtype == tl.float32:
         return ((h.to(tl.int32) >> (4 * T)) & 0xF).to(tl.float32) + 16.0
-    if USE_ASM:
+    elif USE_ASM:
         if dtype == tl.bfloat16:
             if T == 0:
                 return _asm(h, _BF16_ASM0, dtype)
@@ -96,12 +98,86 @@ def _plane(h, T: tl.constexpr, dtype: tl.constexpr, USE_ASM: tl.constexpr):
                 return _asm(h, _FP16_ASM2, dtype)
             else:
                 return _asm(h, _FP16_ASM3, dtype)
-    if dtype == tl.bfloat16:
-        MAGIC: tl.constexpr = 0x4300
     else:
-        MAGIC: tl.constexpr = 0x6400
-    t = ((h >> (4 * T)) & 0xF) | MAGIC  # arithmetic shift: the kept bits are the nibble's
-    return tl.cast(t.to(tl.int16), dtype, bitcast=True)
+        if dtype == tl.bfloat16:
+            MAGIC: tl.constexpr = 0x4300
+        else:
+            MAGIC: tl.constexpr = 0x6400
+        t = ((h >> (4 * T)) & 0xF) | MAGIC  # arithmetic shift: the kept bits are the nibble's
+        return tl.cast(t.to(tl.int16), dtype, bitcast=True)
+
+
+# (a - z) * s on both 16-bit halves of a register: the difference exact, the product rounded once.
+_BF16_SCALE = tl.constexpr("{ .reg .b32 t; sub.rn.bf16x2 t, $1, $2; mul.rn.bf16x2 $0, t, $3; }")
+_FP16_SCALE = tl.constexpr("{ .reg .b32 t; sub.rn.f16x2 t, $1, $2; mul.rn.f16x2 $0, t, $3; }")
+
+
+@triton.jit
+def _scale_plane(a, z, s, dtype: tl.constexpr, USE_ASM: tl.constexpr):
+    """a [R, C] OFFSET + q, z [R, 1] OFFSET + zero, s [R, 1] scale, all in dtype -> (q - z) s in
+    dtype, rounded once as the dequantized weight is. On a GPU one packed subtract and one
+    packed multiply per two weights (inline PTX, in the MMA operand's register layout)."""
+    z = tl.broadcast_to(z, a.shape)
+    s = tl.broadcast_to(s, a.shape)
+    if USE_ASM and dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            _BF16_SCALE, "=r,r,r,r", [a, z, s], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+    elif USE_ASM and dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            _FP16_SCALE, "=r,r,r,r", [a, z, s], dtype=tl.float16, is_pure=True, pack=2
+        )
+    else:
+        return ((a.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _planar_x_kernel(
+    x_ptr,
+    perm_ptr,
+    out_ptr,
+    M,
+    stride_x: tl.int64,
+    stride_o: tl.int64,
+    HAS_PERM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[m, k0 + t H + c] = x[m, k0 + 8 (c // 2) + 2 t + c % 2] (through perm for act order),
+    H = BLOCK_K / 4: each K tile's inputs in the order of the kernel's four nibble planes."""
+    H: tl.constexpr = BLOCK_K // 4
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    c = j % H
+    src = k0 + 8 * (c // 2) + 2 * (j // H) + c % 2
+    if HAS_PERM:
+        src = tl.load(perm_ptr + src)
+    ok = (rows < M)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(x_ptr + r64 * stride_x + src[None, :], mask=ok)
+    tl.store(out_ptr + r64 * stride_o + (k0 + j)[None, :], v, mask=ok)
+
+
+def planar_x(x: torch.Tensor, perm: torch.Tensor | None, block_k: int) -> torch.Tensor:
+    """x [M, K] (K a multiple of block_k) with each K tile's inputs reordered to the nibble
+    planes' order (`_planar_x_kernel`), gathered through perm first for an act-order layer."""
+    m, k = x.shape
+    out = torch.empty_like(x)
+    block_r = 16
+    _planar_x_kernel[(triton.cdiv(m, block_r), k // block_k)](
+        x,
+        perm if perm is not None else x,
+        out,
+        m,
+        x.stride(0),
+        out.stride(0),
+        HAS_PERM=perm is not None,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -135,6 +211,8 @@ def _pairs_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_ASM: tl.constexpr,  # inline PTX unpacking (not under the interpreter)
+    PLANAR_X: tl.constexpr = False,  # x in planar order (`planar_x`): contiguous plane columns
+    SCALE_W: tl.constexpr = False,  # (q - z) s per weight, one accumulator (many rows)
 ):
     BLOCK_H: tl.constexpr = BLOCK_K // 4  # word halves per row and tile
     pid_m = tl.program_id(0)
@@ -147,9 +225,11 @@ def _pairs_kernel(
     col_k = 8 * (offs_h // 2) + offs_h % 2
     m_ok = offs_m < M
     n_ok = offs_n < N
-    # Rows past M or N read row M - 1 or N - 1 instead of being masked (no masks in the loop);
-    # their outputs are never stored.
-    x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_x
+    # Rows past M or N read other rows instead of being masked (no masks in the loop); their
+    # outputs are never stored. Past M, row m reads row m % M: distinct rows (all reading row
+    # M - 1 made every program's loads of a K tile hit the same lines at once: 96 rows of
+    # gate_up in 128-row tiles took 148 us against 107 for 128 rows).
+    x_rows = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_x
     n_rows = tl.minimum(offs_n, N - 1)
     qh_rows = qh_ptr + n_rows.to(tl.int64)[:, None] * stride_qh
     num_halves = 2 * ((K + 7) // 8)
@@ -177,22 +257,35 @@ def _pairs_kernel(
         zp_next = tl.load(zeros_ptr + g_next * N + n_rows)
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         x_tile = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        # SCALE_W: OFFSET + z and s per weight row, in x's dtype (both exact: z <= 16)
+        z_w = (zp.to(tl.float32) + offset).to(dtype)[:, None]
+        s_w = sc.to(dtype)[:, None]
         for t in tl.static_range(4):
             a = _plane(halves, t, dtype, USE_ASM)  # [BLOCK_N, BLOCK_H]: OFFSET + q
-            kk = k0 + 2 * t + col_k
-            k_ok = kk < K
-            if HAS_PERM:
-                kk = tl.load(perm_ptr + kk, mask=k_ok, other=0)
-            if EVEN_K:
-                x = tl.load(x_rows + kk[None, :])  # [BLOCK_M, BLOCK_H]
+            if PLANAR_X:  # plane t's inputs are columns k0 + t BLOCK_H + [0, BLOCK_H)
+                x = tl.load(x_rows + (k0 + t * BLOCK_H + offs_h)[None, :])
             else:
-                x = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            x_tile += x.to(tl.float32)
-            part = tl.dot(a, tl.trans(x), part, input_precision=DOT_PRECISION)
-        # sum_k (q - z) s x = s (sum_k (OFFSET + q) x - (OFFSET + z) sum_k x)
-        x_sum = tl.sum(x_tile, axis=1)  # [BLOCK_M]
-        z_off = zp.to(tl.float32) + offset
-        acc += sc.to(tl.float32)[:, None] * (part - z_off[:, None] * x_sum[None, :])
+                kk = k0 + 2 * t + col_k
+                k_ok = kk < K
+                if HAS_PERM:
+                    kk = tl.load(perm_ptr + kk, mask=k_ok, other=0)
+                if EVEN_K:
+                    x = tl.load(x_rows + kk[None, :])  # [BLOCK_M, BLOCK_H]
+                else:
+                    x = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+            if SCALE_W:
+                # (OFFSET + q) - (OFFSET + z) is exact; times s rounds once, as the
+                # dequantized weight does
+                w = _scale_plane(a, z_w, s_w, dtype, USE_ASM)
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            else:
+                x_tile += x.to(tl.float32)
+                part = tl.dot(a, tl.trans(x), part, input_precision=DOT_PRECISION)
+        if not SCALE_W:
+            # sum_k (q - z) s x = s (sum_k (OFFSET + q) x - (OFFSET + z) sum_k x)
+            x_sum = tl.sum(x_tile, axis=1)  # [BLOCK_M]
+            z_off = zp.to(tl.float32) + offset
+            acc += sc.to(tl.float32)[:, None] * (part - z_off[:, None] * x_sum[None, :])
         sc, zp = sc_next, zp_next
 
     counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
@@ -209,6 +302,10 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    # Many rows: x reordered once into the planes' order (contiguous loads instead of pairs of
+    # inputs 8 apart), and zero and scale applied per weight so the MMA accumulates in place.
+    planar: bool = False
+    scale_w: bool = False
 
 
 def skinny_supported(k: int, group_size: int, block_k: int) -> bool:
@@ -245,6 +342,9 @@ def skinny_w4a16(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     counters, partials = split_k_buffers(y, m_tiles * n_tiles, split_k)
     halves = qweight.view(torch.int16)
+    planar = cfg.planar and k % cfg.block_k == 0
+    if planar:
+        x, perm = planar_x(x, perm, cfg.block_k), None
     _pairs_kernel[(m_tiles, n_tiles, split_k)](
         x,
         halves,
@@ -275,6 +375,8 @@ def skinny_w4a16(
         NUM_STAGES=cfg.num_stages,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_ASM=x.is_cuda,
+        PLANAR_X=planar,
+        SCALE_W=cfg.scale_w,
         num_warps=cfg.num_warps,
     )
     return y

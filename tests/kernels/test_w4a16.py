@@ -486,6 +486,33 @@ def test_few_row_kernel_matches_dequantized_linear(fmt: str, m: int, group: int)
         torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+@pytest.mark.parametrize("planar,scale_w", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_few_row_kernel_many_row_modes_match(fmt: str, planar: bool, scale_w: bool, dtype) -> None:
+    """The many-row modes: x reordered into the planes' order (K = 256, two 128-input tiles;
+    act order gathered by the same pass) and zero and scale per weight with one accumulator,
+    each alone and together, with bias and a split K, against the dequantized linear. With
+    K = 200 (no whole tiles) `planar` falls back to the strided loads."""
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig, planar_x
+
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    for k, group, split in ((256, 128, 1), (256, 64, 2), (200, 64, 1)):
+        block_k = 128 if group == 128 else 64
+        w4, dense = packed_weights(fmt, n=48, k=k, group=group, seed=k + group)
+        x = _randn(37, k, seed=31, dtype=dtype)
+        bias = _randn(48, seed=32, dtype=dtype)
+        cfg = SkinnyConfig(16, 32, block_k, split, 4, 2, planar, scale_w)
+        out = _linear(x, w4, bias, cfg)
+        want = F.linear(x.float(), dense, bias.float())
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    # The reorder itself: tile t's plane p holds inputs 8 (c // 2) + 2 p + c % 2, c < 32.
+    x = torch.arange(256, dtype=torch.float32, device=DEV)[None, :].repeat(3, 1)
+    got = planar_x(x, None, 128)[0].long().tolist()
+    assert got[:4] == [0, 1, 8, 9] and got[32:34] == [2, 3] and got[128:130] == [128, 129]
+    assert sorted(got) == list(range(256))
+
+
 def test_few_row_kernel_float16_and_one_group() -> None:
     """The 16-bit unpacking (1024 + q in fp16's mantissa) under the interpreter, and a layer
     with one group per row (group_size >= K)."""
@@ -529,9 +556,17 @@ def test_choose_config_by_rows_and_groups() -> None:
     assert fallback_config(1, n, k, 128).split_k == 16  # deep: twice the splits
     assert choose_config(1, n, k, 64).block_k == 64
     assert isinstance(choose_config(1, n, k, 32), W4A16Config)
-    assert isinstance(fallback_config(64, n, k, 128), W4A16Config)
-    assert isinstance(fallback_config(64, *LLAMA3_8B["gate_up"], 128), SkinnyConfig)
-    assert isinstance(choose_config(128, n, k, 128), W4A16Config)
+    # From 33 rows the many-row modes, to 128 rows (256 for wide layers), groups permitting
+    for m, block_m in ((33, 64), (64, 64), (65, 128), (128, 128)):
+        cfg = fallback_config(m, n, k, 128)
+        assert isinstance(cfg, SkinnyConfig) and cfg.planar and cfg.scale_w
+        assert cfg.block_m == block_m and cfg.block_m * cfg.block_n == 8192
+    gate_up = LLAMA3_8B["gate_up"]
+    assert fallback_config(256, *gate_up, 128).planar
+    assert fallback_config(257, *gate_up, 128) == DEQUANT
+    assert isinstance(fallback_config(64, n, k, 64), W4A16Config)  # no 128-input tiles
+    assert isinstance(fallback_config(64, *gate_up, 64), SkinnyConfig)
+    assert not fallback_config(64, *gate_up, 64).planar
     assert choose_config(129, n, k, 128) == DEQUANT
     assert choose_config(1024, n, k, 128) == DEQUANT
     assert isinstance(choose_config(1024, n, k, 128, elem_bytes=4), W4A16Config)
@@ -541,10 +576,10 @@ def test_choose_config_by_rows_and_groups() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,fmt", [("qkv", "awq"), ("down", "gptq_act_order")])
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, 16, 48, 64, 128, 256])
 def test_default_dispatch_at_llama8b_shapes(dtype, name: str, fmt: str, m: int) -> None:
     """What `w4a16_linear` runs by default (the few-row kernel with its inline-PTX unpacking,
-    this module's kernel, dequantize-then-cuBLAS) in bf16 and fp16 on the GPU."""
+    in its many-row modes from 33 rows, dequantize-then-cuBLAS) in bf16 and fp16 on the GPU."""
     w4, dense = _llama_weights(name, fmt)
     x = _randn(m, dense.shape[1], seed=m, dtype=dtype)
     bias = _randn(dense.shape[0], seed=3, dtype=dtype) if m == 4 else None
@@ -582,7 +617,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagoda.kernels.w4a16_skinny import _pairs_kernel as fn
 
-block_m, block_n, warps, split = (int(a) for a in sys.argv[1:5])
+block_m, block_n, warps, split, planar, scale_w = (int(a) for a in sys.argv[1:7])
 sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
 sig.update(dict.fromkeys(("x_ptr", "bias_ptr", "y_ptr"), "*bf16"))
 sig.update(qh_ptr="*i16", scales_ptr="*fp16", zeros_ptr="*u8", perm_ptr="*i32",
@@ -590,7 +625,7 @@ sig.update(qh_ptr="*i16", scales_ptr="*fp16", zeros_ptr="*u8", perm_ptr="*i32",
            stride_x="i64", stride_qh="i64", stride_y="i64")
 consts = dict(GROUP_SIZE=128, HAS_BIAS=False, HAS_PERM=False, EVEN_K=True, SPLIT=split > 1,
               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, NUM_STAGES=4,
-              DOT_PRECISION="tf32", USE_ASM=True)
+              DOT_PRECISION="tf32", USE_ASM=True, PLANAR_X=bool(planar), SCALE_W=bool(scale_w))
 sig.update(dict.fromkeys(consts, "constexpr"))
 aligned = ("x_ptr", "qh_ptr", "y_ptr", "scales_ptr", "zeros_ptr", "partial_ptr", "N", "K",
            "k_per_split", "stride_x", "stride_qh")
@@ -604,14 +639,21 @@ print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_m,block_n,warps,split", [(16, 128, 4, 4), (64, 256, 8, 1)])
-def test_few_row_kernel_keeps_the_unpacked_tile_in_registers(block_m, block_n, warps, split):
+@pytest.mark.parametrize(
+    "block_m,block_n,warps,split,many_rows",
+    [(16, 128, 4, 4, 0), (64, 256, 8, 1, 0), (64, 128, 4, 2, 1)],
+)
+def test_few_row_kernel_keeps_the_unpacked_tile_in_registers(
+    block_m, block_n, warps, split, many_rows
+):
     """A real sm_90 build (no GPU needed): the packed halves go from the pipeline's shared
     memory straight into the wgmma operand's registers, unpacked there by the inline PTX; no
-    unpacked tile is written to shared memory (no local_alloc of a register tensor)."""
-    built = build_for_sm90(_SKINNY_SM90_BUILD, block_m, block_n, warps, split)
+    unpacked tile is written to shared memory (no local_alloc of a register tensor). The
+    many-row modes scale the weights there too, by packed bf16 PTX."""
+    built = build_for_sm90(_SKINNY_SM90_BUILD, block_m, block_n, warps, split, many_rows, many_rows)
     assert built["shared"] <= 227 * 1024
     assert "wgmma.mma_async" in built["ptx"] and "lop3.b32" in built["ptx"]
+    assert ("mul.rn.bf16x2" in built["ptx"]) == bool(many_rows)
     ttgir = built["ttgir"]
     assert "dot_op<{opIdx = 0" in ttgir and "elementwise_inline_asm" in ttgir
     allocs = [line for line in ttgir.splitlines() if "ttg.local_alloc %" in line]
