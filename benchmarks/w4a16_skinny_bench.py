@@ -97,11 +97,11 @@ def wide_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
     if m < 64 or k % 128:
         return []
     configs = []
-    for bm, bn, warps in ((64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8)):
+    for bm, bn, warps in ((64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (256, 64, 8)):
         if bm > max(64, m):
             continue
-        for stages in (3, 4):
-            if stages * (bn * 128 // 2 + bm * 128 * 2) > 200 * 1024:
+        for stages in (2, 3, 4):
+            if stages * (bn * 128 // 2 + bm * 128 * 2) > 220 * 1024 or (stages == 2 and bm != 256):
                 continue
             tiles = -(-n // bn) * -(-m // bm)
             split = split_k_plan(k, 128, max(1, min(8, (2 * num_sms) // tiles)))[1]
