@@ -19,6 +19,12 @@ side. Each tile lies in one group, so zero and scale apply to its fp32 product:
     sum_k (q - z) s x = s * (sum_k (OFFSET + q) x - (OFFSET + z) sum_k x).
 K is split so that short grids cover the SMs (the last split to arrive sums the partials in
 split order: `skinny_gemm.store_tile`). Weights are loaded evict_first (read once).
+From a few dozen rows the kernel runs in its many-row modes (`SkinnyConfig.planar`,
+`scale_w`): x is reordered once (`planar_x`) so that each plane's inputs are contiguous columns
+(16-byte loads instead of pairs of inputs 8 apart), and zero and scale are applied to the
+unpacked weights by one packed subtract and one packed multiply per two weights, rounded as
+the dequantized weight is, so the MMA accumulates into one accumulator in place (no second
+[BLOCK_N, BLOCK_M] product per K tile, no sums of x).
 `formats.dequantize_*` + F.linear stay the reference (tests compare them).
 """
 
@@ -255,11 +261,12 @@ def _pairs_kernel(
         g_next = tl.minimum(k0 + BLOCK_K, k_end - 1) // GROUP_SIZE
         sc_next = tl.load(scales_ptr + g_next * N + n_rows)
         zp_next = tl.load(zeros_ptr + g_next * N + n_rows)
-        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        x_tile = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        # SCALE_W: OFFSET + z and s per weight row, in x's dtype (both exact: z <= 16)
-        z_w = (zp.to(tl.float32) + offset).to(dtype)[:, None]
-        s_w = sc.to(dtype)[:, None]
+        if SCALE_W:  # OFFSET + z and s per weight row, in x's dtype (both exact: z <= 16)
+            z_w = (zp.to(tl.float32) + offset).to(dtype)[:, None]
+            s_w = sc.to(dtype)[:, None]
+        else:
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            x_tile = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         for t in tl.static_range(4):
             a = _plane(halves, t, dtype, USE_ASM)  # [BLOCK_N, BLOCK_H]: OFFSET + q
             if PLANAR_X:  # plane t's inputs are columns k0 + t BLOCK_H + [0, BLOCK_H)
