@@ -1,8 +1,8 @@
 """Attention-only benchmark: the C kernel vs the torch backend on one layer's decode batch.
 
     python benchmarks/cpu_attention_bench.py [--batch 64] [--context 300] [--heads 9 3]
-        [--head-size 64] [--block-size 16] [--dtype bfloat16] [--layers 30] [--prefill 0]
-        [--isa avx2]
+        [--head-size 64] [--block-size 16] [--dtype bfloat16] [--kv-cache-dtype float16]
+        [--layers 30] [--prefill 0] [--isa avx2]
 
 Times `forward` on a batch of `--batch` decodes whose caches hold `--context` tokens (plus,
 with `--prefill N`, one N-token chunk over a `--context`-token cached prefix), with blocks
@@ -57,7 +57,7 @@ def bench(backend_name: str, args: argparse.Namespace) -> float:
     per_layer = sum(-(-(c + n) // args.block_size) for c, n in specs)
     num_blocks = per_layer * args.layers + 1
     cache_shape = (2, num_blocks, args.block_size, num_kv_heads, args.head_size)
-    cache = torch.randn(cache_shape, dtype=dtype)
+    cache = torch.randn(cache_shape, dtype=torch_dtype(args.kv_cache_dtype or args.dtype))
     tokens = sum(n for _, n in specs)
     q = torch.randn(tokens, num_heads, args.head_size, dtype=dtype)
     k = torch.randn(tokens, num_kv_heads, args.head_size, dtype=dtype)
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", help="the cache's dtype (default: --dtype)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"])
@@ -95,13 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.isa:
         os.environ[ISA_ENV] = args.isa
 
-    elem = torch_dtype(args.dtype).itemsize
+    elem = torch_dtype(args.kv_cache_dtype or args.dtype).itemsize
     bf16dp = bool(load_library().pagoda_paged_attention_bf16dp())
     kv_bytes = 2 * (args.context + 1) * args.heads[1] * args.head_size * elem
     kv_bytes *= args.batch + bool(args.prefill)
     print(
         f"batch {args.batch} x ctx {args.context}, prefill {args.prefill}, heads {args.heads}, "
         f"head {args.head_size}, block {args.block_size}, {args.dtype}, "
+        f"cache {args.kv_cache_dtype or args.dtype}, "
         f"{torch.get_num_threads()} threads; K/V {kv_bytes / 1e6:.2f} MB per layer; "
         f"kernel: {selected_isa()}, bf16 path: {'AVX512_BF16' if bf16dp else 'fp32 FMA'}"
     )

@@ -1,8 +1,8 @@
 """The paged-attention C kernel alone, called straight through ctypes (no plan, no backend):
 
     python benchmarks/cpu_attention_kernel.py [--seq-lens 128 400 700] [--requests 1]
-        [--query-len 1] [--heads 9 3] [--head-size 64] [--dtype float32] [--threads 1]
-        [--isa avx2]
+        [--query-len 1] [--heads 9 3] [--head-size 64] [--dtype float32]
+        [--kv-cache-dtype float16] [--threads 1] [--isa avx2]
 
 Each of --requests requests has a cache of --seq-lens[i] keys in one contiguous run of blocks
 and --query-len query rows (1: a decode; more: a prompt chunk over a cached prefix), one work
@@ -25,9 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagoda
 
+from pagoda.attention.cpu.library import CACHE_DTYPE_CODES, DTYPE_CODES  # noqa: E402
 from pagoda.model.loader import torch_dtype  # noqa: E402
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def time_call(args: argparse.Namespace, seq_len: int) -> float:
@@ -40,7 +39,8 @@ def time_call(args: argparse.Namespace, seq_len: int) -> float:
     dtype = torch_dtype(args.dtype)
     blocks = -(-seq_len // bs)
     g = torch.Generator().manual_seed(0)
-    kv = torch.randn(2, n * blocks, bs, num_kv_heads, d, generator=g).to(dtype)
+    cache_dtype = torch_dtype(args.kv_cache_dtype or args.dtype)
+    kv = torch.randn(2, n * blocks, bs, num_kv_heads, d, generator=g).to(cache_dtype)
     q = torch.randn(n * rows, num_heads, d, generator=g).to(dtype)
     out = torch.empty_like(q)
     tables = torch.arange(n * blocks, dtype=torch.int32).reshape(n, blocks)
@@ -53,7 +53,8 @@ def time_call(args: argparse.Namespace, seq_len: int) -> float:
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), kv[0].data_ptr(),
         kv[1].data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
         starts.data_ptr(), items.data_ptr(), n, num_heads, num_kv_heads, d, bs,
-        _DTYPE_CODES[dtype], d**-0.5, 0, 0.0, args.threads,
+        DTYPE_CODES[dtype], CACHE_DTYPE_CODES[cache_dtype], d**-0.5, 1.0, 1.0, 0, 0.0,
+        args.threads,
     )  # fmt: skip
     for _ in range(max(1, args.iters // 20)):
         fn(*call)
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", help="the cache's dtype (default: --dtype)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=5)
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     times = {s: time_call(args, s) for s in args.seq_lens}
     print(
         f"{args.requests} request(s) x {args.query_len} row(s), heads {args.heads}, head "
-        f"{args.head_size}, {args.dtype}, {args.threads} thread(s), {selected_isa()}: "
+        f"{args.head_size}, {args.dtype}, cache {args.kv_cache_dtype or args.dtype}, "
+        f"{args.threads} thread(s), {selected_isa()}: "
         + ", ".join(f"{s} keys {us:.1f} us" for s, us in times.items())
     )
 

@@ -49,11 +49,15 @@ typedef struct {
 
 /* Prefetches row t of the next tile while this one is scored: blocks are scattered, so the
  * hardware prefetcher alone stalls at every block boundary. A few lines per key rather than a
- * burst per tile, which would fill the miss buffers and stall the core until memory answers. */
+ * burst per tile, which would fill the miss buffers and stall the core until memory answers.
+ * Into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 miss buffers
+ * until memory answers, so a tile's rows in flight left too few for the demand loads, and the
+ * kernel streamed scattered blocks at about half the rate it reaches with L2 prefetches
+ * (`benchmarks/cpu_attention_bench.py`); the rows then come from L2 when the tile reads them. */
 INLINE void prefetch_next(const Tile *tl, int t, int row_bytes) {
     for (int off = 0; off < row_bytes; off += 64) {
-        __builtin_prefetch(tl->next_k + tl->next_row[t] + off);
-        __builtin_prefetch(tl->next_v + tl->next_row[t] + off);
+        __builtin_prefetch(tl->next_k + tl->next_row[t] + off, 0, 2);
+        __builtin_prefetch(tl->next_v + tl->next_row[t] + off, 0, 2);
     }
 }
 
