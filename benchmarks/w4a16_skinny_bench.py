@@ -62,7 +62,8 @@ def _build_gemv(job: tuple) -> str | None:
 
 def skinny_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
     """SkinnyConfig tuples to time: choose_config's first, then block_n x warps x stages x
-    split around the one that covers the SMs about twice."""
+    split around the one that covers the SMs about twice, then choose_config's in the many-row
+    modes (x in planar order; also zero and scale per weight)."""
     from pagoda.kernels.skinny_gemm import split_k_plan
     from pagoda.kernels.w4a16 import skinny_config
 
@@ -83,6 +84,8 @@ def skinny_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
             cfg = (bm, bn, 128, split, warps, stages)
             if cfg not in configs:
                 configs.append(cfg)
+    if k % 128 == 0:  # choose_config's tile with x in planar order, and with scales per weight
+        configs += [(*base[:6], True, False), (*base[:6], True, True)]
     return configs
 
 

@@ -323,8 +323,11 @@ def skinny_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132):
     Llama-3-8B, M = 1..16): 128 x 128 weight tiles, 4 warps and 3 stages everywhere (4 and 6
     stages and 256-row tiles were slower but for gate_up, by 3%); K split until about two
     programs per SM run (qkv 8, o 8, gate_up 2), twice that for a deep layer whose splits
-    would still hold 12+ K tiles (down: 16 splits, 18.7 vs 20.2 us). 64-row x tiles (wide
-    layers only): 256-row weight tiles, 8 warps, about one program per SM."""
+    would still hold 12+ K tiles (down: 16 splits, 18.7 vs 20.2 us). 32-row x tiles (17-32
+    rows) split neither a grid of about a wave (gate_up: 48.2 vs 56.4 us in 2 splits) nor a
+    deep layer twice (down: 26.1 vs 33.8 us in 16): 3.26 / 3.33 vs 3.78 / 3.89 ms a decode step
+    at 24 / 32 rows. 64-row x tiles (wide layers where the many-row modes cannot run): 256-row
+    weight tiles, 8 warps, about one program per SM."""
     from pagoda.kernels.w4a16_skinny import SkinnyConfig, skinny_supported
 
     block_k = next((bk for bk in (128, 64) if skinny_supported(k, group_size, bk)), None)
@@ -336,7 +339,9 @@ def skinny_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132):
         block_n, num_warps = 128, 4
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
         split_k = triton.next_power_of_2(triton.cdiv(programs, tiles))
-        if triton.cdiv(k, block_k) // split_k >= 12 and 2 * split_k * tiles <= 2 * programs:
+        if block_m == 32:  # twice the fp32 partials per split of a 16-row tile
+            split_k = 1 if 2 * tiles >= programs else split_k
+        elif triton.cdiv(k, block_k) // split_k >= 12 and 2 * split_k * tiles <= 2 * programs:
             split_k *= 2
     else:
         block_n, num_warps = 256, 8

@@ -554,6 +554,8 @@ def test_choose_config_by_rows_and_groups() -> None:
         assert isinstance(cfg, SkinnyConfig) and cfg.block_m >= min(m, 16)
         assert skinny_gemm.split_k_plan(k, cfg.block_k, cfg.split_k)[1] == cfg.split_k
     assert fallback_config(1, n, k, 128).split_k == 16  # deep: twice the splits
+    assert fallback_config(32, n, k, 128).split_k == 8  # not twice with 32-row x tiles
+    assert fallback_config(32, *LLAMA3_8B["gate_up"], 128).split_k == 1  # about a wave
     assert choose_config(1, n, k, 64).block_k == 64
     assert isinstance(choose_config(1, n, k, 32), W4A16Config)
     # From 33 rows the many-row modes, to 128 rows (256 for wide layers), groups permitting
