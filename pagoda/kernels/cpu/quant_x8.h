@@ -112,6 +112,14 @@ INLINE void x8_tile(const int type, const uint8_t *grp, const QActs *a, int64_t 
  * weights go in as w + 128 (AVX-512 has no `vpsignb`) and 128 * sum(q) comes off the integer
  * dot. Every lane computes the integers and fp32 steps the 256-bit tile computes for its row,
  * in the same order, so both give the same bits. */
+/* 4 bytes at p in every 32-bit lane, loaded straight from memory (a broadcast load, which
+ * the dot product can take as its memory operand) rather than through a general register. */
+INLINE __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 INLINE void x16_tile(const int type, const uint8_t *grp, int64_t gstride, const QActs *a,
                      int64_t m0, const int NC, __m512 out[8]) {
     const int64_t nb = a->nb, K = a->K;
@@ -143,14 +151,12 @@ INLINE void x16_tile(const int type, const uint8_t *grp, int64_t gstride, const 
         }
         for (int c = 0; c < NC; c++) {
             const int8_t *xq = a->q + (m0 + c) * K + b * 32;
-            int32_t x4[8];
-            memcpy(x4, xq, 32);
             /* two chains of four: the integer sum is the same in any order */
-            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
-            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(x4[4]));
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4_512(xq));
+            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], bcast4_512(xq + 16));
             for (int j = 1; j < 4; j++) {
-                i0 = _mm512_dpbusd_epi32(i0, w[j], _mm512_set1_epi32(x4[j]));
-                i1 = _mm512_dpbusd_epi32(i1, w[j + 4], _mm512_set1_epi32(x4[j + 4]));
+                i0 = _mm512_dpbusd_epi32(i0, w[j], bcast4_512(xq + 4 * j));
+                i1 = _mm512_dpbusd_epi32(i1, w[j + 4], bcast4_512(xq + 4 * j + 16));
             }
             __m512i i32 = _mm512_add_epi32(i0, i1);
             if (type == GGML_Q8_0)
