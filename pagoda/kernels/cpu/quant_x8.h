@@ -104,6 +104,16 @@ INLINE void x8_tile(const int type, const uint8_t *grp, const QActs *a, int64_t 
     for (int c = 0; c < NC; c++) out[c] = acc[c];
 }
 #if defined(QUANT_VNNI512)
+/* 4 bytes at p in every 32-bit lane by one broadcast load (`vpbroadcastd` from memory),
+ * not a load into a general register and a register-to-vector broadcast: the 512-bit tile
+ * issues one per weight vector and activation row, and the register form made the
+ * quantized layers 12-15% slower (`benchmarks/cpu_quant_gemm_bench.py`). */
+INLINE __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 /* Two groups (16 weight rows) at once with 512-bit vectors, the lower half of each vector
  * group `grp`, the upper half the group `gstride` bytes further (0: the same group twice,
  * for a last odd group), against up to 8 activation rows. Per block and activation row, 8
@@ -112,14 +122,6 @@ INLINE void x8_tile(const int type, const uint8_t *grp, const QActs *a, int64_t 
  * weights go in as w + 128 (AVX-512 has no `vpsignb`) and 128 * sum(q) comes off the integer
  * dot. Every lane computes the integers and fp32 steps the 256-bit tile computes for its row,
  * in the same order, so both give the same bits. */
-/* 4 bytes at p in every 32-bit lane, loaded straight from memory (a broadcast load, which
- * the dot product can take as its memory operand) rather than through a general register. */
-INLINE __m512i bcast4_512(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 INLINE void x16_tile(const int type, const uint8_t *grp, int64_t gstride, const QActs *a,
                      int64_t m0, const int NC, __m512 out[8]) {
     const int64_t nb = a->nb, K = a->K;
