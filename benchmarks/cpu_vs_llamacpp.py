@@ -1,6 +1,7 @@
 """Pagoda's quantized-GGUF CPU path against llama.cpp, one engine after the other, on the same
 GGUF file and thread count: single-stream decode (128-token prompt, 256 new tokens), prompt
-processing (512-token prompt), greedy outputs on 10 prompts, and perplexity of the quantized
+processing (512-token prompt), greedy outputs on 10 prompts (Pagoda's own numerics, and
+llama.cpp's arithmetic op by op: `PAGODA_CPU_NUMERICS=ggml`), and perplexity of the quantized
 path against the dequantized one on a fixed text.
 
     python benchmarks/cpu_vs_llamacpp.py --llamacpp-python /tmp/llamacpp-venv/bin/python \\
@@ -83,12 +84,15 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def run_pagoda(model: str, threads: int, repeats: int, job: dict) -> dict:
+def run_pagoda(model: str, threads: int, repeats: int, job: dict, numerics: str = "pagoda") -> dict:
+    """Timings and greedy outputs; with `numerics` other than "pagoda" (`$PAGODA_CPU_NUMERICS`),
+    the greedy outputs and the decode rate only."""
     import torch
 
     from pagoda import LLM, SamplingParams
 
     torch.set_num_threads(threads)
+    os.environ["PAGODA_CPU_NUMERICS"] = numerics
     llm = LLM(
         model=model,
         max_model_len=1024,
@@ -111,6 +115,12 @@ def run_pagoda(model: str, threads: int, repeats: int, job: dict) -> dict:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    if numerics != "pagoda":
+        t0 = time.perf_counter()
+        greedy = [generate(p, GREEDY_TOKENS) for p in job["greedy_prompts"]]
+        seconds = time.perf_counter() - t0
+        os.environ.pop("PAGODA_CPU_NUMERICS")
+        return {"greedy": greedy, "greedy_seconds": seconds}
     t1 = timed(lambda: generate(job["decode_prompt"], 1))
     t257 = timed(lambda: generate(job["decode_prompt"], 257))
     pp = timed(lambda: generate(job["pp_prompt"], 1))
@@ -197,6 +207,7 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {args.threads} threads; model {os.path.basename(model)}", flush=True)
     results = {"cpu": cpu_name(), "threads": args.threads, "model": os.path.basename(model)}
     results["pagoda"] = run_pagoda(model, args.threads, args.repeats, job)
+    results["pagoda_ggml_numerics"] = run_pagoda(model, args.threads, 0, job, numerics="ggml")
     proc = subprocess.run(
         [args.llamacpp_python, "-c", LLAMACPP_WORKER],
         input=json.dumps(job),
@@ -208,8 +219,9 @@ def main() -> None:
         sys.exit(f"llama.cpp worker failed:\n{proc.stderr[-3000:]}")
     results["llamacpp"] = json.loads(proc.stdout.strip().splitlines()[-1])
     results["perplexity"] = perplexities(model, tok.encode(BUILTIN_CALIBRATION))
-    same = sum(a == b for a, b in zip(results["pagoda"]["greedy"], results["llamacpp"]["greedy"]))
-    results["greedy_equal"] = f"{same}/{len(PROMPTS)}"
+    for key, name in (("greedy_equal", "pagoda"), ("greedy_equal_ggml", "pagoda_ggml_numerics")):
+        pairs = zip(results[name]["greedy"], results["llamacpp"]["greedy"])
+        results[key] = f"{sum(a == b for a, b in pairs)}/{len(PROMPTS)}"
     pg, lc, ppl = results["pagoda"], results["llamacpp"], results["perplexity"]
     print(
         f"pagoda ({pg['dtype']}, quantization={pg['quantization']}) vs llama.cpp {lc['version']}:"
@@ -223,6 +235,11 @@ def main() -> None:
         f"({pg['pp_tok_s'] / lc['pp_tok_s']:.2f}x)"
     )
     print(f"  greedy outputs equal ({GREEDY_TOKENS} tokens): {results['greedy_equal']}")
+    ggml = results["pagoda_ggml_numerics"]
+    print(
+        f"  greedy outputs equal with PAGODA_CPU_NUMERICS=ggml: {results['greedy_equal_ggml']} "
+        f"({ggml['greedy_seconds']:.1f} s for the 10 prompts)"
+    )
     change = 100 * (ppl["quantized"] / ppl["dequantized"] - 1)
     change16 = 100 * (ppl["quantized_f16_cache"] / ppl["dequantized"] - 1)
     print(

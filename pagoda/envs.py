@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     PAGODA_CPU_POOL: bool
     PAGODA_CPU_POOL_SPIN_US: int | None
     PAGODA_CPU_DECODER: bool
+    PAGODA_CPU_NUMERICS: str
     PAGODA_CACHE_DIR: Path
     PAGODA_CALIBRATION_THREADS: int | None
     PAGODA_PROGRESS: bool | None
@@ -148,6 +149,13 @@ VARIABLES: dict[str, EnvVar] = {
             "0: CPU steps of Llama-family models run layer by layer from Python instead of "
             "all decoder layers in one C call.",
             _flag("PAGODA_CPU_DECODER", True),
+        ),
+        EnvVar(
+            "PAGODA_CPU_NUMERICS", "str", "pagoda",
+            "ggml: Llama GGUF models (Q4_1 / Q8_0) on the CPU compute llama.cpp's logits bit for "
+            "bit, op by op in its arithmetic, several times slower (ggml-avx2 / ggml-avx512: as "
+            "llama.cpp built for that ISA).",
+            _text("PAGODA_CPU_NUMERICS", "pagoda", lambda v: v.strip().lower()),
         ),
         EnvVar(
             "PAGODA_CPU_POOL_SPIN_US", "int", "100",

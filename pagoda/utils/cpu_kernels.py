@@ -28,6 +28,8 @@ OPS: Library = (
     None,
 )
 POOL: Library = (_PKG / "kernels/cpu/pool.c", (), "portable")  # no arithmetic: one build
+# llama.cpp's arithmetic op for op (the ggml numerics mode): portable C, any level.
+GGML_NUMERICS: Library = (_PKG / "kernels/cpu/ggml_numerics.c", (), None)
 # The one-call decoder stack calls the other libraries' kernels: no arithmetic either.
 DECODER: Library = (_PKG / "kernels/cpu/decoder.c", (), "portable")
 

@@ -153,10 +153,30 @@ class ModelRunner:
         enable_cpu_decoder = getattr(self.model, "enable_cpu_decoder", None)
         if enable_cpu_decoder is not None and self.device.type == "cpu":
             enable_cpu_decoder()  # the weights are final from here on
+        self._enable_ggml_numerics()
         if self.use_cuda_graphs and backend.name != "triton":
             # Graphs bake in host-side choices; only the Triton backend makes none per step.
             logger.info("CUDA graphs off: the %s attention backend runs eagerly", backend.name)
             self.use_cuda_graphs, self.cuda_graph_sizes, self.mixed_graph_shapes = False, [], []
+
+    def _enable_ggml_numerics(self) -> None:
+        """`$PAGODA_CPU_NUMERICS=ggml`: the model computes llama.cpp's logits bit for bit."""
+        from pagoda.model.models.llama_ggml import variant_of
+
+        mode = envs.PAGODA_CPU_NUMERICS
+        variant = variant_of(mode)
+        if variant is None:
+            return
+        enable = getattr(self.model, "enable_ggml_numerics", None)
+        if enable is None or self.device.type != "cpu":
+            raise ValueError(f"PAGODA_CPU_NUMERICS={mode} runs Llama GGUF models on the CPU")
+        if self.cache_config.cache_dtype != "float16":
+            raise ValueError(
+                f"PAGODA_CPU_NUMERICS={mode} reads an f16 KV cache as llama.cpp keeps it: pass "
+                f"--kv-cache-dtype float16 (got {self.cache_config.cache_dtype})"
+            )
+        enable(variant)
+        logger.info("CPU numerics: llama.cpp's (ggml, %s build), op by op", variant)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         from pagoda.model.layers.attention import Attention

@@ -35,6 +35,7 @@ from pagoda.model.layers.rotary_embedding import get_rope
 from pagoda.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.loader.hf_config import layer_sliding_windows
 from pagoda.model.models.llama_cpu_decoder import CpuDecoder
+from pagoda.model.models.llama_ggml import GgmlNumerics
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class LlamaModel(nn.Module):
         # Decode steps on CPU: every layer in one C call (llama_cpu_decoder.py).
         self.cpu_decoder = CpuDecoder()
         self.fused_ops = True
+        self.ggml_numerics: GgmlNumerics | None = None  # llama.cpp's arithmetic (llama_ggml.py)
 
     def forward(
         self,
@@ -198,6 +200,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor] | None,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.ggml_numerics is not None:
+            return self.ggml_numerics.forward(self, input_ids, positions, kv_caches, attn_metadata)
         if self.fused_ops and not input_ids.is_cuda:
             out = self.cpu_decoder.forward(self, input_ids, positions, kv_caches, attn_metadata)
             if out is not None:
@@ -259,6 +263,12 @@ class LlamaForCausalLM(nn.Module):
         if decoder is not None:
             decoder.enable()
 
+    def enable_ggml_numerics(self, variant: str) -> None:
+        """Compute every step and the logits in llama.cpp's CPU arithmetic (`llama_ggml.py`) as
+        its `variant` build ("avx2" / "avx512") does; raises ValueError for a model it cannot
+        run that way, naming the reason."""
+        self.model.ggml_numerics = GgmlNumerics(self, variant)
+
     def set_fused_ops(self, enabled: bool) -> None:
         """Fused Triton RMSNorm / SiLU-and-mul / RoPE on CUDA and the C ops on CPU (skinny
         GEMM for linear layers and logits, RMSNorm, SiLU-and-mul, RoPE: `pagoda.kernels.cpu`)
@@ -279,6 +289,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""
+        ggml = getattr(self.model, "ggml_numerics", None)
+        if ggml is not None:
+            return ggml.compute_logits(hidden_states)
         if self.fused_ops:
             return lm_head_logits(hidden_states, self.lm_head)
         quant = getattr(self.lm_head.weight, "quant", None)

@@ -1,0 +1,472 @@
+/* llama.cpp's CPU arithmetic, op for op, for a Llama model kept in its GGUF blocks (Q4_1, Q8_0):
+ * the ggml numerics mode (`pagoda.model.models.llama_ggml`). Each function computes what the
+ * ggml CPU backend computes for that op in the same order of fp32 operations, so the logits, and
+ * with them greedy outputs, come out bit for bit as llama.cpp's (same GGUF file, f16 KV cache,
+ * flash attention off, its defaults). The reference is ggml as llama-cpp-python 0.3.36 vendors
+ * it, built by GCC for the CPU it runs on: the SIMD width of that build decides some summation
+ * orders and the exp approximation, so every op that depends on it takes a `variant`,
+ * GN_AVX512 (a build with AVX512F/DQ: 16-lane vectors) or GN_AVX2 (AVX2 + FMA: 8 lanes).
+ *
+ * What ggml computes, and so what this file emulates, lane by lane:
+ * - matrix products with quantized weights (`ggml_vec_dot_q4_1_q8_1`, `_q8_0_q8_0`, and
+ *   llamafile's tinyBLAS_Q0_AVX, which computes the same): the activation row is quantized per
+ *   32 values (Q8_1 / Q8_0: d = amax / 127 stored as fp16, q = round(x * (127 / amax)), Q8_1's
+ *   s = fp16(d * sum q)); each block's 32 products are summed as 8 int32 lanes of 4, each lane
+ *   accumulated over blocks in fp32 by fma(d_w * d_x, lane, acc); the 8 lanes are summed by a
+ *   halving tree, and Q4_1's min term (sum of m_w * s_x, in block order) is added last;
+ * - RMSNorm: squares summed in double, scale = 1 / sqrtf(mean + eps), y = x * scale * w;
+ * - RoPE (normal mode, adjacent pairs): angles by theta *= theta_scale from theta = position,
+ *   cosf / sinf from the C library, the rotation with GCC's contraction of a*b - c*d;
+ * - attention without flash attention over an f16 cache: q rounded to f16, scores by
+ *   `ggml_vec_dot_f16` (one query row: 4 accumulators of a vector each, pairwise reduced) or by
+ *   tinyBLAS (prompt rows: one accumulator per output), softmax of score * scale with the causal
+ *   mask (ggml's vector exp, chunk sums by a halving tree added in double), the weights rounded
+ *   to f16 and multiplied by V the same two ways;
+ * - SwiGLU: x / (1 + exp(-x)) * up with ggml's vector exp.
+ * Keys past the causal limit (ggml computes them over a cache padded to 256 cells and masks
+ * them) enter every sum as exact zeros, which change nothing, so only keys 0..position are read.
+ *
+ * fp32 operations are written out one by one and built without contraction (the pragma below),
+ * so the compiler fuses nothing ggml does not fuse. Entry points return 0, or -1 for arguments
+ * they do not handle. */
+#pragma GCC optimize("fp-contract=off")
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GN_ABI 1
+#define GN_AVX512 0
+#define GN_AVX2 1
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+#define MAX_LANES 16
+
+int gn_abi(void) { return GN_ABI; }
+
+static float h2f(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static uint16_t f2h(float f) { /* round to nearest even, as F16C's vcvtps2ph with imm 0 */
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+static float rd_h(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h2f(h);
+}
+
+/* v[0..n) summed by halving: v[i] += v[i + n/2], ..., down to one value (GCC's
+ * _mm512_reduce_add_ps for 16 lanes; hsum_float_8 and tinyBLAS's hsum for 8). */
+static float halving_sum(float *v, int n) {
+    for (int h = n / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) v[i] = v[i + h] + v[i];
+    return v[0];
+}
+
+/* GGML_F32x8_REDUCE's last step: the two 128-bit halves added, then two horizontal adds. */
+static float hadd_sum8(const float *v) {
+    const float t0 = v[0] + v[4], t1 = v[1] + v[5], t2 = v[2] + v[6], t3 = v[3] + v[7];
+    return (t0 + t1) + (t2 + t3);
+}
+
+static int lanes_of(int variant) { return variant == GN_AVX512 ? 16 : 8; }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Quantized matrix products */
+
+typedef struct {
+    uint16_t d, s; /* fp16; s only for Q8_1 */
+    int8_t q[32];
+} ActBlock;
+
+/* quantize_row_q8_1 / q8_0 (AVX2 code, which the AVX-512 build uses too) of one row. */
+static void quantize_acts(const float *x, int64_t K, ActBlock *out) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *v = x + b * 32;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) {
+            const float a = fabsf(v[l]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.f;
+        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+        int sum = 0;
+        for (int l = 0; l < 32; l++) {
+            float r = rintf(v[l] * id); /* _mm256_round_ps(_MM_ROUND_NEAREST): ties to even */
+            int qi = (int)r;
+            qi = qi > 127 ? 127 : (qi < -128 ? -128 : qi); /* packs saturate */
+            out[b].q[l] = (int8_t)qi;
+            sum += qi;
+        }
+        out[b].d = f2h(d);
+        out[b].s = f2h(d * (float)sum);
+    }
+}
+
+static int block_bytes(int type) { return type == GGML_Q4_1 ? 20 : 34; }
+
+/* Block b of weight row n in the GGUF layout, copied out of the x8 layout when `x8` (groups of 8
+ * rows interleaved block by block: 8 d, Q4_1's 8 m, then 4-byte slices j of the 8 rows' qs). */
+static const uint8_t *weight_block(int type, const uint8_t *w, int64_t w_stride, int x8,
+                                   int64_t n, int64_t b, uint8_t *tmp) {
+    const int bb = block_bytes(type);
+    if (!x8) return w + n * w_stride + b * bb;
+    const int r = (int)(n & 7), head = type == GGML_Q4_1 ? 4 : 2, qbytes = bb - head;
+    const uint8_t *blk = w + (n >> 3) * w_stride + b * 8 * bb;
+    memcpy(tmp, blk + 2 * r, 2);
+    if (type == GGML_Q4_1) memcpy(tmp + 2, blk + 16 + 2 * r, 2);
+    const uint8_t *qs = blk + 8 * head;
+    for (int j = 0; j < qbytes / 4; j++) memcpy(tmp + head + 4 * j, qs + j * 32 + 4 * r, 4);
+    return tmp;
+}
+
+/* One weight row against one quantized activation row. */
+static float vec_dot(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t n,
+                     const ActBlock *a, int64_t nb) {
+    float acc[8] = {0};
+    float summs = 0.0f;
+    uint8_t tmp[34];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = weight_block(type, w, w_stride, x8, n, b, tmp);
+        int32_t lane[8];
+        float dd;
+        if (type == GGML_Q4_1) {
+            summs += rd_h(blk + 2) * h2f(a[b].s); /* exact product: fused or not, the same */
+            dd = rd_h(blk) * h2f(a[b].d);
+            const uint8_t *qs = blk + 4;
+            for (int k = 0; k < 8; k++) {
+                int32_t s = 0;
+                for (int e = 4 * k; e < 4 * k + 4; e++) {
+                    const int qw = e < 16 ? (qs[e] & 15) : (qs[e - 16] >> 4);
+                    s += qw * a[b].q[e];
+                }
+                lane[k] = s;
+            }
+        } else {
+            dd = rd_h(blk) * h2f(a[b].d);
+            const int8_t *qs = (const int8_t *)(blk + 2);
+            for (int k = 0; k < 8; k++) {
+                int32_t s = 0;
+                for (int e = 4 * k; e < 4 * k + 4; e++) s += qs[e] * a[b].q[e];
+                lane[k] = s;
+            }
+        }
+        for (int k = 0; k < 8; k++) acc[k] = fmaf(dd, (float)lane[k], acc[k]);
+    }
+    return halving_sum(acc, 8) + summs;
+}
+
+/* y[m, n] = W[n] . x[m] for M rows of x (row stride ldx) and N weight rows: Q4_1 against Q8_1
+ * activations, Q8_0 against Q8_0. W in the GGUF layout (w_stride bytes a row) or the x8 one
+ * (w_stride bytes a group of 8 rows). */
+int gn_linear(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t N, int64_t K,
+              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
+    if ((type != GGML_Q4_1 && type != GGML_Q8_0) || K % 32 != 0 || M < 0 || N < 0) return -1;
+    const int64_t nb = K / 32;
+    ActBlock *acts = malloc((size_t)(M * nb + 1) * sizeof(ActBlock));
+    if (!acts) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_acts(x + m * ldx, K, acts + m * nb);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * ldy + n] = vec_dot(type, w, w_stride, x8, n, acts + m * nb, nb);
+    free(acts);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Norm, RoPE, activation */
+
+/* y[m] = rms_norm(x[m]) * w (ggml_compute_forward_rms_norm_f32, fused with the mul or not). */
+int gn_rms_norm(const float *x, int64_t ldx, const float *w, float eps, int64_t M, int64_t K,
+                float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        double sum = 0.0;
+        for (int64_t i = 0; i < K; i++) sum += (double)(xr[i] * xr[i]);
+        const float mean = (float)(sum / (double)K);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        for (int64_t i = 0; i < K; i++) y[m * ldy + i] = xr[i] * scale * w[i];
+    }
+    return 0;
+}
+
+/* RoPE in place on T rows of `heads` heads of D values (row stride ldx), each head in Hugging
+ * Face order (rotary halves [0, D/2) and [D/2, D): Pagoda un-permutes the GGUF's Q/K rows), with
+ * ggml's normal-mode arithmetic for the pair (i, i + D/2), which is its pair (2i, 2i + 1).
+ * `contraction`: how the compiler fused x0*c - x1*s and x0*s + x1*c: 0 none, 1 the first
+ * product of each (fma(x0, c, -(x1*s)), fma(x0, s, x1*c)), 2 the second. */
+int gn_rope(float *x, int64_t ldx, const int64_t *pos, int64_t T, int heads, int D,
+            float freq_base, int contraction) {
+    if (D % 2 != 0 || D > 1024) return -1;
+    const float theta_scale = powf(freq_base, -2.0f / (float)D);
+    for (int64_t t = 0; t < T; t++) {
+        float cs[512], sn[512];
+        float theta = (float)pos[t];
+        for (int i = 0; i < D / 2; i++) {
+            cs[i] = cosf(theta) * 1.0f;
+            sn[i] = sinf(theta) * 1.0f;
+            theta *= theta_scale;
+        }
+        for (int h = 0; h < heads; h++) {
+            float *v = x + t * ldx + (int64_t)h * D;
+            for (int i = 0; i < D / 2; i++) {
+                const float x0 = v[i], x1 = v[i + D / 2], c = cs[i], s = sn[i];
+                float r0, r1;
+                if (contraction == 1) {
+                    r0 = fmaf(x0, c, -(x1 * s));
+                    r1 = fmaf(x0, s, x1 * c);
+                } else if (contraction == 2) {
+                    r0 = fmaf(-x1, s, x0 * c);
+                    r1 = fmaf(x1, c, x0 * s);
+                } else {
+                    r0 = x0 * c - x1 * s;
+                    r1 = x0 * s + x1 * c;
+                }
+                v[i] = r0;
+                v[i + D / 2] = r1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ggml_v_expf of the AVX-512 build, one lane. */
+static float expf_avx512(float x) {
+    const float r = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                              fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                         u, fmaf(0x1.ffffecp-1f, b, 1.0f));
+    return ldexpf(j, (int)n); /* _mm512_scalef_ps: j * 2^floor(n), n whole */
+}
+
+static float bits_f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint32_t f_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* ggml_v_expf of the AVX2 build, one lane. */
+static float expf_avx2(float x) {
+    const float r = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    const uint32_t e = f_bits(z) << 23;
+    const float k = bits_f(e + f_bits(1.0f));
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                              fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                         u, 0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = bits_f(g + 0x7f000000u), s2 = bits_f(e - g);
+    if (fabsf(n) > 192.0f) return s1 * s1;
+    return fmaf(s2, j, s2) * s1;
+}
+
+static float vexp(int variant, float x) {
+    return variant == GN_AVX512 ? expf_avx512(x) : expf_avx2(x);
+}
+
+/* y[m, i] = silu(gate) * up with gate = gu[m, i], up = gu[m, I + i] (ggml_vec_swiglu_f32;
+ * a tail shorter than a vector uses the C library's expf, as ggml's scalar loop does). */
+int gn_swiglu(int variant, const float *gu, int64_t ldgu, int64_t M, int64_t I, float *y,
+              int64_t ldy) {
+    const int64_t vec_end = I - I % lanes_of(variant);
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * ldgu, *u = g + I;
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i];
+            const float e = i < vec_end ? vexp(variant, 0.0f - x) : expf(-x);
+            y[m * ldy + i] = x / (1.0f + e) * u[i];
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Attention */
+
+/* ggml_vec_dot_f16 over n values (fp16 inputs widened: each product exact in fp32): 4
+ * accumulators of a vector each over steps of 4 vectors, reduced pairwise, then across lanes;
+ * a tail past the last whole step is added in double. `xs`, `ys`: element strides. */
+static float dot_f16(int variant, int n, const uint16_t *x, int64_t xs, const uint16_t *y,
+                     int64_t ys) {
+    const int L = lanes_of(variant), step = 4 * L, np = n - n % step;
+    float sum[4][MAX_LANES] = {{0}};
+    for (int i = 0; i < np; i += step)
+        for (int a = 0; a < 4; a++)
+            for (int l = 0; l < L; l++) {
+                const int e = i + a * L + l;
+                sum[a][l] = fmaf(h2f(x[e * xs]), h2f(y[e * ys]), sum[a][l]);
+            }
+    for (int l = 0; l < L; l++) {
+        sum[0][l] = sum[0][l] + sum[2][l];
+        sum[1][l] = sum[1][l] + sum[3][l];
+    }
+    for (int l = 0; l < L; l++) sum[0][l] = sum[0][l] + sum[1][l];
+    double total = variant == GN_AVX512 ? halving_sum(sum[0], 16) : hadd_sum8(sum[0]);
+    for (int e = np; e < n; e++) total += (double)(h2f(x[e * xs]) * h2f(y[e * ys]));
+    return (float)total;
+}
+
+/* tinyBLAS's product of two fp16 rows of n values (n a multiple of the lanes): one accumulator
+ * a lane, then summed across lanes by halving. */
+static float dot_f16_tinyblas(int variant, int n, const uint16_t *x, int64_t xs,
+                              const uint16_t *y, int64_t ys) {
+    const int L = lanes_of(variant);
+    float acc[MAX_LANES] = {0};
+    for (int i = 0; i < n; i += L)
+        for (int l = 0; l < L; l++)
+            acc[l] = fmaf(h2f(x[(i + l) * xs]), h2f(y[(i + l) * ys]), acc[l]);
+    return halving_sum(acc, L);
+}
+
+/* Attention of every query row over the paged f16 cache ([blocks, block_size, kv_heads, D],
+ * strides in elements), causal, `scale` applied to the scores: out[t, h*D + d]. q: [T, H*D] in
+ * Hugging Face order (row stride ldq), RoPE applied, like the cached keys. A request whose
+ * step has more than one query row is a prompt evaluated in one batch (tinyBLAS products),
+ * one row a decode step (ggml_vec_dot_f16). */
+int gn_attention(int variant, const float *q, int64_t ldq, int H, int KVH, int D,
+                 const uint16_t *kc, const uint16_t *vc, int64_t blk_stride, int64_t tok_stride,
+                 int64_t head_stride, const int32_t *block_tables, int64_t bt_stride,
+                 const int32_t *query_start_loc, const int32_t *seq_lens, int num_reqs,
+                 int block_size, float scale, float *out, int64_t ldo) {
+    const int L = lanes_of(variant);
+    if (H % KVH != 0 || D % L != 0 || D % 2 != 0 || D > 1024) return -1;
+    const int64_t T = query_start_loc[num_reqs];
+    int err = 0;
+#pragma omp parallel
+    {
+        int64_t cap = 0;
+        float *w = NULL;
+        uint16_t *w16 = NULL, *k_row = NULL;
+        uint16_t qh[1024];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t th = 0; th < T * H; th++) {
+            const int64_t t = th / H;
+            const int h = (int)(th % H), kvh = h / (H / KVH);
+            int r = 0;
+            while (query_start_loc[r + 1] <= t) r++;
+            const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
+            const int64_t pos = seq_lens[r] - qlen + (t - query_start_loc[r]);
+            const int prompt = qlen > 1;
+            const int64_t nk = pos + 1;
+            const int64_t n_pad = (nk + 63) / 64 * 64; /* whole vectors and dot steps */
+            if (n_pad > cap) {
+                free(w);
+                free(w16);
+                free(k_row);
+                cap = n_pad;
+                w = malloc((size_t)cap * sizeof(float));
+                w16 = malloc((size_t)cap * sizeof(uint16_t));
+                k_row = malloc((size_t)D * sizeof(uint16_t));
+                if (!w || !w16 || !k_row) {
+                    err = 1;
+                    cap = 0;
+                    continue;
+                }
+            }
+            /* q in f16, in ggml's order: its element 2i is ours i, 2i + 1 ours i + D/2 */
+            const float *qr = q + t * ldq + (int64_t)h * D;
+            for (int i = 0; i < D / 2; i++) {
+                qh[2 * i] = f2h(qr[i]);
+                qh[2 * i + 1] = f2h(qr[i + D / 2]);
+            }
+            const int32_t *bt = block_tables + r * bt_stride;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < nk; j++) {
+                const uint16_t *kr = kc + (int64_t)bt[j / block_size] * blk_stride +
+                                     (j % block_size) * tok_stride + kvh * head_stride;
+                for (int i = 0; i < D / 2; i++) {
+                    k_row[2 * i] = kr[i];
+                    k_row[2 * i + 1] = kr[i + D / 2];
+                }
+                const float s = prompt ? dot_f16_tinyblas(variant, D, k_row, 1, qh, 1)
+                                       : dot_f16(variant, D, k_row, 1, qh, 1);
+                w[j] = s * scale; /* + the mask's 0 */
+                mx = w[j] > mx ? w[j] : mx;
+            }
+            /* softmax: exp by whole vectors (masked lanes give 0), chunk sums in double */
+            double sum = 0.0;
+            const int64_t nv = (nk + L - 1) / L * L;
+            for (int64_t c = 0; c < nv; c += L) {
+                float chunk[MAX_LANES];
+                for (int l = 0; l < L; l++) {
+                    const int64_t j = c + l;
+                    chunk[l] = j < nk ? vexp(variant, w[j] - mx) : 0.0f;
+                    if (j < nk) w[j] = chunk[l];
+                }
+                sum += (double)halving_sum(chunk, L);
+            }
+            const float inv = (float)(1.0 / sum);
+            for (int64_t j = 0; j < n_pad; j++) w16[j] = j < nk ? f2h(w[j] * inv) : 0;
+            /* out = V^T w: V's rows (one per dim) run along the keys, as in ggml's transposed
+             * V cache */
+            float *o = out + t * ldo + (int64_t)h * D;
+            for (int d = 0; d < D; d++) {
+                float acc;
+                if (prompt) {
+                    float lane[MAX_LANES] = {0};
+                    for (int64_t c = 0; c < n_pad; c += L)
+                        for (int l = 0; l < L; l++) {
+                            const int64_t j = c + l;
+                            if (j >= nk) continue; /* a zero weight adds nothing */
+                            const uint16_t v = vc[(int64_t)bt[j / block_size] * blk_stride +
+                                                  (j % block_size) * tok_stride +
+                                                  kvh * head_stride + d];
+                            lane[l] = fmaf(h2f(v), h2f(w16[j]), lane[l]);
+                        }
+                    acc = halving_sum(lane, L);
+                } else {
+                    const int step = 4 * L;
+                    float sacc[4][MAX_LANES] = {{0}};
+                    for (int64_t c = 0; c < n_pad; c += step)
+                        for (int a = 0; a < 4; a++)
+                            for (int l = 0; l < L; l++) {
+                                const int64_t j = c + a * L + l;
+                                if (j >= nk) continue;
+                                const uint16_t v = vc[(int64_t)bt[j / block_size] * blk_stride +
+                                                      (j % block_size) * tok_stride +
+                                                      kvh * head_stride + d];
+                                sacc[a][l] = fmaf(h2f(v), h2f(w16[j]), sacc[a][l]);
+                            }
+                    for (int l = 0; l < L; l++) {
+                        sacc[0][l] = sacc[0][l] + sacc[2][l];
+                        sacc[1][l] = sacc[1][l] + sacc[3][l];
+                    }
+                    for (int l = 0; l < L; l++) sacc[0][l] = sacc[0][l] + sacc[1][l];
+                    acc = (float)(double)(variant == GN_AVX512 ? halving_sum(sacc[0], 16)
+                                                               : hadd_sum8(sacc[0]));
+                }
+                o[d] = acc;
+            }
+        }
+        free(w);
+        free(w16);
+        free(k_row);
+    }
+    return err ? -1 : 0;
+}

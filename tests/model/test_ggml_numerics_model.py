@@ -1,0 +1,103 @@
+"""`$PAGODA_CPU_NUMERICS=ggml` on the embedded model against llama.cpp itself: the greedy tokens
+and the logits (their SHA-256, bit for bit) that llama.cpp produced on the same GGUF file.
+
+The recorded values come from llama-cpp-python 0.3.36 built natively on an AVX512 CPU (Zen 4),
+f16 KV cache, flash attention off, n_batch 512 (`benchmarks/cpu_vs_llamacpp.py` runs it): they are
+what the "avx512" variant must reproduce on any CPU, since every variant is plain C. The logits
+are those of the prompt's last row (step 0) and of the 16th generated token's step (step 15).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from model_testing import PagedRunner
+
+from pagoda.config import ModelConfig, embedded_model_path
+from pagoda.kernels.cpu import ggml_numerics as gn
+from pagoda.model.loader import get_model_config_dict, load_model
+
+try:
+    gn.load_library()
+except Exception as e:
+    pytest.skip(f"ggml numerics library unavailable: {e}", allow_module_level=True)
+
+# prompt ids, llama.cpp's 16 greedy tokens, sha256[:16] of its float32 logits at steps 0 and 15
+LLAMACPP_AVX512 = [
+    (
+        [504, 3575, 282, 4649, 314],  # "The capital of France is"
+        [7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33],
+        {0: "1e6159cb73323909", 15: "daca2ad915a6c420"},
+    ),
+    (
+        [788, 216, 33, 41, 32, 37, 28, 14338, 16211, 2587],  # "In 1905, Albert Einstein published"
+        [650, 4248, 8345, 414, 45, 21445, 19133, 28, 527, 553, 1675, 1438, 253, 24604, 282, 2148],
+        {0: "f0996ab37d98d47f", 15: "90f0abc838ae5eac"},
+    ),
+]
+
+
+def _digest(logits: torch.Tensor) -> str:
+    return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    path = embedded_model_path()
+    cfg = get_model_config_dict(path)
+    m = load_model(
+        ModelConfig(
+            model=path, hf_config=cfg, dtype="float32", max_model_len=256, quantization="gguf"
+        )
+    )
+    m.enable_ggml_numerics("avx512")
+    m.cfg_for_test = cfg
+    return m
+
+
+@pytest.mark.parametrize("case", range(len(LLAMACPP_AVX512)))
+def test_logits_and_greedy_tokens_are_llama_cpps(model: torch.nn.Module, case: int) -> None:
+    prompt, tokens, digests = LLAMACPP_AVX512[case]
+    runner = PagedRunner(model, model.cfg_for_test, num_blocks=16, cache_dtype=torch.float16)
+    logits = runner.step(prompt, 0)[-1]
+    got, start = [], len(prompt)
+    for step in range(len(tokens)):
+        if step in digests:
+            assert _digest(logits) == digests[step], f"logits differ at step {step}"
+        got.append(int(logits.argmax()))
+        if step + 1 < len(tokens):
+            logits = runner.step([got[-1]], start)[-1]
+            start += 1
+    assert got == tokens
+
+
+def test_engine_batches_requests_without_changing_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both prompts in one engine, scheduled into the same steps, give llama.cpp's tokens (each
+    request's attention is its own; linear layers work row by row)."""
+    from pagoda import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGODA_CPU_NUMERICS", "ggml-avx512")
+    llm = LLM(model=embedded_model_path(), max_model_len=256, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in LLAMACPP_AVX512], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [t for _, t, _ in LLAMACPP_AVX512]
+
+
+def test_bad_settings_fail_at_load_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda import LLM
+
+    monkeypatch.setenv("PAGODA_CPU_NUMERICS", "llamacpp")
+    with pytest.raises(ValueError, match="PAGODA_CPU_NUMERICS must be one of"):
+        LLM(model=embedded_model_path(), max_model_len=64)
+    monkeypatch.setenv("PAGODA_CPU_NUMERICS", "ggml")
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16"):
+        LLM(model=embedded_model_path(), max_model_len=64, kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="GGUF blocks kept quantized"):
+        LLM(
+            model=embedded_model_path(),
+            max_model_len=64,
+            dtype="bfloat16",  # the blocks are dequantized for bfloat16 activations
+            kv_cache_dtype="float16",
+        )
