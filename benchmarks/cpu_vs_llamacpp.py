@@ -152,6 +152,7 @@ def perplexities(model: str, ids: list[int], window: int = 512) -> dict:
     for name, quantization, cache_dtype in (
         ("quantized", "gguf", torch.float32),
         ("quantized_f16_cache", "gguf", torch.float16),
+        ("quantized_ggml_numerics", "gguf", torch.float16),
         ("dequantized", None, torch.float32),
     ):
         m = load_model(
@@ -163,6 +164,10 @@ def perplexities(model: str, ids: list[int], window: int = 512) -> dict:
                 quantization=quantization,
             )
         )
+        if name == "quantized_ggml_numerics":  # llama.cpp's arithmetic op by op
+            from pagoda.kernels.cpu.ggml_numerics import default_variant
+
+            m.enable_ggml_numerics(default_variant() or "avx2")
         nll, count = 0.0, 0
         for start in range(0, len(ids) - 1, window):
             chunk = ids[start : start + window]
@@ -242,10 +247,12 @@ def main() -> None:
     )
     change = 100 * (ppl["quantized"] / ppl["dequantized"] - 1)
     change16 = 100 * (ppl["quantized_f16_cache"] / ppl["dequantized"] - 1)
+    change_ggml = 100 * (ppl["quantized_ggml_numerics"] / ppl["dequantized"] - 1)
     print(
         f"  perplexity over {ppl['tokens']} tokens: quantized {ppl['quantized']:.3f}, "
         f"dequantized {ppl['dequantized']:.3f} ({change:+.2f}%); quantized over the float16 "
-        f"KV cache {ppl['quantized_f16_cache']:.3f} ({change16:+.2f}%)"
+        f"KV cache {ppl['quantized_f16_cache']:.3f} ({change16:+.2f}%); with "
+        f"PAGODA_CPU_NUMERICS=ggml {ppl['quantized_ggml_numerics']:.3f} ({change_ggml:+.2f}%)"
     )
     if args.out:
         with open(args.out, "w") as f:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagoda.kernels.cpu import ggml_numerics as gn
+from pagoda.utils.cpu_build import supported_isas
 
 try:
     gn.load_library()
@@ -88,14 +89,16 @@ def vec_dot_reference(ggml_type: int, row: np.ndarray, x: np.ndarray) -> np.floa
     return f32(halving(acc) + summs)
 
 
+@pytest.mark.parametrize("isa", supported_isas())  # AVX2 vectors, or the loop over lanes
 @pytest.mark.parametrize("ggml_type", [gn.GGML_Q4_1, gn.GGML_Q8_0])
-def test_linear_is_ggml_vec_dot_lane_by_lane(ggml_type: int) -> None:
+def test_linear_is_ggml_vec_dot_lane_by_lane(ggml_type: int, isa: str) -> None:
     n, k, m = 24, 128, 3
     rows = random_rows(ggml_type, n, k, seed=ggml_type)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((m, k)).astype(f32)
     x[1, 40:72] = 0.0  # an all-zero block: d = 0, q = 0
-    y = gn.linear(torch.from_numpy(x), torch.from_numpy(rows), ggml_type, n, False).numpy()
+    y = gn.linear(torch.from_numpy(x), torch.from_numpy(rows), ggml_type, n, False, isa=isa)
+    y = y.numpy()
     ref = np.array(
         [[vec_dot_reference(ggml_type, rows[j], x[i]) for j in range(n)] for i in range(m)]
     )

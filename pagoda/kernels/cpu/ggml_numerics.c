@@ -164,6 +164,59 @@ static float vec_dot(int type, const uint8_t *w, int64_t w_stride, int x8, int64
     return halving_sum(acc, 8) + summs;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Eight int32 lanes, lane k = sum of u[4k..4k+3] * s[4k..4k+3] (u unsigned, s signed): exact,
+ * so ggml's VNNI and maddubs builds give the same integers. */
+static inline __m256i lane_dots(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* vec_dot in vectors: ggml's own AVX2 code, the same bits as the lane loop above. */
+static float vec_dot_avx2(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t n,
+                          const ActBlock *a, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0.0f;
+    uint8_t tmp[34];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = weight_block(type, w, w_stride, x8, n, b, tmp);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)a[b].q);
+        const float dd = rd_h(blk) * h2f(a[b].d);
+        __m256i xy;
+        if (type == GGML_Q4_1) {
+            summs += rd_h(blk + 2) * h2f(a[b].s);
+            const __m128i t = _mm_loadu_si128((const __m128i *)(blk + 4));
+            const __m256i qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t),
+                                                _mm256_set1_epi8(15));
+            xy = lane_dots(qx, qy);
+        } else {
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            xy = lane_dots(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(xy), acc);
+    }
+    float v[8];
+    _mm256_storeu_ps(v, acc);
+    return halving_sum(v, 8) + summs;
+}
+#define VEC_DOT vec_dot_avx2
+#else
+#define VEC_DOT vec_dot
+#endif
+
+const char *gn_isa(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
 /* y[m, n] = W[n] . x[m] for M rows of x (row stride ldx) and N weight rows: Q4_1 against Q8_1
  * activations, Q8_0 against Q8_0. W in the GGUF layout (w_stride bytes a row) or the x8 one
  * (w_stride bytes a group of 8 rows). */
@@ -178,7 +231,7 @@ int gn_linear(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t N, i
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
-            y[m * ldy + n] = vec_dot(type, w, w_stride, x8, n, acts + m * nb, nb);
+            y[m * ldy + n] = VEC_DOT(type, w, w_stride, x8, n, acts + m * nb, nb);
     free(acts);
     return 0;
 }

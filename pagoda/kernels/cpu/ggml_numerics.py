@@ -41,9 +41,11 @@ def default_variant(flags: str | None = None) -> str | None:
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL:
-    """The library, built on first call (~1 s). Raises CpuKernelUnavailable."""
-    lib_path, _ = build_with_fallback(SOURCE, HEADERS, None)
+def load_library(isa: str | None = None) -> ctypes.CDLL:
+    """The library built for ISA level `isa` (default: the selected one; the quantized products
+    take AVX2 vectors where it has them, else a loop over ggml's lanes, with the same bits),
+    built on first call (~1 s). Raises CpuKernelUnavailable."""
+    lib_path, _ = build_with_fallback(SOURCE, HEADERS, isa)
     try:
         lib = ctypes.CDLL(str(lib_path))
     except OSError as e:
@@ -62,6 +64,7 @@ def load_library() -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.gn_isa.restype = ctypes.c_char_p
     return lib
 
 
@@ -86,16 +89,18 @@ def linear(
     n: int,
     x8: bool,
     out: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T for W's GGUF blocks `data` ([n, row bytes], or the x8 layout's
-    [ceil(n/8), 8 * row bytes]) -> [M, n] (or into `out`, a [M, n] view with unit column stride)."""
+    [ceil(n/8), 8 * row bytes]) -> [M, n] (or into `out`, a [M, n] view with unit column stride),
+    by the library built for `isa` (default: the selected level)."""
     if ggml_type not in SUPPORTED_TYPES:
         raise ValueError(f"ggml numerics multiply Q4_1 and Q8_0 weights, not ggml type {ggml_type}")
     x = _rows(x)
     m, k = x.shape
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
-    rc = load_library().gn_linear(
+    rc = load_library(isa).gn_linear(
         ggml_type, data.data_ptr(), data.stride(0), int(x8), n, k,
         x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0),
     )  # fmt: skip
