@@ -135,9 +135,10 @@ def run_pagoda(model: str, threads: int, repeats: int, job: dict, numerics: str 
     }
 
 
-def perplexities(model: str, ids: list[int], window: int = 512) -> dict:
+def perplexities(model: str, ids: list[int], ggml_variant: str, window: int = 512) -> dict:
     """Perplexity of the quantized (quantization="gguf") and dequantized float32 models, over a
-    float32 KV cache, and of the quantized one over the float16 cache a CPU runs by default."""
+    float32 KV cache, of the quantized one over the float16 cache a CPU runs by default, and of
+    that one in llama.cpp's arithmetic (the ggml numerics of `ggml_variant`)."""
     sys.path.insert(
         0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
     )
@@ -165,9 +166,7 @@ def perplexities(model: str, ids: list[int], window: int = 512) -> dict:
             )
         )
         if name == "quantized_ggml_numerics":  # llama.cpp's arithmetic op by op
-            from pagoda.kernels.cpu.ggml_numerics import default_variant
-
-            m.enable_ggml_numerics(default_variant() or "avx2")
+            m.enable_ggml_numerics(ggml_variant)
         nll, count = 0.0, 0
         for start in range(0, len(ids) - 1, window):
             chunk = ids[start : start + window]
@@ -191,6 +190,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--ggml-numerics",
+        default="ggml",
+        choices=["ggml", "ggml-avx2", "ggml-avx512"],
+        help="the PAGODA_CPU_NUMERICS of the second greedy run: ggml matches a llama.cpp built "
+        "natively here; ggml-avx2 one built without AVX-512 (GGML_NATIVE=OFF GGML_AVX2=ON)",
+    )
     args = p.parse_args()
 
     from pagoda.config import embedded_model_path
@@ -212,7 +218,9 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {args.threads} threads; model {os.path.basename(model)}", flush=True)
     results = {"cpu": cpu_name(), "threads": args.threads, "model": os.path.basename(model)}
     results["pagoda"] = run_pagoda(model, args.threads, args.repeats, job)
-    results["pagoda_ggml_numerics"] = run_pagoda(model, args.threads, 0, job, numerics="ggml")
+    results["pagoda_ggml_numerics"] = run_pagoda(
+        model, args.threads, 0, job, numerics=args.ggml_numerics
+    )
     proc = subprocess.run(
         [args.llamacpp_python, "-c", LLAMACPP_WORKER],
         input=json.dumps(job),
@@ -223,7 +231,10 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"llama.cpp worker failed:\n{proc.stderr[-3000:]}")
     results["llamacpp"] = json.loads(proc.stdout.strip().splitlines()[-1])
-    results["perplexity"] = perplexities(model, tok.encode(BUILTIN_CALIBRATION))
+    from pagoda.model.models.llama_ggml import variant_of
+
+    variant = variant_of(args.ggml_numerics)
+    results["perplexity"] = perplexities(model, tok.encode(BUILTIN_CALIBRATION), variant)
     for key, name in (("greedy_equal", "pagoda"), ("greedy_equal_ggml", "pagoda_ggml_numerics")):
         pairs = zip(results[name]["greedy"], results["llamacpp"]["greedy"])
         results[key] = f"{sum(a == b for a, b in pairs)}/{len(PROMPTS)}"
@@ -242,7 +253,8 @@ def main() -> None:
     print(f"  greedy outputs equal ({GREEDY_TOKENS} tokens): {results['greedy_equal']}")
     ggml = results["pagoda_ggml_numerics"]
     print(
-        f"  greedy outputs equal with PAGODA_CPU_NUMERICS=ggml: {results['greedy_equal_ggml']} "
+        f"  greedy outputs equal with PAGODA_CPU_NUMERICS={args.ggml_numerics}: "
+        f"{results['greedy_equal_ggml']} "
         f"({ggml['greedy_seconds']:.1f} s for the 10 prompts)"
     )
     change = 100 * (ppl["quantized"] / ppl["dequantized"] - 1)
@@ -252,7 +264,8 @@ def main() -> None:
         f"  perplexity over {ppl['tokens']} tokens: quantized {ppl['quantized']:.3f}, "
         f"dequantized {ppl['dequantized']:.3f} ({change:+.2f}%); quantized over the float16 "
         f"KV cache {ppl['quantized_f16_cache']:.3f} ({change16:+.2f}%); with "
-        f"PAGODA_CPU_NUMERICS=ggml {ppl['quantized_ggml_numerics']:.3f} ({change_ggml:+.2f}%)"
+        f"PAGODA_CPU_NUMERICS={args.ggml_numerics} {ppl['quantized_ggml_numerics']:.3f} "
+        f"({change_ggml:+.2f}%)"
     )
     if args.out:
         with open(args.out, "w") as f:

@@ -1,10 +1,12 @@
 """`$PAGODA_CPU_NUMERICS=ggml` on the embedded model against llama.cpp itself: the greedy tokens
 and the logits (their SHA-256, bit for bit) that llama.cpp produced on the same GGUF file.
 
-The recorded values come from llama-cpp-python 0.3.36 built natively on an AVX512 CPU (Zen 4),
-f16 KV cache, flash attention off, n_batch 512 (`benchmarks/cpu_vs_llamacpp.py` runs it): they are
-what the "avx512" variant must reproduce on any CPU, since every variant is plain C. The logits
-are those of the prompt's last row (step 0) and of the 16th generated token's step (step 15).
+The recorded values come from llama-cpp-python 0.3.36 on a Zen 4, built natively (AVX-512) and
+with GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF (an AVX2 CPU's build), f16 KV cache, flash
+attention off, n_batch 512 (as `benchmarks/cpu_vs_llamacpp.py` runs it): what the "avx512" and
+"avx2" variants must reproduce on any CPU, each being plain C. The logits are those of the
+prompt's last row (step 0) and of the 16th generated token's step (step 15); the two builds'
+differ, so each variant is told apart.
 """
 
 from __future__ import annotations
@@ -24,19 +26,26 @@ try:
 except Exception as e:
     pytest.skip(f"ggml numerics library unavailable: {e}", allow_module_level=True)
 
-# prompt ids, llama.cpp's 16 greedy tokens, sha256[:16] of its float32 logits at steps 0 and 15
-LLAMACPP_AVX512 = [
-    (
-        [504, 3575, 282, 4649, 314],  # "The capital of France is"
-        [7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33],
-        {0: "1e6159cb73323909", 15: "daca2ad915a6c420"},
-    ),
-    (
-        [788, 216, 33, 41, 32, 37, 28, 14338, 16211, 2587],  # "In 1905, Albert Einstein published"
-        [650, 4248, 8345, 414, 45, 21445, 19133, 28, 527, 553, 1675, 1438, 253, 24604, 282, 2148],
-        {0: "f0996ab37d98d47f", 15: "90f0abc838ae5eac"},
-    ),
+PROMPTS = [
+    [504, 3575, 282, 4649, 314],  # "The capital of France is"
+    [788, 216, 33, 41, 32, 37, 28, 14338, 16211, 2587],  # "In 1905, Albert Einstein published"
 ]
+TOKENS = [
+    [7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33],
+    [650, 4248, 8345, 414, 45, 21445, 19133, 28, 527, 553, 1675, 1438, 253, 24604, 282, 2148],
+]
+# variant -> per prompt: llama.cpp's 16 greedy tokens (the two builds agree on these), and the
+# sha256[:16] of its float32 logits at steps 0 and 15
+LLAMACPP = {
+    "avx512": [
+        (TOKENS[0], {0: "1e6159cb73323909", 15: "daca2ad915a6c420"}),
+        (TOKENS[1], {0: "f0996ab37d98d47f", 15: "90f0abc838ae5eac"}),
+    ],
+    "avx2": [
+        (TOKENS[0], {0: "1e6159cb73323909", 15: "f5e2699604419dc7"}),
+        (TOKENS[1], {0: "6c638fad1b1f6661", 15: "da92e06afefdbf56"}),
+    ],
+}
 
 
 def _digest(logits: torch.Tensor) -> str:
@@ -52,14 +61,17 @@ def model() -> torch.nn.Module:
             model=path, hf_config=cfg, dtype="float32", max_model_len=256, quantization="gguf"
         )
     )
-    m.enable_ggml_numerics("avx512")
     m.cfg_for_test = cfg
     return m
 
 
-@pytest.mark.parametrize("case", range(len(LLAMACPP_AVX512)))
-def test_logits_and_greedy_tokens_are_llama_cpps(model: torch.nn.Module, case: int) -> None:
-    prompt, tokens, digests = LLAMACPP_AVX512[case]
+@pytest.mark.parametrize("variant", sorted(LLAMACPP))
+@pytest.mark.parametrize("case", range(len(PROMPTS)))
+def test_logits_and_greedy_tokens_are_llama_cpps(
+    model: torch.nn.Module, case: int, variant: str
+) -> None:
+    model.enable_ggml_numerics(variant)
+    prompt, (tokens, digests) = PROMPTS[case], LLAMACPP[variant][case]
     runner = PagedRunner(model, model.cfg_for_test, num_blocks=16, cache_dtype=torch.float16)
     logits = runner.step(prompt, 0)[-1]
     got, start = [], len(prompt)
@@ -81,8 +93,8 @@ def test_engine_batches_requests_without_changing_them(monkeypatch: pytest.Monke
     monkeypatch.setenv("PAGODA_CPU_NUMERICS", "ggml-avx512")
     llm = LLM(model=embedded_model_path(), max_model_len=256, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in LLAMACPP_AVX512], params)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [t for _, t, _ in LLAMACPP_AVX512]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == TOKENS
 
 
 def test_bad_settings_fail_at_load_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,10 +11,13 @@ servers) gets them from this mode, at a fraction of the speed: every op runs the
 
 The mode reproduces llama.cpp as llama-cpp-python 0.3.36 vendors it, built natively
 (`ggml_numerics.default_variant()`; `ggml-avx2` / `ggml-avx512` pick the other build), with its
-defaults: f16 KV cache, flash attention off, each prompt evaluated in one batch. It takes plain
-Llama models (no biases, no q/k norms, no sliding window or soft cap, RoPE without scaling) whose
-linear layers are Q4_1 or Q8_0 blocks kept quantized, one request per step, on the CPU; anything
-else fails at load with the reason.
+defaults: f16 KV cache, flash attention off. Every request is computed as llama.cpp computes it
+alone: linear layers work row by row, and attention takes ggml's prompt-batch order (tinyBLAS)
+for a request with several rows in the step and its decode order for one row, so batching with
+other requests changes nothing, and a prompt split into chunks gives llama.cpp's result for
+ubatches of those sizes. It takes plain Llama models (no biases, no q/k norms, no sliding
+window, RoPE without scaling) whose linear layers are Q4_1 or Q8_0 blocks kept quantized, on the
+CPU; anything else fails at load with the reason.
 """
 
 from __future__ import annotations
