@@ -27,6 +27,7 @@ tries the portable level once (one warning), and the callers fall back to torch.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -68,6 +69,18 @@ _ISA_CC_FLAGS = {
 
 class CpuKernelUnavailable(RuntimeError):
     """A C kernel could not be built or loaded here (no compiler, build error, ...)."""
+
+
+def open_library(path: Path, abi_symbol: str, abi: int) -> ctypes.CDLL:
+    """The built library at `path`, loaded, once its `abi_symbol()` returns `abi` (the loader
+    and the library agree on every entry point's arguments). Raises CpuKernelUnavailable."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise CpuKernelUnavailable(f"loading {path} failed ({e})") from e
+    if getattr(lib, abi_symbol)() != abi:
+        raise CpuKernelUnavailable(f"{path} is not the library this loader expects")
+    return lib
 
 
 def cache_dir() -> Path:

@@ -9,7 +9,7 @@ import torch
 
 from pagoda.kernels.cpu import pool
 from pagoda.utils import cpu_kernels
-from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, log_isa
+from pagoda.utils.cpu_build import build_with_fallback, log_isa, open_library
 
 SOURCE, HEADERS, _ = cpu_kernels.ATTENTION  # HEADERS: included by SOURCE, part of the cache key
 _ABI = 5  # pagoda_paged_attention_abi() of the source this loader can call
@@ -28,12 +28,7 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     lib_path, built = build_with_fallback(SOURCE, HEADERS, isa)
     # torch is imported first, so an OpenMP build links the libgomp torch already loaded and the
     # kernel shares torch's worker threads instead of spinning up a second pool.
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
-    if lib.pagoda_paged_attention_abi() != _ABI:
-        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    lib = open_library(lib_path, "pagoda_paged_attention_abi", _ABI)
     fn = lib.pagoda_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.utils import cpu_kernels
-from pagoda.utils.cpu_build import CpuKernelUnavailable, build_library
+from pagoda.utils.cpu_build import build_library, open_library
 
 SOURCE, _, ISA = cpu_kernels.DECODER  # portable: the kernels it calls are built per ISA level
 _ABI = 4
@@ -182,13 +182,7 @@ class DecoderSpec:
 @functools.cache
 def load_decoder_library() -> ctypes.CDLL:
     """Raises CpuKernelUnavailable when it does not build or load."""
-    path = build_library(SOURCE, (), ISA)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"loading {path} failed ({e})") from e
-    if lib.pagoda_decoder_abi() != _ABI:
-        raise CpuKernelUnavailable(f"{path} is not the library this loader expects")
+    lib = open_library(build_library(SOURCE, (), ISA), "pagoda_decoder_abi", _ABI)
     lib.pagoda_decoder_run.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step)]
     lib.pagoda_decoder_run.restype = ctypes.c_int
     return lib

@@ -17,7 +17,7 @@ import functools
 import torch
 
 from pagoda.utils import cpu_kernels
-from pagoda.utils.cpu_build import CpuKernelUnavailable, build_with_fallback, cpu_flags
+from pagoda.utils.cpu_build import build_with_fallback, cpu_flags, open_library
 
 SOURCE, HEADERS, _ = cpu_kernels.GGML_NUMERICS
 _ABI = 1
@@ -44,14 +44,8 @@ def default_variant(flags: str | None = None) -> str | None:
 def load_library(isa: str | None = None) -> ctypes.CDLL:
     """The library built for ISA level `isa` (default: the selected one; the quantized products
     take AVX2 vectors where it has them, else a loop over ggml's lanes, with the same bits),
-    built on first call (~1 s). Raises CpuKernelUnavailable."""
-    lib_path, _ = build_with_fallback(SOURCE, HEADERS, isa)
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
-    if lib.gn_abi() != _ABI:
-        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    built on first call (~1 s). Raises `cpu_build.CpuKernelUnavailable`."""
+    lib = open_library(build_with_fallback(SOURCE, HEADERS, isa)[0], "gn_abi", _ABI)
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "gn_linear": [i32, ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64],

@@ -26,6 +26,7 @@ from pagoda.utils.cpu_build import (
     CpuKernelUnavailable,
     build_with_fallback,
     log_isa,
+    open_library,
     warn_unavailable,
 )
 
@@ -49,12 +50,7 @@ def load_cpu_ops(isa: str | None = None) -> ctypes.CDLL:
     """The ops library built for ISA level `isa` (default: the selected level, or portable
     when that does not build), on first call (~2 s). Raises CpuKernelUnavailable."""
     lib_path, built = build_with_fallback(SOURCE, HEADERS, isa)
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
-    if lib.pagoda_cpu_ops_abi() != _ABI:
-        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    lib = open_library(lib_path, "pagoda_cpu_ops_abi", _ABI)
     if ISA_LEVELS[lib.pagoda_cpu_ops_isa()] != built:  # the -m flags did not take
         raise CpuKernelUnavailable(f"{lib_path} was built for another ISA level than {built}")
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float

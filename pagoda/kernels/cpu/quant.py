@@ -111,13 +111,7 @@ def _build(isa: str | None) -> Path:
 def load_quant_library(isa: str | None = None) -> ctypes.CDLL:
     """The kernel built for `isa` (default: the selected level, falling back to portable when
     that build fails). Raises CpuKernelUnavailable when nothing builds or loads."""
-    lib_path = _build(isa)
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"loading {lib_path} failed ({e})") from e
-    if lib.pagoda_quant_abi() != _ABI:
-        raise CpuKernelUnavailable(f"{lib_path} is not the library this loader expects")
+    lib = build.open_library(_build(isa), "pagoda_quant_abi", _ABI)
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.pagoda_quant_gemm.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i64, i32]
     lib.pagoda_quant_gemm.argtypes += [i64, i64, i64, i32]
