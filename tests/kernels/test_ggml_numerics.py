@@ -117,6 +117,15 @@ def test_linear_reads_the_x8_layout_as_the_rows(ggml_type: int) -> None:
     assert torch.equal(y_rows, y_x8)
 
 
+@pytest.mark.parametrize("ggml_type", [gn.GGML_Q4_1, gn.GGML_Q8_0])
+def test_unpack_x8_gives_back_the_rows(ggml_type: int) -> None:
+    from pagoda.kernels.cpu.quant import pack_x8, unpack_x8
+
+    for n in (8, 21, 3):
+        rows = torch.from_numpy(random_rows(ggml_type, n, 96, seed=n))
+        assert torch.equal(unpack_x8(pack_x8(rows, ggml_type, 96), ggml_type, n, 96), rows)
+
+
 def test_linear_is_close_to_the_float_product() -> None:
     from pagoda.model.loader.gguf_quants import dequantize
 

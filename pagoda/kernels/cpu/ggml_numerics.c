@@ -34,8 +34,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#define GN_ABI 1
+#define GN_ABI 2
 #define GN_AVX512 0
 #define GN_AVX2 1
 #define GGML_Q4_1 3
@@ -78,6 +81,52 @@ static float hadd_sum8(const float *v) {
 }
 
 static int lanes_of(int variant) { return variant == GN_AVX512 ? 16 : 8; }
+
+/* Work items [0, n) claimed `claim` at a time by every participant: on Pagoda's thread pool
+ * (pool.c; the loader hands over its entry point), else in an OpenMP region, else here. Each
+ * item's arithmetic does not depend on who runs it. */
+typedef void (*pool_body)(void *ctx, int thread);
+typedef void (*parallel_run_fn)(pool_body body, void *ctx, int nthreads);
+static parallel_run_fn parallel_run;
+
+void gn_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
+
+typedef void (*item_fn)(void *ctx, int64_t i0, int64_t i1, int thread);
+typedef struct {
+    item_fn fn;
+    void *ctx;
+    int64_t n, claim;
+    _Alignas(64) int64_t next; /* atomic, on a line of its own */
+} Job;
+
+static void job_body(void *p, int thread) {
+    Job *j = p;
+    for (;;) {
+        const int64_t i0 = __atomic_fetch_add(&j->next, j->claim, __ATOMIC_RELAXED);
+        if (i0 >= j->n) return;
+        j->fn(j->ctx, i0, i0 + j->claim < j->n ? i0 + j->claim : j->n, thread);
+    }
+}
+
+static void run_items(item_fn fn, void *ctx, int64_t n, int64_t claim, int nthreads) {
+    Job j = {fn, ctx, n, claim > 0 ? claim : 1, 0};
+    if (nthreads > 1 && n > j.claim) {
+        if (parallel_run) {
+            parallel_run(job_body, &j, nthreads);
+            return;
+        }
+#pragma omp parallel num_threads(nthreads)
+        {
+#ifdef _OPENMP
+            job_body(&j, omp_get_thread_num());
+#else
+            job_body(&j, 0);
+#endif
+        }
+        return;
+    }
+    job_body(&j, 0);
+}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Quantized matrix products */
@@ -182,20 +231,29 @@ static float vec_dot_avx2(int type, const uint8_t *w, int64_t w_stride, int x8, 
                           const ActBlock *a, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float summs = 0.0f;
-    uint8_t tmp[34];
+    const int bb = block_bytes(type), r = (int)(n & 7);
+    /* x8: row r's 4-byte slices of qs lie 32 bytes apart, after 8 d (and Q4_1's 8 m) */
+    const uint8_t *base = x8 ? w + (n >> 3) * w_stride : w + n * w_stride;
+    const int64_t stride = x8 ? 8 * bb : bb;
+    const int d_at = x8 ? 2 * r : 0, m_at = x8 ? 16 + 2 * r : 2;
+    const int q_at = x8 ? (type == GGML_Q4_1 ? 32 : 16) + 4 * r : (type == GGML_Q4_1 ? 4 : 2);
+    const __m256i slices = _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = weight_block(type, w, w_stride, x8, n, b, tmp);
+        const uint8_t *blk = base + b * stride;
         const __m256i qy = _mm256_loadu_si256((const __m256i *)a[b].q);
-        const float dd = rd_h(blk) * h2f(a[b].d);
+        const float dd = rd_h(blk + d_at) * h2f(a[b].d);
         __m256i xy;
         if (type == GGML_Q4_1) {
-            summs += rd_h(blk + 2) * h2f(a[b].s);
-            const __m128i t = _mm_loadu_si128((const __m128i *)(blk + 4));
+            summs += rd_h(blk + m_at) * h2f(a[b].s);
+            const __m128i t =
+                x8 ? _mm_i32gather_epi32((const int *)(blk + q_at), _mm256_castsi256_si128(slices), 1)
+                   : _mm_loadu_si128((const __m128i *)(blk + q_at));
             const __m256i qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t),
                                                 _mm256_set1_epi8(15));
             xy = lane_dots(qx, qy);
         } else {
-            const __m256i qx = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i qx = x8 ? _mm256_i32gather_epi32((const int *)(blk + q_at), slices, 1)
+                                  : _mm256_loadu_si256((const __m256i *)(blk + q_at));
             xy = lane_dots(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(xy), acc);
@@ -220,18 +278,39 @@ const char *gn_isa(void) {
 /* y[m, n] = W[n] . x[m] for M rows of x (row stride ldx) and N weight rows: Q4_1 against Q8_1
  * activations, Q8_0 against Q8_0. W in the GGUF layout (w_stride bytes a row) or the x8 one
  * (w_stride bytes a group of 8 rows). */
+typedef struct {
+    int type, x8;
+    const uint8_t *w;
+    int64_t w_stride, nb, K, ldx, ldy, M;
+    const float *x;
+    ActBlock *acts;
+    float *y;
+} LinearJob;
+
+static void quantize_items(void *p, int64_t m0, int64_t m1, int thread) {
+    LinearJob *j = p;
+    (void)thread;
+    for (int64_t m = m0; m < m1; m++) quantize_acts(j->x + m * j->ldx, j->K, j->acts + m * j->nb);
+}
+
+static void dot_items(void *p, int64_t n0, int64_t n1, int thread) {
+    LinearJob *j = p;
+    (void)thread;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < j->M; m++)
+            j->y[m * j->ldy + n] = VEC_DOT(j->type, j->w, j->w_stride, j->x8, n,
+                                           j->acts + m * j->nb, j->nb);
+}
+
 int gn_linear(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t N, int64_t K,
-              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
+              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int nthreads) {
     if ((type != GGML_Q4_1 && type != GGML_Q8_0) || K % 32 != 0 || M < 0 || N < 0) return -1;
     const int64_t nb = K / 32;
     ActBlock *acts = malloc((size_t)(M * nb + 1) * sizeof(ActBlock));
     if (!acts) return -1;
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_acts(x + m * ldx, K, acts + m * nb);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * ldy + n] = VEC_DOT(type, w, w_stride, x8, n, acts + m * nb, nb);
+    LinearJob j = {type, x8, w, w_stride, nb, K, ldx, ldy, M, x, acts, y};
+    run_items(quantize_items, &j, M, 8, M >= 16 ? nthreads : 1);
+    run_items(dot_items, &j, N, N / (8 * (nthreads > 0 ? nthreads : 1)), nthreads);
     free(acts);
     return 0;
 }
@@ -347,7 +426,7 @@ static float vexp(int variant, float x) {
 int gn_swiglu(int variant, const float *gu, int64_t ldgu, int64_t M, int64_t I, float *y,
               int64_t ldy) {
     const int64_t vec_end = I - I % lanes_of(variant);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * ldgu, *u = g + I;
         for (int64_t i = 0; i < I; i++) {
@@ -362,164 +441,143 @@ int gn_swiglu(int variant, const float *gu, int64_t ldgu, int64_t M, int64_t I, 
 /* ------------------------------------------------------------------------------------------ */
 /* Attention */
 
-/* ggml_vec_dot_f16 over n values (fp16 inputs widened: each product exact in fp32): 4
- * accumulators of a vector each over steps of 4 vectors, reduced pairwise, then across lanes;
- * a tail past the last whole step is added in double. `xs`, `ys`: element strides. */
-static float dot_f16(int variant, int n, const uint16_t *x, int64_t xs, const uint16_t *y,
-                     int64_t ys) {
-    const int L = lanes_of(variant), step = 4 * L, np = n - n % step;
-    float sum[4][MAX_LANES] = {{0}};
-    for (int i = 0; i < np; i += step)
-        for (int a = 0; a < 4; a++)
-            for (int l = 0; l < L; l++) {
-                const int e = i + a * L + l;
-                sum[a][l] = fmaf(h2f(x[e * xs]), h2f(y[e * ys]), sum[a][l]);
-            }
-    for (int l = 0; l < L; l++) {
-        sum[0][l] = sum[0][l] + sum[2][l];
-        sum[1][l] = sum[1][l] + sum[3][l];
-    }
-    for (int l = 0; l < L; l++) sum[0][l] = sum[0][l] + sum[1][l];
-    double total = variant == GN_AVX512 ? halving_sum(sum[0], 16) : hadd_sum8(sum[0]);
-    for (int e = np; e < n; e++) total += (double)(h2f(x[e * xs]) * h2f(y[e * ys]));
-    return (float)total;
+/* Lane sums of one accumulator vector per the build: GCC's _mm512_reduce_add_ps (halving) for
+ * AVX-512; GGML_F32x8_REDUCE's horizontal adds for AVX2's ggml_vec_dot_f16 (`hadd`), else the
+ * halving hsum of tinyBLAS and the softmax. */
+static float lane_sum(int variant, float *v, int hadd) {
+    if (variant == GN_AVX512) return halving_sum(v, 16);
+    return hadd ? hadd_sum8(v) : halving_sum(v, 8);
 }
 
-/* tinyBLAS's product of two fp16 rows of n values (n a multiple of the lanes): one accumulator
- * a lane, then summed across lanes by halving. */
-static float dot_f16_tinyblas(int variant, int n, const uint16_t *x, int64_t xs,
-                              const uint16_t *y, int64_t ys) {
+/* The 4 x L accumulators of ggml_vec_dot_f16 reduced: pairwise (0+2, 1+3, then the two), then
+ * across lanes; the result widened to double, as ggml returns it (no tail: whole steps only). */
+static float dot_f16_reduce(int variant, float acc[4][MAX_LANES]) {
     const int L = lanes_of(variant);
-    float acc[MAX_LANES] = {0};
-    for (int i = 0; i < n; i += L)
-        for (int l = 0; l < L; l++)
-            acc[l] = fmaf(h2f(x[(i + l) * xs]), h2f(y[(i + l) * ys]), acc[l]);
-    return halving_sum(acc, L);
+    float v[MAX_LANES];
+    for (int l = 0; l < L; l++) v[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    return (float)(double)lane_sum(variant, v, 1);
+}
+
+typedef struct {
+    int variant, H, KVH, D, block_size;
+    const float *q;
+    int64_t ldq, blk_stride, tok_stride, head_stride, bt_stride, ldo, cap;
+    const uint16_t *kc, *vc;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    float scale, *out, *scratch; /* per thread: cap scores + 64 * D accumulators */
+} AttnJob;
+
+/* One (query row, head): scores, softmax, weighted V, each in ggml's order of operations. */
+static void attend_one(const AttnJob *j, int64_t th, int thread) {
+    const int L = lanes_of(j->variant), D = j->D, H = j->H;
+    const int64_t t = th / H;
+    const int h = (int)(th % H), kvh = h / (H / j->KVH);
+    int r = 0;
+    while (j->query_start_loc[r + 1] <= t) r++;
+    const int64_t qlen = j->query_start_loc[r + 1] - j->query_start_loc[r];
+    const int64_t pos = j->seq_lens[r] - qlen + (t - j->query_start_loc[r]);
+    const int prompt = qlen > 1, nk = (int)(pos + 1);
+    /* slots of the V accumulators: a key's lane (tinyBLAS), or its (vector, lane) of a dot step */
+    const int slots = prompt ? L : 4 * L;
+    float *w = j->scratch + (int64_t)thread * (j->cap + 64 * D), *acc = w + j->cap;
+    const int32_t *bt = j->block_tables + r * j->bt_stride;
+    /* q rounded to f16 (ggml's vec_dot_type), in ggml's order: its 2i is ours i, 2i+1 ours
+     * i + D/2 (Pagoda un-permutes the GGUF's Q/K rows to rotate-half order) */
+    float qg[1024], kg[1024];
+    const float *qr = j->q + t * j->ldq + (int64_t)h * D;
+    for (int i = 0; i < D / 2; i++) {
+        qg[2 * i] = h2f(f2h(qr[i]));
+        qg[2 * i + 1] = h2f(f2h(qr[i + D / 2]));
+    }
+    float mx = -INFINITY;
+    for (int k = 0; k < nk; k++) {
+        const uint16_t *kr = j->kc + (int64_t)bt[k / j->block_size] * j->blk_stride +
+                             (k % j->block_size) * j->tok_stride + kvh * j->head_stride;
+        for (int i = 0; i < D / 2; i++) {
+            kg[2 * i] = h2f(kr[i]);
+            kg[2 * i + 1] = h2f(kr[i + D / 2]);
+        }
+        float s;
+        if (prompt) { /* tinyBLAS: one accumulator a lane, over the row */
+            float a[MAX_LANES] = {0};
+            for (int i = 0; i < D; i += L)
+                for (int l = 0; l < L; l++) a[l] = fmaf(kg[i + l], qg[i + l], a[l]);
+            s = lane_sum(j->variant, a, 0);
+        } else { /* ggml_vec_dot_f16: 4 accumulators over steps of 4 vectors */
+            float a[4][MAX_LANES] = {{0}};
+            for (int i = 0; i < D; i += 4 * L)
+                for (int v = 0; v < 4; v++)
+                    for (int l = 0; l < L; l++)
+                        a[v][l] = fmaf(kg[i + v * L + l], qg[i + v * L + l], a[v][l]);
+            s = dot_f16_reduce(j->variant, a);
+        }
+        w[k] = s * j->scale; /* + the mask's 0 */
+        mx = w[k] > mx ? w[k] : mx;
+    }
+    /* softmax: exp by whole vectors (masked lanes give 0), each vector's sum added in double */
+    double sum = 0.0;
+    for (int c = 0; c < nk; c += L) {
+        float chunk[MAX_LANES];
+        for (int l = 0; l < L; l++) {
+            chunk[l] = c + l < nk ? vexp(j->variant, w[c + l] - mx) : 0.0f;
+            if (c + l < nk) w[c + l] = chunk[l];
+        }
+        sum += (double)lane_sum(j->variant, chunk, 0);
+    }
+    const float inv = (float)(1.0 / sum);
+    /* out = V^T w with w rounded to f16: each (slot, dim) accumulates its keys in key order,
+     * which is ggml's order for every output dim (V's rows run along the keys) */
+    for (int i = 0; i < slots * D; i++) acc[i] = 0.0f;
+    for (int k = 0; k < nk; k++) {
+        const float wk = h2f(f2h(w[k] * inv));
+        const uint16_t *vr = j->vc + (int64_t)bt[k / j->block_size] * j->blk_stride +
+                             (k % j->block_size) * j->tok_stride + kvh * j->head_stride;
+        float *a = acc + (int64_t)(k % slots) * D;
+        for (int d = 0; d < D; d++) a[d] = fmaf(h2f(vr[d]), wk, a[d]);
+    }
+    float *o = j->out + t * j->ldo + (int64_t)h * D;
+    for (int d = 0; d < D; d++) {
+        if (prompt) {
+            float a[MAX_LANES];
+            for (int l = 0; l < L; l++) a[l] = acc[l * D + d];
+            o[d] = lane_sum(j->variant, a, 0);
+        } else {
+            float a[4][MAX_LANES];
+            for (int v = 0; v < 4; v++)
+                for (int l = 0; l < L; l++) a[v][l] = acc[(v * L + l) * D + d];
+            o[d] = dot_f16_reduce(j->variant, a);
+        }
+    }
+}
+
+static void attend_items(void *p, int64_t i0, int64_t i1, int thread) {
+    for (int64_t i = i0; i < i1; i++) attend_one(p, i, thread);
 }
 
 /* Attention of every query row over the paged f16 cache ([blocks, block_size, kv_heads, D],
  * strides in elements), causal, `scale` applied to the scores: out[t, h*D + d]. q: [T, H*D] in
  * Hugging Face order (row stride ldq), RoPE applied, like the cached keys. A request whose
  * step has more than one query row is a prompt evaluated in one batch (tinyBLAS products),
- * one row a decode step (ggml_vec_dot_f16). */
+ * one row a decode step (ggml_vec_dot_f16); keys past a request's position are masked in ggml,
+ * exact zeros in its sums, and not read here. */
 int gn_attention(int variant, const float *q, int64_t ldq, int H, int KVH, int D,
                  const uint16_t *kc, const uint16_t *vc, int64_t blk_stride, int64_t tok_stride,
                  int64_t head_stride, const int32_t *block_tables, int64_t bt_stride,
                  const int32_t *query_start_loc, const int32_t *seq_lens, int num_reqs,
-                 int block_size, float scale, float *out, int64_t ldo) {
+                 int block_size, float scale, float *out, int64_t ldo, int nthreads) {
     const int L = lanes_of(variant);
-    if (H % KVH != 0 || D % L != 0 || D % 2 != 0 || D > 1024) return -1;
-    const int64_t T = query_start_loc[num_reqs];
-    int err = 0;
-#pragma omp parallel
-    {
-        int64_t cap = 0;
-        float *w = NULL;
-        uint16_t *w16 = NULL, *k_row = NULL;
-        uint16_t qh[1024];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t th = 0; th < T * H; th++) {
-            const int64_t t = th / H;
-            const int h = (int)(th % H), kvh = h / (H / KVH);
-            int r = 0;
-            while (query_start_loc[r + 1] <= t) r++;
-            const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-            const int64_t pos = seq_lens[r] - qlen + (t - query_start_loc[r]);
-            const int prompt = qlen > 1;
-            const int64_t nk = pos + 1;
-            const int64_t n_pad = (nk + 63) / 64 * 64; /* whole vectors and dot steps */
-            if (n_pad > cap) {
-                free(w);
-                free(w16);
-                free(k_row);
-                cap = n_pad;
-                w = malloc((size_t)cap * sizeof(float));
-                w16 = malloc((size_t)cap * sizeof(uint16_t));
-                k_row = malloc((size_t)D * sizeof(uint16_t));
-                if (!w || !w16 || !k_row) {
-                    err = 1;
-                    cap = 0;
-                    continue;
-                }
-            }
-            /* q in f16, in ggml's order: its element 2i is ours i, 2i + 1 ours i + D/2 */
-            const float *qr = q + t * ldq + (int64_t)h * D;
-            for (int i = 0; i < D / 2; i++) {
-                qh[2 * i] = f2h(qr[i]);
-                qh[2 * i + 1] = f2h(qr[i + D / 2]);
-            }
-            const int32_t *bt = block_tables + r * bt_stride;
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < nk; j++) {
-                const uint16_t *kr = kc + (int64_t)bt[j / block_size] * blk_stride +
-                                     (j % block_size) * tok_stride + kvh * head_stride;
-                for (int i = 0; i < D / 2; i++) {
-                    k_row[2 * i] = kr[i];
-                    k_row[2 * i + 1] = kr[i + D / 2];
-                }
-                const float s = prompt ? dot_f16_tinyblas(variant, D, k_row, 1, qh, 1)
-                                       : dot_f16(variant, D, k_row, 1, qh, 1);
-                w[j] = s * scale; /* + the mask's 0 */
-                mx = w[j] > mx ? w[j] : mx;
-            }
-            /* softmax: exp by whole vectors (masked lanes give 0), chunk sums in double */
-            double sum = 0.0;
-            const int64_t nv = (nk + L - 1) / L * L;
-            for (int64_t c = 0; c < nv; c += L) {
-                float chunk[MAX_LANES];
-                for (int l = 0; l < L; l++) {
-                    const int64_t j = c + l;
-                    chunk[l] = j < nk ? vexp(variant, w[j] - mx) : 0.0f;
-                    if (j < nk) w[j] = chunk[l];
-                }
-                sum += (double)halving_sum(chunk, L);
-            }
-            const float inv = (float)(1.0 / sum);
-            for (int64_t j = 0; j < n_pad; j++) w16[j] = j < nk ? f2h(w[j] * inv) : 0;
-            /* out = V^T w: V's rows (one per dim) run along the keys, as in ggml's transposed
-             * V cache */
-            float *o = out + t * ldo + (int64_t)h * D;
-            for (int d = 0; d < D; d++) {
-                float acc;
-                if (prompt) {
-                    float lane[MAX_LANES] = {0};
-                    for (int64_t c = 0; c < n_pad; c += L)
-                        for (int l = 0; l < L; l++) {
-                            const int64_t j = c + l;
-                            if (j >= nk) continue; /* a zero weight adds nothing */
-                            const uint16_t v = vc[(int64_t)bt[j / block_size] * blk_stride +
-                                                  (j % block_size) * tok_stride +
-                                                  kvh * head_stride + d];
-                            lane[l] = fmaf(h2f(v), h2f(w16[j]), lane[l]);
-                        }
-                    acc = halving_sum(lane, L);
-                } else {
-                    const int step = 4 * L;
-                    float sacc[4][MAX_LANES] = {{0}};
-                    for (int64_t c = 0; c < n_pad; c += step)
-                        for (int a = 0; a < 4; a++)
-                            for (int l = 0; l < L; l++) {
-                                const int64_t j = c + a * L + l;
-                                if (j >= nk) continue;
-                                const uint16_t v = vc[(int64_t)bt[j / block_size] * blk_stride +
-                                                      (j % block_size) * tok_stride +
-                                                      kvh * head_stride + d];
-                                sacc[a][l] = fmaf(h2f(v), h2f(w16[j]), sacc[a][l]);
-                            }
-                    for (int l = 0; l < L; l++) {
-                        sacc[0][l] = sacc[0][l] + sacc[2][l];
-                        sacc[1][l] = sacc[1][l] + sacc[3][l];
-                    }
-                    for (int l = 0; l < L; l++) sacc[0][l] = sacc[0][l] + sacc[1][l];
-                    acc = (float)(double)(variant == GN_AVX512 ? halving_sum(sacc[0], 16)
-                                                               : hadd_sum8(sacc[0]));
-                }
-                o[d] = acc;
-            }
-        }
-        free(w);
-        free(w16);
-        free(k_row);
-    }
-    return err ? -1 : 0;
+    if (H % KVH != 0 || D % (4 * L) != 0 || D > 1024 || num_reqs < 1) return -1;
+    int64_t cap = 0;
+    for (int r = 0; r < num_reqs; r++) cap = seq_lens[r] > cap ? seq_lens[r] : cap;
+    cap = (cap + 63) / 64 * 64;
+    const int nt = nthreads > 1 ? nthreads : 1;
+    float *scratch = malloc((size_t)nt * (size_t)(cap + 64 * D) * sizeof(float));
+    if (!scratch) return -1;
+    AttnJob j = {variant,    H,          KVH,         D,         block_size, q,
+                 ldq,        blk_stride, tok_stride,  head_stride, bt_stride, ldo,
+                 cap,        kc,         vc,          block_tables, query_start_loc, seq_lens,
+                 scale,      out,        scratch};
+    run_items(attend_items, &j, query_start_loc[num_reqs] * H, 1, nt);
+    free(scratch);
+    return 0;
 }

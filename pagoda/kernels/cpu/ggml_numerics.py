@@ -6,7 +6,8 @@ ggml's summation orders and its exp depend on the vector width its build targets
 that depends on it takes a variant: "avx512" (llama.cpp built with AVX512F/DQ) or "avx2" (AVX2 +
 FMA). `default_variant()` is the one a native llama.cpp build uses on this CPU. The library is
 portable C (every variant on any CPU), built like the other CPU kernels
-(`pagoda.utils.cpu_build`, cached on disk); its threads are OpenMP's.
+(`pagoda.utils.cpu_build`, cached on disk); the products and attention run on Pagoda's thread
+pool (`pool.c`), with torch's thread count.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import functools
 
 import torch
 
+from pagoda.kernels.cpu import pool
 from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import build_with_fallback, cpu_flags, open_library
 
 SOURCE, HEADERS, _ = cpu_kernels.GGML_NUMERICS
-_ABI = 1
+_ABI = 2
 VARIANTS = {"avx512": 0, "avx2": 1}
 GGML_Q4_1, GGML_Q8_0 = 3, 8
 SUPPORTED_TYPES = {GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
@@ -48,17 +50,19 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     lib = open_library(build_with_fallback(SOURCE, HEADERS, isa)[0], "gn_abi", _ABI)
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "gn_linear": [i32, ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64],
+        "gn_linear": [i32, ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32],
         "gn_rms_norm": [ptr, i64, ptr, f32, i64, i64, ptr, i64],
         "gn_rope": [ptr, i64, ptr, i64, i32, i32, f32, i32],
         "gn_swiglu": [i32, ptr, i64, i64, i64, ptr, i64],
         "gn_attention": [i32, ptr, i64, i32, i32, i32, ptr, ptr, i64, i64, i64, ptr, i64]
-        + [ptr, ptr, i32, i32, f32, ptr, i64],
+        + [ptr, ptr, i32, i32, f32, ptr, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     lib.gn_isa.restype = ctypes.c_char_p
+    lib.gn_set_parallel_run.argtypes = [ctypes.c_void_p]
+    lib.gn_set_parallel_run(pool.parallel_run_pointer())  # NULL: OpenMP regions
     return lib
 
 
@@ -96,7 +100,7 @@ def linear(
         out = torch.empty(m, n, dtype=torch.float32)
     rc = load_library(isa).gn_linear(
         ggml_type, data.data_ptr(), data.stride(0), int(x8), n, k,
-        x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0),
+        x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc, "gn_linear")
     return out
@@ -167,7 +171,7 @@ def attention(
         VARIANTS[variant], q.data_ptr(), q.stride(0), num_heads, kvh, head_dim,
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         bt.data_ptr(), bt.stride(0), qsl.data_ptr(), lens.data_ptr(), lens.shape[0],
-        kv_cache.shape[2], scale, out.data_ptr(), out.stride(0),
+        kv_cache.shape[2], scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc, "gn_attention")
     return out

@@ -94,6 +94,17 @@ def pack_x8(data: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return torch.cat([*parts, qs], dim=-1).reshape(groups, -1).contiguous()
 
 
+def unpack_x8(data: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
+    """The x8 layout of an [n, k] weight -> its GGUF rows [n, row_bytes] (`pack_x8` undone)."""
+    nb, bytes_ = k // 32, QUANT_TYPES[ggml_type][1]
+    groups, head = data.shape[0], 4 if ggml_type == 3 else 2
+    g = data.reshape(groups, nb, 8 * bytes_)
+    parts = [g[..., 8 * i : 8 * (i + 2)].reshape(groups, nb, 8, 2) for i in range(0, head, 2)]
+    qs = g[..., 8 * head :].reshape(groups, nb, -1, 8, 4).transpose(2, 3)  # [g, b, row, j, 4]
+    blocks = torch.cat([*parts, qs.reshape(groups, nb, 8, -1)], dim=-1)  # [g, b, row, bytes]
+    return blocks.transpose(1, 2).reshape(groups * 8, nb * bytes_)[:n].contiguous()
+
+
 def supported_isas() -> tuple[str, ...]:
     """The ISA levels this CPU runs, lowest first (each builds the kernel differently)."""
     if not hasattr(build, "supported_isas"):  # a build helper without ISA levels: one build

@@ -23,12 +23,13 @@ CPU; anything else fails at load with the reason.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels.cpu import ggml_numerics as gn
+from pagoda.kernels.cpu.quant import QuantWeight, unpack_x8
 
 if TYPE_CHECKING:
     from pagoda.model.models.llama import LlamaForCausalLM
@@ -54,8 +55,16 @@ def variant_of(mode: str) -> str | None:
     return variant
 
 
-def _layer_weights(layer: torch.nn.Module, name: str) -> list[tuple[Any, int]]:
-    """The (QuantWeight, first output column) parts of a linear layer, checked."""
+def _as_rows(qw: QuantWeight) -> QuantWeight:
+    """The GGUF rows layout of a weight: ggml streams each output row's blocks in turn."""
+    if not qw.x8:
+        return qw
+    return QuantWeight(unpack_x8(qw.data, qw.ggml_type, qw.n, qw.k), qw.ggml_type, qw.n, qw.k)
+
+
+def _layer_weights(layer: torch.nn.Module, name: str) -> list[tuple[QuantWeight, int]]:
+    """The (QuantWeight, first output column) parts of a linear layer, checked, and put in the
+    rows layout (in the layer too, which every CPU kernel also reads: no second copy)."""
     if getattr(layer, "tp_size", 1) != 1:
         raise ValueError(f"{name}: ggml numerics run unsharded layers only")
     if getattr(layer, "bias", None) is not None:
@@ -74,8 +83,12 @@ def _layer_weights(layer: torch.nn.Module, name: str) -> list[tuple[Any, int]]:
                 f"{name}: ggml numerics multiply Q4_1 and Q8_0 blocks; this layer is "
                 f"{seg.type_name}"
             )
-        parts.append((seg, col))
+        parts.append((_as_rows(seg), col))
         col += seg.n
+    if single is not None:
+        layer.gguf_weight = parts[0][0]
+    else:
+        layer.gguf_segments = [qw for qw, _ in parts]
     return parts
 
 
@@ -115,11 +128,12 @@ class GgmlNumerics:
         quant = getattr(head.weight, "quant", None)
         if quant is None or quant.ggml_type not in gn.SUPPORTED_TYPES or head.tp_size != 1:
             raise ValueError("ggml numerics need the output weight as Q4_1 or Q8_0 blocks")
-        self.lm_head = quant
+        self.lm_head = _as_rows(quant)
+        head.weight.quant, head.weight.data = self.lm_head, self.lm_head.data  # tied: the table
         gn.load_library()  # build now, not inside the first step
 
     @staticmethod
-    def _linear(x: torch.Tensor, parts: list[tuple[Any, int]], n: int) -> torch.Tensor:
+    def _linear(x: torch.Tensor, parts: list[tuple[QuantWeight, int]], n: int) -> torch.Tensor:
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         for qw, col in parts:
             gn.linear(x, qw.data, qw.ggml_type, qw.n, qw.x8, out=out[:, col : col + qw.n])
