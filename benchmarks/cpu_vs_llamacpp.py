@@ -86,7 +86,7 @@ def cpu_name() -> str:
 
 def run_pagoda(model: str, threads: int, repeats: int, job: dict, numerics: str = "pagoda") -> dict:
     """Timings and greedy outputs; with `numerics` other than "pagoda" (`$PAGODA_CPU_NUMERICS`),
-    the greedy outputs and the decode rate only."""
+    the greedy outputs and the decode rate only (`repeats` timed runs)."""
     import torch
 
     from pagoda import LLM, SamplingParams
@@ -119,8 +119,10 @@ def run_pagoda(model: str, threads: int, repeats: int, job: dict, numerics: str 
         t0 = time.perf_counter()
         greedy = [generate(p, GREEDY_TOKENS) for p in job["greedy_prompts"]]
         seconds = time.perf_counter() - t0
+        t1 = timed(lambda: generate(job["decode_prompt"], 1))
+        t257 = timed(lambda: generate(job["decode_prompt"], 257))
         os.environ.pop("PAGODA_CPU_NUMERICS")
-        return {"greedy": greedy, "greedy_seconds": seconds}
+        return {"greedy": greedy, "greedy_seconds": seconds, "decode_tok_s": 256 / (t257 - t1)}
     t1 = timed(lambda: generate(job["decode_prompt"], 1))
     t257 = timed(lambda: generate(job["decode_prompt"], 257))
     pp = timed(lambda: generate(job["pp_prompt"], 1))
@@ -219,7 +221,7 @@ def main() -> None:
     results = {"cpu": cpu_name(), "threads": args.threads, "model": os.path.basename(model)}
     results["pagoda"] = run_pagoda(model, args.threads, args.repeats, job)
     results["pagoda_ggml_numerics"] = run_pagoda(
-        model, args.threads, 0, job, numerics=args.ggml_numerics
+        model, args.threads, 1, job, numerics=args.ggml_numerics
     )
     proc = subprocess.run(
         [args.llamacpp_python, "-c", LLAMACPP_WORKER],
@@ -255,7 +257,8 @@ def main() -> None:
     print(
         f"  greedy outputs equal with PAGODA_CPU_NUMERICS={args.ggml_numerics}: "
         f"{results['greedy_equal_ggml']} "
-        f"({ggml['greedy_seconds']:.1f} s for the 10 prompts)"
+        f"({ggml['greedy_seconds']:.1f} s for the 10 prompts; decode {ggml['decode_tok_s']:.1f} "
+        "tok/s)"
     )
     change = 100 * (ppl["quantized"] / ppl["dequantized"] - 1)
     change16 = 100 * (ppl["quantized_f16_cache"] / ppl["dequantized"] - 1)
