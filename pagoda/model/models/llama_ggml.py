@@ -6,7 +6,8 @@ Pagoda's own kernels compute a GGUF model as llama.cpp does in structure (int8 a
 greedy decoding of a small quantized model is chaotic in the last bit: one float32 ulp on the
 embeddings changes 8 of 10 prompts' 32 greedy tokens (`benchmarks/greedy_noise_floor.py`). A
 user who needs llama.cpp's tokens (a regression suite recorded with llama.cpp, an A/B of two
-servers) gets them from this mode, at a fraction of the speed: every op runs the plain C of
+servers) gets them from this mode, at about a third of Pagoda's own decode speed (above
+llama.cpp's own on a 2-core Zen 4, benchmarks/README.md): every op runs the C of
 `pagoda.kernels.cpu.ggml_numerics`, lane by lane as ggml's vector code sums.
 
 The mode reproduces llama.cpp as llama-cpp-python 0.3.36 vendors it, built natively
