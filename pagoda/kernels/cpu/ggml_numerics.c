@@ -26,10 +26,14 @@
  * Keys past the causal limit (ggml computes them over a cache padded to 256 cells and masks
  * them) enter every sum as exact zeros, which change nothing, so only keys 0..position are read.
  *
- * fp32 operations are written out one by one and built without contraction (the pragma below),
- * so the compiler fuses nothing ggml does not fuse. Entry points return 0, or -1 for arguments
+ * fp32 operations are written out one by one and built without contraction (the pragmas below,
+ * GCC's or clang's), so the compiler fuses nothing ggml does not fuse. Entry points return 0, or -1 for arguments
  * they do not handle. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
 #pragma GCC optimize("fp-contract=off")
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
