@@ -175,6 +175,12 @@ class ModelRunner:
                 f"PAGODA_CPU_NUMERICS={mode} reads an f16 KV cache as llama.cpp keeps it: pass "
                 f"--kv-cache-dtype float16 (got {self.cache_config.cache_dtype})"
             )
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                f"PAGODA_CPU_NUMERICS={mode} reproduces llama.cpp's one-token decode steps; "
+                "speculative decoding verifies several tokens a step, which llama.cpp sums in "
+                "another order: drop speculative_config"
+            )
         enable(variant)
         logger.info("CPU numerics: llama.cpp's (ggml, %s build), op by op", variant)
 

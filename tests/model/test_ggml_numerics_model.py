@@ -132,6 +132,12 @@ def test_bad_settings_fail_at_load_with_the_reason(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PAGODA_CPU_NUMERICS", "ggml")
     with pytest.raises(ValueError, match="--kv-cache-dtype float16"):
         LLM(model=embedded_model_path(), max_model_len=64, kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="drop speculative_config"):
+        LLM(
+            model=embedded_model_path(),
+            max_model_len=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
     with pytest.raises(ValueError, match="GGUF blocks kept quantized"):
         LLM(
             model=embedded_model_path(),

@@ -18,7 +18,7 @@ for a request with several rows in the step and its decode order for one row, so
 other requests changes nothing, and a prompt split into chunks gives llama.cpp's result for
 ubatches of those sizes. It takes plain Llama models (no biases, no q/k norms, no sliding
 window, RoPE without scaling) whose linear layers are Q4_1 or Q8_0 blocks kept quantized, on the
-CPU; anything else fails at load with the reason.
+CPU, without speculative decoding; anything else fails at load with the reason.
 """
 
 from __future__ import annotations
