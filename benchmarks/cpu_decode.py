@@ -24,8 +24,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", help="float32 keeps a GGUF model's blocks quantized")
+    p.add_argument("--model", default=None, help="default: the embedded model")
     args = p.parse_args()
     llm = LLM(
+        model=args.model,
         dtype=args.dtype,
         max_model_len=1024,
         max_num_batched_tokens=1024,

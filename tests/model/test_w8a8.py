@@ -322,3 +322,33 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(tmp_path, quantizatio
         del llm
         torch.cuda.empty_cache()
     assert outs[True] == outs[False] and all(len(t) == 8 for t in outs[True])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
+    """On a CPU an int8 layer multiplies through the quantized GEMM's Q8_0 blocks (the
+    per-channel scale exact again through its fp16 ratio, activations quantized per 32 values):
+    no further from the float product than the per-token reference."""
+    from pagoda.kernels.scaled_mm import quantize_weight, scaled_mm_ref
+    from pagoda.model.quantization.w8a8 import _RUN, _finish, cpu_int8_blocks
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 256, generator=g)
+    x[:, 7] *= 20.0  # an outlier channel
+    w = torch.randn(96, 256, generator=g) * 0.05
+    bias = torch.randn(96, generator=g)
+    w_q, w_scale = quantize_weight(w, torch.int8)
+    layer = torch.nn.Module()
+    _finish(layer, w_q, w_scale)
+    if layer.cpu_int8_blocks is None:
+        pytest.skip("the quantized CPU GEMM does not build here")
+    y = _RUN.apply(layer, x.to(x_dtype), bias.to(x_dtype))
+    assert y.dtype == x_dtype and y.shape == (5, 96)
+    exact = x.double() @ w.double().T + bias.double()
+    ref = scaled_mm_ref(x, w_q, w_scale.reshape(-1), bias).double()
+    # per-32 activation scales: no worse than per-token ones (better beside an outlier)
+    tol = (ref - exact).abs().max() + (0.05 if x_dtype == torch.bfloat16 else 0.0)
+    assert (y.double() - exact).abs().max() <= tol
+    # K not a multiple of 32, or a scale below fp16's normal range: the plain path instead
+    assert cpu_int8_blocks(w_q[:, :250].contiguous(), w_scale) is None
+    assert cpu_int8_blocks(w_q, torch.full((96,), 1e-6)) is None

@@ -179,10 +179,45 @@ class W8A8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        blocks = getattr(layer, "cpu_int8_blocks", None)
+        if blocks is not None and not x.is_cuda:
+            from pagoda.kernels.cpu.quant import quant_linear
+
+            qw, ratio = blocks
+            y = quant_linear(x, qw, out_dtype=torch.float32).mul_(ratio)
+            if bias is not None:
+                y += bias
+            return y.to(x.dtype)
         return scaled_mm(x, layer.weight, layer.weight_scale, bias)
 
 
 _RUN = W8A8LinearMethod()
+
+
+def cpu_int8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
+    """An int8 weight [N, K] with per-channel scales as Q8_0 blocks for the CPU's quantized
+    GEMM (`pagoda.kernels.cpu.quant`: int8 dot products, AVX-512 VNNI / AVX2 / portable), and
+    the per-channel factor w_scale / fp16(w_scale) that makes the blocks' fp16 scale exact
+    again; None where that GEMM cannot run it (no compiler, K not a multiple of 32, a scale
+    outside fp16's normal range). The activations are then quantized per 32 values rather than
+    per token: finer, so within the per-token path's error."""
+    from pagoda.kernels.cpu import quant
+    from pagoda.model.quantization.gguf import to_kernel_layout
+    from pagoda.utils.cpu_build import CpuKernelUnavailable
+
+    n, k = w_q.shape
+    d = w_scale.float().reshape(-1).to(torch.float16)
+    if k % 32 or not bool(((d.float() >= 2**-14) & torch.isfinite(d)).all()):
+        return None
+    try:
+        quant.load_quant_library()
+    except CpuKernelUnavailable:
+        return None
+    blocks = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    blocks[:, :, :2] = d.view(torch.uint8).view(n, 1, 2)
+    blocks[:, :, 2:] = w_q.contiguous().view(torch.uint8).view(n, k // 32, 32)
+    qw = to_kernel_layout(quant.QuantWeight(blocks.view(n, -1), 8, n, k))
+    return qw, w_scale.float().reshape(-1) / d.float()
 
 
 def _finish(layer: nn.Module, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -191,6 +226,8 @@ def _finish(layer: nn.Module, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
     if "input_scale" in layer._parameters:
         del layer._parameters["input_scale"]
     layer.linear_method = _RUN  # from now on the 8-bit GEMM, no check per call
+    if w_q.dtype == torch.int8 and w_q.device.type == "cpu":
+        layer.cpu_int8_blocks = cpu_int8_blocks(w_q, layer.weight_scale.data)
 
 
 class CompressedTensorsW8A8Method(LinearMethodBase):
