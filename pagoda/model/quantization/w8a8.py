@@ -200,7 +200,9 @@ def cpu_int8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[Any, torc
     the per-channel factor w_scale / fp16(w_scale) that makes the blocks' fp16 scale exact
     again; None where that GEMM cannot run it (no compiler, K not a multiple of 32, a scale
     outside fp16's normal range). The activations are then quantized per 32 values rather than
-    per token: finer, so within the per-token path's error."""
+    per token: finer, so within the per-token path's error. The layer keeps its int8 `weight`
+    too (the fallback's, and what the loaders and tools read): on a CPU its quantized layers
+    take twice their bytes."""
     from pagoda.kernels.cpu import quant
     from pagoda.model.quantization.gguf import to_kernel_layout
     from pagoda.utils.cpu_build import CpuKernelUnavailable
