@@ -24,12 +24,12 @@ QUANT: Library = (
 ATTENTION: Library = (_PKG / "attention/cpu/paged_attention.c", ("vec.h", "tile.h"), None)
 OPS: Library = (
     _PKG / "kernels/cpu/cpu_ops.c",
-    ("simd.h", "gemv.h", "gemm.h", "gemm_bf16dp.h"),
+    ("simd.h", "parallel.h", "gemv.h", "gemm.h", "gemm_bf16dp.h"),
     None,
 )
 POOL: Library = (_PKG / "kernels/cpu/pool.c", (), "portable")  # no arithmetic: one build
 # llama.cpp's arithmetic op for op (the ggml numerics mode): portable C, any level.
-GGML_NUMERICS: Library = (_PKG / "kernels/cpu/ggml_numerics.c", (), None)
+GGML_NUMERICS: Library = (_PKG / "kernels/cpu/ggml_numerics.c", ("parallel.h",), None)
 # The one-call decoder stack calls the other libraries' kernels: no arithmetic either.
 DECODER: Library = (_PKG / "kernels/cpu/decoder.c", (), "portable")
 

@@ -38,9 +38,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "parallel.h"
 
 #define GN_ABI 2
 #define GN_AVX512 0
@@ -86,51 +85,9 @@ static float hadd_sum8(const float *v) {
 
 static int lanes_of(int variant) { return variant == GN_AVX512 ? 16 : 8; }
 
-/* Work items [0, n) claimed `claim` at a time by every participant: on Pagoda's thread pool
- * (pool.c; the loader hands over its entry point), else in an OpenMP region, else here. Each
- * item's arithmetic does not depend on who runs it. */
-typedef void (*pool_body)(void *ctx, int thread);
-typedef void (*parallel_run_fn)(pool_body body, void *ctx, int nthreads);
-static parallel_run_fn parallel_run;
-
+/* Work on Pagoda's thread pool (parallel.h; the loader hands over its entry point), else in an
+ * OpenMP region. Each item's arithmetic does not depend on who runs it. */
 void gn_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
-
-typedef void (*item_fn)(void *ctx, int64_t i0, int64_t i1, int thread);
-typedef struct {
-    item_fn fn;
-    void *ctx;
-    int64_t n, claim;
-    _Alignas(64) int64_t next; /* atomic, on a line of its own */
-} Job;
-
-static void job_body(void *p, int thread) {
-    Job *j = p;
-    for (;;) {
-        const int64_t i0 = __atomic_fetch_add(&j->next, j->claim, __ATOMIC_RELAXED);
-        if (i0 >= j->n) return;
-        j->fn(j->ctx, i0, i0 + j->claim < j->n ? i0 + j->claim : j->n, thread);
-    }
-}
-
-static void run_items(item_fn fn, void *ctx, int64_t n, int64_t claim, int nthreads) {
-    Job j = {fn, ctx, n, claim > 0 ? claim : 1, 0};
-    if (nthreads > 1 && n > j.claim) {
-        if (parallel_run) {
-            parallel_run(job_body, &j, nthreads);
-            return;
-        }
-#pragma omp parallel num_threads(nthreads)
-        {
-#ifdef _OPENMP
-            job_body(&j, omp_get_thread_num());
-#else
-            job_body(&j, 0);
-#endif
-        }
-        return;
-    }
-    job_body(&j, 0);
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Quantized matrix products */
@@ -291,15 +248,13 @@ typedef struct {
     float *y;
 } LinearJob;
 
-static void quantize_items(void *p, int64_t m0, int64_t m1, int thread) {
+static void quantize_items(void *p, int64_t m0, int64_t m1) {
     LinearJob *j = p;
-    (void)thread;
     for (int64_t m = m0; m < m1; m++) quantize_acts(j->x + m * j->ldx, j->K, j->acts + m * j->nb);
 }
 
-static void dot_items(void *p, int64_t n0, int64_t n1, int thread) {
+static void dot_items(void *p, int64_t n0, int64_t n1) {
     LinearJob *j = p;
-    (void)thread;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < j->M; m++)
             j->y[m * j->ldy + n] = VEC_DOT(j->type, j->w, j->w_stride, j->x8, n,
@@ -313,8 +268,8 @@ int gn_linear(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t N, i
     ActBlock *acts = malloc((size_t)(M * nb + 1) * sizeof(ActBlock));
     if (!acts) return -1;
     LinearJob j = {type, x8, w, w_stride, nb, K, ldx, ldy, M, x, acts, y};
-    run_items(quantize_items, &j, M, 8, M >= 16 ? nthreads : 1);
-    run_items(dot_items, &j, N, N / (8 * (nthreads > 0 ? nthreads : 1)), nthreads);
+    parallel_range(quantize_items, &j, M, 8, M >= 16 ? nthreads : 1);
+    parallel_range(dot_items, &j, N, 16, nthreads);
     free(acts);
     return 0;
 }
@@ -468,11 +423,11 @@ typedef struct {
     int64_t ldq, blk_stride, tok_stride, head_stride, bt_stride, ldo, cap;
     const uint16_t *kc, *vc;
     const int32_t *block_tables, *query_start_loc, *seq_lens;
-    float scale, *out, *scratch; /* per thread: cap scores + 64 * D accumulators */
+    float scale, *out;
 } AttnJob;
 
 /* One (query row, head): scores, softmax, weighted V, each in ggml's order of operations. */
-static void attend_one(const AttnJob *j, int64_t th, int thread) {
+static void attend_one(const AttnJob *j, int64_t th, float *w, float *acc) {
     const int L = lanes_of(j->variant), D = j->D, H = j->H;
     const int64_t t = th / H;
     const int h = (int)(th % H), kvh = h / (H / j->KVH);
@@ -483,7 +438,6 @@ static void attend_one(const AttnJob *j, int64_t th, int thread) {
     const int prompt = qlen > 1, nk = (int)(pos + 1);
     /* slots of the V accumulators: a key's lane (tinyBLAS), or its (vector, lane) of a dot step */
     const int slots = prompt ? L : 4 * L;
-    float *w = j->scratch + (int64_t)thread * (j->cap + 64 * D), *acc = w + j->cap;
     const int32_t *bt = j->block_tables + r * j->bt_stride;
     /* q rounded to f16 (ggml's vec_dot_type), in ggml's order: its 2i is ours i, 2i+1 ours
      * i + D/2 (Pagoda un-permutes the GGUF's Q/K rows to rotate-half order) */
@@ -554,8 +508,13 @@ static void attend_one(const AttnJob *j, int64_t th, int thread) {
     }
 }
 
-static void attend_items(void *p, int64_t i0, int64_t i1, int thread) {
-    for (int64_t i = i0; i < i1; i++) attend_one(p, i, thread);
+/* A run of (query row, head) items, with its scratch: scores (cap) and V accumulators. */
+static void attend_items(void *p, int64_t i0, int64_t i1) {
+    const AttnJob *j = p;
+    float *w = malloc((size_t)(j->cap + 64 * j->D) * sizeof(float));
+    if (!w) abort(); /* a few KB */
+    for (int64_t i = i0; i < i1; i++) attend_one(j, i, w, w + j->cap);
+    free(w);
 }
 
 /* Attention of every query row over the paged f16 cache ([blocks, block_size, kv_heads, D],
@@ -574,14 +533,9 @@ int gn_attention(int variant, const float *q, int64_t ldq, int H, int KVH, int D
     int64_t cap = 0;
     for (int r = 0; r < num_reqs; r++) cap = seq_lens[r] > cap ? seq_lens[r] : cap;
     cap = (cap + 63) / 64 * 64;
-    const int nt = nthreads > 1 ? nthreads : 1;
-    float *scratch = malloc((size_t)nt * (size_t)(cap + 64 * D) * sizeof(float));
-    if (!scratch) return -1;
-    AttnJob j = {variant,    H,          KVH,         D,         block_size, q,
-                 ldq,        blk_stride, tok_stride,  head_stride, bt_stride, ldo,
-                 cap,        kc,         vc,          block_tables, query_start_loc, seq_lens,
-                 scale,      out,        scratch};
-    run_items(attend_items, &j, query_start_loc[num_reqs] * H, 1, nt);
-    free(scratch);
+    AttnJob j = {variant, H,  KVH,          D,          block_size, q,           ldq,
+                 blk_stride, tok_stride, head_stride, bt_stride, ldo, cap, kc,
+                 vc,      block_tables, query_start_loc, seq_lens, scale, out};
+    parallel_range(attend_items, &j, query_start_loc[num_reqs] * H, 1, nthreads);
     return 0;
 }
