@@ -349,6 +349,9 @@ def test_cpu_int8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
     # per-32 activation scales: no worse than per-token ones (better beside an outlier)
     tol = (ref - exact).abs().max() + (0.05 if x_dtype == torch.bfloat16 else 0.0)
     assert (y.double() - exact).abs().max() <= tol
+    # float16 activations (which that GEMM does not take) go the plain way
+    y16 = _RUN.apply(layer, x.half(), bias.half())
+    assert y16.dtype == torch.float16 and (y16.double() - exact).abs().max() <= 0.05 + tol
     # K not a multiple of 32, or a scale below fp16's normal range: the plain path instead
     assert cpu_int8_blocks(w_q[:, :250].contiguous(), w_scale) is None
     assert cpu_int8_blocks(w_q, torch.full((96,), 1e-6)) is None

@@ -180,7 +180,7 @@ class W8A8LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, "cpu_int8_blocks", None)
-        if blocks is not None and not x.is_cuda:
+        if blocks is not None and not x.is_cuda and x.dtype in (torch.float32, torch.bfloat16):
             from pagoda.kernels.cpu.quant import quant_linear
 
             qw, ratio = blocks
