@@ -41,7 +41,7 @@
 
 #include "parallel.h"
 
-#define GN_ABI 2
+#define GN_ABI 3
 #define GN_AVX512 0
 #define GN_AVX2 1
 #define GGML_Q4_1 3
@@ -123,29 +123,12 @@ static void quantize_acts(const float *x, int64_t K, ActBlock *out) {
 
 static int block_bytes(int type) { return type == GGML_Q4_1 ? 20 : 34; }
 
-/* Block b of weight row n in the GGUF layout, copied out of the x8 layout when `x8` (groups of 8
- * rows interleaved block by block: 8 d, Q4_1's 8 m, then 4-byte slices j of the 8 rows' qs). */
-static const uint8_t *weight_block(int type, const uint8_t *w, int64_t w_stride, int x8,
-                                   int64_t n, int64_t b, uint8_t *tmp) {
-    const int bb = block_bytes(type);
-    if (!x8) return w + n * w_stride + b * bb;
-    const int r = (int)(n & 7), head = type == GGML_Q4_1 ? 4 : 2, qbytes = bb - head;
-    const uint8_t *blk = w + (n >> 3) * w_stride + b * 8 * bb;
-    memcpy(tmp, blk + 2 * r, 2);
-    if (type == GGML_Q4_1) memcpy(tmp + 2, blk + 16 + 2 * r, 2);
-    const uint8_t *qs = blk + 8 * head;
-    for (int j = 0; j < qbytes / 4; j++) memcpy(tmp + head + 4 * j, qs + j * 32 + 4 * r, 4);
-    return tmp;
-}
-
-/* One weight row against one quantized activation row. */
-static float vec_dot(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t n,
-                     const ActBlock *a, int64_t nb) {
+/* One weight row (its GGUF blocks) against one quantized activation row. */
+static float vec_dot(int type, const uint8_t *row, const ActBlock *a, int64_t nb) {
     float acc[8] = {0};
     float summs = 0.0f;
-    uint8_t tmp[34];
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = weight_block(type, w, w_stride, x8, n, b, tmp);
+        const uint8_t *blk = row + b * block_bytes(type);
         int32_t lane[8];
         float dd;
         if (type == GGML_Q4_1) {
@@ -188,33 +171,23 @@ static inline __m256i lane_dots(__m256i u, __m256i s) {
 }
 
 /* vec_dot in vectors: ggml's own AVX2 code, the same bits as the lane loop above. */
-static float vec_dot_avx2(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t n,
-                          const ActBlock *a, int64_t nb) {
+static float vec_dot_avx2(int type, const uint8_t *row, const ActBlock *a, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float summs = 0.0f;
-    const int bb = block_bytes(type), r = (int)(n & 7);
-    /* x8: row r's 4-byte slices of qs lie 32 bytes apart, after 8 d (and Q4_1's 8 m) */
-    const uint8_t *base = x8 ? w + (n >> 3) * w_stride : w + n * w_stride;
-    const int64_t stride = x8 ? 8 * bb : bb;
-    const int d_at = x8 ? 2 * r : 0, m_at = x8 ? 16 + 2 * r : 2;
-    const int q_at = x8 ? (type == GGML_Q4_1 ? 32 : 16) + 4 * r : (type == GGML_Q4_1 ? 4 : 2);
-    const __m256i slices = _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224);
+    const int bb = block_bytes(type);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = base + b * stride;
+        const uint8_t *blk = row + b * bb;
         const __m256i qy = _mm256_loadu_si256((const __m256i *)a[b].q);
-        const float dd = rd_h(blk + d_at) * h2f(a[b].d);
+        const float dd = rd_h(blk) * h2f(a[b].d);
         __m256i xy;
         if (type == GGML_Q4_1) {
-            summs += rd_h(blk + m_at) * h2f(a[b].s);
-            const __m128i t =
-                x8 ? _mm_i32gather_epi32((const int *)(blk + q_at), _mm256_castsi256_si128(slices), 1)
-                   : _mm_loadu_si128((const __m128i *)(blk + q_at));
+            summs += rd_h(blk + 2) * h2f(a[b].s);
+            const __m128i t = _mm_loadu_si128((const __m128i *)(blk + 4));
             const __m256i qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t),
                                                 _mm256_set1_epi8(15));
             xy = lane_dots(qx, qy);
         } else {
-            const __m256i qx = x8 ? _mm256_i32gather_epi32((const int *)(blk + q_at), slices, 1)
-                                  : _mm256_loadu_si256((const __m256i *)(blk + q_at));
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(blk + 2));
             xy = lane_dots(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(xy), acc);
@@ -237,10 +210,9 @@ const char *gn_isa(void) {
 }
 
 /* y[m, n] = W[n] . x[m] for M rows of x (row stride ldx) and N weight rows: Q4_1 against Q8_1
- * activations, Q8_0 against Q8_0. W in the GGUF layout (w_stride bytes a row) or the x8 one
- * (w_stride bytes a group of 8 rows). */
+ * activations, Q8_0 against Q8_0. W in the GGUF layout, w_stride bytes a row. */
 typedef struct {
-    int type, x8;
+    int type;
     const uint8_t *w;
     int64_t w_stride, nb, K, ldx, ldy, M;
     const float *x;
@@ -257,17 +229,17 @@ static void dot_items(void *p, int64_t n0, int64_t n1) {
     LinearJob *j = p;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < j->M; m++)
-            j->y[m * j->ldy + n] = VEC_DOT(j->type, j->w, j->w_stride, j->x8, n,
-                                           j->acts + m * j->nb, j->nb);
+            j->y[m * j->ldy + n] =
+                VEC_DOT(j->type, j->w + n * j->w_stride, j->acts + m * j->nb, j->nb);
 }
 
-int gn_linear(int type, const uint8_t *w, int64_t w_stride, int x8, int64_t N, int64_t K,
+int gn_linear(int type, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
               const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int nthreads) {
     if ((type != GGML_Q4_1 && type != GGML_Q8_0) || K % 32 != 0 || M < 0 || N < 0) return -1;
     const int64_t nb = K / 32;
     ActBlock *acts = malloc((size_t)(M * nb + 1) * sizeof(ActBlock));
     if (!acts) return -1;
-    LinearJob j = {type, x8, w, w_stride, nb, K, ldx, ldy, M, x, acts, y};
+    LinearJob j = {type, w, w_stride, nb, K, ldx, ldy, M, x, acts, y};
     parallel_range(quantize_items, &j, M, 8, M >= 16 ? nthreads : 1);
     parallel_range(dot_items, &j, N, 16, nthreads);
     free(acts);

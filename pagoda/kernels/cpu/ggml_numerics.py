@@ -18,11 +18,12 @@ import functools
 import torch
 
 from pagoda.kernels.cpu import pool
+from pagoda.kernels.cpu.quant import unpack_x8
 from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import build_with_fallback, cpu_flags, open_library
 
 SOURCE, HEADERS, _ = cpu_kernels.GGML_NUMERICS
-_ABI = 2
+_ABI = 3
 VARIANTS = {"avx512": 0, "avx2": 1}
 GGML_Q4_1, GGML_Q8_0 = 3, 8
 SUPPORTED_TYPES = {GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
@@ -50,7 +51,7 @@ def load_library(isa: str | None = None) -> ctypes.CDLL:
     lib = open_library(build_with_fallback(SOURCE, HEADERS, isa)[0], "gn_abi", _ABI)
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "gn_linear": [i32, ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32],
+        "gn_linear": [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i32],
         "gn_rms_norm": [ptr, i64, ptr, f32, i64, i64, ptr, i64],
         "gn_rope": [ptr, i64, ptr, i64, i32, i32, f32, i32],
         "gn_swiglu": [i32, ptr, i64, i64, i64, ptr, i64],
@@ -90,16 +91,19 @@ def linear(
     isa: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T for W's GGUF blocks `data` ([n, row bytes], or the x8 layout's
-    [ceil(n/8), 8 * row bytes]) -> [M, n] (or into `out`, a [M, n] view with unit column stride),
-    by the library built for `isa` (default: the selected level)."""
+    [ceil(n/8), 8 * row bytes], unpacked to rows here: the model mode unpacks once at load)
+    -> [M, n] (or into `out`, a [M, n] view with unit column stride), by the library built for
+    `isa` (default: the selected level)."""
     if ggml_type not in SUPPORTED_TYPES:
         raise ValueError(f"ggml numerics multiply Q4_1 and Q8_0 weights, not ggml type {ggml_type}")
     x = _rows(x)
+    if x8:
+        data = unpack_x8(data, ggml_type, n, x.shape[1])
     m, k = x.shape
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
     rc = load_library(isa).gn_linear(
-        ggml_type, data.data_ptr(), data.stride(0), int(x8), n, k,
+        ggml_type, data.data_ptr(), data.stride(0), n, k,
         x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc, "gn_linear")

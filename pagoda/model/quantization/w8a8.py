@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.kernels.cpu.quant import quant_linear
 from pagoda.kernels.scaled_mm import FP8_DTYPE, quantize_weight, scaled_mm
 from pagoda.model.layers.linear import LinearMethodBase, set_weight_attrs
 
@@ -181,8 +182,6 @@ class W8A8LinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         blocks = getattr(layer, "cpu_int8_blocks", None)
         if blocks is not None and not x.is_cuda and x.dtype in (torch.float32, torch.bfloat16):
-            from pagoda.kernels.cpu.quant import quant_linear
-
             qw, ratio = blocks
             y = quant_linear(x, qw, out_dtype=torch.float32).mul_(ratio)
             if bias is not None:
