@@ -8,19 +8,23 @@ W8A8 (SmoothQuant) and FP8-quantized, on held-out text: what `pagoda quantize` b
 
 Calibrates on the built-in text (or FILE) in up to --num-samples windows of --seq-len tokens,
 evaluates on benchmarks/README.md (or FILE; its first N tokens with --eval-tokens) in 512-token
-windows through prompt logprobs, float32 on the CPU. AWQ is 4-bit only; W8A8 is int8 weights
-per channel and activations per token (SmoothQuant, alpha 0.5), FP8 the model's weights cast per
-channel to e4m3 at load (`quantization="fp8"`, activations per token). Ends with one table
-(perplexity, change against dense, quantization time) and the commit and CPU it ran on.
+windows through prompt logprobs, float32 on the CPU; GPTQ, AWQ and round-to-nearest twice,
+dequantized (the weight quantization alone) and as a CPU runs them (GGUF blocks, int8
+activations per 32 inputs). AWQ is 4-bit only; W8A8 is int8 weights per channel and activations
+per token (SmoothQuant, alpha 0.5), FP8 the model's weights cast per channel to e4m3 at load
+(`quantization="fp8"`, activations per token). Ends with one table (perplexity, change against
+dense, quantization time) and the commit and CPU it ran on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import embedded_model_path
@@ -99,26 +103,39 @@ def main() -> None:
             seconds = time.perf_counter() - start
             # dense: a GGUF source's weights dequantized to float32 (PAGODA_GGUF_QUANTIZED=0),
             # not its blocks through the int8-activation kernels, so that the 8-bit methods
-            # are measured against the float model they quantize.
-            before = os.environ.get("PAGODA_GGUF_QUANTIZED")
-            if method == "dense":
-                os.environ["PAGODA_GGUF_QUANTIZED"] = "0"
-            try:
-                llm = LLM(
-                    out, quantization=quantization, dtype="float32", max_model_len=1024
-                )  # the quantized directories carry the source's tokenizer
-            finally:
-                if before is None:
-                    os.environ.pop("PAGODA_GGUF_QUANTIZED", None)
-                else:
-                    os.environ["PAGODA_GGUF_QUANTIZED"] = before
-            ppl = perplexity(llm, windows)
-            del llm
-            results[method] = (ppl, seconds)
-            print(
-                f"  {method:5s} perplexity {ppl:8.3f}  (quantization {seconds:6.1f} s)", flush=True
-            )
+            # are measured against the float model they quantize. The 4-bit methods likewise
+            # dequantized (PAGODA_CPU_QUANTIZED=0: the weight quantization alone), then as a
+            # CPU runs them, GGUF blocks with int8 activations (the "+ CPU blocks" rows).
+            runs = [(method, {"PAGODA_GGUF_QUANTIZED": "0"} if method == "dense" else {})]
+            if method in ("gptq", "awq", "rtn"):
+                runs = [(method, {"PAGODA_CPU_QUANTIZED": "0"}), (method + "+blocks", {})]
+            for name, env in runs:
+                with _environ(env):
+                    llm = LLM(
+                        out, quantization=quantization, dtype="float32", max_model_len=1024
+                    )  # the quantized directories carry the source's tokenizer
+                ppl = perplexity(llm, windows)
+                del llm
+                results[name] = (ppl, seconds)
+                print(
+                    f"  {name:12s} perplexity {ppl:8.3f}  (quantization {seconds:6.1f} s)",
+                    flush=True,
+                )
     print_table(results, args.bits, args.group_size)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def print_table(results: dict[str, tuple[float, float]], bits: int, group_size: int) -> None:
@@ -137,7 +154,9 @@ def print_table(results: dict[str, tuple[float, float]], bits: int, group_size: 
     print("\n| method | perplexity | vs dense | quantization |\n|---|---|---|---|")
     for method, (ppl, seconds) in results.items():
         change = "" if dense is None or method == "dense" else f"{(ppl / dense - 1) * 100:+.2f}%"
-        print(f"| {names[method]} | {ppl:.3f} | {change} | {seconds:.0f} s |")
+        base, blocks = method.removesuffix("+blocks"), method.endswith("+blocks")
+        name = names[base] + (", run as CPU GGUF blocks (int8 activations)" if blocks else "")
+        print(f"| {name} | {ppl:.3f} | {change} | {seconds:.0f} s |")
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     PAGODA_CALIBRATION_THREADS: int | None
     PAGODA_PROGRESS: bool | None
     PAGODA_GGUF_QUANTIZED: bool
+    PAGODA_CPU_QUANTIZED: bool
     PAGODA_CUDA_DECODE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
@@ -182,6 +183,12 @@ VARIABLES: dict[str, EnvVar] = {
             "0: dequantize a GGUF model's blocks at load (the float reference) instead of "
             "running the quantized CPU kernels.",
             _flag("PAGODA_GGUF_QUANTIZED", True),
+        ),
+        EnvVar(
+            "PAGODA_CPU_QUANTIZED", "flag", "1",
+            "0: AWQ/GPTQ layers on a CPU are dequantized at load (the dense reference) instead "
+            "of run as GGUF blocks by the quantized CPU kernels.",
+            _flag("PAGODA_CPU_QUANTIZED", True),
         ),
         EnvVar(
             "PAGODA_CUDA_DECODE", "flag", "1",

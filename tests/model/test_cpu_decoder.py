@@ -4,7 +4,8 @@ same order, so greedy tokens and every reported log-probability must be bitwise 
 batches of several decoding requests, with the stack shown to have run.
 
 Cases: the embedded GGUF model (blocks kept quantized; its fused layers mix Q4_1 and Q8_0
-parts), and tiny transformers checkpoints in float32 (skinny GEMM on plain weights; over the
+parts), AWQ and act-order GPTQ checkpoints (their layers GGUF blocks, act order gathering each
+layer's inputs), and tiny transformers checkpoints in float32 (skinny GEMM on plain weights; over the
 default float16 cache, a float32, a bf16 and an fp8 e5m2 one) and bf16 (packed GEMM) covering GQA/MQA,
 q/k/v/o/MLP biases, q/k norms, partial LongRoPE and sliding windows.
 """
@@ -98,6 +99,30 @@ def test_tiny_models_decode_as_layer_by_layer(tmp_path, monkeypatch, case, dtype
         skip_tokenizer_init=True,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
+        max_model_len=128,
+        block_size=8,
+        kv_cache_memory_bytes=4 << 20,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_awq_gptq_blocks_decode_as_layer_by_layer(tmp_path, monkeypatch, method, act_order, dtype):
+    # Their layers are GGUF blocks on a CPU; act order gathers each layer's inputs first.
+    from quant_testing import quantized_checkpoint
+
+    hf, path = quantized_checkpoint(tmp_path, method, 4, act_order)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 30)
+    ]
+    _check_equal(
+        monkeypatch,
+        str(path),
+        prompts + [prompts[0] + prompts[1]],
+        10,
+        skip_tokenizer_init=True,
+        dtype=dtype,
         max_model_len=128,
         block_size=8,
         kv_cache_memory_bytes=4 << 20,

@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
-from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
-from safetensors.torch import save_file
+from model_testing import TINY_CONFIG, PagedRunner
+from quant_testing import quantized_checkpoint
 
 from pagoda.config import ModelConfig
 from pagoda.engine.arg_utils import EngineArgs
@@ -21,17 +21,11 @@ from pagoda.model.layers.linear import LinearBase
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.quantization.formats import (
     AWQ_ORDER,
-    dequantize_awq,
-    dequantize_gptq,
     pack_awq,
     pack_gptq_weight,
-    quantize_groups,
     unpack_awq,
     unpack_gptq_weight,
 )
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GROUP = 32
 
 
 def test_awq_nibbles_are_interleaved() -> None:
@@ -55,111 +49,28 @@ def test_gptq_words_pack_inputs(bits: int) -> None:
     assert torch.equal(unpack_gptq_weight(packed, bits), v)
 
 
-SHARED_INPUT = {
-    "q_proj": "qkv",
-    "k_proj": "qkv",
-    "v_proj": "qkv",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-}
-
-
-def _quantized_checkpoint(tmp_path, method: str, bits: int = 4, act_order: bool = False):
-    """A tiny Llama saved in `method`'s format; returns the HF model with the dequantized
-    weights (the reference)."""
-    hf = make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope")
-    tensors = {}
-    perms: dict[tuple[str, str], torch.Tensor] = {}
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            proj = name.split(".")[-2]
-            if proj not in LINEARS:
-                tensors[name] = p.detach().clone().contiguous()
-                continue
-            prefix = name.removesuffix(".weight")
-            n, k = p.shape
-            values, zeros, scales = quantize_groups(p, bits, GROUP, min_zero=method == "gptq")
-            scales = scales.half()
-            if method == "awq":
-                tensors[prefix + ".qweight"] = pack_awq(values)
-                tensors[prefix + ".qzeros"] = pack_awq(zeros)
-                tensors[prefix + ".scales"] = scales
-                dense = dequantize_awq(
-                    tensors[prefix + ".qweight"], tensors[prefix + ".qzeros"], scales, GROUP
-                )
-            else:
-                g_idx = torch.arange(k, dtype=torch.int32) // GROUP
-                if act_order:  # inputs regrouped: a permutation of the groups' members
-                    # Projections of one input (q/k/v, gate/up) share it, as AutoGPTQ's do:
-                    # their Hessians, which order the inputs, are the same.
-                    shared = SHARED_INPUT.get(proj, proj)
-                    key = (prefix.split(".")[2], shared)
-                    if key not in perms:
-                        perms[key] = torch.randperm(k, generator=g)
-                    g_idx = g_idx[perms[key]]
-                    values, zeros, scales = _quantize_by_g_idx(p, bits, g_idx)
-                    scales = scales.half()
-                tensors[prefix + ".qweight"] = pack_gptq_weight(values, bits)
-                tensors[prefix + ".qzeros"] = _pack_gptq_zeros(zeros - 1, bits)
-                tensors[prefix + ".scales"] = scales
-                tensors[prefix + ".g_idx"] = g_idx
-                dense = dequantize_gptq(
-                    tensors[prefix + ".qweight"], tensors[prefix + ".qzeros"], scales, g_idx, bits
-                )
-            p.copy_(dense)  # the reference runs on exactly what the checkpoint encodes
-    path = tmp_path / method
-    path.mkdir()
-    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
-    if method == "awq":
-        cfg["quantization_config"] = {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": GROUP,
-            "zero_point": True,
-            "version": "gemm",
-        }
-    else:
-        cfg["quantization_config"] = {
-            "quant_method": "gptq",
-            "bits": bits,
-            "group_size": GROUP,
-            "desc_act": act_order,
-            "sym": False,
-        }
-    (path / "config.json").write_text(json.dumps(cfg))
-    tensors.pop("lm_head.weight", None)  # tied
-    save_file(tensors, str(path / "model.safetensors"))
-    return hf, path
-
-
-def _pack_gptq_zeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
-    """[groups, N] -> [groups, N/P], packed along outputs (GPTQ's qzeros)."""
-    return pack_gptq_weight(zeros.t().contiguous(), bits).t().contiguous()
-
-
-def _quantize_by_g_idx(weight, bits, g_idx):
-    n, k = weight.shape
-    groups = int(g_idx.max()) + 1
-    values = torch.empty(k, n, dtype=torch.int32)
-    zeros = torch.empty(groups, n, dtype=torch.int32)
-    scales = torch.empty(groups, n)
-    for gi in range(groups):
-        cols = (g_idx == gi).nonzero().flatten()
-        v, z, s = quantize_groups(weight[:, cols], bits, len(cols), min_zero=1)
-        values[cols] = v
-        zeros[gi], scales[gi] = z[0], s[0]
-    return values, zeros, scales
-
-
 @pytest.mark.parametrize(
-    "method,bits,act_order",
-    [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, False), ("gptq", 4, True)],
+    "method,bits,act_order,sym",
+    [
+        ("awq", 4, False, False),
+        ("gptq", 4, False, False),
+        ("gptq", 4, False, True),
+        ("gptq", 8, False, False),
+        ("gptq", 8, False, True),
+        ("gptq", 4, True, False),
+    ],
 )
+@pytest.mark.parametrize("blocks", [False, True], ids=["dense", "blocks"])
 def test_quantized_checkpoint_runs_like_its_dequantized_reference(
-    tmp_path, method, bits, act_order
+    tmp_path, monkeypatch, method, bits, act_order, sym, blocks
 ):
-    hf, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
+    """Dequantized at load (`PAGODA_CPU_QUANTIZED=0`): the reference's logits to float
+    rounding. Kept as GGUF blocks (the CPU default): within the int8 rounding of the
+    activations, in the block type the format maps to (asymmetric 8 bits have none: dense)."""
+    from pagoda.model.quantization.gguf import GGUFLinearMethod
+
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "1" if blocks else "0")
+    hf, path = quantized_checkpoint(tmp_path, method, bits, act_order, sym)
     hf_config = get_model_config_dict(str(path))
     quant = EngineArgs(model=str(path)).create_engine_config().model_config.quantization
     assert quant == method  # detected from config.json
@@ -174,13 +85,22 @@ def test_quantized_checkpoint_runs_like_its_dequantized_reference(
     ours = runner.step(tokens, 0)
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)[None]).logits[0].float()
-    assert (ours - ref).abs().max().item() < 1e-4
-    # A wrong layout would be far off: the dense (unquantized) weights differ by the rounding.
-    assert not hasattr(model.model.layers[0].self_attn.qkv_proj, "qweight")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not hasattr(qkv, "qweight")
+    kept = blocks and (bits == 4 or sym)
+    assert isinstance(qkv.linear_method, GGUFLinearMethod) == kept
+    if kept:
+        want = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}[bits, sym]
+        assert qkv.gguf_weight.type_name == want
+        assert hasattr(qkv, "gguf_perm") == act_order
+        err = (ours - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 0.01, err
+    else:
+        assert (ours - ref).abs().max().item() < 1e-4
 
 
 def test_configuration_errors(tmp_path) -> None:
-    _, path = _quantized_checkpoint(tmp_path, "awq")
+    _, path = quantized_checkpoint(tmp_path, "awq")
     with pytest.raises(ValueError, match="'awq' checkpoint"):
         EngineArgs(model=str(path), quantization="gptq").create_engine_config()
     with pytest.raises(ValueError, match="not supported yet"):
@@ -212,7 +132,7 @@ def test_which_layers_stay_packed_where_the_kernel_runs(
     import pagoda.model.quantization as quant
 
     monkeypatch.setattr(quant, "w4a16_enabled", lambda device: True)
-    _, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
+    _, path = quantized_checkpoint(tmp_path, method, bits, act_order)
     hf_config = get_model_config_dict(str(path))
     mc = ModelConfig(
         model=str(path), hf_config=hf_config, dtype="float32", max_model_len=256,
@@ -235,7 +155,7 @@ def test_which_layers_stay_packed_where_the_kernel_runs(
 def test_cuda_keeps_4bit_layers_packed(tmp_path, method, bits, act_order, dtype) -> None:
     from pagoda.model.quantization import W4A16LinearMethod, W8A16LinearMethod
 
-    _, path = _quantized_checkpoint(tmp_path, method, bits, act_order)
+    _, path = quantized_checkpoint(tmp_path, method, bits, act_order)
     hf_config = get_model_config_dict(str(path))
     mc = ModelConfig(
         model=str(path), hf_config=hf_config, dtype=dtype, max_model_len=256, quantization=method
@@ -262,7 +182,7 @@ def test_engine_on_a_gpu_keeps_greedy_tokens_with_packed_layers(tmp_path, method
 
     from pagoda import LLM, SamplingParams
 
-    _, path = _quantized_checkpoint(tmp_path, method, 4, act_order)
+    _, path = quantized_checkpoint(tmp_path, method, 4, act_order)
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, TINY_CONFIG["vocab_size"], (5 + 7 * i,), generator=gen).tolist()

@@ -2,8 +2,8 @@
 nibble order bit by bit, repacked weights that dequantize to exactly what the checkpoint's own
 dequantization gives (ragged last group, GPTQ act-order sorted by group), the act-order cases
 that cannot be one permutation, and which path a loaded layer takes (packed on CUDA with
-triton, dense on a CPU or with PAGODA_W4A16=0; 8-bit GPTQ kept 8-bit for the W8A16 kernel,
-whose layout tests/kernels/test_w8a16.py checks)."""
+triton, dense on a CPU with PAGODA_CPU_QUANTIZED=0 or with PAGODA_W4A16=0; 8-bit GPTQ kept
+8-bit for the W8A16 kernel, whose layout tests/kernels/test_w8a16.py checks)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,10 @@ def _gptq_layer(bits: int, n: int = 64, k: int = 128, seed: int = 5):
     return layer, method
 
 
-def test_a_cpu_layer_is_dequantized_to_a_dense_weight() -> None:
+def test_a_cpu_layer_is_dequantized_to_a_dense_weight(monkeypatch) -> None:
+    # With PAGODA_CPU_QUANTIZED on (the default) it becomes GGUF blocks instead:
+    # tests/model/test_cpu_blocks.py.
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")
     assert not w4a16_enabled(torch.device("cpu"))
     layer, method = _gptq_layer(bits=4)
     ref = dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx[0], 4)

@@ -16,7 +16,8 @@
  *
  * and after the last layer X = rms_norm(D + R) * final_norm. A linear layer is up to four
  * parts side by side in its output (a fused layer whose shards differ in GGUF type), each a
- * quantized GEMM, a packed bf16 GEMM or the skinny GEMM on a plain weight. */
+ * quantized GEMM, a packed bf16 GEMM or the skinny GEMM on a plain weight; a layer may read its
+ * inputs through a permutation (a GPTQ act-order layer's, inputs sorted by group). */
 #include <stdint.h>
 #include <string.h>
 
@@ -68,6 +69,7 @@ typedef struct {
 typedef struct {
     int32_t num_parts, pad;
     int64_t n, k;
+    const int64_t *perm; /* [k] or NULL: the layer reads x[:, perm] (GPTQ act order) */
     Part parts[MAX_PARTS];
 } Linear;
 
@@ -110,12 +112,29 @@ typedef struct {
      * residual, qkv, attn, gate_up (2 * inter columns; its first `inter` take silu_and_mul's
      * output, which the down projection reads with the row stride of gate_up) */
     void *x, *residual, *qkv, *attn, *gate_up;
+    void *gathered; /* rows * (the largest k of a layer with perm) elements, or NULL */
 } Step;
 
-/* y [rows, lin->n] = x [rows, lin->k] (rows x_stride elements apart) @ W^T (+ bias). */
+/* y [rows, lin->n] = x [rows, lin->k] (rows x_stride elements apart) @ W^T (+ bias); with
+ * lin->perm, x[:, perm] gathered into `gathered` first. */
 static int linear(const Decoder *d, const Linear *lin, const void *x, int64_t x_stride, void *y,
-                  int64_t rows, int nthreads) {
+                  int64_t rows, int nthreads, void *gathered) {
     const int64_t es = d->dt == DT_BF16 ? 2 : 4;
+    if (lin->perm != NULL) {
+        if (gathered == NULL) return -1;
+        for (int64_t r = 0; r < rows; r++) {
+            const char *src = (const char *)x + r * x_stride * es;
+            char *dst = (char *)gathered + r * lin->k * es;
+            if (es == 2)
+                for (int64_t j = 0; j < lin->k; j++)
+                    ((uint16_t *)dst)[j] = ((const uint16_t *)src)[lin->perm[j]];
+            else
+                for (int64_t j = 0; j < lin->k; j++)
+                    ((uint32_t *)dst)[j] = ((const uint32_t *)src)[lin->perm[j]];
+        }
+        x = gathered;
+        x_stride = lin->k;
+    }
     for (int i = 0; i < lin->num_parts; i++) {
         const Part *p = &lin->parts[i];
         char *out = (char *)y + p->col * es;
@@ -163,7 +182,7 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
             CHECK(d->rms_norm(x, H, res, H, L->input_norm, x, H, M, H, d->eps, dt, d->norm_dt,
                               nt));
         }
-        CHECK(linear(d, &L->qkv, x, H, qkv, M, nt));
+        CHECK(linear(d, &L->qkv, x, H, qkv, M, nt, s->gathered));
         if (L->q_norm != NULL) { /* per head, in place: rows of head_size */
             for (int64_t t = 0; t < M; t++) {
                 char *row = qkv + t * qkv_cols * es;
@@ -185,13 +204,13 @@ int pagoda_decoder_run(const Decoder *d, const Step *s) {
                            s->num_items, d->num_heads, d->num_kv_heads, (int32_t)hd,
                            d->block_size, (int32_t)dt, d->cache_dt, d->scale, L->k_scale,
                            L->v_scale, L->sliding_window, 0.0f, s->attention_threads));
-        CHECK(linear(d, &L->o, attn, q_cols, x, M, nt));
+        CHECK(linear(d, &L->o, attn, q_cols, x, M, nt, s->gathered));
         CHECK(d->rms_norm(x, H, res, H, L->post_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt));
-        CHECK(linear(d, &L->gate_up, x, H, gu, M, nt));
+        CHECK(linear(d, &L->gate_up, x, H, gu, M, nt, s->gathered));
         CHECK(d->silu_and_mul(gu, gu_cols, gu, gu_cols, M, d->inter, (int)dt, nt));
-        CHECK(linear(d, &L->down, gu, gu_cols, x, M, nt));
+        CHECK(linear(d, &L->down, gu, gu_cols, x, M, nt, s->gathered));
     }
     return d->rms_norm(x, H, res, H, d->final_norm, x, H, M, H, d->eps, dt, d->norm_dt, nt);
 }
 
-int pagoda_decoder_abi(void) { return 4; }
+int pagoda_decoder_abi(void) { return 5; }

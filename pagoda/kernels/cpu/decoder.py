@@ -20,7 +20,7 @@ from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import build_library, open_library
 
 SOURCE, _, ISA = cpu_kernels.DECODER  # portable: the kernels it calls are built per ISA level
-_ABI = 4
+_ABI = 5
 MAX_PARTS = 4
 PART_QUANT, PART_PACKED, PART_GEMV = 0, 1, 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -49,6 +49,7 @@ class _Linear(ctypes.Structure):
         ("pad", _i32),
         ("n", _i64),
         ("k", _i64),
+        ("perm", _p),
         ("parts", _Part * MAX_PARTS),
     ]
 
@@ -122,6 +123,7 @@ class _Step(ctypes.Structure):
         ("qkv", _p),
         ("attn", _p),
         ("gate_up", _p),
+        ("gathered", _p),
     ]
 
 
@@ -144,9 +146,13 @@ class PartSpec:
 
 @dataclass(frozen=True)
 class LinearSpec:
+    """A linear layer of `parts` side by side; with `perm` (int64 [k], contiguous) it reads
+    x[:, perm] (a GPTQ act-order layer, its inputs sorted by group)."""
+
     n: int
     k: int
     parts: tuple[PartSpec, ...]
+    perm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _linear(spec: LinearSpec) -> _Linear:
     if not 1 <= len(spec.parts) <= MAX_PARTS:
         raise ValueError(f"a linear layer takes 1 to {MAX_PARTS} parts, got {len(spec.parts)}")
-    lin = _Linear(num_parts=len(spec.parts), n=spec.n, k=spec.k)
+    if spec.perm is not None and (
+        spec.perm.dtype is not torch.int64
+        or tuple(spec.perm.shape) != (spec.k,)
+        or not spec.perm.is_contiguous()
+    ):
+        raise ValueError(f"a layer's input permutation is int64 [{spec.k}], contiguous")
+    lin = _Linear(num_parts=len(spec.parts), n=spec.n, k=spec.k, perm=_ptr(spec.perm))
     for i, p in enumerate(spec.parts):
         lin.parts[i] = _Part(
             kind=p.kind,
@@ -273,6 +285,15 @@ class CpuDecoderStack:
             scale=spec.scale,
         )
         self._bound: tuple[int, ...] = ()
+        self._gather_k = max(
+            (
+                lin.k
+                for layer in spec.layers
+                for lin in layer_linears(layer)
+                if lin.perm is not None
+            ),
+            default=0,
+        )
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Point layer i at kv_caches[i] ([2, num_blocks, block_size, kv_heads, head_size],
@@ -315,6 +336,7 @@ class CpuDecoderStack:
         qkv = x.new_empty(rows, (s.num_heads + 2 * s.num_kv_heads) * s.head_size)
         attn = x.new_empty(rows, s.num_heads * s.head_size)
         gate_up = x.new_empty(rows, 2 * s.inter)
+        gathered = x.new_empty(rows, self._gather_k) if self._gather_k else None
         step = _Step(
             rows=rows,
             positions=positions.data_ptr(),
@@ -332,6 +354,7 @@ class CpuDecoderStack:
             qkv=qkv.data_ptr(),
             attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(),
+            gathered=_ptr(gathered),
         )
         rc = self._lib.pagoda_decoder_run(ctypes.byref(self._decoder), ctypes.byref(step))
         if rc == ROPE_POSITION_ERROR:
@@ -354,5 +377,9 @@ def cache_dtype_supported(model_dtype: torch.dtype, cache_dtype: torch.dtype) ->
     )
 
 
+def layer_linears(layer: LayerSpec) -> tuple[LinearSpec, ...]:
+    return (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
 def layer_parts(layer: LayerSpec) -> tuple[PartSpec, ...]:
-    return layer.qkv.parts + layer.o.parts + layer.gate_up.parts + layer.down.parts
+    return tuple(p for lin in layer_linears(layer) for p in lin.parts)

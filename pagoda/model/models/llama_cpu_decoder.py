@@ -9,7 +9,8 @@ same bits either way (tests/model/test_cpu_decoder.py).
 
 A model qualifies when every layer is a plain `LlamaDecoderLayer` (no mixture of experts),
 unsharded, on the CPU attention backend without logit soft-capping, with C-supported linear
-layers (GGUF blocks kept quantized, packed bf16, or plain weights in the model dtype) and
+layers (GGUF blocks kept quantized, AWQ / GPTQ layers as such blocks, packed bf16, or plain
+weights in the model dtype) and
 norms in the model dtype. A step (decodes, prompt chunks or both) qualifies when it has no
 padding rows, every row has a cache slot (so the attention kernel reads every key from the
 cache, as the backend then does too), the cache holds the model dtype (or 16 bits or fp8 e5m2
@@ -42,6 +43,7 @@ class _Unsupported(Exception):
 def _linear_spec(layer: torch.nn.Module, dtype: torch.dtype) -> cdec.LinearSpec:
     from pagoda.kernels.cpu import gemm as cpu_gemm
     from pagoda.model.layers.linear import UnquantizedLinearMethod
+    from pagoda.model.quantization.cpu_blocks import ActOrderGGUFLinearMethod
     from pagoda.model.quantization.gguf import GGUFLinearMethod
 
     if getattr(layer, "tp_size", 1) != 1:
@@ -49,7 +51,7 @@ def _linear_spec(layer: torch.nn.Module, dtype: torch.dtype) -> cdec.LinearSpec:
     n, k = layer.output_size_per_partition, layer.input_size_per_partition
     bias = layer.bias
     method = layer.linear_method
-    if type(method) is GGUFLinearMethod:
+    if type(method) in (GGUFLinearMethod, ActOrderGGUFLinearMethod):
         segments = [layer.gguf_weight] if layer.gguf_weight is not None else layer.gguf_segments
         fbias = None if bias is None else bias.detach().float().contiguous()
         parts, col = [], 0
@@ -67,7 +69,7 @@ def _linear_spec(layer: torch.nn.Module, dtype: torch.dtype) -> cdec.LinearSpec:
                 )
             )
             col += seg.n
-        return cdec.LinearSpec(n, k, tuple(parts))
+        return cdec.LinearSpec(n, k, tuple(parts), getattr(layer, "gguf_perm", None))
     if type(method) is not UnquantizedLinearMethod:
         raise _Unsupported(f"{type(method).__name__} layers")
     weight = layer.weight

@@ -13,9 +13,13 @@ once every tensor is in, each layer is repacked or dequantized, on its device, o
   and zeros (none where symmetric) [groups, N] (`w8_layout.py`), about K*N bytes a layer;
   they run `pagoda.kernels.w8a16` (`W8A16LinearMethod`: the Triton kernel up to 128 rows,
   the dequantized weight and cuBLAS above), act order as for 4 bits.
-- everything else (a CPU, act-order shards that differ, `PAGODA_W4A16=0` or `PAGODA_W8A16=0`)
-  is dequantized to a dense weight in the model dtype and runs as an unquantized layer (the
-  packed C GEMM on a CPU, the Triton GEMV / cuBLAS on a GPU): the dense model's memory.
+- on a CPU (float32 or bf16, the C kernels built), 4-bit layers and 8-bit ones whose codes fit
+  int8 become the GGUF blocks the quantized CPU GEMM reads (`cpu_blocks.py`: Q4_1, Q4_0 where
+  symmetric, Q8_0), act order as above; they run as a GGUF file's layers do;
+- everything else (act-order shards that differ, groups not of whole 32-input blocks on a CPU,
+  `PAGODA_W4A16=0`, `PAGODA_W8A16=0` or `PAGODA_CPU_QUANTIZED=0`) is dequantized to a dense
+  weight in the model dtype and runs as an unquantized layer (the packed C GEMM on a CPU, the
+  Triton GEMV / cuBLAS on a GPU): the dense model's memory.
 `formats.dequantize_*` + F.linear is the reference of all (tests compare them); the methods of
 the layers kept quantized are `packed_methods.py`'s.
 
@@ -39,6 +43,8 @@ from pagoda.model.layers.linear import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
+from pagoda.model.quantization import cpu_blocks
+from pagoda.model.quantization.cpu_blocks import cpu_blocks_enabled
 from pagoda.model.quantization.formats import dequantize_awq, dequantize_gptq
 from pagoda.model.quantization.packed_methods import W4A16LinearMethod, W8A16LinearMethod
 from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, gptq_to_w4
@@ -217,11 +223,46 @@ class _PackedUntilLoaded(LinearMethodBase):
         self._install(layer, w8, "w8_", self.w8a16)
         return True
 
+    def to_cpu_blocks(self, layer: nn.Module) -> bool:
+        """Keep the loaded layer quantized as GGUF blocks for the quantized CPU GEMM; False
+        (the layer untouched) where it has no exact block form (`cpu_blocks`)."""
+        packed = self._w4(layer) if self.bits == 4 else self._w8(layer)
+        if packed is None:
+            return False
+        k = layer.input_size_per_partition
+        blocks = (
+            cpu_blocks.w4_blocks(packed, k)
+            if isinstance(packed, W4Weight)
+            else cpu_blocks.w8_blocks(packed, k)
+        )
+        if blocks is None:
+            if not getattr(self, "_told_no_blocks", False):
+                self._told_no_blocks = True
+                logger.info(
+                    "%d-bit layers without an exact GGUF block form (groups of whole 32-input "
+                    "blocks, fp16 scales; 8 bits: every q - z within int8) are dequantized",
+                    self.bits,
+                )
+            return False
+        self._drop_checkpoint_tensors(layer)
+        cpu_blocks.install(layer, blocks, packed.perm)
+        if not getattr(self, "_told_cpu_blocks", False):
+            self._told_cpu_blocks = True  # once per model, not per layer
+            logger.info(
+                "%d-bit layers on the CPU run as %s blocks in the quantized CPU GEMM "
+                "(PAGODA_CPU_QUANTIZED=0 dequantizes them at load)",
+                self.bits,
+                blocks.type_name,
+            )
+        return True
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         device = layer.qweight.device
         if w4a16_enabled(device) and self.repack_to_w4a16(layer):
             return
         if w8a16_enabled(device) and self.repack_to_w8a16(layer):
+            return
+        if cpu_blocks_enabled(device, layer.params_dtype) and self.to_cpu_blocks(layer):
             return
         weight = self._dense(layer).to(layer.params_dtype)
         self._drop_checkpoint_tensors(layer)

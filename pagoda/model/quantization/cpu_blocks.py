@@ -1,0 +1,152 @@
+"""AWQ / GPTQ layers on a CPU kept quantized: their codes, zero points and scales rewritten at
+load as the GGUF blocks the quantized CPU GEMM reads (`pagoda.kernels.cpu.quant`: int8
+activations, AVX-512 VNNI / AVX2 / portable C), so a 4-bit checkpoint runs as a GGUF Q4 file
+does, with a quarter of the bf16 weight bytes, instead of dequantized to dense weights.
+
+A group of G inputs (a multiple of 32) with scale s and zero point z holds w = s * (q - z),
+so each of its 32-input blocks is
+- 4 bits, zero points 8 throughout the layer (GPTQ's symmetric checkpoints): Q4_0, d = s and
+  the code q exactly, since Q4_0 is d * (q - 8);
+- 4 bits otherwise: Q4_1, d = s, m = -s * z, w = d * q + m. d is the checkpoint's fp16 scale,
+  exact; m is rounded to fp16 (at most half an fp16 ulp of s * z, under 1/2000 of a
+  quantization step s, far below the int8 rounding of the activations);
+- 8 bits where every q - z fits int8 (GPTQ's symmetric checkpoints, z = 128): Q8_0, d = s,
+  the int8 q - z, exact.
+A layer whose groups do not hold whole blocks (G or K not a multiple of 32), whose scales are
+not finite in fp16, or whose 8-bit codes do not fit stays dense, as before.
+
+GPTQ act order: the codes arrive with their inputs sorted by group (`w4_layout` /
+`w8_layout`'s `perm`), so blocks are consecutive again, and the layer gathers its input
+through that permutation before the product (`ActOrderGGUFLinearMethod`).
+
+The blocks are installed as a GGUF layer's (`layer.gguf_weight`, x8 layout): the layer path,
+the one-call C decoder stack and the reference path (blocks dequantized, F.linear; a layer's
+`fused_ops` off) treat them as they treat a GGUF file's. `PAGODA_CPU_QUANTIZED=0` dequantizes
+such layers at load instead (the dense reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda import envs
+from pagoda.kernels.cpu import quant
+from pagoda.kernels.cpu.quant import QuantWeight
+from pagoda.model.quantization.gguf import GGUFLinearMethod, to_kernel_layout
+from pagoda.model.quantization.w4_layout import W4Weight, unpack_w4
+from pagoda.model.quantization.w8_layout import ZERO_OFFSET, W8Weight
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK = 32
+
+
+def cpu_blocks_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether AWQ / GPTQ layers on `device` in `dtype` become GGUF blocks: a CPU, float32 or
+    bf16 activations (what the kernel takes), the kernel built, `PAGODA_CPU_QUANTIZED` on."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and envs.PAGODA_CPU_QUANTIZED
+        and quant.quant_kernel_available()
+    )
+
+
+def _block_params(scales: torch.Tensor, group_size: int, n: int, k: int) -> torch.Tensor:
+    """[groups, N] per-group values -> [N, K/32] per-block values (float32)."""
+    group_of_block = torch.arange(0, k, BLOCK) // group_size
+    return scales.float()[group_of_block].t().contiguous()
+
+
+def _fp16_exact(values: torch.Tensor) -> torch.Tensor | None:
+    """`values` as fp16 if each is finite there and it changes none of them, else None."""
+    half = values.to(torch.float16)
+    if not bool(torch.isfinite(half).all()) or not torch.equal(half.float(), values):
+        return None
+    return half
+
+
+def w4_blocks(w: W4Weight, k: int) -> QuantWeight | None:
+    """A 4-bit layer in the W4A16 layout as Q4_0 (every zero point 8) or Q4_1 blocks in GGUF
+    rows (packed input order), or None where it has no exact block form (see the module)."""
+    n = w.qweight.shape[0]
+    if k % BLOCK or w.group_size % BLOCK:
+        return None
+    blocks = k // BLOCK
+    d = _fp16_exact(_block_params(w.scales, w.group_size, n, k))
+    if d is None:
+        return None
+    q = unpack_w4(w.qweight, k).view(n, blocks, 2, BLOCK // 2)
+    qs = q[:, :, 0] | (q[:, :, 1] << 4)  # GGUF: byte j holds weights j (low) and j + 16
+    z = _block_params(w.zeros, w.group_size, n, k)
+    if bool((z == 8).all()):
+        out = torch.empty(n, blocks, 18, dtype=torch.uint8)
+        out[:, :, :2] = d.view(torch.uint8).view(n, blocks, 2)
+        out[:, :, 2:] = qs
+        return QuantWeight(out.view(n, -1), Q4_0, n, k)
+    m = (-(d.float() * z)).to(torch.float16)
+    if not bool(torch.isfinite(m).all()):
+        return None
+    out = torch.empty(n, blocks, 20, dtype=torch.uint8)
+    out[:, :, :2] = d.view(torch.uint8).view(n, blocks, 2)
+    out[:, :, 2:4] = m.view(torch.uint8).view(n, blocks, 2)
+    out[:, :, 4:] = qs
+    return QuantWeight(out.view(n, -1), Q4_1, n, k)
+
+
+def w8_blocks(w: W8Weight, k: int) -> QuantWeight | None:
+    """An 8-bit layer in the W8A16 layout as Q8_0 blocks in GGUF rows (packed input order), or
+    None where some q - z does not fit int8 or it has no exact block form (see the module)."""
+    n = w.qweight.shape[0]
+    if k % BLOCK or w.group_size % BLOCK:
+        return None
+    blocks = k // BLOCK
+    d = _fp16_exact(_block_params(w.scales, w.group_size, n, k))
+    if d is None:
+        return None
+    codes = w.qweight.to(torch.int16) - ZERO_OFFSET  # q - 128
+    if w.zeros is not None:  # z - 128 per group
+        g = torch.arange(k) // w.group_size
+        codes -= w.zeros[g].t()
+    if int(codes.min()) < -128 or int(codes.max()) > 127:
+        return None
+    out = torch.empty(n, blocks, 34, dtype=torch.uint8)
+    out[:, :, :2] = d.view(torch.uint8).view(n, blocks, 2)
+    out[:, :, 2:] = codes.to(torch.int8).view(torch.uint8).view(n, blocks, BLOCK)
+    return QuantWeight(out.view(n, -1), Q8_0, n, k)
+
+
+class ActOrderGGUFLinearMethod(GGUFLinearMethod):
+    """GGUF blocks over inputs sorted by group (a GPTQ act-order layer): the input is gathered
+    through `layer.gguf_perm` first."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return super().apply(layer, x.index_select(-1, layer.gguf_perm), bias)
+
+
+_GGUF = GGUFLinearMethod()
+_ACT_ORDER = ActOrderGGUFLinearMethod()
+
+
+def install(layer: nn.Module, blocks: QuantWeight, perm: torch.Tensor | None) -> None:
+    """Make `layer` (its checkpoint tensors already dropped) run `blocks` (GGUF rows), its
+    inputs gathered through `perm` first where not None."""
+    qw = to_kernel_layout(blocks)
+    layer.weight = nn.Parameter(qw.data, requires_grad=False)
+    layer.gguf_weight, layer.gguf_segments = qw, None
+    if perm is None:
+        layer.linear_method = _GGUF
+        return
+    layer.register_buffer("gguf_perm", perm.to(torch.int64), persistent=False)
+    layer.linear_method = _ACT_ORDER
+
+
+__all__ = [
+    "ActOrderGGUFLinearMethod",
+    "cpu_blocks_enabled",
+    "install",
+    "w4_blocks",
+    "w8_blocks",
+]
