@@ -4,7 +4,7 @@ AWQ or SmoothQuant W8A8; the methods are `pagoda.model.quantization.gptq`, `.awq
 heavy (torch, the tokenizer) is imported until the command runs.
 
     pagoda quantize MODEL --output DIR [--method gptq|awq|w8a8] [--bits 4] [--group-size 128]
-        [--act-order] [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
+        [--act-order] [--sym] [--calibration-file FILE] [--num-samples 32] [--seq-len 512]
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def add_quantize_args(sub: Any) -> None:
     p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="awq: 4 only")
     p.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
     p.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing H diag")
+    p.add_argument(
+        "--sym",
+        action="store_true",
+        help="gptq: symmetric (every zero point 2**(bits-1), AutoGPTQ's sym=True); 8-bit "
+        "symmetric layers run as Q8_0 blocks on a CPU, asymmetric ones dequantized",
+    )
     p.add_argument("--calibration-file", default=None, help="text file (default: built-in)")
     p.add_argument("--num-samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
@@ -57,10 +63,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pagoda.tokenizer import get_tokenizer
 
     method = getattr(args, "method", "gptq")
-    if method == "awq" and (args.bits != 4 or args.act_order):
+    sym = getattr(args, "sym", False)
+    if method == "awq" and (args.bits != 4 or args.act_order or sym):
         print(
-            "pagoda quantize --method awq: AutoAWQ GEMM checkpoints are 4-bit without "
-            f"act-order (got --bits {args.bits}{' --act-order' if args.act_order else ''})",
+            "pagoda quantize --method awq: AutoAWQ GEMM checkpoints are 4-bit with zero points, "
+            f"without act-order (got --bits {args.bits}{' --act-order' if args.act_order else ''}"
+            f"{' --sym' if sym else ''})",
+            file=sys.stderr,
+        )
+        return 2
+    if method == "w8a8" and (args.act_order or sym):
+        print(
+            "pagoda quantize --method w8a8: --act-order and --sym are GPTQ options (W8A8 "
+            "weights are symmetric per output channel)",
             file=sys.stderr,
         )
         return 2
@@ -90,7 +105,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return 0
     else:
         errors = quantize_model(
-            model, args.output, sequences, args.bits, args.group_size, args.act_order
+            model, args.output, sequences, args.bits, args.group_size, args.act_order, sym=sym
         )
     ours = sum(e[0] for e in errors.values()) / len(errors)
     rtn_mean = sum(e[1] for e in errors.values()) / len(errors)

@@ -283,7 +283,13 @@ def test_cli_rejects_bits_awq_cannot_hold(tmp_path, capsys) -> None:
     assert not (tmp_path / "q").exists()
     args = _parse(["--method", "awq", "--act-order", "--output", str(tmp_path / "q")])
     assert args.func(args) == 2
+    for method in ("awq", "w8a8"):  # --sym is GPTQ's: AWQ has zero points, W8A8 none
+        args = _parse(["--method", method, "--sym", "--output", str(tmp_path / "q")])
+        assert args.func(args) == 2
+        assert "--sym" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
     assert _parse(["--output", "x"]).method == "gptq"  # the default is unchanged
+    assert not _parse(["--output", "x"]).sym
     with pytest.raises(ValueError, match="4-bit"):
         quantize_model_awq("unused", str(tmp_path / "q"), [[1, 2]], bits=3)
 

@@ -44,6 +44,17 @@ def test_gptq_beats_round_to_nearest_and_packs_exactly(act_order: bool) -> None:
         assert not torch.equal(g, torch.arange(256) // 64)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_gptq_has_every_zero_at_half_the_range(bits: int) -> None:
+    w, h = _problem()
+    res = gptq_quantize(w, h, bits=bits, group_size=64, sym=True)
+    assert torch.equal(res.zeros, torch.full_like(res.zeros, 1 << (bits - 1)))
+    assert output_error(w, res.dequantized, h) < 0.6 * output_error(w, rtn(w, bits, 64, True), h)
+    g = res.g_idx.long()
+    rebuilt = ((res.values.float() - res.zeros[g]) * res.scales[g]).t()
+    assert torch.equal(rebuilt, res.dequantized)
+
+
 def test_zero_points_fit_the_stored_zero_minus_one() -> None:
     # A group of nonnegative weights has zero point 0, which GPTQ's format (zero - 1 in 4
     # bits) cannot hold: it would read back as 16. Zeros are kept >= 1.
@@ -61,32 +72,39 @@ def test_calibration_windows() -> None:
 
 
 @pytest.mark.parametrize(
-    "kind,group_size",
+    "kind,group_size,bits,sym",
     [
-        ("llama_gqa_tied_llama3_rope", 32),
-        ("llama_gqa_tied_llama3_rope", 40),  # 40: shorter last groups (64, 96 inputs)
-        ("llama_mqa_attention_bias", 32),  # the linears' biases are written unquantized
+        ("llama_gqa_tied_llama3_rope", 32, 4, False),
+        ("llama_gqa_tied_llama3_rope", 40, 4, False),  # 40: shorter last groups (64, 96 inputs)
+        ("llama_mqa_attention_bias", 32, 4, False),  # linears' biases are written unquantized
+        ("llama_gqa_tied_llama3_rope", 32, 8, True),  # on a CPU: Q8_0 blocks
     ],
 )
-def test_quantize_model_writes_a_checkpoint_that_runs(tmp_path, kind: str, group_size: int) -> None:
+def test_quantize_model_writes_a_checkpoint_that_runs(
+    tmp_path, kind: str, group_size: int, bits: int, sym: bool
+) -> None:
     make_tiny_checkpoint(tmp_path / "dense", kind)
     g = torch.Generator().manual_seed(3)
     seqs = [
         torch.randint(0, TINY_CONFIG["vocab_size"], (48,), generator=g).tolist() for _ in range(6)
     ]
     errors = quantize_model(
-        str(tmp_path / "dense"), str(tmp_path / "q"), seqs, bits=4, group_size=group_size
-    )
+        str(tmp_path / "dense"), str(tmp_path / "q"), seqs, bits=bits, group_size=group_size,
+        sym=sym,
+    )  # fmt: skip
     assert len(errors) == 2 * 4  # 2 layers x (qkv, o, gate_up, down)
     mean_gptq = sum(e[0] for e in errors.values()) / len(errors)
     mean_rtn = sum(e[1] for e in errors.values()) / len(errors)
     assert mean_gptq < mean_rtn
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "gptq"
+    assert config["quantization_config"]["sym"] is sym
     assert (
         EngineArgs(model=str(tmp_path / "q")).create_engine_config().model_config.quantization
         == "gptq"
     )
+
+    models = []
 
     def logits(path, quantization=None):
         hf_config = get_model_config_dict(str(path))
@@ -97,12 +115,20 @@ def test_quantize_model_writes_a_checkpoint_that_runs(tmp_path, kind: str, group
             max_model_len=128,
             quantization=quantization,
         )
-        runner = PagedRunner(load_model(mc, "cpu"), {**TINY_CONFIG, **hf_config})
+        models.append(load_model(mc, "cpu"))
+        runner = PagedRunner(models[-1], {**TINY_CONFIG, **hf_config})
         return runner.step(seqs[0][:20], 0)
 
     dense, quant = logits(tmp_path / "dense"), logits(tmp_path / "q", "gptq")
     rel = (quant - dense).norm() / dense.norm()
     assert rel < 0.1, rel
+    # On a CPU: GGUF blocks (groups of whole 32-input blocks), Q8_0 for symmetric 8 bits.
+    qkv = models[-1].model.layers[0].self_attn.qkv_proj
+    blocks = getattr(qkv, "gguf_weight", None)
+    if group_size % 32:
+        assert blocks is None
+    else:
+        assert blocks.type_name == {(4, False): "Q4_1", (8, True): "Q8_0"}[bits, sym]
 
 
 @pytest.mark.slow

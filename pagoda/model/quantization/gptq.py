@@ -46,9 +46,16 @@ class GPTQResult:
     dequantized: torch.Tensor  # [N, K] float32
 
 
-def _group_params(w: torch.Tensor, maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_params(
+    w: torch.Tensor, maxq: int, sym: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min/max scale and zero per row of w [N, cols] (0.0 representable). The zero
-    is at least 1: the checkpoint stores zero - 1 in `bits` bits (AutoGPTQ's format)."""
+    is at least 1: the checkpoint stores zero - 1 in `bits` bits (AutoGPTQ's format). With
+    `sym`, AutoGPTQ's symmetric grid: scale 2 max|w| / maxq, zero (maxq + 1) / 2."""
+    if sym:
+        amax = w.abs().amax(dim=1)
+        scale = torch.where(amax == 0, 1.0, 2 * amax / maxq)
+        return scale, torch.full_like(scale, (maxq + 1) // 2)
     lo = torch.minimum(w.amin(dim=1), torch.zeros(()))
     hi = torch.maximum(w.amax(dim=1), torch.zeros(()))
     flat = hi == lo
@@ -65,8 +72,10 @@ def gptq_quantize(
     act_order: bool = False,
     percdamp: float = 0.01,
     blocksize: int = 128,
+    sym: bool = False,
 ) -> GPTQResult:
-    """GPTQ of one [N, K] weight against the input Hessian [K, K]."""
+    """GPTQ of one [N, K] weight against the input Hessian [K, K] (`sym`: every zero point
+    2**(bits - 1), see `_group_params`)."""
     w = weight.detach().float().clone()
     n, k = w.shape
     group_size = k if group_size in (-1, 0) else group_size
@@ -94,7 +103,7 @@ def gptq_quantize(
             col = i1 + i
             if col % group_size == 0:  # a group starts: its parameters from the current weights
                 block = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group_size]
-                scale, zero = _group_params(block, maxq)
+                scale, zero = _group_params(block, maxq, sym)
                 scales[col // group_size], zeros[col // group_size] = scale, zero
             q = torch.clamp(torch.round(w1[:, i] / scale) + zero, 0, maxq)
             q_vals[:, col] = q.to(torch.int32)
@@ -125,26 +134,26 @@ def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tens
     )
 
 
-def rtn(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool = False) -> torch.Tensor:
     """Round-to-nearest in the same groups (and zeros >= 1): the baseline GPTQ improves on."""
     k = weight.shape[1]
     group = k if group_size in (-1, 0) else group_size
-    values, zeros, scales = quantize_groups(weight, bits, group, min_zero=1)
+    values, zeros, scales = quantize_groups(weight, bits, group, symmetric=sym, min_zero=1)
     z = zeros.float().repeat_interleave(group, dim=0)
     s = scales.repeat_interleave(group, dim=0)[:k]
     return ((values.float() - z[:k]) * s).t()
 
 
-def _rtn_result(weight: torch.Tensor, bits: int, group_size: int) -> GPTQResult:
+def _rtn_result(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> GPTQResult:
     k = weight.shape[1]
     group = k if group_size in (-1, 0) else group_size
-    values, zeros, scales = quantize_groups(weight, bits, group, min_zero=1)
+    values, zeros, scales = quantize_groups(weight, bits, group, symmetric=sym, min_zero=1)
     return GPTQResult(
         values=values,
         zeros=zeros,
         scales=scales,
         g_idx=(torch.arange(k) // group).to(torch.int32),
-        dequantized=rtn(weight, bits, group_size),
+        dequantized=rtn(weight, bits, group_size, sym),
     )
 
 
@@ -183,13 +192,15 @@ def quantize_model(
     group_size: int = 128,
     act_order: bool = False,
     method: str = "gptq",
+    sym: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """GPTQ-quantize every linear layer of `model_path` (HF dir or .gguf) on the calibration
     token `sequences` and write a GPTQ checkpoint to `output_dir` (config.json with its
     quantization_config, model.safetensors). Returns per layer the relative output error on the
     calibration inputs, trace(D H D^T) / trace(W H W^T) with D the weight's error, of GPTQ and
     of round-to-nearest with the same groups (for comparison). `method="rtn"` writes the
-    round-to-nearest weights instead (a baseline checkpoint)."""
+    round-to-nearest weights instead (a baseline checkpoint). `sym`: every zero point
+    2**(bits - 1) (AutoGPTQ's `sym=True`; on a CPU such 8-bit layers run as Q8_0 blocks)."""
     from pagoda.model.layers.linear import LinearBase
     from pagoda.model.quantization.calibration import LayerwiseCalibration
 
@@ -220,12 +231,12 @@ def quantize_model(
                 calib.forward()
             w = module.weight.data.clone()
             if method == "rtn":
-                res = _rtn_result(w, bits, group_size)
+                res = _rtn_result(w, bits, group_size, sym)
             else:
-                res = gptq_quantize(w, hessians[name], bits, group_size, act_order)
+                res = gptq_quantize(w, hessians[name], bits, group_size, act_order, sym=sym)
             errors[name] = (
                 output_error(w, res.dequantized, hessians[name]),
-                output_error(w, rtn(w, bits, group_size), hessians[name]),
+                output_error(w, rtn(w, bits, group_size, sym), hessians[name]),
             )
             module.weight.data.copy_(res.dequantized)
             results.append((name, module, res))
@@ -246,7 +257,7 @@ def quantize_model(
         "bits": bits,
         "group_size": group_size,
         "desc_act": act_order,
-        "sym": False,
+        "sym": sym,
         "checkpoint_format": "gptq",
         "damp_percent": 0.01,
     }
