@@ -186,8 +186,9 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "PAGODA_CPU_QUANTIZED", "flag", "1",
-            "0: AWQ/GPTQ layers on a CPU are dequantized at load (the dense reference) instead "
-            "of run as GGUF blocks by the quantized CPU kernels.",
+            "0: AWQ/GPTQ layers on a CPU are dequantized at load (the dense reference), and int8 "
+            "W8A8 ones take the float32 reference product, instead of running as GGUF blocks in "
+            "the quantized CPU kernels.",
             _flag("PAGODA_CPU_QUANTIZED", True),
         ),
         EnvVar(

@@ -15,8 +15,8 @@ per output channel (int8 or float8 e4m3) and activations quantized per token at 
 - Elsewhere (a CPU, or no triton): the same quantization in torch and the product in float32 on
   the integer / fp8 values (exact for int8 products up to 2^24 per output, a float32 rounding
   beyond): `torch._int_mm` exists on a CPU but runs ~20x slower than a float32 GEMM. A model's
-  int8 layers on a CPU take the quantized GGUF GEMM instead (`w8a8.cpu_int8_blocks`: Q8_0
-  blocks, int8 dot products); this path stays their fallback and the fp8 layers' path.
+  int8 layers on a CPU take the quantized GGUF GEMM instead (`cpu_blocks.int8_blocks`: Q8_0
+  blocks, int8 dot products); this path stays their reference and the fp8 layers' path.
 
 `scaled_mm_ref` (dequantize, then F.linear in float32) is the reference the tests compare all
 of them with.

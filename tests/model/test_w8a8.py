@@ -90,17 +90,29 @@ def test_w8a8_checkpoint_layout_is_compressed_tensors(w8a8_checkpoint) -> None:
     assert sum(e[0] for e in errors.values()) < sum(e[1] for e in errors.values())
 
 
-def test_w8a8_checkpoint_runs_close_to_the_dense_model(w8a8_checkpoint) -> None:
+@pytest.mark.parametrize("blocks", [True, False], ids=["q8_0-blocks", "int8-reference"])
+def test_w8a8_checkpoint_runs_close_to_the_dense_model(w8a8_checkpoint, monkeypatch, blocks):
+    # On a CPU int8 layers are Q8_0 blocks of the quantized GEMM; PAGODA_CPU_QUANTIZED=0 keeps
+    # the int8 weight and per-channel scales for the float32 reference product.
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "1" if blocks else "0")
     root, _ = w8a8_checkpoint
     seqs = _sequences(2, 32)
     dense, cfg = _load(root / "dense")
     quant, _ = _load(root / "q")
     layer = quant.model.layers[0].self_attn.qkv_proj
-    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (layer.weight.shape[0],)
+    if blocks:
+        assert layer.gguf_weight.type_name == "Q8_0" and layer.weight.dtype == torch.uint8
+        assert not hasattr(layer, "weight_scale")
+    else:
+        assert layer.weight.dtype == torch.int8
+        assert layer.weight_scale.shape == (layer.weight.shape[0],)
     assert _rel(_logits(quant, cfg, seqs), _logits(dense, cfg, seqs)) < 0.05
 
 
-def test_compressed_tensors_decompresses_pagoda_w8a8_to_the_same_weights(w8a8_checkpoint) -> None:
+def test_compressed_tensors_decompresses_pagoda_w8a8_to_the_same_weights(
+    w8a8_checkpoint, monkeypatch
+) -> None:
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the int8 weights as loaded
     ct = pytest.importorskip(
         "compressed_tensors",
         reason="compressed-tensors not installed (pip install --no-deps "
@@ -255,14 +267,18 @@ def test_fp8_on_a_gpu_without_fp8_names_the_problem() -> None:
 
 @pytest.mark.parametrize("quantization", ["awq", "gptq", "w8a8", "fp8"])
 def test_dummy_presets_build_quantized_layers(tmp_path, quantization) -> None:
+    from pagoda.model.quantization.gguf import dequantize_weight
+
     make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
     model, cfg = _load(tmp_path / "config.json", quantization, load_format="dummy")
     layer = model.model.layers[0].mlp.down_proj
-    if quantization in ("w8a8", "fp8"):
-        expected = torch.int8 if quantization == "w8a8" else torch.float8_e4m3fn
-        assert layer.weight.dtype == expected
-    else:  # a CPU dequantizes 4-bit layers: random nibbles, non-zero weights
-        assert layer.weight.abs().sum() > 0
+    if quantization == "w8a8":  # a CPU runs int8 layers as Q8_0 blocks
+        assert layer.gguf_weight.type_name == "Q8_0"
+    elif quantization == "fp8":
+        assert layer.weight.dtype == torch.float8_e4m3fn
+    else:  # a CPU runs 4-bit layers as GGUF blocks: random nibbles, non-zero weights
+        assert layer.gguf_weight.type_name in ("Q4_0", "Q4_1")
+        assert dequantize_weight(layer.gguf_weight).abs().sum() > 0
     logits = _logits(model, cfg, _sequences(1, 16))
     assert torch.isfinite(logits).all() and logits.std() > 0
 
@@ -326,12 +342,17 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(tmp_path, quantizatio
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_int8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
-    """On a CPU an int8 layer multiplies through the quantized GEMM's Q8_0 blocks (the
-    per-channel scale exact again through its fp16 ratio, activations quantized per 32 values):
-    no further from the float product than the per-token reference."""
+    """On a CPU an int8 layer becomes Q8_0 blocks of the quantized GEMM (its codes as they
+    are, the per-channel scale in fp16, activations quantized per 32 values): no further from
+    the float product than the per-token reference."""
+    from pagoda.kernels.cpu import quant
     from pagoda.kernels.scaled_mm import quantize_weight, scaled_mm_ref
-    from pagoda.model.quantization.w8a8 import _RUN, _finish, cpu_int8_blocks
+    from pagoda.model.quantization.cpu_blocks import int8_blocks
+    from pagoda.model.quantization.gguf import GGUFLinearMethod, dequantize_weight
+    from pagoda.model.quantization.w8a8 import _finish
 
+    if not quant.quant_kernel_available():
+        pytest.skip("the quantized CPU GEMM does not build here")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 256, generator=g)
     x[:, 7] *= 20.0  # an outlier channel
@@ -339,19 +360,23 @@ def test_cpu_int8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
     bias = torch.randn(96, generator=g)
     w_q, w_scale = quantize_weight(w, torch.int8)
     layer = torch.nn.Module()
+    layer.params_dtype = x_dtype
     _finish(layer, w_q, w_scale)
-    if layer.cpu_int8_blocks is None:
-        pytest.skip("the quantized CPU GEMM does not build here")
-    y = _RUN.apply(layer, x.to(x_dtype), bias.to(x_dtype))
+    assert type(layer.linear_method) is GGUFLinearMethod
+    assert layer.gguf_weight.type_name == "Q8_0" and not hasattr(layer, "weight_scale")
+    # The blocks hold the codes and the scales rounded to fp16: at most 2**-11 of a weight.
+    ref_w = w_q.float() * w_scale.reshape(-1, 1)
+    assert ((dequantize_weight(layer.gguf_weight) - ref_w).abs() <= ref_w.abs() * 2**-11).all()
+    y = layer.linear_method.apply(layer, x.to(x_dtype), bias.to(x_dtype))
     assert y.dtype == x_dtype and y.shape == (5, 96)
     exact = x.double() @ w.double().T + bias.double()
     ref = scaled_mm_ref(x, w_q, w_scale.reshape(-1), bias).double()
     # per-32 activation scales: no worse than per-token ones (better beside an outlier)
     tol = (ref - exact).abs().max() + (0.05 if x_dtype == torch.bfloat16 else 0.0)
     assert (y.double() - exact).abs().max() <= tol
-    # float16 activations (which that GEMM does not take) go the plain way
-    y16 = _RUN.apply(layer, x.half(), bias.half())
-    assert y16.dtype == torch.float16 and (y16.double() - exact).abs().max() <= 0.05 + tol
     # K not a multiple of 32, or a scale below fp16's normal range: the plain path instead
-    assert cpu_int8_blocks(w_q[:, :250].contiguous(), w_scale) is None
-    assert cpu_int8_blocks(w_q, torch.full((96,), 1e-6)) is None
+    assert int8_blocks(w_q[:, :250].contiguous(), w_scale) is None
+    assert int8_blocks(w_q, torch.full((96,), 1e-6)) is None
+    plain = torch.nn.Module()
+    _finish(plain, w_q[:, :250].contiguous(), w_scale)
+    assert plain.weight.dtype == torch.int8 and plain.weight_scale.shape == (96,)

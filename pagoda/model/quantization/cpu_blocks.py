@@ -1,5 +1,5 @@
-"""AWQ / GPTQ layers on a CPU kept quantized: their codes, zero points and scales rewritten at
-load as the GGUF blocks the quantized CPU GEMM reads (`pagoda.kernels.cpu.quant`: int8
+"""AWQ / GPTQ (and int8 W8A8, `int8_blocks`) layers on a CPU kept quantized: their codes, zero
+points and scales rewritten at load as the GGUF blocks the quantized CPU GEMM reads (`pagoda.kernels.cpu.quant`: int8
 activations, AVX-512 VNNI / AVX2 / portable C), so a 4-bit checkpoint runs as a GGUF Q4 file
 does, with a quarter of the bf16 weight bytes, instead of dequantized to dense weights.
 
@@ -8,8 +8,8 @@ so each of its 32-input blocks is
 - 4 bits, zero points 8 throughout the layer (GPTQ's symmetric checkpoints): Q4_0, d = s and
   the code q exactly, since Q4_0 is d * (q - 8);
 - 4 bits otherwise: Q4_1, d = s, m = -s * z, w = d * q + m. d is the checkpoint's fp16 scale,
-  exact; m is rounded to fp16 (at most half an fp16 ulp of s * z, under 1/2000 of a
-  quantization step s, far below the int8 rounding of the activations);
+  exact; m is rounded to fp16 (by at most s * z * 2**-11 <= s / 128, where the weights' own
+  rounding is up to half a step s);
 - 8 bits where every q - z fits int8 (GPTQ's symmetric checkpoints, z = 128): Q8_0, d = s,
   the int8 q - z, exact.
 A layer whose groups do not hold whole blocks (G or K not a multiple of 32), whose scales are
@@ -22,7 +22,8 @@ through that permutation before the product (`ActOrderGGUFLinearMethod`).
 The blocks are installed as a GGUF layer's (`layer.gguf_weight`, x8 layout): the layer path,
 the one-call C decoder stack and the reference path (blocks dequantized, F.linear; a layer's
 `fused_ops` off) treat them as they treat a GGUF file's. `PAGODA_CPU_QUANTIZED=0` dequantizes
-such layers at load instead (the dense reference).
+AWQ / GPTQ layers at load instead (the dense reference) and leaves int8 layers to the W8A8
+float32 reference.
 """
 
 from __future__ import annotations
@@ -116,6 +117,24 @@ def w8_blocks(w: W8Weight, k: int) -> QuantWeight | None:
     return QuantWeight(out.view(n, -1), Q8_0, n, k)
 
 
+def int8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> QuantWeight | None:
+    """An int8 W8A8 weight [N, K] with per-channel scales [N] as Q8_0 blocks in GGUF rows: the
+    codes as they are, d = fp16(scale) (a relative change of at most 2**-11: 0.02 of a step at
+    a weight of 40 steps, whose own rounding is up to half a step); None where K is not whole
+    blocks or a
+    scale is outside fp16's normal range. The activations are then quantized per 32 values
+    rather than per token: finer."""
+    n, k = w_q.shape
+    d = w_scale.float().reshape(-1).to(torch.float16)
+    if k % BLOCK or not bool(((d.float() >= 2**-14) & torch.isfinite(d)).all()):
+        return None
+    blocks = k // BLOCK
+    out = torch.empty(n, blocks, 34, dtype=torch.uint8)
+    out[:, :, :2] = d.view(torch.uint8).view(n, 1, 2)
+    out[:, :, 2:] = w_q.contiguous().view(torch.uint8).view(n, blocks, BLOCK)
+    return QuantWeight(out.view(n, -1), Q8_0, n, k)
+
+
 class ActOrderGGUFLinearMethod(GGUFLinearMethod):
     """GGUF blocks over inputs sorted by group (a GPTQ act-order layer): the input is gathered
     through `layer.gguf_perm` first."""
@@ -147,6 +166,7 @@ __all__ = [
     "ActOrderGGUFLinearMethod",
     "cpu_blocks_enabled",
     "install",
+    "int8_blocks",
     "w4_blocks",
     "w8_blocks",
 ]

@@ -6,7 +6,8 @@ llm-compressor read and write), or FP8 made at load from a bf16/fp16 checkpoint
 A layer holds weight [N, K] int8 or float8_e4m3fn and weight_scale [N] float32 (one scale per
 output channel; a checkpoint's per-tensor scales are spread over their shard's rows), and runs
 `pagoda.kernels.scaled_mm`: activations quantized per token at run time, the 8-bit GEMM, the
-scales after it. compressed-tensors stores, per linear layer, `<prefix>.weight` (int8 / fp8)
+scales after it. On a CPU an int8 layer becomes Q8_0 blocks of the quantized CPU GEMM instead
+(`cpu_blocks.int8_blocks`), a GGUF layer like a GGUF file's. compressed-tensors stores, per linear layer, `<prefix>.weight` (int8 / fp8)
 and `<prefix>.weight_scale` ([N, 1] for strategy "channel", [1] for "tensor"); the
 `config_groups` say which. Static activation scales (`input_scale`) are read and not used:
 every layer quantizes its activations per token, which is at least as accurate.
@@ -25,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.kernels.cpu.quant import quant_linear
 from pagoda.kernels.scaled_mm import FP8_DTYPE, quantize_weight, scaled_mm
 from pagoda.model.layers.linear import LinearMethodBase, set_weight_attrs
+from pagoda.model.quantization import cpu_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -180,55 +181,30 @@ class W8A8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        blocks = getattr(layer, "cpu_int8_blocks", None)
-        if blocks is not None and not x.is_cuda and x.dtype in (torch.float32, torch.bfloat16):
-            qw, ratio = blocks
-            y = quant_linear(x, qw, out_dtype=torch.float32).mul_(ratio)
-            if bias is not None:
-                y += bias
-            return y.to(x.dtype)
         return scaled_mm(x, layer.weight, layer.weight_scale, bias)
 
 
 _RUN = W8A8LinearMethod()
 
 
-def cpu_int8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
-    """An int8 weight [N, K] with per-channel scales as Q8_0 blocks for the CPU's quantized
-    GEMM (`pagoda.kernels.cpu.quant`: int8 dot products, AVX-512 VNNI / AVX2 / portable), and
-    the per-channel factor w_scale / fp16(w_scale) that makes the blocks' fp16 scale exact
-    again; None where that GEMM cannot run it (no compiler, K not a multiple of 32, a scale
-    outside fp16's normal range). The activations are then quantized per 32 values rather than
-    per token: finer, so within the per-token path's error. The layer keeps its int8 `weight`
-    too (the fallback's, and what the loaders and tools read): on a CPU its quantized layers
-    take twice their bytes."""
-    from pagoda.kernels.cpu import quant
-    from pagoda.model.quantization.gguf import to_kernel_layout
-    from pagoda.utils.cpu_build import CpuKernelUnavailable
-
-    n, k = w_q.shape
-    d = w_scale.float().reshape(-1).to(torch.float16)
-    if k % 32 or not bool(((d.float() >= 2**-14) & torch.isfinite(d)).all()):
-        return None
-    try:
-        quant.load_quant_library()
-    except CpuKernelUnavailable:
-        return None
-    blocks = torch.empty(n, k // 32, 34, dtype=torch.uint8)
-    blocks[:, :, :2] = d.view(torch.uint8).view(n, 1, 2)
-    blocks[:, :, 2:] = w_q.contiguous().view(torch.uint8).view(n, k // 32, 32)
-    qw = to_kernel_layout(quant.QuantWeight(blocks.view(n, -1), 8, n, k))
-    return qw, w_scale.float().reshape(-1) / d.float()
-
-
 def _finish(layer: nn.Module, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
-    layer.weight = nn.Parameter(w_q.contiguous(), requires_grad=False)
-    layer.weight_scale = nn.Parameter(w_scale.float().reshape(-1).contiguous(), requires_grad=False)
+    """Install a loaded layer's 8-bit weight and per-channel scales: `W8A8LinearMethod`, or on
+    a CPU (float32 / bf16) for an int8 weight the Q8_0 blocks of the quantized CPU GEMM
+    (`cpu_blocks.int8_blocks`, a GGUF layer from then on) where they exist."""
     if "input_scale" in layer._parameters:
         del layer._parameters["input_scale"]
+    w_scale = w_scale.float().reshape(-1).contiguous()
+    dtype = getattr(layer, "params_dtype", torch.float32)
+    if w_q.dtype == torch.int8 and cpu_blocks.cpu_blocks_enabled(w_q.device, dtype):
+        blocks = cpu_blocks.int8_blocks(w_q, w_scale)
+        if blocks is not None:
+            if "weight_scale" in layer._parameters:
+                del layer._parameters["weight_scale"]
+            cpu_blocks.install(layer, blocks, None)
+            return
+    layer.weight = nn.Parameter(w_q.contiguous(), requires_grad=False)
+    layer.weight_scale = nn.Parameter(w_scale, requires_grad=False)
     layer.linear_method = _RUN  # from now on the 8-bit GEMM, no check per call
-    if w_q.dtype == torch.int8 and w_q.device.type == "cpu":
-        layer.cpu_int8_blocks = cpu_int8_blocks(w_q, layer.weight_scale.data)
 
 
 class CompressedTensorsW8A8Method(LinearMethodBase):
