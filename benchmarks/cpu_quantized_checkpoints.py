@@ -1,13 +1,17 @@
-"""AWQ / GPTQ checkpoints on the CPU: their layers as GGUF blocks (the default) against the
-same checkpoint dequantized at load (`PAGODA_CPU_QUANTIZED=0`), with the embedded GGUF file as
-the yardstick. Per model and path: the bytes the linear layers hold, single-stream decode (a
+"""AWQ / GPTQ / W8A8 checkpoints on the CPU: their layers as GGUF blocks (the default, where
+the format has a block form) against `PAGODA_CPU_QUANTIZED=0` (AWQ / GPTQ dequantized at
+load, int8 W8A8 through the float32 reference product), with the embedded GGUF file as the
+yardstick. Per model and path: the bytes the linear layers hold, single-stream decode (a
 128-token prompt, 256 new tokens, greedy: the time of 257 minus the time of 1, as
 `cpu_decode.py`) and prompt processing (one 512-token prompt), medians of --repeats runs after
 a warm-up, each setting in its own process, settings alternating.
 
     pagoda quantize --method awq --output /tmp/q/awq
     pagoda quantize --method gptq --act-order --output /tmp/q/gptq-ao
-    python benchmarks/cpu_quantized_checkpoints.py /tmp/q/awq /tmp/q/gptq-ao [--repeats 3]
+    pagoda quantize --method gptq --bits 8 --sym --output /tmp/q/gptq8-sym
+    pagoda quantize --method w8a8 --output /tmp/q/w8a8
+    python benchmarks/cpu_quantized_checkpoints.py /tmp/q/awq /tmp/q/gptq-ao /tmp/q/gptq8-sym \
+        /tmp/q/w8a8 [--repeats 3] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -69,8 +73,8 @@ def main() -> None:
         return
     settings = [("embedded GGUF (Q4_1 / Q8_0)", "", "1")]
     for m in args.models:
-        settings += [(f"{os.path.basename(m)}, blocks", m, "1")]
-        settings += [(f"{os.path.basename(m)}, dequantized", m, "0")]
+        settings += [(f"{os.path.basename(m)}, default", m, "1")]
+        settings += [(f"{os.path.basename(m)}, PAGODA_CPU_QUANTIZED=0", m, "0")]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in settings}
     for _ in range(args.rounds):
         for name, model, flag in settings:
