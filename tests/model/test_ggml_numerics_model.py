@@ -145,3 +145,23 @@ def test_bad_settings_fail_at_load_with_the_reason(monkeypatch: pytest.MonkeyPat
             dtype="bfloat16",  # the blocks are dequantized for bfloat16 activations
             kv_cache_dtype="float16",
         )
+
+
+def test_act_order_blocks_are_refused(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPTQ act-order checkpoint's layers are Q4_1 blocks on a CPU, but read a permutation of
+    # their inputs, which llama.cpp's graph has no op for.
+    from quant_testing import quantized_checkpoint
+
+    from pagoda import LLM
+
+    _, path = quantized_checkpoint(tmp_path, "gptq", 4, act_order=True)
+    monkeypatch.setenv("PAGODA_CPU_NUMERICS", "ggml")
+    with pytest.raises(ValueError, match="without an input permutation"):
+        LLM(
+            model=str(path),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            kv_cache_dtype="float16",
+            max_model_len=64,
+            kv_cache_memory_bytes=1 << 20,
+        )

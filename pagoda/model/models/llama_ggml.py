@@ -70,6 +70,8 @@ def _layer_weights(layer: torch.nn.Module, name: str) -> list[tuple[QuantWeight,
         raise ValueError(f"{name}: ggml numerics run unsharded layers only")
     if getattr(layer, "bias", None) is not None:
         raise ValueError(f"{name}: ggml numerics run layers without bias")
+    if getattr(layer, "gguf_perm", None) is not None:
+        raise ValueError(f"{name}: ggml numerics run layers without an input permutation")
     single = getattr(layer, "gguf_weight", None)
     segments = [single] if single is not None else getattr(layer, "gguf_segments", None)
     if not segments:
