@@ -67,32 +67,31 @@ def _fp16_exact(values: torch.Tensor) -> torch.Tensor | None:
     return half
 
 
+def _as_blocks(ggml_type: int, n: int, k: int, *fields: torch.Tensor) -> QuantWeight:
+    """GGUF rows of `ggml_type` whose blocks hold `fields` side by side, each [n, k / 32, ...]
+    in any dtype (fp16 scales [n, k / 32], byte codes [n, k / 32, bytes]), taken as bytes."""
+    parts = [f.contiguous().view(torch.uint8).reshape(n, k // BLOCK, -1) for f in fields]
+    return QuantWeight(torch.cat(parts, dim=-1).reshape(n, -1), ggml_type, n, k)
+
+
 def w4_blocks(w: W4Weight, k: int) -> QuantWeight | None:
     """A 4-bit layer in the W4A16 layout as Q4_0 (every zero point 8) or Q4_1 blocks in GGUF
     rows (packed input order), or None where it has no exact block form (see the module)."""
     n = w.qweight.shape[0]
     if k % BLOCK or w.group_size % BLOCK:
         return None
-    blocks = k // BLOCK
     d = _fp16_exact(_block_params(w.scales, w.group_size, n, k))
     if d is None:
         return None
-    q = unpack_w4(w.qweight, k).view(n, blocks, 2, BLOCK // 2)
+    q = unpack_w4(w.qweight, k).view(n, k // BLOCK, 2, BLOCK // 2)
     qs = q[:, :, 0] | (q[:, :, 1] << 4)  # GGUF: byte j holds weights j (low) and j + 16
     z = _block_params(w.zeros, w.group_size, n, k)
     if bool((z == 8).all()):
-        out = torch.empty(n, blocks, 18, dtype=torch.uint8)
-        out[:, :, :2] = d.view(torch.uint8).view(n, blocks, 2)
-        out[:, :, 2:] = qs
-        return QuantWeight(out.view(n, -1), Q4_0, n, k)
+        return _as_blocks(Q4_0, n, k, d, qs)
     m = (-(d.float() * z)).to(torch.float16)
     if not bool(torch.isfinite(m).all()):
         return None
-    out = torch.empty(n, blocks, 20, dtype=torch.uint8)
-    out[:, :, :2] = d.view(torch.uint8).view(n, blocks, 2)
-    out[:, :, 2:4] = m.view(torch.uint8).view(n, blocks, 2)
-    out[:, :, 4:] = qs
-    return QuantWeight(out.view(n, -1), Q4_1, n, k)
+    return _as_blocks(Q4_1, n, k, d, m, qs)
 
 
 def w8_blocks(w: W8Weight, k: int) -> QuantWeight | None:
@@ -101,7 +100,6 @@ def w8_blocks(w: W8Weight, k: int) -> QuantWeight | None:
     n = w.qweight.shape[0]
     if k % BLOCK or w.group_size % BLOCK:
         return None
-    blocks = k // BLOCK
     d = _fp16_exact(_block_params(w.scales, w.group_size, n, k))
     if d is None:
         return None
@@ -111,28 +109,20 @@ def w8_blocks(w: W8Weight, k: int) -> QuantWeight | None:
         codes -= w.zeros[g].t()
     if int(codes.min()) < -128 or int(codes.max()) > 127:
         return None
-    out = torch.empty(n, blocks, 34, dtype=torch.uint8)
-    out[:, :, :2] = d.view(torch.uint8).view(n, blocks, 2)
-    out[:, :, 2:] = codes.to(torch.int8).view(torch.uint8).view(n, blocks, BLOCK)
-    return QuantWeight(out.view(n, -1), Q8_0, n, k)
+    return _as_blocks(Q8_0, n, k, d, codes.to(torch.int8))
 
 
 def int8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> QuantWeight | None:
     """An int8 W8A8 weight [N, K] with per-channel scales [N] as Q8_0 blocks in GGUF rows: the
     codes as they are, d = fp16(scale) (a relative change of at most 2**-11: 0.02 of a step at
     a weight of 40 steps, whose own rounding is up to half a step); None where K is not whole
-    blocks or a
-    scale is outside fp16's normal range. The activations are then quantized per 32 values
-    rather than per token: finer."""
+    blocks or a scale is outside fp16's normal range. The activations are then quantized per
+    32 values rather than per token: finer."""
     n, k = w_q.shape
     d = w_scale.float().reshape(-1).to(torch.float16)
     if k % BLOCK or not bool(((d.float() >= 2**-14) & torch.isfinite(d)).all()):
         return None
-    blocks = k // BLOCK
-    out = torch.empty(n, blocks, 34, dtype=torch.uint8)
-    out[:, :, :2] = d.view(torch.uint8).view(n, 1, 2)
-    out[:, :, 2:] = w_q.contiguous().view(torch.uint8).view(n, blocks, BLOCK)
-    return QuantWeight(out.view(n, -1), Q8_0, n, k)
+    return _as_blocks(Q8_0, n, k, d[:, None].expand(n, k // BLOCK), w_q)
 
 
 class ActOrderGGUFLinearMethod(GGUFLinearMethod):
