@@ -239,11 +239,11 @@ def test_gptq_qkv_layer_kept_packed_runs_the_kernel() -> None:
 
 def _checkpoint_builder():
     """tests/model's tiny AWQ / GPTQ checkpoints (built with `transformers`)."""
-    path = os.path.join(os.path.dirname(__file__), "../model/test_quantized_checkpoints.py")
-    spec = importlib.util.spec_from_file_location("quantized_checkpoints", path)
+    path = os.path.join(os.path.dirname(__file__), "../model/quant_testing.py")
+    spec = importlib.util.spec_from_file_location("quant_testing", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module._quantized_checkpoint
+    return module.quantized_checkpoint
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests load on CUDA instead")

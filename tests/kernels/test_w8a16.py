@@ -220,11 +220,11 @@ def test_gptq_qkv_layer_kept_8bit_runs_the_kernel() -> None:
 
 def _checkpoint_builder():
     """tests/model's tiny GPTQ checkpoints (built with `transformers`)."""
-    path = os.path.join(os.path.dirname(__file__), "../model/test_quantized_checkpoints.py")
-    spec = importlib.util.spec_from_file_location("quantized_checkpoints", path)
+    path = os.path.join(os.path.dirname(__file__), "../model/quant_testing.py")
+    spec = importlib.util.spec_from_file_location("quant_testing", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module._quantized_checkpoint
+    return module.quantized_checkpoint
 
 
 def _load(path, device: str, dtype: str = "float32"):
@@ -261,6 +261,7 @@ def test_tiny_8bit_checkpoint_kept_8bit_gives_the_dequantized_logits(
     from pagoda.model import quantization
 
     hf, path = _checkpoint_builder()(tmp_path, "gptq", 8, act_order)
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # dequantized, not Q8_0 blocks
     dense, hf_config = _load(path, "cpu")
     assert not _kept_8bit(dense)
     monkeypatch.setattr(quantization, "w8a16_enabled", lambda device: True)
@@ -367,8 +368,12 @@ def test_w8a16_in_a_cuda_graph_replays_exactly(name: str, m: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_8bit_checkpoint_kept_8bit_gives_the_dequantized_outputs(tmp_path, act_order, dtype):
+def test_cuda_8bit_checkpoint_kept_8bit_gives_the_dequantized_outputs(
+    tmp_path, monkeypatch, act_order, dtype
+):
     from pagoda.model.layers.linear import LinearBase
+
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the CPU reference: dequantized layers
 
     _, path = _checkpoint_builder()(tmp_path, "gptq", 8, act_order)
     cpu, _ = _load(path, "cpu")

@@ -152,8 +152,10 @@ def test_which_layers_stay_packed_where_the_kernel_runs(
     "method,bits,act_order", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)]
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_keeps_4bit_layers_packed(tmp_path, method, bits, act_order, dtype) -> None:
+def test_cuda_keeps_4bit_layers_packed(tmp_path, monkeypatch, method, bits, act_order, dtype):
     from pagoda.model.quantization import W4A16LinearMethod, W8A16LinearMethod
+
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the CPU reference: dequantized layers
 
     _, path = quantized_checkpoint(tmp_path, method, bits, act_order)
     hf_config = get_model_config_dict(str(path))
