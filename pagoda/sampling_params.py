@@ -22,6 +22,7 @@ import enum
 import json as _json
 import numbers
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,10 @@ class StructuredOutputsParams:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"structured_outputs.{name} must be a string, got {v!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {v!r:.50}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(
                 f"structured_outputs.json must be a JSON schema (dict or string), got {self.json!r}"
@@ -115,6 +120,9 @@ def _token_id_list(name: str, value: Any) -> list[int]:
     return [int(t) for t in value]
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
 def _logit_bias(bias: Any) -> dict[int, float]:
     """{token id: bias in [-100, 100]} (OpenAI's range); JSON gives the ids as strings."""
     if not isinstance(bias, dict):
@@ -124,6 +132,8 @@ def _logit_bias(bias: Any) -> dict[int, float]:
         try:
             if isinstance(key, bool):
                 raise TypeError
+            if isinstance(key, str) and not _DECIMAL.fullmatch(key):
+                raise ValueError  # int() would also take " 5 ", "5_0" and non-ASCII digits
             token_id = int(key) if isinstance(key, str) else operator.index(key)
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias keys must be token ids, got {key!r:.50}") from None

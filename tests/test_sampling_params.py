@@ -90,6 +90,9 @@ def test_temperature_bounds_are_accepted() -> None:
         ("allowed_token_ids", ["a"]),
         ("allowed_token_ids", []),
         ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {" 5 ": 1.0}),  # int() takes these three; a token id is plain digits
+        ("logit_bias", {"5_0": 1.0}),
+        ("logit_bias", {"\u0665": 1.0}),
         ("logit_bias", {1.5: 1.0}),
         ("logit_bias", {1: float("inf")}),
         ("logit_bias", {1: float("nan")}),

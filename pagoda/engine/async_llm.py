@@ -33,7 +33,7 @@ from pagoda import envs
 from pagoda.core.outputs import EngineCoreOutputs
 from pagoda.engine.core_client import ProcessCore, RemoteEngine, ThreadCore
 from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport
-from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.input_processor import InputProcessor, PromptValidationError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -428,6 +428,12 @@ class AsyncLLM:
         bound = self.max_waiting_requests
         if bound is None:
             return
+        if n > self.max_num_seqs + bound:  # not even an idle server admits it: not a 503
+            raise PromptValidationError(
+                f"n={n} samples are more than this server ever admits at once ({self.max_num_seqs}"
+                f" running, --max-num-seqs, plus {bound} waiting, --max-waiting-requests)",
+                "n",
+            )
         free = max(0, self.max_num_seqs - self._engine_running)
         if self._num_pending_adds + self._engine_waiting + n - free > bound:
             raise EngineOverloadedError(

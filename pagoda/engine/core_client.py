@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.reduction
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from pagoda.engine.engine_core import (
+    AddRequest,
     Command,
     CoreDead,
     CoreReady,
     CoreReport,
     CoreStopped,
     EngineCoreLoop,
+    RefuseRequest,
     Stop,
     run_engine_core_process,
 )
@@ -90,6 +93,30 @@ class ThreadCore:
             logger.exception("engine thread died")
             error = e
         self._on_stopped(error)
+
+
+def _pickled(obj: Any) -> memoryview:
+    """`obj` as `Connection.send` pickles it (the child's `recv` reads it back)."""
+    return multiprocessing.reduction.ForkingPickler.dumps(obj)
+
+
+def _sendable(cmd: Command) -> Command:
+    """`cmd`, or for an AddRequest that does not pickle (a value nested past the recursion
+    limit, say) the RefuseRequest that makes the core report it refused."""
+    try:
+        _pickled(cmd)
+        return cmd
+    except Exception as e:  # noqa: BLE001 - any reason: that request fails, not the sender
+        if not isinstance(cmd, AddRequest):
+            raise
+        logger.warning(
+            "request %s could not be sent to the engine core: %r", cmd.requests[0].request_id, e
+        )
+        return RefuseRequest(
+            cmd.requests[0].request_id,
+            len(cmd.requests),
+            ValueError(f"the request could not be passed to the engine core ({type(e).__name__})"),
+        )
 
 
 class RemoteEngine:
@@ -220,7 +247,11 @@ class ProcessCore:
                 except queue.Empty:
                     break
             try:
-                self._conn.send(batch)
+                data = _pickled(batch)
+            except Exception:  # noqa: BLE001 - one bad request must not stop the others
+                data = _pickled([_sendable(c) for c in batch])
+            try:
+                self._conn.send_bytes(data)
             except (OSError, ValueError):  # the child is gone: the receiver reports it
                 return
             if any(isinstance(c, Stop) for c in batch):

@@ -42,11 +42,22 @@ class AbortRequests:
 
 
 @dataclass
+class RefuseRequest:
+    """An AddRequest that could not reach the core (a child process: its request did not
+    pickle). The core reports it refused, in order with the other commands, as it reports a
+    request it refuses itself."""
+
+    request_id: str  # the first sample's id
+    num_samples: int
+    error: ValueError
+
+
+@dataclass
 class Stop:
     pass
 
 
-Command = AddRequest | AbortRequests | Stop
+Command = AddRequest | AbortRequests | RefuseRequest | Stop
 
 
 # ---- reports (core -> front end) ----
@@ -131,6 +142,9 @@ class EngineCoreLoop:
                         core.add_requests(cmd.requests)
                     except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
                         report.add_errors.append((cmd.requests[0].request_id, e))
+                elif isinstance(cmd, RefuseRequest):
+                    report.num_adds += cmd.num_samples
+                    report.add_errors.append((cmd.request_id, cmd.error))
                 elif isinstance(cmd, AbortRequests):
                     core.abort_requests(list(cmd.request_ids))
                     report.aborted.extend(cmd.request_ids)

@@ -18,8 +18,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class PromptValidationError(ValueError):
-    """A request refused by `validate_request`; `param` is the field at fault ("prompt",
-    "max_tokens", or the sampling parameter the message starts with)."""
+    """A request refused before it reaches the engine core (`validate_request`, admission);
+    `param` is the field at fault ("prompt", "max_tokens", "n", or the sampling parameter the
+    message starts with)."""
 
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
@@ -58,9 +59,15 @@ def validate_request(
     except ValueError as e:
         raise PromptValidationError(str(e), str(e).split(" ", 1)[0]) from None
     room = max_model_len - n
+    field_name = strict_max_tokens_field
+    if params.min_tokens > room and field_name is not None:
+        raise PromptValidationError(
+            f"min_tokens {params.min_tokens} is more than the {room} tokens this model's context "
+            f"({max_model_len}) leaves after the prompt ({n} tokens)",
+            "min_tokens",
+        )
     if params.max_tokens is None:
         return room
-    field_name = strict_max_tokens_field
     if params.max_tokens > room and field_name is not None:
         raise PromptValidationError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -94,6 +94,9 @@ class LLMEngine:
         prompt_text, prompt_ids, requests = self.input_processor.process(
             request_id, prompt, params, arrival_time, priority
         )
+        clash = self.output_processor.id_in_use(request_id, [r.request_id for r in requests])
+        if clash is not None:  # before the core takes any of them
+            raise ValueError(clash)
         self.engine_core.add_requests(requests)
         self.output_processor.add_request(
             request_id,

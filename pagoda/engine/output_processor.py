@@ -91,7 +91,11 @@ class OutputProcessor:
         samples: list[EngineCoreRequest],
         arrival_time: float,
     ) -> None:
-        """Track request `request_id`, whose `samples` (one core request each) went to the core."""
+        """Track request `request_id`, whose `samples` (one core request each) go to the core.
+        Raises ValueError, tracking nothing, when one of their ids is in use."""
+        clash = self.id_in_use(request_id, [s.request_id for s in samples])
+        if clash is not None:
+            raise ValueError(clash)
         parent = ParentState(request_id, prompt, prompt_token_ids, params, arrival_time)
         for index, sample in enumerate(samples):
             child_id, p = sample.request_id, sample.sampling_params
@@ -113,6 +117,20 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
+
+    def id_in_use(self, request_id: str, child_ids: list[str]) -> str | None:
+        """Why request `request_id` with samples `child_ids` cannot be tracked (an id of an
+        unfinished request or sample: a client may pick "0_x", the first sample's id of a
+        request "x" with n > 1), or None."""
+        if request_id in self.parents:
+            return f"request_id {request_id!r} is already in use by an unfinished request"
+        for cid in child_ids:
+            if cid in self.samples:
+                return (
+                    f"request_id {request_id!r}: its sample id {cid!r} is in use by the "
+                    f"unfinished request {self.samples[cid].parent.request_id!r}"
+                )
+        return None
 
     def parents_of(self, child_ids: list[str]) -> list[str]:
         """The user requests of these child ids (each once, in order; unknown ids skipped)."""

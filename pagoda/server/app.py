@@ -283,7 +283,7 @@ def validation_to_api_error(e: RequestValidationError) -> APIError:
         return APIError("invalid request", 400)
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if first.get("type") == "lone_surrogate":
+    if first.get("type") in ("lone_surrogate", "too_deep"):
         where = str((first.get("ctx") or {}).get("where", ""))
         return APIError(first["msg"], 400, where.split(".")[0].split("[")[0] or None)
     if first.get("type") == "json_invalid":

@@ -44,12 +44,48 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+# How deeply a request body's JSON may nest (objects and arrays). Deeper values would reach
+# Python's recursion limit in code that walks them recursively (copying sampling parameters,
+# pickling a request to the engine core, compiling a JSON schema), a RecursionError far from
+# the request; a JSON schema of 30 nested object levels takes about 60.
+MAX_JSON_DEPTH = 100
+
+
+def find_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """The path of the first value of a decoded JSON value nested more than `limit` objects
+    and arrays deep, or None."""
+    stack = [("", value, 0)]
+    while stack:
+        where, v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth >= limit:
+                return where or "body"
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if not isinstance(x, dict | list):
+                    continue  # a scalar is never too deep: no path built for it
+                if isinstance(v, list):
+                    sub = f"{where}[{k}]"
+                else:
+                    sub = f"{where}.{k}" if where else str(k)
+                stack.append((sub, x, depth + 1))
+    return None
+
+
 class RequestModel(OpenAIBaseModel):
-    """A request body: its strings must be valid Unicode text (no lone surrogates)."""
+    """A request body: its strings must be valid Unicode text (no lone surrogates), its values
+    nested at most MAX_JSON_DEPTH deep."""
 
     @model_validator(mode="before")
     @classmethod
     def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = find_too_deep(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "too_deep",
+                "{where} is nested more than {limit} objects and arrays deep",
+                {"where": where, "limit": MAX_JSON_DEPTH},
+            )
         where = find_lone_surrogate(data)
         if where is not None:
             raise PydanticCustomError(

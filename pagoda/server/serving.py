@@ -325,6 +325,9 @@ async def first_output(
         return await anext(stream)
     except StopAsyncIteration:
         return None
+    except asyncio.CancelledError:  # the client went away: not an error of ours
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
     except BaseException as e:
         await stream.aclose()  # type: ignore[attr-defined]
         raise exception_to_api_error(e) from None
@@ -338,6 +341,8 @@ async def collect_outputs(
         async for i, out in stream:
             states[i].add(out)
             check_request_error(out)
+    except asyncio.CancelledError:  # the client went away: not an error of ours
+        raise
     except BaseException as e:
         raise exception_to_api_error(e) from None
     finally:
@@ -420,7 +425,9 @@ def exception_to_api_error(e: BaseException) -> APIError:
     if isinstance(e, RequestFailedError):
         return APIError(str(e), 500)
     if isinstance(e, ValueError):
-        return APIError(str(e), 400)
+        return APIError(str(e), 400, getattr(e, "param", None))
+    if isinstance(e, asyncio.CancelledError):  # nobody reads it: the client is gone
+        return APIError("the request was cancelled", 499)
     logger.error("internal error", exc_info=e)
     return APIError("internal server error (the server log has details)", 500)
 

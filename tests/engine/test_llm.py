@@ -161,6 +161,24 @@ def test_abort_frees_everything(llm: LLM) -> None:
     assert engine.scheduler.make_stats().num_running_reqs == 0
 
 
+def test_an_id_naming_another_requests_sample_is_refused_alone(llm: LLM) -> None:
+    # Request "x" with n = 2 has samples "0_x" and "1_x": a request "0_x" must not take over
+    # (or drop) the first one's outputs, nor a request "y" with n = 2 the samples of "0_y".
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, n=2)
+    engine.add_request("x", PROMPTS[0], params)
+    with pytest.raises(ValueError, match="'0_x' is in use by the unfinished request 'x'"):
+        engine.add_request("0_x", PROMPTS[1], SamplingParams(max_tokens=4))
+    engine.add_request("0_y", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request("y", PROMPTS[0], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(done) == ["0_y", "x"]
+    assert len(done["x"].outputs) == 2 and all(len(c.token_ids) == 4 for c in done["x"].outputs)
+
+
 @pytest.mark.parametrize(
     "prompt, params, match",
     [

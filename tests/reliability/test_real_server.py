@@ -1,10 +1,12 @@
 """The fault suite's reproductions against a real `pagoda serve` on the embedded model: sampling
 values the kernels cannot take, chat templates that loop or allocate without end, prompts that
-take the tokenizer seconds, and disconnects, each answered without harm to the server."""
+take the tokenizer seconds, values nested past the recursion limit, request ids that name
+another request's samples, and disconnects, each answered without harm to the server."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -70,8 +72,12 @@ class HealthProbe:
         ({"temperature": 1e308}, "temperature"),
         ({"best_of": 3}, "best_of"),
         ({"max_tokens": 2**63}, "max_tokens"),
+        ({"n": 11}, "n"),  # more than 8 running + 2 waiting: never admitted, so 400, not 503
+        ({"logit_bias": {"5_0": 1}}, "logit_bias"),  # int() reads 50; not a token id as written
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "x"}},
+         "structured_outputs"),
     ],
-)
+)  # fmt: skip
 def test_sampling_values_out_of_range_are_400_and_the_engine_lives(server, extra, param):
     r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -139,3 +145,82 @@ def test_disconnected_requests_are_counted_as_aborted(server):
         time.sleep(0.1)
     assert server.metric("pagoda:num_requests_running") == 0
     assert "/site-packages/" not in httpx.get(server.url + "/metrics").text
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        # Pickling this request to the engine core once overran the recursion limit and killed
+        # the thread that sends every request there: all generation hung, /health said ok.
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+          "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": _nested_schema(450)}}},
+         "response_format"),
+        # Copying its sampling parameters overran it: a 500 and a 3,000-line traceback.
+        ("/v1/completions",
+         {"prompt": "Hi", "max_tokens": 5, "structured_outputs": {"json": _nested_schema(300)}},
+         "structured_outputs"),
+    ],
+)  # fmt: skip
+def test_values_nested_past_the_limit_are_400_and_generation_goes_on(server, path, body, param):
+    r = _post(server, path, body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "nested more than 100" in error["message"], error
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    # A schema nested deep but within the limit is compiled and followed.
+    body = {"prompt": "Name:", "max_tokens": 8,
+            "structured_outputs": {"json": _nested_schema(40)}}  # fmt: skip
+    r = _post(server, "/v1/completions", body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "RecursionError" not in server.log()
+
+
+def test_min_tokens_past_the_context_is_400(server):
+    body = {"prompt": "hi", "max_tokens": None, "min_tokens": 10**6}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+@pytest.mark.parametrize("first_n", [2, 1])
+def test_a_request_id_naming_another_requests_sample_is_refused_alone(server, first_n):
+    """Samples of a request "x" with n > 1 are "0_x", "1_x", ...: a request whose id (or whose
+    samples' ids) collide with a running request's is refused with 400, and the running one
+    still finishes (it once lost its outputs and hung)."""
+    ids = {2: ("x2", "0_x2"), 1: ("0_y1", "y1")}[first_n]
+    running = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True,
+               "n": first_n, "request_id": ids[0], "stream": True}  # fmt: skip
+    second = {"prompt": "Hi", "max_tokens": 5, "n": 3 - first_n, "request_id": ids[1]}
+    finished: list[str] = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=running,
+                      headers=server.headers, timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it runs
+        clash = _post(server, "/v1/completions", second, timeout=60)
+        assert clash.status_code == 400 and "in use" in clash.text, clash.text
+        for line in lines:
+            if line.startswith("data: {"):
+                finished += [c["finish_reason"] for c in json.loads(line[6:])["choices"]
+                             if c.get("finish_reason")]  # fmt: skip
+    assert finished == ["length"] * first_n
+
+
+def test_a_client_that_leaves_is_not_an_error_in_the_log(server):
+    body = {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", body, timeout=0.5)  # gone before the answer
+    deadline = time.monotonic() + 30
+    while server.metric("pagoda:num_requests_running") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert "internal error" not in server.log()

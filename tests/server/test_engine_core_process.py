@@ -121,6 +121,28 @@ def test_refused_request_is_a_value_error_and_the_core_keeps_serving(llm):
     assert llm.num_in_flight == 0 and llm._num_pending_adds == 0
 
 
+def test_a_request_that_does_not_pickle_is_refused_and_the_sender_lives(llm):
+    """An AddRequest that cannot be pickled to the child (here a JSON schema nested past the
+    recursion limit, which the HTTP server refuses earlier) fails that request alone: it once
+    killed the thread that sends every request to the core, and all generation hung."""
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    schema: dict = {"type": "string"}
+    for _ in range(2000):
+        schema = {"anyOf": [schema]}
+    params = _params(max_tokens=2)
+    params.structured_outputs = StructuredOutputsParams(json=schema)  # no copy: none to overrun
+    with pytest.raises(ValueError, match="could not be passed to the engine core"):
+        asyncio.run(asyncio.wait_for(_one(llm, "deep", params), 30))  # a hang, before
+    assert llm._core._sender.is_alive()
+    assert len(asyncio.run(_collect(llm, "after", max_tokens=2))) == 2
+    assert llm.num_in_flight == 0 and llm._num_pending_adds == 0
+
+
+async def _one(llm: AsyncLLM, rid: str, params: SamplingParams) -> list:
+    return [o async for o in llm.generate("hi", params, rid)]
+
+
 def test_closing_the_iterator_aborts_and_frees_kv_blocks(llm):
     async def main() -> None:
         gen = llm.generate("hello", _params(max_tokens=1000), "long-1")
