@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
+    PAGODA_GRAMMAR_COMPILE_TIMEOUT_S: float
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
     CC: str | None
@@ -224,6 +225,12 @@ VARIABLES: dict[str, EnvVar] = {
             "PAGODA_EXECUTE_MODEL_TIMEOUT_S", "float", "300",
             "Seconds a tensor-parallel step may take before its workers count as failed.",
             _positive_float("PAGODA_EXECUTE_MODEL_TIMEOUT_S", 300.0),
+        ),
+        EnvVar(
+            "PAGODA_GRAMMAR_COMPILE_TIMEOUT_S", "float", "30",
+            "Seconds a served request's structured-outputs constraint may take to compile (off "
+            "the engine's step loop) before the request is refused.",
+            _positive_float("PAGODA_GRAMMAR_COMPILE_TIMEOUT_S", 30.0),
         ),
         EnvVar(
             "PAGODA_MAX_N_SEQUENCES", "int", "128",

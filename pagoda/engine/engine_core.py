@@ -6,7 +6,10 @@ takes commands (`AddRequest` with the `EngineCoreRequest`s of one user request, 
 listens: the core's plain outputs of the step (token ids, finish reasons, raw logprobs: no
 text and no `RequestOutput`, which the front end's output processor makes), the requests it
 refused, the ones it aborted or expired (waited longer than `max_queue_delay_s` without being
-scheduled), and the scheduler's state. Where it runs is the caller's choice: on a thread it
+scheduled), and the scheduler's state. A request whose structured-outputs constraint is not
+compiled yet waits off the core while a worker thread compiles it (at most
+PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps.
+Where it runs is the caller's choice: on a thread it
 reads a queue and calls back directly; in a child process (`run_engine_core_process`, vLLM's
 EngineCoreProc) it reads and writes a pipe, so the HTTP front end's Python (tokenizing,
 detokenizing) never holds the GIL the core's step needs. Nothing here imports torch: the
@@ -20,9 +23,11 @@ import pickle
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda import envs
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -125,30 +130,92 @@ class EngineCoreLoop:
         self._get_commands = get_commands
         self._put_report = put_report
         self.max_queue_delay_s = max_queue_delay_s
+        # AddRequests whose structured-outputs constraint compiles on a worker thread: a
+        # constraint can take minutes to compile, and the steps of every other request go on
+        # meanwhile (xgrammar compiles without the GIL). They count as waiting.
+        self._compiling: list[tuple[Future, AddRequest, float]] = []
+        self._compile_pool: ThreadPoolExecutor | None = None
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self._compile_pool is not None:  # a runaway compile is left to finish alone
+                self._compile_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _add(self, cmd: AddRequest, report: CoreReport) -> None:
+        report.num_adds += len(cmd.requests)
+        manager = getattr(self.core, "structured_output", None)
+        params = cmd.requests[0].sampling_params
+        if manager is not None and not manager.compiled(params):
+            if self._compile_pool is None:
+                self._compile_pool = ThreadPoolExecutor(2, thread_name_prefix="pagoda-grammar")
+            future = self._compile_pool.submit(manager.validate, params)
+            deadline = time.monotonic() + envs.PAGODA_GRAMMAR_COMPILE_TIMEOUT_S
+            self._compiling.append((future, cmd, deadline))
+            return
+        try:
+            self.core.add_requests(cmd.requests)
+        except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
+            report.add_errors.append((cmd.requests[0].request_id, e))
+
+    def _admit_compiled(self, report: CoreReport) -> None:
+        """Add the requests whose constraint compiled; refuse those whose failed or ran past
+        PAGODA_GRAMMAR_COMPILE_TIMEOUT_S."""
+        now, still = time.monotonic(), []
+        for future, cmd, deadline in self._compiling:
+            first = cmd.requests[0].request_id
+            if future.done():
+                error = future.exception()
+                if error is None:
+                    try:
+                        self.core.add_requests(cmd.requests)
+                    except Exception as e:  # noqa: BLE001 - as in _add
+                        report.add_errors.append((first, e))
+                else:
+                    report.add_errors.append((first, error))
+            elif now > deadline:
+                limit = envs.PAGODA_GRAMMAR_COMPILE_TIMEOUT_S
+                report.add_errors.append((first, ValueError(
+                    f"the structured_outputs constraint took longer than {limit:g} s to compile "
+                    "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S): simplify it"
+                )))  # fmt: skip
+            else:
+                still.append((future, cmd, deadline))
+        self._compiling = still
+
+    def _drop_compiling(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        self._compiling = [
+            c for c in self._compiling if not ids.intersection(r.request_id for r in c[1].requests)
+        ]
+
+    def _run(self) -> None:
         core = self.core
         needs_flush = False
         while True:
             report = CoreReport()
             stop = False
-            for cmd in self._get_commands(not core.has_unfinished_requests()):
+            idle = not core.has_unfinished_requests()
+            if idle and self._compiling:  # nothing to step: wait for a compile, not a command
+                wait([c[0] for c in self._compiling], timeout=0.02, return_when=FIRST_COMPLETED)
+                idle = False
+            for cmd in self._get_commands(idle):
                 if isinstance(cmd, Stop):
                     stop = True
                     break
                 if isinstance(cmd, AddRequest):
-                    report.num_adds += len(cmd.requests)
-                    try:
-                        core.add_requests(cmd.requests)
-                    except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
-                        report.add_errors.append((cmd.requests[0].request_id, e))
+                    self._add(cmd, report)
                 elif isinstance(cmd, RefuseRequest):
                     report.num_adds += cmd.num_samples
                     report.add_errors.append((cmd.request_id, cmd.error))
                 elif isinstance(cmd, AbortRequests):
+                    self._drop_compiling(cmd.request_ids)
                     core.abort_requests(list(cmd.request_ids))
                     report.aborted.extend(cmd.request_ids)
                     needs_flush = True
+            if self._compiling:
+                self._admit_compiled(report)
             if self.max_queue_delay_s is not None and core.num_waiting_requests:
                 expired = core.abort_expired_waiting(self.max_queue_delay_s, time.time())
                 if expired:
@@ -165,7 +232,9 @@ class EngineCoreLoop:
                 report.stepped = True
                 report.scheduler_stats = core.last_scheduler_stats
                 report.num_preemptions_total = getattr(core, "num_preemptions_total", 0)
-            report.num_waiting = core.num_waiting_requests
+            report.num_waiting = core.num_waiting_requests + sum(
+                len(c[1].requests) for c in self._compiling
+            )
             if report.has_news:
                 self._put_report(report)
             if stop:

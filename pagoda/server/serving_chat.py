@@ -42,13 +42,16 @@ from pagoda.server.serving import (
 
 
 def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI allows content as a list of parts; text-only models read their text joined."""
+    """OpenAI allows content as a list of parts (text-only models read their text joined) or
+    null (an assistant turn of tool calls; templates read "", as vLLM gives them)."""
     flat = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise APIError(f"messages[{i}] must be an object with a 'role'", 400, "messages")
         content = m.get("content")
-        if isinstance(content, list):
+        if content is None:  # an assistant turn of tool calls: OpenAI clients send null
+            m = {**m, "content": ""}
+        elif isinstance(content, list):
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
@@ -85,6 +88,15 @@ async def render_chat_prompt(
             "chat_template",
         )
     kw = dict(chat_template_kwargs or {})
+    # As vLLM: these arguments given in chat_template_kwargs win over the request's fields.
+    add_generation_prompt = kw.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = kw.pop("continue_final_message", continue_final_message)
+    tools = kw.pop("tools", tools)
+    reserved = sorted(set(kw) & {"messages", "tokenize", "chat_template", "request_template"})
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}", 400, "chat_template_kwargs"
+        )
     if continue_final_message:
         kw["continue_final_message"] = True
         add_generation_prompt = False

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.vocab import token_bytes
 
+# Compiled grammars kept for reuse: at most this many, and this many bytes in all (one with a
+# 20,000-value enum takes ~100 MB; the least recently used go first).
 _CACHE_SIZE = 256
+_CACHE_BYTES = 512 << 20
 _XGR_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
 
 
@@ -70,16 +74,27 @@ class XgrammarBackend:
             vocab_size=vocab_size,
             stop_token_ids=stop,
         )
-        self.compiler = self.xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
+        # The cache is ours (bounded below); xgrammar's own would grow without bound.
+        self.compiler = self.xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=1, cache_enabled=False
+        )
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # the serving loop compiles on worker threads
+
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        with self._lock:
+            return params.cache_key() in self._compiled
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar for `params` (cached); ValueError naming what is wrong."""
+        """The compiled grammar for `params` (cached); ValueError naming what is wrong. Any
+        thread: xgrammar compiles without the GIL."""
         key = params.cache_key()
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         try:
             compiled = self._compile(params)
         except ValueError:
@@ -94,9 +109,14 @@ class XgrammarBackend:
             # Drop xgrammar's "[time] file.cc:line: " prefix; keep what it says is wrong.
             msg = _XGR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
             raise ValueError(f"invalid structured_outputs.{kind}: {msg}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > _CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = compiled
+                self._cached_bytes += _size(compiled)
+            while len(self._compiled) > 1 and (
+                len(self._compiled) > _CACHE_SIZE or self._cached_bytes > _CACHE_BYTES
+            ):
+                self._cached_bytes -= _size(self._compiled.popitem(last=False)[1])
         return compiled
 
     def _compile(self, p: StructuredOutputsParams) -> Any:
@@ -130,6 +150,10 @@ class XgrammarBackend:
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(self.xgr.GrammarMatcher(self.compile(params)))
+
+
+def _size(compiled: Any) -> int:
+    return int(getattr(compiled, "memory_size_bytes", 0))
 
 
 def _no_additional_properties(schema: Any) -> Any:

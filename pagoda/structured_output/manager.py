@@ -41,6 +41,18 @@ class StructuredOutputManager:
             self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_id)
         return self._backend
 
+    def compiled(self, params: SamplingParams) -> bool:
+        """Whether `validate` would return at once: no constraint, one compiled already, or one
+        refused before compiling (no tokenizer, no xgrammar). The serving loop compiles the
+        others on a worker thread before adding their request."""
+        so = params.structured_outputs
+        if so is None:
+            return True
+        try:
+            return self.backend.is_cached(so)
+        except ValueError:
+            return True
+
     def validate(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (cached): a ValueError if it is invalid."""
         if params.structured_outputs is not None:

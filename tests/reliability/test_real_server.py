@@ -224,3 +224,66 @@ def test_a_client_that_leaves_is_not_an_error_in_the_log(server):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert "internal error" not in server.log()
+
+
+def test_a_tool_call_round_trip_renders(server):
+    # What an OpenAI SDK's tool loop sends back: the assistant turn with content null and its
+    # tool_calls, then the tool's result (as a string, or as text parts).
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}  # fmt: skip
+    for result in ("22C", [{"type": "text", "text": "22C"}]):
+        body = {"max_tokens": 3, "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": result},
+        ]}  # fmt: skip
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+
+
+def test_chat_template_kwargs_win_over_the_fields_they_name(server):
+    messages = [{"role": "user", "content": "hi"}]
+    with_prompt = _post(server, "/tokenize", {"messages": messages}).json()["count"]
+    body = {"messages": messages, "max_tokens": 1,
+            "chat_template_kwargs": {"add_generation_prompt": False}}  # fmt: skip
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] < with_prompt  # no "assistant" turn opened
+    body["chat_template_kwargs"] = {"messages": []}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_a_constraint_slow_to_compile_stalls_no_one_and_times_out(tmp_path):
+    """Compiling a choice of 20,000 strings takes xgrammar 10-30 s. It compiles on a worker
+    thread of the engine core while the other requests' steps go on, and past the time limit
+    the request is refused (before: every request waited for the compile, /health ok)."""
+    s = real_server(
+        tmp_path / "server.log", "--max-model-len", "256", "--max-num-seqs", "8",
+        "--kv-cache-memory-bytes", str(64 << 20),
+        env={"PAGODA_GRAMMAR_COMPILE_TIMEOUT_S": "4"},
+    )  # fmt: skip
+    try:
+        s.wait_ready()
+        choice = [f"option number {i} of many" for i in range(20_000)]
+        slow = {"prompt": "x", "max_tokens": 20, "structured_outputs": {"choice": choice}}
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(_post(s, "/v1/completions", slow)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.5)
+        took = []
+        while t.is_alive() and time.monotonic() - t0 < 60:
+            t1 = time.monotonic()
+            r = _post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 5}, timeout=60)
+            assert r.status_code == 200, r.text
+            took.append(time.monotonic() - t1)
+        t.join(60)
+        assert result and result[0].status_code == 400, result
+        assert "longer than 4 s to compile" in result[0].json()["error"]["message"]
+        assert took and max(took) < 3.0, took
+        body = {"prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "[ab]+"}}
+        r = _post(s, "/v1/completions", body, timeout=60)  # the other compile thread
+        assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"a", "b"}
+    finally:
+        s.stop()
