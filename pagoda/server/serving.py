@@ -22,7 +22,7 @@ from pagoda.logger import init_logger
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagoda.server.preprocess import Preprocessor
-from pagoda.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from pagoda.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
 
 
 class APIError(Exception):
@@ -229,6 +229,26 @@ def validate_prompt(
     except PromptValidationError as e:
         param = prompt_field if e.param == "prompt" else e.param
         raise APIError(str(e), 400, param) from None
+
+
+def prompt_logprobs_json(
+    tokenizer: Any, steps: list[dict[int, Logprob] | None]
+) -> list[dict[int, PromptLogprob] | None]:
+    """A request's `prompt_logprobs` as vLLM returns them: per prompt position, token id ->
+    logprob, rank and text, best rank first."""
+    return [
+        None
+        if not step
+        else {
+            t: PromptLogprob(
+                logprob=safe_logprob(p.logprob),
+                rank=p.rank,
+                decoded_token=token_str(tokenizer, t, p),
+            )
+            for t, p in ranked_logprobs(step)
+        }
+        for step in steps
+    ]
 
 
 def token_str(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:

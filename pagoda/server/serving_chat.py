@@ -31,6 +31,7 @@ from pagoda.server.serving import (
     collect_outputs,
     first_output,
     merge_async_iterators,
+    prompt_logprobs_json,
     ranked_logprobs,
     safe_logprob,
     sse_line,
@@ -153,7 +154,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         max_tokens, mt_field = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, mt_field = req.max_tokens, "max_tokens"
-    params = build_sampling_params(req, max_tokens, top_k if req.logprobs else None, None)
+    params = build_sampling_params(
+        req, max_tokens, top_k if req.logprobs else None, req.prompt_logprobs
+    )
     ctx.require_tokenizer("messages")
     prompt = await render_chat_prompt(
         ctx,
@@ -194,8 +197,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             )
         )
     usage = usage_info(len(prompt_ids), num_gen)
+    plps = None
+    if req.prompt_logprobs is not None:
+        plps = prompt_logprobs_json(ctx.tokenizer, state.prompt_logprobs)
     return ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+        id=request_id,
+        created=created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=plps,
     )
 
 

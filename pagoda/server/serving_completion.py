@@ -28,6 +28,7 @@ from pagoda.server.serving import (
     collect_outputs,
     first_output,
     merge_async_iterators,
+    prompt_logprobs_json,
     ranked_logprobs,
     safe_logprob,
     sse_line,
@@ -166,6 +167,9 @@ def _final_response(
                     logprobs=logprobs,
                     finish_reason="length" if echo_only else c.finish_reason,
                     stop_reason=None if echo_only else c.stop_reason,
+                    prompt_logprobs=None
+                    if req.prompt_logprobs is None
+                    else prompt_logprobs_json(tok, prompt_lps),
                 )
             )
     return CompletionResponse(

@@ -287,3 +287,26 @@ def test_a_constraint_slow_to_compile_stalls_no_one_and_times_out(tmp_path):
         assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"a", "b"}
     finally:
         s.stop()
+
+
+def test_prompt_logprobs_are_returned(server):
+    # Asked for, they come back (vLLM's form): per prompt position, None first, then
+    # {token id: {logprob, rank, decoded_token}} holding the prompt's own token.
+    ids = _post(server, "/tokenize", {"prompt": "The cat sat on the mat"}).json()["tokens"]
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    plps = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plps) == len(ids) and plps[0] is None
+    for token, step in zip(ids[1:], plps[1:], strict=True):
+        assert str(token) in step and 1 <= len(step) <= 3
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in step.values())
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "prompt_logprobs": 0}  # fmt: skip
+    r = _post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    plps = r.json()["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == r.json()["usage"]["prompt_tokens"]
+    assert all(len(step) == 1 for step in plps[1:])
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert r.json()["choices"][0]["prompt_logprobs"] is None
