@@ -74,13 +74,19 @@ def _as_blocks(ggml_type: int, n: int, k: int, *fields: torch.Tensor) -> QuantWe
     return QuantWeight(torch.cat(parts, dim=-1).reshape(n, -1), ggml_type, n, k)
 
 
+def _block_scales(w: W4Weight | W8Weight, k: int) -> torch.Tensor | None:
+    """The fp16 scale of each 32-input block [N, K / 32]; None where the groups are not whole
+    blocks or a scale is not an fp16 value."""
+    if k % BLOCK or w.group_size % BLOCK:
+        return None
+    return _fp16_exact(_block_params(w.scales, w.group_size, w.qweight.shape[0], k))
+
+
 def w4_blocks(w: W4Weight, k: int) -> QuantWeight | None:
     """A 4-bit layer in the W4A16 layout as Q4_0 (every zero point 8) or Q4_1 blocks in GGUF
     rows (packed input order), or None where it has no exact block form (see the module)."""
     n = w.qweight.shape[0]
-    if k % BLOCK or w.group_size % BLOCK:
-        return None
-    d = _fp16_exact(_block_params(w.scales, w.group_size, n, k))
+    d = _block_scales(w, k)
     if d is None:
         return None
     q = unpack_w4(w.qweight, k).view(n, k // BLOCK, 2, BLOCK // 2)
@@ -98,9 +104,7 @@ def w8_blocks(w: W8Weight, k: int) -> QuantWeight | None:
     """An 8-bit layer in the W8A16 layout as Q8_0 blocks in GGUF rows (packed input order), or
     None where some q - z does not fit int8 or it has no exact block form (see the module)."""
     n = w.qweight.shape[0]
-    if k % BLOCK or w.group_size % BLOCK:
-        return None
-    d = _fp16_exact(_block_params(w.scales, w.group_size, n, k))
+    d = _block_scales(w, k)
     if d is None:
         return None
     codes = w.qweight.to(torch.int16) - ZERO_OFFSET  # q - 128
