@@ -397,22 +397,18 @@ def _dequant_kernel(
     w_ptr,
     N,
     K,
-    n0,
-    rows,
     magic,
     stride_qw: tl.int64,
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """w[r, k] = (q - z) s of weight row n0 + r (r < rows) in w's dtype, one [BLOCK_N,
-    BLOCK_K] tile per program (inputs in packed order: an act-order layer's x is gathered
-    instead). N is the layer's row count (the scales' and zeros' row stride)."""
-    offs_r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = n0 + offs_r
+    """w[n, k] = (q - z) s in w's dtype, one [BLOCK_N, BLOCK_K] tile per program (inputs in
+    packed order: an act-order layer's x is gathered instead)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_w = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    n_ok = offs_r < rows
+    n_ok = offs_n < N
     k_ok = offs_k < K
     words = tl.load(
         qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qw + offs_w[None, :],
@@ -426,40 +422,8 @@ def _dequant_kernel(
     mask = n_ok[:, None] & k_ok[None, :]
     s = tl.load(scales_ptr + gk, mask=mask, other=0.0).to(tl.float32)
     z16 = tl.load(zeros_ptr + gk, mask=mask, other=0).to(tl.float32) + 16.0
-    w_ptrs = w_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     tl.store(w_ptrs, ((q16 - z16) * s).to(dtype), mask=mask)
-
-
-def dequantize_rows(
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    k: int,
-    out: torch.Tensor,
-    n0: int = 0,
-) -> torch.Tensor:
-    """Weight rows [n0, n0 + len(out)) dequantized into `out` [rows, k] (its dtype), in
-    packed input order."""
-    rows = out.shape[0]
-    block_n, block_k = 64, 128
-    _dequant_kernel[(triton.cdiv(rows, block_n), triton.cdiv(k, block_k))](
-        qweight,
-        scales,
-        zeros,
-        out,
-        qweight.shape[0],
-        k,
-        n0,
-        rows,
-        NIBBLE_MAGIC[out.dtype],
-        qweight.stride(0),
-        GROUP_SIZE=group_size,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-    )
-    return out
 
 
 def dequantize_linear(
@@ -475,74 +439,22 @@ def dequantize_linear(
     written), then cuBLAS, whose matrix rate a fused 4-bit kernel does not reach in Triton."""
     m, k = x.shape
     n = qweight.shape[0]
-    w = dequantize_rows(
-        qweight, scales, zeros, group_size, k, torch.empty((n, k), dtype=x.dtype, device=x.device)
+    w = torch.empty((n, k), dtype=x.dtype, device=x.device)
+    block_n, block_k = 64, 128
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight,
+        scales,
+        zeros,
+        w,
+        n,
+        k,
+        NIBBLE_MAGIC[x.dtype],
+        qweight.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
     )
     if perm is not None:
         x = x.index_select(1, perm)
     return torch.nn.functional.linear(x, w, bias)
-
-
-def staged_linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None,
-    perm: torch.Tensor | None,
-    chunk_bytes: int = 16 << 20,
-    streams: int = 1,
-) -> torch.Tensor:
-    """`dequantize_linear` a slice of weight rows at a time: each slice of about `chunk_bytes`
-    dense bytes is dequantized into one of two reused buffers small enough to stay in the L2
-    cache, and cuBLAS multiplies it from there into its columns of y. The dense weight never
-    goes to memory: only the packed bytes are read. streams=2 dequantizes the next slice on a
-    second stream while the current one is multiplied."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    rows = min(n, max(128, chunk_bytes // (2 * k) // 128 * 128))
-    bufs = [torch.empty((rows, k), dtype=x.dtype, device=x.device) for _ in range(2)]
-    if perm is not None:
-        x = x.index_select(1, perm)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    starts = list(range(0, n, rows))
-    main = torch.cuda.current_stream() if streams > 1 else None
-    side = _side_stream(x.device) if streams > 1 else None
-    if side is not None:
-        side.wait_stream(main)
-    done: list = []
-    for i, n0 in enumerate(starts):
-        r = min(rows, n - n0)
-        w = bufs[i % 2][:r]
-        if side is None:
-            dequantize_rows(qweight, scales, zeros, group_size, k, w, n0)
-        else:
-            with torch.cuda.stream(side):
-                if i >= 2:
-                    side.wait_event(done[i - 2])
-                dequantize_rows(qweight, scales, zeros, group_size, k, w, n0)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            main.wait_event(ready)
-        out = y[:, n0 : n0 + r]
-        if bias is None:
-            torch.mm(x, w.t(), out=out)
-        else:
-            torch.addmm(bias[n0 : n0 + r], x, w.t(), out=out)
-        if side is not None:
-            ev = torch.cuda.Event()
-            ev.record(main)
-            done.append(ev)
-    if side is not None:
-        main.wait_stream(side)
-    return y
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]

@@ -540,25 +540,6 @@ def test_dequantize_then_matmul_matches(fmt: str, m: int) -> None:
     torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-@pytest.mark.parametrize("streams", [1, 2])
-def test_staged_dequantize_matches(fmt: str, streams: int) -> None:
-    """Weight rows dequantized a slice at a time into two reused buffers, each slice multiplied
-    into its columns of y: 296 rows as 128 + 128 + 40 (a shorter last slice)."""
-    from pagoda.kernels.w4a16_skinny import staged_linear
-
-    if streams > 1 and DEV != "cuda":
-        pytest.skip("a second stream needs CUDA")
-    w4, dense = packed_weights(fmt, n=296, seed=28)
-    x = _randn(5, K, seed=29)
-    bias = _randn(296, seed=30)
-    args = (w4.qweight, w4.scales, w4.zeros, w4.group_size)
-    out = staged_linear(x, *args, bias, w4.perm, chunk_bytes=128 * K * 4, streams=streams)
-    torch.testing.assert_close(out, F.linear(x, dense, bias), atol=1e-4, rtol=1e-4)
-    no_bias = staged_linear(x, *args, None, w4.perm, chunk_bytes=1, streams=streams)
-    torch.testing.assert_close(no_bias, F.linear(x, dense), atol=1e-4, rtol=1e-4)
-
-
 def test_choose_config_by_rows_and_groups() -> None:
     """Without the CUDA decode kernel (`fallback_config`; `test_w4a16_gemv.py` checks when
     that kernel is chosen): few rows take the few-row kernel where the groups hold whole 64- or
