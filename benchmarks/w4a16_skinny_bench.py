@@ -35,7 +35,8 @@ M_VALUES = (1, 4, 16, 24, 32, 64, 128, 192, 256, 1024)
 
 def gemv_grid(m: int) -> list[tuple]:
     """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
-    with the code paths (L2 prefetch, sums by mma, early x) on and off."""
+    with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
+    ring (bulk) at its stages and chunk sizes."""
     from pagoda.kernels.w4a16_gemv import MAX_M, SMEM_LIMIT, GemvConfig, m_tiles, smem_bytes
 
     if m > MAX_M:
@@ -44,6 +45,11 @@ def gemv_grid(m: int) -> list[tuple]:
     shapes = ((1, 8, 2), (1, 4, 2), (1, 8, 4), (2, 8, 2), (2, 4, 2), (2, 4, 4))
     flags = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 0), (1, 1, 1))
     configs += [shape + f for shape in shapes for f in flags]
+    # Weights through the shared-memory ring: (row tiles, warps) x stages x chunk x sums by mma.
+    for rt, warps in ((1, 8), (1, 4), (2, 8), (2, 4)):
+        for stages, mult, sums in itertools.product((2, 3, 4), (1, 2), (0, 1)):
+            chunk = warps * mult if warps * mult % 2 == 0 else 2 * warps * mult
+            configs.append((rt, warps, 2, 0, sums, 1, 1, stages, chunk))
     configs = [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
     return list(dict.fromkeys(configs))
 

@@ -461,6 +461,8 @@ def w4a16_linear(
     )
     if isinstance(cfg, GemvConfig):
         reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
+        if reason is None:
+            reason = w4a16_gemv.config_reason(cfg, x.device)
         kernel = None
         if reason is None:
             kernel = w4a16_gemv.get_kernel(x, scales, cfg, perm is not None, bias is not None)

@@ -151,6 +151,7 @@ __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int*
   return r;
 }
 
+#if !BULK
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
     pagoda_w4a16_gemv(u16* __restrict__ y, const u16* __restrict__ x,
                       const u32* __restrict__ qweight, const u16* __restrict__ scales,
@@ -344,3 +345,262 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     }
   }
 }
+#endif  // !BULK
+
+#if BULK
+// BULK: the weights reach shared memory through the copy engine instead of registers. One
+// extra warp (the producer) streams the CTA's rows a chunk of CHUNK K steps at a time into a
+// ring of STAGES stages (one cp.async.bulk per row and chunk, completing on the stage's `full`
+// mbarrier); the WARPS consumer warps take the K steps in turn as above, read their 16-byte
+// operands from the stage, and release it on its `empty` mbarrier. So the bytes in flight are
+// bounded by shared memory, not by registers, and a consumer waits ~30 cycles for a weight
+// instead of a global load's latency. A step's scales, zero points and x are loaded one step
+// ahead (registers). Rows of a stage are PITCH bytes apart, 64 more than a chunk's bytes: the
+// 8 lanes of each phase of a 16-byte shared load (rows g, g + 1, inputs 32t..) hit distinct
+// banks. CHUNK is a multiple of WARPS (each consumer takes CHUNK / WARPS steps of a chunk).
+#define PITCH (CHUNK * 64 + 64)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
+                                          unsigned long long* bar, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+      : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 : 2)
+    pagoda_w4a16_gemv(u16* __restrict__ y, const u16* __restrict__ x,
+                      const u32* __restrict__ qweight, const u16* __restrict__ scales,
+                      const u8* __restrict__ zeros, const int* __restrict__ perm,
+                      const u16* __restrict__ bias, int M, int N, int K, int G, int stride_x,
+                      int stride_y) {
+  __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
+  __shared__ __align__(128) unsigned char ring[STAGES][ROWS * PITCH];
+  __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * ROWS;
+  const int steps = K / STEP;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {  // the producer: lane r < ROWS copies row n0 + r (past N: row N - 1)
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const unsigned char* src =
+        reinterpret_cast<const unsigned char*>(qweight) + (long long)min(n0 + lane, N - 1) * (K / 2);
+    const int chunks = (steps + CHUNK - 1) / CHUNK;
+    for (int c = 0; c < chunks; ++c) {
+      const int st = c % STAGES;
+      if (c >= STAGES) mbar_wait(&empty[st], ((c / STAGES) - 1) & 1);
+      const int bytes = min(CHUNK, steps - c * CHUNK) * 64;
+      if (lane == 0) mbar_expect_tx(&full[st], ROWS * bytes);
+      __syncwarp();
+      if (lane < ROWS) bulk_load(ring[st] + lane * PITCH, src + c * CHUNK * 64, bytes, &full[st], policy);
+    }
+  } else {
+    int nrow[ROW_TILES][2];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) nrow[rt][h] = min(n0 + 16 * rt + 8 * h + g, N - 1);
+    const u16* xrow[M_TILES];
+    bool xok[M_TILES];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      xok[mt] = 8 * mt + g < M;
+      xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
+    }
+    float acc[ROW_TILES][M_TILES][4];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
+
+    // Step s's scales, zero points and x, loaded a step ahead.
+    u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
+    uint4 xv[4][M_TILES];
+    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
+                         uint4(&xv_)[4][M_TILES]) {
+      const int grp = s * STEP / G;
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sc_[rt][h] = ld_nc_u16(scales + grp * N + nrow[rt][h]);
+          zp_[rt][h] = ld_nc_u8(zeros + grp * N + nrow[rt][h]);
+        }
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+          xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+    };
+    if (warp < steps) load_step(warp, sc, zp, xv);
+    int i = 0;
+    for (int s = warp; s < steps; s += WARPS, ++i) {
+      const int c = s / CHUNK, st = c % STAGES;
+      u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
+      uint4 nxv[4][M_TILES];
+      if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
+      if (i % (CHUNK / WARPS) == 0) mbar_wait(&full[st], (c / STAGES) & 1);
+      uint4 wv[ROW_TILES][2];
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + (16 * rt + 8 * h + g) * PITCH +
+                                                      (s % CHUNK) * 64 + 16 * t);
+      if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[st]);
+      }
+      float tmp[2][ROW_TILES][M_TILES][4];
+#if SUM_MMA
+      float xs[2][M_TILES][4];
+#endif
+      u32 zoff[ROW_TILES][2];
+#pragma unroll
+      for (int c2 = 0; c2 < 2; ++c2)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#if SUM_MMA
+            xs[c2][mt][j] = 0.f;
+#endif
+#pragma unroll
+            for (int rt = 0; rt < ROW_TILES; ++rt) tmp[c2][rt][mt][j] = 0.f;
+          }
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) zoff[rt][h] = MAGIC | (zp[rt][h] * 0x10001u);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+#if SUM_MMA
+        const u32 one = BF16 ? 0x3f803f80u : 0x3c003c00u;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].x, xv[w][mt].y);
+          mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].z, xv[w][mt].w);
+        }
+#endif
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+          const u32 lo = part(wv[rt][0], w), hi = part(wv[rt][1], w);
+          const u32 l0 = pair<0, SUB_ZERO>(lo, zoff[rt][0]);
+          const u32 h0 = pair<0, SUB_ZERO>(hi, zoff[rt][1]);
+          const u32 l1 = pair<1, SUB_ZERO>(lo, zoff[rt][0]);
+          const u32 h1 = pair<1, SUB_ZERO>(hi, zoff[rt][1]);
+          const u32 l2 = pair<2, SUB_ZERO>(lo, zoff[rt][0]);
+          const u32 h2 = pair<2, SUB_ZERO>(hi, zoff[rt][1]);
+          const u32 l3 = pair<3, SUB_ZERO>(lo, zoff[rt][0]);
+          const u32 h3 = pair<3, SUB_ZERO>(hi, zoff[rt][1]);
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma(tmp[w & 1][rt][mt], l0, h0, l1, h1, xv[w][mt].x, xv[w][mt].y);
+            mma(tmp[w & 1][rt][mt], l2, h2, l3, h3, xv[w][mt].z, xv[w][mt].w);
+          }
+        }
+      }
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt) {
+        const float s_lo = to_f32<SCALES_BF16>((u16)sc[rt][0]);
+        const float s_hi = to_f32<SCALES_BF16>((u16)sc[rt][1]);
+#if SUM_MMA
+        const float z_lo = (float)zp[rt][0] + OFFSET, z_hi = (float)zp[rt][1] + OFFSET;
+#endif
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          float v[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            v[j] = tmp[0][rt][mt][j] + tmp[1][rt][mt][j];
+#if SUM_MMA
+            v[j] -= (j < 2 ? z_lo : z_hi) * (xs[0][mt][j] + xs[1][mt][j]);
+#endif
+          }
+          acc[rt][mt][0] += s_lo * v[0];
+          acc[rt][mt][1] += s_lo * v[1];
+          acc[rt][mt][2] += s_hi * v[2];
+          acc[rt][mt][3] += s_hi * v[3];
+        }
+      }
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sc[rt][h] = nsc[rt][h];
+          zp[rt][h] = nzp[rt][h];
+        }
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
+    }
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) red[warp][(rt * M_TILES + mt) * 4 + j][lane] = acc[rt][mt][j];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < ROW_TILES * M_TILES * 4 * 32; e += (WARPS + 1) * 32) {
+    const int j = e / 32, l = e % 32;
+    const int rt = j / (4 * M_TILES), mt = (j / 4) % M_TILES, i = j % 4;
+    const int row = n0 + 16 * rt + l / 4 + 8 * (i / 2);
+    const int col = 8 * mt + 2 * (l % 4) + (i % 2);
+    if (row < N && col < M) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
+#if HAS_BIAS
+      sum += to_f32<BF16>(bias[row]);
+#endif
+      y[(long long)col * stride_y + row] = from_f32(sum);
+    }
+  }
+}
+#endif  // BULK

@@ -45,7 +45,9 @@ class GemvConfig(NamedTuple):
     first; l2_prefetch: 1 to have the CTA's rows prefetched into L2 at its start (sm_90);
     sum_mma: 1 to apply the zero point to the product (sums of x by an extra mma) instead of
     subtracting it from every weight; x_early: 1 to issue a K step's x loads before its first
-    mma."""
+    mma; bulk: 1 to stream the weights through a shared-memory ring filled by the copy engine
+    (one more warp issues the copies; sm_90; depth, l2_prefetch and x_early do not apply),
+    `stages` chunks of `chunk` K steps (a multiple of `warps`) each."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -53,6 +55,9 @@ class GemvConfig(NamedTuple):
     l2_prefetch: int = 0
     sum_mma: int = 0
     x_early: int = 1
+    bulk: int = 0
+    stages: int = 4
+    chunk: int = 8
 
 
 def enabled() -> bool:
@@ -65,8 +70,17 @@ def m_tiles(m: int) -> int:
 
 
 def smem_bytes(mt: int, cfg: GemvConfig) -> int:
-    """Shared memory of a CTA: every warp's fp32 tiles, summed in warp order at the end."""
-    return cfg.warps * cfg.row_tiles * mt * 4 * 32 * 4
+    """Shared memory of a CTA: every warp's fp32 tiles, summed in warp order at the end, and
+    with `bulk` the ring of weight chunks (rows padded by 64 bytes) and its mbarriers."""
+    tiles = cfg.warps * cfg.row_tiles * mt * 4 * 32 * 4
+    if not cfg.bulk:
+        return tiles
+    return tiles + cfg.stages * (16 * cfg.row_tiles * (cfg.chunk * 64 + 64) + 16)
+
+
+def threads(cfg: GemvConfig) -> int:
+    """Threads of a CTA: the consumer warps and, with `bulk`, the producer warp."""
+    return 32 * (cfg.warps + cfg.bulk)
 
 
 def unsupported_reason(
@@ -106,6 +120,15 @@ def unsupported_reason(
     return None
 
 
+def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
+    """Why `cfg` cannot run on `device`, or None."""
+    if cfg.bulk and torch.cuda.get_device_capability(device) < (9, 0):
+        return "bulk copies need sm_90"
+    if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
+        return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
+    return None
+
+
 @functools.cache
 def _compile(
     bf16: bool, scales_bf16: bool, mt: int, cfg: GemvConfig, has_perm: bool, has_bias: bool
@@ -122,6 +145,9 @@ def _compile(
         "L2_PREFETCH": cfg.l2_prefetch,
         "SUM_MMA": cfg.sum_mma,
         "X_EARLY": cfg.x_early,
+        "BULK": cfg.bulk,
+        "STAGES": cfg.stages,
+        "CHUNK": cfg.chunk,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
@@ -150,7 +176,7 @@ def get_kernel(
         has_perm,
         has_bias,
     )
-    if smem_bytes(key[2], cfg) > SMEM_LIMIT:
+    if smem_bytes(key[2], cfg) > SMEM_LIMIT or config_reason(cfg, x.device):
         return None
     if key not in _compiled_keys:
         if torch.cuda.is_current_stream_capturing():
@@ -192,7 +218,7 @@ def w4a16_gemv(
     grid = -(-n // (16 * cfg.row_tiles))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = _libcuda().cuLaunchKernel(
-        kernel.func, grid, 1, 1, 32 * cfg.warps, 1, 1, 0, ctypes.c_void_p(stream), ptrs, None
+        kernel.func, grid, 1, 1, threads(cfg), 1, 1, 0, ctypes.c_void_p(stream), ptrs, None
     )
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")

@@ -27,13 +27,18 @@ from pagoda.kernels.w4a16_skinny import SkinnyConfig  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x.
+# Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
+# weights through the shared-memory ring (bulk), its stages and chunk.
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
     GemvConfig(1, 4, 8, 1, 0, 1),
     GemvConfig(2, 4, 1, 1, 1, 0),
+    GemvConfig(1, 8, bulk=1, stages=4, chunk=8),
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8),
+    GemvConfig(1, 4, bulk=1, stages=3, chunk=4),
 ]
+BULK = LAUNCHES[4]
 
 
 def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
@@ -61,13 +66,16 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_matches_dequantized_linear(fmt: str, m: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("cfg", [GemvConfig(), BULK], ids=["registers", "bulk"])
+def test_gemv_matches_dequantized_linear(
+    fmt: str, m: int, dtype: torch.dtype, cfg: GemvConfig
+) -> None:
     n, k = 200, 640  # 200 rows: the last CTA's rows past N; K = 5 steps over 8 warps
     w4, dense = _weights(fmt, n, k, 128, seed=m)
     x = torch.randn(m, k, device="cuda").to(dtype)
     bias = torch.randn(n, device="cuda").to(dtype) if m % 2 else None
     ref = F.linear(x.float(), dense, None if bias is None else bias.float())
-    _assert_close(_linear(x, w4, bias, GemvConfig()), ref)
+    _assert_close(_linear(x, w4, bias, cfg), ref)
 
 
 @gpu
@@ -75,7 +83,7 @@ def test_gemv_matches_dequantized_linear(fmt: str, m: int, dtype: torch.dtype) -
 @pytest.mark.parametrize("cfg", LAUNCHES[1:], ids=str)
 @pytest.mark.parametrize("m", [3, 17, 64])
 def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
-    n, k = 200, 1920  # 15 K steps: batches of DEPTH steps cut short
+    n, k = 200, 1920  # 15 K steps: batches of DEPTH steps and the last chunk cut short
     w4, dense = _weights("awq", n, k, 128, seed=m)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
@@ -104,18 +112,20 @@ def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> 
     ref = F.linear(x.float(), dense)
     _assert_close(_linear(x, w4), ref)  # the default
     _assert_close(_linear(x, w4, config=GemvConfig(2, 8, 2, 0, 0, 1)), ref)  # M > 8 too
+    _assert_close(_linear(x, w4, config=BULK._replace(row_tiles=2)), ref)
     _assert_close(_linear(x, w4, config=skinny_config(m, n, k, 128)), ref)
 
 
 @gpu
 @pytest.mark.gpu
-def test_gemv_in_a_cuda_graph_replays_exactly() -> None:
+@pytest.mark.parametrize("cfg", [None, BULK], ids=["default", "bulk"])
+def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
     w4, _ = _weights("gptq_act_order", 512, 1024, 128)
     x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
-    eager = _linear(x, w4)
+    eager = _linear(x, w4, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _linear(x, w4)
+        out = _linear(x, w4, config=cfg)
     for _ in range(2):
         out.zero_()
         graph.replay()
