@@ -43,6 +43,9 @@ from pagoda.server.serving import APIError, ServingContext
 from pagoda.server.serving_chat import create_chat_completion, render_chat_prompt
 from pagoda.server.serving_completion import create_completion
 
+# Responses of up to this many tokens are built on the event loop; larger ones off it.
+LOOP_TOKENS = 4096
+
 UNAUTHENTICATED_PATHS = ("/health", "/metrics")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 # Every status a route may answer besides 200, for the OpenAPI document (clients and fuzzers
@@ -225,11 +228,17 @@ def build_app(
             text, field_name = req.prompt, "prompt"
             add_special = req.add_special_tokens is None or req.add_special_tokens
         ids = await ctx.encode(text, add_special, field_name)
-        strs = list(ctx.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-        resp = TokenizeResponse(
-            count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs
-        )
-        return JSONResponse(resp.model_dump(exclude_none=True))
+
+        def respond() -> JSONResponse:
+            strs = list(ctx.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+            resp = TokenizeResponse(
+                count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs
+            )
+            return JSONResponse(resp.model_dump(exclude_none=True))
+
+        # A prompt of up to the body limit (~1M tokens) takes over a second to turn into token
+        # strings and JSON: a worker thread does it, so the event loop keeps serving streams.
+        return respond() if len(ids) <= LOOP_TOKENS else await asyncio.to_thread(respond)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:

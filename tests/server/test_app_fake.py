@@ -198,6 +198,34 @@ def test_models_version_tokenize_detokenize(client):
     _error(client.post("/detokenize", json={"tokens": [9999]}), 400, "tokens")
 
 
+def test_a_large_tokenize_response_is_built_off_the_event_loop(client, monkeypatch):
+    """Token strings and JSON for a prompt of ~1M tokens take seconds: not on the loop that
+    serves every stream (small responses stay there)."""
+    import asyncio
+
+    from fake_engine import FakeTokenizer
+
+    from pagoda.server import app as app_module
+
+    on_loop = []
+
+    def convert(self, ids):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return [chr(i) if i < 256 else "<s>" for i in ids]
+
+    monkeypatch.setattr(FakeTokenizer, "convert_ids_to_tokens", convert)
+    monkeypatch.setattr(app_module, "LOOP_TOKENS", 8)
+    small = client.post("/tokenize", json={"prompt": "ab", "return_token_strs": True}).json()
+    assert small["token_strs"] == ["<s>", "a", "b"]
+    big = client.post("/tokenize", json={"prompt": "abcdefghij", "return_token_strs": True})
+    assert big.json()["token_strs"] == ["<s>", *"abcdefghij"] and big.json()["count"] == 11
+    assert on_loop == [True, False]
+
+
 def test_api_key_guards_everything_but_health_and_metrics():
     llm = AsyncLLM(FakeEngine())
     try:
