@@ -248,7 +248,10 @@ class AsyncLLM:
 
     def _make_processors(self) -> None:
         """The front end's input and output processors, for the core now running."""
-        self.input_processor = InputProcessor(self.engine.tokenizer, self.engine.model_config)
+        sc = getattr(getattr(self.engine, "config", None), "scheduler_config", None)
+        self.input_processor = InputProcessor(
+            self.engine.tokenizer, self.engine.model_config, getattr(sc, "policy", "fcfs")
+        )
         with self._op_lock:
             self.output_processor = OutputProcessor(self.engine.tokenizer)
 

@@ -100,9 +100,10 @@ class InputProcessor:
     `model_config` is read at each request (its max_model_len and vocab_size); the tokenizer is
     None for an engine started with skip_tokenizer_init, which then takes token ids only."""
 
-    def __init__(self, tokenizer: Any, model_config: Any) -> None:
+    def __init__(self, tokenizer: Any, model_config: Any, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.scheduling_policy = scheduling_policy
 
     @property
     def eos_token_id(self) -> int | None:
@@ -138,6 +139,13 @@ class InputProcessor:
         priority: int = 0,
     ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         """(prompt text, prompt token ids, the core requests: one per sample)."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            # As vLLM: a priority the scheduler would ignore is an error, not a silent no-op.
+            raise PromptValidationError(
+                f"priority {priority} needs --scheduling-policy priority "
+                f"(this server schedules {self.scheduling_policy})",
+                "priority",
+            )
         prompt_text, prompt_ids = self.process_prompt(prompt)
         mc = self.model_config
         max_tokens = validate_request(prompt_ids, params, mc.max_model_len, mc.vocab_size)

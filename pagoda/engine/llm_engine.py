@@ -35,7 +35,9 @@ class LLMEngine:
         self.model_config = config.model_config
         self.engine_core = EngineCore(config)
         self.tokenizer = self.engine_core.tokenizer
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, config.scheduler_config.policy
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_iteration_stats = self.engine_core.last_iteration_stats
         self.stat_logger = LoggingStatLogger() if log_stats else None

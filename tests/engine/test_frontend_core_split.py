@@ -106,3 +106,13 @@ def test_load_shedding_drops_a_request_only_when_none_of_its_samples_ran(tiny_di
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == ["g"] and len(outs[0].outputs) == 2
+
+
+def test_offline_priorities_need_the_priority_policy(tiny_dir) -> None:
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="scheduling-policy priority"):
+        LLM(tiny_dir, **TINY_ARGS).generate(prompts, params, priority=[1, 0], use_tqdm=False)
+    llm = LLM(tiny_dir, scheduling_policy="priority", **TINY_ARGS)
+    outs = llm.generate(prompts, params, priority=[1, 0], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]

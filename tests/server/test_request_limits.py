@@ -60,3 +60,26 @@ def test_limits_themselves_are_served(client) -> None:
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_priority_needs_the_priority_policy(client, route) -> None:
+    """As vLLM: under FCFS a non-zero priority is a 400 naming it (it would be ignored), zero
+    is served; under the priority policy any priority is served."""
+    body = {"max_tokens": 2, "priority": -3}
+    if "chat" in route:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    r = client.post(route, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    assert client.post(route, json={**body, "priority": 0}).status_code == 200
+    engine = FakeEngine(max_model_len=64)
+    engine.config.scheduler_config.policy = "priority"
+    llm = AsyncLLM(engine)
+    try:
+        with TestClient(build_app(llm)) as c:
+            assert c.post(route, json=body).status_code == 200
+    finally:
+        llm.shutdown()
