@@ -37,7 +37,15 @@ def gemv_grid(m: int) -> list[tuple]:
     """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
     with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
     ring (bulk) at its stages and chunk sizes."""
-    from pagoda.kernels.w4a16_gemv import MAX_M, SMEM_LIMIT, GemvConfig, m_tiles, smem_bytes
+    from pagoda.kernels.w4a16_gemv import (
+        MAX_M,
+        RING_LIMIT,
+        SMEM_LIMIT,
+        GemvConfig,
+        m_tiles,
+        ring_bytes,
+        smem_bytes,
+    )
 
     if m > MAX_M:
         return []
@@ -47,10 +55,14 @@ def gemv_grid(m: int) -> list[tuple]:
     configs += [shape + f for shape in shapes for f in flags]
     # Weights through the shared-memory ring: (row tiles, warps) x stages x chunk x sums by mma.
     for rt, warps in ((1, 8), (1, 4), (2, 8), (2, 4)):
-        for stages, mult, sums in itertools.product((2, 3, 4), (1, 2), (0, 1)):
-            chunk = warps * mult if warps * mult % 2 == 0 else 2 * warps * mult
-            configs.append((rt, warps, 2, 0, sums, 1, 1, stages, chunk))
-    configs = [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
+        for stages, mult, sums in itertools.product((2, 4, 8), (1, 2, 4), (0, 1)):
+            configs.append((rt, warps, 2, 0, sums, 1, 1, stages, warps * mult))
+    configs = [
+        c
+        for c in configs
+        if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT
+        and ring_bytes(GemvConfig(*c)) <= RING_LIMIT
+    ]
     return list(dict.fromkeys(configs))
 
 

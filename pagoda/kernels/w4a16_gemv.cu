@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #if BULK
 // BULK: the weights reach shared memory through the copy engine instead of registers. One
 // extra warp (the producer) streams the CTA's rows a chunk of CHUNK K steps at a time into a
-// ring of STAGES stages (one cp.async.bulk per row and chunk, completing on the stage's `full`
+// ring of STAGES stages in dynamic shared memory (one cp.async.bulk per row and chunk, completing on the stage's `full`
 // mbarrier); the WARPS consumer warps take the K steps in turn as above, read their 16-byte
 // operands from the stage, and release it on its `empty` mbarrier. So the bytes in flight are
 // bounded by shared memory, not by registers, and a consumer waits ~30 cycles for a weight
@@ -406,8 +406,9 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
                       const u16* __restrict__ bias, int M, int N, int K, int G, int stride_x,
                       int stride_y) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
-  __shared__ __align__(128) unsigned char ring[STAGES][ROWS * PITCH];
   __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+  extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * ROWS * PITCH
+  auto ring = reinterpret_cast<unsigned char(*)[ROWS * PITCH]>(ring_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * ROWS;

@@ -36,6 +36,7 @@ _SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
 _KERNEL_NAME = "pagoda_w4a16_gemv"
 MAX_M = 64
 SMEM_LIMIT = 48 * 1024  # static shared memory of a CTA (the warps' tiles, summed at the end)
+RING_LIMIT = 200 * 1024  # dynamic shared memory of a CTA (the bulk ring; sm_90 has 227 KB)
 STEP = 128  # inputs per K step of the kernel
 
 
@@ -70,12 +71,15 @@ def m_tiles(m: int) -> int:
 
 
 def smem_bytes(mt: int, cfg: GemvConfig) -> int:
-    """Shared memory of a CTA: every warp's fp32 tiles, summed in warp order at the end, and
-    with `bulk` the ring of weight chunks (rows padded by 64 bytes) and its mbarriers."""
-    tiles = cfg.warps * cfg.row_tiles * mt * 4 * 32 * 4
-    if not cfg.bulk:
-        return tiles
-    return tiles + cfg.stages * (16 * cfg.row_tiles * (cfg.chunk * 64 + 64) + 16)
+    """Static shared memory of a CTA: every warp's fp32 tiles, summed in warp order at the
+    end (with `bulk`, and the ring's mbarriers)."""
+    return cfg.warps * cfg.row_tiles * mt * 4 * 32 * 4 + 16 * cfg.stages * cfg.bulk
+
+
+def ring_bytes(cfg: GemvConfig) -> int:
+    """Dynamic shared memory of a CTA: with `bulk`, the ring of weight chunks (each row of a
+    chunk padded by 64 bytes)."""
+    return cfg.bulk * cfg.stages * 16 * cfg.row_tiles * (cfg.chunk * 64 + 64)
 
 
 def threads(cfg: GemvConfig) -> int:
@@ -126,6 +130,8 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "bulk copies need sm_90"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
+    if ring_bytes(cfg) > RING_LIMIT:
+        return f"a ring of {ring_bytes(cfg)} bytes > {RING_LIMIT}"
     return None
 
 
@@ -153,10 +159,18 @@ def _compile(
     }
     src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
     try:
-        return torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
+        kernel = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
     except Exception as e:  # no NVRTC, an old toolkit
         logger.warning("CUDA W4A16 kernel unavailable, using Triton's: %s", e)
         return None
+    if ring_bytes(cfg) > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        err = _libcuda().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(ring_bytes(cfg)))
+        if err != 0:
+            logger.warning(
+                "CUDA W4A16 kernel: %d bytes of shared memory refused (%d)", ring_bytes(cfg), err
+            )
+            return None
+    return kernel
 
 
 _compiled_keys: set[tuple] = set()
@@ -218,7 +232,17 @@ def w4a16_gemv(
     grid = -(-n // (16 * cfg.row_tiles))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = _libcuda().cuLaunchKernel(
-        kernel.func, grid, 1, 1, threads(cfg), 1, 1, 0, ctypes.c_void_p(stream), ptrs, None
+        kernel.func,
+        grid,
+        1,
+        1,
+        threads(cfg),
+        1,
+        1,
+        ring_bytes(cfg),
+        ctypes.c_void_p(stream),
+        ptrs,
+        None,
     )
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
