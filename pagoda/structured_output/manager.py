@@ -4,6 +4,11 @@ ValueError there), gives each `Request` its own matcher (`request.structured_out
 each `schedule()` fills the bitmask rows of the scheduled structured requests that sample this
 step. The matcher must have seen every earlier token of its request when its row is filled:
 the engine runs steps with structured requests synchronously and gives them no drafts.
+
+Applying a constraint has a time budget per token (PAGODA_GRAMMAR_MASK_BUDGET_MS, read when a
+request is added): computing its mask (`filler.py`: the step loop waits no longer) and advancing
+its matcher past the sampled token (`GrammarState.accept_token`) each take at most that long,
+or the request ends with an error and the others go on.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from pagoda import envs
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.filler import MaskFiller, too_slow_message
 
 
 class StructuredOutputManager:
@@ -23,6 +30,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._backend: Any = None
+        self.filler = MaskFiller()
 
     @property
     def backend_ready(self) -> bool:
@@ -61,12 +69,16 @@ class StructuredOutputManager:
     def init_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
         if so is not None:
-            request.structured_output = self.backend.new_state(so)
+            budget_s = envs.PAGODA_GRAMMAR_MASK_BUDGET_MS / 1e3
+            request.structured_output = self.backend.new_state(so, budget_s)
 
-    def grammar_bitmask(self, sched_out: SchedulerOutput, scheduled: list[Request]) -> None:
+    def grammar_bitmask(
+        self, sched_out: SchedulerOutput, scheduled: list[Request]
+    ) -> dict[str, str]:
         """Fill `sched_out.grammar_bitmask` for the structured requests that sample this step
         (their scheduled tokens reach the end of their known tokens); `scheduled` are the
-        step's requests (`Scheduler.scheduled_requests`)."""
+        step's requests (`Scheduler.scheduled_requests`). Returns {request id: error} for those
+        whose mask took longer than their budget: they have no row, and the caller ends them."""
         rids: list[str] = []
         states = []
         for req in scheduled:
@@ -81,10 +93,18 @@ class StructuredOutputManager:
             rids.append(req.request_id)
             states.append(state)
         if not rids:
-            return
+            return {}
         words = -(-self.vocab_size // 32)
         bitmask = np.empty((len(rids), words), dtype=np.int32)
-        for row, state in enumerate(states):
-            state.fill_bitmask(bitmask, row)
-        sched_out.grammar_bitmask = bitmask
-        sched_out.structured_output_request_ids = rids
+        slow = self.filler.fill(states, bitmask)
+        errors = {
+            rids[row]: too_slow_message("to compute the next token's mask", states[row].budget_s)
+            for row in slow
+        }
+        if slow:
+            keep = [row for row in range(len(rids)) if rids[row] not in errors]
+            bitmask, rids = bitmask[keep], [rids[row] for row in keep]
+        if rids:
+            sched_out.grammar_bitmask = bitmask
+            sched_out.structured_output_request_ids = rids
+        return errors
