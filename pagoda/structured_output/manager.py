@@ -13,6 +13,7 @@ or the request ends with an error and the others go on.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._backend: Any = None
+        self._backend_lock = threading.Lock()  # the serving loop builds it on a worker thread
         self.filler = MaskFiller()
 
     @property
@@ -39,27 +41,28 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> Any:
-        if self._backend is None:
-            from pagoda.structured_output.backend_xgrammar import XgrammarBackend
+        if self._backend is not None:
+            return self._backend
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured outputs need the tokenizer: do not use skip_tokenizer_init"
+            )
+        with self._backend_lock:
+            if self._backend is None:
+                from pagoda.structured_output.backend_xgrammar import XgrammarBackend
 
-            if self.tokenizer is None:
-                raise ValueError(
-                    "structured outputs need the tokenizer: do not use skip_tokenizer_init"
-                )
-            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_id)
+                self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_id)
         return self._backend
 
     def compiled(self, params: SamplingParams) -> bool:
         """Whether `validate` would return at once: no constraint, one compiled already, or one
-        refused before compiling (no tokenizer, no xgrammar). The serving loop compiles the
-        others on a worker thread before adding their request."""
+        refused before compiling (no tokenizer). The serving loop compiles the others on a
+        worker thread before adding their request; the first one also builds the backend there
+        (importing xgrammar took 0.6 s in the engine core process, 2-core AMD EPYC)."""
         so = params.structured_outputs
-        if so is None:
+        if so is None or self.tokenizer is None:
             return True
-        try:
-            return self.backend.is_cached(so)
-        except ValueError:
-            return True
+        return self._backend is not None and self._backend.is_cached(so)
 
     def validate(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (cached): a ValueError if it is invalid."""
