@@ -3,12 +3,17 @@ model's tokenizer (SmolLM2, 49,152 tokens): computing the next-token mask
 (`fill_next_token_bitmask`) and advancing the matcher past a token (`accept_token`). Ordinary
 constraints walk a valid path, a random allowed token at a time (seeded; EOS only when nothing
 else is allowed), three times `--tokens` tokens at most; the slow regex
-`([^a]{1,50}[^b]{1,50}){1,50}` follows the tokens of a fixed English sentence, `--slow-tokens`
-of them (its masks take seconds each after a few tokens). `--busy N` runs N busy-looping
-processes meanwhile (a machine shared with other work). These numbers set the default of
-PAGODA_GRAMMAR_MASK_BUDGET_MS.
+`([^a]{1,50}[^b]{1,50}){1,50}` follows the tokens of a fixed English text: masks for the first
+`--slow-tokens` of them (seconds each after a few tokens), then advancing alone through 80.
+`--busy N` runs N busy-looping processes meanwhile (a machine shared with other work). These
+numbers set the default of PAGODA_GRAMMAR_MASK_BUDGET_MS.
+
+`--engine` measures the engine instead (`pagoda.LLM`'s, offline): the time of each step of a
+request decoding 12 greedy tokens alone, then beside a request under the slow regex (stopped
+after `--engine-seconds`).
 
     python benchmarks/grammar_mask_time.py [--tokens 64] [--slow-tokens 8] [--busy 0]
+    python benchmarks/grammar_mask_time.py --engine [--engine-seconds 60]
 """
 
 from __future__ import annotations
@@ -61,12 +66,43 @@ def _row(name: str, compile_ms: float, fills: list[float], accepts: list[float])
     )
 
 
+def engine_steps(seconds: float) -> None:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(max_model_len=256, dtype="float32")
+    engine = llm.llm_engine
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    bad = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=P(regex=SLOW_REGEX))
+    llm.generate(["warm up"], plain, use_tqdm=False)
+    for label, beside in (("alone", False), ("beside the slow regex", True)):
+        engine.add_request("plain", "The capital of France is", plain)
+        if beside:
+            engine.add_request("bad", "Write anything:", bad)  # compiled here
+        steps, ended, start = [], {}, time.perf_counter()
+        while engine.has_unfinished_requests() and time.perf_counter() - start < seconds:
+            t0 = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    ended[out.request_id] = out.outputs[0].finish_reason
+            steps.append(time.perf_counter() - t0)
+        engine.abort_request(["plain", "bad"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        ms = " ".join(f"{s * 1e3:.0f}" for s in steps)
+        print(f"{label}: {len(steps)} steps, ms: {ms}; finished: {ended}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--slow-tokens", type=int, default=8)
     ap.add_argument("--busy", type=int, default=0)
+    ap.add_argument("--engine", action="store_true")
+    ap.add_argument("--engine-seconds", type=float, default=60.0)
     args = ap.parse_args()
+    if args.engine:
+        engine_steps(args.engine_seconds)
+        return
     busy = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.busy)]
     for p in busy:
         p.start()
@@ -111,6 +147,15 @@ def main() -> None:
         accepts.append(time.perf_counter() - t0)
     print(_row(f"regex {SLOW_REGEX}", compile_ms, fills, accepts))
     print("slow regex, mask ms by token:", " ".join(f"{f * 1e3:.0f}" for f in fills))
+    state, accepts = backend.new_state(params), []
+    for token in tok.encode(sentence * 8, add_special_tokens=False)[:80]:
+        t0 = time.perf_counter()
+        state.accept_token(token)
+        accepts.append(time.perf_counter() - t0)
+    a = np.array(accepts) * 1e3
+    print(
+        f"slow regex, advancing through 80 tokens: median {np.median(a):.2f} ms, max {a.max():.1f}"
+    )
     for p in busy:
         p.terminate()
 

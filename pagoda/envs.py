@@ -234,7 +234,7 @@ VARIABLES: dict[str, EnvVar] = {
             _positive_float("PAGODA_GRAMMAR_COMPILE_TIMEOUT_S", 30.0),
         ),
         # 100 ms: ordinary constraints (JSON schemas, json_object, regexes, a choice of 2,000)
-        # took at most 0.9 ms for one token's mask or advance, and 20 ms when four busy
+        # took at most 1.3 ms for one token's mask or advance, and 20 ms when four busy
         # processes shared the two cores (`benchmarks/grammar_mask_time.py [--busy 4]`, 2-core
         # AMD EPYC); a pathological regex took 0.65 s, then 19 s. One request past the budget
         # costs the others one step longer by the budget, once; a single slow token ends it,
