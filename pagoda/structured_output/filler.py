@@ -19,6 +19,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,8 @@ class MaskFiller:
         while start < len(states):
             if self._worker is None:
                 self._worker = _Worker()
+                # Its thread ends with this filler (an engine dropped), not with the process.
+                weakref.finalize(self, self._worker.batches.put, None)
             batch = _Batch(states, bitmask, start)
             self._worker.batches.put(batch)
             row = self._wait(batch)

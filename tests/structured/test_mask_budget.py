@@ -83,3 +83,13 @@ def test_a_matcher_slow_to_advance_ends_its_request_with_an_error():
     assert slow.accept_token(1) is True
     assert "longer than 50 ms to advance" in slow.error
     assert "PAGODA_GRAMMAR_MASK_BUDGET_MS" in slow.error and not slow.rejected
+
+
+def test_the_worker_thread_ends_with_its_filler():
+    before = set(threading.enumerate())
+    filler = MaskFiller()
+    filler.fill([FakeState(1)], np.zeros((1, 1), dtype=np.int32))
+    (worker,) = [t for t in threading.enumerate() if t not in before]
+    del filler
+    worker.join(2)
+    assert not worker.is_alive()
