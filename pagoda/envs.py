@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
     PAGODA_GRAMMAR_COMPILE_TIMEOUT_S: float
+    PAGODA_GRAMMAR_MASK_BUDGET_MS: float
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
     CC: str | None
@@ -231,6 +232,18 @@ VARIABLES: dict[str, EnvVar] = {
             "Seconds a served request's structured-outputs constraint may take to compile (off "
             "the engine's step loop) before the request is refused.",
             _positive_float("PAGODA_GRAMMAR_COMPILE_TIMEOUT_S", 30.0),
+        ),
+        # 100 ms: ordinary constraints (JSON schemas, json_object, regexes, a choice of 2,000)
+        # took at most 1.3 ms for one token's mask or advance, and 20 ms when four busy
+        # processes shared the two cores (`benchmarks/grammar_mask_time.py [--busy 4]`, 2-core
+        # AMD EPYC); a pathological regex took 0.65 s, then 19 s. One request past the budget
+        # costs the others one step longer by the budget, once; a single slow token ends it,
+        # since the step loop cannot wait for that token without everyone waiting.
+        EnvVar(
+            "PAGODA_GRAMMAR_MASK_BUDGET_MS", "float", "100",
+            "Milliseconds a structured-outputs constraint may take to compute one token's mask, "
+            "or to advance by one token, before its request ends with an error.",
+            _positive_float("PAGODA_GRAMMAR_MASK_BUDGET_MS", 100.0),
         ),
         EnvVar(
             "PAGODA_MAX_N_SEQUENCES", "int", "128",

@@ -40,7 +40,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -61,6 +61,9 @@ class RequestOutput:
     # Set when the request finished with finish_reason "error": what failed, without the
     # internals (the engine's log has the traceback).
     error: str | None = None
+    # The error is the request's own doing, not the server's: its structured-outputs
+    # constraint took too long to apply (a server answers 400, not 500).
+    client_error: bool = False
 
     def __repr__(self) -> str:
         return (

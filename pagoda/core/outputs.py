@@ -113,9 +113,12 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     # Prompt logprobs computed this step (a chunk of the prompt); None unless asked for.
     new_prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
+    # finish_reason "error": why, for the client. The engine ends a request with an error
+    # only for what the request itself asked (a constraint too slow to apply).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the engine ended it (`Request.error` says why)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -36,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -82,8 +84,11 @@ class Request:
         # the device.
         self.num_output_placeholders = 0
         # Structured outputs: the request's grammar matcher (set by the engine), fed every
-        # appended token; `accept_token(id)` is True when the grammar ends the request.
+        # appended token; `accept_token(id)` is True when the grammar ends the request, with
+        # its `error` set when that is a failure (the matcher took too long to advance).
         self.structured_output: Any = None
+        # Why the engine ended the request with FINISHED_ERROR: a message for the client.
+        self.error: str | None = None
         # Chained hashes of this request's full blocks (kept by the KV cache manager).
         self.block_hashes: list[int] = []
         # Timestamps for metrics.

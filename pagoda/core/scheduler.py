@@ -370,6 +370,8 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if grammar is not None and grammar.accept_token(token_id):
                     request.status = RequestStatus.FINISHED_STOPPED  # the grammar is matched
+                    if grammar.error is not None:  # or it took too long to advance
+                        request.status, request.error = RequestStatus.FINISHED_ERROR, grammar.error
                     break
                 if self._check_stop(request, token_id):
                     break  # tokens after a stop (later accepted drafts) are dropped
@@ -398,6 +400,7 @@ class Scheduler:
                         finish_reason=request.get_finish_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        error=request.error,
                     )
                 )
         return outputs

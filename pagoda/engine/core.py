@@ -2,12 +2,13 @@
 
 It takes `EngineCoreRequest`s (token ids, the sampling parameters of one sample, max_tokens
 resolved, the EOS id) and each `step()` returns `EngineCoreOutputs`: per request the new token
-ids, the finish reason (EOS, a stop token, the length cap, a grammar's end), raw logprob
-entries and cached-token counts. No text, no detokenizer, no n > 1 fan-out, no `RequestOutput`:
-all of that is the front end's (`input_processor.py`, `output_processor.py`). It owns the
-scheduler (torch-free), the executor, the structured-output manager (which needs the
-tokenizer's vocabulary to compile grammars: the only use of the tokenizer here), the
-speculative-decoding proposer, and async scheduling (see `step`).
+ids, the finish reason (EOS, a stop token, the length cap, a grammar's end, or an error: a
+constraint too slow to apply), raw logprob entries and cached-token counts. No text, no
+detokenizer, no n > 1 fan-out, no `RequestOutput`: all of that is the front end's
+(`input_processor.py`, `output_processor.py`). It owns the scheduler (torch-free), the
+executor, the structured-output manager (which needs the tokenizer's vocabulary to compile
+grammars: the only use of the tokenizer here), the speculative-decoding proposer, and async
+scheduling (see `step`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
@@ -228,8 +230,9 @@ class EngineCore:
             self._propose_drafts()
         sched_out = self.scheduler.schedule()
         scheduled = self.scheduler.scheduled_requests(sched_out)
+        too_slow: dict[str, str] = {}
         if self.structured_output.backend_ready:
-            self.structured_output.grammar_bitmask(sched_out, scheduled)
+            too_slow = self.structured_output.grammar_bitmask(sched_out, scheduled)
         now = time.time()
         stats = IterationStats(iteration_timestamp=now)
         for new in sched_out.scheduled_new_reqs:  # admitted: first time, or after a preemption
@@ -241,6 +244,8 @@ class EngineCore:
             n = sched_out.num_scheduled_tokens[req.request_id]
             stats.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         stats.num_scheduled_tokens = sched_out.total_num_scheduled_tokens
+        if too_slow:  # their tokens are computed all the same (the step is scheduled), then dropped
+            self._end_with_errors(too_slow, result)
         # Every step that tells the runner something goes to it: it keeps its requests by them.
         if (
             sched_out.total_num_scheduled_tokens > 0
@@ -251,6 +256,26 @@ class EngineCore:
         else:
             future = None
         return sched_out, future, stats
+
+    def _end_with_errors(self, errors: dict[str, str], result: EngineCoreOutputs) -> None:
+        """End these requests (id -> why) with finish_reason "error". Those in the step being
+        launched are still computed; `update_from_output` drops their tokens."""
+        for rid, error in errors.items():
+            request = self.scheduler.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            request.error = error
+            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+            self._groups.pop(rid, None)
+            result.outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[],
+                    finish_reason=request.get_finish_reason(),
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=error,
+                )
+            )
 
     def _finish_step(
         self,

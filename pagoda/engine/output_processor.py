@@ -7,8 +7,10 @@ CUMULATIVE / DELTA / FINAL_ONLY output kinds, and the per-request timing behind 
 
 A failure while processing one request's output (detokenizing, a stop string, a logprob)
 finishes that request alone, with finish_reason "error" and the error in its output; the
-others in the step go on. Requests that end by abort are counted too (their statistics reach
-the next step's `IterationStats`).
+others in the step go on. So does a sample the engine core ended with an error (its constraint
+too slow to apply): the request's other samples end with it, and its output says the error is
+the request's own (`client_error`). Requests that end by abort are counted too (their
+statistics reach the next step's `IterationStats`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class ParentState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # why it finished with "error"
+    client_error: bool = False  # the request's own doing (the engine core said so)
 
     @property
     def finished(self) -> bool:
@@ -208,6 +211,9 @@ class OutputProcessor:
             try:
                 if self._process_one(state, out, now, stats):
                     stopped_early.append(state.request_id)
+                if out.finish_reason == "error":
+                    self._end_with_core_error(parent, out.error)
+                    stopped_early.extend(s.request_id for s in parent.samples if s is not state)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the rest
                 self._fail_request(parent, e)
                 stopped_early.extend(s.request_id for s in parent.samples)
@@ -258,6 +264,16 @@ class OutputProcessor:
             if not s.finished:
                 s.finish_reason, s.stop_reason = "error", None
 
+    def _end_with_core_error(self, parent: ParentState, error: str | None) -> None:
+        """A sample the engine core ended with an error: the request's fault, which ends its
+        other samples too."""
+        if parent.error is None:
+            parent.error = error or "the engine ended the request with an error"
+            parent.client_error = True
+        for s in parent.samples:
+            if not s.finished:
+                s.finish_reason, s.stop_reason = "error", None
+
     def _error_output(self, parent: ParentState, now: float) -> RequestOutput:
         """The last output of a request whose output could not be built: no new text."""
         samples = [
@@ -266,7 +282,7 @@ class OutputProcessor:
         ]
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, None, samples,
-            finished=True, error=parent.error,
+            finished=True, error=parent.error, client_error=parent.client_error,
         )  # fmt: skip
 
     def _record_timing(self, s: SampleState, now: float, stats: IterationStats, n: int) -> None:
@@ -380,6 +396,7 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
+            client_error=parent.client_error,
         )
 
     def _finished_stats(self, s: SampleState, now: float) -> FinishedRequestStats:

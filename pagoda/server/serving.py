@@ -416,6 +416,10 @@ class RequestFailedError(RuntimeError):
 
 
 def check_request_error(out: RequestOutput) -> None:
+    """Raise for an output that ended with an error: a 400 when the request caused it (its
+    constraint too slow to apply), else a 500."""
+    if out.error is not None and out.client_error:
+        raise APIError(out.error, 400)
     if out.error is not None:
         raise RequestFailedError(f"the request failed in the engine: {out.error}")
 

@@ -4,7 +4,8 @@
 the engine's EOS as the token that ends a matched grammar, and compiles each distinct
 `StructuredOutputsParams` once (cached by its key). A `GrammarState` is one request's
 `GrammarMatcher`: it fills that request's row of the next-token bitmask and accepts each
-sampled token. xgrammar is imported here only, when the first structured request arrives.
+sampled token, each within the request's time budget (`budget_s`, see the manager).
+xgrammar is imported here only, when the first structured request arrives.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
 from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.filler import too_slow_message
 from pagoda.structured_output.vocab import token_bytes
 
 # Compiled grammars kept for reuse: at most this many, and this many bytes in all (one with a
@@ -42,11 +45,16 @@ def choice_grammar(choices: list[str]) -> str:
 
 class GrammarState:
     """One request's matcher. `accept_token` returns True when the request must stop: the
-    grammar terminated (its stop token was accepted) or rejected the token."""
+    grammar terminated (its stop token was accepted) or rejected the token, or advancing took
+    longer than `budget_s` (then `error` says so). Never used by two threads at once: a fill
+    the step loop stopped waiting for (`filler.MaskFiller`) ends its request, whose matcher
+    nobody touches again."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, budget_s: float = float("inf")) -> None:
         self.matcher = matcher
+        self.budget_s = budget_s
         self.rejected = False
+        self.error: str | None = None
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -54,7 +62,12 @@ class GrammarState:
     def accept_token(self, token_id: int) -> bool:
         if self.matcher.is_terminated():
             return True
-        if not self.matcher.accept_token(token_id):
+        start = time.perf_counter()
+        accepted = self.matcher.accept_token(token_id)
+        if time.perf_counter() - start > self.budget_s:
+            self.error = too_slow_message("to advance past one token", self.budget_s)
+            return True
+        if not accepted:
             self.rejected = True
             return True
         return self.matcher.is_terminated()
@@ -148,8 +161,10 @@ class XgrammarBackend:
         assert p.grammar is not None
         return c.compile_grammar(p.grammar)
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(self.xgr.GrammarMatcher(self.compile(params)))
+    def new_state(
+        self, params: StructuredOutputsParams, budget_s: float = float("inf")
+    ) -> GrammarState:
+        return GrammarState(self.xgr.GrammarMatcher(self.compile(params)), budget_s)
 
 
 def _size(compiled: Any) -> int:

@@ -1,12 +1,14 @@
 """One request's failure is that request's alone: in the engine (a fault injected into one
-request's output processing, on the embedded model) and over HTTP (the fake engine's "error"
-finish: a 500 for that request, finish_reason "error" and an in-band error in its stream)."""
+request's output processing; a structured-outputs constraint too slow to apply; on the embedded
+model) and over HTTP (the fake engine's "error" finish: a 500 for that request, finish_reason
+"error" and an in-band error in its stream)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagoda.engine.async_llm import AsyncLLM  # noqa: E402
 from pagoda.server.app import build_app  # noqa: E402
 
@@ -55,6 +57,89 @@ def test_a_failure_in_one_requests_output_processing_fails_it_alone(llm, monkeyp
     monkeypatch.undo()
     out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12  # the engine goes on serving
+
+
+# xgrammar takes 0.66 s to compute this regex's first mask over the embedded model's vocabulary,
+# 18 s a token a few tokens later (2-core AMD EPYC); ordinary constraints take microseconds.
+SLOW_REGEX = "([^a]{1,50}[^b]{1,50}){1,50}"
+
+
+def _run_beside_plain(llm: LLM, bad: SamplingParams) -> tuple[dict, list[int], list[float]]:
+    """Run "plain" (12 greedy tokens) beside "bad"; returns the final outputs and plain's
+    tokens when run alone. Every engine step must take less than 0.5 s."""
+    engine = llm.llm_engine
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0]
+    engine.add_request("plain", "The capital of France is", plain)
+    engine.add_request("bad", "Write anything:", bad)  # compiled here (offline)
+    final = {}
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.monotonic()
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            took = time.monotonic() - t0
+            assert took < 0.5, f"a step took {took:.2f} s"
+    finally:
+        engine.abort_request(["plain", "bad"])
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.num_used_blocks == 0 and engine.scheduler.get_num_unfinished_requests() == 0
+    return final, alone.outputs[0].token_ids
+
+
+def test_a_constraint_too_slow_to_apply_ends_its_request_alone(llm):
+    """Each step waited for that regex's masks (0.66 s, then 11 s and more a step), so the
+    request beside it crawled. Now the step waits no longer than the budget (100 ms by
+    default) for a request's mask: past it that request ends with an error (here both of its
+    samples: one step waits 2 x 100 ms) and the other goes on, its tokens as when it runs
+    alone."""
+    pytest.importorskip("xgrammar")
+    so = StructuredOutputsParams(regex=SLOW_REGEX)
+    bad = SamplingParams(temperature=0.0, max_tokens=12, n=2, structured_outputs=so)
+    final, alone = _run_beside_plain(llm, bad)
+    assert [c.finish_reason for c in final["bad"].outputs] == ["error", "error"]
+    error = final["bad"].error
+    assert "structured_outputs constraint took longer than 100 ms" in error, error
+    assert "PAGODA_GRAMMAR_MASK_BUDGET_MS" in error and final["bad"].client_error
+    assert final["plain"].error is None and final["plain"].outputs[0].token_ids == alone
+
+
+def test_a_matcher_too_slow_to_advance_ends_its_request_alone(llm, monkeypatch):
+    """The same budget holds for advancing the matcher past a sampled token (it runs on the
+    step loop, timed after the fact): here the third token of a request takes 0.3 s."""
+    pytest.importorskip("xgrammar")
+    backend = llm.llm_engine.structured_output.backend
+    new_state = backend.new_state
+
+    class SlowThirdAccept:
+        def __init__(self, matcher) -> None:
+            self.matcher, self.accepted = matcher, 0
+
+        def accept_token(self, token_id: int) -> bool:
+            self.accepted += 1
+            if self.accepted == 3:
+                time.sleep(0.3)
+            return self.matcher.accept_token(token_id)
+
+        def __getattr__(self, name: str):
+            return getattr(self.matcher, name)
+
+    def slow_state(*args):
+        state = new_state(*args)
+        state.matcher = SlowThirdAccept(state.matcher)
+        return state
+
+    monkeypatch.setattr(backend, "new_state", slow_state)
+    so = StructuredOutputsParams(regex="[ab]+")
+    bad = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so)
+    final, alone = _run_beside_plain(llm, bad)
+    out = final["bad"].outputs[0]
+    assert out.finish_reason == "error" and len(out.token_ids) == 3
+    assert set(out.text) <= {"a", "b"}
+    assert "longer than 100 ms to advance past one token" in final["bad"].error
+    assert final["plain"].error is None and final["plain"].outputs[0].token_ids == alone
 
 
 @pytest.fixture

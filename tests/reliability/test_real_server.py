@@ -290,6 +290,52 @@ def test_a_constraint_slow_to_compile_stalls_no_one_and_times_out(tmp_path):
         s.stop()
 
 
+def test_a_constraint_slow_to_apply_fails_alone_and_the_others_keep_their_pace(server):
+    """xgrammar takes 0.66 s to compute this regex's first next-token mask over the embedded
+    model's vocabulary, and 18 s a token a few tokens later. Every step waited for it: a stream
+    beside it went from a token every ~10 ms to one every 0.66 s, then 11 s, with /health ok.
+    Now a step waits for a request's mask no longer than PAGODA_GRAMMAR_MASK_BUDGET_MS (100 ms
+    by default): that request ends with a 400 (in a stream: an in-band error, then [DONE]), and
+    the stream beside it keeps its pace and loses no token."""
+    plain = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    arrivals: list[float] = []
+    events: list[dict] = []
+
+    def stream_plain() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=plain,
+                          headers=server.headers, timeout=60) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    events.append(json.loads(line[6:]))
+
+    t = threading.Thread(target=stream_plain)
+    t.start()
+    while not arrivals and t.is_alive():
+        time.sleep(0.01)
+    regex = "([^a]{1,50}[^b]{1,50}){1,50}"
+    bad = {"prompt": "Write anything:", "max_tokens": 20, "structured_outputs": {"regex": regex}}
+    r = _post(server, "/v1/completions", bad, timeout=20)
+    assert r.status_code == 400, r.text
+    assert (
+        "took longer than 100 ms to compute the next token's mask" in r.json()["error"]["message"]
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True,
+            "structured_outputs": {"regex": regex}}  # fmt: skip
+    r = _post(server, "/v1/chat/completions", chat, timeout=20)
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "[DONE]", r.text
+    error = json.loads(lines[-2])["error"]
+    assert error["code"] == 400 and "PAGODA_GRAMMAR_MASK_BUDGET_MS" in error["message"], error
+    assert t.is_alive()  # both were refused while the plain stream ran
+    t.join(60)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert max(gaps) < 0.5, sorted(gaps)[-5:]  # the steps that waited 100 ms for a bad mask
+    assert events[-1]["usage"]["completion_tokens"] == 200
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
 def test_prompt_logprobs_are_returned(server):
     # Asked for, they come back (vLLM's form): per prompt position, None first, then
     # {token id: {logprob, rank, decoded_token}} holding the prompt's own token.
