@@ -7,6 +7,10 @@ memory and waits on each tile's wgmma, and read the Llama-3-8B layers at 1.0-1.9
 H200. Here every lane loads the 16-byte pieces that are exactly its own mma operands, several
 K steps at once, straight into registers; a CTA owns its rows over all of K, so the split over
 K is summed in shared memory inside the CTA, with no workspace, counter or second pass.
+`GemvConfig.bulk` streams the weights through a shared-memory ring filled by the copy engine
+instead (cp.async.bulk from one producer warp, sm_90): it builds for sm_90 (NVRTC + ptxas, no
+spills at up to 16 rows) and has GPU tests, but has not been run on a GPU yet, so no rule
+picks it; `benchmarks/w4a16_skinny_bench.py` sweeps it.
 
 It covers: 16-bit x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a
 multiple of 128 inputs or one group per row, act order, bias, M <= 64, sm_80 or newer (run
