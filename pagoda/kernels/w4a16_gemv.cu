@@ -151,13 +151,143 @@ __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int*
   return r;
 }
 
+// The kernel's parameters (both variants below).
+#define GEMV_PARAMS                                                                          \
+  u16 *__restrict__ y, const u16 *__restrict__ x, const u32 *__restrict__ qweight,           \
+      const u16 *__restrict__ scales, const u8 *__restrict__ zeros,                          \
+      const int *__restrict__ perm, const u16 *__restrict__ bias, int M, int N, int K, int G, \
+      int stride_x, int stride_y
+
+// A warp's fp32 tiles into its slot of the CTA's partials.
+__device__ __forceinline__ void write_partial(float (&red)[ROW_TILES * M_TILES * 4][32],
+                                              const float (&acc)[ROW_TILES][M_TILES][4],
+                                              int lane) {
+#pragma unroll
+  for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(rt * M_TILES + mt) * 4 + i][lane] = acc[rt][mt][i];
+}
+
+// The warps' partials summed in warp order (+ bias) into y, by the CTA's `threads` threads.
+// Element (j, l) of the tile: lane l's C register j % 4 of tile j / 4 = (rt, mt): row
+// 16 rt + l / 4 + 8 (j % 4 / 2), column 8 mt + 2 (l % 4) + j % 2.
+__device__ __forceinline__ void reduce_store(const float (&red)[WARPS][ROW_TILES * M_TILES * 4][32],
+                                             u16* __restrict__ y, const u16* __restrict__ bias,
+                                             int n0, int M, int N, int stride_y, int threads) {
+  for (int e = threadIdx.x; e < ROW_TILES * M_TILES * 4 * 32; e += threads) {
+    const int j = e / 32, l = e % 32;
+    const int rt = j / (4 * M_TILES), mt = (j / 4) % M_TILES, i = j % 4;
+    const int row = n0 + 16 * rt + l / 4 + 8 * (i / 2);
+    const int col = 8 * mt + 2 * (l % 4) + (i % 2);
+    if (row < N && col < M) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
+#if HAS_BIAS
+      sum += to_f32<BF16>(bias[row]);
+#endif
+      y[(long long)col * stride_y + row] = from_f32(sum);
+    }
+  }
+}
+
+// One K step of a warp: its weights wv (rows g and g + 8 of each row tile), their scales and
+// zero points, and x from x_at(w, mt) (B tile mt's inputs for word w, asked at word w's turn;
+// x_first() runs once before the first), added to acc. Two accumulator chains per tile (words
+// 0, 2 and 1, 3): half the mma dependency; the group's scale applied to the step's fp32
+// product.
+template <typename XFirst, typename XAt>
+__device__ __forceinline__ void step_product(float (&acc)[ROW_TILES][M_TILES][4],
+                                             const uint4 (&wv)[ROW_TILES][2],
+                                             const u32 (&sc)[ROW_TILES][2],
+                                             const u32 (&zp)[ROW_TILES][2], XFirst x_first,
+                                             XAt x_at) {
+  float tmp[2][ROW_TILES][M_TILES][4];
+#if SUM_MMA
+  float xs[2][M_TILES][4];
+#endif
+  u32 zoff[ROW_TILES][2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#if SUM_MMA
+        xs[c][mt][i] = 0.f;
+#endif
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) tmp[c][rt][mt][i] = 0.f;
+      }
+#pragma unroll
+  for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) zoff[rt][h] = MAGIC | (zp[rt][h] * 0x10001u);
+  x_first();
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    uint4 xw[M_TILES];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) xw[mt] = x_at(w, mt);
+#if SUM_MMA
+    // The sums of x over the step, in the accumulator's layout (every row the same): an mma
+    // of all-ones A. The zero point is then applied to the product:
+    // sum (q - z) x = sum (OFFSET + q) x - (OFFSET + z) sum x.
+    const u32 one = BF16 ? 0x3f803f80u : 0x3c003c00u;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      mma(xs[w & 1][mt], one, one, one, one, xw[mt].x, xw[mt].y);
+      mma(xs[w & 1][mt], one, one, one, one, xw[mt].z, xw[mt].w);
+    }
+#endif
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt) {
+      const u32 lo = part(wv[rt][0], w), hi = part(wv[rt][1], w);
+      const u32 l0 = pair<0, SUB_ZERO>(lo, zoff[rt][0]);
+      const u32 h0 = pair<0, SUB_ZERO>(hi, zoff[rt][1]);
+      const u32 l1 = pair<1, SUB_ZERO>(lo, zoff[rt][0]);
+      const u32 h1 = pair<1, SUB_ZERO>(hi, zoff[rt][1]);
+      const u32 l2 = pair<2, SUB_ZERO>(lo, zoff[rt][0]);
+      const u32 h2 = pair<2, SUB_ZERO>(hi, zoff[rt][1]);
+      const u32 l3 = pair<3, SUB_ZERO>(lo, zoff[rt][0]);
+      const u32 h3 = pair<3, SUB_ZERO>(hi, zoff[rt][1]);
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        mma(tmp[w & 1][rt][mt], l0, h0, l1, h1, xw[mt].x, xw[mt].y);
+        mma(tmp[w & 1][rt][mt], l2, h2, l3, h3, xw[mt].z, xw[mt].w);
+      }
+    }
+  }
+#pragma unroll
+  for (int rt = 0; rt < ROW_TILES; ++rt) {
+    const float s_lo = to_f32<SCALES_BF16>((u16)sc[rt][0]);
+    const float s_hi = to_f32<SCALES_BF16>((u16)sc[rt][1]);
+#if SUM_MMA
+    const float z_lo = (float)zp[rt][0] + OFFSET, z_hi = (float)zp[rt][1] + OFFSET;
+#endif
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = tmp[0][rt][mt][i] + tmp[1][rt][mt][i];
+#if SUM_MMA
+        v[i] -= (i < 2 ? z_lo : z_hi) * (xs[0][mt][i] + xs[1][mt][i]);
+#endif
+      }
+      acc[rt][mt][0] += s_lo * v[0];
+      acc[rt][mt][1] += s_lo * v[1];
+      acc[rt][mt][2] += s_hi * v[2];
+      acc[rt][mt][3] += s_hi * v[3];
+    }
+  }
+}
+
 #if !BULK
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-    pagoda_w4a16_gemv(u16* __restrict__ y, const u16* __restrict__ x,
-                      const u32* __restrict__ qweight, const u16* __restrict__ scales,
-                      const u8* __restrict__ zeros, const int* __restrict__ perm,
-                      const u16* __restrict__ bias, int M, int N, int K, int G, int stride_x,
-                      int stride_y) {
+    pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -227,123 +357,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     for (int d = 0; d < DEPTH; ++d) {
       const int s = s0 + d * WARPS;
       if (s < steps) {
-        // Two accumulator chains per tile (words 0, 2 and 1, 3): half the mma dependency.
-        float tmp[2][ROW_TILES][M_TILES][4];
-#if SUM_MMA
-        float xs[2][M_TILES][4];
-#endif
-        u32 zoff[ROW_TILES][2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-#if SUM_MMA
-              xs[c][mt][i] = 0.f;
-#endif
-#pragma unroll
-              for (int rt = 0; rt < ROW_TILES; ++rt) tmp[c][rt][mt][i] = 0.f;
-            }
-#pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) zoff[rt][h] = MAGIC | (zp[d][rt][h] * 0x10001u);
-        uint4 xv[4][M_TILES];
+        auto x_load = [&](int w, int mt) {
+          return load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+        };
 #if X_EARLY && M_TILES <= 2  // all of the step's x loads before the first mma
+        uint4 xv[4][M_TILES];
+        auto x_first = [&] {
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
+          for (int w = 0; w < 4; ++w)
 #pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt)
-            xv[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+            for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = x_load(w, mt);
+        };
+        step_product(acc, wv[d], sc[d], zp[d], x_first, [&](int w, int mt) { return xv[w][mt]; });
+#else
+        step_product(acc, wv[d], sc[d], zp[d], [] {}, x_load);
 #endif
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-#if !(X_EARLY && M_TILES <= 2)
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt)
-            xv[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
-#endif
-#if SUM_MMA
-          // The sums of x over the step, in the accumulator's layout (every row the same):
-          // an mma of all-ones A. The zero point is then applied to the product:
-          // sum (q - z) x = sum (OFFSET + q) x - (OFFSET + z) sum x.
-          const u32 one = BF16 ? 0x3f803f80u : 0x3c003c00u;
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].x, xv[w][mt].y);
-            mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].z, xv[w][mt].w);
-          }
-#endif
-#pragma unroll
-          for (int rt = 0; rt < ROW_TILES; ++rt) {
-            const u32 lo = part(wv[d][rt][0], w), hi = part(wv[d][rt][1], w);
-            const u32 l0 = pair<0, SUB_ZERO>(lo, zoff[rt][0]);
-            const u32 h0 = pair<0, SUB_ZERO>(hi, zoff[rt][1]);
-            const u32 l1 = pair<1, SUB_ZERO>(lo, zoff[rt][0]);
-            const u32 h1 = pair<1, SUB_ZERO>(hi, zoff[rt][1]);
-            const u32 l2 = pair<2, SUB_ZERO>(lo, zoff[rt][0]);
-            const u32 h2 = pair<2, SUB_ZERO>(hi, zoff[rt][1]);
-            const u32 l3 = pair<3, SUB_ZERO>(lo, zoff[rt][0]);
-            const u32 h3 = pair<3, SUB_ZERO>(hi, zoff[rt][1]);
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-              mma(tmp[w & 1][rt][mt], l0, h0, l1, h1, xv[w][mt].x, xv[w][mt].y);
-              mma(tmp[w & 1][rt][mt], l2, h2, l3, h3, xv[w][mt].z, xv[w][mt].w);
-            }
-          }
-        }
-#pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt) {
-          const float s_lo = to_f32<SCALES_BF16>((u16)sc[d][rt][0]);
-          const float s_hi = to_f32<SCALES_BF16>((u16)sc[d][rt][1]);
-#if SUM_MMA
-          const float z_lo = (float)zp[d][rt][0] + OFFSET, z_hi = (float)zp[d][rt][1] + OFFSET;
-#endif
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            float v[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              v[i] = tmp[0][rt][mt][i] + tmp[1][rt][mt][i];
-#if SUM_MMA
-              v[i] -= (i < 2 ? z_lo : z_hi) * (xs[0][mt][i] + xs[1][mt][i]);
-#endif
-            }
-            acc[rt][mt][0] += s_lo * v[0];
-            acc[rt][mt][1] += s_lo * v[1];
-            acc[rt][mt][2] += s_hi * v[2];
-            acc[rt][mt][3] += s_hi * v[3];
-          }
-        }
       }
     }
   }
 
-#pragma unroll
-  for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp][(rt * M_TILES + mt) * 4 + i][lane] = acc[rt][mt][i];
+  write_partial(red[warp], acc, lane);
   __syncthreads();
-  // Element (j, l) of the tile: lane l's C register j % 4 of tile j / 4 = (rt, mt): row
-  // 16 rt + l / 4 + 8 (j % 4 / 2), column 8 mt + 2 (l % 4) + j % 2.
-  for (int e = threadIdx.x; e < ROW_TILES * M_TILES * 4 * 32; e += WARPS * 32) {
-    const int j = e / 32, l = e % 32;
-    const int rt = j / (4 * M_TILES), mt = (j / 4) % M_TILES, i = j % 4;
-    const int row = n0 + 16 * rt + l / 4 + 8 * (i / 2);
-    const int col = 8 * mt + 2 * (l % 4) + (i % 2);
-    if (row < N && col < M) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
-#if HAS_BIAS
-      sum += to_f32<BF16>(bias[row]);
-#endif
-      y[(long long)col * stride_y + row] = from_f32(sum);
-    }
-  }
+  reduce_store(red, y, bias, n0, M, N, stride_y, WARPS * 32);
 }
 #endif  // !BULK
 
@@ -400,11 +435,7 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
 }
 
 extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 : 2)
-    pagoda_w4a16_gemv(u16* __restrict__ y, const u16* __restrict__ x,
-                      const u32* __restrict__ qweight, const u16* __restrict__ scales,
-                      const u8* __restrict__ zeros, const int* __restrict__ perm,
-                      const u16* __restrict__ bias, int M, int N, int K, int G, int stride_x,
-                      int stride_y) {
+    pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
   __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
   extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * ROWS * PITCH
@@ -496,78 +527,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[st]);
       }
-      float tmp[2][ROW_TILES][M_TILES][4];
-#if SUM_MMA
-      float xs[2][M_TILES][4];
-#endif
-      u32 zoff[ROW_TILES][2];
-#pragma unroll
-      for (int c2 = 0; c2 < 2; ++c2)
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-#if SUM_MMA
-            xs[c2][mt][j] = 0.f;
-#endif
-#pragma unroll
-            for (int rt = 0; rt < ROW_TILES; ++rt) tmp[c2][rt][mt][j] = 0.f;
-          }
-#pragma unroll
-      for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) zoff[rt][h] = MAGIC | (zp[rt][h] * 0x10001u);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-#if SUM_MMA
-        const u32 one = BF16 ? 0x3f803f80u : 0x3c003c00u;
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].x, xv[w][mt].y);
-          mma(xs[w & 1][mt], one, one, one, one, xv[w][mt].z, xv[w][mt].w);
-        }
-#endif
-#pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt) {
-          const u32 lo = part(wv[rt][0], w), hi = part(wv[rt][1], w);
-          const u32 l0 = pair<0, SUB_ZERO>(lo, zoff[rt][0]);
-          const u32 h0 = pair<0, SUB_ZERO>(hi, zoff[rt][1]);
-          const u32 l1 = pair<1, SUB_ZERO>(lo, zoff[rt][0]);
-          const u32 h1 = pair<1, SUB_ZERO>(hi, zoff[rt][1]);
-          const u32 l2 = pair<2, SUB_ZERO>(lo, zoff[rt][0]);
-          const u32 h2 = pair<2, SUB_ZERO>(hi, zoff[rt][1]);
-          const u32 l3 = pair<3, SUB_ZERO>(lo, zoff[rt][0]);
-          const u32 h3 = pair<3, SUB_ZERO>(hi, zoff[rt][1]);
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            mma(tmp[w & 1][rt][mt], l0, h0, l1, h1, xv[w][mt].x, xv[w][mt].y);
-            mma(tmp[w & 1][rt][mt], l2, h2, l3, h3, xv[w][mt].z, xv[w][mt].w);
-          }
-        }
-      }
-#pragma unroll
-      for (int rt = 0; rt < ROW_TILES; ++rt) {
-        const float s_lo = to_f32<SCALES_BF16>((u16)sc[rt][0]);
-        const float s_hi = to_f32<SCALES_BF16>((u16)sc[rt][1]);
-#if SUM_MMA
-        const float z_lo = (float)zp[rt][0] + OFFSET, z_hi = (float)zp[rt][1] + OFFSET;
-#endif
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          float v[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            v[j] = tmp[0][rt][mt][j] + tmp[1][rt][mt][j];
-#if SUM_MMA
-            v[j] -= (j < 2 ? z_lo : z_hi) * (xs[0][mt][j] + xs[1][mt][j]);
-#endif
-          }
-          acc[rt][mt][0] += s_lo * v[0];
-          acc[rt][mt][1] += s_lo * v[1];
-          acc[rt][mt][2] += s_hi * v[2];
-          acc[rt][mt][3] += s_hi * v[3];
-        }
-      }
+      step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
@@ -580,28 +540,9 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
     }
-#pragma unroll
-    for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) red[warp][(rt * M_TILES + mt) * 4 + j][lane] = acc[rt][mt][j];
+    write_partial(red[warp], acc, lane);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < ROW_TILES * M_TILES * 4 * 32; e += (WARPS + 1) * 32) {
-    const int j = e / 32, l = e % 32;
-    const int rt = j / (4 * M_TILES), mt = (j / 4) % M_TILES, i = j % 4;
-    const int row = n0 + 16 * rt + l / 4 + 8 * (i / 2);
-    const int col = 8 * mt + 2 * (l % 4) + (i % 2);
-    if (row < N && col < M) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
-#if HAS_BIAS
-      sum += to_f32<BF16>(bias[row]);
-#endif
-      y[(long long)col * stride_y + row] = from_f32(sum);
-    }
-  }
+  reduce_store(red, y, bias, n0, M, N, stride_y, (WARPS + 1) * 32);
 }
 #endif  // BULK
