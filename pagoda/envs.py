@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
     PAGODA_GRAMMAR_COMPILE_TIMEOUT_S: float
     PAGODA_GRAMMAR_MASK_BUDGET_MS: float
+    PAGODA_GRAMMAR_COMPILE_PROCESSES: int
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
     CC: str | None
@@ -70,6 +71,20 @@ def _positive_int(name: str, default: int | None) -> Callable[[], int | None]:
             return default
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        return int(value)
+
+    return read
+
+
+def _count(name: str, default: int) -> Callable[[], int]:
+    """A non-negative integer."""
+
+    def read() -> int:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            return default
+        if not value.isdigit():
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         return int(value)
 
     return read
@@ -244,6 +259,14 @@ VARIABLES: dict[str, EnvVar] = {
             "Milliseconds a structured-outputs constraint may take to compute one token's mask, "
             "or to advance by one token, before its request ends with an error.",
             _positive_float("PAGODA_GRAMMAR_MASK_BUDGET_MS", 100.0),
+        ),
+        EnvVar(
+            "PAGODA_GRAMMAR_COMPILE_PROCESSES", "int", "2",
+            "Worker processes that compile a served engine's structured-outputs constraints "
+            "(started when needed; one past PAGODA_GRAMMAR_COMPILE_TIMEOUT_S is killed). 0: "
+            "two threads of the engine core instead, and a compile past the timeout keeps its "
+            "core until xgrammar returns.",
+            _count("PAGODA_GRAMMAR_COMPILE_PROCESSES", 2),
         ),
         EnvVar(
             "PAGODA_MAX_N_SEQUENCES", "int", "128",
