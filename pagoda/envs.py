@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     PAGODA_GRAMMAR_COMPILE_TIMEOUT_S: float
     PAGODA_GRAMMAR_MASK_BUDGET_MS: float
     PAGODA_GRAMMAR_COMPILE_PROCESSES: int
+    PAGODA_GRAMMAR_MAX_ABANDONED: int
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
     CC: str | None
@@ -88,6 +89,14 @@ def _count(name: str, default: int) -> Callable[[], int]:
         return int(value)
 
     return read
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; all of them where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _positive_float(name: str, default: float) -> Callable[[], float]:
@@ -267,6 +276,16 @@ VARIABLES: dict[str, EnvVar] = {
             "two threads of the engine core instead, and a compile past the timeout keeps its "
             "core until xgrammar returns.",
             _count("PAGODA_GRAMMAR_COMPILE_PROCESSES", 2),
+        ),
+        # Each abandoned fill (or compile past its timeout on a thread) keeps a core busy until
+        # xgrammar returns: 0.66 s to 19 s a token for the slow regex of docs/reliability.md.
+        # At one per core they hold every core; more only slow everyone's steps down further.
+        EnvVar(
+            "PAGODA_GRAMMAR_MAX_ABANDONED", "int", "the cores this process may use",
+            "New structured-outputs requests of a served engine get HTTP 503 (Retry-After) "
+            "while this many constraint computations given up on as too slow (masks past "
+            "PAGODA_GRAMMAR_MASK_BUDGET_MS, compiles past the timeout on threads) still run.",
+            lambda: _positive_int("PAGODA_GRAMMAR_MAX_ABANDONED", None)() or _usable_cores(),
         ),
         EnvVar(
             "PAGODA_MAX_N_SEQUENCES", "int", "128",

@@ -8,7 +8,9 @@ text and no `RequestOutput`, which the front end's output processor makes), the 
 refused, the ones it aborted or expired (waited longer than `max_queue_delay_s` without being
 scheduled), and the scheduler's state. A request whose structured-outputs constraint is not
 compiled yet waits off the core while a worker process compiles it (`GrammarCompilePool`, at
-most PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps.
+most PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps;
+structured requests are refused for now (503) while too many constraints given up on as too
+slow to apply still run (PAGODA_GRAMMAR_MAX_ABANDONED).
 Where it runs is the caller's choice: on a thread it
 reads a queue and calls back directly; in a child process (`run_engine_core_process`, vLLM's
 EngineCoreProc) it reads and writes a pipe, so the HTTP front end's Python (tokenizing,
@@ -148,6 +150,11 @@ class EngineCoreLoop:
         report.num_adds += len(cmd.requests)
         manager = getattr(self.core, "structured_output", None)
         params = cmd.requests[0].sampling_params
+        if manager is not None and params.structured_outputs is not None:
+            busy = self._runaway_error(manager)
+            if busy is not None:
+                report.add_errors.append((cmd.requests[0].request_id, busy))
+                return
         if manager is not None and not manager.compiled(params):
             if self._compile_pool is None:
                 self._compile_pool = GrammarCompilePool(manager)
@@ -158,6 +165,21 @@ class EngineCoreLoop:
             self.core.add_requests(cmd.requests)
         except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
             report.add_errors.append((cmd.requests[0].request_id, e))
+
+    def _runaway_error(self, manager: Any) -> StructuredOutputsBusyError | None:
+        """The error of a structured request arriving while PAGODA_GRAMMAR_MAX_ABANDONED
+        computations of constraints given up on as too slow still run (each on a core: they
+        cannot be interrupted), or None."""
+        running = getattr(manager, "num_abandoned_running", 0)
+        if self._compile_pool is not None:
+            running += self._compile_pool.num_runaway
+        limit = envs.PAGODA_GRAMMAR_MAX_ABANDONED
+        if running < limit:
+            return None
+        return StructuredOutputsBusyError(
+            f"the server is busy with {running} structured_outputs constraints given up on as "
+            f"too slow (at most {limit}, PAGODA_GRAMMAR_MAX_ABANDONED): retry later"
+        )
 
     def _admit_compiled(self, report: CoreReport) -> None:
         """Add the requests whose constraint compiled; refuse those whose failed, ran past

@@ -110,7 +110,7 @@ class XgrammarBackend:
         self.compiler = make_compiler(self.xgr, self.tokenizer_info)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._cached_bytes = 0
-        self._lock = threading.Lock()  # the serving loop compiles on worker threads
+        self._lock = threading.Lock()  # the serving loop's compile pool caches from its threads
 
     @property
     def can_deserialize(self) -> bool:

@@ -1,9 +1,11 @@
 """`StructuredOutputManager`: the engine's side of structured outputs (vLLM's manager of the same
 name). It checks and compiles a request's constraint when it is added (a bad one is a
-ValueError there), gives each `Request` its own matcher (`request.structured_output`), and after
-each `schedule()` fills the bitmask rows of the scheduled structured requests that sample this
-step. The matcher must have seen every earlier token of its request when its row is filled:
-the engine runs steps with structured requests synchronously and gives them no drafts.
+ValueError there; the serving loop has it compiled in a worker process first,
+`compile_pool.py`, and caches the result here), gives each `Request` its own matcher
+(`request.structured_output`), and after each `schedule()` fills the bitmask rows of the
+scheduled structured requests that sample this step. The matcher must have seen every earlier
+token of its request when its row is filled: the engine runs steps with structured requests
+synchronously and gives them no drafts.
 
 Applying a constraint has a time budget per token (PAGODA_GRAMMAR_MASK_BUDGET_MS, read when a
 request is added): computing its mask (`filler.py`: the step loop waits no longer) and advancing
@@ -91,6 +93,11 @@ class StructuredOutputManager:
         """Cache the grammar of `params` compiled elsewhere (a compile worker's, read back)."""
         assert params.structured_outputs is not None
         self.backend.put(params.structured_outputs, compiled)
+
+    @property
+    def num_abandoned_running(self) -> int:
+        """Mask fills given up on (past their budget) that still run, each on a core."""
+        return self.filler.num_running_abandoned
 
     def validate(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (cached): a ValueError if it is invalid."""
