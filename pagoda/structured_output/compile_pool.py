@@ -1,10 +1,11 @@
 """`GrammarCompilePool`: the serving loop's structured-outputs constraints, compiled off its step
-loop, each by its deadline, at most two at once.
+loop, each by its deadline, at most PAGODA_GRAMMAR_COMPILE_PROCESSES (2) at once.
 
 Each compile runs in a worker process (`compile_worker.py`) watched by a thread of this pool:
 past its deadline the worker is killed, which frees its core at once, and a new one is started
-for the next compile. A worker is started for the first compile, a second only when a compile
-arrives while the first is busy; both are kept. Where the grammar cannot come back from another
+for the next compile. A worker is started for the first compile, another only when a compile
+arrives while those started are busy; all are kept. The deadline counts from the request's
+arrival, but not the engine's own start-up (xgrammar imported here, a new worker starting). Where the grammar cannot come back from another
 process (an xgrammar without `CompiledGrammar.deserialize_json`), or with
 PAGODA_GRAMMAR_COMPILE_PROCESSES=0, the compile runs on the pool's thread instead: xgrammar
 cannot be interrupted, so a compile past its deadline is refused but runs on to its end, a
