@@ -48,6 +48,7 @@ class StructuredOutputManager:
     def backend(self) -> Any:
         if self._backend is not None:
             return self._backend
+        self._check_tokenizer()
         with self._backend_lock:
             if self._backend is None:
                 from pagoda.structured_output.backend_xgrammar import XgrammarBackend
@@ -65,10 +66,7 @@ class StructuredOutputManager:
 
         if self._backend is not None:
             return self._backend.info_args
-        if self.tokenizer is None:
-            raise ValueError(
-                "structured outputs need the tokenizer: do not use skip_tokenizer_init"
-            )
+        self._check_tokenizer()
         if importlib.util.find_spec("xgrammar") is None:
             xg.import_xgrammar()  # its error
         with self._backend_lock:
@@ -77,6 +75,12 @@ class StructuredOutputManager:
                     self.tokenizer, self.vocab_size, self.eos_token_id
                 )
         return self._info_args
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured outputs need the tokenizer: do not use skip_tokenizer_init"
+            )
 
     def compiled(self, params: SamplingParams) -> bool:
         """Whether `validate` would return at once: no constraint, one compiled already, or one
