@@ -14,6 +14,11 @@ after `--engine-seconds`).
 
     python benchmarks/grammar_mask_time.py [--tokens 64] [--slow-tokens 8] [--busy 0]
     python benchmarks/grammar_mask_time.py --engine [--engine-seconds 60]
+    python benchmarks/grammar_mask_time.py --abandoned 0,1,2,3,4
+
+`--abandoned` measures what fills given up on cost the others (what
+PAGODA_GRAMMAR_MAX_ABANDONED bounds): the engine's step times for 4 plain requests while N
+fills of the slow regex run on threads of their own.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import multiprocessing
 import random
 import time
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +98,50 @@ def engine_steps(seconds: float) -> None:
         print(f"{label}: {len(steps)} steps, ms: {ms}; finished: {ended}", flush=True)
 
 
+def _fill_forever(backend: XgrammarBackend, params: P, stop: Any) -> None:
+    """The first mask of `params` (0.66 s for the slow regex), again and again until `stop`."""
+    bitmask = np.empty((1, -(-backend.vocab_size // 32)), dtype=np.int32)
+    while not stop.is_set():
+        backend.new_state(params).fill_bitmask(bitmask, 0)
+
+
+def abandoned_steps(counts: list[int]) -> None:
+    """Step times of 4 plain requests decoding 32 greedy tokens each, while N mask fills of
+    the slow regex run on threads of their own (as N fills the engine gave up on do: each
+    keeps a core until xgrammar returns)."""
+    import threading
+
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(max_model_len=256, dtype="float32")
+    engine = llm.llm_engine
+    plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate(["warm up"], plain, use_tqdm=False)
+    backend = engine.structured_output.backend
+    backend.compile(P(regex=SLOW_REGEX))
+    print("| fills running | step ms, median | p90 | max |")
+    print("|---|---|---|---|")
+    for n in counts:
+        stop = threading.Event()
+        args = (backend, P(regex=SLOW_REGEX), stop)
+        threads = [threading.Thread(target=_fill_forever, args=args) for _ in range(n)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        for i in range(4):
+            engine.add_request(f"p{n}-{i}", f"Story number {i}:", plain)
+        steps = []
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t0) * 1e3)
+        stop.set()
+        s = np.array(steps)
+        print(f"| {n} | {np.median(s):.1f} | {np.percentile(s, 90):.1f} | {s.max():.1f} |")
+        for t in threads:  # a fill in progress ends first
+            t.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
@@ -99,9 +149,13 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0)
     ap.add_argument("--engine", action="store_true")
     ap.add_argument("--engine-seconds", type=float, default=60.0)
+    ap.add_argument("--abandoned", default=None, help="e.g. 0,1,2,3,4: step times beside N fills")
     args = ap.parse_args()
     if args.engine:
         engine_steps(args.engine_seconds)
+        return
+    if args.abandoned is not None:
+        abandoned_steps([int(n) for n in args.abandoned.split(",")])
         return
     busy = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.busy)]
     for p in busy:

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
     PAGODA_GRAMMAR_COMPILE_TIMEOUT_S: float
     PAGODA_GRAMMAR_MASK_BUDGET_MS: float
+    PAGODA_GRAMMAR_COMPILE_PROCESSES: int
+    PAGODA_GRAMMAR_MAX_ABANDONED: int
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
     CC: str | None
@@ -73,6 +75,28 @@ def _positive_int(name: str, default: int | None) -> Callable[[], int | None]:
         return int(value)
 
     return read
+
+
+def _count(name: str, default: int) -> Callable[[], int]:
+    """A non-negative integer."""
+
+    def read() -> int:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            return default
+        if not value.isdigit():
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        return int(value)
+
+    return read
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; all of them where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _positive_float(name: str, default: float) -> Callable[[], float]:
@@ -244,6 +268,24 @@ VARIABLES: dict[str, EnvVar] = {
             "Milliseconds a structured-outputs constraint may take to compute one token's mask, "
             "or to advance by one token, before its request ends with an error.",
             _positive_float("PAGODA_GRAMMAR_MASK_BUDGET_MS", 100.0),
+        ),
+        EnvVar(
+            "PAGODA_GRAMMAR_COMPILE_PROCESSES", "int", "2",
+            "Worker processes that compile a served engine's structured-outputs constraints "
+            "(started when needed; one past PAGODA_GRAMMAR_COMPILE_TIMEOUT_S is killed). 0: "
+            "two threads of the engine core instead, and a compile past the timeout keeps its "
+            "core until xgrammar returns.",
+            _count("PAGODA_GRAMMAR_COMPILE_PROCESSES", 2),
+        ),
+        # Each abandoned fill (or compile past its timeout on a thread) keeps a core busy until
+        # xgrammar returns: 0.66 s to 19 s a token for the slow regex of docs/reliability.md.
+        # At one per core they hold every core; more only slow everyone's steps down further.
+        EnvVar(
+            "PAGODA_GRAMMAR_MAX_ABANDONED", "int", "the cores this process may use",
+            "New structured-outputs requests of a served engine get HTTP 503 (Retry-After) "
+            "while this many constraint computations given up on as too slow (masks past "
+            "PAGODA_GRAMMAR_MASK_BUDGET_MS, compiles past the timeout on threads) still run.",
+            lambda: _positive_int("PAGODA_GRAMMAR_MAX_ABANDONED", None)() or _usable_cores(),
         ),
         EnvVar(
             "PAGODA_MAX_N_SEQUENCES", "int", "128",

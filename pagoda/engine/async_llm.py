@@ -37,6 +37,9 @@ from pagoda.engine.input_processor import InputProcessor, PromptValidationError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.compile_pool import (  # raised by generate()
+    StructuredOutputsBusyError as StructuredOutputsBusyError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +303,9 @@ class AsyncLLM:
         Raises ValueError for a request the engine rejects; EngineOverloadedError past the
         waiting bound, EngineDrainingError while draining, EngineRestartingError while the
         core restarts, RequestQueueTimeoutError after waiting too long, EngineDeadError when
-        the core died under it. Closing or cancelling the iterator before the last output
+        the core died under it; StructuredOutputsBusyError for a structured request the core
+        cannot take for now (constraints given up on as too slow still running, or no grammar
+        compiler free in time). Closing or cancelling the iterator before the last output
         aborts the request.
         """
         self._check_admission(params.n)

@@ -7,8 +7,10 @@ listens: the core's plain outputs of the step (token ids, finish reasons, raw lo
 text and no `RequestOutput`, which the front end's output processor makes), the requests it
 refused, the ones it aborted or expired (waited longer than `max_queue_delay_s` without being
 scheduled), and the scheduler's state. A request whose structured-outputs constraint is not
-compiled yet waits off the core while a worker thread compiles it (at most
-PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps.
+compiled yet waits off the core while a worker process compiles it (`GrammarCompilePool`, at
+most PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps;
+structured requests are refused for now (503) while too many constraints given up on as too
+slow to apply still run (PAGODA_GRAMMAR_MAX_ABANDONED).
 Where it runs is the caller's choice: on a thread it
 reads a queue and calls back directly; in a child process (`run_engine_core_process`, vLLM's
 EngineCoreProc) it reads and writes a pipe, so the HTTP front end's Python (tokenizing,
@@ -23,12 +25,13 @@ import pickle
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda import envs
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreRequest
+from pagoda.structured_output.compile_pool import GrammarCompilePool, StructuredOutputsBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -130,58 +133,79 @@ class EngineCoreLoop:
         self._get_commands = get_commands
         self._put_report = put_report
         self.max_queue_delay_s = max_queue_delay_s
-        # AddRequests whose structured-outputs constraint compiles on a worker thread: a
-        # constraint can take minutes to compile, and the steps of every other request go on
-        # meanwhile (xgrammar compiles without the GIL). They count as waiting.
-        self._compiling: list[tuple[Future, AddRequest, float]] = []
-        self._compile_pool: ThreadPoolExecutor | None = None
+        # AddRequests whose structured-outputs constraint is being compiled, off the step loop
+        # (`GrammarCompilePool`: a constraint can take minutes to compile, and the steps of
+        # every other request go on meanwhile). They count as waiting.
+        self._compiling: list[tuple[Future, AddRequest]] = []
+        self._compile_pool: GrammarCompilePool | None = None
 
     def run(self) -> None:
         try:
             self._run()
         finally:
-            if self._compile_pool is not None:  # a runaway compile is left to finish alone
-                self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            if self._compile_pool is not None:  # its worker processes are killed
+                self._compile_pool.close()
 
     def _add(self, cmd: AddRequest, report: CoreReport) -> None:
         report.num_adds += len(cmd.requests)
         manager = getattr(self.core, "structured_output", None)
         params = cmd.requests[0].sampling_params
+        if manager is not None and params.structured_outputs is not None:
+            busy = self._runaway_error(manager)
+            if busy is not None:
+                report.add_errors.append((cmd.requests[0].request_id, busy))
+                return
         if manager is not None and not manager.compiled(params):
             if self._compile_pool is None:
-                self._compile_pool = ThreadPoolExecutor(2, thread_name_prefix="pagoda-grammar")
-            future = self._compile_pool.submit(manager.validate, params)
-            deadline = time.monotonic() + envs.PAGODA_GRAMMAR_COMPILE_TIMEOUT_S
-            self._compiling.append((future, cmd, deadline))
+                self._compile_pool = GrammarCompilePool(manager)
+            timeout_s = envs.PAGODA_GRAMMAR_COMPILE_TIMEOUT_S
+            self._compiling.append((self._compile_pool.submit(params, timeout_s), cmd))
             return
         try:
             self.core.add_requests(cmd.requests)
         except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
             report.add_errors.append((cmd.requests[0].request_id, e))
 
+    def _runaway_error(self, manager: Any) -> StructuredOutputsBusyError | None:
+        """The error of a structured request arriving while PAGODA_GRAMMAR_MAX_ABANDONED
+        computations of constraints given up on as too slow still run (each on a core: they
+        cannot be interrupted), or None."""
+        running = getattr(manager, "num_abandoned_running", 0)
+        if self._compile_pool is not None:
+            running += self._compile_pool.num_runaway
+        limit = envs.PAGODA_GRAMMAR_MAX_ABANDONED
+        if running < limit:
+            return None
+        return StructuredOutputsBusyError(
+            f"the server is busy with {running} structured_outputs constraints given up on as "
+            f"too slow (at most {limit}, PAGODA_GRAMMAR_MAX_ABANDONED): retry later"
+        )
+
     def _admit_compiled(self, report: CoreReport) -> None:
-        """Add the requests whose constraint compiled; refuse those whose failed or ran past
-        PAGODA_GRAMMAR_COMPILE_TIMEOUT_S."""
-        now, still = time.monotonic(), []
-        for future, cmd, deadline in self._compiling:
+        """Add the requests whose constraint compiled; refuse those whose failed, ran past
+        PAGODA_GRAMMAR_COMPILE_TIMEOUT_S, or found no compile worker free by then."""
+        assert self._compile_pool is not None
+        self._compile_pool.expire()
+        manager, still = self.core.structured_output, []
+        for future, cmd in self._compiling:
+            if not future.done():
+                still.append((future, cmd))
+                continue
             first = cmd.requests[0].request_id
-            if future.done():
-                error = future.exception()
-                if error is None:
-                    try:
-                        self.core.add_requests(cmd.requests)
-                    except Exception as e:  # noqa: BLE001 - as in _add
-                        report.add_errors.append((first, e))
-                else:
-                    report.add_errors.append((first, error))
-            elif now > deadline:
-                limit = envs.PAGODA_GRAMMAR_COMPILE_TIMEOUT_S
-                report.add_errors.append((first, ValueError(
-                    f"the structured_outputs constraint took longer than {limit:g} s to compile "
-                    "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S): simplify it"
-                )))  # fmt: skip
+            if future.cancelled():  # (only as the pool closes)
+                error: BaseException | None = StructuredOutputsBusyError("shutting down")
             else:
-                still.append((future, cmd, deadline))
+                error = future.exception()
+            if error is None:
+                try:
+                    compiled = future.result()
+                    if compiled is not None:  # a worker's: cached here as the request is added
+                        manager.put_compiled(cmd.requests[0].sampling_params, compiled)
+                    self.core.add_requests(cmd.requests)
+                except Exception as e:  # noqa: BLE001 - as in _add
+                    report.add_errors.append((first, e))
+            else:
+                report.add_errors.append((first, error))
         self._compiling = still
 
     def _drop_compiling(self, request_ids: list[str]) -> None:

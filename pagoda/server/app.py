@@ -56,7 +56,10 @@ _ERROR_STATUSES = {
     404: "The model named in the request is not served here",
     413: "The request body is larger than --max-request-body-bytes",
     500: "The engine failed while serving the request",
-    503: "Overloaded, draining or restarting: retry after the Retry-After header's seconds",
+    503: (
+        "Overloaded, draining, restarting, or busy with structured-outputs constraints too slow "
+        "to compile or apply: retry after the Retry-After header's seconds"
+    ),
 }
 
 

@@ -438,7 +438,7 @@ def exception_to_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, a.EngineOverloadedError | a.RequestQueueTimeoutError):
         return APIError(str(e), 503, headers={"Retry-After": "1"})
-    if isinstance(e, a.EngineRestartingError):
+    if isinstance(e, a.EngineRestartingError | a.StructuredOutputsBusyError):
         return APIError(str(e), 503, headers={"Retry-After": "5"})
     if isinstance(e, a.EngineDrainingError):
         return APIError(str(e), 503, headers={"Retry-After": "5", "Connection": "close"})

@@ -10,7 +10,9 @@ waits; a row that takes longer than its request's `budget_s` is given up on: its
 reported (the engine ends it with an error) and the rows after it go to a new worker. The
 abandoned fill runs to its end on its thread, into a scratch row nobody reads, and the thread
 exits then. One such request thus costs the others one step longer by its budget, and a core
-until xgrammar returns.
+until xgrammar returns; the serving loop refuses new structured requests (503) while
+PAGODA_GRAMMAR_MAX_ABANDONED such fills still run (`num_running_abandoned`), so that a flood of
+them cannot take every core.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ class MaskFiller:
     def __init__(self) -> None:
         self._worker: _Worker | None = None
         self.num_abandoned = 0  # fills given up on (each left running on its own thread)
+        self._abandoned: list[_Batch] = []  # those given up on, until their fill returns
+
+    @property
+    def num_running_abandoned(self) -> int:
+        """Fills given up on that still run (each keeps a core busy until xgrammar returns)."""
+        self._abandoned = [b for b in self._abandoned if not b.done.is_set()]
+        return len(self._abandoned)
 
     def fill(self, states: list[Any], bitmask: np.ndarray) -> list[int]:
         """Fill row i of `bitmask` with `states[i].fill_bitmask`, waiting for each at most its
@@ -111,6 +120,7 @@ class MaskFiller:
                 break
             slow.append(row)
             self.num_abandoned += 1
+            self._abandoned.append(batch)
             self._worker = None  # its thread ends with the abandoned fill
             start = row + 1
         return sorted(slow)

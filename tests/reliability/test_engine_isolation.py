@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from pagoda import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagoda import LLM, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagoda.engine.async_llm import AsyncLLM  # noqa: E402
 from pagoda.server.app import build_app  # noqa: E402
 
@@ -173,3 +173,87 @@ def test_an_engine_error_in_a_stream_is_finish_reason_error_then_an_error_event(
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-2]["choices"][0]["finish_reason"] == "error"
     assert chunks[-1]["error"]["code"] == 500
+
+
+class AbandonedFills:
+    """The structured-outputs manager as admission control sees it: `running` mask fills given
+    up on still run; constraints are compiled already."""
+
+    def __init__(self) -> None:
+        self.num_abandoned_running = 0
+
+    def compiled(self, params) -> bool:
+        return True
+
+
+def test_structured_requests_get_503_while_abandoned_fills_run(monkeypatch):
+    """Each mask fill given up on keeps a core until xgrammar returns (seconds, for a
+    pathological regex), and nothing bounded how many: a flood of such requests could take
+    every core. While PAGODA_GRAMMAR_MAX_ABANDONED of them run, a new structured request gets
+    503 with Retry-After; plain requests are served; once they end, structured ones are
+    served again."""
+    monkeypatch.setenv("PAGODA_GRAMMAR_MAX_ABANDONED", "2")
+    fake = FakeEngine(max_model_len=64)
+    fake.structured_output = fills = AbandonedFills()
+    engine = AsyncLLM(fake)
+    structured = {"prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "[ab]+"}}
+    plain = {"prompt": "x", "max_tokens": 3}
+    try:
+        with TestClient(build_app(engine)) as c:
+            fills.num_abandoned_running = 2
+            r = c.post("/v1/completions", json=structured)
+            assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+            assert "PAGODA_GRAMMAR_MAX_ABANDONED" in r.json()["error"]["message"]
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                    "response_format": {"type": "json_object"}, "stream": True}  # fmt: skip
+            assert c.post("/v1/chat/completions", json=chat).status_code == 503
+            assert c.post("/v1/completions", json=plain).status_code == 200
+            fills.num_abandoned_running = 1
+            assert c.post("/v1/completions", json=structured).status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_a_structured_request_waits_out_an_abandoned_fill_then_is_served(llm, monkeypatch):
+    """On the embedded model, with one abandoned fill allowed: a request whose mask takes 1.5 s
+    (injected) ends with an error after the budget; while that fill runs on, a structured
+    request is refused as busy and a plain one is served; after it, structured requests are
+    served again."""
+    pytest.importorskip("xgrammar")
+    from pagoda.engine.async_llm import StructuredOutputsBusyError
+
+    monkeypatch.setenv("PAGODA_GRAMMAR_MAX_ABANDONED", "1")
+    manager = llm.llm_engine.structured_output
+    backend = manager.backend
+    new_state = backend.new_state
+
+    def slow_state(params, *args):
+        state = new_state(params, *args)
+        if params.regex == "[ab]+":
+            fill = state.fill_bitmask
+            state.fill_bitmask = lambda *a: (time.sleep(1.5), fill(*a))[-1]
+        return state
+
+    monkeypatch.setattr(backend, "new_state", slow_state)
+
+    def params(regex: str | None = None) -> SamplingParams:
+        so = StructuredOutputsParams(regex=regex) if regex else None
+        return SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
+
+    async def run(rid: str, p: SamplingParams) -> RequestOutput:
+        return [o async for o in engine.generate("Write:", p, rid)][-1]
+
+    engine = AsyncLLM(llm.llm_engine)
+    try:
+        bad = asyncio.run(run("bad", params("[ab]+")))
+        assert bad.outputs[0].finish_reason == "error" and manager.num_abandoned_running == 1
+        with pytest.raises(StructuredOutputsBusyError, match="retry later"):
+            asyncio.run(run("refused", params("[cd]+")))
+        assert asyncio.run(run("plain", params())).outputs[0].finish_reason == "length"
+        deadline = time.monotonic() + 5
+        while manager.num_abandoned_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        good = asyncio.run(run("good", params("[cd]+"))).outputs[0]
+        assert good.finish_reason == "length" and set(good.text) <= {"c", "d"}, good
+    finally:
+        engine.shutdown()

@@ -254,3 +254,19 @@ def crashing_engine() -> FakeEngine:
 
 def misconfigured_engine() -> FakeEngine:
     raise ValueError("max_model_len (9999) is larger than the model's; lower --max-model-len")
+
+
+def structured_engine(**kw: Any) -> FakeEngine:
+    """The fake engine with a real `StructuredOutputManager` over the embedded model's tokenizer:
+    the serving loop compiles its constraints as the real engine's (in compile worker
+    processes); steps ignore them."""
+    from pagoda.config import embedded_model_path
+    from pagoda.structured_output import StructuredOutputManager
+    from pagoda.tokenizer import get_tokenizer
+
+    engine = FakeEngine(**kw)
+    tokenizer = get_tokenizer(embedded_model_path())
+    engine.structured_output = StructuredOutputManager(  # type: ignore[attr-defined]
+        tokenizer, len(tokenizer), tokenizer.eos_token_id
+    )
+    return engine

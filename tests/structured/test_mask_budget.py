@@ -93,3 +93,17 @@ def test_the_worker_thread_ends_with_its_filler():
     del filler
     worker.join(2)
     assert not worker.is_alive()
+
+
+def test_abandoned_fills_are_counted_until_they_return():
+    """What admission control reads (PAGODA_GRAMMAR_MAX_ABANDONED): each fill given up on keeps
+    a core until it returns, and counts as running until then."""
+    filler = MaskFiller()
+    bitmask = np.zeros((3, 1), dtype=np.int32)
+    assert filler.fill([FakeState(1, 0.5), FakeState(2, 0.8), FakeState(3)], bitmask) == [0, 1]
+    assert filler.num_running_abandoned == 2
+    time.sleep(0.5)
+    assert filler.num_running_abandoned == 1
+    time.sleep(0.4)
+    assert filler.num_running_abandoned == 0 and filler.num_abandoned == 2
+    filler.close()

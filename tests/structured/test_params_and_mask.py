@@ -107,3 +107,12 @@ def test_tensor_parallel_is_refused_clearly():
     engine.config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         engine._check_structured_outputs(SamplingParams(structured_outputs={"regex": "a"}))
+
+
+def test_without_a_tokenizer_a_constraint_is_refused_clearly():
+    from pagoda.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(None, 10, 0)  # skip_tokenizer_init
+    for call in (manager.compile_worker_args, lambda: manager.backend):
+        with pytest.raises(ValueError, match="do not use skip_tokenizer_init"):
+            call()

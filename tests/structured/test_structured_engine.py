@@ -139,6 +139,47 @@ def test_free_requests_unchanged_in_a_mixed_batch(llm):
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
 
 
+def test_a_grammar_compiled_in_a_worker_process_decodes_as_one_compiled_here(llm, monkeypatch):
+    """The serving loop compiles a constraint in a worker process it can kill, and reads the
+    grammar back (`compile_pool.py`); offline, the engine compiles it itself. Greedy outputs
+    under a JSON schema are the same, and the worker is gone when the served engine stops."""
+    import asyncio
+    import multiprocessing
+
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=80,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        structured_outputs=so(json=SCHEMA),
+    )
+    prompt = "A person, as JSON:"
+    offline = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    manager = llm.llm_engine.structured_output
+    backend = manager.backend
+    monkeypatch.setattr(backend, "_compiled", type(backend._compiled)())  # compile anew
+    from_worker: list = []
+    put = manager.put_compiled
+    monkeypatch.setattr(
+        manager, "put_compiled", lambda p, c: (from_worker.append(c), put(p, c))[-1]
+    )
+
+    async def serve(engine: AsyncLLM) -> list:
+        return [o async for o in engine.generate(prompt, params, "served")]
+
+    engine = AsyncLLM(llm.llm_engine)  # the serving loop, on a thread
+    try:
+        served = asyncio.run(serve(engine))[-1].outputs[0]
+    finally:
+        engine.shutdown()
+    assert len(from_worker) == 1
+    check_schema(offline.text)
+    assert served.token_ids == offline.token_ids and served.text == offline.text
+    assert not [p for p in multiprocessing.active_children() if "grammar" in p.name]
+
+
 def test_invalid_constraints_raise_at_add_request(llm):
     for bad in (
         so(regex="(abc"),
