@@ -91,7 +91,7 @@ def _count(name: str, default: int) -> Callable[[], int]:
     return read
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     """The cores this process may run on (its affinity mask; all of them where there is none)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -285,7 +285,7 @@ VARIABLES: dict[str, EnvVar] = {
             "New structured-outputs requests of a served engine get HTTP 503 (Retry-After) "
             "while this many constraint computations given up on as too slow (masks past "
             "PAGODA_GRAMMAR_MASK_BUDGET_MS, compiles past the timeout on threads) still run.",
-            lambda: _positive_int("PAGODA_GRAMMAR_MAX_ABANDONED", None)() or _usable_cores(),
+            lambda: _positive_int("PAGODA_GRAMMAR_MAX_ABANDONED", None)() or usable_cores(),
         ),
         EnvVar(
             "PAGODA_MAX_N_SEQUENCES", "int", "128",

@@ -19,7 +19,6 @@ when the driver process is gone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -30,13 +29,13 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.utils.processes import children_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +175,7 @@ class MultiprocExecutor(TensorParallelExecutorBase):
         from pagoda.executor.multiproc_worker import run_worker
 
         ctx = multiprocessing.get_context("spawn")  # fork after torch and threads is unsafe
-        with _children_allowed():
+        with children_allowed():
             for rank in range(self.world_size):
                 conn, child_conn = ctx.Pipe(duplex=True)
                 args = (
@@ -336,22 +335,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _children_allowed() -> Iterator[None]:
-    """Let a daemonic process (the serving engine core) start the workers: multiprocessing
-    refuses children to daemons so that none outlive them, and these are stopped with the
-    executor, killed with the daemon (they are daemonic too) or leave when it is gone."""
-    me = multiprocessing.current_process()
-    daemon = me.daemon
-    if daemon:
-        me.daemon = False
-    try:
-        yield
-    finally:
-        if daemon:
-            me.daemon = True
 
 
 def _send_loop(outbox: queue.SimpleQueue, conns: list[Any]) -> None:

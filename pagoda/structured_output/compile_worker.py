@@ -16,16 +16,15 @@ end with their parent: killed by it, or on their own once it is gone.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.utils.processes import children_allowed
 
 _PARENT_POLL_S = 0.5
 # A worker imports xgrammar, and with it torch and transformers: 1.8 s on a quiet 2-core AMD
@@ -109,22 +108,6 @@ class CompileWorker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-
-
-@contextlib.contextmanager
-def children_allowed() -> Iterator[None]:
-    """Let a daemonic process (the serving engine core) start daemonic children: multiprocessing
-    refuses it so that none outlive it; these are killed with it (daemonic too) or leave when it
-    is gone (they watch their parent)."""
-    me = multiprocessing.current_process()
-    daemon = me.daemon
-    if daemon:
-        me.daemon = False
-    try:
-        yield
-    finally:
-        if daemon:
-            me.daemon = True
 
 
 # ---- the worker process ----

@@ -41,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from pagoda import envs
+from pagoda.envs import usable_cores
 
 try:
     import fcntl
@@ -282,14 +283,6 @@ Library = tuple[Path, Sequence[str], str | None]  # (source, headers, ISA level 
 # The builds prebuild started in this process, by what decides their library file.
 _started: dict[tuple, Future[tuple[Path, str]]] = {}
 _started_lock = threading.Lock()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask; all of them where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def build_workers() -> int:
