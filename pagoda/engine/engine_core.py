@@ -3,19 +3,18 @@
 `EngineCoreLoop` owns an `EngineCore` (`pagoda.engine.core`, or anything with its methods): it
 takes commands (`AddRequest` with the `EngineCoreRequest`s of one user request, `AbortRequests`,
 `Stop`), steps the core while it has work and hands one `CoreReport` per iteration to whoever
-listens: the core's plain outputs of the step (token ids, finish reasons, raw logprobs: no
-text and no `RequestOutput`, which the front end's output processor makes), the requests it
-refused, the ones it aborted or expired (waited longer than `max_queue_delay_s` without being
-scheduled), and the scheduler's state. A request whose structured-outputs constraint is not
-compiled yet waits off the core while a worker process compiles it (`GrammarCompilePool`, at
-most PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps;
-structured requests are refused for now (503) while too many constraints given up on as too
-slow to apply still run (PAGODA_GRAMMAR_MAX_ABANDONED).
-Where it runs is the caller's choice: on a thread it
-reads a queue and calls back directly; in a child process (`run_engine_core_process`, vLLM's
-EngineCoreProc) it reads and writes a pipe, so the HTTP front end's Python (tokenizing,
-detokenizing) never holds the GIL the core's step needs. Nothing here imports torch: the
-child builds the core with the factory it is given.
+listens: the core's plain outputs of the step (token ids, finish reasons, raw logprobs: no text
+and no `RequestOutput`, which the front end's output processor makes), the requests it refused,
+the ones it aborted or expired (waited longer than `max_queue_delay_s` without being scheduled),
+and the scheduler's state. A request whose structured-outputs constraint is not compiled yet
+waits off the core while a worker process compiles it (`GrammarCompilePool`, at most
+PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps;
+structured requests are refused for now (503) while too many constraints given up on as too slow
+to apply still run (PAGODA_GRAMMAR_MAX_ABANDONED). Where it runs is the caller's choice: on a
+thread it reads a queue and calls back directly; in a child process (`run_engine_core_process`,
+vLLM's EngineCoreProc) it reads and writes a pipe, so the HTTP front end's Python (tokenizing,
+detokenizing) never holds the GIL the core's step needs. Nothing here imports torch: the child
+builds the core with the factory it is given.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ Each compile runs in a worker process (`compile_worker.py`) watched by a thread 
 past its deadline the worker is killed, which frees its core at once, and a new one is started
 for the next compile. A worker is started for the first compile, another only when a compile
 arrives while those started are busy; all are kept. The deadline counts from the request's
-arrival, but not the engine's own start-up (xgrammar imported here, a new worker starting). Where the grammar cannot come back from another
-process (an xgrammar without `CompiledGrammar.deserialize_json`), or with
-PAGODA_GRAMMAR_COMPILE_PROCESSES=0, the compile runs on the pool's thread instead: xgrammar
-cannot be interrupted, so a compile past its deadline is refused but runs on to its end, a
-core busy meanwhile (`num_runaway` counts those). A compile that has not started by its deadline
-(both workers busy all along) is refused as busy, not as too slow.
+arrival, but not the engine's own start-up (xgrammar imported here, a new worker starting).
+Where the grammar cannot come back from another process (an xgrammar without
+`CompiledGrammar.deserialize_json`), or with PAGODA_GRAMMAR_COMPILE_PROCESSES=0, the compile
+runs on the pool's thread instead: xgrammar cannot be interrupted, so a compile past its
+deadline is refused but runs on to its end, a core busy meanwhile (`num_runaway` counts those).
+A compile that has not started by its deadline (both workers busy all along) is refused as busy,
+not as too slow.
 
 Identical constraints submitted while one compiles share its compile.
 """
