@@ -310,26 +310,33 @@ def test_a_constraint_slow_to_apply_fails_alone_and_the_others_keep_their_pace(s
     the stream beside it keeps its pace and loses no token."""
     plain = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
              "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    arrivals: list[float] = []
-    events: list[dict] = []
+    streams: list[tuple[list[float], list[dict]]] = []  # (arrival times, events) per stream
+    done = threading.Event()
 
     def stream_plain() -> None:
-        with httpx.stream("POST", server.url + "/v1/completions", json=plain,
-                          headers=server.headers, timeout=60) as r:  # fmt: skip
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    arrivals.append(time.monotonic())
-                    events.append(json.loads(line[6:]))
+        # Back to back until both refusals are in: one 200-token stream can end before the
+        # first refusal on a fast machine (max-model-len 256 caps a single stream).
+        while not done.is_set():
+            arrivals: list[float] = []
+            events: list[dict] = []
+            streams.append((arrivals, events))
+            with httpx.stream("POST", server.url + "/v1/completions", json=plain,
+                              headers=server.headers, timeout=60) as r:  # fmt: skip
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+                        events.append(json.loads(line[6:]))
 
     # A compile worker up first (starting one takes seconds, the plain stream about two).
     warm = {"prompt": "x", "max_tokens": 1, "structured_outputs": {"regex": "[ab]+"}}
     assert _post(server, "/v1/completions", warm, timeout=60).status_code == 200
     t = threading.Thread(target=stream_plain)
     t.start()
-    while not arrivals and t.is_alive():
+    while not (streams and streams[0][0]) and t.is_alive():
         time.sleep(0.01)
     regex = "([^a]{1,50}[^b]{1,50}){1,50}"
     bad = {"prompt": "Write anything:", "max_tokens": 20, "structured_outputs": {"regex": regex}}
+    sent_at = time.monotonic()
     r = _post(server, "/v1/completions", bad, timeout=20)
     refused_at = time.monotonic()
     assert r.status_code == 400, r.text
@@ -343,12 +350,18 @@ def test_a_constraint_slow_to_apply_fails_alone_and_the_others_keep_their_pace(s
     assert r.status_code == 200 and lines[-1] == "[DONE]", r.text
     error = json.loads(lines[-2])["error"]
     assert error["code"] == 400 and "PAGODA_GRAMMAR_MASK_BUDGET_MS" in error["message"], error
+    done.set()
     t.join(60)
-    assert arrivals[-1] > refused_at  # the plain stream ran on past the first refusal
+    assert not t.is_alive()
+    # Plain streams ran from before the first bad request to after its refusal, back to back,
+    # each keeping its pace ...
+    arrivals = [at for a, _ in streams for at in a]
+    assert arrivals[0] < sent_at and arrivals[-1] > refused_at, (sent_at, refused_at, arrivals)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert max(gaps) < 0.5, sorted(gaps)[-5:]  # the steps that waited 100 ms for a bad mask
-    assert events[-1]["usage"]["completion_tokens"] == 200
-    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    for _, events in streams:  # ... and every stream got all its tokens.
+        assert events[-1]["usage"]["completion_tokens"] == 200
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompt_logprobs_are_returned(server):
