@@ -65,12 +65,23 @@ def _cycle(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.
     return fn(x, weights[0])
 
 
+def _register_tiles(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    old = cpu_gemm.set_amx_min_rows(1 << 30)
+    try:
+        return cpu_gemm.packed_linear(x, packed)
+    finally:
+        cpu_gemm.set_amx_min_rows(old)
+
+
 def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dtype) -> None:
     """F.linear on float32 and on bf16 weights vs the packed bf16 GEMM vs the skinny GEMM on
     plain `dtype` weights (rows up to MAX_GEMV_ROWS[dtype])."""
+    amx = cpu_gemm.amx_active()
     print(
         "linear [N x K], M rows: us (GFLOP/s) of F.linear fp32 | F.linear bf16 | packed bf16 "
-        f"GEMM | skinny GEMM {str(dtype).replace('torch.', '')} || packed GB/s of weights, "
+        f"GEMM{' (AMX tiles from %d rows)' % cpu_gemm.AMX_MIN_ROWS if amx else ''} | skinny "
+        f"GEMM {str(dtype).replace('torch.', '')} (up to {ops.MAX_GEMV_ROWS[dtype]} rows)"
+        f"{' | packed, register tiles' if amx else ''} || packed GB/s of weights, "
         "packed vs fp32 / bf16 F.linear"
     )
     for shape in shapes:
@@ -93,6 +104,8 @@ def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dt
             ]
             if m <= ops.MAX_GEMV_ROWS[dtype]:
                 fns.append(functools.partial(_cycle, cpu.linear, xd, plain))
+            if amx:  # the packed GEMM's AVX-512 register tiles, for comparison
+                fns.append(functools.partial(_cycle, _register_tiles, x16, packs))
             ts = times_us(fns, iters)
             flop = 2 * m * n * k
             cells = " | ".join(f"{t:8.1f} ({flop / t / 1e3:5.1f})" for t in ts)

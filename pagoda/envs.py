@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     PAGODA_CPU_THREADS: int | None
     PAGODA_CPU_FAST_OPS: bool
     PAGODA_CPU_ISA: str | None
+    PAGODA_CPU_AMX: bool
     PAGODA_CPU_POOL: bool
     PAGODA_CPU_POOL_SPIN_US: int | None
     PAGODA_CPU_DECODER: bool
@@ -164,6 +165,12 @@ VARIABLES: dict[str, EnvVar] = {
             "Force the ISA level the C CPU kernels build for (portable, avx2, avx512, "
             "avx512_bf16).",
             _text("PAGODA_CPU_ISA", None, lambda v: v.strip().lower()),
+        ),
+        EnvVar(
+            "PAGODA_CPU_AMX", "flag", "1",
+            "0: on a CPU with AMX-BF16, the packed bf16 GEMM keeps its AVX-512 register tiles "
+            "instead of AMX's (the build leaves them out).",
+            _flag("PAGODA_CPU_AMX", True),
         ),
         EnvVar(
             "PAGODA_CPU_POOL", "flag", "1",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -66,6 +67,9 @@ _ISA_CC_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     "avx512_bf16": ("-mavx512bf16",),
 }
+
+
+AMX_CC_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -164,8 +168,11 @@ def isa_compile_flags(isa: str) -> list[str]:
     if isa not in ISA_LEVELS:
         raise ValueError(f"unknown ISA level {isa!r}; expected one of {ISA_LEVELS}")
     flags = [f for level in ISA_LEVELS[: ISA_LEVELS.index(isa) + 1] for f in _ISA_CC_FLAGS[level]]
-    if isa in ("avx512", "avx512_bf16") and "avx512_vnni" in cpu_flags().split():
+    have = set(cpu_flags().split())
+    if isa in ("avx512", "avx512_bf16") and "avx512_vnni" in have:
         flags.append("-mavx512vnni")  # vpdpbusd, for the quantized GEMM's int8 dot products
+    if isa == "avx512_bf16" and {"amx_tile", "amx_bf16"} <= have and envs.PAGODA_CPU_AMX:
+        flags += AMX_CC_FLAGS  # the packed GEMM's AMX tiles (gemm_amx.h)
     return flags
 
 
@@ -212,6 +219,16 @@ def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
+@functools.cache
+def _compiler_takes(cc: str, flags: tuple[str, ...]) -> bool:
+    """Whether `cc` compiles an empty file with `flags` (-m flags newer than the compiler)."""
+    cmd = [cc, *flags, "-x", "c", "-c", os.devnull, "-o", os.devnull]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 @contextlib.contextmanager
 def _build_lock(lib: Path) -> Iterator[None]:
     """Held while `lib` is compiled: other threads and processes wait here for it."""
@@ -252,6 +269,8 @@ def build_library(source: Path, headers: Sequence[str] = (), isa: str | None = N
         raise CpuKernelUnavailable(f"{missing} missing from {source.parent} in this install")
     cc = _find_compiler()
     flags = [*_BASE_FLAGS, *isa_compile_flags(isa)]
+    if AMX_CC_FLAGS[0] in flags and not _compiler_takes(cc, tuple(AMX_CC_FLAGS)):
+        flags = [f for f in flags if f not in AMX_CC_FLAGS]  # an older compiler: no tiles
     try:
         return _build(cc, [*flags, "-fopenmp"], source, headers, isa)
     except CpuKernelUnavailable:

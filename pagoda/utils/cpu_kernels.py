@@ -24,7 +24,7 @@ QUANT: Library = (
 ATTENTION: Library = (_PKG / "attention/cpu/paged_attention.c", ("vec.h", "tile.h"), None)
 OPS: Library = (
     _PKG / "kernels/cpu/cpu_ops.c",
-    ("simd.h", "parallel.h", "gemv.h", "gemm.h", "gemm_bf16dp.h"),
+    ("simd.h", "parallel.h", "gemv.h", "gemm.h", "gemm_bf16dp.h", "gemm_amx.h"),
     None,
 )
 POOL: Library = (_PKG / "kernels/cpu/pool.c", (), "portable")  # no arithmetic: one build

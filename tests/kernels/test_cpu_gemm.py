@@ -54,6 +54,75 @@ def test_packed_linear_matches_float32_linear(m, n, k, cpu_isa):
     assert torch.equal(logits.to(BF16), y)  # one rounding of the same fp32 sums
 
 
+@pytest.fixture
+def amx_from_one_row():
+    """The AMX tiles for every row count (skipped where they do not run)."""
+    if not gemm.amx_active():
+        pytest.skip("no AMX tiles here (a CPU without AMX-BF16, or PAGODA_CPU_AMX=0)")
+    old = gemm.set_amx_min_rows(1)
+    try:
+        yield
+    finally:
+        gemm.set_amx_min_rows(old)
+
+
+def test_amx_tiles_run_where_the_cpu_has_them():
+    """On a CPU with AMX-BF16 the packed GEMM's tiles must be built in and granted (a build or
+    an OS refusal that silently kept the register tiles would lose ~2-9x from 16 rows up)."""
+    from pagoda import envs
+    from pagoda.utils import cpu_build as build
+
+    flags = set(build.cpu_flags().split())
+    wanted = (
+        {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+        and envs.PAGODA_CPU_AMX
+        and build.selected_isa() == "avx512_bf16"
+        and build._compiler_takes(build._find_compiler(), tuple(build.AMX_CC_FLAGS))
+    )
+    assert gemm.amx_active() == wanted
+    if not wanted:
+        assert gemm.set_amx_min_rows(1) == -1 or not gemm.amx_active()
+
+
+@pytest.mark.parametrize("m", [1, 8, 15, 16, 31, 32, 33, 100])
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 33), (40, 64), (100, 577), (960, 576), (70, 1537)])
+def test_amx_tiles_match_float32_linear(m, n, k, amx_from_one_row):
+    """Every tail: rows past a 16-row block, columns past a panel pair, K not a multiple of 32
+    (x copied and zero padded, the weights' last pairs through a zeroed tile)."""
+    x, w = _randn(m, k, seed=m + 1), _randn(n, k, seed=n + k + 1)
+    b = _randn(n, seed=k + 1) if (m + n) % 2 else None
+    packed = gemm.pack_weight(w)
+    y = gemm.packed_linear(x, packed, b)
+    _assert_close_to_fp32_linear(y, x, w, b)
+    logits = gemm.packed_linear(x, packed, b, out_dtype=torch.float32)
+    _assert_close_to_fp32_linear(logits, x, w, b)
+    assert torch.equal(logits.to(BF16), y)
+
+
+def test_amx_tiles_read_nothing_past_a_row(amx_from_one_row):
+    """Strided rows with inf / NaN just past each (K = 64: read in place; K = 33: copied)."""
+    for k in (64, 33):
+        base = _randn(21, k + 1, seed=k)
+        base[:, k] = float("inf")
+        base[3, k] = float("nan")
+        x, w = base[:, :k], _randn(40, k, seed=5)
+        y = gemm.packed_linear(x, gemm.pack_weight(w))
+        assert torch.isfinite(y).all()
+        _assert_close_to_fp32_linear(y, x, w, None)
+
+
+def test_amx_tiles_sum_as_one_thread_does(amx_from_one_row):
+    w, x = _randn(960, 576, seed=5), _randn(70, 576, seed=6)
+    packed = gemm.pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.packed_linear(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(gemm.packed_linear(x, packed), one)
+
+
 def test_pack_layout_and_round_trip():
     w = _randn(37, 9)
     packed = gemm.pack_weight(w)

@@ -36,6 +36,25 @@ def test_each_level_has_explicit_flags_and_no_march():
         build.isa_compile_flags("sse9")
 
 
+def test_amx_flags_follow_the_cpu_and_the_env_var(monkeypatch):
+    """AMX tiles (the packed GEMM's gemm_amx.h) are built in at avx512_bf16 on a CPU with
+    AMX-BF16, unless $PAGODA_CPU_AMX is 0; a compiler that does not know the flags builds
+    without them rather than falling back a level."""
+    spr = ZEN4_FLAGS + " amx_tile amx_bf16 amx_int8"
+    monkeypatch.delenv("PAGODA_CPU_AMX", raising=False)
+    monkeypatch.setattr(build, "cpu_flags", lambda: spr)
+    assert set(build.AMX_CC_FLAGS) <= set(build.isa_compile_flags("avx512_bf16"))
+    assert not set(build.AMX_CC_FLAGS) & set(build.isa_compile_flags("avx512"))
+    monkeypatch.setenv("PAGODA_CPU_AMX", "0")
+    assert not set(build.AMX_CC_FLAGS) & set(build.isa_compile_flags("avx512_bf16"))
+    monkeypatch.setattr(build, "cpu_flags", lambda: ZEN4_FLAGS)
+    monkeypatch.delenv("PAGODA_CPU_AMX")
+    assert not set(build.AMX_CC_FLAGS) & set(build.isa_compile_flags("avx512_bf16"))
+    cc = build._find_compiler()
+    assert not build._compiler_takes(cc, ("-mno-such-flag",))
+    assert build._compiler_takes(cc, ("-mavx2",))
+
+
 def test_env_var_forces_a_level_and_rejects_what_the_cpu_lacks(monkeypatch):
     monkeypatch.setattr(build, "cpu_flags", lambda: AVX2_FLAGS)
     monkeypatch.setattr(build, "cpu_arch", lambda: "x86_64")

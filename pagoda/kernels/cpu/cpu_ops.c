@@ -17,7 +17,7 @@
 #include "gemm.h"
 #include "gemv.h"
 
-#define PAGODA_CPU_OPS_ABI 4
+#define PAGODA_CPU_OPS_ABI 5
 
 int pagoda_cpu_ops_abi(void) { return PAGODA_CPU_OPS_ABI; }
 
@@ -49,6 +49,28 @@ int pagoda_gemm_packed(const void *x, int64_t x_stride, const void *w_packed, co
     GemmArgs a = {x, x_stride, NULL, 0, w_packed, bias, y, y_stride, y_fp32, M, N, K};
     if (M > 0 && N > 0) return gemm_packed(&a, nthreads) == 0 ? 0 : -2;
     return 0;
+}
+
+/* Whether the packed GEMM's AMX tiles (gemm_amx.h) run here: built in and granted by the OS. */
+int pagoda_gemm_amx(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* The row count from which the packed GEMM takes the AMX tiles; returns the previous one, or
+ * -1 where there are no tiles (for tests and tuning: a huge count keeps the register path). */
+int pagoda_gemm_set_amx_min_rows(int rows) {
+#if HAVE_AMX
+    int old = amx_min_rows;
+    amx_min_rows = rows < 1 ? 1 : rows;
+    return old;
+#else
+    (void)rows;
+    return -1;
+#endif
 }
 
 /* ---- RMSNorm (Zhang & Sennrich, 2019) with the residual add fused ---------------------- */

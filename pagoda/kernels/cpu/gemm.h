@@ -61,6 +61,10 @@ typedef struct {
 
 #if HAVE_BF16DP
 #include "gemm_bf16dp.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include "gemm_amx.h"
+#endif
 #else
 /* Rows [m0, m0 + MR) against panels [p0, p0 + NV): per pair of K, each panel's PV vectors of
  * (k, k+1) lanes are split into fp32 w[k] and w[k+1] once, then each row adds
@@ -113,6 +117,9 @@ INLINE void gemm_tile(const GemmArgs *a, int64_t m0, int64_t p0, const int MR, c
             }
         }
 }
+#endif
+#ifndef HAVE_AMX
+#define HAVE_AMX 0
 #endif
 
 /* The next tile's panels row block `b` of `blocks` prefetches: those v with v % blocks == b. */
@@ -187,6 +194,9 @@ static int gemm_packed(GemmArgs *a, int nthreads) {
     const int64_t panel_bytes = GEMM_PANEL * 2 * ((a->K + 1) / 2) * 2;
     float *xf = NULL;
     int nt = pick_threads(nthreads, panels, panel_bytes + 32 * a->M * GEMM_PANEL);
+#if HAVE_AMX
+    if (a->M >= amx_min_rows && amx_usable()) return gemm_packed_amx(a, nt);
+#endif
     if (!HAVE_BF16DP) {
         a->xf_stride = (a->K + 1) / 2 * 2;
         xf = (float *)malloc((size_t)(a->M * a->xf_stride) * sizeof(float));

@@ -36,6 +36,7 @@ from torch import nn
 from pagoda.kernels.cpu.ops import _check, _lib, cpu_ops_available, gemm_operands
 
 PANEL = 16  # output columns per packed panel: one zmm (two ymm) of fp32 accumulators
+AMX_MIN_ROWS = 8  # gemm_amx.h's amx_min_rows: the row count from which AMX tiles run
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -108,6 +109,19 @@ def packed_linear(
     )
     _check(rc, "pagoda_gemm_packed")
     return out
+
+
+def amx_active() -> bool:
+    """Whether the packed GEMM runs AMX tiles here (`gemm_amx.h`): a CPU with AMX-BF16, a
+    compiler that knows it, `$PAGODA_CPU_AMX` not 0 and the OS's grant."""
+    return cpu_ops_available() and bool(_lib().pagoda_gemm_amx())
+
+
+def set_amx_min_rows(rows: int) -> int:
+    """Row count from which the packed GEMM takes the AMX tiles (the default is
+    `AMX_MIN_ROWS`); returns the previous one, or -1 where the build has no tiles. For tests
+    and tuning: a huge count keeps the register tiles for every call."""
+    return _lib().pagoda_gemm_set_amx_min_rows(rows)
 
 
 def packed_copy(module: nn.Module) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from pagoda.utils.cpu_build import (
 )
 
 SOURCE, HEADERS, _ = cpu_kernels.OPS
-_ABI = 4
+_ABI = 5
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest row count (tokens) the skinny GEMM takes on a plain (unpacked) weight; above it
 # torch's GEMM (oneDNN for bf16, MKL for float32) is as fast or faster. Measured on a 2-core
@@ -57,6 +57,8 @@ def load_cpu_ops(isa: str | None = None) -> ctypes.CDLL:
     signatures = {
         "pagoda_gemv": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32, i32],
         "pagoda_gemm_packed": [ptr, i64, ptr, ptr, ptr, i64, i32, i64, i64, i64, i32],
+        "pagoda_gemm_amx": [],
+        "pagoda_gemm_set_amx_min_rows": [i32],
         "pagoda_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32, i32],
         "pagoda_silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32, i32],
         "pagoda_rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, i32, i32, ptr, i64, i64]
