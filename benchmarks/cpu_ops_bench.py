@@ -77,9 +77,10 @@ def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dt
     """F.linear on float32 and on bf16 weights vs the packed bf16 GEMM vs the skinny GEMM on
     plain `dtype` weights (rows up to MAX_GEMV_ROWS[dtype])."""
     amx = cpu_gemm.amx_active()
+    tiles = f" (AMX tiles from {cpu_gemm.AMX_MIN_ROWS} rows)" if amx else ""
     print(
         "linear [N x K], M rows: us (GFLOP/s) of F.linear fp32 | F.linear bf16 | packed bf16 "
-        f"GEMM{' (AMX tiles from %d rows)' % cpu_gemm.AMX_MIN_ROWS if amx else ''} | skinny "
+        f"GEMM{tiles} | skinny "
         f"GEMM {str(dtype).replace('torch.', '')} (up to {ops.MAX_GEMV_ROWS[dtype]} rows)"
         f"{' | packed, register tiles' if amx else ''} || packed GB/s of weights, "
         "packed vs fp32 / bf16 F.linear"
