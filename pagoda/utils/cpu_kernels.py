@@ -18,13 +18,13 @@ from pagoda.utils.cpu_build import Library, prebuild
 _PKG = Path(__file__).resolve().parents[1]
 QUANT: Library = (
     _PKG / "kernels/cpu/quant_gemm.c",
-    ("quant_blocks.h", "quant_rows.h", "quant_x8.h"),
+    ("quant_blocks.h", "quant_rows.h", "quant_x8.h", "quant_amx.h", "amx.h"),
     None,
 )
 ATTENTION: Library = (_PKG / "attention/cpu/paged_attention.c", ("vec.h", "tile.h"), None)
 OPS: Library = (
     _PKG / "kernels/cpu/cpu_ops.c",
-    ("simd.h", "parallel.h", "gemv.h", "gemm.h", "gemm_bf16dp.h", "gemm_amx.h"),
+    ("simd.h", "parallel.h", "gemv.h", "gemm.h", "gemm_bf16dp.h", "gemm_amx.h", "amx.h"),
     None,
 )
 POOL: Library = (_PKG / "kernels/cpu/pool.c", (), "portable")  # no arithmetic: one build

@@ -31,6 +31,18 @@ try:
 except Exception as e:  # no compiler: every test here is skipped with the reason
     pytest.skip(f"quantized CPU GEMM unavailable: {e}", allow_module_level=True)
 
+@pytest.fixture(autouse=True)
+def integer_tiles():
+    """The integer path at every row count: the bounds below are int8 activations'. The AMX
+    path (bf16 activations, from `quant.AMX_MIN_ROWS` rows on CPUs with AMX) has tests of its
+    own at the end."""
+    old = {isa: quant.set_amx_min_rows(1 << 30, isa=isa) for isa in ISAS}
+    yield
+    for isa, rows in old.items():
+        if rows > 0:
+            quant.set_amx_min_rows(rows, isa=isa)
+
+
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 F16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # byte offsets
 
@@ -165,3 +177,77 @@ def test_fused_output_slices_and_shape_errors():
         QuantWeight(q6k.data[:, 1:], 14, 5, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantWeight(q6k.data, 14, 5, 200)
+
+
+# ---- the AMX path (quant_amx.h): x8 weights dequantized to bf16 panels, AMX-BF16 tiles ----
+
+
+@pytest.fixture
+def amx_from_one_row():
+    if not quant.amx_active():
+        pytest.skip("no AMX tiles here (a CPU without AMX-BF16, or PAGODA_CPU_AMX=0)")
+    old = quant.set_amx_min_rows(1)
+    yield
+    quant.set_amx_min_rows(1 << 30)  # integer_tiles (autouse) restores the default after
+    assert old > 0
+
+
+def test_amx_path_runs_where_the_cpu_has_it():
+    from pagoda import envs
+    from pagoda.utils import cpu_build as build
+
+    flags = set(build.cpu_flags().split())
+    wanted = (
+        {"amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni"} <= flags
+        and envs.PAGODA_CPU_AMX
+        and build.selected_isa() == "avx512_bf16"
+        and build._compiler_takes(build._find_compiler(), tuple(build.AMX_CC_FLAGS))
+    )
+    assert quant.amx_active() == wanted
+
+
+def check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None) -> None:
+    """y against x and the dequantized weights each rounded to bf16 (the path's only
+    roundings before its fp32 sums), the products summed in float64: within the fp32
+    dot-product bound K * 2^-23 * |x| @ |w|, and half a bf16 ulp more for a bf16 y."""
+    xb, wb = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+    ref = xb @ wb.T + (0 if bias is None else bias.double())
+    bound = x.shape[1] * 2.0**-23 * (xb.abs() @ wb.abs().T) + 1e-30
+    if y.dtype is torch.bfloat16:
+        bound = bound + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max {(err / bound).max():.2f} x the bound"
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_amx_path_matches_bf16_rounded_product(name, amx_from_one_row):
+    """Every tail: row blocks of 16 and pairs of them, a last panel alone, a last group of
+    fewer than 8 rows, a panel whose second group is past N."""
+    for k in (96, 320):
+        for n in (1, 13, 37, 77):
+            layouts, w = weights(TYPES[name], n, k, seed=n * k)
+            for m in (1, 16, 17, 40, 70):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 2
+                check_bf16(quant.quant_linear(x, layouts[1]), x, w)
+
+
+def test_amx_path_threads_bias_bf16_and_strided_rows(amx_from_one_row):
+    layouts, w = weights(3, 77, 320, seed=1)
+    x = torch.randn(50, 400)[:, 50:370]
+    bias = torch.randn(77)
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(quant.quant_linear(x, layouts[1], bias))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(results[0], results[1])
+    check_bf16(results[0], x, w, bias)
+    y16 = quant.quant_linear(x, layouts[1], bias, out_dtype=torch.bfloat16)
+    assert torch.equal(y16, results[0].to(torch.bfloat16))
+    xb = x.to(torch.bfloat16)  # bf16 activations are taken as they are
+    assert torch.equal(quant.quant_linear(xb, layouts[1], bias, out_dtype=torch.float32), results[0])
+    # The row layout (not x8) keeps the integer path at every row count.
+    check(quant.quant_linear(x, layouts[0]), x, w)

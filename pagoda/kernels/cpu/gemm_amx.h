@@ -1,68 +1,23 @@
-/* The AMX tile path of the packed bf16 GEMM (gemm.h), for CPUs with AMX-BF16 (Intel Xeon from
- * Sapphire Rapids on). A tdpbf16ps multiplies a 16 x 32 bf16 tile of x by a 16 x 16 pair tile of
- * the weights into a 16 x 16 fp32 accumulator tile: 16K multiply-adds in one instruction, ~8x
- * what vdpbf16ps does on 512-bit registers, so from a few dozen rows up the GEMM is bound by
- * loads instead of multiplies.
+/* The AMX tile path of the packed bf16 GEMM (gemm.h), for CPUs with AMX-BF16 (amx.h).
  *
  * The packed layout is already AMX's: a panel's [K2][16][2] block is, 16 pairs of K at a time,
- * a B tile of 16 rows (pairs of K) by 64 bytes (16 columns x (k, k+1)), contiguous, rows 64
- * bytes apart. So tiles load straight from the packed weight; only the last pairs of a K that
- * is not a multiple of 32 go through a zeroed copy (the tile would read past the panel).
- *
+ * a B tile, contiguous, so tiles load straight from the packed weight; only the last pairs of a
+ * K that is not a multiple of 32 go through a zeroed copy (the tile would read past the panel).
  * A step is 32 rows x 32 columns (two A tiles of x rows, two B tiles of panels, four
- * accumulator tiles: all eight tiles), over the whole of K, then the accumulators go through
+ * accumulator tiles: all eight tiles) over the whole of K, then the accumulators go through
  * memory to the epilogue (bias added in fp32, one rounding, like the register tiles). x is read
  * in place when K is a multiple of 32; otherwise (and for the last block of fewer than 16 rows)
  * from a zero-padded copy, so a tile never reads past a row or the last row. Threads split the
  * panels in pairs, as the register path splits them in tiles; each pair's weights stay in L2
- * while all the row blocks of a chunk of x pass.
- *
- * Linux hands out AMX state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM);
- * `amx_usable` asks once, and without it the register path runs. Every thread loads the tile
- * configuration at the start of its range and releases it at the end. Included by gemm.h when
- * the build has -mamx-tile -mamx-bf16 (pagoda/utils/cpu_build.py adds them on CPUs with AMX). */
+ * while all the row blocks of a chunk of x pass. Without the OS's grant the register path runs.
+ * Included by gemm.h when the build has -mamx-tile -mamx-bf16 (pagoda/utils/cpu_build.py adds
+ * them on CPUs with AMX). */
 #pragma once
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_ROWS 16 /* rows of an A or accumulator tile */
-#define AMX_KB 32 /* K values of an A tile (64 bytes a row), 16 pairs of a B tile */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
 /* Row counts from which gemm_packed takes the tiles (`pagoda_gemm_set_amx_min_rows`); below
  * it the register tiles stream the weights as fast and need no configuration. */
 static int amx_min_rows = 8;
-
-static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
-
-static int amx_usable(void) {
-    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
-    }
-    return s > 0;
-}
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) AmxConfig;
-
-/* Tiles 0-3: accumulators (rows x 16 fp32); 4, 5: x rows (16 x 32 bf16); 6, 7: weight pairs
- * (16 pairs x 16 columns x 2 bf16). All 16 rows by 64 bytes. */
-static void amx_configure(void) {
-    AmxConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&c);
-}
 
 typedef struct {
     const GemmArgs *g;
@@ -97,52 +52,20 @@ static void amx_store(const GemmArgs *g, const float *acc, int64_t m0, int64_t p
 }
 
 /* Rows [m0, m0 + 16 * MA) by panels [p, p + NB) over all of K; MA, NB in {1, 2} are
- * compile-time constants at every call site (tile numbers must be immediates). `b_tail[j]`:
- * panel p + j's last K block, zero padded, when K2 is not a multiple of 16. */
+ * compile-time constants at every call site. `b_tail[j]`: panel p + j's last K block, zero
+ * padded, when K2 is not a multiple of 16. */
 INLINE void amx_block(const AmxArgs *a, int64_t m0, int64_t p, const int MA, const int NB,
                       const uint16_t *b_tail[2]) {
     const GemmArgs *g = a->g;
     const int64_t K2 = (g->K + 1) / 2, panel = K2 * 2 * GEMM_PANEL;
-    const uint16_t *w0 = g->w + p * panel, *w1 = w0 + panel;
-    const uint16_t *x0 = amx_rows(a, m0), *x1 = MA > 1 ? amx_rows(a, m0 + AMX_ROWS) : x0;
+    const uint16_t *w0 = g->w + p * panel;
     const int64_t xs0 = m0 < a->m_full ? a->xs : a->kb * AMX_KB;
     const int64_t xs1 = m0 + AMX_ROWS < a->m_full ? a->xs : a->kb * AMX_KB;
-    _tile_zero(0);
-    if (NB > 1) _tile_zero(1);
-    if (MA > 1) _tile_zero(2);
-    if (MA > 1 && NB > 1) _tile_zero(3);
-    for (int64_t kb = 0; kb < a->kb; kb++) {
-        const int tail = (kb + 1) * (AMX_KB / 2) > K2;
-        const uint16_t *b0 = tail ? b_tail[0] : w0 + kb * AMX_KB * GEMM_PANEL;
-        const uint16_t *b1 = tail ? b_tail[1] : w1 + kb * AMX_KB * GEMM_PANEL;
-        _tile_loadd(4, x0 + kb * AMX_KB, xs0 * 2);
-        _tile_loadd(6, b0, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (NB > 1) {
-            _tile_loadd(7, b1, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (MA > 1) {
-            _tile_loadd(5, x1 + kb * AMX_KB, xs1 * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (NB > 1) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    float acc[AMX_ROWS * 16] __attribute__((aligned(64)));
-    _tile_stored(0, acc, 64);
-    amx_store(g, acc, m0, p);
-    if (NB > 1) {
-        _tile_stored(1, acc, 64);
-        amx_store(g, acc, m0, p + 1);
-    }
-    if (MA > 1) {
-        _tile_stored(2, acc, 64);
-        amx_store(g, acc, m0 + AMX_ROWS, p);
-    }
-    if (MA > 1 && NB > 1) {
-        _tile_stored(3, acc, 64);
-        amx_store(g, acc, m0 + AMX_ROWS, p + 1);
-    }
+    float acc[4][AMX_ROWS * 16] __attribute__((aligned(64)));
+    amx_product(amx_rows(a, m0), xs0, MA > 1 ? amx_rows(a, m0 + AMX_ROWS) : NULL, xs1, w0,
+                w0 + panel, a->kb, K2 % (AMX_KB / 2) != 0, b_tail[0], b_tail[1], MA, NB, acc);
+    for (int i = 0; i < MA; i++)
+        for (int j = 0; j < NB; j++) amx_store(g, acc[i * NB + j], m0 + i * AMX_ROWS, p + j);
 }
 
 /* Panel pairs [begin, end): each pair against every row block, a chunk of x rows at a time. */

@@ -28,7 +28,7 @@ from pagoda.utils.cpu_build import CpuKernelUnavailable
 logger = logging.getLogger(__name__)
 
 SOURCE, HEADERS, _ = cpu_kernels.QUANT
-_ABI = 2
+_ABI = 3
 
 # ggml type -> (weights per block, bytes per block) of the types the kernel reads.
 QUANT_TYPES = {
@@ -42,6 +42,7 @@ QUANT_TYPES = {
 QUANT_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 X8_TYPES = (2, 3, 8)
 _IO_DTYPES = (torch.float32, torch.bfloat16)
+AMX_MIN_ROWS = 40  # quant_amx.h's quant_amx_min_rows
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ def load_quant_library(isa: str | None = None) -> ctypes.CDLL:
     lib.pagoda_quant_dequantize_rows.argtypes = [ptr, i64, i32, i32, ptr, i64, i64, i64, ptr]
     lib.pagoda_quant_gemm.restype = lib.pagoda_quant_dequantize_rows.restype = ctypes.c_int
     lib.pagoda_quant_isa.restype = ctypes.c_char_p
+    lib.pagoda_quant_amx.argtypes, lib.pagoda_quant_amx.restype = [], ctypes.c_int
+    lib.pagoda_quant_set_amx_min_rows.argtypes = [i32]
+    lib.pagoda_quant_set_amx_min_rows.restype = ctypes.c_int
     lib.pagoda_quant_set_parallel_run.argtypes = [ctypes.c_void_p]
     lib.pagoda_quant_set_parallel_run(pool.parallel_run_pointer())  # NULL: OpenMP regions
     return lib
@@ -148,6 +152,19 @@ def quant_kernel_available() -> bool:
 def kernel_isa(isa: str | None = None) -> str:
     """The code path the library built for `isa` runs: avx512vnni, avx2 or portable."""
     return load_quant_library(isa).pagoda_quant_isa().decode()
+
+
+def amx_active(isa: str | None = None) -> bool:
+    """Whether x8 weights (Q4_0, Q4_1, Q8_0) take AMX tiles from `AMX_MIN_ROWS` activation
+    rows up here (`quant_amx.h`): a CPU with AMX-BF16, `$PAGODA_CPU_AMX` not 0, the OS's
+    grant."""
+    return bool(load_quant_library(isa).pagoda_quant_amx())
+
+
+def set_amx_min_rows(rows: int, isa: str | None = None) -> int:
+    """Activation row count from which x8 weights take the AMX path (default `AMX_MIN_ROWS`);
+    returns the previous one, or -1 where the build has none. For tests and tuning."""
+    return load_quant_library(isa).pagoda_quant_set_amx_min_rows(rows)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:

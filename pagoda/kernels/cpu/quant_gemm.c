@@ -24,7 +24,7 @@
 #include <omp.h>
 #endif
 
-#define PAGODA_QUANT_ABI 2
+#define PAGODA_QUANT_ABI 3
 #define TILE_W 2  /* weight rows per tile */
 #define TILE_X 4  /* activation rows per tile */
 #define CHUNK 16  /* weight rows per thread work item */
@@ -316,6 +316,33 @@ static parallel_run_fn parallel_run;
 
 void pagoda_quant_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
 
+#if defined(QUANT_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QUANT_AMX 1
+#include "quant_amx.h"
+#endif
+
+/* Whether the x8 GEMM's AMX path (quant_amx.h) runs here: built in and granted by the OS. */
+int pagoda_quant_amx(void) {
+#if defined(QUANT_AMX)
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* The activation row count from which x8 weights take the AMX path; returns the previous one,
+ * or -1 where there is none (tests and tuning: a huge count keeps the integer tiles). */
+int pagoda_quant_set_amx_min_rows(int rows) {
+#if defined(QUANT_AMX)
+    int old = quant_amx_min_rows;
+    quant_amx_min_rows = rows < 1 ? 1 : rows;
+    return old;
+#else
+    (void)rows;
+    return -1;
+#endif
+}
+
 /* One GEMM as pool jobs: rows to quantize, `qclaim` at a time, then (panel, chunk) items in
  * panel order, claimed `claim` consecutive items at a time by whichever thread comes next: a
  * thread streams a run of weight rows, and the shared counter moves a few dozen times per GEMM
@@ -375,6 +402,12 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     const int64_t nb = K / 32;
     /* activations (q, d, s, qsum) then one offsets buffer per thread */
     int nt = pick_threads(nthreads, (N + CHUNK - 1) / CHUNK, CHUNK * K / 2 + M * K / 8);
+#if defined(QUANT_AMX)
+    if (x8 && M >= quant_amx_min_rows && amx_usable()) {
+        GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
+        return quant_gemm_amx(type, &g, x, x_stride, x_bf16, K, nt);
+    }
+#endif
     size_t act_bytes = (size_t)(M * K + 3 * M * nb * 4 + 64) & ~(size_t)63;
     char *buf = aligned_alloc(64, act_bytes + (size_t)nt * TILE_W * nb * 4 + 64);
     if (!buf) return -1;
