@@ -31,6 +31,7 @@ try:
 except Exception as e:  # no compiler: every test here is skipped with the reason
     pytest.skip(f"quantized CPU GEMM unavailable: {e}", allow_module_level=True)
 
+
 @pytest.fixture(autouse=True)
 def integer_tiles():
     """The integer path at every row count: the bounds below are int8 activations'. The AMX
@@ -248,6 +249,8 @@ def test_amx_path_threads_bias_bf16_and_strided_rows(amx_from_one_row):
     y16 = quant.quant_linear(x, layouts[1], bias, out_dtype=torch.bfloat16)
     assert torch.equal(y16, results[0].to(torch.bfloat16))
     xb = x.to(torch.bfloat16)  # bf16 activations are taken as they are
-    assert torch.equal(quant.quant_linear(xb, layouts[1], bias, out_dtype=torch.float32), results[0])
+    assert torch.equal(
+        quant.quant_linear(xb, layouts[1], bias, out_dtype=torch.float32), results[0]
+    )
     # The row layout (not x8) keeps the integer path at every row count.
     check(quant.quant_linear(x, layouts[0]), x, w)
