@@ -25,6 +25,13 @@ L2 and the core to itself), 1.1-3.0x torch's float32 F.linear and 4-7x its bf16 
 runs at ~9 GFLOP/s there). On an AVX512_BF16 Xeon the avx512 level's FMA tile (210-235
 GFLOP/s on two cores) outran vdpbf16ps (150-170); on the Zen 5 above vdpbf16ps's ~950 is past
 what two cores' FMAs can reach (~600), which is why avx512_bf16 keeps it.
+
+On a CPU with AMX-BF16 the packed layout is also AMX's B-tile layout, and from `AMX_MIN_ROWS`
+rows the product runs on AMX tiles (`gemm_amx.h`; `$PAGODA_CPU_AMX=0` leaves them out). On 2
+cores of an Intel Xeon with AMX (`python benchmarks/cpu_ops_bench.py`, and the two paths alone,
+interleaved): 1.3-1.5x the register tiles at 8 rows, 2.1-2.7x at 16, 6.5-8.6x at 256 (1.25-1.5
+TFLOP/s) and up to 1.8 TFLOP/s at 2048 rows, where the register tiles hold ~190-210 GFLOP/s;
+at 1-4 rows the two stream the weights alike (0.85-1.05x), so the register tiles keep them.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@
  * AVX2, plain C otherwise: the same source builds at any ISA level, and every level computes
  * the same integers (only the fp32 summation order differs, and not between the x8 layout's
  * SIMD tiles).
+ * On a CPU with AMX-BF16, x8 weights from `quant_amx_min_rows` activation rows take AMX tiles
+ * instead (quant_amx.h: dequantized to bf16 a panel pair at a time, activations rounded to
+ * bf16).
  * Work is split over OpenMP threads by chunks of weight rows; within a chunk, tiles of 2
  * weight rows x 4 activation rows reuse each decoded weight block four times and each
  * activation block twice (prefill), while a decode's single row streams the weights once.
