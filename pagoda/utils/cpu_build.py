@@ -69,7 +69,7 @@ _ISA_CC_FLAGS = {
 }
 
 
-AMX_CC_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+AMX_CC_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -171,8 +171,12 @@ def isa_compile_flags(isa: str) -> list[str]:
     have = set(cpu_flags().split())
     if isa in ("avx512", "avx512_bf16") and "avx512_vnni" in have:
         flags.append("-mavx512vnni")  # vpdpbusd, for the quantized GEMM's int8 dot products
-    if isa == "avx512_bf16" and {"amx_tile", "amx_bf16"} <= have and envs.PAGODA_CPU_AMX:
-        flags += AMX_CC_FLAGS  # the packed GEMM's AMX tiles (gemm_amx.h)
+    if (
+        isa == "avx512_bf16"
+        and {"amx_tile", "amx_bf16", "amx_int8"} <= have
+        and envs.PAGODA_CPU_AMX
+    ):
+        flags += AMX_CC_FLAGS  # AMX tiles: the packed GEMM's (gemm_amx.h), the GGUF blocks'
     return flags
 
 

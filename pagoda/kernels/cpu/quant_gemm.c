@@ -12,9 +12,8 @@
  * AVX2, plain C otherwise: the same source builds at any ISA level, and every level computes
  * the same integers (only the fp32 summation order differs, and not between the x8 layout's
  * SIMD tiles).
- * On a CPU with AMX-BF16, x8 weights from `quant_amx_min_rows` activation rows take AMX tiles
- * instead (quant_amx.h: dequantized to bf16 a panel pair at a time, activations rounded to
- * bf16).
+ * On a CPU with AMX-INT8, x8 weights at batch take their integer dots from AMX tiles instead
+ * (quant_amx.h), with the same bits as the vector tiles.
  * Work is split over OpenMP threads by chunks of weight rows; within a chunk, tiles of 2
  * weight rows x 4 activation rows reuse each decoded weight block four times and each
  * activation block twice (prefill), while a decode's single row streams the weights once.
@@ -319,33 +318,6 @@ static parallel_run_fn parallel_run;
 
 void pagoda_quant_set_parallel_run(parallel_run_fn fn) { parallel_run = fn; }
 
-#if defined(QUANT_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define QUANT_AMX 1
-#include "quant_amx.h"
-#endif
-
-/* Whether the x8 GEMM's AMX path (quant_amx.h) runs here: built in and granted by the OS. */
-int pagoda_quant_amx(void) {
-#if defined(QUANT_AMX)
-    return amx_usable();
-#else
-    return 0;
-#endif
-}
-
-/* The activation row count from which x8 weights take the AMX path; returns the previous one,
- * or -1 where there is none (tests and tuning: a huge count keeps the integer tiles). */
-int pagoda_quant_set_amx_min_rows(int rows) {
-#if defined(QUANT_AMX)
-    int old = quant_amx_min_rows;
-    quant_amx_min_rows = rows < 1 ? 1 : rows;
-    return old;
-#else
-    (void)rows;
-    return -1;
-#endif
-}
-
 /* One GEMM as pool jobs: rows to quantize, `qclaim` at a time, then (panel, chunk) items in
  * panel order, claimed `claim` consecutive items at a time by whichever thread comes next: a
  * thread streams a run of weight rows, and the shared counter moves a few dozen times per GEMM
@@ -359,6 +331,7 @@ typedef struct {
     const char *x;
     int64_t x_stride, es, chunks, items, claim, qclaim;
     float *offsets; /* TILE_W * nb floats per thread */
+    int failed; /* set by a job that could not allocate its scratch */
     _Alignas(64) int64_t next; /* the next item to claim, atomic, on a line of its own */
 } GemmJob;
 
@@ -391,6 +364,33 @@ static void gemm_body(void *p, int thread) {
     }
 }
 
+#if defined(QUANT_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QUANT_AMX 1
+#include "quant_amx.h"
+#endif
+
+/* Whether the x8 GEMM's AMX path (quant_amx.h) runs here: built in and granted by the OS. */
+int pagoda_quant_amx(void) {
+#if defined(QUANT_AMX)
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* The activation row count from which x8 weights take the AMX path; returns the previous one,
+ * or -1 where there is none (tests and tuning: a huge count keeps the integer tiles). */
+int pagoda_quant_set_amx_min_rows(int rows) {
+#if defined(QUANT_AMX)
+    int old = quant_amx_min_rows;
+    quant_amx_min_rows = rows < 1 ? 1 : rows;
+    return old;
+#else
+    (void)rows;
+    return -1;
+#endif
+}
+
 /* y[M, N] (fp32, or bf16 when y_bf16) = x[M, K] (fp32, or bf16 when x_bf16) @ W^T + bias;
  * W [N, K] as rows of GGUF blocks `w_stride` bytes apart, or with `x8` in the x8 layout
  * (quant_x8.h), groups of 8 rows `w_stride` bytes apart; bias fp32 or NULL. */
@@ -406,15 +406,16 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     /* activations (q, d, s, qsum) then one offsets buffer per thread */
     int nt = pick_threads(nthreads, (N + CHUNK - 1) / CHUNK, CHUNK * K / 2 + M * K / 8);
 #if defined(QUANT_AMX)
-    if (x8 && M >= quant_amx_min_rows && amx_usable()) {
-        GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
-        return quant_gemm_amx(type, &g, x, x_stride, x_bf16, K, nt);
-    }
+    /* Q4's integer tiles keep up below 64 rows (quant_amx.h) */
+    const int amx = x8 && M >= quant_amx_min_rows * (type == GGML_Q8_0 ? 1 : 4) && amx_usable();
+#else
+    const int amx = 0;
 #endif
-    size_t act_bytes = (size_t)(M * K + 3 * M * nb * 4 + 64) & ~(size_t)63;
+    const int64_t mq = amx ? (M + 15) / 16 * 16 : M; /* the tiles read whole 16-row blocks */
+    size_t act_bytes = (size_t)(mq * K + 3 * M * nb * 4 + 64) & ~(size_t)63;
     char *buf = aligned_alloc(64, act_bytes + (size_t)nt * TILE_W * nb * 4 + 64);
     if (!buf) return -1;
-    float *scales = (float *)(buf + M * K);
+    float *scales = (float *)(buf + mq * K);
     QActs a = {(int8_t *)buf, scales, scales + M * nb, (int32_t *)(scales + 2 * M * nb), K, nb};
     GemmArgs g = {w, w_stride, bias, y, y_stride, y_bf16, M, N};
     const int64_t es = x_bf16 ? 2 : 4, chunks = (N + CHUNK - 1) / CHUNK;
@@ -423,14 +424,21 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
         const int64_t claim = items / (8 * nt) > 1 ? items / (8 * nt) : 1; /* ~8 claims a thread */
         const int64_t qclaim = M / (4 * nt) > 1 ? M / (4 * nt) : 1;       /* ~4 claims a thread */
         GemmJob j = {type,  x8,    x_bf16, &g, &a, x, x_stride, es, chunks,
-                     items, claim, qclaim, (float *)(buf + act_bytes), 0};
+                     items, claim, qclaim, (float *)(buf + act_bytes), 0, 0};
         if (M >= 8) parallel_run(quantize_body, &j, nt);
         else quantize_body(&j, 0);
         j.next = 0;
-        parallel_run(gemm_body, &j, nt);
+#if defined(QUANT_AMX)
+        if (amx) parallel_run(quant_amx_body, &j, nt);
+        else
+#endif
+            parallel_run(gemm_body, &j, nt);
         free(buf);
-        return 0;
+        return j.failed ? -1 : 0;
     }
+#if defined(QUANT_AMX)
+    GemmJob amx_job = {type, x8, x_bf16, &g, &a, x, x_stride, es, chunks, 0, 1, 1, NULL, 0, 0};
+#endif
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #ifdef _OPENMP
@@ -450,11 +458,18 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
         const int64_t tid = 0, nth = 1;
 #endif
         const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
-        for (int64_t ma = 0; ma < M; ma += PANEL)
-            for (int64_t ch = c0; ch < c1; ch++)
-                run_chunk(type, x8, &g, &a, ch, ma, ma + PANEL < M ? ma + PANEL : M, offsets);
+#if defined(QUANT_AMX)
+        if (amx) quant_amx_body(&amx_job, (int)tid);
+        else
+#endif
+            for (int64_t ma = 0; ma < M; ma += PANEL)
+                for (int64_t ch = c0; ch < c1; ch++)
+                    run_chunk(type, x8, &g, &a, ch, ma, ma + PANEL < M ? ma + PANEL : M, offsets);
     }
     free(buf);
+#if defined(QUANT_AMX)
+    if (amx && amx_job.failed) return -1;
+#endif
     return 0;
 }
 
