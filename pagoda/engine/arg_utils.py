@@ -77,13 +77,16 @@ def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
     --num-prompts 64 --input-len 64:256 --output-len 64:256 --seed 0 [--dtype bfloat16]`:
     472.9 vs 472.6 output tok/s); and the
     process holds ~230 MiB less for the embedded model (benchmarks/README.md, "CPU: GGUF kept
-    quantized"). With AMX-BF16 both take AMX tiles at batch (the GGUF blocks from 40 rows,
-    dequantized a panel at a time), and the blocks still win where it matters most for a
-    server's default of 4 running requests a core: decode steps of 1 / 8 / 32 / 64 requests
-    and a 512-token prefill took 6.3 / 12.7 / 32.1 / 51.4 and 191 ms in float32 against 11.0 /
-    15.5 / 26.7 / 44.2 and 183 ms in bf16 on 2 cores of an Intel Xeon (`python
+    quantized"). With AMX both take AMX tiles at batch (bf16 from 8 rows; the blocks' integer
+    dots, with the same bits, from 32-64), the bf16 GEMM gaining far more (2-9x against 1.0-1.4x),
+    and the blocks stay the default: they win up to the CPU server's default of 4 running
+    requests a core, bf16 from ~32 requests and at prefill. Decode steps of 1 / 8 / 32 / 64
+    requests and a 512-token prefill
+    took 7.5 / 14.5 / 34.9 / 62.9 and 283 ms in float32 against 12.6 / 17.8 / 30.0 / 49.2 and
+    196 ms in bf16 on 2 cores of an Intel Xeon with AMX (`python
     benchmarks/runner_step_bench.py --dtype float32 --quantization gguf | --dtype bfloat16
-    --batch 1 8 32 64 --context 192 --prefill 512`). `--dtype bfloat16` dequantizes at load. Without a compiler the blocks are
+    --batch 1 8 32 64 --context 192 --prefill 512`); offline throughput favours bf16 there.
+    `--dtype bfloat16` dequantizes at load. Without a compiler the blocks are
     dequantized and the torch rule below applies."""
     from pagoda.utils import cpu_build as build  # stdlib only: no torch in the front end
 

@@ -1,5 +1,5 @@
 /* The quantized GEMM's AMX-INT8 path (CPUs with AMX, amx.h) for x8 weights (Q4_0, Q4_1,
- * Q8_0) at batch: Q8_0 from `quant_amx_min_rows` activation rows, Q4 from four times that.
+ * Q8_0) at batch: Q8_0 from `quant_amx_min_rows` activation rows, Q4 from twice that.
  *
  * It computes what x16_tile (quant_x8.h) computes, bit for bit: per 32-weight block the exact
  * integer dot of the int8 activations with the block's weights, then the same two fp32 steps
@@ -21,12 +21,13 @@
 #pragma once
 #include "amx.h"
 
-/* Activation rows from which Q8_0 takes the tiles, Q4 from 4x (`pagoda_quant_set_amx_min_rows`).
+/* Activation rows from which Q8_0 takes the tiles, Q4 from 2x (`pagoda_quant_set_amx_min_rows`).
  * Per block the scales cost what they cost the vector tiles, so the tiles gain what the integer
  * dots cost there: on 2 cores of a Xeon with AMX (model shapes 576-3072 x 576-1536), Q8_0
- * 1.0-1.3x at 16 rows and 1.25-1.4x from 64, Q4_1 0.7-1.04x at 24-48 rows (its vector tile
- * unpacks nibbles once for 8 rows and takes 8 vpdpbusd a block) and 1.04-1.17x from 64. */
-static int quant_amx_min_rows = 16;
+ * 1.0-1.3x at 16 rows and 1.2-1.4x from 64 (a 49152-row LM head 0.83x at 16, 1.2x at 64), Q4_1
+ * 0.7-1.04x at 24-48 rows (its vector tile unpacks nibbles once for 8 rows and takes 8
+ * vpdpbusd a block) and 1.0-1.17x from 64 (`python benchmarks/cpu_quant_gemm_bench.py`). */
+static int quant_amx_min_rows = 32;
 
 /* Tile 0: dots (16 activation rows x 16 weight rows, int32); 1: activations (16 rows x 32
  * int8); 2: weights (8 rows of 4 K values x 16 weight rows). */

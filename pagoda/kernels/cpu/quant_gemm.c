@@ -407,7 +407,7 @@ int pagoda_quant_gemm(const void *x, int64_t x_stride, int x_bf16, const uint8_t
     int nt = pick_threads(nthreads, (N + CHUNK - 1) / CHUNK, CHUNK * K / 2 + M * K / 8);
 #if defined(QUANT_AMX)
     /* Q4's integer tiles keep up below 64 rows (quant_amx.h) */
-    const int amx = x8 && M >= quant_amx_min_rows * (type == GGML_Q8_0 ? 1 : 4) && amx_usable();
+    const int amx = x8 && M >= quant_amx_min_rows * (type == GGML_Q8_0 ? 1 : 2) && amx_usable();
 #else
     const int amx = 0;
 #endif
