@@ -111,16 +111,18 @@ def test_amx_tiles_read_nothing_past_a_row(amx_from_one_row):
         _assert_close_to_fp32_linear(y, x, w, None)
 
 
-def test_amx_tiles_sum_as_one_thread_does(amx_from_one_row):
-    w, x = _randn(960, 576, seed=5), _randn(70, 576, seed=6)
-    packed = gemm.pack_weight(w)
+def _on_one_thread(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gemm.packed_linear(x, packed)
+        return gemm.packed_linear(x, packed)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(gemm.packed_linear(x, packed), one)
+
+
+def test_amx_tiles_sum_as_one_thread_does(amx_from_one_row):
+    x, packed = _randn(70, 576, seed=6), gemm.pack_weight(_randn(960, 576, seed=5))
+    assert torch.equal(gemm.packed_linear(x, packed), _on_one_thread(x, packed))
 
 
 def test_pack_layout_and_round_trip():
@@ -158,15 +160,8 @@ def test_packed_linear_shapes_and_threads(cpu_isa):
     assert not gemm.packed_linear_supported(_randn(2, 63), packed)
     assert not gemm.packed_linear_supported(x.float(), packed)
     # Each output is one thread's sum in a fixed order: the thread count changes nothing.
-    big_w, big_x = _randn(960, 576, seed=5), _randn(40, 576, seed=6)
-    big = gemm.pack_weight(big_w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gemm.packed_linear(big_x, big)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(gemm.packed_linear(big_x, big), one)
+    big_x, big = _randn(40, 576, seed=6), gemm.pack_weight(_randn(960, 576, seed=5))
+    assert torch.equal(gemm.packed_linear(big_x, big), _on_one_thread(big_x, big))
 
 
 def test_layer_packs_after_loading_and_keeps_the_reference_path(monkeypatch):

@@ -321,7 +321,10 @@ def test_embedded_model_greedy_tokens_unchanged_by_c_ops(ops_off, monkeypatch):
 def test_embedded_model_bf16_c_ops_as_close_to_float32_as_torch():
     """Teacher-forced on float32 greedy tokens: the bf16 C path's logits are no further from
     the float32 model's than torch's bf16 path, and where either picks another argmax than
-    float32, float32's own top two are a near-tie (a bf16 logit's rounding step is ~0.06)."""
+    float32, float32's own top two are a near-tie: within 0.25, two rounding steps of a bf16
+    logit between 16 and 32, where this model's top logits lie. (The paths' mean logit error
+    is ~0.1; on an Intel Xeon with AMX torch's bf16 path flipped a 0.119 gap and the C path's
+    AMX tiles a 0.175 one, the register tiles 0.007, on the same prompt.)"""
     from model_testing import PagedRunner
 
     from pagoda.config import ModelConfig, embedded_model_path
@@ -347,5 +350,5 @@ def test_embedded_model_bf16_c_ops_as_close_to_float32_as_torch():
             for i in (picked != best).nonzero().flatten().tolist():
                 flips[fused].append(float(ref[i, best[i]] - ref[i, picked[i]]))
     assert sum(errors[True]) <= 1.2 * sum(errors[False]), errors
-    assert all(gap < 0.1 for gap in flips[False] + flips[True]), flips
+    assert all(gap < 0.25 for gap in flips[False] + flips[True]), flips
     assert len(flips[True]) <= len(flips[False]) + 3, flips

@@ -104,19 +104,25 @@ def test_matches_dequantized_matmul_within_int8_bound(isa, name):
                     check(quant.quant_linear(x, qw, isa=isa), x, w)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_threads_bias_bf16_and_strided_rows(isa):
-    layouts, w = weights(3, 77, 320, seed=1)
-    x = torch.randn(40, 400)[:, 50:370]  # rows with a stride
-    bias = torch.randn(77)
+def on_1_and_2_threads(*args, **kwargs) -> list[torch.Tensor]:
+    """quant_linear(*args, **kwargs) on one thread, then on two."""
     old = torch.get_num_threads()
     try:
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(quant.quant_linear(x, layouts[1], bias, isa=isa))
+            results.append(quant.quant_linear(*args, **kwargs))
     finally:
         torch.set_num_threads(old)
+    return results
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_bias_bf16_and_strided_rows(isa):
+    layouts, w = weights(3, 77, 320, seed=1)
+    x = torch.randn(40, 400)[:, 50:370]  # rows with a stride
+    bias = torch.randn(77)
+    results = on_1_and_2_threads(x, layouts[1], bias, isa=isa)
     assert torch.equal(results[0], results[1])  # the split over threads changes no sum
     y0 = quant.quant_linear(x, layouts[1], isa=isa)
     check(y0, x, w)
@@ -234,14 +240,7 @@ def test_amx_path_threads_bias_bf16_and_strided_rows(amx_from_one_row):
     layouts, w = weights(3, 77, 320, seed=1)
     x = torch.randn(50, 400)[:, 50:370]
     bias = torch.randn(77)
-    old = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(quant.quant_linear(x, layouts[1], bias))
-    finally:
-        torch.set_num_threads(old)
+    results = on_1_and_2_threads(x, layouts[1], bias)
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], _vector_tiles(x, layouts[1], bias=bias))
     y16 = quant.quant_linear(x, layouts[1], bias, out_dtype=torch.bfloat16)

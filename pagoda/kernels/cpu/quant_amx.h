@@ -72,15 +72,9 @@ INLINE void quant_amx_scale(const int type, const GemmArgs *g, const QActs *a, c
                             int64_t gstride, int64_t b, int64_t m0, const int32_t *dots,
                             __m512 acc[16]) {
     const int64_t nb = a->nb, bb = 8 * block_bytes(type);
-    const uint8_t *b0 = grp + b * bb, *b1 = b0 + gstride;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b0)),
-        _mm_loadu_si128((const __m128i *)b1), 1));
-    const __m512 mw = type == GGML_Q4_1
-        ? _mm512_cvtph_ps(_mm256_inserti128_si256(
-              _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 16))),
-              _mm_loadu_si128((const __m128i *)(b1 + 16)), 1))
-        : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+    const uint8_t *b0 = grp + b * bb;
+    __m512 dw, mw;
+    x16_scales(type, b0, b0 + gstride, &dw, &mw);
     for (int r = 0; r < 16; r++) {
         const int64_t m = m0 + r;
         if (m >= g->M) break; /* the padding rows past M */

@@ -122,6 +122,19 @@ INLINE __m512i bcast4_512(const int8_t *p) {
  * weights go in as w + 128 (AVX-512 has no `vpsignb`) and 128 * sum(q) comes off the integer
  * dot. Every lane computes the integers and fp32 steps the 256-bit tile computes for its row,
  * in the same order, so both give the same bits. */
+/* The scales d and offsets m of two groups' blocks b0 (lanes 0-7) and b1 (8-15): the values
+ * x16_tile and the AMX path (quant_amx.h) both apply, so they give the same bits. */
+INLINE void x16_scales(const int type, const uint8_t *b0, const uint8_t *b1, __m512 *dw,
+                       __m512 *mw) {
+    *dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b0)),
+        _mm_loadu_si128((const __m128i *)b1), 1));
+    *mw = type == GGML_Q4_1 ? _mm512_cvtph_ps(_mm256_inserti128_si256(
+                                  _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 16))),
+                                  _mm_loadu_si128((const __m128i *)(b1 + 16)), 1))
+                            : _mm512_mul_ps(*dw, _mm512_set1_ps(-8.0f));
+}
+
 INLINE void x16_tile(const int type, const uint8_t *grp, int64_t gstride, const QActs *a,
                      int64_t m0, const int NC, __m512 out[8]) {
     const int64_t nb = a->nb, K = a->K;
@@ -131,14 +144,8 @@ INLINE void x16_tile(const int type, const uint8_t *grp, int64_t gstride, const 
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *b0 = grp + b * bb, *b1 = b0 + gstride;
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b0)),
-            _mm_loadu_si128((const __m128i *)b1), 1));
-        const __m512 mw = type == GGML_Q4_1
-            ? _mm512_cvtph_ps(_mm256_inserti128_si256(
-                  _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 16))),
-                  _mm_loadu_si128((const __m128i *)(b1 + 16)), 1))
-            : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+        __m512 dw, mw;
+        x16_scales(type, b0, b1, &dw, &mw);
         __m512i w[8];
         for (int j = 0; j < (type == GGML_Q8_0 ? 8 : 4); j++) {
             const __m512i v = _mm512_inserti64x4(
