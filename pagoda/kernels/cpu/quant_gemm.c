@@ -378,8 +378,9 @@ int pagoda_quant_amx(void) {
 #endif
 }
 
-/* The activation row count from which x8 weights take the AMX path; returns the previous one,
- * or -1 where there is none (tests and tuning: a huge count keeps the integer tiles). */
+/* The activation row count from which Q8_0 x8 weights take the AMX path (Q4 from twice it);
+ * returns the previous one, or -1 where there is none (tests and tuning: a huge count keeps the
+ * vector tiles). */
 int pagoda_quant_set_amx_min_rows(int rows) {
 #if defined(QUANT_AMX)
     int old = quant_amx_min_rows;
