@@ -180,6 +180,27 @@ def isa_compile_flags(isa: str) -> list[str]:
     return flags
 
 
+def amx_built(isa: str | None = None) -> bool:
+    """Whether the kernels built for `isa` (default: the selected level) carry AMX tiles: a CPU
+    with AMX, `$PAGODA_CPU_AMX` not 0, the avx512_bf16 level and a compiler that takes the
+    flags. They run where the OS grants AMX state too (`os_grants_amx`)."""
+    if AMX_CC_FLAGS[0] not in isa_compile_flags(isa or selected_isa()):
+        return False
+    try:
+        return _compiler_takes(_find_compiler(), tuple(AMX_CC_FLAGS))
+    except CpuKernelUnavailable:
+        return False
+
+
+def os_grants_amx() -> bool:
+    """Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, as the
+    kernels ask before their first tile; Linux 5.16 on, x86-64 only)."""
+    if platform.system() != "Linux" or cpu_arch() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+
+
 _said: set[str] = set()  # what log_once has logged in this process
 
 

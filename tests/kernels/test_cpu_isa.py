@@ -53,6 +53,9 @@ def test_amx_flags_follow_the_cpu_and_the_env_var(monkeypatch):
     cc = build._find_compiler()
     assert not build._compiler_takes(cc, ("-mno-such-flag",))
     assert build._compiler_takes(cc, ("-mavx2",))
+    monkeypatch.setattr(build, "cpu_flags", lambda: spr)
+    monkeypatch.setattr(build, "_compiler_takes", lambda cc, flags: False)
+    assert not build.amx_built("avx512_bf16")  # an older compiler: built without the tiles
 
 
 def test_env_var_forces_a_level_and_rejects_what_the_cpu_lacks(monkeypatch):
