@@ -218,7 +218,8 @@ def log_isa(isa: str) -> None:
         return
     _said.add("isa")
     how = f"forced by {ISA_ENV}" if envs.PAGODA_CPU_ISA else f"set {ISA_ENV} to force one"
-    logger.info("CPU kernels: %s (this CPU's best level: %s; %s)", isa, best_isa(), how)
+    tiles = " with AMX tiles" if amx_built(isa) and os_grants_amx() else ""
+    logger.info("CPU kernels: %s%s (this CPU's best level: %s; %s)", isa, tiles, best_isa(), how)
 
 
 def warn_unavailable(e: Exception) -> None:
