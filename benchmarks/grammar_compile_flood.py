@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,8 +25,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from overload_goodput import _free_port  # noqa: E402
+from pagoda.tune.server import TrialServer
 
 
 def _tree_cpu_s(pid: int) -> float:
@@ -84,24 +81,14 @@ def main() -> None:
     ap.add_argument("--after", type=float, default=20.0)
     args = ap.parse_args()
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp()) / "server.log"
-    env = {**os.environ, "PAGODA_GRAMMAR_COMPILE_TIMEOUT_S": str(args.timeout)}
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--port", str(port),
-           "--max-model-len", "512", "--uvicorn-log-level", "warning", "--disable-log-stats"]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                              env=env, start_new_session=True)  # fmt: skip
+    os.environ["PAGODA_GRAMMAR_COMPILE_TIMEOUT_S"] = str(args.timeout)  # the server inherits it
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--max-model-len", "512",
+           "--uvicorn-log-level", "warning", "--disable-log-stats"]  # fmt: skip
+    server = TrialServer(cmd, {}, str(log))
+    url = server.url
     try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        server.wait_ready(300)
         t_start = time.monotonic()
 
         def post(body: dict, label: str, timeout: float = 300) -> httpx.Response:
@@ -136,7 +123,9 @@ def main() -> None:
         t_slow = time.monotonic()
         for t in threads:
             t.start()
-        print(f"cores busy in the first 2 s of the slow compiles: {_busy_cores(2.0, server.pid)}")
+        print(
+            f"cores busy in the first 2 s of the slow compiles: {_busy_cores(2.0, server.proc.pid)}"
+        )
         structured("structured, during the slow compiles")
         plain("plain, during the slow compiles")
         for t in threads:
@@ -144,15 +133,14 @@ def main() -> None:
         print(f"slow requests answered after {time.monotonic() - t_slow:.1f} s")
         end = time.monotonic() + args.after
         while time.monotonic() < end:
-            print(f"cores busy over 3 s after the refusals: {_busy_cores(3.0, server.pid)}")
+            print(f"cores busy over 3 s after the refusals: {_busy_cores(3.0, server.proc.pid)}")
             structured("structured, after the refusals")
             plain("plain, after the refusals")
         print("server processes:")
-        for pid, command in _tree(server.pid):
+        for pid, command in _tree(server.proc.pid):
             print(f"  {pid} {command}")
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(10)
+        server.stop()
 
 
 if __name__ == "__main__":
