@@ -77,7 +77,7 @@ def bench_linear(shapes: list[str], rows: list[int], iters: int, dtype: torch.dt
     """F.linear on float32 and on bf16 weights vs the packed bf16 GEMM vs the skinny GEMM on
     plain `dtype` weights (rows up to MAX_GEMV_ROWS[dtype])."""
     amx = cpu_gemm.amx_active()
-    tiles = f" (AMX tiles from {cpu_gemm.AMX_MIN_ROWS} rows)" if amx else ""
+    tiles = f" (AMX tiles from {cpu_gemm.amx_min_rows()} rows)" if amx else ""
     print(
         "linear [N x K], M rows: us (GFLOP/s) of F.linear fp32 | F.linear bf16 | packed bf16 "
         f"GEMM{tiles} | skinny "

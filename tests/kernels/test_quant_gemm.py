@@ -34,9 +34,8 @@ except Exception as e:  # no compiler: every test here is skipped with the reaso
 
 @pytest.fixture(autouse=True)
 def integer_tiles():
-    """The integer path at every row count: the bounds below are int8 activations'. The AMX
-    path (bf16 activations, from `quant.AMX_MIN_ROWS` rows on CPUs with AMX) has tests of its
-    own at the end."""
+    """The vector tiles at every row count, so that they stay covered on CPUs with AMX too
+    (where the AMX path takes batches: the same bits, tested at the end)."""
     old = {isa: quant.set_amx_min_rows(1 << 30, isa=isa) for isa in ISAS}
     yield
     for isa, rows in old.items():

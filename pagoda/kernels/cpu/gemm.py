@@ -26,8 +26,8 @@ runs at ~9 GFLOP/s there). On an AVX512_BF16 Xeon the avx512 level's FMA tile (2
 GFLOP/s on two cores) outran vdpbf16ps (150-170); on the Zen 5 above vdpbf16ps's ~950 is past
 what two cores' FMAs can reach (~600), which is why avx512_bf16 keeps it.
 
-On a CPU with AMX-BF16 the packed layout is also AMX's B-tile layout, and from `AMX_MIN_ROWS`
-rows the product runs on AMX tiles (`gemm_amx.h`; `$PAGODA_CPU_AMX=0` leaves them out). On 2
+On a CPU with AMX-BF16 the packed layout is also AMX's B-tile layout, and from 8 rows
+(`amx_min_rows()`) the product runs on AMX tiles (`gemm_amx.h`; `$PAGODA_CPU_AMX=0` leaves them out). On 2
 cores of an Intel Xeon with AMX (`python benchmarks/cpu_ops_bench.py`, and the two paths alone,
 interleaved): 1.3-1.5x the register tiles at 8 rows, 2.1-2.7x at 16, 6.5-8.6x at 256 (1.25-1.5
 TFLOP/s) and up to 1.8 TFLOP/s at 2048 rows, where the register tiles hold ~190-210 GFLOP/s;
@@ -43,7 +43,6 @@ from torch import nn
 from pagoda.kernels.cpu.ops import _check, _lib, cpu_ops_available, gemm_operands
 
 PANEL = 16  # output columns per packed panel: one zmm (two ymm) of fp32 accumulators
-AMX_MIN_ROWS = 8  # gemm_amx.h's amx_min_rows: the row count from which AMX tiles run
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -125,10 +124,18 @@ def amx_active() -> bool:
 
 
 def set_amx_min_rows(rows: int) -> int:
-    """Row count from which the packed GEMM takes the AMX tiles (the default is
-    `AMX_MIN_ROWS`); returns the previous one, or -1 where the build has no tiles. For tests
-    and tuning: a huge count keeps the register tiles for every call."""
+    """Row count from which the packed GEMM takes the AMX tiles (gemm_amx.h's `amx_min_rows`,
+    8 by default); returns the previous one, or -1 where the build has no tiles. For tests and
+    tuning: a huge count keeps the register tiles for every call."""
     return _lib().pagoda_gemm_set_amx_min_rows(rows)
+
+
+def amx_min_rows() -> int:
+    """The row count from which the packed GEMM takes the AMX tiles now (-1: no tiles)."""
+    rows = set_amx_min_rows(1)
+    if rows > 0:
+        set_amx_min_rows(rows)
+    return rows
 
 
 def packed_copy(module: nn.Module) -> torch.Tensor | None:

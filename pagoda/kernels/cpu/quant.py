@@ -42,7 +42,6 @@ QUANT_TYPES = {
 QUANT_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 X8_TYPES = (2, 3, 8)
 _IO_DTYPES = (torch.float32, torch.bfloat16)
-AMX_MIN_ROWS = 32  # quant_amx.h's quant_amx_min_rows: Q8_0 from it, Q4_0 / Q4_1 from 2x it
 
 
 @dataclass(frozen=True)
@@ -156,15 +155,15 @@ def kernel_isa(isa: str | None = None) -> str:
 
 def amx_active(isa: str | None = None) -> bool:
     """Whether x8 weights (Q4_0, Q4_1, Q8_0) take their integer dots from AMX tiles at batch
-    here (`quant_amx.h`, the same bits as the vector tiles; Q8_0 from `AMX_MIN_ROWS` activation
-    rows, Q4 from twice that): a CPU with AMX, `$PAGODA_CPU_AMX` not 0, the OS's grant."""
+    here (`quant_amx.h`, the same bits as the vector tiles; Q8_0 from 32 activation rows, Q4 from
+    64): a CPU with AMX, `$PAGODA_CPU_AMX` not 0, the OS's grant."""
     return bool(load_quant_library(isa).pagoda_quant_amx())
 
 
 def set_amx_min_rows(rows: int, isa: str | None = None) -> int:
     """Activation row count from which Q8_0 x8 weights take the AMX path, Q4 ones from twice
-    it (default `AMX_MIN_ROWS`); returns the previous one, or -1 where the build has
-    none. For tests and tuning."""
+    it (quant_amx.h's `quant_amx_min_rows`, 32 by default); returns the previous one, or -1
+    where the build has none. For tests and tuning."""
     return load_quant_library(isa).pagoda_quant_set_amx_min_rows(rows)
 
 
