@@ -38,17 +38,9 @@ INLINE const uint16_t *amx_rows(const AmxArgs *a, int64_t m0) {
 static void amx_store(const GemmArgs *g, const float *acc, int64_t m0, int64_t p) {
     const int64_t n = p * GEMM_PANEL;
     const __mmask16 mk = tail_mask16(g->N - n);
-    __m512 b = _mm512_setzero_ps();
-    if (g->bias) {
-        __m256i h = _mm256_maskz_loadu_epi16(mk, g->bias + n);
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    for (int r = 0; r < AMX_ROWS && m0 + r < g->M; r++) {
-        __m512 s = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
-        int64_t off = (m0 + r) * g->y_stride + n;
-        if (g->y_fp32) _mm512_mask_storeu_ps((float *)g->y + off, mk, s);
-        else _mm256_mask_storeu_epi16((uint16_t *)g->y + off, mk, (__m256i)_mm512_cvtneps_pbh(s));
-    }
+    const __m512 b = gemm_bias16(g, n, mk);
+    for (int r = 0; r < AMX_ROWS && m0 + r < g->M; r++)
+        gemm_store16(g, m0 + r, n, mk, _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
 }
 
 /* Rows [m0, m0 + 16 * MA) by panels [p, p + NB) over all of K; MA, NB in {1, 2} are

@@ -11,6 +11,20 @@ INLINE __mmask16 tail_mask16(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
 }
 
+/* The bias of columns [n, n + 16) widened to fp32 (zero without one, or past N by `mk`). */
+INLINE __m512 gemm_bias16(const GemmArgs *a, int64_t n, __mmask16 mk) {
+    if (!a->bias) return _mm512_setzero_ps();
+    __m256i h = _mm256_maskz_loadu_epi16(mk, a->bias + n);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Row m of y, columns [n, n + 16) masked by `mk`: s in fp32, or rounded once to bf16. */
+INLINE void gemm_store16(const GemmArgs *a, int64_t m, int64_t n, __mmask16 mk, __m512 s) {
+    const int64_t off = m * a->y_stride + n;
+    if (a->y_fp32) _mm512_mask_storeu_ps((float *)a->y + off, mk, s);
+    else _mm256_mask_storeu_epi16((uint16_t *)a->y + off, mk, (__m256i)_mm512_cvtneps_pbh(s));
+}
+
 /* One pair step of K for a tile: NV panel loads, MR broadcasts, MR x NV vdpbf16ps. `odd`:
  * the last pair of an odd K, which has one real value; W's padding there is zero, and x's
  * must be too (the value past the row could be inf or NaN). Prefetches: `near`, the tile's
@@ -54,17 +68,8 @@ INLINE void gemm_tile(const GemmArgs *a, int64_t m0, int64_t p0, const int MR, c
                          next + p * 2 * GEMM_PANEL, next_mask, 1);
     for (int v = 0; v < NV; v++) {
         const int64_t n = (p0 + v) * GEMM_PANEL;
-        __mmask16 mk = tail_mask16(a->N - n);
-        __m512 b = _mm512_setzero_ps();
-        if (a->bias) {
-            __m256i h = _mm256_maskz_loadu_epi16(mk, a->bias + n);
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
-        for (int m = 0; m < MR; m++) {
-            __m512 s = _mm512_add_ps(acc[m][v], b);
-            int64_t off = (m0 + m) * a->y_stride + n;
-            if (a->y_fp32) _mm512_mask_storeu_ps((float *)a->y + off, mk, s);
-            else _mm256_mask_storeu_epi16((uint16_t *)a->y + off, mk, (__m256i)_mm512_cvtneps_pbh(s));
-        }
+        const __mmask16 mk = tail_mask16(a->N - n);
+        const __m512 b = gemm_bias16(a, n, mk);
+        for (int m = 0; m < MR; m++) gemm_store16(a, m0 + m, n, mk, _mm512_add_ps(acc[m][v], b));
     }
 }
