@@ -36,7 +36,8 @@ M_VALUES = (1, 4, 16, 24, 32, 64, 128, 192, 256, 1024)
 def gemv_grid(m: int) -> list[tuple]:
     """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
     with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
-    ring (bulk) at its stages and chunk sizes."""
+    ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
+    (pdl, sm_90)."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -57,6 +58,7 @@ def gemv_grid(m: int) -> list[tuple]:
     for rt, warps in ((1, 8), (1, 4), (2, 8), (2, 4)):
         for stages, mult, sums in itertools.product((2, 4, 8), (1, 2, 4), (0, 1)):
             configs.append((rt, warps, 2, 0, sums, 1, 1, stages, warps * mult))
+    configs = [tuple(GemvConfig(*c)._replace(pdl=pdl)) for c in configs for pdl in (0, 1)]
     configs = [
         c
         for c in configs
@@ -158,7 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--no-sweep", action="store_true", help="choose_config only")
     ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
+    ap.add_argument(
+        "--step",
+        action="store_true",
+        help="only time whole decode steps: the 4 GEMMs of 32 distinct layers in order, in one "
+        "graph, by default (with and without programmatic dependent launch) and bf16 cuBLAS",
+    )
     args = ap.parse_args(argv)
+    if args.step:
+        return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
 
     import torch
     import torch.nn.functional as F
@@ -327,6 +337,60 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\ntimed in {result['seconds']:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def step_main(m_values, reps: int, out: str | None) -> dict:
+    """ms per decode step timed as one: qkv, o, gate_up and down of 32 distinct layers, in that
+    order, in one CUDA graph (the next kernel's start overlaps the last one's end as it would
+    in the model), for `w4a16_linear`'s default with PAGODA_W4A16_PDL=1 and =0, and bf16
+    cuBLAS on dense weights of the same shapes."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.kernels.skinny_gemm import prepare
+    from pagoda.kernels.w4a16 import w4a16_linear
+
+    prepare("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    packed = [
+        {s: packed_layer(n, k, GROUP, "cuda", gen) for s, (n, k) in SHAPES.items()}
+        for _ in range(LAYERS)
+    ]
+    dense = [
+        {s: torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+         for s, (n, k) in SHAPES.items()}
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    rows = []
+    print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers):")
+    print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'bf16':>10s}")
+    for m in m_values:
+        xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+              for _, k in SHAPES.values()}  # fmt: skip
+
+        def w4_step(xs=xs) -> None:
+            for layer in packed:
+                for s, (_, k) in SHAPES.items():
+                    w4a16_linear(xs[k], *layer[s], GROUP)
+
+        def dense_step(xs=xs) -> None:
+            for layer in dense:
+                for s, (_, k) in SHAPES.items():
+                    F.linear(xs[k], layer[s])
+
+        row = {"m": m}
+        for key, pdl in (("default", "1"), ("no_pdl", "0")):
+            os.environ["PAGODA_W4A16_PDL"] = pdl
+            row[key] = graph_seconds(w4_step, reps) * 1e3
+        os.environ.pop("PAGODA_W4A16_PDL")
+        row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
+        rows.append(row)
+        print(f"{m:5d} {row['default']:10.3f} {row['no_pdl']:10.3f} {row['cublas_bf16']:10.3f}")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
     return result
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     PAGODA_CUDA_DECODE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
+    PAGODA_W4A16_PDL: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
@@ -240,6 +241,13 @@ VARIABLES: dict[str, EnvVar] = {
             "0: packed 4-bit layers on CUDA take the Triton kernels instead of the CUDA GEMV "
             "at few rows.",
             _flag("PAGODA_W4A16_CUDA", True),
+        ),
+        EnvVar(
+            "PAGODA_W4A16_PDL", "flag", "1",
+            "0: the CUDA W4A16 GEMV waits for the kernel before it to end before it starts, "
+            "instead of loading its first weights meanwhile (programmatic dependent launch, "
+            "sm_90).",
+            _flag("PAGODA_W4A16_PDL", True),
         ),
         EnvVar(
             "PAGODA_W8A16", "flag", "1",

@@ -34,7 +34,8 @@
 // (1: the CTA's weight rows are prefetched into L2 at its start, sm_90), SUM_MMA (1: no
 // per-weight zero-point subtract; the zero point is applied to the product with the sums of
 // x that an mma of all-ones A gives), X_EARLY (1: a step's x loads all before its first mma;
-// up to 16 rows).
+// up to 16 rows), PDL (1: launched as a programmatic dependent of the kernel before it, sm_90:
+// see `grid_wait`).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -130,6 +131,23 @@ __device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
 
 __device__ __forceinline__ u32 part(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// PDL: the kernel may start while the one before it in the stream is still running. The
+// weights, scales and zero points never change, so a CTA loads its first ones before
+// `grid_wait`; x (the kernel before may be writing it) and y (it may still be reading that
+// memory) come after. `launch_dependents` then lets the next such kernel start its own loads
+// while this one finishes. Both are no-ops in a launch without the attribute.
+__device__ __forceinline__ void grid_wait() {
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // x[row][k0 + 8w, +8) for lane (g, t)'s B fragment, zero for rows past M.
@@ -335,9 +353,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
 
-  for (int s0 = warp; s0 < steps; s0 += WARPS * DEPTH) {
-    uint4 wv[DEPTH][ROW_TILES][2];
-    u32 sc[DEPTH][ROW_TILES][2], zp[DEPTH][ROW_TILES][2];
+  // A batch: DEPTH K steps of this warp from s0, every load issued before the first use.
+  uint4 wv[DEPTH][ROW_TILES][2];
+  u32 sc[DEPTH][ROW_TILES][2], zp[DEPTH][ROW_TILES][2];
+  auto load_batch = [&](int s0) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const int s = s0 + d * WARPS;
@@ -353,6 +372,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
           }
       }
     }
+  };
+  auto use_batch = [&](int s0) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const int s = s0 + d * WARPS;
@@ -374,6 +395,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #endif
       }
     }
+  };
+#if PDL
+  load_batch(warp);  // the first batch's weights before the kernel before this one is done
+  grid_wait();
+  launch_dependents();
+  use_batch(warp);
+  for (int s0 = warp + WARPS * DEPTH; s0 < steps; s0 += WARPS * DEPTH) {
+#else
+  for (int s0 = warp; s0 < steps; s0 += WARPS * DEPTH) {
+#endif
+    load_batch(s0);
+    use_batch(s0);
   }
 
   write_partial(red[warp], acc, lane);
@@ -468,6 +501,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
       __syncwarp();
       if (lane < ROWS) bulk_load(ring[st] + lane * PITCH, src + c * CHUNK * 64, bytes, &full[st], policy);
     }
+    grid_wait();  // before its share of the stores of y
   } else {
     int nrow[ROW_TILES][2];
 #pragma unroll
@@ -508,6 +542,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
         for (int mt = 0; mt < M_TILES; ++mt)
           xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
     };
+    grid_wait();  // x is written by the kernel before (the producer's weights are not)
+    launch_dependents();
     if (warp < steps) load_step(warp, sc, zp, xv);
     int i = 0;
     for (int s = warp; s < steps; s += WARPS, ++i) {

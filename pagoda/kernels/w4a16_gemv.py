@@ -52,7 +52,9 @@ class GemvConfig(NamedTuple):
     subtracting it from every weight; x_early: 1 to issue a K step's x loads before its first
     mma; bulk: 1 to stream the weights through a shared-memory ring filled by the copy engine
     (one more warp issues the copies; sm_90; depth, l2_prefetch and x_early do not apply),
-    `stages` chunks of `chunk` K steps (a multiple of `warps`) each."""
+    `stages` chunks of `chunk` K steps (a multiple of `warps`) each; pdl: 1 to launch it as a
+    programmatic dependent of the kernel before it (sm_90; elsewhere a plain launch): its
+    first weights load while that kernel finishes (`w4a16_gemv.cu`'s `grid_wait`)."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -63,6 +65,7 @@ class GemvConfig(NamedTuple):
     bulk: int = 0
     stages: int = 4
     chunk: int = 8
+    pdl: int = 0
 
 
 def enabled() -> bool:
@@ -158,6 +161,7 @@ def _compile(
         "BULK": cfg.bulk,
         "STAGES": cfg.stages,
         "CHUNK": cfg.chunk,
+        "PDL": cfg.pdl,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
@@ -208,6 +212,38 @@ def _libcuda():
     return torch.cuda._utils._get_gpu_runtime_library()
 
 
+@functools.cache
+def _pdl_capable(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int)]
+    _fields_ += [("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [(f"{d}Dim{a}", ctypes.c_uint) for d in ("grid", "block") for a in "XYZ"]
+    _fields_ += [
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch_pdl(func: Any, grid: int, block: int, smem: int, stream: int, params: Any) -> int:
+    """cuLaunchKernelEx with programmatic stream serialization allowed: the kernel may start
+    before the one before it in the stream ends (it waits for it with griddepcontrol.wait);
+    in a CUDA graph capture this becomes a programmatic edge."""
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(grid, 1, 1, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+    return _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
+
+
 def w4a16_gemv(
     kernel: Any,
     x: torch.Tensor,
@@ -235,19 +271,13 @@ def w4a16_gemv(
     ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
     grid = -(-n // (16 * cfg.row_tiles))
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    err = _libcuda().cuLaunchKernel(
-        kernel.func,
-        grid,
-        1,
-        1,
-        threads(cfg),
-        1,
-        1,
-        ring_bytes(cfg),
-        ctypes.c_void_p(stream),
-        ptrs,
-        None,
-    )
+    if cfg.pdl and _pdl_capable(x.device.index or 0):
+        err = _launch_pdl(kernel.func, grid, threads(cfg), ring_bytes(cfg), stream, ptrs)
+    else:
+        err = _libcuda().cuLaunchKernel(
+            kernel.func, grid, 1, 1, threads(cfg), 1, 1, ring_bytes(cfg),
+            ctypes.c_void_p(stream), ptrs, None,
+        )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
     return y

@@ -28,7 +28,8 @@ from pagoda.kernels.w4a16_skinny import SkinnyConfig  # noqa: E402
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
-# weights through the shared-memory ring (bulk), its stages and chunk.
+# weights through the shared-memory ring (bulk), its stages and chunk; programmatic dependent
+# launch (pdl).
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
@@ -37,6 +38,9 @@ LAUNCHES = [
     GemvConfig(1, 8, bulk=1, stages=4, chunk=8),
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8),
     GemvConfig(1, 4, bulk=1, stages=3, chunk=4),
+    GemvConfig(pdl=1),
+    GemvConfig(2, 4, 2, 1, 1, 1, pdl=1),
+    GemvConfig(1, 8, bulk=1, stages=4, chunk=8, pdl=1),
 ]
 BULK = LAUNCHES[4]
 
@@ -133,6 +137,42 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1]], ids=str)
+def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(cfg: GemvConfig) -> None:
+    """Six layers, each reading the one before's output, launched back to back as programmatic
+    dependents in a graph: every output equals the plain launches' bit for bit, after the
+    outputs are poisoned with NaN and x changed between replays (a kernel that read its x
+    before the one before had written it would see NaN or the last replay's values)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    layers = [_weights("awq", 1024, 1024, 128, seed=i)[0] for i in range(6)]
+
+    def chain(x: torch.Tensor, config: GemvConfig) -> list[torch.Tensor]:
+        outs = []
+        for w4 in layers:
+            x = _linear(x, w4, config=config)
+            outs.append(x)
+        return outs
+
+    x = torch.randn(3, 1024, device="cuda").to(torch.bfloat16)
+    chain(x, cfg)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(x, cfg)
+    for seed in range(3):
+        x.copy_(
+            torch.randn(3, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        )
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, chain(x, cfg._replace(pdl=0))):
+            assert torch.equal(got, want)
 
 
 def test_default_config_takes_the_cuda_kernel_where_its_shapes_allow() -> None:
