@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
 def step_main(m_values, reps: int, out: str | None) -> dict:
     """ms per decode step timed as one: qkv, o, gate_up and down of 32 distinct layers, in that
     order, in one CUDA graph (the next kernel's start overlaps the last one's end as it would
-    in the model), for `w4a16_linear`'s default with PAGODA_W4A16_PDL=1 and =0, and bf16
+    in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, and bf16
     cuBLAS on dense weights of the same shapes."""
     import torch
     import torch.nn.functional as F
@@ -382,9 +382,9 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
 
         row = {"m": m}
         for key, pdl in (("default", "1"), ("no_pdl", "0")):
-            os.environ["PAGODA_W4A16_PDL"] = pdl
+            os.environ["PAGODA_PDL"] = pdl
             row[key] = graph_seconds(w4_step, reps) * 1e3
-        os.environ.pop("PAGODA_W4A16_PDL")
+        os.environ.pop("PAGODA_PDL")
         row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
         rows.append(row)
         print(f"{m:5d} {row['default']:10.3f} {row['no_pdl']:10.3f} {row['cublas_bf16']:10.3f}")

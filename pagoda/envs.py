@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     PAGODA_CUDA_DECODE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
-    PAGODA_W4A16_PDL: bool
+    PAGODA_PDL: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
@@ -243,11 +243,10 @@ VARIABLES: dict[str, EnvVar] = {
             _flag("PAGODA_W4A16_CUDA", True),
         ),
         EnvVar(
-            "PAGODA_W4A16_PDL", "flag", "1",
-            "0: the CUDA W4A16 GEMV waits for the kernel before it to end before it starts, "
-            "instead of loading its first weights meanwhile (programmatic dependent launch, "
-            "sm_90).",
-            _flag("PAGODA_W4A16_PDL", True),
+            "PAGODA_PDL", "flag", "1",
+            "0: no programmatic dependent launch on sm_90 GPUs (the CUDA W4A16 GEMV then waits "
+            "for the kernel before it to end before it starts loading weights).",
+            _flag("PAGODA_PDL", True),
         ),
         EnvVar(
             "PAGODA_W8A16", "flag", "1",

@@ -27,6 +27,21 @@ def triton_available() -> bool:
     return True
 
 
+def pdl_enabled(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device use programmatic dependent launch (PAGODA_PDL, sm_90 or
+    newer): the W4A16 GEMV is launched as a dependent of the kernel before it and loads its
+    first weights while that one finishes; the small kernels that come before a GEMV (RMSNorm,
+    SiLU-and-mul) let it launch as soon as they start."""
+    from pagoda import envs
+
+    return x.is_cuda and envs.PAGODA_PDL and _sm90(x.device.index or 0)
+
+
+@functools.cache
+def _sm90(device: int) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 

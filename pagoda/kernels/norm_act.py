@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from pagoda.kernels import pdl_enabled
 
 
 @triton.jit
@@ -29,7 +32,10 @@ def _rms_norm_kernel(
     eps,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # `pdl_enabled`: the next GEMV may start loading weights
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n_cols
@@ -90,6 +96,7 @@ def rms_norm_triton(
         eps,
         BLOCK_N=block,
         HAS_RESIDUAL=residual is not None,
+        LAUNCH_DEPENDENTS=pdl_enabled(x),
         num_warps=_num_warps(block),
     )
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else x)
@@ -97,8 +104,16 @@ def rms_norm_triton(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x: tl.int64, stride_o: tl.int64, d, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    stride_x: tl.int64,
+    stride_o: tl.int64,
+    d,
+    BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -118,6 +133,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=_num_warps(block)
-        )
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block,
+            LAUNCH_DEPENDENTS=pdl_enabled(x), num_warps=_num_warps(block),
+        )  # fmt: skip
     return out.view(*x.shape[:-1], d)

@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda import envs
 from pagoda.kernels import w4a16_gemv
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
@@ -392,7 +391,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig | None:
         l2_prefetch=0,
         sum_mma=int(row_tiles == 1 and k >= 8192),
         x_early=1,
-        pdl=int(envs.PAGODA_W4A16_PDL),
+        pdl=1,
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pagoda import envs
+from pagoda.kernels import pdl_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ class GemvConfig(NamedTuple):
     mma; bulk: 1 to stream the weights through a shared-memory ring filled by the copy engine
     (one more warp issues the copies; sm_90; depth, l2_prefetch and x_early do not apply),
     `stages` chunks of `chunk` K steps (a multiple of `warps`) each; pdl: 1 to launch it as a
-    programmatic dependent of the kernel before it (sm_90; elsewhere a plain launch): its
-    first weights load while that kernel finishes (`w4a16_gemv.cu`'s `grid_wait`)."""
+    programmatic dependent of the kernel before it where `pdl_enabled` (sm_90, PAGODA_PDL;
+    elsewhere a plain launch): its first weights load while that kernel finishes
+    (`w4a16_gemv.cu`'s `grid_wait`)."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -212,11 +214,6 @@ def _libcuda():
     return torch.cuda._utils._get_gpu_runtime_library()
 
 
-@functools.cache
-def _pdl_capable(device: int) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int)]
     _fields_ += [("value_rest", ctypes.c_char * 60)]
@@ -271,7 +268,7 @@ def w4a16_gemv(
     ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
     grid = -(-n // (16 * cfg.row_tiles))
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    if cfg.pdl and _pdl_capable(x.device.index or 0):
+    if cfg.pdl and pdl_enabled(x):
         err = _launch_pdl(kernel.func, grid, threads(cfg), ring_bytes(cfg), stream, ptrs)
     else:
         err = _libcuda().cuLaunchKernel(

@@ -142,37 +142,44 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1]], ids=str)
-def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(cfg: GemvConfig) -> None:
-    """Six layers, each reading the one before's output, launched back to back as programmatic
-    dependents in a graph: every output equals the plain launches' bit for bit, after the
-    outputs are poisoned with NaN and x changed between replays (a kernel that read its x
-    before the one before had written it would see NaN or the last replay's values)."""
+def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
+    cfg: GemvConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six layers, each an RMSNorm (which lets the next kernel launch at its start) then the
+    GEMV (a programmatic dependent) of the one before's output, back to back in a graph: every
+    output equals the plain launches' (PAGODA_PDL=0) bit for bit, after the outputs are
+    poisoned with NaN and x changed between replays (a kernel that read its x before the one
+    before had written it would see NaN or the last replay's values)."""
+    from pagoda.kernels.norm_act import rms_norm_triton
+
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     layers = [_weights("awq", 1024, 1024, 128, seed=i)[0] for i in range(6)]
+    norm_w = torch.rand(1024, device="cuda").to(torch.bfloat16) + 0.5
 
-    def chain(x: torch.Tensor, config: GemvConfig) -> list[torch.Tensor]:
+    def chain(x: torch.Tensor) -> list[torch.Tensor]:
         outs = []
         for w4 in layers:
-            x = _linear(x, w4, config=config)
+            x = _linear(rms_norm_triton(x, norm_w, 1e-6)[0], w4, config=cfg)
             outs.append(x)
         return outs
 
     x = torch.randn(3, 1024, device="cuda").to(torch.bfloat16)
-    chain(x, cfg)  # compiled before the capture
+    chain(x)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = chain(x, cfg)
+        outs = chain(x)
     for seed in range(3):
-        x.copy_(
-            torch.randn(3, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        )
+        gen = torch.Generator("cuda").manual_seed(seed)
+        x.copy_(torch.randn(3, 1024, device="cuda", generator=gen))
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for got, want in zip(outs, chain(x, cfg._replace(pdl=0))):
+        monkeypatch.setenv("PAGODA_PDL", "0")
+        for got, want in zip(outs, chain(x)):
             assert torch.equal(got, want)
+        monkeypatch.delenv("PAGODA_PDL")
 
 
 def test_default_config_takes_the_cuda_kernel_where_its_shapes_allow() -> None:

@@ -13,7 +13,7 @@ tail -3 $OUT/tests.log
 timeout 120 python $B/w4a16_skinny_bench.py --step --m 1 4 8 16 32 64 --reps 10 \
   --out $OUT/step.json > $OUT/step.log 2>&1; tail -8 $OUT/step.log
 { timeout 75 python $B/h200_bench.py --only b --quantization awq 2>&1 | tail -6
-  PAGODA_W4A16_PDL=0 timeout 75 python $B/h200_bench.py --only b --quantization awq 2>&1 | tail -6
+  PAGODA_PDL=0 timeout 75 python $B/h200_bench.py --only b --quantization awq 2>&1 | tail -6
 } > $OUT/e2e.log; grep "decode tok/s" $OUT/e2e.log
 timeout 200 python $B/w4a16_skinny_bench.py --m 1 4 8 16 --no-sweep --reps 10 \
   --out $OUT/sweep.json > $OUT/sweep.log 2>&1; tail -7 $OUT/sweep.log
