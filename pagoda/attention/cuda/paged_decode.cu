@@ -140,6 +140,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
                         double qk_scale_d, int num_heads, int stride_q_tok, int stride_q_head,
                         int stride_o_tok, int stride_o_head, int stride_c_blk, int stride_c_slot,
                         int stride_c_head, int stride_bt) {
+#if __CUDA_ARCH__ >= 900
+  // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV) may start loading
+  // its weights now; it waits for this one's end before reading the output.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int kv_head = blockIdx.x, req = blockIdx.y, segm = blockIdx.z, nsegm = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
