@@ -296,7 +296,8 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 # What w4a16_linear runs by row count, from the H200 measurement of the Llama-3-8B layers
 # (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md): the CUDA decode kernel
-# (`w4a16_gemv`) up to GEMV_MAX_M rows, the Triton few-row kernel
+# (`w4a16_gemv`) up to GEMV_MAX_M rows (its bulk ring, sm_90; GEMV_REGISTER_MAX_M with the
+# register kernel before sm_90), the Triton few-row kernel
 # (`w4a16_skinny._pairs_kernel`) up to SKINNY_MAX_M rows; then the same kernel in its many-row
 # modes (`many_rows_config`: x reordered into the nibble planes' order, zero and scale per
 # weight, one accumulator) up to MANY_ROWS_MAX_M rows, and up to MANY_ROWS_WIDE_MAX_M for
@@ -307,7 +308,8 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 # decode step with this module's kernel, 256: 11.9 vs 15.8). Where the groups do not hold
 # whole 128-input tiles: the few-row kernel on 64-input tiles up to SKINNY_WIDE_MAX_M rows
 # for wide layers, else this module's kernel up to MAX_BLOCK_M rows.
-GEMV_MAX_M = 8
+GEMV_MAX_M = 16
+GEMV_REGISTER_MAX_M = 8
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
@@ -369,24 +371,46 @@ def many_rows_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132
     return SkinnyConfig(block_m, block_n, 128, split_k, 4, 3, planar=True, scale_w=True)
 
 
-def gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig | None:
+def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> GemvConfig | None:
     """The CUDA decode kernel's config (`w4a16_gemv`) for these shapes, or None where it is
-    not chosen: more than GEMV_MAX_M rows, or its shape rules say no (the inputs' own checks
-    come at the call: `unsupported_reason`). From the H200 sweep of the Llama-3-8B layers
-    (`benchmarks/w4a16_skinny_bench.py`, 43 configs, M = 1..32): 2 K steps per batch;
-    16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of >= 16384 outputs
-    (gate_up 25.1 vs 27.5 us at 1 row: more CTAs per SM), 8 for the others; x's loads issued
-    early; the zero point on the product (sums by mma) for deep layers with 16-row tiles
-    (down 16.2 vs 18.3 us at 1 row; slower elsewhere); no L2 prefetch (10% slower on average).
-    Past 8 rows the Triton few-row kernel won (2.39 vs 2.82 ms a decode step at 16 rows)."""
-    if m > GEMV_MAX_M or k % w4a16_gemv.STEP:
+    not chosen: more than GEMV_MAX_M rows (GEMV_REGISTER_MAX_M without `bulk`), or its shape
+    rules say no (the inputs' own checks come at the call: `unsupported_reason`). Every
+    config is launched as a programmatic dependent (`pdl`, where `pdl_enabled`).
+
+    With `bulk` (sm_90): the weights through the shared-memory ring, from the H100 sweep of the
+    Llama-3-8B layers (`benchmarks/w4a16_skinny_bench.py`, 208 configs, M = 1..16): 32-row
+    tiles, but 16-row ones for deep layers (K >= 8192) up to 4 rows; 4 warps for layers of
+    >= 16384 outputs, 8 for the others; 2 stages of 2 K steps per warp; the zero point on the
+    product (sums by mma) for the wide layers up to 8 rows. 1.74 ms a decode step at 1 row
+    against 2.04 with the register rule below, 2.40 at 16 rows against the Triton few-row
+    kernel's 2.70.
+
+    Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
+    2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of
+    >= 16384 outputs (gate_up 25.1 vs 27.5 us at 1 row: more CTAs per SM), 8 for the others;
+    x's loads issued early; the zero point on the product for deep layers with 16-row tiles
+    (down 16.2 vs 18.3 us at 1 row; slower elsewhere); no L2 prefetch (10% slower on
+    average). Past 8 rows the Triton few-row kernel won (2.39 vs 2.82 ms a decode step at 16
+    rows)."""
+    if m > (GEMV_MAX_M if bulk else GEMV_REGISTER_MAX_M) or k % w4a16_gemv.STEP:
         return None
     if group_size % w4a16_gemv.STEP and group_size < k:
         return None
+    warps = 4 if n >= SKINNY_WIDE_N else 8
+    if bulk:
+        return GemvConfig(
+            row_tiles=1 if k >= 8192 and m <= 4 else 2,
+            warps=warps,
+            sum_mma=int(n >= SKINNY_WIDE_N and m <= 8),
+            bulk=1,
+            stages=2,
+            chunk=2 * warps,
+            pdl=1,
+        )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(
         row_tiles=row_tiles,
-        warps=4 if n >= SKINNY_WIDE_N else 8,
+        warps=warps,
         depth=2,
         l2_prefetch=0,
         sum_mma=int(row_tiles == 1 and k >= 8192),
@@ -460,6 +484,11 @@ def w4a16_linear(
     cfg = config or choose_config(
         m, n, k, group_size, _num_sms(x.device), elem_bytes=x.element_size()
     )
+    if isinstance(cfg, GemvConfig) and config is None and cfg.bulk and x.is_cuda:
+        if not w4a16_gemv.bulk_capable(x.device):  # before sm_90: the register kernel's rule
+            cfg = gemv_config(m, n, k, group_size, bulk=False) or fallback_config(
+                m, n, k, group_size, _num_sms(x.device), x.element_size()
+            )
     if isinstance(cfg, GemvConfig):
         reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
         if reason is None:

@@ -8,14 +8,16 @@ H200. Here every lane loads the 16-byte pieces that are exactly its own mma oper
 K steps at once, straight into registers; a CTA owns its rows over all of K, so the split over
 K is summed in shared memory inside the CTA, with no workspace, counter or second pass.
 `GemvConfig.bulk` streams the weights through a shared-memory ring filled by the copy engine
-instead (cp.async.bulk from one producer warp, sm_90): it builds for sm_90 (NVRTC + ptxas, no
-spills at up to 16 rows) and has GPU tests, but has not been run on a GPU yet, so no rule
-picks it; `benchmarks/w4a16_skinny_bench.py` sweeps it.
+instead (cp.async.bulk from one producer warp, sm_90): the bytes in flight no longer cost
+registers, and on the H100 it beat the register kernel at 1-16 rows. Each launch is also a
+programmatic dependent of the kernel before it (`GemvConfig.pdl`): its first weights load
+while that kernel finishes.
 
 It covers: 16-bit x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a
 multiple of 128 inputs or one group per row, act order, bias, M <= 64, sm_80 or newer (run
-and measured on sm_90 only); `w4a16.choose_config` takes it up to 8 rows, where it beat the
-Triton kernels on the H200 (`w4a16.gemv_config` says by how much). The rest keeps the Triton
+and measured on sm_90 only); `w4a16.choose_config` takes it up to 16 rows with the ring (8
+rows with registers before sm_90), where it beat the Triton kernels (`w4a16.gemv_config`
+says by how much). The rest keeps the Triton
 kernels, which stay its reference in the tests along with
 `formats.dequantize_*` + F.linear. The source is compiled at first use with NVRTC
 (`torch.cuda._compile_kernel`), once per variant, never during CUDA-graph capture (the caller
@@ -41,7 +43,8 @@ _SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
 _KERNEL_NAME = "pagoda_w4a16_gemv"
 MAX_M = 64
 SMEM_LIMIT = 48 * 1024  # static shared memory of a CTA (the warps' tiles, summed at the end)
-RING_LIMIT = 200 * 1024  # dynamic shared memory of a CTA (the bulk ring; sm_90 has 227 KB)
+RING_LIMIT = 200 * 1024  # dynamic shared memory of a CTA (the bulk ring)
+CTA_SMEM_LIMIT = 227 * 1024  # static + dynamic shared memory of a CTA on sm_90
 STEP = 128  # inputs per K step of the kernel
 
 
@@ -133,9 +136,19 @@ def unsupported_reason(
     return None
 
 
+def bulk_capable(device: torch.device) -> bool:
+    """Whether `device` has the copy engine's bulk copies (sm_90) for `GemvConfig.bulk`."""
+    return _capability(device.index or 0) >= (9, 0)
+
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     """Why `cfg` cannot run on `device`, or None."""
-    if cfg.bulk and torch.cuda.get_device_capability(device) < (9, 0):
+    if cfg.bulk and not bulk_capable(device):
         return "bulk copies need sm_90"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
@@ -173,7 +186,7 @@ def _compile(
     except Exception as e:  # no NVRTC, an old toolkit
         logger.warning("CUDA W4A16 kernel unavailable, using Triton's: %s", e)
         return None
-    if ring_bytes(cfg) > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if cfg.bulk:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: static + dynamic > 48 KB
         err = _libcuda().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(ring_bytes(cfg)))
         if err != 0:
             logger.warning(
@@ -200,7 +213,8 @@ def get_kernel(
         has_perm,
         has_bias,
     )
-    if smem_bytes(key[2], cfg) > SMEM_LIMIT or config_reason(cfg, x.device):
+    smem = smem_bytes(key[2], cfg)
+    if smem > SMEM_LIMIT or smem + ring_bytes(cfg) > CTA_SMEM_LIMIT or config_reason(cfg, x.device):
         return None
     if key not in _compiled_keys:
         if torch.cuda.is_current_stream_capturing():

@@ -19,6 +19,7 @@ from pagoda.kernels.w4a16 import (  # noqa: E402
     DEQUANT,
     choose_config,
     fallback_config,
+    gemv_config,
     skinny_config,
     w4a16_linear,
 )
@@ -184,17 +185,28 @@ def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
 
 def test_default_config_takes_the_cuda_kernel_where_its_shapes_allow() -> None:
     n, k = 4096, 14336
-    for m in (1, 4, 8):
+    for m in (1, 4, 8, 16):
         assert isinstance(choose_config(m, n, k, 128), GemvConfig)
         assert isinstance(choose_config(m, n, k, k), GemvConfig)  # one group per row
-    assert choose_config(1, n, k, 128).sum_mma and not choose_config(8, n, k, 128).sum_mma
+        assert choose_config(m, n, k, 128).bulk and choose_config(m, n, k, 128).pdl
+    assert choose_config(1, n, k, 128).row_tiles == 1 and choose_config(8, n, k, 128).row_tiles == 2
     assert choose_config(1, 28672, 4096, 128).warps == 4
+    assert (
+        choose_config(1, 28672, 4096, 128).sum_mma
+        and not choose_config(16, 28672, 4096, 128).sum_mma
+    )
     assert isinstance(choose_config(1, n, k, 64), SkinnyConfig)  # groups within a K step
     assert isinstance(choose_config(1, n, 4000, 128), SkinnyConfig)  # K not a multiple of 128
     assert not isinstance(choose_config(1, n, k, 128, elem_bytes=4), GemvConfig)
-    assert isinstance(choose_config(9, n, k, 128), SkinnyConfig)  # the Triton kernel won there
+    assert isinstance(choose_config(17, n, k, 128), SkinnyConfig)  # the Triton kernel won there
     assert choose_config(1024, n, k, 128) == DEQUANT
     assert fallback_config(1, n, k, 128) == skinny_config(1, n, k, 128)
+    # Before sm_90 (no bulk copies): the register kernel up to 8 rows.
+    for m in (1, 8):
+        cfg = gemv_config(m, n, k, 128, bulk=False)
+        assert isinstance(cfg, GemvConfig) and not cfg.bulk and cfg.pdl
+    assert gemv_config(1, n, k, 128, bulk=False).sum_mma
+    assert gemv_config(9, n, k, 128, bulk=False) is None
 
 
 def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
