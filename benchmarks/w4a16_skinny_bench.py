@@ -344,15 +344,17 @@ def main(argv: list[str] | None = None) -> dict:
 def step_main(m_values, reps: int, out: str | None) -> dict:
     """ms per decode step timed as one: qkv, o, gate_up and down of 32 distinct layers, in that
     order, in one CUDA graph (the next kernel's start overlaps the last one's end as it would
-    in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, and bf16
+    in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, the rule without
+    the bulk ring (the register kernel up to 8 rows, then the Triton kernels), and bf16
     cuBLAS on dense weights of the same shapes."""
     import torch
     import torch.nn.functional as F
 
     from pagoda.kernels.skinny_gemm import prepare
-    from pagoda.kernels.w4a16 import w4a16_linear
+    from pagoda.kernels.w4a16 import fallback_config, gemv_config, w4a16_linear
 
     prepare("cuda")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     packed = [
         {s: packed_layer(n, k, GROUP, "cuda", gen) for s, (n, k) in SHAPES.items()}
@@ -365,7 +367,7 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
     ]  # fmt: skip
     rows = []
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers):")
-    print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'bf16':>10s}")
+    print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'no ring':>10s} {'bf16':>10s}")
     for m in m_values:
         xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
               for _, k in SHAPES.values()}  # fmt: skip
@@ -374,6 +376,16 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
             for layer in packed:
                 for s, (_, k) in SHAPES.items():
                     w4a16_linear(xs[k], *layer[s], GROUP)
+
+        registers = {
+            s: gemv_config(m, n, k, GROUP, bulk=False) or fallback_config(m, n, k, GROUP, num_sms)
+            for s, (n, k) in SHAPES.items()
+        }
+
+        def register_step(xs=xs, registers=registers) -> None:
+            for layer in packed:
+                for s, (_, k) in SHAPES.items():
+                    w4a16_linear(xs[k], *layer[s], GROUP, config=registers[s])
 
         def dense_step(xs=xs) -> None:
             for layer in dense:
@@ -385,9 +397,13 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
             os.environ["PAGODA_PDL"] = pdl
             row[key] = graph_seconds(w4_step, reps) * 1e3
         os.environ.pop("PAGODA_PDL")
+        row["no_ring"] = graph_seconds(register_step, reps) * 1e3
         row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
         rows.append(row)
-        print(f"{m:5d} {row['default']:10.3f} {row['no_pdl']:10.3f} {row['cublas_bf16']:10.3f}")
+        print(
+            f"{m:5d} "
+            + " ".join(f"{row[v]:10.3f}" for v in ("default", "no_pdl", "no_ring", "cublas_bf16"))
+        )
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:
