@@ -115,8 +115,11 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    json_schema: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams for a completion or chat request; range errors name the field."""
+    """SamplingParams for a completion or chat request; range errors name the field.
+    `json_schema` constrains the output instead of the request's own structured outputs (a
+    forced tool call, which the request cannot combine with them)."""
     kw: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=_or(req.presence_penalty, 0.0),
@@ -140,7 +143,11 @@ def build_sampling_params(
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         output_kind=RequestOutputKind.DELTA,
-        structured_outputs=structured_outputs_from_request(req),
+        structured_outputs=(
+            StructuredOutputsParams(json=json_schema)
+            if json_schema is not None
+            else structured_outputs_from_request(req)
+        ),
     )
     fields = set(type(req).model_fields)
     try:

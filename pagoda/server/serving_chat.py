@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template (or --chat-template) turns the messages
 into a prompt; n samples, SSE streaming (role chunk, content deltas, finish chunk, optional
-usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`).
+usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`), forced tool
+calls (`tool_choice`, `pagoda.server.tool_choice`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ from pagoda.server.serving import (
     token_str,
     usage_info,
     validate_prompt,
+)
+from pagoda.server.tool_choice import (
+    ToolChoice,
+    resolve_tool_choice,
+    tool_call,
+    tool_calls_from_text,
 )
 
 
@@ -154,8 +161,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         max_tokens, mt_field = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, mt_field = req.max_tokens, "max_tokens"
+    tools = resolve_tool_choice(
+        req.tools,
+        req.tool_choice,
+        req.response_format is not None or req.structured_outputs is not None,
+    )
     params = build_sampling_params(
-        req, max_tokens, top_k if req.logprobs else None, req.prompt_logprobs
+        req, max_tokens, top_k if req.logprobs else None, req.prompt_logprobs, tools.schema
     )
     ctx.require_tokenizer("messages")
     prompt = await render_chat_prompt(
@@ -164,7 +176,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.add_generation_prompt,
         req.continue_final_message,
         req.chat_template,
-        req.tools,
+        None if tools.mode == "none" else req.tools,
         req.chat_template_kwargs,
     )
     prompt_ids = await ctx.encode(prompt, req.add_special_tokens, "messages")
@@ -175,11 +187,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     )
     created = int(time.time())
     if req.stream:
-        first = await first_output(stream)
-        return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k)
+        try:
+            first = await first_output(stream)
+        except APIError as e:
+            raise _named_for_tools(e, tools) from None
+        return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k, tools)
 
     state = RequestState()
-    await collect_outputs(stream, [state])
+    try:
+        await collect_outputs(stream, [state])
+    except APIError as e:
+        raise _named_for_tools(e, tools) from None
     choices, num_gen = [], 0
     for j in sorted(state.choices):
         c = state.choices[j]
@@ -187,10 +205,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = (
             chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, top_k) if req.logprobs else None
         )
+        text = "".join(c.text)
+        calls = tool_calls_from_text(tools, text) if tools.forced else None
         choices.append(
             ChatCompletionResponseChoice(
                 index=j,
-                message=ChatMessage(role="assistant", content="".join(c.text)),
+                message=ChatMessage(
+                    role="assistant", content="" if calls else text, tool_calls=calls or []
+                ),
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -210,6 +232,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     )
 
 
+def _named_for_tools(e: APIError, tools: ToolChoice) -> APIError:
+    """A forced call's constraint is the tool's parameters: its errors name the tools."""
+    if not tools.forced or "structured_outputs.json" not in e.message:
+        return e
+    message = e.message.replace("structured_outputs.json", "tools (the function's parameters)")
+    return APIError(message, e.status, "tools")
+
+
 def _stream(
     ctx: ServingContext,
     req: ChatCompletionRequest,
@@ -219,9 +249,37 @@ def _stream(
     request_id: str,
     created: int,
     top_k: int,
+    tools: ToolChoice,
 ) -> AsyncIterator[str]:
     model = ctx.model_name
     num_gen = 0
+    # Forced tool calls: a named function's arguments stream as they come (the call's id and
+    # name with the first); "required" calls are whole only at the end, so they come then.
+    call_ids: dict[int, str] = {}
+    held: dict[int, list[str]] = {}
+    held_logprobs: dict[int, list[ChatCompletionLogProb]] = {}
+
+    def delta(index: int, text: str, finished: bool) -> DeltaMessage | None:
+        if not tools.forced:
+            return DeltaMessage(content=text)
+        if tools.mode == "named":
+            if not text:
+                return DeltaMessage()
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if index not in call_ids:
+                first = tool_call(tools.name or "", text)
+                call_ids[index] = first["id"]
+                call.update(id=first["id"], type="function")
+                call["function"]["name"] = tools.name
+            return DeltaMessage(tool_calls=[call])
+        held.setdefault(index, []).append(text)
+        if not finished:
+            return None
+        whole = "".join(held.pop(index))
+        calls = tool_calls_from_text(tools, whole)
+        if calls is None:  # cut short: the text as it is
+            return DeltaMessage(content=whole)
+        return DeltaMessage(tool_calls=[dict(c, index=i) for i, c in enumerate(calls)])
 
     def sse(choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> str:
         chunk = ChatCompletionStreamResponse(
@@ -241,9 +299,16 @@ def _stream(
                 logprobs = chat_logprobs(
                     ctx.tokenizer, list(c.token_ids), list(c.logprobs or []), top_k
                 )
+            d = delta(c.index, c.text, c.finish_reason is not None)
+            if tools.mode == "required" and logprobs is not None:  # held with the text
+                held_logprobs.setdefault(c.index, []).extend(logprobs.content or [])
+                if d is not None:
+                    logprobs = ChatCompletionLogProbs(content=held_logprobs.pop(c.index))
+            if d is None:
+                continue
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index,
-                delta=DeltaMessage(content=c.text),
+                delta=d,
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,

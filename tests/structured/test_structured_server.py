@@ -154,3 +154,141 @@ def test_invalid_constraint_is_400_and_server_keeps_serving(url, client):
         extra_body={"structured_outputs": {"choice": ["ok"]}},
     )
     assert resp.choices[0].message.content == "ok"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_tool_choice_returns_a_call_to_it(client):
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice=NAMED,
+        max_tokens=60,
+        temperature=0,
+    )
+    msg = resp.choices[0].message
+    assert resp.choices[0].finish_reason == "stop" and not msg.content
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+    # Streamed: the id and name first, then the arguments in pieces, the same call in all.
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice=NAMED,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    pieces = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert pieces[0].id and pieces[0].function.name == "get_weather"
+    assert all(p.index == 0 for p in pieces) and not any(d.content for d in deltas)
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
+def test_required_tool_choice_returns_calls_to_the_tools(client):
+    kw = dict(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    resp = client.chat.completions.create(**kw)
+    msg = resp.choices[0].message
+    assert resp.choices[0].finish_reason == "stop" and not msg.content
+    assert msg.tool_calls
+    for call in msg.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        args = json.loads(call.function.arguments)
+        assert set(args) == ({"city"} if call.function.name == "get_weather" else set())
+    # Streamed: the calls come whole with the last chunk.
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].delta.tool_calls and chunks[-1].choices[0].finish_reason == "stop"
+    assert [(t.function.name, t.function.arguments) for t in calls] == [
+        (t.function.name, t.function.arguments) for t in msg.tool_calls
+    ]
+    assert [t.index for t in calls] == list(range(len(calls)))
+
+
+def test_tool_choice_none_and_a_cut_short_call(client):
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,
+    )
+    assert resp.choices[0].message.content and not resp.choices[0].message.tool_calls
+    # "required" cut by max_tokens: no whole list of calls, so the text comes as content.
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=4,
+        temperature=0,
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.choices[0].message.content.startswith("[")
+    assert not resp.choices[0].message.tool_calls
+
+
+BAD_TOOLS = [
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+        "not in tools",
+    ),
+    ({"tool_choice": "required"}, "needs tools"),
+    (
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "cannot be combined",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}],
+            "tool_choice": "required",
+        },
+        r"invalid tools \(the function's parameters\)",
+    ),
+]
+
+
+def test_bad_tools_are_400_and_server_keeps_serving(url, client):
+    for body, match in BAD_TOOLS:
+        for stream in (False, True):
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": TOOL_MESSAGES, "max_tokens": 5, "stream": stream}
+                | body,
+                timeout=30,
+            )
+            assert r.status_code == 400, r.text
+            assert re.search(match, r.json()["error"]["message"]), r.text
+    resp = client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER], tool_choice=NAMED, max_tokens=40
+    )
+    assert resp.choices[0].message.tool_calls[0].function.name == "get_weather"
