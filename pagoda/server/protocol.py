@@ -273,7 +273,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # as vLLM sends
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
