@@ -135,17 +135,22 @@ INVALID = [
 ]
 
 
-def test_invalid_constraint_is_400_and_server_keeps_serving(url, client):
-    for body, match in INVALID:
+def _each_is_400(url: str, cases: list, messages: list) -> None:
+    """Each (body, pattern) of `cases`, streamed and not, is a 400 whose message matches."""
+    for body, match in cases:
         for stream in (False, True):
             r = httpx.post(
                 url + "/v1/chat/completions",
-                json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": stream}
+                json={"model": MODEL, "messages": messages, "max_tokens": 5, "stream": stream}
                 | body,
                 timeout=30,
             )
             assert r.status_code == 400, r.text
             assert re.search(match, r.json()["error"]["message"]), r.text
+
+
+def test_invalid_constraint_is_400_and_server_keeps_serving(url, client):
+    _each_is_400(url, INVALID, MESSAGES)
     resp = client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
@@ -174,7 +179,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def test_named_tool_choice_returns_a_call_to_it(client):
-    resp = client.chat.completions.create(
+    kw = dict(
         model=MODEL,
         messages=TOOL_MESSAGES,
         tools=[WEATHER, TIME],
@@ -182,6 +187,7 @@ def test_named_tool_choice_returns_a_call_to_it(client):
         max_tokens=60,
         temperature=0,
     )
+    resp = client.chat.completions.create(**kw)
     msg = resp.choices[0].message
     assert resp.choices[0].finish_reason == "stop" and not msg.content
     (call,) = msg.tool_calls
@@ -190,15 +196,7 @@ def test_named_tool_choice_returns_a_call_to_it(client):
     assert isinstance(json.loads(call.function.arguments)["city"], str)
 
     # Streamed: the id and name first, then the arguments in pieces, the same call in all.
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=TOOL_MESSAGES,
-        tools=[WEATHER, TIME],
-        tool_choice=NAMED,
-        max_tokens=60,
-        temperature=0,
-        stream=True,
-    )
+    stream = client.chat.completions.create(**kw, stream=True)
     deltas = [c.choices[0].delta for c in stream if c.choices]
     pieces = [d.tool_calls[0] for d in deltas if d.tool_calls]
     assert pieces[0].id and pieces[0].function.name == "get_weather"
@@ -234,24 +232,20 @@ def test_required_tool_choice_returns_calls_to_the_tools(client):
 
 
 def test_tool_choice_none_and_a_cut_short_call(client):
-    resp = client.chat.completions.create(
-        model=MODEL,
-        messages=TOOL_MESSAGES,
-        tools=[WEATHER],
-        tool_choice="none",
-        max_tokens=8,
-        temperature=0,
-    )
+    def ask(tool_choice: str, max_tokens: int):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=TOOL_MESSAGES,
+            tools=[WEATHER],
+            tool_choice=tool_choice,
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+
+    resp = ask("none", 8)
     assert resp.choices[0].message.content and not resp.choices[0].message.tool_calls
     # "required" cut by max_tokens: no whole list of calls, so the text comes as content.
-    resp = client.chat.completions.create(
-        model=MODEL,
-        messages=TOOL_MESSAGES,
-        tools=[WEATHER],
-        tool_choice="required",
-        max_tokens=4,
-        temperature=0,
-    )
+    resp = ask("required", 4)
     assert resp.choices[0].finish_reason == "length"
     assert resp.choices[0].message.content.startswith("[")
     assert not resp.choices[0].message.tool_calls
@@ -278,16 +272,7 @@ BAD_TOOLS = [
 
 
 def test_bad_tools_are_400_and_server_keeps_serving(url, client):
-    for body, match in BAD_TOOLS:
-        for stream in (False, True):
-            r = httpx.post(
-                url + "/v1/chat/completions",
-                json={"model": MODEL, "messages": TOOL_MESSAGES, "max_tokens": 5, "stream": stream}
-                | body,
-                timeout=30,
-            )
-            assert r.status_code == 400, r.text
-            assert re.search(match, r.json()["error"]["message"]), r.text
+    _each_is_400(url, BAD_TOOLS, TOOL_MESSAGES)
     resp = client.chat.completions.create(
         model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER], tool_choice=NAMED, max_tokens=40
     )
