@@ -6,8 +6,9 @@ the call: the output is constrained by a JSON schema (the function's parameters;
 comes back as the message's `tool_calls`, with empty content. `"none"` leaves the tools out of
 the prompt. `"auto"`, the default when tools are given, renders them into the prompt and
 returns the model's text as it is (Pagoda has no parser that reads calls out of free text).
-Bad tools or choices are 400s naming the field; an output cut short (`finish_reason`
-"length") that is not a whole list of calls comes back as plain content.
+Bad tools or choices are 400s naming the field. An output cut short (`finish_reason`
+"length") keeps what it has: a named call's arguments as far as they got (as vLLM), a
+"required" output that is no whole list of calls as plain content.
 """
 
 from __future__ import annotations
