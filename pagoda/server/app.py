@@ -42,6 +42,7 @@ from pagoda.server.protocol import (
 from pagoda.server.serving import APIError, ServingContext
 from pagoda.server.serving_chat import create_chat_completion, render_chat_prompt
 from pagoda.server.serving_completion import create_completion
+from pagoda.server.tool_parsers import TOOL_PARSERS
 
 # Responses of up to this many tokens are built on the event loop; larger ones off it.
 LOOP_TOKENS = 4096
@@ -122,6 +123,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     trust_request_chat_template: bool = False,
     preprocessor: Preprocessor | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     mc = engine.model_config
     model_path = getattr(mc, "model", None)
@@ -135,6 +137,7 @@ def build_app(
         model_path=model_path,
         model_aliases=(mc.name,),
         trust_request_chat_template=trust_request_chat_template,
+        tool_parser=TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None,
     )
     cache_config = getattr(getattr(engine.engine, "config", None), "cache_config", None)
     stat_logger = PrometheusStatLogger(

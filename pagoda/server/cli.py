@@ -88,6 +88,19 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         " They render in a worker process, sandboxed, within --preprocess-timeout seconds",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="with tool_choice 'auto' (the default when a request has tools), read tool calls "
+        "out of the output with --tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes"],
+        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: "
+        "Hermes 2 Pro, Qwen2.5, Qwen3)",
+    )
+    g.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=4 << 20,
@@ -222,6 +235,7 @@ def serve(engine: Any, args: argparse.Namespace, chat_template: str | None = Non
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         preprocessor=Preprocessor(engine.tokenizer, timeout_s=args.preprocess_timeout),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     config = uvicorn.Config(
         app,
@@ -256,6 +270,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--max-waiting-requests must be >= -1 (-1: unbounded)")
     if not args.drain_timeout >= 0:
         raise ValueError("--drain-timeout must be >= 0")
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def resolve_max_waiting_requests(flag: int | None, engine: Any) -> int | None:

@@ -72,6 +72,7 @@ class ServingContext:
     model_path: str | None = None
     model_aliases: tuple[str, ...] = ()
     trust_request_chat_template: bool = False
+    tool_parser: Any = None  # `tool_parsers.TOOL_PARSERS` entry (--tool-call-parser), or None
 
     @property
     def tokenizer(self) -> Any:

@@ -47,6 +47,7 @@ from pagoda.server.tool_choice import (
     tool_call,
     tool_calls_from_text,
 )
+from pagoda.server.tool_parsers import StreamingToolCalls
 
 
 def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -205,16 +206,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = (
             chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, top_k) if req.logprobs else None
         )
-        text = "".join(c.text)
-        calls = tool_calls_from_text(tools, text) if tools.forced else None
+        content: str | None = "".join(c.text)
+        calls, finish_reason = None, c.finish_reason
+        if tools.forced:
+            calls = tool_calls_from_text(tools, content or "")
+            content = "" if calls else content
+        elif tools.mode == "auto" and ctx.tool_parser is not None:
+            content, calls = ctx.tool_parser.extract(content)
+            finish_reason = "tool_calls" if calls else finish_reason
         choices.append(
             ChatCompletionResponseChoice(
                 index=j,
-                message=ChatMessage(
-                    role="assistant", content="" if calls else text, tool_calls=calls or []
-                ),
+                message=ChatMessage(role="assistant", content=content, tool_calls=calls or []),
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
         )
@@ -259,7 +264,23 @@ def _stream(
     held: dict[int, list[str]] = {}
     held_logprobs: dict[int, list[ChatCompletionLogProb]] = {}
 
+    # Calls read out of free text (--tool-call-parser): content as it comes, calls at the end.
+    parsing = tools.mode == "auto" and ctx.tool_parser is not None
+    splitters: dict[int, StreamingToolCalls] = {}
+    parsed_calls: set[int] = set()  # choices that called tools: finish_reason "tool_calls"
+
     def delta(index: int, text: str, finished: bool) -> DeltaMessage | None:
+        if parsing:
+            split = splitters.setdefault(index, StreamingToolCalls(ctx.tool_parser))
+            content = split.feed(text)
+            if not finished:
+                return DeltaMessage(content=content) if content or req.logprobs else None
+            rest, calls = split.finish()
+            if calls:
+                parsed_calls.add(index)
+            return DeltaMessage(
+                content=content + rest, tool_calls=[dict(c, index=i) for i, c in enumerate(calls)]
+            )
         if not tools.forced:
             return DeltaMessage(content=text)
         if tools.mode == "named":
@@ -306,11 +327,14 @@ def _stream(
                     logprobs = ChatCompletionLogProbs(content=held_logprobs.pop(c.index))
             if d is None:
                 continue
+            finish_reason = c.finish_reason
+            if finish_reason is not None and c.index in parsed_calls:
+                finish_reason = "tool_calls"
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index,
                 delta=d,
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
             lines.append(sse([choice]))

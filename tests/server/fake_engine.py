@@ -24,6 +24,7 @@ from pagoda.sampling_params import SamplingParams
 BOS, EOS = 256, 257
 UNDECODABLE = 999  # not a token the fake tokenizer knows: decoding it raises
 FAIL_MARK = b"FAIL"  # a prompt holding it ends with finish_reason "error" after two tokens
+SAY_MARK = b"SAY:"  # greedy, a prompt holding SAY:<text>| answers <text>, then stops
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -170,6 +171,9 @@ class FakeEngine:
             # ends the request with finish_reason "error".
             return UNDECODABLE
         if r.params.temperature == 0:
+            if SAY_MARK in r.prompt_ids_bytes:
+                script = r.prompt_ids_bytes.split(SAY_MARK, 1)[1].split(b"|", 1)[0]
+                return script[len(r.token_ids)] if len(r.token_ids) < len(script) else EOS
             return ord("a") + (len(r.prompt_ids) + len(r.token_ids)) % 26
         return ord("a") + r.rng.randrange(26)
 
@@ -200,6 +204,7 @@ class FakeEngine:
             tok = self._next_token(r)
             r.token_ids.append(tok)
             finish = "length" if len(r.token_ids) >= r.max_tokens else None
+            finish = "stop" if tok == EOS else finish
             prompt_lps = None
             if p.prompt_logprobs is not None and r.request_id in new:
                 prompt_lps = [{t: (-1.0, 1)} for t in r.prompt_ids[1:]]

@@ -1,0 +1,122 @@
+"""Tool calls read out of free text (`pagoda.server.tool_parsers`, --tool-call-parser): the
+hermes format whole and streamed in every chunking, and through the server against the fake
+engine (which answers a prompt's `SAY:<text>|` with that text)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fake_engine import FakeEngine
+from fastapi.testclient import TestClient
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.server.app import build_app
+from pagoda.server.cli import make_arg_parser
+from pagoda.server.tool_parsers import TOOL_PARSERS, HermesToolParser, StreamingToolCalls
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+TWO = CALL + '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+
+
+def _names_args(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Hello there.", "Hello there.", []),
+        (CALL, None, [("get_weather", {"city": "Zürich"})]),
+        (
+            "Let me look. " + TWO,
+            "Let me look. ",
+            [("get_weather", {"city": "Zürich"}), ("get_time", {})],
+        ),
+        ('<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),  # no end tag
+        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        (
+            '<tool_call>{"arguments": {}}</tool_call>',
+            '<tool_call>{"arguments": {}}</tool_call>',
+            [],
+        ),
+    ],
+)
+def test_hermes_whole_output(text, content, calls):
+    got_content, got_calls = HermesToolParser().extract(text)
+    assert got_content == content and _names_args(got_calls) == calls
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in got_calls)
+    if calls:
+        assert "Zürich" in got_calls[0]["function"]["arguments"] or calls[0][1] != {
+            "city": "Zürich"
+        }
+
+
+@pytest.mark.parametrize(
+    "text", ["Hello <tool but not a call", "Let me look. " + TWO, "<tool_call>bad"]
+)
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
+def test_hermes_streamed_in_any_chunks_gives_the_whole_outputs_answer(text, size):
+    split = StreamingToolCalls(HermesToolParser())
+    sent = "".join(split.feed(text[i : i + size]) for i in range(0, len(text), size))
+    assert "<tool_c" not in sent  # nothing of a call's start was sent as content early
+    rest, calls = split.finish()
+    content, whole_calls = HermesToolParser().extract(text)
+    assert sent + rest == (content or "" if whole_calls else text)
+    assert _names_args(calls) == _names_args(whole_calls)
+
+
+def test_cli_flags_take_the_parsers():
+    args = make_arg_parser().parse_args(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    )
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    choices = next(a.choices for a in make_arg_parser()._actions if a.dest == "tool_call_parser")
+    assert sorted(choices) == sorted(TOOL_PARSERS)
+
+
+@pytest.fixture
+def client():
+    llm = AsyncLLM(FakeEngine(max_model_len=1024))
+    with TestClient(build_app(llm, tool_call_parser="hermes")) as c:
+        yield c
+    llm.shutdown()
+
+
+def _chat(client, text: str, stream: bool, **kw):
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": f"SAY:{text}|"}],
+        "temperature": 0,
+        "max_tokens": 200,
+        "stream": stream,
+    } | kw
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_auto_tool_calls_through_the_server(client):
+    text = "Let me look. " + TWO
+    r = _chat(client, text, False, tools=TOOLS)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look. "
+    assert _names_args(choice["message"]["tool_calls"]) == [
+        ("get_weather", {"city": "Zürich"}),
+        ("get_time", {}),
+    ]
+    # Streamed: the same content, then the calls with the finish.
+    r = _chat(client, text, True, tools=TOOLS)
+    events = [json.loads(e[6:]) for e in r.text.splitlines() if e.startswith("data: {")]
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Let me look. "
+    calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    assert _names_args(calls) == _names_args(choice["message"]["tool_calls"])
+    assert [t["index"] for t in calls] == [0, 1]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    # No tools in the request, or tool_choice "none": the text as it is.
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        r = _chat(client, text, False, **kw)
+        assert r.json()["choices"][0]["message"]["content"] == text
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
