@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the model's chat template (or --chat-template) turns the messages
 into a prompt; n samples, SSE streaming (role chunk, content deltas, finish chunk, optional
-usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`), forced tool
-calls (`tool_choice`, `pagoda.server.tool_choice`).
+usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`), tool calls
+(forced by `tool_choice`: `pagoda.server.tool_choice`; read out of the text with
+--tool-call-parser: `pagoda.server.tool_parsers`).
 """
 
 from __future__ import annotations
@@ -245,6 +246,68 @@ def _named_for_tools(e: APIError, tools: ToolChoice) -> APIError:
     return APIError(message, e.status, "tools")
 
 
+class _ToolDeltas:
+    """The stream's delta of each output chunk, by the request's tools. Plain: the text.
+    Forced calls: a named function's arguments as they come (the call's id and name with the
+    first); "required" calls are whole only at the end, so they (and their logprobs) come then.
+    Calls read out of free text (--tool-call-parser): content as it comes, the calls at the end
+    with finish_reason "tool_calls"."""
+
+    def __init__(self, tools: ToolChoice, parser: Any, logprobs: bool) -> None:
+        self.tools, self.parser, self.logprobs = tools, parser, logprobs
+        self.parsing = tools.mode == "auto" and parser is not None
+        self.call_ids: dict[int, str] = {}
+        self.held: dict[int, list[str]] = {}
+        self.held_logprobs: dict[int, list[ChatCompletionLogProb]] = {}
+        self.splitters: dict[int, StreamingToolCalls] = {}
+        self.called: set[int] = set()  # choices whose calls were read out of their text
+
+    def delta(self, index: int, text: str, finished: bool) -> DeltaMessage | None:
+        """The delta to send for this chunk of choice `index`, or None to send nothing yet."""
+        tools = self.tools
+        if self.parsing:
+            split = self.splitters.setdefault(index, StreamingToolCalls(self.parser))
+            content = split.feed(text)
+            if not finished:
+                return DeltaMessage(content=content) if content or self.logprobs else None
+            rest, calls = split.finish()
+            if calls:
+                self.called.add(index)
+            return DeltaMessage(
+                content=content + rest, tool_calls=[dict(c, index=i) for i, c in enumerate(calls)]
+            )
+        if not tools.forced:
+            return DeltaMessage(content=text)
+        if tools.mode == "named":
+            if not text:
+                return DeltaMessage()
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if index not in self.call_ids:
+                first = tool_call(tools.name or "", text)
+                self.call_ids[index] = first["id"]
+                call.update(id=first["id"], type="function")
+                call["function"]["name"] = tools.name
+            return DeltaMessage(tool_calls=[call])
+        self.held.setdefault(index, []).append(text)
+        if not finished:
+            return None
+        whole = "".join(self.held.pop(index))
+        calls = tool_calls_from_text(tools, whole)
+        if calls is None:  # cut short: the text as it is
+            return DeltaMessage(content=whole)
+        return DeltaMessage(tool_calls=[dict(c, index=i) for i, c in enumerate(calls)])
+
+    def hold_logprobs(
+        self, index: int, logprobs: ChatCompletionLogProbs, sending: bool
+    ) -> ChatCompletionLogProbs:
+        """ "required" calls: the logprobs held with their text, all of them when it is sent."""
+        self.held_logprobs.setdefault(index, []).extend(logprobs.content or [])
+        return ChatCompletionLogProbs(content=self.held_logprobs.pop(index) if sending else [])
+
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        return "tool_calls" if reason is not None and index in self.called else reason
+
+
 def _stream(
     ctx: ServingContext,
     req: ChatCompletionRequest,
@@ -258,49 +321,7 @@ def _stream(
 ) -> AsyncIterator[str]:
     model = ctx.model_name
     num_gen = 0
-    # Forced tool calls: a named function's arguments stream as they come (the call's id and
-    # name with the first); "required" calls are whole only at the end, so they come then.
-    call_ids: dict[int, str] = {}
-    held: dict[int, list[str]] = {}
-    held_logprobs: dict[int, list[ChatCompletionLogProb]] = {}
-
-    # Calls read out of free text (--tool-call-parser): content as it comes, calls at the end.
-    parsing = tools.mode == "auto" and ctx.tool_parser is not None
-    splitters: dict[int, StreamingToolCalls] = {}
-    parsed_calls: set[int] = set()  # choices that called tools: finish_reason "tool_calls"
-
-    def delta(index: int, text: str, finished: bool) -> DeltaMessage | None:
-        if parsing:
-            split = splitters.setdefault(index, StreamingToolCalls(ctx.tool_parser))
-            content = split.feed(text)
-            if not finished:
-                return DeltaMessage(content=content) if content or req.logprobs else None
-            rest, calls = split.finish()
-            if calls:
-                parsed_calls.add(index)
-            return DeltaMessage(
-                content=content + rest, tool_calls=[dict(c, index=i) for i, c in enumerate(calls)]
-            )
-        if not tools.forced:
-            return DeltaMessage(content=text)
-        if tools.mode == "named":
-            if not text:
-                return DeltaMessage()
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            if index not in call_ids:
-                first = tool_call(tools.name or "", text)
-                call_ids[index] = first["id"]
-                call.update(id=first["id"], type="function")
-                call["function"]["name"] = tools.name
-            return DeltaMessage(tool_calls=[call])
-        held.setdefault(index, []).append(text)
-        if not finished:
-            return None
-        whole = "".join(held.pop(index))
-        calls = tool_calls_from_text(tools, whole)
-        if calls is None:  # cut short: the text as it is
-            return DeltaMessage(content=whole)
-        return DeltaMessage(tool_calls=[dict(c, index=i) for i, c in enumerate(calls)])
+    deltas = _ToolDeltas(tools, ctx.tool_parser, bool(req.logprobs))
 
     def sse(choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> str:
         chunk = ChatCompletionStreamResponse(
@@ -320,21 +341,16 @@ def _stream(
                 logprobs = chat_logprobs(
                     ctx.tokenizer, list(c.token_ids), list(c.logprobs or []), top_k
                 )
-            d = delta(c.index, c.text, c.finish_reason is not None)
-            if tools.mode == "required" and logprobs is not None:  # held with the text
-                held_logprobs.setdefault(c.index, []).extend(logprobs.content or [])
-                if d is not None:
-                    logprobs = ChatCompletionLogProbs(content=held_logprobs.pop(c.index))
+            d = deltas.delta(c.index, c.text, c.finish_reason is not None)
+            if tools.mode == "required" and logprobs is not None:
+                logprobs = deltas.hold_logprobs(c.index, logprobs, d is not None)
             if d is None:
                 continue
-            finish_reason = c.finish_reason
-            if finish_reason is not None and c.index in parsed_calls:
-                finish_reason = "tool_calls"
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index,
                 delta=d,
                 logprobs=logprobs,
-                finish_reason=finish_reason,
+                finish_reason=deltas.finish_reason(c.index, c.finish_reason),
                 stop_reason=c.stop_reason,
             )
             lines.append(sse([choice]))
