@@ -295,9 +295,9 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 # What w4a16_linear runs by row count, from the H200 measurement of the Llama-3-8B layers
-# (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md): the CUDA decode kernel
-# (`w4a16_gemv`) up to GEMV_MAX_M rows (its bulk ring, sm_90; GEMV_REGISTER_MAX_M with the
-# register kernel before sm_90), the Triton few-row kernel
+# (`benchmarks/w4a16_skinny_bench.py`, benchmarks/README.md; the bulk ring's rule from an
+# H100's): the CUDA decode kernel (`w4a16_gemv`) up to GEMV_MAX_M rows (its bulk ring, sm_90;
+# GEMV_REGISTER_MAX_M with the register kernel before sm_90), the Triton few-row kernel
 # (`w4a16_skinny._pairs_kernel`) up to SKINNY_MAX_M rows; then the same kernel in its many-row
 # modes (`many_rows_config`: x reordered into the nibble planes' order, zero and scale per
 # weight, one accumulator) up to MANY_ROWS_MAX_M rows, and up to MANY_ROWS_WIDE_MAX_M for
