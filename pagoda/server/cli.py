@@ -96,9 +96,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes"],
+        choices=["hermes", "llama3_json"],
         help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: "
-        "Hermes 2 Pro, Qwen2.5, Qwen3)",
+        'Hermes 2 Pro, Qwen2.5, Qwen3), llama3_json ({"name": ..., "parameters": ...}: '
+        "Llama 3.1-3.3)",
     )
     g.add_argument(
         "--max-request-body-bytes",

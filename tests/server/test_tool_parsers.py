@@ -1,6 +1,6 @@
 """Tool calls read out of free text (`pagoda.server.tool_parsers`, --tool-call-parser): the
-hermes format whole and streamed in every chunking, and through the server against the fake
-engine (which answers a prompt's `SAY:<text>|` with that text)."""
+hermes and llama3_json formats whole and streamed in every chunking, and through the server
+against the fake engine (which answers a prompt's `SAY:<text>|` with that text)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from fastapi.testclient import TestClient
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.server.app import build_app
 from pagoda.server.cli import make_arg_parser
-from pagoda.server.tool_parsers import TOOL_PARSERS, HermesToolParser, StreamingToolCalls
+from pagoda.server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    StreamingToolCalls,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TWO = CALL + '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
@@ -53,18 +58,53 @@ def test_hermes_whole_output(text, content, calls):
         }
 
 
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Zürich"}}'
+LLAMA_TWO = LLAMA + '; {"name": "get_time", "parameters": {}}'
+
+
 @pytest.mark.parametrize(
-    "text", ["Hello <tool but not a call", "Let me look. " + TWO, "<tool_call>bad"]
+    "text, content, calls",
+    [
+        ("Hello there.", "Hello there.", []),
+        (LLAMA, None, [("get_weather", {"city": "Zürich"})]),
+        (
+            "<|python_tag|>" + LLAMA_TWO,
+            None,
+            [("get_weather", {"city": "Zürich"}), ("get_time", {})],
+        ),
+        ("  " + LLAMA + "\n", None, [("get_weather", {"city": "Zürich"})]),
+        ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', []),  # cut
+        ('{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call
+        ("Sure: " + LLAMA, "Sure: " + LLAMA, []),  # calls only as the whole output
+    ],
+)
+def test_llama3_json_whole_output(text, content, calls):
+    got_content, got_calls = Llama3JsonToolParser().extract(text)
+    assert got_content == content and _names_args(got_calls) == calls
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        (HermesToolParser(), "Hello <tool but not a call"),
+        (HermesToolParser(), "Let me look. " + TWO),
+        (HermesToolParser(), "<tool_call>bad"),
+        (Llama3JsonToolParser(), " <|python_tag|>" + LLAMA_TWO),
+        (Llama3JsonToolParser(), "<|python is a language"),
+        (Llama3JsonToolParser(), "Sure: " + LLAMA),
+        (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": '),
+    ],
 )
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
-def test_hermes_streamed_in_any_chunks_gives_the_whole_outputs_answer(text, size):
-    split = StreamingToolCalls(HermesToolParser())
+def test_streamed_in_any_chunks_gives_the_whole_outputs_answer(parser, text, size):
+    split = StreamingToolCalls(parser)
     sent = "".join(split.feed(text[i : i + size]) for i in range(0, len(text), size))
-    assert "<tool_c" not in sent  # nothing of a call's start was sent as content early
     rest, calls = split.finish()
-    content, whole_calls = HermesToolParser().extract(text)
+    content, whole_calls = parser.extract(text)
     assert sent + rest == (content or "" if whole_calls else text)
     assert _names_args(calls) == _names_args(whole_calls)
+    if whole_calls:  # nothing of the calls went out as content
+        assert "<tool_c" not in sent and '"name"' not in sent
 
 
 def test_cli_flags_take_the_parsers():
@@ -120,3 +160,28 @@ def test_auto_tool_calls_through_the_server(client):
         r = _chat(client, text, False, **kw)
         assert r.json()["choices"][0]["message"]["content"] == text
         assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_llama3_json_through_the_server():
+    llm = AsyncLLM(FakeEngine(max_model_len=1024))
+    try:
+        with TestClient(build_app(llm, tool_call_parser="llama3_json")) as client:
+            for stream in (False, True):
+                r = _chat(client, LLAMA_TWO, stream, tools=TOOLS)
+                assert r.status_code == 200, r.text
+                if stream:
+                    events = [
+                        json.loads(e[6:]) for e in r.text.splitlines() if e.startswith("data: {")
+                    ]
+                    deltas = [e["choices"][0] for e in events if e["choices"]]
+                    assert not "".join(d["delta"].get("content") or "" for d in deltas)
+                    calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+                    finish = deltas[-1]["finish_reason"]
+                else:
+                    message = r.json()["choices"][0]["message"]
+                    assert message["content"] is None
+                    calls, finish = message["tool_calls"], r.json()["choices"][0]["finish_reason"]
+                assert finish == "tool_calls"
+                assert _names_args(calls) == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    finally:
+        llm.shutdown()
