@@ -114,14 +114,6 @@ INLINE __m512i bcast4_512(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* Two groups (16 weight rows) at once with 512-bit vectors, the lower half of each vector
- * group `grp`, the upper half the group `gstride` bytes further (0: the same group twice,
- * for a last odd group), against up to 8 activation rows. Per block and activation row, 8
- * `vpdpbusd` on 512 bytes of weights where the 256-bit tile takes 8 on 256: half the
- * instructions per product, the weights unpacked once for 8 rows instead of 4. Q8_0's signed
- * weights go in as w + 128 (AVX-512 has no `vpsignb`) and 128 * sum(q) comes off the integer
- * dot. Every lane computes the integers and fp32 steps the 256-bit tile computes for its row,
- * in the same order, so both give the same bits. */
 /* The scales d and offsets m of two groups' blocks b0 (lanes 0-7) and b1 (8-15): the values
  * x16_tile and the AMX path (quant_amx.h) both apply, so they give the same bits. */
 INLINE void x16_scales(const int type, const uint8_t *b0, const uint8_t *b1, __m512 *dw,
@@ -135,6 +127,14 @@ INLINE void x16_scales(const int type, const uint8_t *b0, const uint8_t *b1, __m
                             : _mm512_mul_ps(*dw, _mm512_set1_ps(-8.0f));
 }
 
+/* Two groups (16 weight rows) at once with 512-bit vectors, the lower half of each vector
+ * group `grp`, the upper half the group `gstride` bytes further (0: the same group twice,
+ * for a last odd group), against up to 8 activation rows. Per block and activation row, 8
+ * `vpdpbusd` on 512 bytes of weights where the 256-bit tile takes 8 on 256: half the
+ * instructions per product, the weights unpacked once for 8 rows instead of 4. Q8_0's signed
+ * weights go in as w + 128 (AVX-512 has no `vpsignb`) and 128 * sum(q) comes off the integer
+ * dot. Every lane computes the integers and fp32 steps the 256-bit tile computes for its row,
+ * in the same order, so both give the same bits. */
 INLINE void x16_tile(const int type, const uint8_t *grp, int64_t gstride, const QActs *a,
                      int64_t m0, const int NC, __m512 out[8]) {
     const int64_t nb = a->nb, K = a->K;
