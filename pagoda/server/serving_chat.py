@@ -45,7 +45,7 @@ from pagoda.server.serving import (
 from pagoda.server.tool_choice import (
     ToolChoice,
     resolve_tool_choice,
-    tool_call,
+    tool_call_id,
     tool_calls_from_text,
 )
 from pagoda.server.tool_parsers import StreamingToolCalls
@@ -256,7 +256,7 @@ class _ToolDeltas:
     def __init__(self, tools: ToolChoice, parser: Any, logprobs: bool) -> None:
         self.tools, self.parser, self.logprobs = tools, parser, logprobs
         self.parsing = tools.mode == "auto" and parser is not None
-        self.call_ids: dict[int, str] = {}
+        self.named_started: set[int] = set()  # choices whose call's id and name went out
         self.held: dict[int, list[str]] = {}
         self.held_logprobs: dict[int, list[ChatCompletionLogProb]] = {}
         self.splitters: dict[int, StreamingToolCalls] = {}
@@ -282,10 +282,9 @@ class _ToolDeltas:
             if not text:
                 return DeltaMessage()
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            if index not in self.call_ids:
-                first = tool_call(tools.name or "", text)
-                self.call_ids[index] = first["id"]
-                call.update(id=first["id"], type="function")
+            if index not in self.named_started:
+                self.named_started.add(index)
+                call.update(id=tool_call_id(), type="function")
                 call["function"]["name"] = tools.name
             return DeltaMessage(tool_calls=[call])
         self.held.setdefault(index, []).append(text)

@@ -118,12 +118,27 @@ def resolve_tool_choice(tools: Any, tool_choice: Any, has_constraint: bool) -> T
     return choice
 
 
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{random_uuid()}"
+
+
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {
-        "id": f"chatcmpl-tool-{random_uuid()}",
+        "id": tool_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+def call_from_object(obj: Any) -> dict[str, Any] | None:
+    """The `tool_calls` entry of a call the model wrote as `{"name": ..., "arguments" or
+    "parameters": {...}}`, or None where `obj` is no such call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return tool_call(obj["name"], args)
 
 
 def tool_calls_from_text(choice: ToolChoice, text: str) -> list[dict[str, Any]] | None:
@@ -132,15 +147,10 @@ def tool_calls_from_text(choice: ToolChoice, text: str) -> list[dict[str, Any]] 
     if choice.mode == "named":
         return [tool_call(choice.name or "", text)]
     try:
-        calls = json.loads(text)
+        objs = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(calls, list) or not calls:
+    if not isinstance(objs, list) or not objs:
         return None
-    out = []
-    for call in calls:
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
-        out.append(tool_call(call["name"], arguments))
-    return out
+    calls = [c for c in map(call_from_object, objs) if c is not None]
+    return calls if len(calls) == len(objs) else None

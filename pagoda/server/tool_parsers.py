@@ -20,17 +20,7 @@ import json
 import re
 from typing import Any
 
-from pagoda.server.tool_choice import tool_call
-
-
-def _call(obj: Any, args_key: str) -> dict[str, Any] | None:
-    """A `tool_calls` entry of one parsed call object, or None where it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return tool_call(obj["name"], args)
+from pagoda.server.tool_choice import call_from_object
 
 
 class HermesToolParser:
@@ -58,7 +48,7 @@ class HermesToolParser:
         calls = []
         for body in self._calls.findall(text, at):
             try:
-                call = _call(json.loads(body.strip()), "arguments")
+                call = call_from_object(json.loads(body.strip()))
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -92,7 +82,7 @@ class Llama3JsonToolParser:
                 obj, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return text, []
-            call = _call(obj, "parameters")
+            call = call_from_object(obj)
             if call is None:
                 return text, []
             calls.append(call)
