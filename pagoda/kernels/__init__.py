@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from pagoda import envs
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 
 
@@ -31,9 +32,8 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     """Whether kernels on x's device use programmatic dependent launch (PAGODA_PDL, sm_90 or
     newer): the W4A16 GEMV is launched as a dependent of the kernel before it and loads its
     first weights while that one finishes; the small kernels that come before a GEMV (RMSNorm,
-    SiLU-and-mul) let it launch as soon as they start."""
-    from pagoda import envs
-
+    SiLU-and-mul, the decode attention and its segment reduce) let it launch as soon as they
+    start."""
     return x.is_cuda and envs.PAGODA_PDL and _sm90(x.device.index or 0)
 
 
