@@ -80,6 +80,30 @@ def _build_gemv(job: tuple) -> str | None:
     return None if get_kernel(x, scales, GemvConfig(*cfg), False, False) else "no kernel"
 
 
+def wgmma_grid(m: int) -> list[tuple]:
+    """WgmmaConfig tuples to time from 17 rows: activation tiles of 32 and 64 rows (up to 32
+    rows) or 64 and 128, 1 or 2 warpgroups, 3 or 4 stages, 2 or 4 K steps of weights
+    in flight, K split by `split_for`."""
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
+
+    if m < 17:
+        return []
+    grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (3, 4), (2, 4))
+    return [tuple(WgmmaConfig(bn, wg, stages, depth)) for bn, wg, stages, depth in grid]
+
+
+def _build_wgmma(cfg: tuple) -> str | None:
+    """Compile the wgmma kernel of `cfg` for bf16 x and fp16 scales, with and without split K."""
+    import torch
+
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig, get_kernel
+
+    x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+    scales = torch.empty(1, 1, device="cuda", dtype=torch.float16)
+    built = [get_kernel(x, scales, WgmmaConfig(*cfg), False, split) for split in (False, True)]
+    return None if all(built) else "no kernel"
+
+
 def skinny_grid(m: int, n: int, k: int, num_sms: int) -> list[tuple]:
     """SkinnyConfig tuples to time: choose_config's first, then block_n x warps x stages x
     split around the one that covers the SMs about twice, then choose_config's in the many-row
@@ -160,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--no-sweep", action="store_true", help="choose_config only")
     ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
+    ap.add_argument("--no-wgmma-sweep", action="store_true", help="no sweep of the wgmma kernel")
     ap.add_argument(
         "--step",
         action="store_true",
@@ -178,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pagoda.kernels.w4a16 import DEQUANT, choose_config, default_config, w4a16_linear
     from pagoda.kernels.w4a16_gemv import GemvConfig
     from pagoda.kernels.w4a16_skinny import SkinnyConfig
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
     from pagoda.model.quantization.w4_layout import W4Weight, dequantize_w4
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -201,10 +227,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Each config's variant for every row count, compiled by NVRTC on threads.
     jobs = {(m_tiles(m), c): (m, c) for m, g in gemv_grids.items() for c in g}
     t_build = time.perf_counter()
+    wgmma_grids = {m: [] if args.no_wgmma_sweep else wgmma_grid(m) for m in m_values}
+    wgmma_jobs = sorted({c for g in wgmma_grids.values() for c in g})
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         failed = [j for j, e in zip(jobs.values(), pool.map(_build_gemv, jobs.values())) if e]
+        failed += [j for j, e in zip(wgmma_jobs, pool.map(_build_wgmma, wgmma_jobs)) if e]
     print(
-        f"compiled {len(jobs)} CUDA variants in {time.perf_counter() - t_build:.1f} s"
+        f"compiled {len(jobs) + 2 * len(wgmma_jobs)} CUDA variants in {time.perf_counter() - t_build:.1f} s"
         + (f", failed: {failed}" if failed else ""),
         flush=True,
     )
@@ -274,6 +303,21 @@ def main(argv: list[str] | None = None) -> dict:
                     gemv_best = row
             if gemv_best is not None:
                 gemv_best["variant"] = "cuda_best"
+            wgmma_best = None
+            for cfg in wgmma_grids[m]:
+                try:
+                    us = timed(w4(WgmmaConfig(*cfg)), packed)
+                    err = error(WgmmaConfig(*cfg))
+                except Exception as e:  # noqa: BLE001 - a config that does not build or run
+                    print(f"  {name} M={m} wgmma {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                row = record("wgmma", us, packed_bytes, list(cfg), err)
+                if err > 2e-2:
+                    print(f"  {name} M={m} wgmma {cfg}: WRONG, max error {err:.3g}")
+                elif wgmma_best is None or us < wgmma_best["us"]:
+                    wgmma_best = row
+            if wgmma_best is not None:
+                wgmma_best["variant"] = "wgmma_best"
             best = {}  # few-row configs ("skinny") and the many-row modes ("wide") apart
             for cfg in grids[name, m]:
                 variant = "wide" if SkinnyConfig(*cfg).planar else "skinny"
@@ -293,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in rows
                 if r["shape"] == name
                 and r["m"] == m
-                and r["variant"] not in ("skinny", "wide", "cuda")
+                and r["variant"] not in ("skinny", "wide", "cuda", "wgmma")
             )
             for variant, row in best.items():
                 row["variant"] = f"{variant}_best"
@@ -312,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
         "skinny_best",
         "wide_best",
         "cuda_best",
+        "wgmma_best",
     )
     print(f"\nms per decode step ({len(shapes)} GEMMs x {LAYERS} layers):")
     print(f"{'M':>5s} " + " ".join(f"{v:>14s}" for v in variants))
@@ -345,13 +390,15 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
     """ms per decode step timed as one: qkv, o, gate_up and down of 32 distinct layers, in that
     order, in one CUDA graph (the next kernel's start overlaps the last one's end as it would
     in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, the rule without
-    the bulk ring (the register kernel up to 8 rows, then the Triton kernels), and bf16
-    cuBLAS on dense weights of the same shapes."""
+    the bulk ring (the register kernel up to 8 rows, then the Triton kernels), the wgmma
+    kernel with 64- and 128-row activation tiles (from 17 rows), and bf16 cuBLAS on dense
+    weights of the same shapes."""
     import torch
     import torch.nn.functional as F
 
     from pagoda.kernels.skinny_gemm import prepare
     from pagoda.kernels.w4a16 import fallback_config, gemv_config, w4a16_linear
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
 
     prepare("cuda")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -367,7 +414,8 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
     ]  # fmt: skip
     rows = []
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers):")
-    print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'no ring':>10s} {'bf16':>10s}")
+    print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'no ring':>10s} {'bf16':>10s}", end="")
+    print(f" {'wgmma 64':>10s} {'wgmma 128':>10s}")
     for m in m_values:
         xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
               for _, k in SHAPES.values()}  # fmt: skip
@@ -398,11 +446,23 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
             row[key] = graph_seconds(w4_step, reps) * 1e3
         os.environ.pop("PAGODA_PDL")
         row["no_ring"] = graph_seconds(register_step, reps) * 1e3
+        if m >= 17:
+            for bn in (64, 128):
+
+                def wgmma_step(xs=xs, cfg=WgmmaConfig(bn=bn)) -> None:
+                    for layer in packed:
+                        for s, (_, k) in SHAPES.items():
+                            w4a16_linear(xs[k], *layer[s], GROUP, config=cfg)
+
+                row[f"wgmma{bn}"] = graph_seconds(wgmma_step, reps) * 1e3
         row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
         rows.append(row)
         print(
             f"{m:5d} "
-            + " ".join(f"{row[v]:10.3f}" for v in ("default", "no_pdl", "no_ring", "cublas_bf16"))
+            + " ".join(
+                f"{row[v]:10.3f}" if v in row else f"{'-':>10s}"
+                for v in ("default", "no_pdl", "no_ring", "cublas_bf16", "wgmma64", "wgmma128")
+            )
         )
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:

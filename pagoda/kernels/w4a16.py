@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import w4a16_gemv
+from pagoda.kernels import w4a16_gemv, w4a16_wgmma
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
     check_tiles,
@@ -48,6 +48,7 @@ from pagoda.kernels.skinny_gemm import (
     store_tile,
 )
 from pagoda.kernels.w4a16_gemv import GemvConfig
+from pagoda.kernels.w4a16_wgmma import WgmmaConfig
 
 MAX_BLOCK_M = 128
 # The exponent bits of 16.0 in both halves of a word (bf16, fp16); fp32 converts instead.
@@ -460,10 +461,11 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W in the packed layout above (qweight,
     scales and zeros of the same device; perm for an act-order layer). `config` defaults to
-    `choose_config`: a `GemvConfig` runs the CUDA decode kernel (`w4a16_gemv`), a `W4A16Config` runs this module's kernel (with `pre_sums`, x's tile
-    sums and an act-order x's gather are made once before it instead of in every N tile), a
-    `w4a16_skinny.SkinnyConfig` the few-row kernel, `DEQUANT` the dequantized weight and
-    cuBLAS. Raises ValueError where `w4a16_supported` says no or the config cannot run."""
+    `choose_config`: a `GemvConfig` runs the CUDA decode kernel (`w4a16_gemv`), a
+    `WgmmaConfig` the CUDA wgmma kernel (`w4a16_wgmma`, sm_90), a `W4A16Config` this
+    module's kernel (with `pre_sums`, x's tile sums and an act-order x's gather are made once
+    before it instead of in every N tile), a `w4a16_skinny.SkinnyConfig` the few-row kernel,
+    `DEQUANT` the dequantized weight and cuBLAS. Raises ValueError where `w4a16_supported` says no or the config cannot run."""
     if not w4a16_supported(x, qweight, bias):
         raise ValueError(
             f"w4a16_linear: unsupported inputs x {tuple(x.shape)} {x.dtype} {x.device}, "
@@ -503,6 +505,11 @@ def w4a16_linear(
             )
         if config is not None:
             raise ValueError(f"{cfg}: the CUDA kernel cannot run: {reason}")
+        cfg = fallback_config(m, n, k, group_size, _num_sms(x.device), x.element_size())
+    if isinstance(cfg, WgmmaConfig):
+        y = _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, config is not None)
+        if y is not None:
+            return y
         cfg = fallback_config(m, n, k, group_size, _num_sms(x.device), x.element_size())
     if cfg == DEQUANT or not isinstance(cfg, W4A16Config):
         from pagoda.kernels import w4a16_skinny
@@ -563,6 +570,23 @@ def w4a16_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
     )
+    return y
+
+
+def _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, explicit: bool):
+    """The wgmma kernel's output, or None where it cannot run (ValueError for an `explicit`
+    config)."""
+    reason = w4a16_wgmma.unsupported_reason(x, qweight, scales, bias, group_size)
+    reason = reason or w4a16_wgmma.config_reason(cfg)
+    y = None
+    if reason is None:
+        y = w4a16_wgmma.w4a16_wgmma(
+            lambda split: w4a16_wgmma.get_kernel(x, scales, cfg, bias is not None, split),
+            x, qweight, scales, zeros, group_size, bias, perm, cfg, _num_sms(x.device),
+        )  # fmt: skip
+        reason = "not compiled (CUDA-graph capture, or NVRTC failed)"
+    if y is None and explicit:
+        raise ValueError(f"{cfg}: the wgmma kernel cannot run: {reason}")
     return y
 
 

@@ -1,0 +1,327 @@
+// W4A16 GEMM for 17 rows and up on sm_90a: the 4-bit weights dequantized in registers straight
+// into the A operand of wgmma, the activations the B operand from shared memory. Reads the
+// packed layout of `pagoda/kernels/w4a16.py` as it is (qweight [N, K/8] u32, word j of a row
+// holding input 8j + 2s in nibble s and 8j + 2s + 1 in nibble s + 4; scales [K/G, N] bf16 or
+// fp16; zeros [K/G, N] u8).
+//
+// Swap-AB: the weight rows are wgmma's 64-row M side (one warpgroup each, WG of them a CTA),
+// the activation rows its N side (BN of them a CTA, so each weight is unpacked once per BN
+// rows). Every warpgroup runs all K steps of 128 inputs (one group: G is a multiple of 128):
+// lane (g, t) of warp w loads 16 bytes of weight rows 16w + g and 16w + g + 8 (inputs
+// [32t, 32t + 32) of the step: words 0..3), DEPTH steps ahead, into registers; makes each
+// pair of nibbles two 16-bit floats 128 + q (bf16; 1024 + q for fp16) with one LOP3, then
+// (q - z) exactly and (q - z) * s rounded once, by two packed FMAs; so the A fragment of
+// chunk c = 2w + h (16 k-slots) is, as for mma.sync m16n8k16, registers (row g, slots 2t,
+// 2t + 1), (row g + 8, same), (row g, slots 2t + 8, 2t + 9), (row g + 8, same), holding
+// inputs 32t + 4c + {0, 1} and 32t + 4c + {2, 3}. Which input a k-slot holds is free as long
+// as B agrees: the caller gathers x into that order once (`w4a16_wgmma.k_order`: position
+// 16c + 8hi + 2t + e of a step holds input 32t + 4c + 2hi + e), so that B's k-slots are
+// plain consecutive inputs.
+//
+// B: a step's BN x 128 tile of the reordered x as two 64-input halves, each BN rows of 128
+// bytes in the 128-byte-swizzled K-major layout wgmma reads (16-byte chunk c of row r at
+// chunk c ^ (r % 8); 8-row atoms 1024 bytes apart), copied by every thread with cp.async
+// (rows past M zero-filled), STAGES stages, STAGES - 2 steps ahead. Per step: wait for the
+// step's tile, one barrier, issue the copy of a later tile into the stage that the step two
+// back read (its wgmmas are done: each warpgroup waited for all but its last group before the
+// barrier), unpack this step's A (two register buffers: the wgmmas of the step before may still
+// be reading the other), 8 wgmma m64nBNk16, commit, wait for all but this group.
+//
+// A CTA covers activation rows [BN * blockIdx.x, +BN), weight rows [64 * WG * blockIdx.y,
+// +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
+// split, each CTA stores its fp32 tile to partial[split, m, n] and counts its arrival on the
+// tile's counter; the last to arrive sums the splits in order (the same bits every call),
+// stores y and resets the counter (as `skinny_gemm.store_tile` does).
+//
+// Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
+// BN (activation rows of a CTA: 32, 64 or 128), WG (1 or 2 warpgroups), STAGES (>= 3),
+// DEPTH (K steps of weights in flight per lane: 2 or 4), HAS_BIAS, SPLIT (1: K split over
+// blockIdx.z). WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from
+// registers, is defined before this source (`w4a16_wgmma.py` writes it for BN).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define STEP 128
+#define ROWS (64 * WG)
+#define THREADS (128 * WG)
+#define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
+#define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
+
+#if BF16
+#define MAGIC 0x43004300u  // bf16 128.0 in both halves: OR-ing q into the mantissa gives 128 + q
+#define ONE2 0x3f803f80u
+#else
+#define MAGIC 0x64006400u  // fp16 1024.0
+#define ONE2 0x3c003c00u
+#endif
+#define NEG_ZERO2 0x80008000u
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ float to_f32_x(u16 v) {
+#if BF16
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+  return r;
+#endif
+}
+
+__device__ __forceinline__ u16 from_f32(float v) {
+  u16 r;
+#if BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#endif
+  return r;
+}
+
+// A scale as x's 16-bit type, in both halves of a word.
+__device__ __forceinline__ u32 scale2(u32 raw) {
+#if SCALES_BF16 == BF16
+  return raw * 0x10001u;
+#else
+#if SCALES_BF16
+  const float f = __uint_as_float(raw << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)raw));
+#endif
+  return (u32)from_f32(f) * 0x10001u;
+#endif
+}
+
+// Pair s of a word (nibbles s and s + 4: two consecutive inputs) as (q - z) * scale in two
+// 16-bit floats: zoff = MAGIC | z in both halves, s2 the scale in both halves.
+template <int S>
+__device__ __forceinline__ u32 weight_pair(u32 w, u32 zoff, u32 s2) {
+  u32 v, r;
+  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(v) : "r"(w >> (4 * S)), "r"(MAGIC));
+#if BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(ONE2), "r"(zoff ^ NEG_ZERO2));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(r), "r"(s2), "r"(NEG_ZERO2));
+#else
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(zoff));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(r), "r"(s2));
+#endif
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, unsigned long long policy) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policy));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_nc_u16(const u16* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
+  unsigned short r;
+  asm("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 part(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// 16 bytes global -> shared, zero-filled past src_bytes (0 or 16).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// The descriptor of B for k-chunk j (16 inputs) of the tile at `tile` (1024-aligned): start
+// address, leading offset 16 (unused by the swizzled layout), stride 1024 bytes between
+// 8-row atoms, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long b_desc(u32 tile, int j) {
+  const u32 addr = tile + (j >> 2) * HALF_BYTES + (j & 3) * 32;
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
+         (1ull << 62);
+}
+
+// @WGMMA@
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    pagoda_w4a16_wgmma(u16* __restrict__ y, const u16* __restrict__ xp,
+                       const u32* __restrict__ qweight, const u16* __restrict__ scales,
+                       const u8* __restrict__ zeros, const u16* __restrict__ bias,
+                       float* __restrict__ partial, int* __restrict__ counters, int M, int N,
+                       int K, int G, int stride_y, int steps_per_split) {
+  extern __shared__ unsigned char smem_raw[];  // STAGES x tiles, 1024-aligned below
+#if SPLIT
+  __shared__ int last_split;
+#endif
+  const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.x * BN, n0 = blockIdx.y * ROWS;
+  const int steps = K / STEP;
+  const int s_begin = blockIdx.z * steps_per_split;
+  const int nsteps = min(steps, s_begin + steps_per_split) - s_begin;
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+
+  // This lane's weight rows (past N: row N - 1, never stored).
+  const int row0 = min(n0 + 16 * warp + g, N - 1), row1 = min(n0 + 16 * warp + g + 8, N - 1);
+  const uint4* wrow0 = reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t;
+  const uint4* wrow1 = reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t;
+
+  uint4 wv[DEPTH][2];
+  u32 sc[DEPTH][2], zp[DEPTH][2];
+  auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
+    if (i < nsteps) {
+      const int s = s_begin + i, grp = s * STEP / G;
+      wv_[0] = ld_weights(wrow0 + 4 * s, policy);
+      wv_[1] = ld_weights(wrow1 + 4 * s, policy);
+      sc_[0] = ld_nc_u16(scales + (long long)grp * N + row0);
+      sc_[1] = ld_nc_u16(scales + (long long)grp * N + row1);
+      zp_[0] = ld_nc_u8(zeros + (long long)grp * N + row0);
+      zp_[1] = ld_nc_u8(zeros + (long long)grp * N + row1);
+    }
+  };
+  // Step i's x tile into stage `stage`: 16-byte chunk c of half h of row r from xp.
+  auto load_x = [&](int i, int stage) {
+    const u32 base = tiles + stage * STAGE_BYTES;
+    const long long k0 = (long long)(s_begin + i) * STEP;
+#pragma unroll
+    for (int q = tid; q < BN * 16; q += THREADS) {
+      const int r = q >> 4, h = (q >> 3) & 1, c = q & 7;
+      const int m = m0 + r;
+      const u16* src = xp + (long long)min(m, M - 1) * K + k0 + h * 64 + c * 8;
+      cp_async16(base + h * HALF_BYTES + r * 128 + ((c ^ (r & 7)) << 4), src, m < M ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
+#pragma unroll
+  for (int i = 0; i < STAGES - 2; ++i) {
+    if (i < nsteps) load_x(i, i);
+    cp_async_commit();
+  }
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  u32 a[2][8][4];
+
+  for (int i0 = 0; i0 < nsteps; i0 += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int i = i0 + d;
+      if (i < nsteps) {
+        cp_async_wait<STAGES - 3>();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (i + STAGES - 2 < nsteps) load_x(i + STAGES - 2, (i + STAGES - 2) % STAGES);
+        cp_async_commit();
+
+        u32(&ab)[8][4] = a[d & 1];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const u32 word = part(wv[d][h], w);
+            ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
+            ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
+            ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
+            ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
+          }
+        }
+        load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
+
+        const u32 tile = tiles + (i % STAGES) * STAGE_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 8; ++j) WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], b_desc(tile, j));
+        wgmma_commit();
+        wgmma_wait<1>();
+      }
+    }
+  }
+  wgmma_wait<0>();
+
+  // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
+#if SPLIT
+  {
+    const long long split_size = (long long)M * N;
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+        if (n < N && m < M) partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
+      }
+    __threadfence();
+    __syncthreads();
+    int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0) last_split = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!last_split) return;
+    __threadfence();
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+        float sum = 0.f;
+        if (n < N && m < M)
+          for (int s = 0; s < (int)gridDim.z; ++s)  // in split order: the same bits every call
+            sum += s == (int)blockIdx.z ? acc[4 * c + i]
+                                        : __ldcg(partial + s * split_size + (long long)m * N + n);
+        acc[4 * c + i] = sum;
+      }
+    if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
+  }
+#endif
+#pragma unroll
+  for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+      if (n < N && m < M) {
+        float v = acc[4 * c + i];
+#if HAS_BIAS
+        v += to_f32_x(bias[n]);
+#endif
+        y[(long long)m * stride_y + n] = from_f32(v);
+      }
+    }
+}

@@ -1,0 +1,258 @@
+"""W4A16 from 17 rows up on Hopper as a CUDA kernel with wgmma, on the packed layout of
+`pagoda.kernels.w4a16` (`w4a16_wgmma.cu`'s header says how).
+
+Past 16 rows a 4-bit layer stops being a pure stream of bytes: at 64 rows the Llama-3-8B
+layers need as many tensor-core cycles as the 3.7 GB of packed weights need DRAM time, and the
+Triton kernels (`w4a16_skinny.py`: wgmma on weights unpacked through shared memory, one
+warpgroup waiting on each of its MMAs) reach about half of cuBLAS's tensor rate. Here each
+weight is unpacked once in registers, scaled, and is wgmma's A operand as it is (A may come
+from registers; B, the activations, from shared memory), and the MMAs of one K step run while
+the next step's weights are unpacked. The activations are gathered once per call into the
+order the weights' nibbles give (`k_order`), which makes the B tile a plain copy; an act-order
+layer's gather is folded into the same one.
+
+It covers: sm_90 (wgmma needs the sm_90a target, `compute_capability="90a"` for NVRTC), 16-bit
+x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a multiple of 128 inputs
+or one group per row, act order, bias. Compiled at first use with NVRTC, once per variant,
+never during CUDA-graph capture. `formats.dequantize_*` + F.linear and the Triton kernels stay
+its reference in the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from pagoda.kernels import w4a16_gemv
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
+_KERNEL_NAME = "pagoda_w4a16_wgmma"
+STEP = 128  # inputs per K step (one group at most)
+SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
+BN_VALUES = (32, 64, 128)  # 256: the accumulators and A buffers spill past 255 registers
+
+
+class WgmmaConfig(NamedTuple):
+    """bn: activation rows of a CTA (wgmma's N: 32, 64 or 128); warpgroups: 1 or 2, 64
+    weight rows each; stages: x tiles in shared memory (>= 3; the copies run stages - 2 K steps
+    ahead); depth: K steps of weights each lane has in flight (2 or 4); split_k: K split over
+    this many CTAs per output tile (fp32 partials summed by the last to arrive), 0 to take
+    `split_for`'s choice."""
+
+    bn: int = 64
+    warpgroups: int = 2
+    stages: int = 4
+    depth: int = 2
+    split_k: int = 0
+
+
+def smem_bytes(cfg: WgmmaConfig) -> int:
+    """Dynamic shared memory of a CTA: `stages` x tiles of bn rows x 128 inputs (16-bit), and
+    1 KB to align them to the 128-byte swizzle's 1024-byte atoms."""
+    return cfg.stages * cfg.bn * STEP * 2 + 1024
+
+
+def config_reason(cfg: WgmmaConfig) -> str | None:
+    """Why `cfg` is not a valid config, or None."""
+    if cfg.bn not in BN_VALUES:
+        return f"bn {cfg.bn} not in {BN_VALUES}"
+    if cfg.warpgroups not in (1, 2):
+        return f"warpgroups {cfg.warpgroups} not 1 or 2"
+    if cfg.depth not in (2, 4):
+        return f"depth {cfg.depth} not 2 or 4"
+    if cfg.stages < 3:
+        return f"stages {cfg.stages} < 3"
+    if smem_bytes(cfg) > SMEM_LIMIT:
+        return f"{smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
+    if cfg.split_k < 0:
+        return f"split_k {cfg.split_k} < 0"
+    return None
+
+
+def unsupported_reason(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> str | None:
+    """Why these inputs cannot take the wgmma kernel, or None when they can (the checks of the
+    CUDA decode kernel, bar its row limit, and sm_90)."""
+    if not w4a16_gemv.enabled():
+        return "PAGODA_W4A16_CUDA=0"
+    if not x.is_cuda or torch.version.cuda is None:
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "wgmma needs sm_90"
+    one_row = x[:1] if x.shape[0] else x
+    reason = w4a16_gemv.unsupported_reason(one_row, qweight, scales, bias, group_size)
+    if reason is None and x.shape[1] * max(qweight.shape[0], x.shape[0]) >= 2**31:
+        reason = "too large for 32-bit indices"
+    return reason
+
+
+def _wgmma_function(bn: int, bf16: bool) -> str:
+    """WGMMA(acc, a0, a1, a2, a3, desc): wgmma m64n{bn}k16 with A from registers, B (K-major,
+    not transposed) from shared memory by `desc`, accumulating into acc[bn / 2] (fp32)."""
+    regs = bn // 2
+    dtype = "bf16" if bf16 else "f16"
+    d = ", ".join(f"%{i}" for i in range(regs))
+    a = ", ".join(f"%{regs + i}" for i in range(4))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (
+        f"__device__ __forceinline__ void WGMMA(float (&d)[{regs}], unsigned a0, unsigned a1,\n"
+        "    unsigned a2, unsigned a3, unsigned long long desc) {\n"
+        f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{dtype}.{dtype} '
+        f'{{{d}}}, {{{a}}}, %{regs + 4}, 1, 1, 1, 0;"\n'
+        f'      : {outs}\n      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));\n}}\n'
+    )
+
+
+@functools.cache
+def _compile(
+    bf16: bool, scales_bf16: bool, cfg: WgmmaConfig, has_bias: bool, split: bool
+) -> Any | None:
+    """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
+    build it."""
+    defines = {
+        "BF16": int(bf16),
+        "SCALES_BF16": int(scales_bf16),
+        "BN": cfg.bn,
+        "WG": cfg.warpgroups,
+        "STAGES": cfg.stages,
+        "DEPTH": cfg.depth,
+        "HAS_BIAS": int(has_bias),
+        "SPLIT": int(split),
+    }
+    src = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    src += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
+    try:
+        kernel = torch.cuda._compile_kernel(
+            src, _KERNEL_NAME, compute_capability="90a", nvcc_options=["--use_fast_math"]
+        )
+    except Exception as e:  # no NVRTC, an old toolkit
+        logger.warning("CUDA W4A16 wgmma kernel unavailable: %s", e)
+        return None
+    # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: more than 48 KB
+    err = w4a16_gemv._libcuda().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(smem_bytes(cfg)))
+    if err != 0:
+        logger.warning(
+            "W4A16 wgmma kernel: %d bytes of shared memory refused (%d)", smem_bytes(cfg), err
+        )
+        return None
+    return kernel
+
+
+_compiled_keys: set[tuple] = set()
+
+
+def get_kernel(
+    x: torch.Tensor, scales: torch.Tensor, cfg: WgmmaConfig, has_bias: bool, split: bool
+) -> Any | None:
+    """The kernel for these inputs, or None. Never compiles during CUDA-graph capture (the
+    eager warm-up before a capture builds what the capture needs)."""
+    if config_reason(cfg) is not None:
+        return None
+    key = (
+        x.dtype == torch.bfloat16,
+        scales.dtype == torch.bfloat16,
+        WgmmaConfig(*cfg)._replace(split_k=0),
+        has_bias,
+        split,
+    )
+    if key not in _compiled_keys:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _compiled_keys.add(key)
+    return _compile(*key)
+
+
+@functools.cache
+def _step_order(device: torch.device) -> torch.Tensor:
+    """Position p of a K step holds input order[p] (`w4a16_wgmma.cu`): p = 16c + 8hi + 2t + e
+    holds 32t + 4c + 2hi + e, the k-slots of k-chunk c as the weights' nibbles fill them."""
+    p = torch.arange(STEP)
+    c, hi, t, e = p // 16, (p // 8) % 2, (p // 2) % 4, p % 2
+    return (32 * t + 4 * c + 2 * hi + e).to(device=device, dtype=torch.int32)
+
+
+@functools.cache
+def k_order(k: int, device: torch.device) -> torch.Tensor:
+    """int32 [k]: the input each position of the kernel's reordered x holds (k a multiple of
+    128)."""
+    steps = torch.arange(0, k, STEP, device=device, dtype=torch.int32)
+    return (steps[:, None] + _step_order(device)[None, :]).reshape(-1)
+
+
+def reorder_x(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] gathered into the kernel's k order (act order's perm folded in)."""
+    order = k_order(x.shape[1], x.device)
+    if perm is not None:
+        order = perm.index_select(0, order)
+    return x.index_select(1, order)
+
+
+def split_for(m: int, n: int, k: int, cfg: WgmmaConfig, num_sms: int) -> int:
+    """K splits for a grid of fewer tiles than SMs (one CTA per SM): until the grid covers the
+    SMs, each split keeping at least 4 K steps."""
+    tiles = -(-m // cfg.bn) * -(-n // (64 * cfg.warpgroups))
+    split = 1
+    while tiles * split * 2 <= num_sms and (k // STEP) // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def w4a16_wgmma(
+    kernel_for: Any,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    cfg: WgmmaConfig,
+    num_sms: int,
+) -> torch.Tensor | None:
+    """x [M, K] @ W^T (+ bias), or None where the kernel is not built (`kernel_for(split)`
+    gives it: `get_kernel` with the inputs bound); the caller has checked the inputs
+    (`w4a16_linear`, `unsupported_reason`)."""
+    from pagoda.kernels.skinny_gemm import split_k_buffers
+
+    m, k = x.shape
+    n = qweight.shape[0]
+    steps = k // STEP
+    split = cfg.split_k or split_for(m, n, k, cfg, num_sms)
+    steps_per_split = -(-steps // split)
+    split = -(-steps // steps_per_split)  # no empty splits
+    kernel = kernel_for(split > 1)
+    if kernel is None:
+        return None
+    xp = reorder_x(x, perm)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (-(-m // cfg.bn), -(-n // (64 * cfg.warpgroups)), split)
+    counters, partials = split_k_buffers(y, grid[0] * grid[1], split)
+    args = [
+        y, xp, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
+        m, n, k, min(group_size, k), y.stride(0), steps_per_split,
+    ]  # fmt: skip
+    cargs = [
+        ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+        for a in args
+    ]
+    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    err = w4a16_gemv._libcuda().cuLaunchKernel(
+        kernel.func, *grid, 128 * cfg.warpgroups, 1, 1, smem_bytes(cfg),
+        ctypes.c_void_p(stream), ptrs, None,
+    )  # fmt: skip
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+    return y

@@ -1,0 +1,171 @@
+"""The CUDA W4A16 wgmma kernel (`pagoda.kernels.w4a16_wgmma`) against the checkpoints'
+dequantization + F.linear and against the Triton kernels: AWQ, GPTQ and act-order GPTQ
+weights, bf16 and fp16 x, fp16 and bf16 scales, 17-300 rows (ragged row and weight tiles), K
+split over CTAs, groups of 128 and 256 and one group per row, bias, every tile shape, and a
+CUDA-graph replay. Marked `gpu` (sm_90); on a CPU the k order and the configs' checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import enable_interpreter_without_cuda
+
+enable_interpreter_without_cuda()
+pytest.importorskip("triton")
+
+from pagoda.kernels import w4a16_wgmma  # noqa: E402
+from pagoda.kernels.w4a16 import skinny_config, w4a16_linear  # noqa: E402
+from pagoda.kernels.w4a16_wgmma import WgmmaConfig  # noqa: E402
+
+sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU",
+)
+
+TILES = [
+    WgmmaConfig(),
+    WgmmaConfig(bn=128),
+    WgmmaConfig(bn=32, warpgroups=1),
+    WgmmaConfig(bn=64, warpgroups=1, stages=3, depth=4),
+    WgmmaConfig(bn=128, stages=5, depth=4),
+]
+
+
+def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
+    from test_w4a16 import packed_weights
+
+    return packed_weights(fmt, n=n, k=k, group=group, seed=seed, device="cuda")
+
+
+def _linear(x, w4, bias=None, config=None):
+    return w4a16_linear(
+        x, w4.qweight, w4.scales, w4.zeros, w4.group_size, bias, w4.perm, config=config
+    )
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1% of the output's range (the weights rounded to 16 bits once scaled, x and y
+    rounded, fp32 sums in another order); a wrong nibble, row, group or k-slot is off by ~100%."""
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [17, 64, 100, 129, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgmma_matches_dequantized_linear(fmt: str, m: int, dtype: torch.dtype) -> None:
+    n, k = 200, 640  # 200 rows: the last CTA's rows past N; K = 5 steps
+    w4, dense = _weights(fmt, n, k, 128, seed=m)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if m % 2 else None
+    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    _assert_close(_linear(x, w4, bias, WgmmaConfig()), ref)
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILES, ids=str)
+@pytest.mark.parametrize("m", [24, 64, 200])
+def test_every_tile_shape_matches(cfg: WgmmaConfig, m: int) -> None:
+    n, k = 320, 1920  # 15 K steps: DEPTH batches and stages cut short
+    w4, dense = _weights("awq", n, k, 128, seed=m)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_sums_every_split(split_k: int) -> None:
+    n, k = 256, 4096
+    w4, dense = _weights("gptq", n, k, 128)
+    x = torch.randn(48, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    cfg = WgmmaConfig(split_k=split_k)
+    out = _linear(x, w4, bias, cfg)
+    _assert_close(out, F.linear(x.float(), dense, bias.float()))
+    assert torch.equal(_linear(x, w4, bias, cfg), out)  # the counters were reset: same bits
+
+
+@sm90
+@pytest.mark.gpu
+def test_bf16_scales_and_larger_groups() -> None:
+    for group in (256, 1024):
+        w4, dense = _weights("gptq", 192, 1024, group)
+        x = torch.randn(40, 1024, device="cuda").to(torch.bfloat16)
+        ref = F.linear(x.float(), dense)
+        _assert_close(_linear(x, w4, config=WgmmaConfig()), ref)
+        w4 = dataclasses.replace(w4, scales=w4.scales.to(torch.bfloat16))
+        _assert_close(_linear(x, w4, config=WgmmaConfig()), ref)
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+@pytest.mark.parametrize("m", [32, 64, 256])
+def test_wgmma_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> None:
+    from test_w4a16 import LLAMA3_8B
+
+    n, k = LLAMA3_8B[name]
+    w4, dense = _weights("awq", n, k, 128)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = F.linear(x.float(), dense)
+    _assert_close(_linear(x, w4, config=WgmmaConfig()), ref)
+    _assert_close(_linear(x, w4, config=WgmmaConfig(bn=128)), ref)
+    if m <= 64:
+        _assert_close(_linear(x, w4, config=skinny_config(m, n, k, 128)), ref)
+
+
+@sm90
+@pytest.mark.gpu
+def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
+    w4, _ = _weights("gptq_act_order", 512, 4096, 128)
+    x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
+    cfg = WgmmaConfig(split_k=4)
+    eager = _linear(x, w4, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _linear(x, w4, config=cfg)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_k_order_is_a_permutation_of_each_step() -> None:
+    order = w4a16_wgmma.k_order(384, torch.device("cpu")).long()
+    assert sorted(order.tolist()) == list(range(384))
+    assert torch.equal(order.view(3, 128) // 128, torch.arange(3)[:, None].expand(3, 128))
+    # k-chunk c's slots 2t, 2t + 1 / 2t + 8, 2t + 9 hold inputs 32t + 4c + {0, 1} / {2, 3}.
+    step = order[:128].view(8, 2, 4, 2)  # [c, hi, t, e]
+    for c in range(8):
+        for t in range(4):
+            assert step[c, 0, t].tolist() == [32 * t + 4 * c, 32 * t + 4 * c + 1]
+            assert step[c, 1, t].tolist() == [32 * t + 4 * c + 2, 32 * t + 4 * c + 3]
+    x = torch.randn(3, 384)
+    perm = torch.randperm(384).to(torch.int32)
+    assert torch.equal(w4a16_wgmma.reorder_x(x, perm), x[:, perm.long()][:, order])
+
+
+def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
+    assert w4a16_wgmma.config_reason(WgmmaConfig()) is None
+    assert "bn" in w4a16_wgmma.config_reason(WgmmaConfig(bn=48))
+    assert "stages" in w4a16_wgmma.config_reason(WgmmaConfig(stages=2))
+    assert "shared memory" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, stages=8))
+    asm = w4a16_wgmma._wgmma_function(64, bf16=True)
+    assert "m64n64k16.f32.bf16.bf16" in asm and '"+f"(d[31])' in asm and "%36" in asm
+    x = torch.randn(32, 256)
+    qweight = torch.zeros(32, 32, dtype=torch.int32)
+    scales = torch.ones(2, 32, dtype=torch.float16)
+    zeros = torch.zeros(2, 32, dtype=torch.uint8)
+    reason = w4a16_wgmma.unsupported_reason(x, qweight, scales, None, 128)
+    assert reason is not None
+    with pytest.raises(ValueError, match="wgmma kernel cannot run"):
+        w4a16_linear(x, qweight, scales, zeros, 128, config=WgmmaConfig())
