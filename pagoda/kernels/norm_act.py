@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagoda.kernels import pdl_enabled
+from pagoda.kernels.triton_pdl import dependent_start
 
 
 @triton.jit
@@ -32,13 +32,13 @@ def _rms_norm_kernel(
     eps,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,  # `pdl_enabled`: the next GEMV may start loading weights
+    PDL: tl.constexpr,  # `pdl_enabled`: launched as a programmatic dependent (`triton_pdl`)
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # constant: before the wait
+    dependent_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -49,7 +49,6 @@ def _rms_norm_kernel(
         x = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -96,7 +95,8 @@ def rms_norm_triton(
         eps,
         BLOCK_N=block,
         HAS_RESIDUAL=residual is not None,
-        LAUNCH_DEPENDENTS=pdl_enabled(x),
+        PDL=pdl_enabled(x),
+        launch_pdl=pdl_enabled(x),
         num_warps=_num_warps(block),
     )
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else x)
@@ -110,10 +110,9 @@ def _silu_and_mul_kernel(
     stride_o: tl.int64,
     d,
     BLOCK: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -134,6 +133,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), d, BLOCK=block,
-            LAUNCH_DEPENDENTS=pdl_enabled(x), num_warps=_num_warps(block),
+            PDL=pdl_enabled(x), launch_pdl=pdl_enabled(x), num_warps=_num_warps(block),
         )  # fmt: skip
     return out.view(*x.shape[:-1], d)

@@ -26,7 +26,6 @@ falls back to Triton then). `PAGODA_W4A16_CUDA=0` turns it off.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pagoda import envs
-from pagoda.kernels import pdl_enabled
+from pagoda.kernels import cuda_launch, pdl_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -186,13 +185,9 @@ def _compile(
     except Exception as e:  # no NVRTC, an old toolkit
         logger.warning("CUDA W4A16 kernel unavailable, using Triton's: %s", e)
         return None
-    if cfg.bulk:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: static + dynamic > 48 KB
-        err = _libcuda().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(ring_bytes(cfg)))
-        if err != 0:
-            logger.warning(
-                "CUDA W4A16 kernel: %d bytes of shared memory refused (%d)", ring_bytes(cfg), err
-            )
-            return None
+    if cfg.bulk and not cuda_launch.allow_dynamic_smem(kernel.func, ring_bytes(cfg)):
+        logger.warning("CUDA W4A16 kernel: %d bytes of shared memory refused", ring_bytes(cfg))
+        return None
     return kernel
 
 
@@ -223,38 +218,6 @@ def get_kernel(
     return _compile(*key)
 
 
-@functools.cache
-def _libcuda():
-    return torch.cuda._utils._get_gpu_runtime_library()
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int)]
-    _fields_ += [("value_rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [(f"{d}Dim{a}", ctypes.c_uint) for d in ("grid", "block") for a in "XYZ"]
-    _fields_ += [
-        ("sharedMemBytes", ctypes.c_uint),
-        ("hStream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_LaunchAttribute)),
-        ("numAttrs", ctypes.c_uint),
-    ]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-def _launch_pdl(func: Any, grid: int, block: int, smem: int, stream: int, params: Any) -> int:
-    """cuLaunchKernelEx with programmatic stream serialization allowed: the kernel may start
-    before the one before it in the stream ends (it waits for it with griddepcontrol.wait);
-    in a CUDA graph capture this becomes a programmatic edge."""
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    config = _LaunchConfig(grid, 1, 1, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
-    return _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
-
-
 def w4a16_gemv(
     kernel: Any,
     x: torch.Tensor,
@@ -275,20 +238,7 @@ def w4a16_gemv(
         y, x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
     ]  # fmt: skip
-    cargs = [
-        ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
-        for a in args
-    ]
-    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
-    grid = -(-n // (16 * cfg.row_tiles))
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    if cfg.pdl and pdl_enabled(x):
-        err = _launch_pdl(kernel.func, grid, threads(cfg), ring_bytes(cfg), stream, ptrs)
-    else:
-        err = _libcuda().cuLaunchKernel(
-            kernel.func, grid, 1, 1, threads(cfg), 1, 1, ring_bytes(cfg),
-            ctypes.c_void_p(stream), ptrs, None,
-        )  # fmt: skip
-    if err != 0:
-        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+    grid = (-(-n // (16 * cfg.row_tiles)), 1, 1)
+    pdl = bool(cfg.pdl) and pdl_enabled(x)
+    cuda_launch.launch(kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl)
     return y

@@ -20,7 +20,6 @@ its reference in the tests.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagoda.kernels import w4a16_gemv
+from pagoda.kernels import cuda_launch, w4a16_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +139,8 @@ def _compile(
     except Exception as e:  # no NVRTC, an old toolkit
         logger.warning("CUDA W4A16 wgmma kernel unavailable: %s", e)
         return None
-    # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: more than 48 KB
-    err = w4a16_gemv._libcuda().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(smem_bytes(cfg)))
-    if err != 0:
-        logger.warning(
-            "W4A16 wgmma kernel: %d bytes of shared memory refused (%d)", smem_bytes(cfg), err
-        )
+    if not cuda_launch.allow_dynamic_smem(kernel.func, smem_bytes(cfg)):
+        logger.warning("W4A16 wgmma kernel: %d bytes of shared memory refused", smem_bytes(cfg))
         return None
     return kernel
 
@@ -243,16 +238,5 @@ def w4a16_wgmma(
         y, xp, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
         m, n, k, min(group_size, k), y.stride(0), steps_per_split,
     ]  # fmt: skip
-    cargs = [
-        ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
-        for a in args
-    ]
-    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    err = w4a16_gemv._libcuda().cuLaunchKernel(
-        kernel.func, *grid, 128 * cfg.warpgroups, 1, 1, smem_bytes(cfg),
-        ctypes.c_void_p(stream), ptrs, None,
-    )  # fmt: skip
-    if err != 0:
-        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+    cuda_launch.launch(kernel.func, grid, 128 * cfg.warpgroups, smem_bytes(cfg), args, x.device)
     return y

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from pagoda.attention.cuda import paged_decode  # noqa: E402
 from pagoda.attention.triton.unified_attention import unified_attention  # noqa: E402
+from pagoda.kernels import cuda_launch  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -144,8 +145,8 @@ def test_launch_passes_the_grid_cta_shape_and_byte_strides(monkeypatch) -> None:
             calls.append(args)
             return 0
 
-    monkeypatch.setattr(paged_decode, "_libcuda", lambda: Driver())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_launch, "libcuda", lambda: Driver())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: SimpleNamespace(cuda_stream=0))
     batch = make_paged_batch([1, 1, 1], [5, 9, 40], 8, 2, 128, 16)
     kernel = paged_decode.DecodeKernel(SimpleNamespace(func="handle"), threads=128, smem=49152)
     one = torch.ones(1)

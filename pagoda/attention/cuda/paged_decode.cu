@@ -141,9 +141,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
                         int stride_o_tok, int stride_o_head, int stride_c_blk, int stride_c_slot,
                         int stride_c_head, int stride_bt) {
 #if __CUDA_ARCH__ >= 900
-  // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV) may start loading
-  // its weights now; it waits for this one's end before reading the output.
+  // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV, the segment
+  // reduce) may start now; it waits for this one's end before reading the output. This one,
+  // itself launched as a dependent where PDL is on (`pdl_enabled`), waits for the kernel
+  // before it (the RoPE + cache write) before reading or writing anything. Both are no-ops in
+  // a plain launch.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int kv_head = blockIdx.x, req = blockIdx.y, segm = blockIdx.z, nsegm = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

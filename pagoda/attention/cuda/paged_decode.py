@@ -19,7 +19,6 @@ turns it off.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 
 from pagoda import envs
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kernels import cuda_launch, pdl_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -163,33 +163,6 @@ def get_kernel(
     return _compile(*key)
 
 
-def _launch(kernel: DecodeKernel, grid: tuple[int, int, int], args: list) -> None:
-    """cuLaunchKernel on the current stream: tensors as pointers, ints as 32-bit, floats as
-    doubles (the kernel's parameters are declared to match). Leaner than the wrapper's
-    `__call__`, which an eager decode step pays once per layer."""
-    cargs = [
-        ctypes.c_void_p(a.data_ptr())
-        if isinstance(a, torch.Tensor)
-        else ctypes.c_double(a)
-        if isinstance(a, float)
-        else ctypes.c_int(a)
-        for a in args
-    ]
-    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
-    stream = torch.cuda.current_stream().cuda_stream
-    err = _libcuda().cuLaunchKernel(
-        kernel.func.func, *grid, kernel.threads, 1, 1, kernel.smem, ctypes.c_void_p(stream), ptrs,
-        None,
-    )  # fmt: skip
-    if err != 0:
-        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
-
-
-@functools.cache
-def _libcuda():
-    return torch.cuda._utils._get_gpu_runtime_library()
-
-
 def paged_decode(
     kernel: DecodeKernel,
     q: torch.Tensor,
@@ -233,4 +206,7 @@ def paged_decode(
         kv_cache.stride(3) * kv_cache.element_size(),
         attn_metadata.block_tables.stride(0),
     ]
-    _launch(kernel, (num_kv_heads, num_reqs, num_segments), args)
+    grid = (num_kv_heads, num_reqs, num_segments)
+    cuda_launch.launch(
+        kernel.func.func, grid, kernel.threads, kernel.smem, args, q.device, pdl_enabled(q)
+    )

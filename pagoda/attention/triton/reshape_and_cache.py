@@ -25,7 +25,9 @@ from pagoda.attention.triton.common import (
     cache_value_range,
     scale_tensor,
 )
+from pagoda.kernels import pdl_enabled
 from pagoda.kernels.rotary import heads_view, load_cos_sin, rotary_dim, rotate_heads
+from pagoda.kernels.triton_pdl import dependent_start
 
 
 @triton.jit
@@ -137,7 +139,9 @@ def _rotary_and_cache_kernel(
     QUANT: tl.constexpr,
     Q_MIN: tl.constexpr,
     Q_MAX: tl.constexpr,
+    PDL: tl.constexpr,  # `pdl_enabled`: launched as a programmatic dependent (`triton_pdl`)
 ):
+    dependent_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PADDED)
     rotate_heads(
@@ -324,5 +328,7 @@ def rotary_embedding_and_cache(
         TAIL=tail,
         TAIL_PADDED=triton.next_power_of_2(tail) if tail else 0,
         Q_HEADS_PADDED=triton.next_power_of_2(qh.shape[1]),
+        PDL=pdl_enabled(qh),
+        launch_pdl=pdl_enabled(qh),
         **args,
     )

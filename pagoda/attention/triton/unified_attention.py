@@ -22,12 +22,12 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagoda.attention.cuda import paged_decode as cuda_decode
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.triton.common import cache_quant_mode, scale_tensor
 from pagoda.kernels import pdl_enabled
+from pagoda.kernels.triton_pdl import dependent_start
 
 # Programs that keep an H200 (132 SMs) busy: below this many (request, KV head) pairs in a
 # pure-decode step, the split-KV path spreads each request's keys over several programs.
@@ -261,10 +261,9 @@ def _reduce_segments_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,  # `pdl_enabled`: the o_proj GEMV may start loading weights
+    PDL: tl.constexpr,  # `pdl_enabled`: launched as a programmatic dependent (`triton_pdl`)
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    dependent_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SEGMENTS)
@@ -489,6 +488,7 @@ def unified_attention(
             HEAD_SIZE=head_size,
             HEAD_SIZE_PADDED=head_size_padded,
             NUM_SEGMENTS=num_segments,
-            LAUNCH_DEPENDENTS=pdl_enabled(out),
+            PDL=pdl_enabled(out),
+            launch_pdl=pdl_enabled(out),
         )
     return out

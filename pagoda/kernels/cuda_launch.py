@@ -1,0 +1,77 @@
+"""Launching NVRTC-built CUDA kernels (`torch.cuda._compile_kernel`) through the driver API on
+the current stream, with programmatic dependent launch (PDL) where asked: leaner per call than
+the wrapper's `__call__`, which a decode step would pay once per kernel and layer."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def libcuda() -> Any:
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int)]
+    _fields_ += [("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [(f"{d}Dim{a}", ctypes.c_uint) for d in ("grid", "block") for a in "XYZ"]
+    _fields_ += [
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def launch(
+    func: Any,
+    grid: tuple[int, int, int],
+    block: int,
+    smem: int,
+    args: list,
+    device: torch.device,
+    pdl: bool = False,
+) -> None:
+    """Launch `func` (a CUfunction) on `device`'s current stream with `args`: tensors as
+    pointers, floats as doubles, ints as 32-bit (the kernel's parameters are declared to
+    match). With `pdl`, as a programmatic dependent of the kernel before it in the stream
+    (cuLaunchKernelEx with programmatic stream serialization; a programmatic edge in a CUDA
+    graph capture): it may start before that kernel ends and must wait for it
+    (griddepcontrol.wait) before touching memory that kernel reads or writes."""
+    cargs = [
+        ctypes.c_void_p(a.data_ptr())
+        if isinstance(a, torch.Tensor)
+        else ctypes.c_double(a)
+        if isinstance(a, float)
+        else ctypes.c_int(a)
+        for a in args
+    ]
+    ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if pdl:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _LaunchConfig(*grid, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+        err = libcuda().cuLaunchKernelEx(ctypes.byref(config), func, ptrs, None)
+    else:
+        err = libcuda().cuLaunchKernel(
+            func, *grid, block, 1, 1, smem, ctypes.c_void_p(stream), ptrs, None
+        )
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+
+
+def allow_dynamic_smem(func: Any, nbytes: int) -> bool:
+    """Let `func` use `nbytes` of dynamic shared memory (needed past 48 KB); False if refused."""
+    # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    return libcuda().cuFuncSetAttribute(func, 8, ctypes.c_int(nbytes)) == 0
