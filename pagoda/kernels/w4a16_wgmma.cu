@@ -220,7 +220,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const u32 base = tiles + stage * STAGE_BYTES;
     const long long k0 = (long long)(s_begin + i) * STEP;
 #pragma unroll
-    for (int q = tid; q < BN * 16; q += THREADS) {
+    for (int it = 0; it < BN * 16 / THREADS; ++it) {
+      const int q = tid + it * THREADS;
       const int r = q >> 4, h = (q >> 3) & 1, c = q & 7;
       const int m = m0 + r;
       const u16* src = xp + (long long)min(m, M - 1) * K + k0 + h * 64 + c * 8;
@@ -277,6 +278,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
   }
   wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // read after the wait
 
   // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
 #if SPLIT
