@@ -1,7 +1,8 @@
 """The whole engine on a GPU with dummy weights: decode CUDA graphs and the fused Triton path
 give the same greedy tokens as eager execution, as synchronous scheduling and as the plain-torch
-reference path (float32, where random weights' near-ties do not flip), and impossible memory
-settings fail at start.
+reference path (float32, where random weights' near-ties do not flip), programmatic dependent
+launch gives the same tokens as plain launches (bf16 and 4-bit), and impossible memory settings
+fail at start.
 Marked `gpu`: `pytest tests/engine -m gpu`."""
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ def test_graphs_and_fused_ops_keep_greedy_tokens(model_dir):
     assert graphs == eager
     assert graphs == reference
     assert graphs == synchronous  # async scheduling (the CUDA default) changes no token
+
+
+@pytest.mark.parametrize("quantization", [None, "awq"])
+def test_programmatic_dependent_launch_changes_no_token(model_dir, monkeypatch, quantization):
+    # bf16 with CUDA graphs: every kernel between the GEMMs (and the 4-bit GEMV) launched as a
+    # programmatic dependent waits for the one before; a missing wait would read a half-written
+    # activation or KV-cache slot and change tokens. The same kernels run either way.
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(128000) for _ in range(rng.randint(5, 300))] for _ in range(11)]
+    runs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("PAGODA_PDL", pdl)
+        runs[pdl] = _generate(model_dir, prompts, dtype="bfloat16", quantization=quantization)
+    assert runs["1"] == runs["0"]
 
 
 def test_start_fails_with_the_numbers_when_weights_do_not_fit(model_dir):

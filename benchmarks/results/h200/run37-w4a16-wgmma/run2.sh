@@ -7,8 +7,8 @@ cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 B=benchmarks
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 200 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py tests/kernels/test_gpu_kernels.py tests/kernels/test_fused_ops.py \
-  tests/kernels/test_cuda_decode.py tests/attention -rf 2>&1 \
+timeout 260 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py tests/kernels/test_gpu_kernels.py tests/kernels/test_fused_ops.py \
+  tests/kernels/test_cuda_decode.py tests/attention tests/engine/test_gpu_engine.py -rf 2>&1 \
   | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/tests.log; tail -4 $OUT/tests.log
 for p in 1 0; do
   mkdir -p $OUT/b_pdl$p
