@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,3 +76,21 @@ def allow_dynamic_smem(func: Any, nbytes: int) -> bool:
     """Let `func` use `nbytes` of dynamic shared memory (needed past 48 KB); False if refused."""
     # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     return libcuda().cuFuncSetAttribute(func, 8, ctypes.c_int(nbytes)) == 0
+
+
+class KernelCache:
+    """Kernels built by `build(*key)` (NVRTC, module load) once per key, never during CUDA-graph
+    capture (loading a module is not a stream operation): there `get` gives None for a key not
+    built yet, and the caller falls back to another kernel; the eager warm-up run before each
+    capture builds what that capture needs."""
+
+    def __init__(self, build: Callable[..., Any]) -> None:
+        self._build = functools.cache(build)
+        self._keys: set[tuple] = set()
+
+    def get(self, key: tuple) -> Any | None:
+        if key not in self._keys:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            self._keys.add(key)
+        return self._build(*key)

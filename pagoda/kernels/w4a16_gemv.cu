@@ -35,41 +35,11 @@
 // per-weight zero-point subtract; the zero point is applied to the product with the sums of
 // x that an mma of all-ones A gives), X_EARLY (1: a step's x loads all before its first mma;
 // up to 16 rows), PDL (1: launched as a programmatic dependent of the kernel before it, sm_90:
-// see `grid_wait`).
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+// see `grid_wait`). The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
 #define STEP 128  // inputs per K step
-
-#if BF16
-#define MAGIC 0x43004300u  // bf16 128.0 in both halves: OR-ing q into the mantissa gives 128 + q
-#define OFFSET 128.f
-#else
-#define MAGIC 0x64006400u  // fp16 1024.0
-#define OFFSET 1024.f
-#endif
-
-template <bool IS_BF16>
-__device__ __forceinline__ float to_f32(u16 v) {
-  if (IS_BF16) return __uint_as_float(((u32)v) << 16);
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
-  return r;
-}
-
-__device__ __forceinline__ u16 from_f32(float v) {
-  u16 r;
-#if BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
-#endif
-  return r;
-}
 
 // Pair s of a word (nibbles s and s + 4) as two 16-bit floats: OFFSET + q, and with SUB
 // q - z exactly (zoff = OFFSET + z in both halves).
@@ -98,39 +68,6 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Weights are read once: no L1 allocation, first out of L2.
-__device__ __forceinline__ uint4 ld_weights(const uint4* p, unsigned long long policy) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(policy));
-  return r;
-}
-
-__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32 ld_nc_u16(const u16* p) {
-  unsigned short r;
-  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
-  unsigned short r;
-  asm("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32 part(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // PDL: the kernel may start while the one before it in the stream is still running. The
@@ -427,10 +364,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // 8 lanes of each phase of a 16-byte shared load (rows g, g + 1, inputs 32t..) hit distinct
 // banks. CHUNK is a multiple of WARPS (each consumer takes CHUNK / WARPS steps of a chunk).
 #define PITCH (CHUNK * 64 + 64)
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return (u32)__cvta_generic_to_shared(p);
-}
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));

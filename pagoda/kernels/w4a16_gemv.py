@@ -39,6 +39,7 @@ from pagoda.kernels import cuda_launch, pdl_enabled
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
+_HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
 _KERNEL_NAME = "pagoda_w4a16_gemv"
 MAX_M = 64
 SMEM_LIMIT = 48 * 1024  # static shared memory of a CTA (the warps' tiles, summed at the end)
@@ -156,7 +157,6 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     return None
 
 
-@functools.cache
 def _compile(
     bf16: bool, scales_bf16: bool, mt: int, cfg: GemvConfig, has_perm: bool, has_bias: bool
 ) -> Any | None:
@@ -179,7 +179,8 @@ def _compile(
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
-    src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
+    src = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    src += _HEADER.read_text() + _SOURCE.read_text()
     try:
         kernel = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
     except Exception as e:  # no NVRTC, an old toolkit
@@ -191,7 +192,7 @@ def _compile(
     return kernel
 
 
-_compiled_keys: set[tuple] = set()
+_KERNELS = cuda_launch.KernelCache(_compile)
 
 
 def get_kernel(
@@ -211,11 +212,7 @@ def get_kernel(
     smem = smem_bytes(key[2], cfg)
     if smem > SMEM_LIMIT or smem + ring_bytes(cfg) > CTA_SMEM_LIMIT or config_reason(cfg, x.device):
         return None
-    if key not in _compiled_keys:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _compiled_keys.add(key)
-    return _compile(*key)
+    return _KERNELS.get(key)
 
 
 def w4a16_gemv(

@@ -37,11 +37,8 @@
 // BN (activation rows of a CTA: 32, 64 or 128), WG (1 or 2 warpgroups), STAGES (>= 3),
 // DEPTH (K steps of weights in flight per lane: 2 or 4), HAS_BIAS, SPLIT (1: K split over
 // blockIdx.z). WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from
-// registers, is defined before this source (`w4a16_wgmma.py` writes it for BN).
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+// registers, is defined before this source (`w4a16_wgmma.py` writes it for BN), as are the
+// helpers of `w4a16_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
@@ -50,37 +47,11 @@ typedef unsigned char u8;
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
 
 #if BF16
-#define MAGIC 0x43004300u  // bf16 128.0 in both halves: OR-ing q into the mantissa gives 128 + q
 #define ONE2 0x3f803f80u
 #else
-#define MAGIC 0x64006400u  // fp16 1024.0
 #define ONE2 0x3c003c00u
 #endif
 #define NEG_ZERO2 0x80008000u
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return (u32)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ float to_f32_x(u16 v) {
-#if BF16
-  return __uint_as_float(((u32)v) << 16);
-#else
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
-  return r;
-#endif
-}
-
-__device__ __forceinline__ u16 from_f32(float v) {
-  u16 r;
-#if BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
-#endif
-  return r;
-}
 
 // A scale as x's 16-bit type, in both halves of a word.
 __device__ __forceinline__ u32 scale2(u32 raw) {
@@ -111,30 +82,6 @@ __device__ __forceinline__ u32 weight_pair(u32 w, u32 zoff, u32 s2) {
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(r), "r"(s2));
 #endif
   return v;
-}
-
-__device__ __forceinline__ uint4 ld_weights(const uint4* p, unsigned long long policy) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(policy));
-  return r;
-}
-
-__device__ __forceinline__ u32 ld_nc_u16(const u16* p) {
-  unsigned short r;
-  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
-  unsigned short r;
-  asm("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32 part(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // 16 bytes global -> shared, zero-filled past src_bytes (0 or 16).
@@ -322,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (n < N && m < M) {
         float v = acc[4 * c + i];
 #if HAS_BIAS
-        v += to_f32_x(bias[n]);
+        v += to_f32<BF16>(bias[n]);
 #endif
         y[(long long)m * stride_y + n] = from_f32(v);
       }

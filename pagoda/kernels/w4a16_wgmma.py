@@ -32,6 +32,7 @@ from pagoda.kernels import cuda_launch, w4a16_gemv
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
+_HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
 _KERNEL_NAME = "pagoda_w4a16_wgmma"
 STEP = 128  # inputs per K step (one group at most)
 SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
@@ -114,7 +115,6 @@ def _wgmma_function(bn: int, bf16: bool) -> str:
     )
 
 
-@functools.cache
 def _compile(
     bf16: bool, scales_bf16: bool, cfg: WgmmaConfig, has_bias: bool, split: bool
 ) -> Any | None:
@@ -131,6 +131,7 @@ def _compile(
         "SPLIT": int(split),
     }
     src = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    src += _HEADER.read_text()
     src += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
     try:
         kernel = torch.cuda._compile_kernel(
@@ -145,7 +146,7 @@ def _compile(
     return kernel
 
 
-_compiled_keys: set[tuple] = set()
+_KERNELS = cuda_launch.KernelCache(_compile)
 
 
 def get_kernel(
@@ -162,11 +163,7 @@ def get_kernel(
         has_bias,
         split,
     )
-    if key not in _compiled_keys:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _compiled_keys.add(key)
-    return _compile(*key)
+    return _KERNELS.get(key)
 
 
 @functools.cache

@@ -19,7 +19,6 @@ turns it off.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +128,6 @@ class DecodeKernel:
     smem: int
 
 
-@functools.cache
 def _compile(
     group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int
 ) -> DecodeKernel | None:
@@ -145,7 +143,7 @@ def _compile(
         return None
 
 
-_compiled_keys: set[tuple] = set()
+_KERNELS = cuda_launch.KernelCache(_compile)
 
 
 def get_kernel(
@@ -157,10 +155,7 @@ def get_kernel(
     module is not a stream operation): the caller falls back to Triton then."""
     default_warps, default_stages = _LAUNCH[cache]
     key = (group, block_size, cache, q_bf16, warps or default_warps, stages or default_stages)
-    if torch.cuda.is_current_stream_capturing() and key not in _compiled_keys:
-        return None
-    _compiled_keys.add(key)
-    return _compile(*key)
+    return _KERNELS.get(key)
 
 
 def paged_decode(

@@ -1,0 +1,69 @@
+// Device helpers of the CUDA W4A16 kernels (`w4a16_gemv.cu`, `w4a16_wgmma.cu`), put before
+// each source by its Python side. BF16 (0: fp16 x, bias and y) is defined before it.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#if BF16
+#define MAGIC 0x43004300u  // bf16 128.0 in both halves: OR-ing q into the mantissa gives 128 + q
+#define OFFSET 128.f
+#else
+#define MAGIC 0x64006400u  // fp16 1024.0
+#define OFFSET 1024.f
+#endif
+
+template <bool IS_BF16>
+__device__ __forceinline__ float to_f32(u16 v) {
+  if (IS_BF16) return __uint_as_float(((u32)v) << 16);
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+  return r;
+}
+
+__device__ __forceinline__ u16 from_f32(float v) {
+  u16 r;
+#if BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#endif
+  return r;
+}
+
+// Weights are read once: no L1 allocation, first out of L2.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, unsigned long long policy) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policy));
+  return r;
+}
+
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_nc_u16(const u16* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
+  unsigned short r;
+  asm("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 part(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
