@@ -18,7 +18,7 @@ fi
 left 150 sweep && timeout 140 python $B/w4a16_skinny_bench.py --m 32 64 128 256 1024 --no-sweep \
   --no-cuda-sweep --reps 5 --out $OUT/sweep.json > $OUT/sweep.log 2>&1; tail -8 $OUT/sweep.log
 left 100 pdl-tests && timeout 90 python -m pytest -q -m gpu tests/engine/test_gpu_engine.py \
-  -k programmatic tests/kernels/test_w4a16_gemv.py -k "programmatic or pdl or bulk" -rf 2>&1 \
+  tests/kernels/test_w4a16_gemv.py -k "programmatic or pdl or bulk" -rf 2>&1 \
   | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/pdl_tests.log; tail -3 $OUT/pdl_tests.log
 for p in 1 0; do
   left 80 "e2e PDL=$p" || continue
