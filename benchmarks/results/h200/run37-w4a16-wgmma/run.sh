@@ -3,12 +3,13 @@
 # fail, the sweep of its tiles against the rule and bf16 cuBLAS at 32-1024 rows, whole decode
 # steps), then PDL for every kernel between the GEMMs (the engine's tokens with PDL on and off,
 # the GEMV tests, single-stream AWQ decode with PDL on and off). Steps that would not finish
-# within the call's 580 s are skipped. Writes to $OUT.
+# within LIMIT seconds (580 by default) are skipped. Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 B=benchmarks
 R=$B/results/h200/run37-w4a16-wgmma
-left() { [ $((580 - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
+LIMIT=${LIMIT:-580}
+left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 timeout 130 python -m pytest -q -m gpu tests/kernels/test_w4a16_wgmma.py -rf -x 2>&1 \
   | grep -E "FAILED|passed|failed|rror|assert" | cut -c1-400 > $OUT/tests.log; tail -3 $OUT/tests.log
