@@ -82,14 +82,14 @@ def _build_gemv(job: tuple) -> str | None:
 
 def wgmma_grid(m: int) -> list[tuple]:
     """WgmmaConfig tuples to time from 17 rows: activation tiles of 32 and 64 rows (up to 32
-    rows) or 64 and 128, 1 or 2 warpgroups, 2 or 4 K steps of weights in flight; 4 stages,
-    K split by `split_for`."""
+    rows) or 64 and 128, 1 or 2 warpgroups, 4 or 6 stages, 2 or 4 K steps of weights in
+    flight; K split by `split_for`."""
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig
 
     if m < 17:
         return []
-    grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (2, 4))
-    return [tuple(WgmmaConfig(bn, wg, 4, depth)) for bn, wg, depth in grid]
+    grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (4, 6), (2, 4))
+    return [tuple(WgmmaConfig(*c)) for c in grid]
 
 
 def _build_wgmma(cfg: tuple) -> str | None:
