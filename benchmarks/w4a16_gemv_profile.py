@@ -5,7 +5,8 @@ Nsight Compute to read its counters (stall reasons, DRAM throughput, issue rate)
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
         python benchmarks/w4a16_gemv_profile.py --shape gate_up --m 1
 
-`--config` takes a GemvConfig as comma-separated integers (default: `gemv_config`'s choice).
+`--config` takes a GemvConfig as comma-separated integers (default: `gemv_config`'s choice);
+`--wgmma` a WgmmaConfig instead, for the wgmma kernel (`--kernel-name pagoda_w4a16_wgmma`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gate_up")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--config", help="GemvConfig fields, e.g. 1,4,2,0,1,1,0,4,8,1")
+    ap.add_argument("--wgmma", help="WgmmaConfig fields, e.g. 128,2,4,2,0")
     ap.add_argument("--launches", type=int, default=8)
     args = ap.parse_args()
 
@@ -31,13 +33,15 @@ def main() -> None:
 
     from pagoda.kernels.w4a16 import gemv_config, w4a16_linear
     from pagoda.kernels.w4a16_gemv import GemvConfig
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
 
     n, k = SHAPES[args.shape]
-    cfg = (
-        GemvConfig(*map(int, args.config.split(",")))
-        if args.config
-        else gemv_config(args.m, n, k, GROUP)
-    )
+    if args.wgmma:
+        cfg = WgmmaConfig(*map(int, args.wgmma.split(",")))
+    elif args.config:
+        cfg = GemvConfig(*map(int, args.config.split(",")))
+    else:
+        cfg = gemv_config(args.m, n, k, GROUP)
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [packed_layer(n, k, GROUP, "cuda", gen) for _ in range(4)]  # > L2 together
     x = torch.randn(args.m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
