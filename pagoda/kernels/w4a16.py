@@ -421,14 +421,35 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
-    """What `w4a16_linear` runs by default (see SKINNY_MAX_M): a `GemvConfig` (16-bit x, the
-    CUDA kernel; the call falls back to `fallback_config` where it cannot run), a
-    `SkinnyConfig`, `DEQUANT` (16-bit x only), or a `W4A16Config` of this module's kernel."""
+    """What `w4a16_linear` runs by default (see SKINNY_MAX_M): a `GemvConfig` or a
+    `WgmmaConfig` (16-bit x, the CUDA kernels; the call falls back to `fallback_config` where
+    they cannot run), a `SkinnyConfig`, `DEQUANT` (16-bit x only), or a `W4A16Config` of this
+    module's kernel."""
     if elem_bytes == 2:
-        cfg = gemv_config(m, n, k, group_size)
+        cfg = gemv_config(m, n, k, group_size) or wgmma_config(m, n, k, group_size)
         if cfg is not None:
             return cfg
     return fallback_config(m, n, k, group_size, num_sms, elem_bytes)
+
+
+WGMMA_WIDE_ROWS = (65, 256)  # rows where the wgmma kernel won for layers of >= SKINNY_WIDE_N
+WGMMA_ROWS = (129, 256)  # ... and for layers of >= WGMMA_MIN_N outputs
+WGMMA_MIN_N = 6144
+
+
+def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
+    """The wgmma kernel's config (`w4a16_wgmma`, sm_90; elsewhere the call falls back to
+    `fallback_config`) where it beat the Triton many-row kernel, or None. From the H100 sweep
+    of the Llama-3-8B layers at 32-1024 rows (`benchmarks/w4a16_skinny_bench.py`, 16 configs
+    each): 128-row activation tiles, 2 warpgroups, 4 stages, 2 K steps of weights in flight;
+    gate_up 90.1 vs 112.7 us at 128 rows and 166.8 vs 171.4 at 256, qkv 46.8 vs 53.7 at 256;
+    slower for o and down, at 64 rows and from 1024."""
+    if k % w4a16_wgmma.STEP or (group_size % w4a16_wgmma.STEP and group_size < k):
+        return None
+    lo, hi = WGMMA_WIDE_ROWS if n >= SKINNY_WIDE_N else WGMMA_ROWS
+    if n < WGMMA_MIN_N or not lo <= m <= hi:
+        return None
+    return WgmmaConfig(bn=128, warpgroups=2, stages=4, depth=2)
 
 
 def fallback_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
