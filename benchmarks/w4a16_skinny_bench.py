@@ -82,14 +82,15 @@ def _build_gemv(job: tuple) -> str | None:
 
 def wgmma_grid(m: int) -> list[tuple]:
     """WgmmaConfig tuples to time from 17 rows: activation tiles of 32 and 64 rows (up to 32
-    rows) or 64 and 128, 1 or 2 warpgroups, 4 or 6 stages, 2 or 4 K steps of weights in
-    flight; K split by `split_for`."""
-    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
+    rows) or 64 and 128, 1 or 2 warpgroups, 2 or 4 K steps of weights in flight, 1 or 2 A
+    buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`."""
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig, config_reason
 
     if m < 17:
         return []
-    grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (4, 6), (2, 4))
-    return [tuple(WgmmaConfig(*c)) for c in grid]
+    grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (2, 4), (1, 2), (1, 2))
+    configs = [WgmmaConfig(bn, wg, 4, depth, 0, ab, cps) for bn, wg, depth, ab, cps in grid]
+    return [tuple(c) for c in configs if config_reason(c) is None]
 
 
 def _build_wgmma(cfg: tuple) -> str | None:

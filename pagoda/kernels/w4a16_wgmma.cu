@@ -25,7 +25,8 @@
 // step's tile, one barrier, issue the copy of a later tile into the stage that the step two
 // back read (its wgmmas are done: each warpgroup waited for all but its last group before the
 // barrier), unpack this step's A (two register buffers: the wgmmas of the step before may still
-// be reading the other), 8 wgmma m64nBNk16, commit, wait for all but this group.
+// be reading the other), 8 wgmma m64nBNk16, commit, wait for all but this group (or, with one
+// buffer, for this group too).
 //
 // A CTA covers activation rows [BN * blockIdx.x, +BN), weight rows [64 * WG * blockIdx.y,
 // +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
@@ -35,8 +36,11 @@
 //
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
 // BN (activation rows of a CTA: 32, 64 or 128), WG (1 or 2 warpgroups), STAGES (>= 3),
-// DEPTH (K steps of weights in flight per lane: 2 or 4), HAS_BIAS, SPLIT (1: K split over
-// blockIdx.z). WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from
+// DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
+// are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
+// before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
+// launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
+// SPLIT (1: K split over blockIdx.z). WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from
 // registers, is defined before this source (`w4a16_wgmma.py` writes it for BN), as are the
 // helpers of `w4a16_device.cuh`.
 
@@ -124,7 +128,7 @@ __device__ __forceinline__ unsigned long long b_desc(u32 tile, int j) {
 
 // @WGMMA@
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     pagoda_w4a16_wgmma(u16* __restrict__ y, const u16* __restrict__ xp,
                        const u32* __restrict__ qweight, const u16* __restrict__ scales,
                        const u8* __restrict__ zeros, const u16* __restrict__ bias,
@@ -187,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  u32 a[2][8][4];
+  u32 a[A_BUFFERS][8][4];
 
   for (int i0 = 0; i0 < nsteps; i0 += DEPTH) {
 #pragma unroll
@@ -200,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (i + STAGES - 2 < nsteps) load_x(i + STAGES - 2, (i + STAGES - 2) % STAGES);
         cp_async_commit();
 
-        u32(&ab)[8][4] = a[d & 1];
+        u32(&ab)[8][4] = a[d % A_BUFFERS];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
@@ -220,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int j = 0; j < 8; ++j) WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], b_desc(tile, j));
         wgmma_commit();
-        wgmma_wait<1>();
+        wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
       }
     }
   }

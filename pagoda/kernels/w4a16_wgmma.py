@@ -44,13 +44,17 @@ class WgmmaConfig(NamedTuple):
     weight rows each; stages: x tiles in shared memory (>= 3; the copies run stages - 2 K steps
     ahead); depth: K steps of weights each lane has in flight (2 or 4); split_k: K split over
     this many CTAs per output tile (fp32 partials summed by the last to arrive), 0 to take
-    `split_for`'s choice."""
+    `split_for`'s choice; a_buffers: 2 to unpack a K step's weights while the step before's
+    wgmmas run, 1 to wait for them first (fewer registers); ctas_per_sm: the launch bound's
+    minimum CTAs per SM (2 caps registers at 65536 / (2 x threads))."""
 
     bn: int = 64
     warpgroups: int = 2
     stages: int = 4
     depth: int = 2
     split_k: int = 0
+    a_buffers: int = 2
+    ctas_per_sm: int = 1
 
 
 def smem_bytes(cfg: WgmmaConfig) -> int:
@@ -73,6 +77,10 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"{smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     if cfg.split_k < 0:
         return f"split_k {cfg.split_k} < 0"
+    if cfg.a_buffers not in (1, 2) or cfg.ctas_per_sm not in (1, 2):
+        return f"a_buffers {cfg.a_buffers} / ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
+    if cfg.ctas_per_sm * smem_bytes(cfg) > SMEM_LIMIT:
+        return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     return None
 
 
@@ -127,6 +135,8 @@ def _compile(
         "WG": cfg.warpgroups,
         "STAGES": cfg.stages,
         "DEPTH": cfg.depth,
+        "A_BUFFERS": cfg.a_buffers,
+        "CTAS_PER_SM": cfg.ctas_per_sm,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
     }
@@ -192,11 +202,11 @@ def reorder_x(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 
 def split_for(m: int, n: int, k: int, cfg: WgmmaConfig, num_sms: int) -> int:
-    """K splits for a grid of fewer tiles than SMs (one CTA per SM): until the grid covers the
-    SMs, each split keeping at least 4 K steps."""
+    """K splits for a grid of fewer tiles than can run at once (`ctas_per_sm` a SM): until
+    the grid covers them, each split keeping at least 4 K steps."""
     tiles = -(-m // cfg.bn) * -(-n // (64 * cfg.warpgroups))
     split = 1
-    while tiles * split * 2 <= num_sms and (k // STEP) // (split * 2) >= 4:
+    while tiles * split * 2 <= num_sms * cfg.ctas_per_sm and (k // STEP) // (split * 2) >= 4:
         split *= 2
     return split
 

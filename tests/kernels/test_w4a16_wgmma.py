@@ -31,6 +31,8 @@ TILES = [
     WgmmaConfig(bn=32, warpgroups=1),
     WgmmaConfig(bn=64, warpgroups=1, stages=3, depth=4),
     WgmmaConfig(bn=128, stages=5, depth=4),
+    WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2),
+    WgmmaConfig(bn=128, a_buffers=1),
 ]
 
 
@@ -159,6 +161,8 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "bn" in w4a16_wgmma.config_reason(WgmmaConfig(bn=48))
     assert "stages" in w4a16_wgmma.config_reason(WgmmaConfig(stages=2))
     assert "shared memory" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, stages=8))
+    assert "2 CTAs" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, ctas_per_sm=2))
+    assert "a_buffers" in w4a16_wgmma.config_reason(WgmmaConfig(a_buffers=3))
     asm = w4a16_wgmma._wgmma_function(64, bf16=True)
     assert "m64n64k16.f32.bf16.bf16" in asm and '"+f"(d[31])' in asm and "%36" in asm
     x = torch.randn(32, 256)
