@@ -173,3 +173,17 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert reason is not None
     with pytest.raises(ValueError, match="wgmma kernel cannot run"):
         w4a16_linear(x, qweight, scales, zeros, 128, config=WgmmaConfig())
+
+
+def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
+    from pagoda.kernels.w4a16 import choose_config
+
+    qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+    assert choose_config(128, *gate_up, 128) == WgmmaConfig(bn=128)
+    for m in (65, 256):
+        assert isinstance(choose_config(m, *gate_up, 128), WgmmaConfig)
+    assert isinstance(choose_config(256, *qkv, 128), WgmmaConfig)
+    for m, shape in ((64, gate_up), (257, gate_up), (128, qkv), (256, o), (256, down)):
+        assert not isinstance(choose_config(m, *shape, 128), WgmmaConfig), (m, shape)
+    assert not isinstance(choose_config(128, *gate_up, 64), WgmmaConfig)  # groups within a step
+    assert not isinstance(choose_config(128, 28672, 4000, 128), WgmmaConfig)  # K not whole steps
