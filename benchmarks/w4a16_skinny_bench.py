@@ -289,36 +289,30 @@ def main(argv: list[str] | None = None) -> dict:
                 chosen if chosen == DEQUANT else list(chosen),
                 error(None),
             )
-            gemv_best = None
-            for cfg in gemv_grids[m]:
-                try:
-                    us = timed(w4(GemvConfig(*cfg)), packed)
-                    err = error(GemvConfig(*cfg))
-                except Exception as e:  # noqa: BLE001 - a config that does not build or run
-                    print(f"  {name} M={m} cuda {cfg}: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                row = record("cuda", us, packed_bytes, list(cfg), err)
-                if err > 2e-2:
-                    print(f"  {name} M={m} cuda {cfg}: WRONG, max error {err:.3g}")
-                elif gemv_best is None or us < gemv_best["us"]:
-                    gemv_best = row
-            if gemv_best is not None:
-                gemv_best["variant"] = "cuda_best"
-            wgmma_best = None
-            for cfg in wgmma_grids[m]:
-                try:
-                    us = timed(w4(WgmmaConfig(*cfg)), packed)
-                    err = error(WgmmaConfig(*cfg))
-                except Exception as e:  # noqa: BLE001 - a config that does not build or run
-                    print(f"  {name} M={m} wgmma {cfg}: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                row = record("wgmma", us, packed_bytes, list(cfg), err)
-                if err > 2e-2:
-                    print(f"  {name} M={m} wgmma {cfg}: WRONG, max error {err:.3g}")
-                elif wgmma_best is None or us < wgmma_best["us"]:
-                    wgmma_best = row
-            if wgmma_best is not None:
-                wgmma_best["variant"] = "wgmma_best"
+
+            def sweep_family(
+                variant, configs, make, x=x, packed=packed, nbytes=packed_bytes, at=f"{name} M={m}"
+            ) -> None:
+                """Time and check every config of one CUDA kernel; its fastest correct one
+                is recorded again as `<variant>_best`."""
+                best = None
+                for cfg in configs:
+                    try:
+                        us = timed(w4(make(*cfg), x), packed)
+                        err = error(make(*cfg), x)
+                    except Exception as e:  # noqa: BLE001 - a config that does not build or run
+                        print(f"  {at} {variant} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                        continue
+                    row = record(variant, us, nbytes, list(cfg), err)
+                    if err > 2e-2:
+                        print(f"  {at} {variant} {cfg}: WRONG, max error {err:.3g}")
+                    elif best is None or us < best["us"]:
+                        best = row
+                if best is not None:
+                    best["variant"] = f"{variant}_best"
+
+            sweep_family("cuda", gemv_grids[m], GemvConfig)
+            sweep_family("wgmma", wgmma_grids[m], WgmmaConfig)
             best = {}  # few-row configs ("skinny") and the many-row modes ("wide") apart
             for cfg in grids[name, m]:
                 variant = "wide" if SkinnyConfig(*cfg).planar else "skinny"

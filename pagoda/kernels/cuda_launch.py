@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -94,3 +97,31 @@ class KernelCache:
                 return None
             self._keys.add(key)
         return self._build(*key)
+
+
+def build(
+    source: str,
+    name: str,
+    defines: dict[str, int],
+    what: str,
+    smem: int = 0,
+    compute_capability: str | None = None,
+) -> Any | None:
+    """Kernel `name` of `source` compiled by NVRTC (torch's _CudaKernel) with `defines` as
+    #define lines before it, allowed `smem` bytes of dynamic shared memory; None, with a
+    warning naming `what`, where NVRTC cannot build it (no NVRTC, an old toolkit) or the driver
+    refuses the memory. `compute_capability` as NVRTC's target (e.g. "90a"; default: the
+    device's)."""
+    src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + source
+    try:
+        kernel = torch.cuda._compile_kernel(
+            src, name, compute_capability=compute_capability, nvcc_options=["--use_fast_math"]
+        )
+    except Exception as e:
+        logger.warning("%s unavailable: %s", what, e)
+        return None
+    # Set whenever there is any: static + dynamic past 48 KB needs it too.
+    if smem and not allow_dynamic_smem(kernel.func, smem):
+        logger.warning("%s: %d bytes of shared memory refused", what, smem)
+        return None
+    return kernel

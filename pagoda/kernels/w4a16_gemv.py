@@ -27,7 +27,6 @@ falls back to Triton then). `PAGODA_W4A16_CUDA=0` turns it off.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,8 +34,6 @@ import torch
 
 from pagoda import envs
 from pagoda.kernels import cuda_launch, pdl_enabled
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
 _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
@@ -179,17 +176,9 @@ def _compile(
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
-    src = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    src += _HEADER.read_text() + _SOURCE.read_text()
-    try:
-        kernel = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
-    except Exception as e:  # no NVRTC, an old toolkit
-        logger.warning("CUDA W4A16 kernel unavailable, using Triton's: %s", e)
-        return None
-    if cfg.bulk and not cuda_launch.allow_dynamic_smem(kernel.func, ring_bytes(cfg)):
-        logger.warning("CUDA W4A16 kernel: %d bytes of shared memory refused", ring_bytes(cfg))
-        return None
-    return kernel
+    source = _HEADER.read_text() + _SOURCE.read_text()
+    what = "CUDA W4A16 kernel (the Triton kernels run instead)"
+    return cuda_launch.build(source, _KERNEL_NAME, defines, what, ring_bytes(cfg))
 
 
 _KERNELS = cuda_launch.KernelCache(_compile)

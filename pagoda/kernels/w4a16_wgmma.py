@@ -21,15 +21,12 @@ its reference in the tests.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from pagoda.kernels import cuda_launch, w4a16_gemv
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
 _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
@@ -140,20 +137,10 @@ def _compile(
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
     }
-    src = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    src += _HEADER.read_text()
-    src += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
-    try:
-        kernel = torch.cuda._compile_kernel(
-            src, _KERNEL_NAME, compute_capability="90a", nvcc_options=["--use_fast_math"]
-        )
-    except Exception as e:  # no NVRTC, an old toolkit
-        logger.warning("CUDA W4A16 wgmma kernel unavailable: %s", e)
-        return None
-    if not cuda_launch.allow_dynamic_smem(kernel.func, smem_bytes(cfg)):
-        logger.warning("W4A16 wgmma kernel: %d bytes of shared memory refused", smem_bytes(cfg))
-        return None
-    return kernel
+    source = _HEADER.read_text()
+    source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
+    what = "CUDA W4A16 wgmma kernel"
+    return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")
 
 
 _KERNELS = cuda_launch.KernelCache(_compile)
