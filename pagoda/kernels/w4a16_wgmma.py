@@ -15,7 +15,10 @@ It covers: sm_90 (wgmma needs the sm_90a target, `compute_capability="90a"` for 
 x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a multiple of 128 inputs
 or one group per row, act order, bias. Compiled at first use with NVRTC, once per variant,
 never during CUDA-graph capture. `formats.dequantize_*` + F.linear and the Triton kernels stay
-its reference in the tests.
+its reference in the tests. On the H100 it won only on wide layers at 65-256 rows
+(`w4a16.wgmma_config`): its 200+ registers leave one or two warps a scheduler, and the
+unpacking's instruction stream, not DRAM or the tensor cores, bounds it (Nsight Compute: 5-6.5
+cycles an instruction); `a_buffers` and `ctas_per_sm` trade its overlap for occupancy.
 """
 
 from __future__ import annotations
