@@ -305,8 +305,15 @@ class OutputProcessor:
         if s.detokenizer is None:
             s.token_ids.extend(new_ids)
             return False
+        # The token that stopped the request (EOS or a stop token id: the engine's "stop") stays
+        # in token_ids but, as in vLLM, out of the text unless include_stop_str_in_output (with
+        # skip_special_tokens false, EOS would otherwise end every text).
+        last = len(new_ids) - 1
+        stop_token = out.finish_reason == "stop" and not s.detokenizer.include_stop_str_in_output
         for i, tok in enumerate(new_ids):
             s.token_ids.append(tok)
+            if stop_token and i == last:
+                break
             stop_str = s.detokenizer.update([tok])
             if stop_str is not None and out.finish_reason is None:
                 # Tokens after the one completing the stop string are dropped.

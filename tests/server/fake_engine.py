@@ -204,7 +204,7 @@ class FakeEngine:
             tok = self._next_token(r)
             r.token_ids.append(tok)
             finish = "length" if len(r.token_ids) >= r.max_tokens else None
-            finish = "stop" if tok == EOS else finish
+            finish = "stop" if tok == EOS or tok in (p.stop_token_ids or ()) else finish
             prompt_lps = None
             if p.prompt_logprobs is not None and r.request_id in new:
                 prompt_lps = [{t: (-1.0, 1)} for t in r.prompt_ids[1:]]

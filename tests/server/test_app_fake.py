@@ -348,3 +348,23 @@ def test_streaming_echo_with_logprobs_and_stop(client):
     assert "".join(c["choices"][0]["text"] for c in chunks) == "abde"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["stop_reason"] == "f"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stopping_token_stays_out_of_the_text_unless_asked(client, stream):
+    # As in vLLM: the token that stops a request (EOS, a stop token id) is not rendered, even
+    # with special tokens kept, unless include_stop_str_in_output.
+    def text(**kw) -> str:
+        body = {"model": MODEL, "prompt": "SAY:hi!there|", "max_tokens": 20, "temperature": 0,
+                "skip_special_tokens": False, "stream": stream} | kw  # fmt: skip
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            return "".join(e["choices"][0]["text"] for e in _sse(r) if e["choices"])
+        return r.json()["choices"][0]["text"]
+
+    assert text() == "hi!there"  # stopped by EOS
+    assert text(include_stop_str_in_output=True) == "hi!there</s>"
+    assert text(stop_token_ids=[ord("!")]) == "hi"
+    assert text(stop_token_ids=[ord("!")], include_stop_str_in_output=True) == "hi!"
+    assert text(skip_special_tokens=True, include_stop_str_in_output=True) == "hi!there"
