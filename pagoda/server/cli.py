@@ -96,10 +96,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json"],
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
         help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: "
         'Hermes 2 Pro, Qwen2.5, Qwen3), llama3_json ({"name": ..., "parameters": ...}: '
-        "Llama 3.1-3.3)",
+        "Llama 3.1-3.3), mistral ([TOOL_CALLS][{...}]: Mistral 7B v0.3, Nemo, Small), "
+        'pythonic ([get_weather(city="Paris")]: Llama 3.2, Llama 4)',
     )
     g.add_argument(
         "--max-request-body-bytes",

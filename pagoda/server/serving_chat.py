@@ -171,6 +171,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = build_sampling_params(
         req, max_tokens, top_k if req.logprobs else None, req.prompt_logprobs, tools.schema
     )
+    if tools.mode == "auto" and getattr(ctx.tool_parser, "keeps_special_tokens", False):
+        params.skip_special_tokens = False  # the calls' marker is a special token (mistral)
     ctx.require_tokenizer("messages")
     prompt = await render_chat_prompt(
         ctx,

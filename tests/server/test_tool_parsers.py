@@ -1,6 +1,7 @@
 """Tool calls read out of free text (`pagoda.server.tool_parsers`, --tool-call-parser): the
-hermes and llama3_json formats whole and streamed in every chunking, and through the server
-against the fake engine (which answers a prompt's `SAY:<text>|` with that text)."""
+hermes, llama3_json, mistral and pythonic formats whole and streamed in every chunking, and
+through the server against the fake engine (which answers a prompt's `SAY:<text>|` with that
+text)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.server import serving_chat
 from pagoda.server.app import build_app
 from pagoda.server.cli import make_arg_parser
 from pagoda.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
     StreamingToolCalls,
 )
 
@@ -83,6 +87,55 @@ def test_llama3_json_whole_output(text, content, calls):
     assert got_content == content and _names_args(got_calls) == calls
 
 
+MISTRAL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich"}}, '
+MISTRAL += '{"name": "get_time", "arguments": {}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}[TOOL_CALLS]get_time[ARGS]{}'
+BOTH = [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Hello there.", "Hello there.", []),
+        (MISTRAL, None, BOTH),
+        ("Let me look. " + MISTRAL_V11, "Let me look. ", BOTH),
+        ('[TOOL_CALLS]{"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": ', None, []),  # cut short
+        ("[TOOL_CALLS]f[ARGS]{bad", None, []),
+        ('[TOOL_CALLS][{"arguments": {}}]', None, []),  # no name
+        ("[TOOL_CALLS][]", None, []),
+    ],
+)
+def test_mistral_whole_output(text, content, calls):
+    got_content, got_calls = MistralToolParser().extract(text)
+    assert _names_args(got_calls) == calls
+    assert got_content == (content if calls else text)
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ("Hello there.", []),
+        ('[get_weather(city="Zürich"), get_time()]', BOTH),
+        ('<|python_start|>[get_weather(city="Zürich"), get_time()]<|python_end|>', BOTH),
+        (
+            "[f(a=1, b=[1, 2], c={'k': None}, d=True)]",
+            [("f", {"a": 1, "b": [1, 2], "c": {"k": None}, "d": True})],
+        ),
+        ("[f(1)]", []),  # positional arguments
+        ("[f(a=g())]", []),  # not a literal
+        ("[1, 2]", []),
+        ("[]", []),
+        ('[f(a="x"', []),  # cut short
+        ("Sure: [f()]", []),  # calls only as the whole output
+    ],
+)
+def test_pythonic_whole_output(text, calls):
+    content, got_calls = PythonicToolParser().extract(text)
+    assert _names_args(got_calls) == calls
+    assert content == (None if calls else text)
+
+
 @pytest.mark.parametrize(
     "parser, text",
     [
@@ -93,6 +146,14 @@ def test_llama3_json_whole_output(text, content, calls):
         (Llama3JsonToolParser(), "<|python is a language"),
         (Llama3JsonToolParser(), "Sure: " + LLAMA),
         (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": '),
+        (MistralToolParser(), "Let me look. " + MISTRAL_V11),
+        (MistralToolParser(), MISTRAL),
+        (MistralToolParser(), "A [TOOL but not a call"),
+        (MistralToolParser(), "[TOOL_CALLS]f[ARGS]{bad"),
+        (PythonicToolParser(), '[get_weather(city="Zürich"), get_time()]'),
+        (PythonicToolParser(), "<|python_start|>[f()]<|python_end|>"),
+        (PythonicToolParser(), "[1] Smith et al."),
+        (PythonicToolParser(), "<|python is a language"),
     ],
 )
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
@@ -104,7 +165,7 @@ def test_streamed_in_any_chunks_gives_the_whole_outputs_answer(parser, text, siz
     assert sent + rest == (content or "" if whole_calls else text)
     assert _names_args(calls) == _names_args(whole_calls)
     if whole_calls:  # nothing of the calls went out as content
-        assert "<tool_c" not in sent and '"name"' not in sent
+        assert not any(m in sent for m in ("<tool_c", '"name"', "[TOOL", "[", "get_"))
 
 
 def test_cli_flags_take_the_parsers():
@@ -183,5 +244,47 @@ def test_llama3_json_through_the_server():
                     calls, finish = message["tool_calls"], r.json()["choices"][0]["finish_reason"]
                 assert finish == "tool_calls"
                 assert _names_args(calls) == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("mistral", "Let me look. " + MISTRAL),
+        ("pythonic", '[get_weather(city="Zürich"), get_time()]'),
+    ],
+)
+def test_mistral_and_pythonic_through_the_server(parser, text, monkeypatch):
+    built = []
+    real = serving_chat.build_sampling_params
+    monkeypatch.setattr(
+        serving_chat, "build_sampling_params", lambda *a: built.append(real(*a)) or built[-1]
+    )
+    llm = AsyncLLM(FakeEngine(max_model_len=1024))
+    try:
+        with TestClient(build_app(llm, tool_call_parser=parser)) as client:
+            for stream in (False, True):
+                r = _chat(client, text, stream, tools=TOOLS)
+                assert r.status_code == 200, r.text
+                if stream:
+                    events = [
+                        json.loads(e[6:]) for e in r.text.splitlines() if e.startswith("data: {")
+                    ]
+                    deltas = [e["choices"][0] for e in events if e["choices"]]
+                    content = "".join(d["delta"].get("content") or "" for d in deltas)
+                    calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+                    finish = deltas[-1]["finish_reason"]
+                else:
+                    message = r.json()["choices"][0]["message"]
+                    content, calls = message["content"] or "", message["tool_calls"]
+                    finish = r.json()["choices"][0]["finish_reason"]
+                assert finish == "tool_calls" and _names_args(calls) == BOTH
+                assert content == ("Let me look. " if parser == "mistral" else "")
+            # [TOOL_CALLS] is a special token: kept in the output while tools may be called.
+            assert [p.skip_special_tokens for p in built] == [parser != "mistral"] * 2
+            r = _chat(client, text, False, tools=TOOLS, tool_choice="none")
+            assert r.json()["choices"][0]["message"]["content"] == text
+            assert built[-1].skip_special_tokens
     finally:
         llm.shutdown()
