@@ -223,39 +223,15 @@ def test_auto_tool_calls_through_the_server(client):
         assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
-def test_llama3_json_through_the_server():
-    llm = AsyncLLM(FakeEngine(max_model_len=1024))
-    try:
-        with TestClient(build_app(llm, tool_call_parser="llama3_json")) as client:
-            for stream in (False, True):
-                r = _chat(client, LLAMA_TWO, stream, tools=TOOLS)
-                assert r.status_code == 200, r.text
-                if stream:
-                    events = [
-                        json.loads(e[6:]) for e in r.text.splitlines() if e.startswith("data: {")
-                    ]
-                    deltas = [e["choices"][0] for e in events if e["choices"]]
-                    assert not "".join(d["delta"].get("content") or "" for d in deltas)
-                    calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
-                    finish = deltas[-1]["finish_reason"]
-                else:
-                    message = r.json()["choices"][0]["message"]
-                    assert message["content"] is None
-                    calls, finish = message["tool_calls"], r.json()["choices"][0]["finish_reason"]
-                assert finish == "tool_calls"
-                assert _names_args(calls) == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize(
-    "parser, text",
+    "parser, text, content",
     [
-        ("mistral", "Let me look. " + MISTRAL),
-        ("pythonic", '[get_weather(city="Zürich"), get_time()]'),
+        ("llama3_json", LLAMA_TWO, ""),
+        ("mistral", "Let me look. " + MISTRAL, "Let me look. "),
+        ("pythonic", '[get_weather(city="Zürich"), get_time()]', ""),
     ],
 )
-def test_mistral_and_pythonic_through_the_server(parser, text, monkeypatch):
+def test_each_parser_through_the_server(parser, text, content, monkeypatch):
     built = []
     real = serving_chat.build_sampling_params
     monkeypatch.setattr(
@@ -272,15 +248,15 @@ def test_mistral_and_pythonic_through_the_server(parser, text, monkeypatch):
                         json.loads(e[6:]) for e in r.text.splitlines() if e.startswith("data: {")
                     ]
                     deltas = [e["choices"][0] for e in events if e["choices"]]
-                    content = "".join(d["delta"].get("content") or "" for d in deltas)
+                    sent = "".join(d["delta"].get("content") or "" for d in deltas)
                     calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
                     finish = deltas[-1]["finish_reason"]
                 else:
                     message = r.json()["choices"][0]["message"]
-                    content, calls = message["content"] or "", message["tool_calls"]
+                    sent, calls = message["content"] or "", message["tool_calls"]
                     finish = r.json()["choices"][0]["finish_reason"]
                 assert finish == "tool_calls" and _names_args(calls) == BOTH
-                assert content == ("Let me look. " if parser == "mistral" else "")
+                assert sent == content
             # [TOOL_CALLS] is a special token: kept in the output while tools may be called.
             assert [p.skip_special_tokens for p in built] == [parser != "mistral"] * 2
             r = _chat(client, text, False, tools=TOOLS, tool_choice="none")
