@@ -308,7 +308,8 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 # Dequantize-then-cuBLAS from DEQUANT_MIN_M rows otherwise (192 rows: 11.4 vs 15.5 ms a
 # decode step with this module's kernel, 256: 11.9 vs 15.8). Where the groups do not hold
 # whole 128-input tiles: the few-row kernel on 64-input tiles up to SKINNY_WIDE_MAX_M rows
-# for wide layers, else this module's kernel up to MAX_BLOCK_M rows.
+# for wide layers, else this module's kernel up to MAX_BLOCK_M rows. On sm_90 the wgmma
+# kernel (`w4a16_wgmma`) takes the layers and rows where it won on an H100 (`wgmma_config`).
 GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
 SKINNY_MAX_M = 32
