@@ -238,8 +238,8 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "PAGODA_W4A16_CUDA", "flag", "1",
-            "0: packed 4-bit layers on CUDA take the Triton kernels instead of the CUDA GEMV "
-            "at few rows.",
+            "0: packed 4-bit layers on CUDA take the Triton kernels instead of the CUDA ones "
+            "(the GEMV at few rows, the wgmma kernel on sm_90).",
             _flag("PAGODA_W4A16_CUDA", True),
         ),
         EnvVar(

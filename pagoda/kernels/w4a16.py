@@ -487,7 +487,8 @@ def w4a16_linear(
     `WgmmaConfig` the CUDA wgmma kernel (`w4a16_wgmma`, sm_90), a `W4A16Config` this
     module's kernel (with `pre_sums`, x's tile sums and an act-order x's gather are made once
     before it instead of in every N tile), a `w4a16_skinny.SkinnyConfig` the few-row kernel,
-    `DEQUANT` the dequantized weight and cuBLAS. Raises ValueError where `w4a16_supported` says no or the config cannot run."""
+    `DEQUANT` the dequantized weight and cuBLAS. Raises ValueError where `w4a16_supported`
+    says no or the config cannot run."""
     if not w4a16_supported(x, qweight, bias):
         raise ValueError(
             f"w4a16_linear: unsupported inputs x {tuple(x.shape)} {x.dtype} {x.device}, "

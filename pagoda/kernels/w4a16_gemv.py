@@ -102,18 +102,20 @@ def unsupported_reason(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
     group_size: int,
+    max_m: int | None = MAX_M,
 ) -> str | None:
     """Why these inputs cannot take the CUDA kernel, or None when they can (the shapes and
-    dtypes `w4a16_linear` has already checked are not repeated)."""
+    dtypes `w4a16_linear` has already checked are not repeated); `max_m` None for no row
+    limit (the wgmma kernel, which shares these checks)."""
     if not enabled():
         return "PAGODA_W4A16_CUDA=0"
     if not x.is_cuda or torch.version.cuda is None:
         return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
+    if _capability(x.device.index or 0) < (8, 0):
         return "needs sm_80 or newer"
     m, k = x.shape
-    if m > MAX_M:
-        return f"{m} rows > {MAX_M}"
+    if max_m is not None and m > max_m:
+        return f"{m} rows > {max_m}"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x dtype {x.dtype}"
     if scales.dtype not in (torch.bfloat16, torch.float16):

@@ -97,13 +97,9 @@ def unsupported_reason(
         return "PAGODA_W4A16_CUDA=0"
     if not x.is_cuda or torch.version.cuda is None:
         return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if w4a16_gemv._capability(x.device.index or 0) != (9, 0):
         return "wgmma needs sm_90"
-    one_row = x[:1] if x.shape[0] else x
-    reason = w4a16_gemv.unsupported_reason(one_row, qweight, scales, bias, group_size)
-    if reason is None and x.shape[1] * max(qweight.shape[0], x.shape[0]) >= 2**31:
-        reason = "too large for 32-bit indices"
-    return reason
+    return w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size, max_m=None)
 
 
 def _wgmma_function(bn: int, bf16: bool) -> str:

@@ -61,12 +61,7 @@ class Llama3JsonToolParser:
     def cut(self, held: str) -> tuple[int, str]:
         """As `HermesToolParser.cut`: calls when the output opens with `{` or the tag, content
         when it opens with anything else, open while it is blank or a part of the tag."""
-        head = held.lstrip()
-        if head.startswith(("{", self.tag)):
-            return 0, "calls"
-        if not head or self.tag.startswith(head):
-            return 0, "open"
-        return len(held), "content"
+        return _cut_at_opening(held, "{", self.tag)
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole output; (text, []) where it holds no calls."""
@@ -139,12 +134,7 @@ class PythonicToolParser:
     def cut(self, held: str) -> tuple[int, str]:
         """As `Llama3JsonToolParser.cut`: calls when the output opens with `[` or the start
         tag."""
-        head = held.lstrip()
-        if head.startswith(("[", self.start)):
-            return 0, "calls"
-        if not head or self.start.startswith(head):
-            return 0, "open"
-        return len(held), "content"
+        return _cut_at_opening(held, "[", self.start)
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole output; (text, []) where it holds no calls."""
@@ -171,6 +161,17 @@ def _pythonic_call(node: ast.expr) -> dict[str, Any]:
             raise ValueError("**kwargs")
         args[kw.arg] = ast.literal_eval(kw.value)
     return tool_call(node.func.id, json.dumps(args, ensure_ascii=False))
+
+
+def _cut_at_opening(held: str, opening: str, tag: str) -> tuple[int, str]:
+    """For formats whose whole output is the calls: calls when it opens with `opening` or
+    `tag`, open while it is blank or a part of the tag, content otherwise."""
+    head = held.lstrip()
+    if head.startswith((opening, tag)):
+        return 0, "calls"
+    if not head or tag.startswith(head):
+        return 0, "open"
+    return len(held), "content"
 
 
 def _cut_at_tag(held: str, tag: str) -> tuple[int, str]:
