@@ -83,13 +83,16 @@ def _build_gemv(job: tuple) -> str | None:
 def wgmma_grid(m: int) -> list[tuple]:
     """WgmmaConfig tuples to time from 17 rows: activation tiles of 32 and 64 rows (up to 32
     rows) or 64 and 128, 1 or 2 warpgroups, 2 or 4 K steps of weights in flight, 1 or 2 A
-    buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`."""
+    buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`; from 256
+    rows also tiles of 256 rows."""
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig, config_reason
 
     if m < 17:
         return []
     grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (2, 4), (1, 2), (1, 2))
     configs = [WgmmaConfig(bn, wg, 4, depth, 0, ab, cps) for bn, wg, depth, ab, cps in grid]
+    if m >= 256:  # 256 rows a CTA: one A buffer, 3 stages of 64 KB
+        configs += [WgmmaConfig(256, wg, 3, depth, 0, 1) for wg in (1, 2) for depth in (2, 4)]
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 
@@ -410,7 +413,7 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
     rows = []
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers):")
     print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'no ring':>10s} {'bf16':>10s}", end="")
-    print(f" {'wgmma 64':>10s} {'wgmma 128':>10s}")
+    print(f" {'wgmma 64':>10s} {'wgmma 128':>10s} {'wgmma 256':>10s}")
     for m in m_values:
         xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
               for _, k in SHAPES.values()}  # fmt: skip
@@ -442,21 +445,25 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
         os.environ.pop("PAGODA_PDL")
         row["no_ring"] = graph_seconds(register_step, reps) * 1e3
         if m >= 17:
-            for bn in (64, 128):
+            tiles = [WgmmaConfig(bn=64), WgmmaConfig(bn=128)]
+            if m >= 256:
+                tiles.append(WgmmaConfig(bn=256, stages=3, a_buffers=1))
+            for tile in tiles:
 
-                def wgmma_step(xs=xs, cfg=WgmmaConfig(bn=bn)) -> None:
+                def wgmma_step(xs=xs, cfg=tile) -> None:
                     for layer in packed:
                         for s, (_, k) in SHAPES.items():
                             w4a16_linear(xs[k], *layer[s], GROUP, config=cfg)
 
-                row[f"wgmma{bn}"] = graph_seconds(wgmma_step, reps) * 1e3
+                row[f"wgmma{tile.bn}"] = graph_seconds(wgmma_step, reps) * 1e3
         row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
         rows.append(row)
         print(
             f"{m:5d} "
             + " ".join(
                 f"{row[v]:10.3f}" if v in row else f"{'-':>10s}"
-                for v in ("default", "no_pdl", "no_ring", "cublas_bf16", "wgmma64", "wgmma128")
+                for v in ("default", "no_pdl", "no_ring", "cublas_bf16")
+                + ("wgmma64", "wgmma128", "wgmma256")
             )
         )
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}

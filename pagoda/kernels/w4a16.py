@@ -433,24 +433,40 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, e
     return fallback_config(m, n, k, group_size, num_sms, elem_bytes)
 
 
-WGMMA_WIDE_ROWS = (65, 256)  # rows where the wgmma kernel won for layers of >= SKINNY_WIDE_N
-WGMMA_ROWS = (129, 256)  # ... and for layers of >= WGMMA_MIN_N outputs
-WGMMA_MIN_N = 6144
+WGMMA_MAX_M = 256  # rows up to which the wgmma kernel was measured to win
+WGMMA_MIN_N = 4096
 
 
 def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
     """The wgmma kernel's config (`w4a16_wgmma`, sm_90; elsewhere the call falls back to
-    `fallback_config`) where it beat the Triton many-row kernel, or None. From the H100 sweep
-    of the Llama-3-8B layers at 32-1024 rows (`benchmarks/w4a16_skinny_bench.py`, 16 configs
-    each): 128-row activation tiles, 2 warpgroups, 4 stages, 2 K steps of weights in flight;
-    gate_up 90.1 vs 112.7 us at 128 rows and 166.8 vs 171.4 at 256, qkv 46.8 vs 53.7 at 256;
-    slower for o and down, at 64 rows and from 1024."""
+    `fallback_config`) where it beat the other kernels, or None. From the H100 sweep of the
+    Llama-3-8B layers at 32-1024 rows (`benchmarks/w4a16_skinny_bench.py`, 36 configs each),
+    us per layer against the rule before it:
+    - wide layers (gate_up): activation tiles as tall as the rows, up to 256 (one A buffer):
+      38.8 vs 49.6 at 32 rows, 45.1 vs 59.7 at 64, 77.3 at 128, 127.7 vs 149.2 at 256;
+    - deep ones (down, K >= 2N) past 128 rows: 64-row tiles, 2 warpgroups, two CTAs a SM
+      (90.8 vs 121.2 at 256; a tie at 128, slower below);
+    - the others (qkv, o) past 64 rows, and qkv's 6144 outputs from 33: 64-row tiles, one
+      warpgroup, 4 K steps of weights in flight (qkv 26.3 vs 28.4 at 64, 28.4 vs 39.4 at 128,
+      36.4 vs 40.2 at 256; o 26.7 vs 27.7 at 128, 32.8 vs 35.0 at 256), one A buffer past 128.
+    From 1024 rows dequantizing for cuBLAS was as fast or faster for every layer."""
     if k % w4a16_wgmma.STEP or (group_size % w4a16_wgmma.STEP and group_size < k):
         return None
-    lo, hi = WGMMA_WIDE_ROWS if n >= SKINNY_WIDE_N else WGMMA_ROWS
-    if n < WGMMA_MIN_N or not lo <= m <= hi:
+    if m < 17 or m > WGMMA_MAX_M or n < WGMMA_MIN_N:
         return None
-    return WgmmaConfig(bn=128, warpgroups=2, stages=4, depth=2)
+    if n >= SKINNY_WIDE_N:
+        if m <= 32:
+            return WgmmaConfig(bn=32, warpgroups=1, a_buffers=1)
+        if m <= 64:
+            return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+        if m <= 128:
+            return WgmmaConfig(bn=128)
+        return WgmmaConfig(bn=256, stages=3, a_buffers=1)
+    if k >= 2 * n:
+        return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2) if m > 128 else None
+    if m > 64 or (m > 32 and n >= 6144):
+        return WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1 if m > 128 else 2)
+    return None
 
 
 def fallback_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):

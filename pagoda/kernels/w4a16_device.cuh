@@ -1,5 +1,5 @@
 // Device helpers of the CUDA W4A16 kernels (`w4a16_gemv.cu`, `w4a16_wgmma.cu`), put before
-// each source by its Python side. BF16 (0: fp16 x, bias and y) is defined before it.
+// each source by its Python side. BF16 (0: fp16 x, bias and y) and PDL are defined before it.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -66,4 +66,21 @@ __device__ __forceinline__ u32 part(const uint4& v, int i) {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
+}
+
+// PDL (compiled in where PDL is 1): the kernel may start while the one before it in the stream
+// is still running. The weights, scales and zero points never change, so a CTA loads its first
+// ones before `grid_wait`; x (the kernel before may be writing it) and y (it may still be
+// reading that memory) come after. `launch_dependents` then lets the next such kernel start
+// its own loads while this one finishes. Both are no-ops in a launch without the attribute.
+__device__ __forceinline__ void grid_wait() {
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }

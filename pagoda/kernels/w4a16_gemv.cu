@@ -70,23 +70,6 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// PDL: the kernel may start while the one before it in the stream is still running. The
-// weights, scales and zero points never change, so a CTA loads its first ones before
-// `grid_wait`; x (the kernel before may be writing it) and y (it may still be reading that
-// memory) come after. `launch_dependents` then lets the next such kernel start its own loads
-// while this one finishes. Both are no-ops in a launch without the attribute.
-__device__ __forceinline__ void grid_wait() {
-#if PDL && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void launch_dependents() {
-#if PDL && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // x[row][k0 + 8w, +8) for lane (g, t)'s B fragment, zero for rows past M.
 __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int* __restrict__ perm,
                                         int k, bool valid) {

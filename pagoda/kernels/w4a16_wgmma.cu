@@ -16,17 +16,20 @@
 // inputs 32t + 4c + {0, 1} and 32t + 4c + {2, 3}. Which input a k-slot holds is free as long
 // as B agrees: the caller gathers x into that order once (`w4a16_wgmma.k_order`: position
 // 16c + 8hi + 2t + e of a step holds input 32t + 4c + 2hi + e), so that B's k-slots are
-// plain consecutive inputs.
+// plain consecutive positions.
 //
-// B: a step's BN x 128 tile of the reordered x as two 64-input halves, each BN rows of 128
+// B: a step's BN x 128 tile of x, in that k order, as two 64-input halves, each BN rows of 128
 // bytes in the 128-byte-swizzled K-major layout wgmma reads (16-byte chunk c of row r at
-// chunk c ^ (r % 8); 8-row atoms 1024 bytes apart), copied by every thread with cp.async
-// (rows past M zero-filled), STAGES stages, STAGES - 2 steps ahead. Per step: wait for the
-// step's tile, one barrier, issue the copy of a later tile into the stage that the step two
-// back read (its wgmmas are done: each warpgroup waited for all but its last group before the
-// barrier), unpack this step's A (two register buffers: the wgmmas of the step before may still
-// be reading the other), 8 wgmma m64nBNk16, commit, wait for all but this group (or, with one
-// buffer, for this group too).
+// chunk c ^ (r % 8); 8-row atoms 1024 bytes apart). The caller writes x once per call in
+// exactly these tiles (`w4a16_wgmma.tile_x`: xt [M tiles][K steps][BN x 128], rows past M
+// zero), so a tile is one contiguous copy: every thread's cp.async chunks sit at fixed offsets
+// from its own (no address arithmetic, no row checks in the loop). STAGES stages, STAGES - 2
+// steps ahead. Per step: wait for the step's tile, one barrier, issue the copy of a later tile
+// into the stage that the step two back read (its wgmmas are done: each warpgroup waited for
+// all but its last group before the barrier), unpack this step's A (two register buffers: the
+// wgmmas of the step before may still be reading the other), 8 wgmma m64nBNk16, commit, wait
+// for all but this group (or, with one buffer, for this group too). A lane's scale and zero
+// pointers step to the next group's row as its K steps cross a group boundary (no division).
 //
 // A CTA covers activation rows [BN * blockIdx.x, +BN), weight rows [64 * WG * blockIdx.y,
 // +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
@@ -34,21 +37,26 @@
 // tile's counter; the last to arrive sums the splits in order (the same bits every call),
 // stores y and resets the counter (as `skinny_gemm.store_tile` does).
 //
+// A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
+// the x tiling kernel where PDL is on).
+//
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
 // BN (activation rows of a CTA: 32, 64 or 128), WG (1 or 2 warpgroups), STAGES (>= 3),
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
-// SPLIT (1: K split over blockIdx.z). WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from
-// registers, is defined before this source (`w4a16_wgmma.py` writes it for BN), as are the
-// helpers of `w4a16_device.cuh`.
+// SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
+// instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
+// it for BN), as are the helpers of `w4a16_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
 #define THREADS (128 * WG)
 #define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
+#define STAGE_ELEMS (STAGE_BYTES / 2)
+#define CHUNKS (STAGE_BYTES / 16 / THREADS)  // 16-byte copies of a tile per thread
 
 #if BF16
 #define ONE2 0x3f803f80u
@@ -117,19 +125,21 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// The descriptor of B for k-chunk j (16 inputs) of the tile at `tile` (1024-aligned): start
-// address, leading offset 16 (unused by the swizzled layout), stride 1024 bytes between
-// 8-row atoms, 128-byte swizzle.
-__device__ __forceinline__ unsigned long long b_desc(u32 tile, int j) {
-  const u32 addr = tile + (j >> 2) * HALF_BYTES + (j & 3) * 32;
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
+// The descriptor of B for the tile at `tile` (1024-aligned): start address, leading offset 16
+// (unused by the swizzled layout), stride 1024 bytes between 8-row atoms, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long b_desc(u32 tile) {
+  return (unsigned long long)((tile & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
          (1ull << 62);
 }
+
+// What k-chunk j (16 inputs) of a tile adds to its descriptor: the chunk's byte offset / 16 in
+// the start address field (shared memory ends below 256 KB: the 14-bit field never carries).
+#define B_CHUNK(j) ((unsigned long long)((((j) >> 2) * HALF_BYTES + ((j) & 3) * 32) >> 4))
 
 // @WGMMA@
 
 extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
-    pagoda_w4a16_wgmma(u16* __restrict__ y, const u16* __restrict__ xp,
+    pagoda_w4a16_wgmma(u16* __restrict__ y, const u16* __restrict__ xt,
                        const u32* __restrict__ qweight, const u16* __restrict__ scales,
                        const u8* __restrict__ zeros, const u16* __restrict__ bias,
                        float* __restrict__ partial, int* __restrict__ counters, int M, int N,
@@ -148,40 +158,51 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
-  // This lane's weight rows (past N: row N - 1, never stored).
+  // This lane's weight rows (past N: row N - 1, never stored), their scales and zeros.
   const int row0 = min(n0 + 16 * warp + g, N - 1), row1 = min(n0 + 16 * warp + g + 8, N - 1);
-  const uint4* wrow0 = reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t;
-  const uint4* wrow1 = reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t;
+  const uint4* wrow0 =
+      reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t + 4 * s_begin;
+  const uint4* wrow1 =
+      reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t + 4 * s_begin;
+  const int group_steps = G / STEP;
+  int group_left = group_steps - s_begin % group_steps;  // K steps left in the current group
+  const long long group_off = (long long)(s_begin / group_steps) * N;
+  const u16 *sc0 = scales + group_off + row0, *sc1 = scales + group_off + row1;
+  const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
 
+  // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
   uint4 wv[DEPTH][2];
   u32 sc[DEPTH][2], zp[DEPTH][2];
   auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
     if (i < nsteps) {
-      const int s = s_begin + i, grp = s * STEP / G;
-      wv_[0] = ld_weights(wrow0 + 4 * s, policy);
-      wv_[1] = ld_weights(wrow1 + 4 * s, policy);
-      sc_[0] = ld_nc_u16(scales + (long long)grp * N + row0);
-      sc_[1] = ld_nc_u16(scales + (long long)grp * N + row1);
-      zp_[0] = ld_nc_u8(zeros + (long long)grp * N + row0);
-      zp_[1] = ld_nc_u8(zeros + (long long)grp * N + row1);
+      wv_[0] = ld_weights(wrow0, policy);
+      wv_[1] = ld_weights(wrow1, policy);
+      sc_[0] = ld_nc_u16(sc0);
+      sc_[1] = ld_nc_u16(sc1);
+      zp_[0] = ld_nc_u8(zp0);
+      zp_[1] = ld_nc_u8(zp1);
+      wrow0 += 4;
+      wrow1 += 4;
+      if (--group_left == 0) {
+        group_left = group_steps;
+        sc0 += N, sc1 += N, zp0 += N, zp1 += N;
+      }
     }
   };
-  // Step i's x tile into stage `stage`: 16-byte chunk c of half h of row r from xp.
+  // Step i's x tile into stage `stage`: the tile's 16-byte chunks tid, tid + THREADS, ...
+  const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS + tid * 8;
+  const u32 xdst = tiles + tid * 16;
   auto load_x = [&](int i, int stage) {
-    const u32 base = tiles + stage * STAGE_BYTES;
-    const long long k0 = (long long)(s_begin + i) * STEP;
+    const u16* src = xsrc + (long long)i * STAGE_ELEMS;
+    const u32 dst = xdst + stage * STAGE_BYTES;
 #pragma unroll
-    for (int it = 0; it < BN * 16 / THREADS; ++it) {
-      const int q = tid + it * THREADS;
-      const int r = q >> 4, h = (q >> 3) & 1, c = q & 7;
-      const int m = m0 + r;
-      const u16* src = xp + (long long)min(m, M - 1) * K + k0 + h * 64 + c * 8;
-      cp_async16(base + h * HALF_BYTES + r * 128 + ((c ^ (r & 7)) << 4), src, m < M ? 16 : 0);
-    }
+    for (int c = 0; c < CHUNKS; ++c) cp_async16(dst + c * THREADS * 16, src + c * THREADS * 8, 16);
   };
 
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
+  grid_wait();  // xt is written by the kernel before (`tile_x`)
+  launch_dependents();
 #pragma unroll
   for (int i = 0; i < STAGES - 2; ++i) {
     if (i < nsteps) load_x(i, i);
@@ -219,10 +240,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         }
         load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
 
-        const u32 tile = tiles + (i % STAGES) * STAGE_BYTES;
+        const unsigned long long desc = b_desc(tiles + (i % STAGES) * STAGE_BYTES);
         wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 8; ++j) WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], b_desc(tile, j));
+        for (int j = 0; j < 8; ++j)
+          WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], desc + B_CHUNK(j));
         wgmma_commit();
         wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
       }

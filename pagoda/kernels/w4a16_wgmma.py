@@ -28,20 +28,23 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
-from pagoda.kernels import cuda_launch, w4a16_gemv
+from pagoda.kernels import cuda_launch, pdl_enabled, w4a16_gemv
+from pagoda.kernels.triton_pdl import dependent_start
 
 _SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
 _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
 _KERNEL_NAME = "pagoda_w4a16_wgmma"
 STEP = 128  # inputs per K step (one group at most)
 SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
-BN_VALUES = (32, 64, 128)  # 256: the accumulators and A buffers spill past 255 registers
+BN_VALUES = (32, 64, 128, 256)  # 256 with one A buffer (two spill past 255 registers)
 
 
 class WgmmaConfig(NamedTuple):
-    """bn: activation rows of a CTA (wgmma's N: 32, 64 or 128); warpgroups: 1 or 2, 64
-    weight rows each; stages: x tiles in shared memory (>= 3; the copies run stages - 2 K steps
+    """bn: activation rows of a CTA (wgmma's N: 32, 64, 128, or 256 with one A buffer);
+    warpgroups: 1 or 2, 64 weight rows each; stages: x tiles in shared memory (>= 3; the copies run stages - 2 K steps
     ahead); depth: K steps of weights each lane has in flight (2 or 4); split_k: K split over
     this many CTAs per output tile (fp32 partials summed by the last to arrive), 0 to take
     `split_for`'s choice; a_buffers: 2 to unpack a K step's weights while the step before's
@@ -67,6 +70,8 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
     """Why `cfg` is not a valid config, or None."""
     if cfg.bn not in BN_VALUES:
         return f"bn {cfg.bn} not in {BN_VALUES}"
+    if cfg.bn == 256 and cfg.a_buffers != 1:
+        return "bn 256 needs a_buffers 1 (two buffers spill past 255 registers)"
     if cfg.warpgroups not in (1, 2):
         return f"warpgroups {cfg.warpgroups} not 1 or 2"
     if cfg.depth not in (2, 4):
@@ -135,6 +140,7 @@ def _compile(
         "CTAS_PER_SM": cfg.ctas_per_sm,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
+        "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
     source = _HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
@@ -187,6 +193,66 @@ def reorder_x(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     return x.index_select(1, order)
 
 
+def tile_x_reference(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
+    """The kernel's B tiles in torch: xt [M tiles, K steps, bn x 128] where tile (mt, s) holds
+    rows [bn mt, +bn) (zero past M) of `reorder_x`'s step s as two 64-input halves, each bn
+    rows of eight 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8)."""
+    m, k = x.shape
+    m_tiles, steps = -(-m // bn), k // STEP
+    xr = torch.zeros(m_tiles * bn, k, dtype=x.dtype, device=x.device)
+    xr[:m] = reorder_x(x, perm)
+    tiles = xr.view(m_tiles, bn, steps, 2, 8, 8).permute(0, 2, 3, 1, 4, 5)  # [mt, s, h, r, c, e]
+    r = torch.arange(bn, device=x.device)[:, None]
+    chunk = (torch.arange(8, device=x.device)[None, :] ^ (r % 8)).view(1, 1, 1, bn, 8, 1)
+    swizzled = torch.empty_like(tiles)
+    swizzled.scatter_(4, chunk.expand_as(tiles), tiles)
+    return swizzled.reshape(m_tiles, steps, bn * STEP)
+
+
+@triton.jit
+def _tile_x_kernel(
+    x_ptr,
+    order_ptr,
+    perm_ptr,
+    out_ptr,
+    M,
+    steps,
+    stride_x: tl.int64,
+    BN: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (mt, s) writes tile (mt, s) of `tile_x_reference` in its order (16-byte runs),
+    reading x through the k order (and an act-order layer's perm)."""
+    mt, s = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BN * 128)
+    r = (d // 64) % BN
+    pos = s * 128 + (d // (BN * 64)) * 64 + (((d // 8) % 8) ^ (r % 8)) * 8 + d % 8
+    col = tl.load(order_ptr + pos)  # constants: read before the wait
+    if HAS_PERM:
+        col = tl.load(perm_ptr + col)
+    dependent_start(PDL)
+    row = mt * BN + r
+    v = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=row < M, other=0.0)
+    tl.store(out_ptr + (mt * steps + s).to(tl.int64) * (BN * 128) + d, v)
+
+
+def tile_x(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
+    """`tile_x_reference` in one kernel (x's rows may be strided, its columns not)."""
+    m, k = x.shape
+    m_tiles, steps = -(-m // bn), k // STEP
+    out = torch.empty(m_tiles, steps, bn * STEP, dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    order = k_order(k, x.device)
+    pdl = pdl_enabled(x)
+    _tile_x_kernel[(m_tiles, steps)](
+        x, order, perm if perm is not None else order, out, m, steps, x.stride(0), BN=bn,
+        HAS_PERM=perm is not None, PDL=pdl, launch_pdl=pdl, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
 def split_for(m: int, n: int, k: int, cfg: WgmmaConfig, num_sms: int) -> int:
     """K splits for a grid of fewer tiles than can run at once (`ctas_per_sm` a SM): until
     the grid covers them, each split keeping at least 4 K steps."""
@@ -223,13 +289,14 @@ def w4a16_wgmma(
     kernel = kernel_for(split > 1)
     if kernel is None:
         return None
-    xp = reorder_x(x, perm)
+    xt = tile_x(x, perm, cfg.bn)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (-(-m // cfg.bn), -(-n // (64 * cfg.warpgroups)), split)
     counters, partials = split_k_buffers(y, grid[0] * grid[1], split)
     args = [
-        y, xp, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
+        y, xt, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
         m, n, k, min(group_size, k), y.stride(0), steps_per_split,
     ]  # fmt: skip
-    cuda_launch.launch(kernel.func, grid, 128 * cfg.warpgroups, smem_bytes(cfg), args, x.device)
+    block = 128 * cfg.warpgroups
+    cuda_launch.launch(kernel.func, grid, block, smem_bytes(cfg), args, x.device, pdl_enabled(x))
     return y

@@ -33,6 +33,8 @@ TILES = [
     WgmmaConfig(bn=128, stages=5, depth=4),
     WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2),
     WgmmaConfig(bn=128, a_buffers=1),
+    WgmmaConfig(bn=256, stages=3, a_buffers=1),
+    WgmmaConfig(bn=256, warpgroups=1, stages=3, depth=4, split_k=3, a_buffers=1),
 ]
 
 
@@ -156,6 +158,27 @@ def test_k_order_is_a_permutation_of_each_step() -> None:
     assert torch.equal(w4a16_wgmma.reorder_x(x, perm), x[:, perm.long()][:, order])
 
 
+@pytest.mark.parametrize(("m", "k", "bn", "act_order"), [(3, 256, 32, False), (70, 384, 64, True)])
+def test_tile_x_writes_the_swizzled_b_tiles(m: int, k: int, bn: int, act_order: bool) -> None:
+    x = torch.randn(m, k)
+    perm = torch.randperm(k).to(torch.int32) if act_order else None
+    ref = w4a16_wgmma.tile_x_reference(x, perm, bn)
+    assert ref.shape == (-(-m // bn), k // 128, bn * 128)
+    order = w4a16_wgmma.k_order(k, x.device).long()
+    if perm is not None:
+        order = perm.long()[order]
+    for mt, s, h, r, c in [(0, 0, 0, 0, 0), (0, k // 128 - 1, 1, 2, 5), (m // bn, 1, 0, 9, 3)]:
+        row = mt * bn + r
+        want = x[row, order[s * 128 + h * 64 + 8 * c :][:8]] if row < m else torch.zeros(8)
+        at = h * bn * 64 + r * 64 + 8 * (c ^ (r % 8))  # 16-byte chunk c of row r, swizzled
+        assert torch.equal(ref[mt, s, at : at + 8], want), (mt, s, h, r, c)
+    assert torch.equal(w4a16_wgmma.tile_x(x, perm, bn), ref)  # the kernel (interpreted on CPU)
+    if torch.cuda.is_available():
+        xc = x.cuda().to(torch.bfloat16)
+        pc = None if perm is None else perm.cuda()
+        assert torch.equal(w4a16_wgmma.tile_x(xc, pc, bn), w4a16_wgmma.tile_x_reference(xc, pc, bn))
+
+
 def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert w4a16_wgmma.config_reason(WgmmaConfig()) is None
     assert "bn" in w4a16_wgmma.config_reason(WgmmaConfig(bn=48))
@@ -163,6 +186,8 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "shared memory" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, stages=8))
     assert "2 CTAs" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, ctas_per_sm=2))
     assert "a_buffers" in w4a16_wgmma.config_reason(WgmmaConfig(a_buffers=3))
+    assert "a_buffers 1" in w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3))
+    assert w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3, a_buffers=1)) is None
     asm = w4a16_wgmma._wgmma_function(64, bf16=True)
     assert "m64n64k16.f32.bf16.bf16" in asm and '"+f"(d[31])' in asm and "%36" in asm
     x = torch.randn(32, 256)
@@ -179,11 +204,17 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
     from pagoda.kernels.w4a16 import choose_config
 
     qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
-    assert choose_config(128, *gate_up, 128) == WgmmaConfig(bn=128)
-    for m in (65, 256):
-        assert isinstance(choose_config(m, *gate_up, 128), WgmmaConfig)
-    assert isinstance(choose_config(256, *qkv, 128), WgmmaConfig)
-    for m, shape in ((64, gate_up), (257, gate_up), (128, qkv), (256, o), (256, down)):
+    assert [choose_config(m, *gate_up, 128).bn for m in (17, 32, 33, 64, 65, 128, 129, 256)] == [
+        32, 32, 64, 64, 128, 128, 256, 256
+    ]  # fmt: skip
+    assert choose_config(256, *gate_up, 128).a_buffers == 1
+    assert choose_config(200, *down, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+    for m, shape in ((40, qkv), (65, o), (256, o), (256, qkv)):
+        cfg = choose_config(m, *shape, 128)
+        assert (cfg.bn, cfg.warpgroups, cfg.depth) == (64, 1, 4), (m, shape)
+    not_taken = [(16, gate_up), (257, gate_up), (32, qkv), (64, o), (128, down), (1024, o)]
+    for m, shape in not_taken:
         assert not isinstance(choose_config(m, *shape, 128), WgmmaConfig), (m, shape)
     assert not isinstance(choose_config(128, *gate_up, 64), WgmmaConfig)  # groups within a step
     assert not isinstance(choose_config(128, 28672, 4000, 128), WgmmaConfig)  # K not whole steps
+    assert not isinstance(choose_config(128, 2048, 2048, 128), WgmmaConfig)  # narrow: not measured
