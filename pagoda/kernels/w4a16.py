@@ -433,7 +433,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, e
     return fallback_config(m, n, k, group_size, num_sms, elem_bytes)
 
 
-WGMMA_MAX_M = 256  # rows up to which the wgmma kernel was measured to win
+WGMMA_MAX_M = 512  # rows up to which the wgmma kernel was measured to win (wide and deep layers)
 WGMMA_MIN_N = 4096
 
 
@@ -443,12 +443,15 @@ def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
     Llama-3-8B layers at 32-1024 rows (`benchmarks/w4a16_skinny_bench.py`, 36 configs each),
     us per layer against the rule before it:
     - wide layers (gate_up): activation tiles as tall as the rows, up to 256 (one A buffer):
-      38.8 vs 49.6 at 32 rows, 45.1 vs 59.7 at 64, 77.3 at 128, 127.7 vs 149.2 at 256;
-    - deep ones (down, K >= 2N) past 128 rows: 64-row tiles, 2 warpgroups, two CTAs a SM
-      (90.8 vs 121.2 at 256; a tie at 128, slower below);
-    - the others (qkv, o) past 64 rows, and qkv's 6144 outputs from 33: 64-row tiles, one
-      warpgroup, 4 K steps of weights in flight (qkv 26.3 vs 28.4 at 64, 28.4 vs 39.4 at 128,
-      36.4 vs 40.2 at 256; o 26.7 vs 27.7 at 128, 32.8 vs 35.0 at 256), one A buffer past 128.
+      38.8 vs 49.6 at 32 rows, 45.1 vs 59.7 at 64, 77.3 at 128, 127.7 vs 149.2 at 256, 250.8
+      vs 281.0 at 512;
+    - deep ones (down, K >= 2N) past 128 rows: 64-row tiles, 2 warpgroups, two CTAs a SM to
+      256 rows (90.8 vs 121.2 at 256; a tie at 128, slower below), 128-row tiles to 512
+      (130.5 vs 139.5);
+    - the others (qkv, o) past 64 rows to 256, and qkv's 6144 outputs from 33: 64-row tiles,
+      one warpgroup, 4 K steps of weights in flight (qkv 26.3 vs 28.4 at 64, 28.4 vs 39.4 at
+      128, 36.4 vs 40.2 at 256; o 26.7 vs 27.7 at 128, 32.8 vs 35.0 at 256), one A buffer past
+      128; at 512 within 4% of dequantizing for cuBLAS.
     From 1024 rows dequantizing for cuBLAS was as fast or faster for every layer."""
     if k % w4a16_wgmma.STEP or (group_size % w4a16_wgmma.STEP and group_size < k):
         return None
@@ -463,7 +466,11 @@ def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
             return WgmmaConfig(bn=128)
         return WgmmaConfig(bn=256, stages=3, a_buffers=1)
     if k >= 2 * n:
-        return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2) if m > 128 else None
+        if m <= 128:
+            return None
+        return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2) if m <= 256 else WgmmaConfig(bn=128)
+    if m > 256:
+        return None
     if m > 64 or (m > 32 and n >= 6144):
         return WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1 if m > 128 else 2)
     return None

@@ -209,10 +209,12 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
     ]  # fmt: skip
     assert choose_config(256, *gate_up, 128).a_buffers == 1
     assert choose_config(200, *down, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+    assert choose_config(512, *down, 128) == WgmmaConfig(bn=128)
+    assert choose_config(512, *gate_up, 128).bn == 256
     for m, shape in ((40, qkv), (65, o), (256, o), (256, qkv)):
         cfg = choose_config(m, *shape, 128)
         assert (cfg.bn, cfg.warpgroups, cfg.depth) == (64, 1, 4), (m, shape)
-    not_taken = [(16, gate_up), (257, gate_up), (32, qkv), (64, o), (128, down), (1024, o)]
+    not_taken = [(16, gate_up), (513, gate_up), (32, qkv), (64, o), (128, down), (257, o)]
     for m, shape in not_taken:
         assert not isinstance(choose_config(m, *shape, 128), WgmmaConfig), (m, shape)
     assert not isinstance(choose_config(128, *gate_up, 64), WgmmaConfig)  # groups within a step
