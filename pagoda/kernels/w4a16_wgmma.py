@@ -7,18 +7,18 @@ Triton kernels (`w4a16_skinny.py`: wgmma on weights unpacked through shared memo
 warpgroup waiting on each of its MMAs) reach about half of cuBLAS's tensor rate. Here each
 weight is unpacked once in registers, scaled, and is wgmma's A operand as it is (A may come
 from registers; B, the activations, from shared memory), and the MMAs of one K step run while
-the next step's weights are unpacked. The activations are gathered once per call into the
-order the weights' nibbles give (`k_order`), which makes the B tile a plain copy; an act-order
-layer's gather is folded into the same one.
+the next step's weights are unpacked. The activations are written once per call (`tile_x`)
+in the order the weights' nibbles give and in the B operand's swizzled tiles, so that a K
+step's tile is one contiguous copy with no address arithmetic in the loop; an act-order
+layer's gather is folded into the same pass.
 
 It covers: sm_90 (wgmma needs the sm_90a target, `compute_capability="90a"` for NVRTC), 16-bit
 x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a multiple of 128 inputs
 or one group per row, act order, bias. Compiled at first use with NVRTC, once per variant,
 never during CUDA-graph capture. `formats.dequantize_*` + F.linear and the Triton kernels stay
-its reference in the tests. On the H100 it won only on wide layers at 65-256 rows
-(`w4a16.wgmma_config`): its 200+ registers leave one or two warps a scheduler, and the
-unpacking's instruction stream, not DRAM or the tensor cores, bounds it (Nsight Compute: 5-6.5
-cycles an instruction); `a_buffers` and `ctas_per_sm` trade its overlap for occupancy.
+its reference in the tests, `tile_x_reference` that of `tile_x`. It is issue-bound: a K step
+is ~224 instructions a warp, half of them the unpacking (`w4a16.wgmma_config` says where it
+wins); `a_buffers` and `ctas_per_sm` trade its overlap for occupancy.
 """
 
 from __future__ import annotations
