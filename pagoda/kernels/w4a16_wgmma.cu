@@ -41,7 +41,7 @@
 // the x tiling kernel where PDL is on).
 //
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
-// BN (activation rows of a CTA: 32, 64 or 128), WG (1 or 2 warpgroups), STAGES (>= 3),
+// BN (activation rows of a CTA: 32, 64, 128 or 256), WG (1 or 2 warpgroups), STAGES (>= 3),
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
@@ -96,11 +96,9 @@ __device__ __forceinline__ u32 weight_pair(u32 w, u32 zoff, u32 s2) {
   return v;
 }
 
-// 16 bytes global -> shared, zero-filled past src_bytes (0 or 16).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
+// 16 bytes global -> shared.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -196,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     const u16* src = xsrc + (long long)i * STAGE_ELEMS;
     const u32 dst = xdst + stage * STAGE_BYTES;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) cp_async16(dst + c * THREADS * 16, src + c * THREADS * 8, 16);
+    for (int c = 0; c < CHUNKS; ++c) cp_async16(dst + c * THREADS * 16, src + c * THREADS * 8);
   };
 
 #pragma unroll
