@@ -25,6 +25,7 @@ from pagoda.server.protocol import (
     DeltaMessage,
     random_uuid,
 )
+from pagoda.server.required_calls import RequiredCallsStream
 from pagoda.server.serving import (
     APIError,
     RequestState,
@@ -251,16 +252,16 @@ def _named_for_tools(e: APIError, tools: ToolChoice) -> APIError:
 class _ToolDeltas:
     """The stream's delta of each output chunk, by the request's tools. Plain: the text.
     Forced calls: a named function's arguments as they come (the call's id and name with the
-    first); "required" calls are whole only at the end, so they (and their logprobs) come then.
-    Calls read out of free text (--tool-call-parser): content as it comes, the calls at the end
-    with finish_reason "tool_calls"."""
+    first); "required" calls each with its id and name once the name is whole, then its
+    arguments as they come (`RequiredCallsStream`; an output cut short before the first name
+    comes whole as content at the end). Calls read out of free text (--tool-call-parser):
+    content as it comes, the calls at the end with finish_reason "tool_calls"."""
 
     def __init__(self, tools: ToolChoice, parser: Any, logprobs: bool) -> None:
         self.tools, self.parser, self.logprobs = tools, parser, logprobs
         self.parsing = tools.mode == "auto" and parser is not None
         self.named_started: set[int] = set()  # choices whose call's id and name went out
-        self.held: dict[int, list[str]] = {}
-        self.held_logprobs: dict[int, list[ChatCompletionLogProb]] = {}
+        self.required: dict[int, tuple[RequiredCallsStream, list[str]]] = {}  # and the text
         self.splitters: dict[int, StreamingToolCalls] = {}
         self.called: set[int] = set()  # choices whose calls were read out of their text
 
@@ -289,21 +290,14 @@ class _ToolDeltas:
                 call.update(id=tool_call_id(), type="function")
                 call["function"]["name"] = tools.name
             return DeltaMessage(tool_calls=[call])
-        self.held.setdefault(index, []).append(text)
-        if not finished:
-            return None
-        whole = "".join(self.held.pop(index))
-        calls = tool_calls_from_text(tools, whole)
-        if calls is None:  # cut short: the text as it is
-            return DeltaMessage(content=whole)
-        return DeltaMessage(tool_calls=[dict(c, index=i) for i, c in enumerate(calls)])
-
-    def hold_logprobs(
-        self, index: int, logprobs: ChatCompletionLogProbs, sending: bool
-    ) -> ChatCompletionLogProbs:
-        """ "required" calls: the logprobs held with their text, all of them when it is sent."""
-        self.held_logprobs.setdefault(index, []).extend(logprobs.content or [])
-        return ChatCompletionLogProbs(content=self.held_logprobs.pop(index) if sending else [])
+        calls, seen = self.required.setdefault(index, (RequiredCallsStream(), []))
+        seen.append(text)
+        pieces = calls.feed(text, final=finished)
+        if finished and not calls.started:  # cut short before a call's name: the text as it is
+            return DeltaMessage(content="".join(seen))
+        if pieces:
+            return DeltaMessage(tool_calls=pieces)
+        return DeltaMessage() if finished or self.logprobs else None
 
     def finish_reason(self, index: int, reason: str | None) -> str | None:
         return "tool_calls" if reason is not None and index in self.called else reason
@@ -343,8 +337,6 @@ def _stream(
                     ctx.tokenizer, list(c.token_ids), list(c.logprobs or []), top_k
                 )
             d = deltas.delta(c.index, c.text, c.finish_reason is not None)
-            if tools.mode == "required" and logprobs is not None:
-                logprobs = deltas.hold_logprobs(c.index, logprobs, d is not None)
             if d is None:
                 continue
             choice = ChatCompletionResponseStreamChoice(

@@ -5,10 +5,11 @@ the call: the output is constrained by a JSON schema (the function's parameters;
 "required", a non-empty list of `{"name", "parameters"}` objects, one of the tools each) and
 comes back as the message's `tool_calls`, with empty content. `"none"` leaves the tools out of
 the prompt. `"auto"`, the default when tools are given, renders them into the prompt and
-returns the model's text as it is (Pagoda has no parser that reads calls out of free text).
-Bad tools or choices are 400s naming the field. An output cut short (`finish_reason`
-"length") keeps what it has: a named call's arguments as far as they got (as vLLM), a
-"required" output that is no whole list of calls as plain content.
+returns the model's text, with the calls read out of it where the server has a
+`--tool-call-parser` (`tool_parsers`). Bad tools or choices are 400s naming the field. An
+output cut short (`finish_reason` "length") keeps what it has: a named call's arguments as far
+as they got (as vLLM), a "required" output that is no whole list of calls as plain content
+(streamed, the calls whose names went out as far as they got: `required_calls`).
 """
 
 from __future__ import annotations

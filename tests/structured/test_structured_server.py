@@ -221,14 +221,23 @@ def test_required_tool_choice_returns_calls_to_the_tools(client):
         assert call.function.name in ("get_weather", "get_time")
         args = json.loads(call.function.arguments)
         assert set(args) == ({"city"} if call.function.name == "get_weather" else set())
-    # Streamed: the calls come whole with the last chunk.
+    # Streamed: each call its id and name first, then its arguments in pieces that add up to
+    # the unstreamed ones.
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert chunks[-1].choices[0].delta.tool_calls and chunks[-1].choices[0].finish_reason == "stop"
-    assert [(t.function.name, t.function.arguments) for t in calls] == [
+    pieces = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert not any(c.choices[0].delta.content for c in chunks)
+    streamed: dict[int, list[str]] = {}
+    for t in pieces:
+        if t.id:
+            assert t.index not in streamed and t.type == "function"
+            streamed[t.index] = [t.function.name, ""]
+        streamed[t.index][1] += t.function.arguments or ""
+    assert sorted(streamed) == list(range(len(streamed)))
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [
         (t.function.name, t.function.arguments) for t in msg.tool_calls
     ]
-    assert [t.index for t in calls] == list(range(len(calls)))
+    assert len(pieces) > len(streamed)  # arguments after the name, as they came
 
 
 def test_tool_choice_none_and_a_cut_short_call(client):
