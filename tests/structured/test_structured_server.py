@@ -240,6 +240,35 @@ def test_required_tool_choice_returns_calls_to_the_tools(client):
     assert len(pieces) > len(streamed)  # arguments after the name, as they came
 
 
+def test_required_tool_choice_streams_each_choice_with_its_logprobs(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        stream=True,
+    )
+    calls: dict[int, dict[int, list[str]]] = {0: {}, 1: {}}
+    tokens = {0: 0, 1: 0}
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs and choice.logprobs.content:
+                tokens[choice.index] += len(choice.logprobs.content)
+            for t in choice.delta.tool_calls or []:
+                if t.id:
+                    calls[choice.index][t.index] = [t.function.name, ""]
+                calls[choice.index][t.index][1] += t.function.arguments or ""
+    for index in (0, 1):
+        assert calls[index] and tokens[index] > 0  # logprobs come with the chunks, not held
+        for name, arguments in calls[index].values():
+            assert name in ("get_weather", "get_time")
+            assert set(json.loads(arguments)) == ({"city"} if name == "get_weather" else set())
+
+
 def test_tool_choice_none_and_a_cut_short_call(client):
     def ask(tool_choice: str, max_tokens: int):
         return client.chat.completions.create(
