@@ -239,12 +239,11 @@ def _tile_x_kernel(
 
 
 def tile_x(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
-    """`tile_x_reference` in one kernel (x's rows may be strided, its columns not)."""
+    """`tile_x_reference` in one kernel (x's rows may be strided, its columns are contiguous:
+    `w4a16_supported`)."""
     m, k = x.shape
     m_tiles, steps = -(-m // bn), k // STEP
     out = torch.empty(m_tiles, steps, bn * STEP, dtype=x.dtype, device=x.device)
-    if x.stride(1) != 1:
-        x = x.contiguous()
     order = k_order(k, x.device)
     pdl = pdl_enabled(x)
     _tile_x_kernel[(m_tiles, steps)](
