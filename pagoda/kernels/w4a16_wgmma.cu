@@ -34,8 +34,9 @@
 // A CTA covers activation rows [BN * blockIdx.x, +BN), weight rows [64 * WG * blockIdx.y,
 // +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
 // split, each CTA stores its fp32 tile to partial[split, m, n] and counts its arrival on the
-// tile's counter; the last to arrive sums the splits in order (the same bits every call),
-// stores y and resets the counter (as `skinny_gemm.store_tile` does).
+// tile's counter; the last to arrive sums the splits in order (the same bits every call) with
+// its threads over consecutive outputs (its accumulators are dead by then: no spills at 256
+// rows), stores y and resets the counter (as `skinny_gemm.store_tile` does).
 //
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
@@ -254,37 +255,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 
   // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
 #if SPLIT
-  {
-    const long long split_size = (long long)M * N;
+  const long long split_size = (long long)M * N;
 #pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
+  for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
-        if (n < N && m < M) partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
-      }
-    __threadfence();
-    __syncthreads();
-    int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0) last_split = atomicAdd(counter, 1) == (int)gridDim.z - 1;
-    __syncthreads();
-    if (!last_split) return;
-    __threadfence();
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
-        float sum = 0.f;
-        if (n < N && m < M)
-          for (int s = 0; s < (int)gridDim.z; ++s)  // in split order: the same bits every call
-            sum += s == (int)blockIdx.z ? acc[4 * c + i]
-                                        : __ldcg(partial + s * split_size + (long long)m * N + n);
-        acc[4 * c + i] = sum;
-      }
-    if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
-  }
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+      if (n < N && m < M) partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
+    }
+  __threadfence();
+  __syncthreads();
+  int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
+  if (tid == 0) last_split = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+  __syncthreads();
+  if (!last_split) return;
+  __threadfence();
+  // The last CTA sums the tile's splits element by element (consecutive threads, consecutive
+  // outputs), in split order: the same bits every call.
+  for (int idx = tid; idx < BN * ROWS; idx += THREADS) {
+    const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
+    if (n < N && m < M) {
+      const float* p = partial + (long long)m * N + n;
+      float v = 0.f;
+      for (int z = 0; z < (int)gridDim.z; ++z) v += __ldcg(p + z * split_size);
+#if HAS_BIAS
+      v += to_f32<BF16>(bias[n]);
 #endif
+      y[(long long)m * stride_y + n] = from_f32(v);
+    }
+  }
+  if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
+#else
 #pragma unroll
   for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
@@ -298,4 +299,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         y[(long long)m * stride_y + n] = from_f32(v);
       }
     }
+#endif
 }
