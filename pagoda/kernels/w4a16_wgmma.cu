@@ -52,7 +52,7 @@
 // it for BN), as are the helpers of `w4a16_device.cuh`.
 
 #define STEP 128
-#define ROWS (64 * WG)
+#define ROWS (64 * WG * MT)
 #define THREADS (128 * WG)
 #define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
@@ -157,35 +157,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
-  // This lane's weight rows (past N: row N - 1, never stored), their scales and zeros.
-  const int row0 = min(n0 + 16 * warp + g, N - 1), row1 = min(n0 + 16 * warp + g + 8, N - 1);
-  const uint4* wrow0 =
-      reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t + 4 * s_begin;
-  const uint4* wrow1 =
-      reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t + 4 * s_begin;
+  // This lane's weight rows: 16 warp + g + 8h + 64 WG mt for its half h of tile mt (past N:
+  // row N - 1, never stored), their scales and zeros.
   const int group_steps = G / STEP;
   int group_left = group_steps - s_begin % group_steps;  // K steps left in the current group
   const long long group_off = (long long)(s_begin / group_steps) * N;
-  const u16 *sc0 = scales + group_off + row0, *sc1 = scales + group_off + row1;
-  const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
+  const uint4* wrow[MT][2];
+  const u16* sc_ptr[MT][2];
+  const u8* zp_ptr[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(n0 + 64 * WG * mt + 16 * warp + g + 8 * h, N - 1);
+      wrow[mt][h] =
+          reinterpret_cast<const uint4*>(qweight + (long long)row * (K / 8)) + t + 4 * s_begin;
+      sc_ptr[mt][h] = scales + group_off + row;
+      zp_ptr[mt][h] = zeros + group_off + row;
+    }
 
   // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
-  uint4 wv[DEPTH][2];
-  u32 sc[DEPTH][2], zp[DEPTH][2];
-  auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
+  uint4 wv[DEPTH][MT][2];
+  u32 sc[DEPTH][MT][2], zp[DEPTH][MT][2];
+  auto load_weights = [&](int i, uint4(&wv_)[MT][2], u32(&sc_)[MT][2], u32(&zp_)[MT][2]) {
     if (i < nsteps) {
-      wv_[0] = ld_weights(wrow0, policy);
-      wv_[1] = ld_weights(wrow1, policy);
-      sc_[0] = ld_nc_u16(sc0);
-      sc_[1] = ld_nc_u16(sc1);
-      zp_[0] = ld_nc_u8(zp0);
-      zp_[1] = ld_nc_u8(zp1);
-      wrow0 += 4;
-      wrow1 += 4;
-      if (--group_left == 0) {
-        group_left = group_steps;
-        sc0 += N, sc1 += N, zp0 += N, zp1 += N;
-      }
+      const bool next_group = --group_left == 0;
+      if (next_group) group_left = group_steps;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wv_[mt][h] = ld_weights(wrow[mt][h], policy);
+          sc_[mt][h] = ld_nc_u16(sc_ptr[mt][h]);
+          zp_[mt][h] = ld_nc_u8(zp_ptr[mt][h]);
+          wrow[mt][h] += 4;
+          if (next_group) sc_ptr[mt][h] += N, zp_ptr[mt][h] += N;
+        }
     }
   };
   // Step i's x tile into stage `stage`: the tile's 16-byte chunks tid, tid + THREADS, ...
@@ -208,10 +215,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     cp_async_commit();
   }
 
-  float acc[BN / 2];
+  float acc[MT][BN / 2];
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  u32 a[A_BUFFERS][8][4];
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[mt][i] = 0.f;
+  u32 a[A_BUFFERS][MT][8][4];
 
   for (int i0 = 0; i0 < nsteps; i0 += DEPTH) {
 #pragma unroll
@@ -224,26 +233,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         if (i + STAGES - 2 < nsteps) load_x(i + STAGES - 2, (i + STAGES - 2) % STAGES);
         cp_async_commit();
 
-        u32(&ab)[8][4] = a[d % A_BUFFERS];
+        u32(&ab)[MT][8][4] = a[d % A_BUFFERS];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const u32 word = part(wv[d][h], w);
-            ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
-            ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
-            ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
-            ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
+          for (int h = 0; h < 2; ++h) {
+            const u32 zoff = MAGIC | (zp[d][mt][h] * 0x10001u), s2 = scale2(sc[d][mt][h]);
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+              const u32 word = part(wv[d][mt][h], w);
+              ab[mt][2 * w][h] = weight_pair<0>(word, zoff, s2);
+              ab[mt][2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
+              ab[mt][2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
+              ab[mt][2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
+            }
           }
-        }
         load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
 
         const unsigned long long desc = b_desc(tiles + (i % STAGES) * STAGE_BYTES);
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], desc + B_CHUNK(j));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            WGMMA(acc[mt], ab[mt][j][0], ab[mt][j][1], ab[mt][j][2], ab[mt][j][3],
+                  desc + B_CHUNK(j));
         wgmma_commit();
         wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
       }
@@ -251,18 +265,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // read after the wait
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i)
+      asm volatile("" : "+f"(acc[mt][i])::"memory");  // read after the wait
 
-  // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
+  // acc[mt][4c + i]: weight row 64 WG mt + 16 warp + g + 8 (i / 2), activation row 8c + 2t +
+  // i % 2.
 #if SPLIT
   const long long split_size = (long long)M * N;
 #pragma unroll
-  for (int c = 0; c < BN / 8; ++c)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
-      if (n < N && m < M) partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
-    }
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n0 + 64 * WG * mt + 16 * warp + g + 8 * (i >> 1);
+        const int m = m0 + 8 * c + 2 * t + (i & 1);
+        if (n < N && m < M)
+          partial[blockIdx.z * split_size + (long long)m * N + n] = acc[mt][4 * c + i];
+      }
   __threadfence();
   __syncthreads();
   int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
@@ -287,17 +309,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
 #else
 #pragma unroll
-  for (int c = 0; c < BN / 8; ++c)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
-      if (n < N && m < M) {
-        float v = acc[4 * c + i];
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n0 + 64 * WG * mt + 16 * warp + g + 8 * (i >> 1);
+        const int m = m0 + 8 * c + 2 * t + (i & 1);
+        if (n < N && m < M) {
+          float v = acc[mt][4 * c + i];
 #if HAS_BIAS
-        v += to_f32<BF16>(bias[n]);
+          v += to_f32<BF16>(bias[n]);
 #endif
-        y[(long long)m * stride_y + n] = from_f32(v);
+          y[(long long)m * stride_y + n] = from_f32(v);
+        }
       }
-    }
 #endif
 }

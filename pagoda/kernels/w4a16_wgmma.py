@@ -44,7 +44,8 @@ BN_VALUES = (32, 64, 128, 256)  # 256 with one A buffer (two spill past 255 regi
 
 class WgmmaConfig(NamedTuple):
     """bn: activation rows of a CTA (wgmma's N: 32, 64, 128, or 256 with one A buffer);
-    warpgroups: 1 or 2, 64 weight rows each; stages: x tiles in shared memory (>= 3; the
+    warpgroups: 1, 2 or 4, each with `weight_tiles` tiles of 64 weight rows (1 or 2: two
+    wgmmas share each x tile, so a CTA reads x once per 128 weight rows a warpgroup); stages: x tiles in shared memory (>= 3; the
     copies run stages - 2 K steps ahead); depth: K steps of weights each lane has in flight
     (2 or 4); split_k: K split over this many CTAs per output tile (fp32 partials summed by the
     last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K step's weights
@@ -59,6 +60,12 @@ class WgmmaConfig(NamedTuple):
     split_k: int = 0
     a_buffers: int = 2
     ctas_per_sm: int = 1
+    weight_tiles: int = 1
+
+
+def rows_per_cta(cfg: WgmmaConfig) -> int:
+    """Weight rows (outputs) a CTA covers."""
+    return 64 * cfg.warpgroups * cfg.weight_tiles
 
 
 def smem_bytes(cfg: WgmmaConfig) -> int:
@@ -73,8 +80,14 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"bn {cfg.bn} not in {BN_VALUES}"
     if cfg.bn == 256 and cfg.a_buffers != 1:
         return "bn 256 needs a_buffers 1 (two buffers spill past 255 registers)"
-    if cfg.warpgroups not in (1, 2):
-        return f"warpgroups {cfg.warpgroups} not 1 or 2"
+    if cfg.warpgroups not in (1, 2, 4):
+        return f"warpgroups {cfg.warpgroups} not 1, 2 or 4"
+    if cfg.weight_tiles not in (1, 2):
+        return f"weight_tiles {cfg.weight_tiles} not 1 or 2"
+    if cfg.warpgroups * cfg.ctas_per_sm > 4:
+        return (
+            f"{cfg.ctas_per_sm} CTAs of {cfg.warpgroups} warpgroups: under 128 registers a thread"
+        )
     if cfg.depth not in (2, 4):
         return f"depth {cfg.depth} not 2 or 4"
     if cfg.stages < 3:
@@ -139,6 +152,7 @@ def _compile(
         "DEPTH": cfg.depth,
         "A_BUFFERS": cfg.a_buffers,
         "CTAS_PER_SM": cfg.ctas_per_sm,
+        "MT": cfg.weight_tiles,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
@@ -256,7 +270,7 @@ def tile_x(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
 def split_for(m: int, n: int, k: int, cfg: WgmmaConfig, num_sms: int) -> int:
     """K splits for a grid of fewer tiles than can run at once (`ctas_per_sm` a SM): until
     the grid covers them, each split keeping at least 4 K steps."""
-    tiles = -(-m // cfg.bn) * -(-n // (64 * cfg.warpgroups))
+    tiles = -(-m // cfg.bn) * -(-n // rows_per_cta(cfg))
     split = 1
     while tiles * split * 2 <= num_sms * cfg.ctas_per_sm and (k // STEP) // (split * 2) >= 4:
         split *= 2
@@ -291,7 +305,7 @@ def w4a16_wgmma(
         return None
     xt = tile_x(x, perm, cfg.bn)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (-(-m // cfg.bn), -(-n // (64 * cfg.warpgroups)), split)
+    grid = (-(-m // cfg.bn), -(-n // rows_per_cta(cfg)), split)
     counters, partials = split_k_buffers(y, grid[0] * grid[1], split)
     args = [
         y, xt, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
