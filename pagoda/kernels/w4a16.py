@@ -440,18 +440,20 @@ WGMMA_MIN_N = 4096
 def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
     """The wgmma kernel's config (`w4a16_wgmma`, sm_90; elsewhere the call falls back to
     `fallback_config`) where it beat the other kernels, or None. From the H100 sweep of the
-    Llama-3-8B layers at 32-1024 rows (`benchmarks/w4a16_skinny_bench.py`, 36 configs each),
-    us per layer against the rule before it:
-    - wide layers (gate_up): activation tiles as tall as the rows, up to 256 (one A buffer):
-      38.8 vs 49.6 at 32 rows, 45.1 vs 59.7 at 64, 77.3 at 128, 127.7 vs 149.2 at 256, 250.8
-      vs 281.0 at 512;
-    - deep ones (down, K >= 2N) past 128 rows: 64-row tiles, 2 warpgroups, two CTAs a SM to
-      256 rows (90.8 vs 121.2 at 256; a tie at 128, slower below), 128-row tiles to 512
-      (130.5 vs 139.5);
+    Llama-3-8B layers at 32-512 rows (`benchmarks/w4a16_skinny_bench.py`, 39 configs each;
+    `benchmarks/results/h200/run39-split-epilogue/2-h100/`), us per layer against the rule
+    before it:
+    - wide layers (gate_up): activation tiles as tall as the rows (32: 39.1; 64: 44.9; 128:
+      76.9), 64-row tiles of 2 warpgroups from 129 to 192 rows (117.1 vs 122.5), then 256-row
+      tiles with one A buffer to 512 (125.9 at 256, 246.0 at 512);
+    - deep ones (down, K >= 2N) from 33 rows to 256: 64-row tiles, 2 warpgroups, two CTAs a
+      SM, split K (37.9 vs 50.6 at 64, 50.0 vs 63.9 at 128, 86.9 at 256), 128-row tiles to
+      512 (129.6);
     - the others (qkv, o) past 64 rows to 256, and qkv's 6144 outputs from 33: 64-row tiles,
-      one warpgroup, 4 K steps of weights in flight (qkv 26.3 vs 28.4 at 64, 28.4 vs 39.4 at
-      128, 36.4 vs 40.2 at 256; o 26.7 vs 27.7 at 128, 32.8 vs 35.0 at 256), one A buffer past
-      128; at 512 within 4% of dequantizing for cuBLAS.
+      one warpgroup, 4 K steps of weights in flight (qkv 26.5 / 28.4 / 36.6 at 64 / 128 / 256
+      rows, o 26.9 / 29.6 at 128 / 256); qkv with one A buffer past 128 rows (37.2 vs 52.1 at
+      256), o with two (29.6 vs 33.4); at 512 within 4% of dequantizing for cuBLAS.
+    CTAs of 256 weight rows (4 warpgroups, or 2 taking two weight tiles each) lost everywhere.
     From 1024 rows dequantizing for cuBLAS was as fast or faster for every layer."""
     if k % w4a16_wgmma.STEP or (group_size % w4a16_wgmma.STEP and group_size < k):
         return None
@@ -464,15 +466,18 @@ def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
             return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
         if m <= 128:
             return WgmmaConfig(bn=128)
+        if m <= 192:
+            return WgmmaConfig(bn=64, a_buffers=1)
         return WgmmaConfig(bn=256, stages=3, a_buffers=1)
     if k >= 2 * n:
-        if m <= 128:
+        if m <= 32:
             return None
         return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2) if m <= 256 else WgmmaConfig(bn=128)
     if m > 256:
         return None
     if m > 64 or (m > 32 and n >= 6144):
-        return WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1 if m > 128 else 2)
+        one_buffer = m > 128 and n >= 6144
+        return WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1 if one_buffer else 2)
     return None
 
 
