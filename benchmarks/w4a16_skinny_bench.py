@@ -85,7 +85,8 @@ def wgmma_grid(m: int) -> list[tuple]:
     rows) or 64 and 128, 1 or 2 warpgroups, 2 or 4 K steps of weights in flight, 1 or 2 A
     buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`; CTAs of
     256 weight rows (4 warpgroups, or 2 with two weight tiles each: x read from L2 half as
-    often) in the register budgets that do not spill; from 256 rows also tiles of 256 rows."""
+    often) in the register budgets that do not spill; from 256 rows also tiles of 256 rows;
+    each with x copied by cp.async and a barrier a step, and by bulk copies and mbarriers."""
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig, config_reason
 
     if m < 17:
@@ -102,6 +103,7 @@ def wgmma_grid(m: int) -> list[tuple]:
         ]
     if m >= 256:  # 256 rows a CTA: one A buffer, 3 stages of 64 KB
         configs += [WgmmaConfig(256, wg, 3, depth, 0, 1) for wg in (1, 2) for depth in (2, 4)]
+    configs += [c._replace(x_bulk=1) for c in configs]
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 

@@ -124,6 +124,48 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+#if X_BULK
+// mbarrier and 1-D bulk copy (TMA without a tensor map) helpers.
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// `bytes` from global `src` to shared `dst` in one bulk copy that completes on `bar` (whose
+// phase then expects those bytes).
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// A warp's lane 0 counts the warp done with a stage; the count before it (acq_rel: the last
+// to count sees every other warp's reads of the stage done).
+__device__ __forceinline__ u32 count_release(u32 counter) {
+  u32 old;
+  asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;"
+               : "=r"(old)
+               : "r"(counter)
+               : "memory");
+  return old;
+}
+#endif
+
 // The descriptor of B for the tile at `tile` (1024-aligned): start address, leading offset 16
 // (unused by the swizzled layout), stride 1024 bytes between 8-row atoms, 128-byte swizzle.
 __device__ __forceinline__ unsigned long long b_desc(u32 tile) {
@@ -146,6 +188,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   extern __shared__ unsigned char smem_raw[];  // STAGES x tiles, 1024-aligned below
 #if SPLIT
   __shared__ int last_split;
+#endif
+#if X_BULK
+  __shared__ __align__(8) unsigned long long full[STAGES];  // a stage's x tile has landed
+  __shared__ u32 released[STAGES];                           // warps done with a stage
 #endif
   const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -195,6 +241,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         }
     }
   };
+#if X_BULK
+  // Step i's x tile into stage i % STAGES: one bulk copy by one thread.
+  const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS;
+  const u32 full0 = smem_addr(full), released0 = smem_addr(released);
+  auto load_x = [&](int i) {
+    const int stage = i % STAGES;
+    bulk_copy(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
+              full0 + 8 * stage);
+  };
+  // After step i's wgmmas are done in every warp, the last warp to say so refills its stage
+  // with step i + STAGES.
+  auto release = [&](int i) {
+    __syncwarp();
+    if (lane == 0) {
+      const u32 counter = released0 + 4 * (i % STAGES);
+      if (count_release(counter) == 4 * WG - 1) {
+        released[i % STAGES] = 0;
+        if (i + STAGES < nsteps) load_x(i + STAGES);
+      }
+    }
+  };
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      released[s] = 0;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
+  grid_wait();  // xt is written by the kernel before (`tile_x`)
+  launch_dependents();
+  if (tid == 0)
+    for (int i = 0; i < STAGES && i < nsteps; ++i) load_x(i);
+#else
   // Step i's x tile into stage `stage`: the tile's 16-byte chunks tid, tid + THREADS, ...
   const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS + tid * 8;
   const u32 xdst = tiles + tid * 16;
@@ -214,6 +296,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     if (i < nsteps) load_x(i, i);
     cp_async_commit();
   }
+#endif
 
   float acc[MT][BN / 2];
 #pragma unroll
@@ -227,11 +310,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     for (int d = 0; d < DEPTH; ++d) {
       const int i = i0 + d;
       if (i < nsteps) {
+#if X_BULK
+        mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
+#else
         cp_async_wait<STAGES - 3>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
         if (i + STAGES - 2 < nsteps) load_x(i + STAGES - 2, (i + STAGES - 2) % STAGES);
         cp_async_commit();
+#endif
 
         u32(&ab)[MT][8][4] = a[d % A_BUFFERS];
 #pragma unroll
@@ -260,6 +347,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
                   desc + B_CHUNK(j));
         wgmma_commit();
         wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
+#if X_BULK
+        if (i >= A_BUFFERS - 1) release(i - (A_BUFFERS - 1));  // its wgmmas are done
+#endif
       }
     }
   }

@@ -51,7 +51,9 @@ class WgmmaConfig(NamedTuple):
     last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K step's weights
     while the step before's wgmmas run, 1 to wait for them first (fewer registers);
     ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at 65536 / (2 x
-    threads))."""
+    threads); x_bulk: 1 to copy each x tile in one bulk (TMA) copy that completes on an
+    mbarrier, the last warp done with a stage refilling it (no CTA barrier a K step: the
+    warpgroups drift apart), 0 for cp.async by every thread and a barrier a step."""
 
     bn: int = 64
     warpgroups: int = 2
@@ -61,6 +63,7 @@ class WgmmaConfig(NamedTuple):
     a_buffers: int = 2
     ctas_per_sm: int = 1
     weight_tiles: int = 1
+    x_bulk: int = 0
 
 
 def rows_per_cta(cfg: WgmmaConfig) -> int:
@@ -84,6 +87,8 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"warpgroups {cfg.warpgroups} not 1, 2 or 4"
     if cfg.weight_tiles not in (1, 2):
         return f"weight_tiles {cfg.weight_tiles} not 1 or 2"
+    if cfg.x_bulk not in (0, 1):
+        return f"x_bulk {cfg.x_bulk} not 0 or 1"
     if cfg.warpgroups * cfg.ctas_per_sm > 4:
         return (
             f"{cfg.ctas_per_sm} CTAs of {cfg.warpgroups} warpgroups: under 128 registers a thread"
@@ -153,6 +158,7 @@ def _compile(
         "A_BUFFERS": cfg.a_buffers,
         "CTAS_PER_SM": cfg.ctas_per_sm,
         "MT": cfg.weight_tiles,
+        "X_BULK": cfg.x_bulk,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute

@@ -39,6 +39,11 @@ TILES = [
     WgmmaConfig(bn=32, warpgroups=1, depth=4, weight_tiles=2, ctas_per_sm=2),
     WgmmaConfig(bn=64, warpgroups=4, a_buffers=1),
     WgmmaConfig(bn=32, warpgroups=4, split_k=2),
+    WgmmaConfig(x_bulk=1),
+    WgmmaConfig(bn=32, warpgroups=1, stages=3, depth=4, x_bulk=1),
+    WgmmaConfig(bn=64, warpgroups=1, depth=4, split_k=2, a_buffers=1, x_bulk=1),
+    WgmmaConfig(bn=128, warpgroups=4, stages=5, a_buffers=1, x_bulk=1),
+    WgmmaConfig(bn=256, stages=3, a_buffers=1, x_bulk=1),
 ]
 
 
@@ -92,7 +97,12 @@ def test_every_tile_shape_matches(cfg: WgmmaConfig, m: int) -> None:
 @pytest.mark.parametrize("split_k", [2, 3, 8])
 @pytest.mark.parametrize(
     "cfg",
-    [WgmmaConfig(), WgmmaConfig(bn=256, stages=3, a_buffers=1), WgmmaConfig(weight_tiles=2)],
+    [
+        WgmmaConfig(),
+        WgmmaConfig(bn=256, stages=3, a_buffers=1),
+        WgmmaConfig(weight_tiles=2),
+        WgmmaConfig(warpgroups=1, x_bulk=1),
+    ],
     ids=str,
 )
 def test_split_k_sums_every_split(split_k: int, cfg: WgmmaConfig) -> None:
@@ -137,10 +147,11 @@ def test_wgmma_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) ->
 
 @sm90
 @pytest.mark.gpu
-def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
+@pytest.mark.parametrize("x_bulk", [0, 1])
+def test_wgmma_in_a_cuda_graph_replays_exactly(x_bulk: int) -> None:
     w4, _ = _weights("gptq_act_order", 512, 4096, 128)
     x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
-    cfg = WgmmaConfig(split_k=4)
+    cfg = WgmmaConfig(split_k=4, x_bulk=x_bulk)
     eager = _linear(x, w4, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -197,6 +208,7 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "a_buffers" in w4a16_wgmma.config_reason(WgmmaConfig(a_buffers=3))
     assert "a_buffers 1" in w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3))
     assert "weight_tiles" in w4a16_wgmma.config_reason(WgmmaConfig(weight_tiles=4))
+    assert "x_bulk" in w4a16_wgmma.config_reason(WgmmaConfig(x_bulk=2))
     assert "warpgroups" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=3))
     assert "registers" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=4, ctas_per_sm=2))
     assert w4a16_wgmma.rows_per_cta(WgmmaConfig(warpgroups=4, weight_tiles=2)) == 512
