@@ -83,27 +83,19 @@ def _build_gemv(job: tuple) -> str | None:
 def wgmma_grid(m: int) -> list[tuple]:
     """WgmmaConfig tuples to time from 17 rows: activation tiles of 32 and 64 rows (up to 32
     rows) or 64 and 128, 1 or 2 warpgroups, 2 or 4 K steps of weights in flight, 1 or 2 A
-    buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`; CTAs of
-    256 weight rows (4 warpgroups, or 2 with two weight tiles each: x read from L2 half as
-    often) in the register budgets that do not spill; from 256 rows also tiles of 256 rows;
-    each with x copied by cp.async and a barrier a step, and by bulk copies and mbarriers."""
+    buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`; 4
+    warpgroups where their 128 registers a thread do not spill; past 128 rows also tiles of
+    256 rows."""
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig, config_reason
 
     if m < 17:
         return []
     grid = itertools.product((32, 64) if m <= 32 else (64, 128), (1, 2), (2, 4), (1, 2), (1, 2))
     configs = [WgmmaConfig(bn, wg, 4, depth, 0, ab, cps) for bn, wg, depth, ab, cps in grid]
-    if m <= 32:  # (bn, warpgroups, stages, depth, split_k, a_buffers, ctas_per_sm, weight_tiles)
-        configs += [WgmmaConfig(32, 2, 4, 4, 0, 2, 1, 2), WgmmaConfig(32, 1, 4, 4, 0, 2, 2, 2)]
-    else:
-        configs += [
-            WgmmaConfig(64, 2, 4, 2, 0, 1, 1, 2),
-            WgmmaConfig(64, 1, 4, 2, 0, 1, 2, 2),
-            WgmmaConfig(64, 4, 4, 2, 0, 1, 1, 1),
-        ]
-    if m >= 256:  # 256 rows a CTA: one A buffer, 3 stages of 64 KB
+    # (bn, warpgroups, stages, depth, split_k, a_buffers, ctas_per_sm)
+    configs.append(WgmmaConfig(32 if m <= 32 else 64, 4, 4, 2, 0, 1, 1))
+    if m > 128:  # 256 rows a CTA: one A buffer, 3 stages of 64 KB
         configs += [WgmmaConfig(256, wg, 3, depth, 0, 1) for wg in (1, 2) for depth in (2, 4)]
-    configs += [c._replace(x_bulk=1) for c in configs]
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 

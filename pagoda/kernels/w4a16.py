@@ -433,48 +433,55 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, e
     return fallback_config(m, n, k, group_size, num_sms, elem_bytes)
 
 
-WGMMA_MAX_M = 512  # rows up to which the wgmma kernel was measured to win (wide and deep layers)
+WGMMA_MAX_M = 1024  # rows up to which the wgmma kernel was measured to win
 WGMMA_MIN_N = 4096
 
 
 def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
     """The wgmma kernel's config (`w4a16_wgmma`, sm_90; elsewhere the call falls back to
     `fallback_config`) where it beat the other kernels, or None. From the H100 sweep of the
-    Llama-3-8B layers at 32-512 rows (`benchmarks/w4a16_skinny_bench.py`, 39 configs each;
-    `benchmarks/results/h200/run39-split-epilogue/2-h100/`), us per layer against the rule
-    before it:
-    - wide layers (gate_up): activation tiles as tall as the rows (32: 39.1; 64: 44.9; 128:
-      76.9), 64-row tiles of 2 warpgroups from 129 to 192 rows (117.1 vs 122.5), then 256-row
-      tiles with one A buffer to 512 (125.9 at 256, 246.0 at 512);
-    - deep ones (down, K >= 2N) from 33 rows to 256: 64-row tiles, 2 warpgroups, two CTAs a
-      SM, split K (37.9 vs 50.6 at 64, 50.0 vs 63.9 at 128, 86.9 at 256), 128-row tiles to
-      512 (129.6);
-    - the others (qkv, o) past 64 rows to 256, and qkv's 6144 outputs from 33: 64-row tiles,
-      one warpgroup, 4 K steps of weights in flight (qkv 26.5 / 28.4 / 36.6 at 64 / 128 / 256
-      rows, o 26.9 / 29.6 at 128 / 256); qkv with one A buffer past 128 rows (37.2 vs 52.1 at
-      256), o with two (29.6 vs 33.4); at 512 within 4% of dequantizing for cuBLAS.
-    CTAs of 256 weight rows (4 warpgroups, or 2 taking two weight tiles each) lost everywhere.
-    From 1024 rows dequantizing for cuBLAS was as fast or faster for every layer."""
+    Llama-3-8B layers at 32-512 rows (`benchmarks/w4a16_skinny_bench.py`, ~35 configs each;
+    `benchmarks/results/h200/run39-split-epilogue/4-h100/`), us per layer against the rule
+    before it (the same run):
+    - wide layers (gate_up): activation tiles as tall as the rows (32: 38.0 vs 39.3; 64: 41.3
+      vs 46.7; 128: 65.3 vs 77.2), 64-row tiles of 4 warpgroups from 129 to 192 rows (109.7 vs
+      118.0), then 256-row tiles with one A buffer to 512 (101.1 vs 125.9 at 256, faster than
+      cuBLAS on bf16 weights; 200.3 vs 245.5 at 512);
+    - deep ones (down, K >= 2N) from 33 rows: 64-row tiles, 2 warpgroups, two CTAs a SM to 64
+      rows (37.5 vs 38.4), 4 warpgroups to 256 (50.8 / 81.6 at 128 / 256 against 50.9 / 86.9),
+      128-row tiles to 512 (107.3 vs 129.8);
+    - the others (qkv, o) past 64 rows, and qkv's 6144 outputs from 33: to 256 rows 64-row
+      tiles, one warpgroup, 4 K steps of weights in flight (qkv 23.1 / 25.5 / 34.3 at 64 /
+      128 / 256 rows, o 23.8 / 27.1 at 128 / 256), qkv with one A buffer past 128 rows (34.3 vs
+      46.8 at 256), o with two (27.1 vs 32.0); to 512 256-row tiles for qkv (51.6 vs 63.1) and
+      128-row tiles for o (34.0 vs 41.2);
+    - every layer from 513 rows to 1024: 256-row tiles (`run39-split-epilogue/5-h100/`, 1024
+      rows: gate_up 350.8 vs 428.0 dequantizing for cuBLAS, down 178.4 vs 205.4, o 53.4 vs
+      62.5; qkv 100.4 vs 94.3). Past 1024 rows (prefill) dequantizing for cuBLAS, unmeasured."""
     if k % w4a16_wgmma.STEP or (group_size % w4a16_wgmma.STEP and group_size < k):
         return None
     if m < 17 or m > WGMMA_MAX_M or n < WGMMA_MIN_N:
         return None
+    if m > 512:
+        return WgmmaConfig(bn=256, stages=3, a_buffers=1)
     if n >= SKINNY_WIDE_N:
         if m <= 32:
-            return WgmmaConfig(bn=32, warpgroups=1, a_buffers=1)
+            return WgmmaConfig(bn=32, a_buffers=1, ctas_per_sm=2)
         if m <= 64:
             return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
         if m <= 128:
             return WgmmaConfig(bn=128)
         if m <= 192:
-            return WgmmaConfig(bn=64, a_buffers=1)
+            return WgmmaConfig(bn=64, warpgroups=4, a_buffers=1)
         return WgmmaConfig(bn=256, stages=3, a_buffers=1)
     if k >= 2 * n:
         if m <= 32:
             return None
-        return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2) if m <= 256 else WgmmaConfig(bn=128)
+        if m <= 64:
+            return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+        return WgmmaConfig(bn=64, warpgroups=4, a_buffers=1) if m <= 256 else WgmmaConfig(bn=128)
     if m > 256:
-        return None
+        return WgmmaConfig(bn=256, stages=3, a_buffers=1) if n >= 6144 else WgmmaConfig(bn=128)
     if m > 64 or (m > 32 and n >= 6144):
         one_buffer = m > 128 and n >= 6144
         return WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1 if one_buffer else 2)

@@ -22,14 +22,15 @@
 // bytes in the 128-byte-swizzled K-major layout wgmma reads (16-byte chunk c of row r at
 // chunk c ^ (r % 8); 8-row atoms 1024 bytes apart). The caller writes x once per call in
 // exactly these tiles (`w4a16_wgmma.tile_x`: xt [M tiles][K steps][BN x 128], rows past M
-// zero), so a tile is one contiguous copy: every thread's cp.async chunks sit at fixed offsets
-// from its own (no address arithmetic, no row checks in the loop). STAGES stages, STAGES - 2
-// steps ahead. Per step: wait for the step's tile, one barrier, issue the copy of a later tile
-// into the stage that the step two back read (its wgmmas are done: each warpgroup waited for
-// all but its last group before the barrier), unpack this step's A (two register buffers: the
-// wgmmas of the step before may still be reading the other), 8 wgmma m64nBNk16, commit, wait
-// for all but this group (or, with one buffer, for this group too). A lane's scale and zero
-// pointers step to the next group's row as its K steps cross a group boundary (no division).
+// zero), so a tile is one contiguous bulk copy (the TMA unit, no tensor map) that completes on
+// its stage's mbarrier. STAGES stages, all of them ahead. Per step, each warp: wait for the
+// step's tile (the mbarrier's phase), unpack this step's A (two register buffers: the wgmmas
+// of the step before may still be reading the other), 8 wgmma m64nBNk16, commit, wait for all
+// but this group (or, with one buffer, for this group too), then count itself done with the
+// stage whose wgmmas have ended; the last warp to do so copies the tile STAGES steps on into
+// it. No barrier spans the CTA, so its warpgroups drift apart and take the tensor cores in
+// turn. A lane's scale and zero pointers step to the next group's row as its K steps cross a
+// group boundary (no division).
 //
 // A CTA covers activation rows [BN * blockIdx.x, +BN), weight rows [64 * WG * blockIdx.y,
 // +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
@@ -42,7 +43,7 @@
 // the x tiling kernel where PDL is on).
 //
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
-// BN (activation rows of a CTA: 32, 64, 128 or 256), WG (1 or 2 warpgroups), STAGES (>= 3),
+// BN (activation rows of a CTA: 32, 64, 128 or 256), WG (1, 2 or 4 warpgroups), STAGES (>= 3),
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
@@ -52,12 +53,11 @@
 // it for BN), as are the helpers of `w4a16_device.cuh`.
 
 #define STEP 128
-#define ROWS (64 * WG * MT)
+#define ROWS (64 * WG)
 #define THREADS (128 * WG)
 #define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
 #define STAGE_ELEMS (STAGE_BYTES / 2)
-#define CHUNKS (STAGE_BYTES / 16 / THREADS)  // 16-byte copies of a tile per thread
 
 #if BF16
 #define ONE2 0x3f803f80u
@@ -97,20 +97,6 @@ __device__ __forceinline__ u32 weight_pair(u32 w, u32 zoff, u32 s2) {
   return v;
 }
 
-// 16 bytes global -> shared.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
@@ -124,7 +110,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-#if X_BULK
 // mbarrier and 1-D bulk copy (TMA without a tensor map) helpers.
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -164,7 +149,6 @@ __device__ __forceinline__ u32 count_release(u32 counter) {
                : "memory");
   return old;
 }
-#endif
 
 // The descriptor of B for the tile at `tile` (1024-aligned): start address, leading offset 16
 // (unused by the swizzled layout), stride 1024 bytes between 8-row atoms, 128-byte swizzle.
@@ -189,10 +173,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 #if SPLIT
   __shared__ int last_split;
 #endif
-#if X_BULK
   __shared__ __align__(8) unsigned long long full[STAGES];  // a stage's x tile has landed
   __shared__ u32 released[STAGES];                           // warps done with a stage
-#endif
   const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -203,45 +185,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
-  // This lane's weight rows: 16 warp + g + 8h + 64 WG mt for its half h of tile mt (past N:
-  // row N - 1, never stored), their scales and zeros.
+  // This lane's weight rows (past N: row N - 1, never stored), their scales and zeros.
+  const int row0 = min(n0 + 16 * warp + g, N - 1), row1 = min(n0 + 16 * warp + g + 8, N - 1);
+  const uint4* wrow0 =
+      reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t + 4 * s_begin;
+  const uint4* wrow1 =
+      reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t + 4 * s_begin;
   const int group_steps = G / STEP;
   int group_left = group_steps - s_begin % group_steps;  // K steps left in the current group
   const long long group_off = (long long)(s_begin / group_steps) * N;
-  const uint4* wrow[MT][2];
-  const u16* sc_ptr[MT][2];
-  const u8* zp_ptr[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = min(n0 + 64 * WG * mt + 16 * warp + g + 8 * h, N - 1);
-      wrow[mt][h] =
-          reinterpret_cast<const uint4*>(qweight + (long long)row * (K / 8)) + t + 4 * s_begin;
-      sc_ptr[mt][h] = scales + group_off + row;
-      zp_ptr[mt][h] = zeros + group_off + row;
-    }
+  const u16 *sc0 = scales + group_off + row0, *sc1 = scales + group_off + row1;
+  const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
 
   // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
-  uint4 wv[DEPTH][MT][2];
-  u32 sc[DEPTH][MT][2], zp[DEPTH][MT][2];
-  auto load_weights = [&](int i, uint4(&wv_)[MT][2], u32(&sc_)[MT][2], u32(&zp_)[MT][2]) {
+  uint4 wv[DEPTH][2];
+  u32 sc[DEPTH][2], zp[DEPTH][2];
+  auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
     if (i < nsteps) {
-      const bool next_group = --group_left == 0;
-      if (next_group) group_left = group_steps;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          wv_[mt][h] = ld_weights(wrow[mt][h], policy);
-          sc_[mt][h] = ld_nc_u16(sc_ptr[mt][h]);
-          zp_[mt][h] = ld_nc_u8(zp_ptr[mt][h]);
-          wrow[mt][h] += 4;
-          if (next_group) sc_ptr[mt][h] += N, zp_ptr[mt][h] += N;
-        }
+      wv_[0] = ld_weights(wrow0, policy);
+      wv_[1] = ld_weights(wrow1, policy);
+      sc_[0] = ld_nc_u16(sc0);
+      sc_[1] = ld_nc_u16(sc1);
+      zp_[0] = ld_nc_u8(zp0);
+      zp_[1] = ld_nc_u8(zp1);
+      wrow0 += 4;
+      wrow1 += 4;
+      if (--group_left == 0) {
+        group_left = group_steps;
+        sc0 += N, sc1 += N, zp0 += N, zp1 += N;
+      }
     }
   };
-#if X_BULK
   // Step i's x tile into stage i % STAGES: one bulk copy by one thread.
   const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS;
   const u32 full0 = smem_addr(full), released0 = smem_addr(released);
@@ -276,105 +250,59 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   launch_dependents();
   if (tid == 0)
     for (int i = 0; i < STAGES && i < nsteps; ++i) load_x(i);
-#else
-  // Step i's x tile into stage `stage`: the tile's 16-byte chunks tid, tid + THREADS, ...
-  const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS + tid * 8;
-  const u32 xdst = tiles + tid * 16;
-  auto load_x = [&](int i, int stage) {
-    const u16* src = xsrc + (long long)i * STAGE_ELEMS;
-    const u32 dst = xdst + stage * STAGE_BYTES;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) cp_async16(dst + c * THREADS * 16, src + c * THREADS * 8);
-  };
 
+  float acc[BN / 2];
 #pragma unroll
-  for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
-  grid_wait();  // xt is written by the kernel before (`tile_x`)
-  launch_dependents();
-#pragma unroll
-  for (int i = 0; i < STAGES - 2; ++i) {
-    if (i < nsteps) load_x(i, i);
-    cp_async_commit();
-  }
-#endif
-
-  float acc[MT][BN / 2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[mt][i] = 0.f;
-  u32 a[A_BUFFERS][MT][8][4];
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  u32 a[A_BUFFERS][8][4];
 
   for (int i0 = 0; i0 < nsteps; i0 += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const int i = i0 + d;
       if (i < nsteps) {
-#if X_BULK
         mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
-#else
-        cp_async_wait<STAGES - 3>();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-        if (i + STAGES - 2 < nsteps) load_x(i + STAGES - 2, (i + STAGES - 2) % STAGES);
-        cp_async_commit();
-#endif
 
-        u32(&ab)[MT][8][4] = a[d % A_BUFFERS];
+        u32(&ab)[8][4] = a[d % A_BUFFERS];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int h = 0; h < 2; ++h) {
+          const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const u32 zoff = MAGIC | (zp[d][mt][h] * 0x10001u), s2 = scale2(sc[d][mt][h]);
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-              const u32 word = part(wv[d][mt][h], w);
-              ab[mt][2 * w][h] = weight_pair<0>(word, zoff, s2);
-              ab[mt][2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
-              ab[mt][2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
-              ab[mt][2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
-            }
+          for (int w = 0; w < 4; ++w) {
+            const u32 word = part(wv[d][h], w);
+            ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
+            ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
+            ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
+            ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
           }
+        }
         load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
 
         const unsigned long long desc = b_desc(tiles + (i % STAGES) * STAGE_BYTES);
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-            WGMMA(acc[mt], ab[mt][j][0], ab[mt][j][1], ab[mt][j][2], ab[mt][j][3],
-                  desc + B_CHUNK(j));
+          WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], desc + B_CHUNK(j));
         wgmma_commit();
         wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
-#if X_BULK
         if (i >= A_BUFFERS - 1) release(i - (A_BUFFERS - 1));  // its wgmmas are done
-#endif
       }
     }
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i)
-      asm volatile("" : "+f"(acc[mt][i])::"memory");  // read after the wait
+  for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // read after the wait
 
-  // acc[mt][4c + i]: weight row 64 WG mt + 16 warp + g + 8 (i / 2), activation row 8c + 2t +
-  // i % 2.
+  // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
 #if SPLIT
   const long long split_size = (long long)M * N;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n0 + 64 * WG * mt + 16 * warp + g + 8 * (i >> 1);
-        const int m = m0 + 8 * c + 2 * t + (i & 1);
-        if (n < N && m < M)
-          partial[blockIdx.z * split_size + (long long)m * N + n] = acc[mt][4 * c + i];
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+      if (n < N && m < M) partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
+    }
   __threadfence();
   __syncthreads();
   int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
@@ -399,20 +327,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
 #else
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n0 + 64 * WG * mt + 16 * warp + g + 8 * (i >> 1);
-        const int m = m0 + 8 * c + 2 * t + (i & 1);
-        if (n < N && m < M) {
-          float v = acc[mt][4 * c + i];
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+      if (n < N && m < M) {
+        float v = acc[4 * c + i];
 #if HAS_BIAS
-          v += to_f32<BF16>(bias[n]);
+        v += to_f32<BF16>(bias[n]);
 #endif
-          y[(long long)m * stride_y + n] = from_f32(v);
-        }
+        y[(long long)m * stride_y + n] = from_f32(v);
       }
+    }
 #endif
 }

@@ -44,16 +44,13 @@ BN_VALUES = (32, 64, 128, 256)  # 256 with one A buffer (two spill past 255 regi
 
 class WgmmaConfig(NamedTuple):
     """bn: activation rows of a CTA (wgmma's N: 32, 64, 128, or 256 with one A buffer);
-    warpgroups: 1, 2 or 4, each with `weight_tiles` tiles of 64 weight rows (1 or 2: two
-    wgmmas share each x tile, so a CTA reads x once per 128 weight rows a warpgroup); stages: x tiles in shared memory (>= 3; the
-    copies run stages - 2 K steps ahead); depth: K steps of weights each lane has in flight
+    warpgroups: 1, 2 or 4, 64 weight rows each; stages: x tiles in shared memory (>= 3, each
+    refilled as soon as every warp is done with it); depth: K steps of weights each lane has in flight
     (2 or 4); split_k: K split over this many CTAs per output tile (fp32 partials summed by the
     last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K step's weights
     while the step before's wgmmas run, 1 to wait for them first (fewer registers);
     ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at 65536 / (2 x
-    threads); x_bulk: 1 to copy each x tile in one bulk (TMA) copy that completes on an
-    mbarrier, the last warp done with a stage refilling it (no CTA barrier a K step: the
-    warpgroups drift apart), 0 for cp.async by every thread and a barrier a step."""
+    threads)."""
 
     bn: int = 64
     warpgroups: int = 2
@@ -62,13 +59,11 @@ class WgmmaConfig(NamedTuple):
     split_k: int = 0
     a_buffers: int = 2
     ctas_per_sm: int = 1
-    weight_tiles: int = 1
-    x_bulk: int = 0
 
 
 def rows_per_cta(cfg: WgmmaConfig) -> int:
     """Weight rows (outputs) a CTA covers."""
-    return 64 * cfg.warpgroups * cfg.weight_tiles
+    return 64 * cfg.warpgroups
 
 
 def smem_bytes(cfg: WgmmaConfig) -> int:
@@ -85,10 +80,6 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return "bn 256 needs a_buffers 1 (two buffers spill past 255 registers)"
     if cfg.warpgroups not in (1, 2, 4):
         return f"warpgroups {cfg.warpgroups} not 1, 2 or 4"
-    if cfg.weight_tiles not in (1, 2):
-        return f"weight_tiles {cfg.weight_tiles} not 1 or 2"
-    if cfg.x_bulk not in (0, 1):
-        return f"x_bulk {cfg.x_bulk} not 0 or 1"
     if cfg.warpgroups * cfg.ctas_per_sm > 4:
         return (
             f"{cfg.ctas_per_sm} CTAs of {cfg.warpgroups} warpgroups: under 128 registers a thread"
@@ -157,8 +148,6 @@ def _compile(
         "DEPTH": cfg.depth,
         "A_BUFFERS": cfg.a_buffers,
         "CTAS_PER_SM": cfg.ctas_per_sm,
-        "MT": cfg.weight_tiles,
-        "X_BULK": cfg.x_bulk,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute

@@ -570,7 +570,7 @@ def test_choose_config_by_rows_and_groups() -> None:
     assert isinstance(fallback_config(64, *gate_up, 64), SkinnyConfig)
     assert not fallback_config(64, *gate_up, 64).planar
     assert fallback_config(129, n, k, 128) == DEQUANT  # choose_config: the wgmma kernel (sm_90)
-    assert choose_config(1024, n, k, 128) == DEQUANT
+    assert choose_config(1025, n, k, 128) == DEQUANT  # past the wgmma kernel
     assert isinstance(choose_config(1024, n, k, 128, elem_bytes=4), W4A16Config)
 
 

@@ -199,7 +199,7 @@ def test_default_config_takes_the_cuda_kernel_where_its_shapes_allow() -> None:
     assert isinstance(choose_config(1, n, 4000, 128), SkinnyConfig)  # K not a multiple of 128
     assert not isinstance(choose_config(1, n, k, 128, elem_bytes=4), GemvConfig)
     assert isinstance(choose_config(17, n, k, 128), SkinnyConfig)  # the Triton kernel won there
-    assert choose_config(1024, n, k, 128) == DEQUANT
+    assert choose_config(1025, n, k, 128) == DEQUANT
     assert fallback_config(1, n, k, 128) == skinny_config(1, n, k, 128)
     # Before sm_90 (no bulk copies): the register kernel up to 8 rows.
     for m in (1, 8):

@@ -35,15 +35,10 @@ TILES = [
     WgmmaConfig(bn=128, a_buffers=1),
     WgmmaConfig(bn=256, stages=3, a_buffers=1),
     WgmmaConfig(bn=256, warpgroups=1, stages=3, depth=4, split_k=3, a_buffers=1),
-    WgmmaConfig(bn=64, a_buffers=1, weight_tiles=2),
-    WgmmaConfig(bn=32, warpgroups=1, depth=4, weight_tiles=2, ctas_per_sm=2),
     WgmmaConfig(bn=64, warpgroups=4, a_buffers=1),
     WgmmaConfig(bn=32, warpgroups=4, split_k=2),
-    WgmmaConfig(x_bulk=1),
-    WgmmaConfig(bn=32, warpgroups=1, stages=3, depth=4, x_bulk=1),
-    WgmmaConfig(bn=64, warpgroups=1, depth=4, split_k=2, a_buffers=1, x_bulk=1),
-    WgmmaConfig(bn=128, warpgroups=4, stages=5, a_buffers=1, x_bulk=1),
-    WgmmaConfig(bn=256, stages=3, a_buffers=1, x_bulk=1),
+    WgmmaConfig(bn=64, warpgroups=1, depth=4, split_k=2, a_buffers=1),
+    WgmmaConfig(bn=128, warpgroups=4, stages=5, a_buffers=1),
 ]
 
 
@@ -100,13 +95,13 @@ def test_every_tile_shape_matches(cfg: WgmmaConfig, m: int) -> None:
     [
         WgmmaConfig(),
         WgmmaConfig(bn=256, stages=3, a_buffers=1),
-        WgmmaConfig(weight_tiles=2),
-        WgmmaConfig(warpgroups=1, x_bulk=1),
+        WgmmaConfig(warpgroups=4, a_buffers=1),
+        WgmmaConfig(warpgroups=1),
     ],
     ids=str,
 )
 def test_split_k_sums_every_split(split_k: int, cfg: WgmmaConfig) -> None:
-    n, k = 320, 4096  # 2-tile CTAs: the second tile's rows past N
+    n, k = 320, 4096  # the last CTA's rows past N
     w4, dense = _weights("gptq", n, k, 128)
     x = torch.randn(300 if cfg.bn == 256 else 48, k, device="cuda").to(torch.bfloat16)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
@@ -147,11 +142,10 @@ def test_wgmma_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) ->
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("x_bulk", [0, 1])
-def test_wgmma_in_a_cuda_graph_replays_exactly(x_bulk: int) -> None:
+def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
     w4, _ = _weights("gptq_act_order", 512, 4096, 128)
     x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
-    cfg = WgmmaConfig(split_k=4, x_bulk=x_bulk)
+    cfg = WgmmaConfig(split_k=4)
     eager = _linear(x, w4, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -207,11 +201,9 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "2 CTAs" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, ctas_per_sm=2))
     assert "a_buffers" in w4a16_wgmma.config_reason(WgmmaConfig(a_buffers=3))
     assert "a_buffers 1" in w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3))
-    assert "weight_tiles" in w4a16_wgmma.config_reason(WgmmaConfig(weight_tiles=4))
-    assert "x_bulk" in w4a16_wgmma.config_reason(WgmmaConfig(x_bulk=2))
     assert "warpgroups" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=3))
     assert "registers" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=4, ctas_per_sm=2))
-    assert w4a16_wgmma.rows_per_cta(WgmmaConfig(warpgroups=4, weight_tiles=2)) == 512
+    assert w4a16_wgmma.rows_per_cta(WgmmaConfig(warpgroups=4)) == 256
     assert w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3, a_buffers=1)) is None
     asm = w4a16_wgmma._wgmma_function(64, bf16=True)
     assert "m64n64k16.f32.bf16.bf16" in asm and '"+f"(d[31])' in asm and "%36" in asm
@@ -233,9 +225,11 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
     assert [choose_config(m, *gate_up, 128).bn for m in rows] == [
         32, 32, 64, 64, 128, 128, 64, 64, 256, 256
     ]  # fmt: skip
+    assert choose_config(160, *gate_up, 128).warpgroups == 4
     assert choose_config(256, *gate_up, 128).a_buffers == 1
-    for m in (33, 128, 200):
-        assert choose_config(m, *down, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+    assert choose_config(64, *down, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+    for m in (65, 128, 256):
+        assert choose_config(m, *down, 128) == WgmmaConfig(bn=64, warpgroups=4, a_buffers=1)
     assert choose_config(512, *down, 128) == WgmmaConfig(bn=128)
     assert choose_config(512, *gate_up, 128).bn == 256
     for m, shape in ((40, qkv), (65, o), (256, o), (256, qkv)):
@@ -243,7 +237,11 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
         assert (cfg.bn, cfg.warpgroups, cfg.depth) == (64, 1, 4), (m, shape)
     assert choose_config(256, *qkv, 128).a_buffers == 1
     assert choose_config(256, *o, 128).a_buffers == 2
-    not_taken = [(16, gate_up), (513, gate_up), (32, qkv), (64, o), (32, down), (257, o)]
+    assert choose_config(512, *qkv, 128).bn == 256
+    assert choose_config(512, *o, 128) == WgmmaConfig(bn=128)
+    for shape in (qkv, o, gate_up, down):
+        assert choose_config(1024, *shape, 128) == WgmmaConfig(bn=256, stages=3, a_buffers=1)
+    not_taken = [(16, gate_up), (1025, gate_up), (32, qkv), (64, o), (32, down), (1025, o)]
     for m, shape in not_taken:
         assert not isinstance(choose_config(m, *shape, 128), WgmmaConfig), (m, shape)
     assert not isinstance(choose_config(128, *gate_up, 64), WgmmaConfig)  # groups within a step
