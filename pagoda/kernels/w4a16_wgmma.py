@@ -39,11 +39,13 @@ _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernel
 _KERNEL_NAME = "pagoda_w4a16_wgmma"
 STEP = 128  # inputs per K step (one group at most)
 SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
-BN_VALUES = (32, 64, 128, 256)  # 256 with one A buffer (two spill past 255 registers)
+# Activation rows of a CTA (wgmma's N, 32-row slabs for `tile_x`); 256 with one A buffer (two
+# spill past 255 registers).
+BN_VALUES = (32, 64, 96, 128, 160, 192, 256)
 
 
 class WgmmaConfig(NamedTuple):
-    """bn: activation rows of a CTA (wgmma's N: 32, 64, 128, or 256 with one A buffer);
+    """bn: activation rows of a CTA (wgmma's N: `BN_VALUES`, 256 with one A buffer);
     warpgroups: 1, 2 or 4, 64 weight rows each; stages: x tiles in shared memory (>= 3, each
     refilled as soon as every warp is done with it); depth: K steps of weights each lane has in flight
     (2 or 4); split_k: K split over this many CTAs per output tile (fp32 partials summed by the
@@ -232,19 +234,22 @@ def _tile_x_kernel(
     HAS_PERM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (mt, s) writes tile (mt, s) of `tile_x_reference` in its order (16-byte runs),
-    reading x through the k order (and an act-order layer's perm)."""
-    mt, s = tl.program_id(0), tl.program_id(1)
-    d = tl.arange(0, BN * 128)
-    r = (d // 64) % BN
-    pos = s * 128 + (d // (BN * 64)) * 64 + (((d // 8) % 8) ^ (r % 8)) * 8 + d % 8
+    """Program (mt, s, slab) writes rows [32 slab, +32) of tile (mt, s) of `tile_x_reference`
+    in both halves, in the tile's order (16-byte runs), reading x through the k order (and an
+    act-order layer's perm)."""
+    mt, s, slab = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    d = tl.arange(0, 32 * 128)  # half h = d // 2048, row 32 slab + (d // 64) % 32, 16-bit e
+    r = slab * 32 + (d // 64) % 32
+    h = d // (32 * 64)
+    pos = s * 128 + h * 64 + (((d // 8) % 8) ^ (r % 8)) * 8 + d % 8
     col = tl.load(order_ptr + pos)  # constants: read before the wait
     if HAS_PERM:
         col = tl.load(perm_ptr + col)
     dependent_start(PDL)
     row = mt * BN + r
     v = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=row < M, other=0.0)
-    tl.store(out_ptr + (mt * steps + s).to(tl.int64) * (BN * 128) + d, v)
+    dst = (mt * steps + s).to(tl.int64) * (BN * 128) + h * (BN * 64) + r * 64 + d % 64
+    tl.store(out_ptr + dst, v)
 
 
 def tile_x(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
@@ -255,7 +260,7 @@ def tile_x(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
     out = torch.empty(m_tiles, steps, bn * STEP, dtype=x.dtype, device=x.device)
     order = k_order(k, x.device)
     pdl = pdl_enabled(x)
-    _tile_x_kernel[(m_tiles, steps)](
+    _tile_x_kernel[(m_tiles, steps, bn // 32)](
         x, order, perm if perm is not None else order, out, m, steps, x.stride(0), BN=bn,
         HAS_PERM=perm is not None, PDL=pdl, launch_pdl=pdl, num_warps=8,
     )  # fmt: skip

@@ -39,6 +39,9 @@ TILES = [
     WgmmaConfig(bn=32, warpgroups=4, split_k=2),
     WgmmaConfig(bn=64, warpgroups=1, depth=4, split_k=2, a_buffers=1),
     WgmmaConfig(bn=128, warpgroups=4, stages=5, a_buffers=1),
+    WgmmaConfig(bn=96, warpgroups=1, depth=4),
+    WgmmaConfig(bn=160, split_k=2),
+    WgmmaConfig(bn=192, a_buffers=1),
 ]
 
 
@@ -172,7 +175,10 @@ def test_k_order_is_a_permutation_of_each_step() -> None:
     assert torch.equal(w4a16_wgmma.reorder_x(x, perm), x[:, perm.long()][:, order])
 
 
-@pytest.mark.parametrize(("m", "k", "bn", "act_order"), [(3, 256, 32, False), (70, 384, 64, True)])
+@pytest.mark.parametrize(
+    ("m", "k", "bn", "act_order"),
+    [(3, 256, 32, False), (70, 384, 64, True), (100, 256, 96, True), (200, 256, 192, False)],
+)
 def test_tile_x_writes_the_swizzled_b_tiles(m: int, k: int, bn: int, act_order: bool) -> None:
     x = torch.randn(m, k)
     perm = torch.randperm(k).to(torch.int32) if act_order else None
@@ -221,20 +227,22 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
     from pagoda.kernels.w4a16 import choose_config
 
     qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
-    rows = (17, 32, 33, 64, 65, 128, 129, 192, 193, 256)
+    rows = (17, 32, 33, 64, 65, 96, 97, 128, 129, 160, 161, 192, 193, 256)
     assert [choose_config(m, *gate_up, 128).bn for m in rows] == [
-        32, 32, 64, 64, 128, 128, 64, 64, 256, 256
+        32, 32, 64, 64, 96, 96, 128, 128, 160, 160, 192, 192, 256, 256
     ]  # fmt: skip
-    assert choose_config(160, *gate_up, 128).warpgroups == 4
+    assert choose_config(96, *gate_up, 128).warpgroups == 4
     assert choose_config(256, *gate_up, 128).a_buffers == 1
     assert choose_config(64, *down, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
-    for m in (65, 128, 256):
+    for m in (65, 128, 161, 256):
         assert choose_config(m, *down, 128) == WgmmaConfig(bn=64, warpgroups=4, a_buffers=1)
+    assert choose_config(129, *down, 128) == WgmmaConfig(bn=160, a_buffers=1)
     assert choose_config(512, *down, 128) == WgmmaConfig(bn=128)
     assert choose_config(512, *gate_up, 128).bn == 256
-    for m, shape in ((40, qkv), (65, o), (256, o), (256, qkv)):
+    for m, shape in ((40, qkv), (65, o), (160, o), (256, o), (128, qkv), (256, qkv)):
         cfg = choose_config(m, *shape, 128)
         assert (cfg.bn, cfg.warpgroups, cfg.depth) == (64, 1, 4), (m, shape)
+    assert [choose_config(m, *qkv, 128).bn for m in (129, 160, 161, 192)] == [160, 160, 192, 192]
     assert choose_config(256, *qkv, 128).a_buffers == 1
     assert choose_config(256, *o, 128).a_buffers == 2
     assert choose_config(512, *qkv, 128).bn == 256
