@@ -9,16 +9,20 @@ weight is unpacked once in registers, scaled, and is wgmma's A operand as it is 
 from registers; B, the activations, from shared memory), and the MMAs of one K step run while
 the next step's weights are unpacked. The activations are written once per call (`tile_x`)
 in the order the weights' nibbles give and in the B operand's swizzled tiles, so that a K
-step's tile is one contiguous copy with no address arithmetic in the loop; an act-order
-layer's gather is folded into the same pass.
+step's tile is one contiguous bulk copy (the TMA unit) with no address arithmetic in the loop;
+an act-order layer's gather is folded into the same pass. The copies complete on mbarriers and
+each warp releases a stage as its wgmmas end, so no barrier spans the CTA: its warpgroups
+drift apart and take the tensor cores in turn (a barrier a K step kept them in lockstep, all
+unpacking at once and then all waiting on the MMAs: 20-25% slower at 256-1024 rows).
 
 It covers: sm_90 (wgmma needs the sm_90a target, `compute_capability="90a"` for NVRTC), 16-bit
 x (bf16 or fp16), scales bf16 or fp16, K a multiple of 128, groups a multiple of 128 inputs
 or one group per row, act order, bias. Compiled at first use with NVRTC, once per variant,
 never during CUDA-graph capture. `formats.dequantize_*` + F.linear and the Triton kernels stay
-its reference in the tests, `tile_x_reference` that of `tile_x`. It is issue-bound: a K step
-is ~224 instructions a warp, half of them the unpacking (`w4a16.wgmma_config` says where it
-wins); `a_buffers` and `ctas_per_sm` trade its overlap for occupancy.
+its reference in the tests, `tile_x_reference` that of `tile_x`. A K step is ~240
+instructions a warp, half of them the unpacking (`w4a16.wgmma_config` says where it wins);
+`a_buffers` and `ctas_per_sm` trade its overlap for occupancy, tiles of any 32 rows up to 256
+(`BN_VALUES`) let one CTA cover all the rows of a decode step.
 """
 
 from __future__ import annotations
