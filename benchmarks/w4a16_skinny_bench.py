@@ -84,8 +84,10 @@ def wgmma_grid(m: int) -> list[tuple]:
     """WgmmaConfig tuples to time from 17 rows: activation tiles of 32 and 64 rows (up to 32
     rows) or 64 and 128, 1 or 2 warpgroups, 2 or 4 K steps of weights in flight, 1 or 2 A
     buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`; 4
-    warpgroups where their 128 registers a thread do not spill; tiles of 96, 160 or 192 rows
-    that hold all the rows in one; past 128 rows also tiles of 256 rows."""
+    warpgroups where their 128 registers a thread do not spill; tiles of 96-224 rows that hold
+    all the rows in one; past 128 rows also tiles of 256 rows; the rule's configs with K split
+    1-6 ways."""
+    from pagoda.kernels.w4a16 import wgmma_config
     from pagoda.kernels.w4a16_wgmma import BN_VALUES, WgmmaConfig, config_reason
 
     if m < 17:
@@ -95,13 +97,20 @@ def wgmma_grid(m: int) -> list[tuple]:
     # (bn, warpgroups, stages, depth, split_k, a_buffers, ctas_per_sm)
     configs.append(WgmmaConfig(32 if m <= 32 else 64, 4, 4, 2, 0, 1, 1))
     fit = min((bn for bn in BN_VALUES if bn >= m), default=None)  # one tile of all the rows
-    if fit in (96, 160, 192):
+    if fit in (96, 160, 192, 224):
         grid = itertools.product((1, 2), (2, 4), (1, 2))
         configs += [WgmmaConfig(fit, wg, 4, depth, 0, ab, 1) for wg, depth, ab in grid]
         if fit == 96:
             configs.append(WgmmaConfig(fit, 4, 4, 2, 0, 1, 1))
     if m > 128:  # 256 rows a CTA: one A buffer, 3 stages of 64 KB
         configs += [WgmmaConfig(256, wg, 3, depth, 0, 1) for wg in (1, 2) for depth in (2, 4)]
+    # The rule's configs with K split 1-6 ways (split_for splits only grids that then still fit
+    # one wave: 96-400 CTAs on 132 SMs run 1.5-3 waves, the last one part empty).
+    for n, k in SHAPES.values():
+        rule = wgmma_config(m, n, k, GROUP)
+        if rule is not None:
+            configs += [rule._replace(split_k=split) for split in (1, 2, 3, 4, 6)]
+    configs = list(dict.fromkeys(configs))
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 

@@ -45,7 +45,7 @@ STEP = 128  # inputs per K step (one group at most)
 SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
 # Activation rows of a CTA (wgmma's N, 32-row slabs for `tile_x`); 256 with one A buffer (two
 # spill past 255 registers).
-BN_VALUES = (32, 64, 96, 128, 160, 192, 256)
+BN_VALUES = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
 class WgmmaConfig(NamedTuple):

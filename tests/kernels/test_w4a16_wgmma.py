@@ -42,6 +42,7 @@ TILES = [
     WgmmaConfig(bn=96, warpgroups=1, depth=4),
     WgmmaConfig(bn=160, split_k=2),
     WgmmaConfig(bn=192, a_buffers=1),
+    WgmmaConfig(bn=224, warpgroups=1, split_k=3),
 ]
 
 
