@@ -114,6 +114,14 @@ def wgmma_grid(m: int) -> list[tuple]:
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 
+def few_row_mode(cfg: tuple) -> str:
+    """The Triton few-row kernel's configs as two families: the many-row modes ("wide": x in
+    planar order) and the rest ("skinny")."""
+    from pagoda.kernels.w4a16_skinny import SkinnyConfig
+
+    return "wide" if SkinnyConfig(*cfg).planar else "skinny"
+
+
 def _build_wgmma(cfg: tuple) -> str | None:
     """Compile the wgmma kernel of `cfg` for bf16 x and fp16 scales, with and without split K."""
     import torch
@@ -314,52 +322,37 @@ def main(argv: list[str] | None = None) -> dict:
             def sweep_family(
                 variant, configs, make, x=x, packed=packed, nbytes=packed_bytes, at=f"{name} M={m}"
             ) -> None:
-                """Time and check every config of one CUDA kernel; its fastest correct one
-                is recorded again as `<variant>_best`."""
-                best = None
+                """Time and check every config of one kernel (`variant`: its name, or a function
+                of the config naming it); the fastest correct one of each name is recorded
+                again as `<name>_best`."""
+                best = {}
                 for cfg in configs:
+                    kind = variant(cfg) if callable(variant) else variant
                     try:
                         us = timed(w4(make(*cfg), x), packed)
                         err = error(make(*cfg), x)
                     except Exception as e:  # noqa: BLE001 - a config that does not build or run
-                        print(f"  {at} {variant} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                        print(f"  {at} {kind} {cfg}: {type(e).__name__}: {str(e)[:160]}")
                         continue
-                    row = record(variant, us, nbytes, list(cfg), err)
+                    row = record(kind, us, nbytes, list(cfg), err)
                     if err > 2e-2:
-                        print(f"  {at} {variant} {cfg}: WRONG, max error {err:.3g}")
-                    elif best is None or us < best["us"]:
-                        best = row
-                if best is not None:
-                    best["variant"] = f"{variant}_best"
+                        print(f"  {at} {kind} {cfg}: WRONG, max error {err:.3g}")
+                    elif kind not in best or us < best[kind]["us"]:
+                        best[kind] = row
+                for kind, row in best.items():
+                    row["variant"] = f"{kind}_best"
 
             sweep_family("cuda", gemv_grids[m], GemvConfig)
             sweep_family("wgmma", wgmma_grids[m], WgmmaConfig)
-            best = {}  # few-row configs ("skinny") and the many-row modes ("wide") apart
-            for cfg in grids[name, m]:
-                variant = "wide" if SkinnyConfig(*cfg).planar else "skinny"
-                try:
-                    us = timed(w4(SkinnyConfig(*cfg)), packed)
-                    err = error(SkinnyConfig(*cfg))
-                except Exception as e:  # noqa: BLE001 - a config that does not build or run
-                    print(f"  {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                row = record(variant, us, packed_bytes, list(cfg), err)
-                if err > 2e-2:
-                    print(f"  {name} M={m} {cfg}: WRONG, max error {err:.3g}")
-                elif variant not in best or us < best[variant]["us"]:
-                    best[variant] = row
+            sweep_family(few_row_mode, grids[name, m], SkinnyConfig)
             line = f"{name:8s} M={m:5d} " + "  ".join(
                 f"{r['variant']} {r['us']:7.1f} us {r['tbps']:5.2f} TB/s"
+                + (f" {r['config']}" if r["variant"].endswith("_best") else "")
                 for r in rows
                 if r["shape"] == name
                 and r["m"] == m
                 and r["variant"] not in ("skinny", "wide", "cuda", "wgmma")
             )
-            for variant, row in best.items():
-                row["variant"] = f"{variant}_best"
-                line += (
-                    f"  {variant}_best {row['us']:7.1f} us {row['tbps']:5.2f} TB/s {row['config']}"
-                )
             print(line + f"  err {chosen_row['max_err']:.2g}", flush=True)
         del packed, dense, ref_w
         torch.cuda.empty_cache()
