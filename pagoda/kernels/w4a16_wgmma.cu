@@ -43,7 +43,7 @@
 // the x tiling kernel where PDL is on).
 //
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
-// BN (activation rows of a CTA: 32, 64, 128 or 256), WG (1, 2 or 4 warpgroups), STAGES (>= 3),
+// BN (activation rows of a CTA: a multiple of 32 up to 256), WG (1, 2 or 4 warpgroups), STAGES,
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the

@@ -51,12 +51,12 @@ BN_VALUES = (32, 64, 96, 128, 160, 192, 224, 256)
 class WgmmaConfig(NamedTuple):
     """bn: activation rows of a CTA (wgmma's N: `BN_VALUES`, 256 with one A buffer);
     warpgroups: 1, 2 or 4, 64 weight rows each; stages: x tiles in shared memory (>= 3, each
-    refilled as soon as every warp is done with it); depth: K steps of weights each lane has in flight
-    (2 or 4); split_k: K split over this many CTAs per output tile (fp32 partials summed by the
-    last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K step's weights
-    while the step before's wgmmas run, 1 to wait for them first (fewer registers);
-    ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at 65536 / (2 x
-    threads)."""
+    refilled as soon as every warp is done with it); depth: K steps of weights each lane has
+    in flight (2 or 4); split_k: K split over this many CTAs per output tile (fp32 partials
+    summed by the last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K
+    step's weights while the step before's wgmmas run, 1 to wait for them first (fewer
+    registers); ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at
+    65536 / (2 x threads))."""
 
     bn: int = 64
     warpgroups: int = 2
