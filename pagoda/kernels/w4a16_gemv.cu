@@ -348,41 +348,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // banks. CHUNK is a multiple of WARPS (each consumer takes CHUNK / WARPS steps of a chunk).
 #define PITCH (CHUNK * 64 + 64)
 
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
-                                          unsigned long long* bar, unsigned long long policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
-      : "memory");
-}
-
 extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 : 2)
     pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
@@ -396,8 +361,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], WARPS);
+      mbar_init(smem_addr(&full[st]), 1);
+      mbar_init(smem_addr(&empty[st]), WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -411,11 +376,13 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
     const int chunks = (steps + CHUNK - 1) / CHUNK;
     for (int c = 0; c < chunks; ++c) {
       const int st = c % STAGES;
-      if (c >= STAGES) mbar_wait(&empty[st], ((c / STAGES) - 1) & 1);
+      if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);
       const int bytes = min(CHUNK, steps - c * CHUNK) * 64;
-      if (lane == 0) mbar_expect_tx(&full[st], ROWS * bytes);
+      if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
       __syncwarp();
-      if (lane < ROWS) bulk_load(ring[st] + lane * PITCH, src + c * CHUNK * 64, bytes, &full[st], policy);
+      if (lane < ROWS)
+        bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
+                  smem_addr(&full[st]), policy);
     }
     grid_wait();  // before its share of the stores of y
   } else {
@@ -467,7 +434,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
       u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
       uint4 nxv[4][M_TILES];
       if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
-      if (i % (CHUNK / WARPS) == 0) mbar_wait(&full[st], (c / STAGES) & 1);
+      if (i % (CHUNK / WARPS) == 0) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);
       uint4 wv[ROW_TILES][2];
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -477,7 +444,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
                                                       (s % CHUNK) * 64 + 16 * t);
       if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[st]);
+        if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
       }
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #pragma unroll

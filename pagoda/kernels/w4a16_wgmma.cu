@@ -110,35 +110,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// mbarrier and 1-D bulk copy (TMA without a tensor map) helpers.
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// `bytes` from global `src` to shared `dst` in one bulk copy that completes on `bar` (whose
-// phase then expects those bytes).
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
 // A warp's lane 0 counts the warp done with a stage; the count before it (acq_rel: the last
 // to count sees every other warp's reads of the stage done).
 __device__ __forceinline__ u32 count_release(u32 counter) {
@@ -221,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const u32 full0 = smem_addr(full), released0 = smem_addr(released);
   auto load_x = [&](int i) {
     const int stage = i % STAGES;
-    bulk_copy(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
+    mbar_expect_tx(full0 + 8 * stage, STAGE_BYTES);
+    bulk_load(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
               full0 + 8 * stage);
   };
   // After step i's wgmmas are done in every warp, the last warp to say so refills its stage
