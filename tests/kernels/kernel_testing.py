@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,26 @@ def _patch_interpreter_scalar_index() -> None:
 
     interpreter._patch_lang_tensor = patched
     interpreter._pagoda_index_patch = True
+
+
+def assert_graph_replays_exactly(
+    run: Callable[[], torch.Tensor], holds_after: Callable[[], bool] | None = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run()` once eagerly (which compiles its kernels and makes their split-K workspaces
+    outside the capture), then captured in a CUDA graph and replayed twice into a zeroed
+    output: the same bits as the eager call each time, and `holds_after()` true after each
+    replay. Returns the graph and its output tensor, for replays on new inputs."""
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert holds_after is None or holds_after()
+    return graph, out
 
 
 def build_for_sm90(script: str, *args: object) -> dict:

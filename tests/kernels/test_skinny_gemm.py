@@ -12,7 +12,12 @@ import re
 
 import pytest
 import torch
-from kernel_testing import build_for_sm90, enable_interpreter_without_cuda, kernel_device
+from kernel_testing import (
+    assert_graph_replays_exactly,
+    build_for_sm90,
+    enable_interpreter_without_cuda,
+    kernel_device,
+)
 
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
@@ -141,16 +146,10 @@ def test_skinny_linear_in_a_cuda_graph_replays_exactly(name: str, m: int) -> Non
     n, k = LLAMA3_8B[name]
     x = _randn(m, k, seed=1, dtype=torch.bfloat16)
     w = _randn(n, k, seed=2, dtype=torch.bfloat16) * 0.02
-    eager = skinny_linear(x, w)  # compiles, and makes the counters, outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = skinny_linear(x, w)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)  # split order fixed: the same bits every replay
-        assert not prepare(x.device).any()
+    # split order fixed: the same bits every replay, the counters reset
+    graph, out = assert_graph_replays_exactly(
+        lambda: skinny_linear(x, w), lambda: not prepare(x.device).any()
+    )
     x.copy_(_randn(m, k, seed=5, dtype=torch.bfloat16))
     graph.replay()
     ref = torch.nn.functional.linear(x.float(), w.float())

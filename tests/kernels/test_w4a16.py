@@ -16,7 +16,12 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import build_for_sm90, enable_interpreter_without_cuda, kernel_device
+from kernel_testing import (
+    assert_graph_replays_exactly,
+    build_for_sm90,
+    enable_interpreter_without_cuda,
+    kernel_device,
+)
 
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
@@ -343,16 +348,10 @@ def test_packed_layer_takes_a_quarter_of_the_dense_memory() -> None:
 def test_w4a16_in_a_cuda_graph_replays_exactly(name: str, m: int) -> None:
     w4, dense = _llama_weights(name, "gptq_act_order" if name == "down" else "awq")
     x = _randn(m, dense.shape[1], seed=1, dtype=torch.bfloat16)
-    eager = _run(x, w4)  # compiles, and makes the split-K counters, outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _run(x, w4)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        assert not skinny_gemm.prepare(x.device).any()
+    graph, out = assert_graph_replays_exactly(
+        lambda: _run(x, w4),
+        lambda: not skinny_gemm.prepare(x.device).any(),  # counters reset
+    )
     x.copy_(_randn(m, dense.shape[1], seed=5, dtype=torch.bfloat16))
     graph.replay()
     _assert_bf16_close(out, F.linear(x.float(), dense))
@@ -600,16 +599,9 @@ def test_few_row_kernel_in_a_cuda_graph_replays_exactly() -> None:
     w4, dense = _llama_weights("o", "awq")
     x = _randn(2, dense.shape[1], seed=1, dtype=torch.bfloat16)
     cfg = skinny_config(2, *dense.shape, 128)
-    eager = _linear(x, w4, config=cfg)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _linear(x, w4, config=cfg)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        assert not skinny_gemm.prepare(x.device).any()
+    assert_graph_replays_exactly(
+        lambda: _linear(x, w4, config=cfg), lambda: not skinny_gemm.prepare(x.device).any()
+    )
 
 
 _SKINNY_SM90_BUILD = """

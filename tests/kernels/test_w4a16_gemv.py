@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import enable_interpreter_without_cuda
+from kernel_testing import assert_graph_replays_exactly, enable_interpreter_without_cuda
 
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
@@ -129,15 +129,7 @@ def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> 
 def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
     w4, _ = _weights("gptq_act_order", 512, 1024, 128)
     x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
-    eager = _linear(x, w4, config=cfg)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _linear(x, w4, config=cfg)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    assert_graph_replays_exactly(lambda: _linear(x, w4, config=cfg))
 
 
 @gpu

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import enable_interpreter_without_cuda
+from kernel_testing import assert_graph_replays_exactly, enable_interpreter_without_cuda
 
 enable_interpreter_without_cuda()
 pytest.importorskip("triton")
@@ -149,16 +149,7 @@ def test_wgmma_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) ->
 def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
     w4, _ = _weights("gptq_act_order", 512, 4096, 128)
     x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
-    cfg = WgmmaConfig(split_k=4)
-    eager = _linear(x, w4, config=cfg)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _linear(x, w4, config=cfg)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    assert_graph_replays_exactly(lambda: _linear(x, w4, config=WgmmaConfig(split_k=4)))
 
 
 def test_k_order_is_a_permutation_of_each_step() -> None:

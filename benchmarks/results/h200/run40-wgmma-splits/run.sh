@@ -9,6 +9,9 @@ LIMIT=${LIMIT:-560}
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 90 python -m pytest -q -m gpu tests/kernels/test_w4a16_wgmma.py -rf > $OUT/tests.log 2>&1
 tail -3 $OUT/tests.log | cut -c1-300
+timeout 90 python -m pytest -q -m gpu tests/kernels/test_w4a16.py tests/kernels/test_w4a16_gemv.py \
+  tests/kernels/test_skinny_gemm.py -k graph -rf > $OUT/tests_graph.log 2>&1  # the shared helper
+tail -3 $OUT/tests_graph.log | cut -c1-300
 timeout 60 python $B/w4a16_skinny_bench.py --step --m 96 128 160 192 224 256 --reps 5 \
   > $OUT/step.log 2>&1
 tail -7 $OUT/step.log
