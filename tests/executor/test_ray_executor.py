@@ -35,7 +35,7 @@ from tp_testing import (  # noqa: E402
     wait_gone,
 )
 
-from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda import SamplingParams  # noqa: E402
 from pagoda.executor import ray_executor  # noqa: E402
 from pagoda.executor.multiproc import WorkerError  # noqa: E402
 
@@ -73,14 +73,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> dict[str, list]:
-    llm = LLM(
-        checkpoint,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=128,
-        max_num_batched_tokens=16,
-        num_gpu_blocks_override=9,
-    )
+    llm = tp_llm(checkpoint, 1)
     return {
         "greedy": llm.generate(PROMPTS, GREEDY, use_tqdm=False),
         "seeded": generated_tokens(llm, SEEDED),
@@ -270,6 +263,7 @@ def test_serving_engine_core_process_joins_ray_address(
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
         dtype="float32",
+        kv_cache_dtype="float32",  # as `tp_llm`'s reference
         skip_tokenizer_init=True,
         max_model_len=128,
         max_num_batched_tokens=16,

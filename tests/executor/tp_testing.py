@@ -23,6 +23,12 @@ def tiny_checkpoint(path) -> str:
 
 
 def tp_llm(path: str, tp: int, **kwargs) -> LLM:
+    """The tiny checkpoint's engine with `tp` ranks. Its cache is float32 on every CPU, so that
+    engines of different rank counts differ only in the order of the row-parallel layers' sums
+    (~3e-6 in a logprob): the float16 cache an x86 CPU with a compiler takes for a float32
+    model by default rounds keys and values at 2^-11, where a reordered sum can land one ulp
+    over (~1e-4 in a logprob, over the tests' bound on an AVX2 build)."""
+    kwargs = {"kv_cache_dtype": "float32", **kwargs}
     return LLM(
         path,
         tensor_parallel_size=tp,
