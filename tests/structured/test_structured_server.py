@@ -175,6 +175,15 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
 TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A greedy request that must call one of the two tools.
+REQUIRED_CALLS = dict(
+    model=MODEL,
+    messages=TOOL_MESSAGES,
+    tools=[WEATHER, TIME],
+    tool_choice="required",
+    max_tokens=120,
+    temperature=0,
+)
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -205,15 +214,7 @@ def test_named_tool_choice_returns_a_call_to_it(client):
 
 
 def test_required_tool_choice_returns_calls_to_the_tools(client):
-    kw = dict(
-        model=MODEL,
-        messages=TOOL_MESSAGES,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        max_tokens=120,
-        temperature=0,
-    )
-    resp = client.chat.completions.create(**kw)
+    resp = client.chat.completions.create(**REQUIRED_CALLS)
     msg = resp.choices[0].message
     assert resp.choices[0].finish_reason == "stop" and not msg.content
     assert msg.tool_calls
@@ -223,7 +224,7 @@ def test_required_tool_choice_returns_calls_to_the_tools(client):
         assert set(args) == ({"city"} if call.function.name == "get_weather" else set())
     # Streamed: each call its id and name first, then its arguments in pieces that add up to
     # the unstreamed ones.
-    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    chunks = [c for c in client.chat.completions.create(**REQUIRED_CALLS, stream=True) if c.choices]
     pieces = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert not any(c.choices[0].delta.content for c in chunks)
@@ -241,17 +242,7 @@ def test_required_tool_choice_returns_calls_to_the_tools(client):
 
 
 def test_required_tool_choice_streams_each_choice_with_its_logprobs(client):
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=TOOL_MESSAGES,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        max_tokens=120,
-        temperature=0,
-        n=2,
-        logprobs=True,
-        stream=True,
-    )
+    stream = client.chat.completions.create(**REQUIRED_CALLS, n=2, logprobs=True, stream=True)
     calls: dict[int, dict[int, list[str]]] = {0: {}, 1: {}}
     tokens = {0: 0, 1: 0}
     for chunk in stream:
