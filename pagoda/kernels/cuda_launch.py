@@ -81,6 +81,22 @@ def allow_dynamic_smem(func: Any, nbytes: int) -> bool:
     return libcuda().cuFuncSetAttribute(func, 8, ctypes.c_int(nbytes)) == 0
 
 
+def bind_context() -> None:
+    """Make the current device's primary context current on this thread if none is: a thread
+    that has made no CUDA runtime call yet (a compile worker whose tensors came from the
+    caching allocator) has none, and loading a module there fails ("invalid device context")."""
+    lib = libcuda()
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        return
+    dev = ctypes.c_int()
+    err = lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())
+    err = err or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    err = err or lib.cuCtxSetCurrent(ctx)
+    if err:
+        raise RuntimeError(f"no CUDA context for this thread: CUDA error {err}")
+
+
 class KernelCache:
     """Kernels built by `build(*key)` (NVRTC, module load) once per key, never during CUDA-graph
     capture (loading a module is not a stream operation): there `get` gives None for a key not
@@ -114,6 +130,7 @@ def build(
     device's)."""
     src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + source
     try:
+        bind_context()
         kernel = torch.cuda._compile_kernel(
             src, name, compute_capability=compute_capability, nvcc_options=["--use_fast_math"]
         )
