@@ -29,16 +29,22 @@ def host_us(fn, calls=40):
     return us
 
 
+def row(name: str, n: int, k: int, m: int, qw, sc, zp, dense) -> str:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = w4a16.choose_config(m, n, k, 128, 132, 2)
+    a = host_us(lambda: w4a16.w4a16_linear(x, qw, sc, zp, 128))
+    b = host_us(lambda: F.linear(x, dense))
+    c = host_us(lambda: w4a16_wgmma.tile_x(x, None, 64))
+    d = host_us(lambda: w4a16.choose_config(m, n, k, 128, 132, 2))
+    return f"{name:8s} {m:5d} {a:8.1f} {b:9.1f} {c:7.1f} {d:7.1f}  {type(cfg).__name__}"
+
+
 gen = torch.Generator(device="cuda").manual_seed(0)
-print(f"{'shape':8s} {'M':>5s} {'w4a16':>8s} {'F.linear':>9s} {'tile_x':>7s} {'choose':>7s}  config")
+print(
+    f"{'shape':8s} {'M':>5s} {'w4a16':>8s} {'F.linear':>9s} {'tile_x':>7s} {'choose':>7s}  config"
+)
 for name, (n, k) in SHAPES.items():
     qw, sc, zp = packed_layer(n, k, 128, "cuda", gen)
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     for m in (32, 64, 256, 1024, 2048):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg = w4a16.choose_config(m, n, k, 128, 132, 2)
-        a = host_us(lambda: w4a16.w4a16_linear(x, qw, sc, zp, 128))
-        b = host_us(lambda: F.linear(x, dense))
-        c = host_us(lambda: w4a16_wgmma.tile_x(x, None, 64))
-        d = host_us(lambda: w4a16.choose_config(m, n, k, 128, 132, 2))
-        print(f"{name:8s} {m:5d} {a:8.1f} {b:9.1f} {c:7.1f} {d:7.1f}  {type(cfg).__name__}")
+        print(row(name, n, k, m, qw, sc, zp, dense))
