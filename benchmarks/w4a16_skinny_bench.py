@@ -7,6 +7,7 @@ than the L2), in CUDA graphs.
 
     python benchmarks/w4a16_skinny_bench.py --out w4a16_skinny.json
     python benchmarks/w4a16_skinny_bench.py --m 1 16 --shapes o    # a subset
+    python benchmarks/w4a16_skinny_bench.py --top 3 --family wgmma --out w4a16_skinny.json
 
 One line per (shape, M, variant): us and the packed weights' bandwidth (qweight + scales +
 zeros bytes / time; the dense bf16 weight's bytes for cuBLAS); per (shape, M) the fastest
@@ -205,6 +206,29 @@ def _build(job: tuple) -> str | None:
     return None
 
 
+def top_configs(rows: list[dict], family: str, n: int) -> list[str]:
+    """Per (shape, M) of a sweep's rows: cuBLAS's and the default's us, then the `n` fastest
+    configs of `family` (its rows' variant: "cuda" for the GEMV, "wgmma*" for the wgmma
+    kernel) with their us."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["m"]), []).append(r)
+    lines = []
+    for (shape, m), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ref = {r["variant"]: r["us"] for r in group if r["variant"] in ("cublas_bf16", "default")}
+        mine = sorted(
+            (r for r in group if r["variant"] == family or r["variant"] == f"{family}_best"
+             or (family == "wgmma" and r["variant"].startswith("wgmma"))),
+            key=lambda r: r["us"],
+        )  # fmt: skip
+        best = [f"{r['us']:.1f} {list(r['config'])}" for r in mine[:n] if r.get("config")]
+        cublas, default = ref.get("cublas_bf16", float("nan")), ref.get("default", float("nan"))
+        lines.append(
+            f"{shape:8s} {m:5d} cublas {cublas:6.1f} default {default:6.1f}  " + "; ".join(best)
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write every timing to this JSON file")
@@ -221,7 +245,20 @@ def main(argv: list[str] | None = None) -> dict:
         help="only time whole decode steps: the 4 GEMMs of 32 distinct layers in order, in one "
         "graph, by default (with and without programmatic dependent launch) and bf16 cuBLAS",
     )
+    ap.add_argument(
+        "--top",
+        type=int,
+        help="no timing: from the JSON of --out, the N fastest configs of --family per (shape, "
+        "M) with cuBLAS's and the default's times",
+    )
+    ap.add_argument("--family", default="wgmma", help="with --top: wgmma or cuda")
     args = ap.parse_args(argv)
+    if args.top:
+        with open(args.out) as f:
+            rows = json.load(f)["rows"]
+        for line in top_configs(rows, args.family, args.top):
+            print(line)
+        return {}
     if args.step:
         return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
 

@@ -14,14 +14,5 @@ left 30 step && timeout 40 python $B/w4a16_skinny_bench.py --step --m 1 2 4 8 12
   > $OUT/step.log 2>&1; tail -7 $OUT/step.log | cut -c1-50
 left 60 sweep && timeout $((LIMIT - SECONDS)) python $B/w4a16_skinny_bench.py --m 1 4 8 16 \
   --no-sweep --no-wgmma-sweep --reps 10 --out $OUT/sweep.json > $OUT/sweep.log 2>&1
-[ -s $OUT/sweep.json ] && python - $OUT/sweep.json <<'PY'
-import collections, json, sys
-g = collections.defaultdict(list)
-for r in json.load(open(sys.argv[1]))["rows"]:
-    g[(r["shape"], r["m"])].append(r)
-for key, rows in sorted(g.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-    c = sorted((r for r in rows if r["variant"] == "cuda"), key=lambda r: r["us"])
-    ref = {r["variant"]: round(r["us"], 1) for r in rows if r["variant"] in ("default", "cublas_bf16")}
-    print(*key, ref, [(round(r["us"], 1), r["config"]) for r in c[:2]])
-PY
+[ -s $OUT/sweep.json ] && python $B/w4a16_skinny_bench.py --top 2 --family cuda --out $OUT/sweep.json
 echo "done in $SECONDS s"
