@@ -36,8 +36,9 @@
 // +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
 // split, each CTA stores its fp32 tile to partial[split, m, n] and counts its arrival on the
 // tile's counter; the last to arrive sums the splits in order (the same bits every call) with
-// its threads over consecutive outputs (its accumulators are dead by then: no spills at 256
-// rows), stores y and resets the counter (as `skinny_gemm.store_tile` does).
+// its threads over consecutive outputs, 8 a thread with their loads in flight together (its
+// accumulators are dead by then: no spills at 256 rows), stores y and resets the counter (as
+// `skinny_gemm.store_tile` does).
 //
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
@@ -58,6 +59,8 @@
 #define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
 #define STAGE_ELEMS (STAGE_BYTES / 2)
+#define SUM_OUTPUTS 8  // outputs a thread of the split-K sum takes at once
+#define SUM_SPLITS 4   // splits whose loads it issues together
 
 #if BF16
 #define ONE2 0x3f803f80u
@@ -282,19 +285,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   __syncthreads();
   if (!last_split) return;
   __threadfence();
-  // The last CTA sums the tile's splits element by element (consecutive threads, consecutive
-  // outputs), in split order: the same bits every call.
-  for (int idx = tid; idx < BN * ROWS; idx += THREADS) {
-    const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
-    if (n < N && m < M) {
-      const float* p = partial + (long long)m * N + n;
-      float v = 0.f;
-      for (int z = 0; z < (int)gridDim.z; ++z) v += __ldcg(p + z * split_size);
-#if HAS_BIAS
-      v += to_f32<BF16>(bias[n]);
-#endif
-      y[(long long)m * stride_y + n] = from_f32(v);
+  // The last CTA sums the tile's splits in split order (the same bits every call), SUM_OUTPUTS
+  // outputs a thread at a time (consecutive threads, consecutive outputs) with the loads of up
+  // to SUM_SPLITS splits of all of them in flight together (one output at a time, each
+  // split's load waited for in turn, it paid a load latency per split and output: 64 for down
+  // at 256 rows, 4 warpgroups and 2 splits).
+  for (int base = tid; base < BN * ROWS; base += THREADS * SUM_OUTPUTS) {
+    long long at[SUM_OUTPUTS];
+    bool ok[SUM_OUTPUTS];
+    float v[SUM_OUTPUTS];
+#pragma unroll
+    for (int u = 0; u < SUM_OUTPUTS; ++u) {
+      const int idx = base + u * THREADS;
+      const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
+      ok[u] = idx < BN * ROWS && n < N && m < M;
+      at[u] = (long long)m * N + n;
+      v[u] = 0.f;
     }
+    for (int z0 = 0; z0 < (int)gridDim.z; z0 += SUM_SPLITS) {
+      float p[SUM_SPLITS][SUM_OUTPUTS];
+#pragma unroll
+      for (int dz = 0; dz < SUM_SPLITS; ++dz)
+#pragma unroll
+        for (int u = 0; u < SUM_OUTPUTS; ++u)
+          p[dz][u] = ok[u] && z0 + dz < (int)gridDim.z
+                         ? __ldcg(partial + (z0 + dz) * split_size + at[u])
+                         : 0.f;
+#pragma unroll
+      for (int dz = 0; dz < SUM_SPLITS; ++dz)
+        if (z0 + dz < (int)gridDim.z)
+#pragma unroll
+          for (int u = 0; u < SUM_OUTPUTS; ++u) v[u] += p[dz][u];
+    }
+#pragma unroll
+    for (int u = 0; u < SUM_OUTPUTS; ++u)
+      if (ok[u]) {
+        const int idx = base + u * THREADS;
+        const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
+#if HAS_BIAS
+        v[u] += to_f32<BF16>(bias[n]);
+#endif
+        y[(long long)m * stride_y + n] = from_f32(v[u]);
+      }
   }
   if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
 #else
