@@ -2,9 +2,10 @@
 # Not yet run. The wgmma kernel's split-K sum with 8 outputs a thread and the loads of up to 4
 # splits in flight together (it paid a load latency per split and output): its GPU tests,
 # whole steps at 32-512 rows (compare with run 41 on an H100, run 42's h200-baseline on an
-# H200), the sweep at 32-512 rows (the rule's configs split 1-6 ways: splits may now win where
-# the old sum lost them), workload a AWQ against bf16. Steps that would not finish within
-# LIMIT seconds (560 by default) are skipped. Writes to $OUT.
+# H200), the sweep at 64-256 rows (256-row tiles split 2 and 4 ways, the rule's configs split
+# 1-6 ways: splits, and 256-row tiles for the narrow layers, which the old sum made slow, may
+# win now), workload a AWQ against bf16. Steps that would not finish within LIMIT seconds (560
+# by default) are skipped. Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 B=benchmarks
@@ -15,7 +16,7 @@ timeout 100 python -m pytest -q -m gpu tests/kernels/test_w4a16_wgmma.py -rf 2>&
   | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/tests.log; tail -4 $OUT/tests.log
 left 60 step && timeout 60 python $B/w4a16_skinny_bench.py --step \
   --m 32 64 96 128 160 192 256 512 --reps 5 > $OUT/step.log 2>&1; tail -9 $OUT/step.log
-left 200 sweep && timeout 180 python $B/w4a16_skinny_bench.py --m 32 64 128 256 512 --no-sweep \
+left 200 sweep && timeout 180 python $B/w4a16_skinny_bench.py --m 64 128 192 256 --no-sweep \
   --no-cuda-sweep --reps 5 --out $OUT/sweep.json > $OUT/sweep.log 2>&1
 [ -s $OUT/sweep.json ] && python $B/w4a16_skinny_bench.py --top 3 --family wgmma --out $OUT/sweep.json
 for q in awq none; do
