@@ -38,6 +38,7 @@ from pagoda.kernels.skinny_gemm import (
     check_tiles,
     prepare,
     split_k_plan,
+    sum_splits,
 )
 
 
@@ -247,11 +248,7 @@ def _w8a8_gemm_kernel(
         tl.debug_barrier()  # every thread's partial store before the one thread's release
         arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(split_k):
-                total += tl.load(
-                    partial_ptr + s * split_size + tile, mask=mask, other=0, cache_modifier=".cg"
-                )
+            total = sum_splits(partial_ptr, tile, mask, split_size, split_k, tl.zeros_like(acc))
             _w8a8_scale_store(
                 total, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
             )

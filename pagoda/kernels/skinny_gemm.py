@@ -94,6 +94,32 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
+def sum_splits(partial_ptr, tile, mask, split_size, split_k, total):
+    """`total` plus the partial tiles partial[s, tile] of splits s = 0 .. split_k - 1 in split
+    order (the same bits every call), the loads of four splits in flight at once: one split at
+    a time, the last program to arrive waited a load latency per split (8-16 splits for the
+    few-row kernels)."""
+    for s0 in range(0, split_k, 4):
+        at = partial_ptr + s0 * split_size + tile
+        p0 = tl.load(at, mask=mask, other=0, cache_modifier=".cg")
+        p1 = tl.load(at + split_size, mask=mask & (s0 + 1 < split_k), other=0, cache_modifier=".cg")
+        p2 = tl.load(
+            at + 2 * split_size, mask=mask & (s0 + 2 < split_k), other=0, cache_modifier=".cg"
+        )
+        p3 = tl.load(
+            at + 3 * split_size, mask=mask & (s0 + 3 < split_k), other=0, cache_modifier=".cg"
+        )
+        total += p0
+        if s0 + 1 < split_k:
+            total += p1
+        if s0 + 2 < split_k:
+            total += p2
+        if s0 + 3 < split_k:
+            total += p3
+    return total
+
+
+@triton.jit
 def store_tile(
     acc, y_ptr, bias_ptr, partial_ptr, counter, offs_m, offs_n, m_ok, n_ok,
     M, N, stride_y, pid_k, split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
@@ -117,14 +143,7 @@ def store_tile(
         tl.debug_barrier()
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(split_k):  # in split order: deterministic sums
-                total += tl.load(
-                    partial_ptr + s * split_size + tile,
-                    mask=out_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
+            total = sum_splits(partial_ptr, tile, out_mask, split_size, split_k, tl.zeros_like(acc))
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)

@@ -156,6 +156,7 @@ def _interp_config(swap_ab: bool, split_k: int, block_k: int = 32):
         (1, 40, 96, True, 1),  # one row; N not a multiple of BLOCK_N
         (13, 64, 100, True, 1),  # K ragged against BLOCK_K
         (5, 48, 200, True, 3),  # split-K, the last split shorter and ragged
+        (5, 48, 200, True, 7),  # 7 splits: the sum's groups of four, the second part full
         (70, 72, 160, False, 1),  # M, N past whole tiles; GROUP_M swizzle over 3 row tiles
         (37, 40, 136, False, 2),  # tiles + split-K + ragged K
     ],

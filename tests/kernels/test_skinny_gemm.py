@@ -46,8 +46,15 @@ def _randn(*shape: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 # (N, K, BLOCK_N, BLOCK_K, SPLIT_K): N never a multiple of BLOCK_N; K in 1, 2 (64 + 32) and
-# 3 ragged splits (48 + 48 + 8, K not a multiple of BLOCK_K either).
-CONFIGS = [(40, 96, 16, 32, 1), (40, 96, 16, 32, 2), (50, 104, 32, 16, 3)]
+# 3 ragged splits (48 + 48 + 8, K not a multiple of BLOCK_K either); 5 and 6 splits (the sum
+# loads four splits at a time: one full group and a part one).
+CONFIGS = [
+    (40, 96, 16, 32, 1),
+    (40, 96, 16, 32, 2),
+    (50, 104, 32, 16, 3),
+    (40, 160, 16, 32, 5),
+    (50, 192, 16, 32, 6),
+]
 
 
 @pytest.mark.parametrize("n,k,block_n,block_k,split_k", CONFIGS, ids=str)
