@@ -214,8 +214,9 @@ print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}))
 )
 def test_default_configs_compile_for_sm90(dtype: str, m: int, name: str) -> None:
     """A real sm_90 build (no GPU needed) of the split variant: shared memory within the SM's
-    227 KB, wgmma, and a CTA barrier between the partial stores and the one thread's release
-    of the counter (else other threads' partials need not be visible to the last split)."""
+    227 KB, wgmma, a CTA barrier between the partial stores and the one thread's release of
+    the counter (else other threads' partials need not be visible to the last split), and the
+    sum's loads of four splits before it adds (`sum_splits`)."""
     n, k = LLAMA3_8B[name]
     built = build_for_sm90(_SM90_BUILD, dtype, m, n, k)
     assert built["shared"] <= 227 * 1024
@@ -227,6 +228,16 @@ def test_default_configs_compile_for_sm90(dtype: str, m: int, name: str) -> None
     atom = next(i for i, line in enumerate(body) if "atom.global.gpu.acq_rel.add" in line)
     last_store = max(i for i, line in enumerate(body[:atom]) if "st.global" in line)
     assert any(re.match(r"bar\.sync\s+0", line) for line in body[last_store:atom])
+    # The last split's sum loads four splits' partial tiles (each as many loads as a partial's
+    # stores) with no add between them.
+    partial_stores = sum("st.global" in line for line in body[:atom])
+    runs, loads = [], 0
+    for line in body[atom:]:
+        if "ld.global.cg" in line:
+            loads += 1
+        elif re.match(r"add(\.rn)?\.f32", line):
+            runs, loads = runs + [loads], 0
+    assert max(runs) == 4 * partial_stores
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep instead")
