@@ -87,7 +87,8 @@ def wgmma_grid(m: int) -> list[tuple]:
     buffers, 1 or 2 CTAs a SM; 4 stages (6 were no faster), K split by `split_for`; 4
     warpgroups where their 128 registers a thread do not spill; tiles of 96-224 rows that hold
     all the rows in one; past 128 rows also tiles of 256 rows (K split by `split_for`, 2 and 4
-    ways); the rule's configs with K split 1-6 ways."""
+    ways; one A buffer, or two with 2 K steps of weights in flight); the rule's configs with K
+    split 1-6 ways."""
     from pagoda.kernels.w4a16 import wgmma_config
     from pagoda.kernels.w4a16_wgmma import BN_VALUES, WgmmaConfig, config_reason
 
@@ -103,9 +104,11 @@ def wgmma_grid(m: int) -> list[tuple]:
         configs += [WgmmaConfig(fit, wg, 4, depth, 0, ab, 1) for wg, depth, ab in grid]
         if fit == 96:
             configs.append(WgmmaConfig(fit, 4, 4, 2, 0, 1, 1))
-    if m > 128:  # 256 rows a CTA: one A buffer, 3 stages of 64 KB; K split as the rule or 2, 4 ways
+    if m > 128:  # 256 rows a CTA, 3 stages of 64 KB; K split as the rule or 2, 4 ways
         grid = itertools.product((1, 2), (2, 4), (0, 2, 4))
         configs += [WgmmaConfig(256, wg, 3, depth, split, 1) for wg, depth, split in grid]
+        grid = itertools.product((1, 2), (0, 2))  # two A buffers: 255 registers, no spill
+        configs += [WgmmaConfig(256, wg, 3, 2, split, 2) for wg, split in grid]
     # The rule's configs with K split 1-6 ways (split_for splits only grids that then still fit
     # one wave: 96-400 CTAs on 132 SMs run 1.5-3 waves, the last one part empty).
     for n, k in SHAPES.values():
