@@ -390,6 +390,9 @@ def w8a8_config_candidates(
             cands.append(W8A8Config(bm, bn, bk, group, stages, warps))
             if bm * bn == 128 * 128:
                 cands.append(W8A8Config(bm, bn, bk, group, stages, 8))
+            if bm == 128 and bk == 128 and stages == 3 and m > 128:
+                # Whole 128-row tiles, K split to fill the SMs where they give few programs.
+                cands += [W8A8Config(bm, bn, bk, group, stages, warps, False, s) for s in (2, 4)]
     for cfg in cands:
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
         if cfg.split_k > 1 and split_k_plan(k, cfg.block_k, cfg.split_k)[1] != cfg.split_k:
