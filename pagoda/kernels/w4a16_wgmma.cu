@@ -286,10 +286,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   if (!last_split) return;
   __threadfence();
   // The last CTA sums the tile's splits in split order (the same bits every call), SUM_OUTPUTS
-  // outputs a thread at a time (consecutive threads, consecutive outputs) with the loads of up
-  // to SUM_SPLITS splits of all of them in flight together (one output at a time, each
-  // split's load waited for in turn, it paid a load latency per split and output: 64 for down
-  // at 256 rows, 4 warpgroups and 2 splits).
+  // outputs a thread at a time (consecutive threads, consecutive outputs), the loads of up to
+  // SUM_SPLITS splits of all of them in flight together. Summed one output at a time, a
+  // thread waited a load latency per split and output (64 for down at 256 rows: 4 warpgroups,
+  // 2 splits).
   for (int base = tid; base < BN * ROWS; base += THREADS * SUM_OUTPUTS) {
     long long at[SUM_OUTPUTS];
     bool ok[SUM_OUTPUTS];
