@@ -212,19 +212,15 @@ def _build(job: tuple) -> str | None:
 
 def top_configs(rows: list[dict], family: str, n: int) -> list[str]:
     """Per (shape, M) of a sweep's rows: cuBLAS's and the default's us, then the `n` fastest
-    configs of `family` (its rows' variant: "cuda" for the GEMV, "wgmma*" for the wgmma
-    kernel) with their us."""
+    configs of `family` (its rows' variant: "cuda" for the GEMV, "wgmma" for the wgmma
+    kernel, "skinny" / "wide" for the Triton few-row kernel's modes) with their us."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["shape"], r["m"]), []).append(r)
     lines = []
     for (shape, m), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ref = {r["variant"]: r["us"] for r in group if r["variant"] in ("cublas_bf16", "default")}
-        mine = sorted(
-            (r for r in group if r["variant"] == family or r["variant"] == f"{family}_best"
-             or (family == "wgmma" and r["variant"].startswith("wgmma"))),
-            key=lambda r: r["us"],
-        )  # fmt: skip
+        mine = sorted((r for r in group if r["variant"] == family), key=lambda r: r["us"])
         best = [f"{r['us']:.1f} {list(r['config'])}" for r in mine[:n] if r.get("config")]
         cublas, default = ref.get("cublas_bf16", float("nan")), ref.get("default", float("nan"))
         lines.append(
