@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. The split-K sums with their loads in flight together: the wgmma kernel's (8
+# The split-K sums with their loads in flight together: the wgmma kernel's (8
 # outputs a thread, up to 4 splits; it paid a load latency per split and output) and the
 # Triton kernels' (`skinny_gemm.sum_splits`: 4 splits at a time; the few-row W4A16 kernel
 # splits 8 ways at 17-32 rows). Their GPU tests; whole steps at 17-512 rows (compare with run
