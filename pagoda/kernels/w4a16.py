@@ -440,24 +440,27 @@ WGMMA_MIN_N = 4096
 def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
     """The wgmma kernel's config (`w4a16_wgmma`, sm_90; elsewhere the call falls back to
     `fallback_config`) where it beat the other kernels, or None. From the H100 sweeps of the
-    Llama-3-8B layers (`benchmarks/w4a16_skinny_bench.py`, ~35-45 configs each) in
-    `benchmarks/results/h200/run39-split-epilogue/`: 4-h100 at 32-512 rows, 7-h100 at 96-192
-    (tiles of 96, 160 and 192 rows), 5-h100 at 1024; us per layer against the rule before
-    (the same run):
+    Llama-3-8B layers (`benchmarks/w4a16_skinny_bench.py`, ~35-70 configs each) in
+    `benchmarks/results/h200/`: run39-split-epilogue (4-h100 at 32-512 rows, 7-h100 at 96-192
+    with tiles of 96, 160 and 192 rows, 5-h100 at 1024) and run44-split-sum (64-256 rows, with
+    the split-K sum that keeps 4 splits' loads in flight); us per layer against the rule
+    before (the same run):
     - wide layers (gate_up): one activation tile of all the rows up to 256 (32: 38.0 vs 39.3;
       64: 41.3 vs 46.7; 96: 46.9 vs 61.6 with 4 warpgroups; 128: 65.3 vs 77.2; 160: 71.1 vs
       106.6; 192: 77.8 vs 108.2; 256: 101.1 vs 125.9), below cuBLAS on bf16 weights from 96
       rows (107.3 / 98.2 / 110.1 at 96 / 192 / 256); 256-row tiles to 512 (200.3 vs 245.5);
     - deep ones (down, K >= 2N) from 33 rows: 64-row tiles, 2 warpgroups, two CTAs a SM to 64
-      rows (37.5 vs 38.4), 4 warpgroups to 256 (50.8 / 79.0 / 81.6 at 128 / 192 / 256 against
-      50.9 / 79.1 / 86.9) but one 160-row tile at 129-160 (69.2 vs 79.2), 128-row tiles to 512
-      (107.3 vs 129.8);
-    - the others (qkv, o) past 64 rows, and qkv's 6144 outputs from 33: to 256 rows 64-row
-      tiles, one warpgroup, 4 K steps of weights in flight (qkv 23.1 / 25.5 / 34.3 at 64 /
-      128 / 256 rows, o 23.8 / 24.8 / 27.1 at 128 / 160 / 256), qkv with one tile of all the
-      rows at 129-192 (26.4 / 28.2 at 160 / 192 vs 31.3 / 31.9) and one A buffer past 192 (34.3
-      vs 46.8 at 256), o with two (27.1 vs 32.0); to 512 256-row tiles for qkv (51.6 vs 63.1)
-      and 128-row tiles for o (34.0 vs 41.2);
+      rows (37.5 vs 38.4), 4 warpgroups to 128 (50.8 vs 50.9), one tile of all the rows at
+      129-192 (160: 69.2 vs 79.2; 192: 59.5 vs 70.7), 128-row tiles past 192 (256: 70.4 vs
+      72.4; 512: 107.3 vs 129.8);
+    - the others (qkv, o) from 33 rows: to 64 rows 64-row tiles and two CTAs a SM, qkv with 2
+      warpgroups and one A buffer (20.3 vs 24.7 at 64), o with one warpgroup and 4 K steps of
+      weights in flight (18.1 vs 28.7 for the Triton kernels); to 256 rows 64-row tiles, one
+      warpgroup, 4 K steps in flight (qkv 25.5 / 34.3 at 128 / 256 rows, o 23.8 / 24.8 /
+      27.1 at 128 / 160 / 256), qkv with one tile of all the rows at 129-192 (26.4 / 28.2 at
+      160 / 192 vs 31.3 / 31.9) and one A buffer past 192 (34.3 vs 46.8 at 256), o with two
+      (27.1 vs 32.0); to 512 256-row tiles for qkv (51.6 vs 63.1) and 128-row tiles for o
+      (34.0 vs 41.2);
     - every layer from 513 rows to 1024: 256-row tiles (1024 rows: gate_up 350.8 vs 428.0
       dequantizing for cuBLAS, down 178.4 vs 205.4, o 53.4 vs 62.5; qkv 100.4 vs 94.3). Past
       1024 rows (prefill) dequantizing for cuBLAS, unmeasured."""
@@ -482,16 +485,22 @@ def wgmma_config(m: int, n: int, k: int, group_size: int) -> WgmmaConfig | None:
             return None
         if m <= 64:
             return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
-        if 128 < m <= 160:
-            return WgmmaConfig(bn=160, a_buffers=1)
-        return WgmmaConfig(bn=64, warpgroups=4, a_buffers=1) if m <= 256 else WgmmaConfig(bn=128)
+        if m <= 128:
+            return WgmmaConfig(bn=64, warpgroups=4, a_buffers=1)
+        if m <= 192:
+            return WgmmaConfig(bn=32 * -(-m // 32), a_buffers=1)  # 160 or 192
+        return WgmmaConfig(bn=128)
     if m > 256:
         return WgmmaConfig(bn=256, stages=3, a_buffers=1) if n >= 6144 else WgmmaConfig(bn=128)
     if n >= 6144 and 128 < m <= 192:
         return WgmmaConfig(bn=32 * -(-m // 32), warpgroups=1)  # 160 or 192
-    if m > 64 or (m > 32 and n >= 6144):
+    if m > 64:
         one_buffer = m > 128 and n >= 6144
         return WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1 if one_buffer else 2)
+    if m > 32:
+        if n >= 6144:
+            return WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+        return WgmmaConfig(bn=64, warpgroups=1, depth=4, ctas_per_sm=2)
     return None
 
 

@@ -228,12 +228,17 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
     assert choose_config(96, *gate_up, 128).warpgroups == 4
     assert choose_config(256, *gate_up, 128).a_buffers == 1
     assert choose_config(64, *down, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
-    for m in (65, 128, 161, 256):
+    for m in (65, 128):
         assert choose_config(m, *down, 128) == WgmmaConfig(bn=64, warpgroups=4, a_buffers=1)
     assert choose_config(129, *down, 128) == WgmmaConfig(bn=160, a_buffers=1)
-    assert choose_config(512, *down, 128) == WgmmaConfig(bn=128)
+    assert choose_config(161, *down, 128) == WgmmaConfig(bn=192, a_buffers=1)
+    for m in (193, 256, 512):
+        assert choose_config(m, *down, 128) == WgmmaConfig(bn=128)
     assert choose_config(512, *gate_up, 128).bn == 256
-    for m, shape in ((40, qkv), (65, o), (160, o), (256, o), (128, qkv), (256, qkv)):
+    for m in (33, 64):
+        assert choose_config(m, *qkv, 128) == WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2)
+        assert choose_config(m, *o, 128) == WgmmaConfig(bn=64, warpgroups=1, depth=4, ctas_per_sm=2)
+    for m, shape in ((65, o), (160, o), (256, o), (65, qkv), (128, qkv), (256, qkv)):
         cfg = choose_config(m, *shape, 128)
         assert (cfg.bn, cfg.warpgroups, cfg.depth) == (64, 1, 4), (m, shape)
     assert [choose_config(m, *qkv, 128).bn for m in (129, 160, 161, 192)] == [160, 160, 192, 192]
@@ -243,7 +248,7 @@ def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
     assert choose_config(512, *o, 128) == WgmmaConfig(bn=128)
     for shape in (qkv, o, gate_up, down):
         assert choose_config(1024, *shape, 128) == WgmmaConfig(bn=256, stages=3, a_buffers=1)
-    not_taken = [(16, gate_up), (1025, gate_up), (32, qkv), (64, o), (32, down), (1025, o)]
+    not_taken = [(16, gate_up), (1025, gate_up), (32, qkv), (32, o), (32, down), (1025, o)]
     for m, shape in not_taken:
         assert not isinstance(choose_config(m, *shape, 128), WgmmaConfig), (m, shape)
     assert not isinstance(choose_config(128, *gate_up, 64), WgmmaConfig)  # groups within a step
