@@ -34,11 +34,12 @@ from w4a16_bench import GROUP, L2_BYTES, LAYERS, SHAPES, packed_layer  # noqa: E
 M_VALUES = (1, 4, 16, 24, 32, 64, 128, 192, 256, 1024)
 
 
-def gemv_grid(m: int) -> list[tuple]:
+def gemv_grid(m: int, persist: bool = False) -> list[tuple]:
     """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
     with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
     ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
-    (pdl, sm_90)."""
+    (pdl, sm_90). With `persist`, the ring only (with pdl): the rule's shapes as they are and
+    as persistent grids of 1-3 CTAs an SM at 2-4 stages of 1 or 2 K steps a warp."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -51,6 +52,14 @@ def gemv_grid(m: int) -> list[tuple]:
 
     if m > MAX_M:
         return []
+    if persist:
+        configs = []
+        for rt, warps, sums in ((1, 8, 0), (2, 8, 0), (2, 4, 1), (2, 4, 0)):
+            ring = GemvConfig(rt, warps, sum_mma=sums, bulk=1, stages=2, chunk=2 * warps, pdl=1)
+            configs.append(tuple(ring))
+            for p, stages, mult in itertools.product((1, 2, 3), (2, 3, 4), (1, 2)):
+                configs.append(tuple(ring._replace(stages=stages, chunk=mult * warps, persist=p)))
+        return [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
     configs = [tuple(GemvConfig())]
     shapes = ((1, 8, 2), (1, 4, 2), (1, 8, 4), (2, 8, 2), (2, 4, 2), (2, 4, 4))
     flags = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 0), (1, 1, 1))
@@ -240,6 +249,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
     ap.add_argument("--no-wgmma-sweep", action="store_true", help="no sweep of the wgmma kernel")
     ap.add_argument(
+        "--gemv-persist",
+        action="store_true",
+        help="the CUDA sweep: the ring's persistent grids against the rule's shapes",
+    )
+    ap.add_argument(
         "--step",
         action="store_true",
         help="only time whole decode steps: the 4 GEMMs of 32 distinct layers in order, in one "
@@ -290,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from pagoda.kernels.w4a16_gemv import m_tiles
 
-    gemv_grids = {m: [] if args.no_cuda_sweep else gemv_grid(m) for m in m_values}
+    gemv_grids = {
+        m: [] if args.no_cuda_sweep else gemv_grid(m, args.gemv_persist) for m in m_values
+    }
     # Each config's variant for every row count, compiled by NVRTC on threads.
     jobs = {(m_tiles(m), c): (m, c) for m, g in gemv_grids.items() for c in g}
     t_build = time.perf_counter()

@@ -312,6 +312,7 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 # kernel (`w4a16_wgmma`) takes the layers and rows where it won on an H100 (`wgmma_config`).
 GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
+GEMV_PERSIST = 0  # the ring's `GemvConfig.persist` (0: a CTA a tile; see `gemv_config`)
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
@@ -408,6 +409,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
             stages=2,
             chunk=2 * warps,
             pdl=1,
+            persist=GEMV_PERSIST,
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(

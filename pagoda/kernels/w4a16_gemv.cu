@@ -337,16 +337,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 
 #if BULK
 // BULK: the weights reach shared memory through the copy engine instead of registers. One
-// extra warp (the producer) streams the CTA's rows a chunk of CHUNK K steps at a time into a
-// ring of STAGES stages in dynamic shared memory (one cp.async.bulk per row and chunk, completing on the stage's `full`
-// mbarrier); the WARPS consumer warps take the K steps in turn as above, read their 16-byte
-// operands from the stage, and release it on its `empty` mbarrier. So the bytes in flight are
-// bounded by shared memory, not by registers, and a consumer waits ~30 cycles for a weight
-// instead of a global load's latency. A step's scales, zero points and x are loaded one step
-// ahead (registers). Rows of a stage are PITCH bytes apart, 64 more than a chunk's bytes: the
-// 8 lanes of each phase of a 16-byte shared load (rows g, g + 1, inputs 32t..) hit distinct
-// banks. CHUNK is a multiple of WARPS (each consumer takes CHUNK / WARPS steps of a chunk).
+// extra warp (the producer) streams a tile's rows a chunk of CHUNK K steps at a time into a
+// ring of STAGES stages in dynamic shared memory (one cp.async.bulk per row and chunk,
+// completing on the stage's `full` mbarrier); the WARPS consumer warps take the K steps in
+// turn as above, read their 16-byte operands from the stage, and release it on its `empty`
+// mbarrier. So the bytes in flight are bounded by shared memory, not by registers, and a
+// consumer waits ~30 cycles for a weight instead of a global load's latency. A step's scales,
+// zero points and x are loaded one step ahead (registers). Rows of a stage are PITCH bytes
+// apart, 64 more than a chunk's bytes: the 8 lanes of each phase of a 16-byte shared load
+// (rows g, g + 1, inputs 32t..) hit distinct banks. CHUNK is a multiple of WARPS (each
+// consumer takes CHUNK / WARPS steps of a chunk).
+// A CTA takes tiles blockIdx.x, + gridDim.x, ... (a grid smaller than the tiles,
+// `GemvConfig.persist`): its producer streams the next tile's chunks while the consumers
+// finish the tile before (the sum over warps and the store of y, among the consumer warps
+// only), so the ring does not drain between tiles, and an SM's loads overlap its mmas instead
+// of a wave of CTAs all loading, then all computing. Every consumer waits for every chunk and
+// releases it once (also one holding none of its steps), so each stage can be refilled.
 #define PITCH (CHUNK * 64 + 64)
+
+// The consumer warps' barrier (the producer streams on).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
+}
 
 extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 : 2)
     pagoda_w4a16_gemv(GEMV_PARAMS) {
@@ -356,8 +368,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   auto ring = reinterpret_cast<unsigned char(*)[ROWS * PITCH]>(ring_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * ROWS;
-  const int steps = K / STEP;
+  const int steps = K / STEP, chunks = (steps + CHUNK - 1) / CHUNK;
+  const int tiles = (N + ROWS - 1) / ROWS;
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
@@ -371,33 +383,56 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   if (warp == WARPS) {  // the producer: lane r < ROWS copies row n0 + r (past N: row N - 1)
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    const unsigned char* src =
-        reinterpret_cast<const unsigned char*>(qweight) + (long long)min(n0 + lane, N - 1) * (K / 2);
-    const int chunks = (steps + CHUNK - 1) / CHUNK;
-    for (int c = 0; c < chunks; ++c) {
-      const int st = c % STAGES;
-      if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);
-      const int bytes = min(CHUNK, steps - c * CHUNK) * 64;
-      if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
-      __syncwarp();
-      if (lane < ROWS)
-        bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
-                  smem_addr(&full[st]), policy);
+    int gc = 0;  // chunks of this CTA so far
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
+                                 (long long)min(tile * ROWS + lane, N - 1) * (K / 2);
+      for (int c = 0; c < chunks; ++c, ++gc) {
+        const int st = gc % STAGES;
+        if (gc >= STAGES) mbar_wait(smem_addr(&empty[st]), ((gc / STAGES) - 1) & 1);
+        const int bytes = min(CHUNK, steps - c * CHUNK) * 64;
+        if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
+        __syncwarp();
+        if (lane < ROWS)
+          bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
+                    smem_addr(&full[st]), policy);
+      }
     }
-    grid_wait();  // before its share of the stores of y
-  } else {
-    int nrow[ROW_TILES][2];
+    return;
+  }
+  const u16* xrow[M_TILES];
+  bool xok[M_TILES];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    xok[mt] = 8 * mt + g < M;
+    xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
+  }
+  grid_wait();  // x is written by the kernel before (the producer's weights are not)
+  launch_dependents();
+  // Step s of tile's scales, zero points and x, loaded a step ahead (the next tile's first
+  // step during the tile's last).
+  auto load_step = [&](int tile, int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
+                       uint4(&xv_)[4][M_TILES]) {
+    const int grp = s * STEP / G;
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) nrow[rt][h] = min(n0 + 16 * rt + 8 * h + g, N - 1);
-    const u16* xrow[M_TILES];
-    bool xok[M_TILES];
+      for (int h = 0; h < 2; ++h) {
+        const int row = min(tile * ROWS + 16 * rt + 8 * h + g, N - 1);
+        sc_[rt][h] = ld_nc_u16(scales + grp * N + row);
+        zp_[rt][h] = ld_nc_u8(zeros + grp * N + row);
+      }
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      xok[mt] = 8 * mt + g < M;
-      xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
-    }
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+        xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+  };
+  u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
+  uint4 xv[4][M_TILES];
+  if (blockIdx.x < tiles && warp < steps) load_step(blockIdx.x, warp, sc, zp, xv);
+  int gc = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     float acc[ROW_TILES][M_TILES][4];
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -405,63 +440,48 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
-
-    // Step s's scales, zero points and x, loaded a step ahead.
-    u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
-    uint4 xv[4][M_TILES];
-    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
-                         uint4(&xv_)[4][M_TILES]) {
-      const int grp = s * STEP / G;
-#pragma unroll
-      for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sc_[rt][h] = ld_nc_u16(scales + grp * N + nrow[rt][h]);
-          zp_[rt][h] = ld_nc_u8(zeros + grp * N + nrow[rt][h]);
-        }
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-          xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
-    };
-    grid_wait();  // x is written by the kernel before (the producer's weights are not)
-    launch_dependents();
-    if (warp < steps) load_step(warp, sc, zp, xv);
-    int i = 0;
-    for (int s = warp; s < steps; s += WARPS, ++i) {
-      const int c = s / CHUNK, st = c % STAGES;
-      u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
-      uint4 nxv[4][M_TILES];
-      if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
-      if (i % (CHUNK / WARPS) == 0) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);
-      uint4 wv[ROW_TILES][2];
-#pragma unroll
-      for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + (16 * rt + 8 * h + g) * PITCH +
-                                                      (s % CHUNK) * 64 + 16 * t);
-      if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {
+    for (int c = 0; c < chunks; ++c, ++gc) {
+      const int st = gc % STAGES, end = min(steps, (c + 1) * CHUNK);
+      mbar_wait(smem_addr(&full[st]), (gc / STAGES) & 1);
+      if (c * CHUNK + warp >= end) {  // none of this warp's steps in the chunk
         __syncwarp();
         if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
       }
-      step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
+      for (int s = c * CHUNK + warp; s < end; s += WARPS) {
+        u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
+        uint4 nxv[4][M_TILES];
+        const bool last = s + WARPS >= steps;
+        const int next_tile = last ? tile + gridDim.x : tile, next_s = last ? warp : s + WARPS;
+        if (next_tile < tiles) load_step(next_tile, next_s, nsc, nzp, nxv);
+        uint4 wv[ROW_TILES][2];
 #pragma unroll
-      for (int rt = 0; rt < ROW_TILES; ++rt)
+        for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sc[rt][h] = nsc[rt][h];
-          zp[rt][h] = nzp[rt][h];
+          for (int h = 0; h < 2; ++h)
+            wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + (16 * rt + 8 * h + g) * PITCH +
+                                                        (s % CHUNK) * 64 + 16 * t);
+        if (s + WARPS >= end) {  // the warp's last step of the chunk: release the stage
+          __syncwarp();
+          if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
         }
+        step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #pragma unroll
-      for (int w = 0; w < 4; ++w)
+        for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
+          for (int h = 0; h < 2; ++h) {
+            sc[rt][h] = nsc[rt][h];
+            zp[rt][h] = nzp[rt][h];
+          }
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
+      }
     }
     write_partial(red[warp], acc, lane);
+    consumers_sync();
+    reduce_store(red, y, bias, tile * ROWS, M, N, stride_y, WARPS * 32);
+    consumers_sync();  // red is free for the next tile's partials
   }
-  __syncthreads();
-  reduce_store(red, y, bias, n0, M, N, stride_y, (WARPS + 1) * 32);
 }
 #endif  // BULK

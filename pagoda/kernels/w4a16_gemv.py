@@ -56,7 +56,9 @@ class GemvConfig(NamedTuple):
     `stages` chunks of `chunk` K steps (a multiple of `warps`) each; pdl: 1 to launch it as a
     programmatic dependent of the kernel before it where `pdl_enabled` (sm_90, PAGODA_PDL;
     elsewhere a plain launch): its first weights load while that kernel finishes
-    (`w4a16_gemv.cu`'s `grid_wait`)."""
+    (`w4a16_gemv.cu`'s `grid_wait`); persist (with bulk): 0 for a CTA per tile of rows, else
+    a grid of at most this many CTAs an SM, each taking tiles in turn with its ring streaming
+    across them."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -68,6 +70,7 @@ class GemvConfig(NamedTuple):
     stages: int = 4
     chunk: int = 8
     pdl: int = 0
+    persist: int = 0
 
 
 def enabled() -> bool:
@@ -145,10 +148,17 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def _num_sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     """Why `cfg` cannot run on `device`, or None."""
     if cfg.bulk and not bulk_capable(device):
         return "bulk copies need sm_90"
+    if cfg.persist and not cfg.bulk:
+        return "persist needs the bulk ring"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
     if ring_bytes(cfg) > RING_LIMIT:
@@ -196,7 +206,7 @@ def get_kernel(
         x.dtype == torch.bfloat16,
         scales.dtype == torch.bfloat16,
         m_tiles(x.shape[0]),
-        GemvConfig(*cfg),
+        GemvConfig(*cfg)._replace(persist=0),  # the grid's size, not the code's
         has_perm,
         has_bias,
     )
@@ -226,7 +236,10 @@ def w4a16_gemv(
         y, x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
     ]  # fmt: skip
-    grid = (-(-n // (16 * cfg.row_tiles)), 1, 1)
+    tiles = -(-n // (16 * cfg.row_tiles))
+    if cfg.persist:
+        tiles = min(tiles, cfg.persist * _num_sms(x.device.index or 0))
+    grid = (tiles, 1, 1)
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cuda_launch.launch(kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl)
     return y

@@ -30,7 +30,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 # Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
 # weights through the shared-memory ring (bulk), its stages and chunk; programmatic dependent
-# launch (pdl).
+# launch (pdl); a persistent grid (persist).
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
@@ -42,6 +42,8 @@ LAUNCHES = [
     GemvConfig(pdl=1),
     GemvConfig(2, 4, 2, 1, 1, 1, pdl=1),
     GemvConfig(1, 8, bulk=1, stages=4, chunk=8, pdl=1),
+    GemvConfig(1, 8, bulk=1, stages=3, chunk=8, persist=1),
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=4, pdl=1, persist=2),
 ]
 BULK = LAUNCHES[4]
 
@@ -94,6 +96,23 @@ def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
     w4, dense = _weights("awq", n, k, 128, seed=m)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", LAUNCHES[-2:], ids=str)
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("k", [640, 1920])
+def test_persistent_grid_takes_several_tiles_a_cta(cfg: GemvConfig, m: int, k: int) -> None:
+    # More tiles than CTAs (a few an SM): each CTA's ring runs on across tiles, its stages
+    # refilled for the next tile (K = 5 steps: warps with no step of a chunk; 15: the last
+    # chunk cut short, chunks a tile not a multiple of the stages); N not whole tiles.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 16 * cfg.row_tiles * (cfg.persist * sms * 3 + 1) - 8
+    w4, dense = _weights("gptq", n, k, 128, seed=k)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    _assert_close(_linear(x, w4, bias, cfg), F.linear(x.float(), dense, bias.float()))
 
 
 @gpu
@@ -209,6 +228,7 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert reason is not None
     if not torch.cuda.is_available():
         assert "CUDA" in reason
+    assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(persist=1), torch.device("cpu"))
     # An explicit GemvConfig that cannot run is an error, the default falls back.
     zeros = torch.zeros(2, 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match="CUDA kernel cannot run"):

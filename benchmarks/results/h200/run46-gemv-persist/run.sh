@@ -1,0 +1,33 @@
+#!/bin/bash
+# Not yet run. The ring GEMV as a persistent grid (`GemvConfig.persist`: a CTA takes tiles in
+# turn, its ring streaming across them, so an SM's loads overlap its mmas instead of a wave of
+# CTAs all loading, then all computing), and the wgmma rule refit on run 44's sweep (o and qkv
+# at 33-64 rows, down at 161-256). GPU tests of both kernels; whole steps at 1-256 rows
+# (compare with run 44 on an H100, run 42's h200-baseline on an H200); the persistent sweep
+# at 1-16 rows against the rule's configs; workload a AWQ against bf16. Parts that would not
+# finish within LIMIT seconds (560 by default) are skipped. Writes to $OUT.
+cd "$(dirname "$0")/../../../.." || exit 1
+export PYTHONUNBUFFERED=1
+B=benchmarks
+LIMIT=${LIMIT:-560}
+left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout 150 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
+  tests/kernels/test_w4a16_wgmma.py -rf -x 2>&1 | grep -E "FAILED|passed|failed|rror" \
+  | cut -c1-300 > $OUT/tests.log
+tail -4 $OUT/tests.log
+left 60 step && timeout 80 python $B/w4a16_skinny_bench.py --step \
+  --m 1 4 8 16 33 48 64 128 192 256 --reps 5 > $OUT/step.log 2>&1; tail -11 $OUT/step.log
+left 100 persist && timeout $((LIMIT - SECONDS - 200)) python $B/w4a16_skinny_bench.py \
+  --m 1 4 8 16 --no-sweep --no-wgmma-sweep --gemv-persist --reps 10 --out $OUT/persist.json \
+  > $OUT/persist.log 2>&1
+[ -s $OUT/persist.json ] && python $B/w4a16_skinny_bench.py --top 4 --family cuda \
+  --out $OUT/persist.json
+for q in awq none; do
+  left 100 "workload a $q" || continue
+  args=(--only a); [ $q = awq ] && args+=(--quantization awq)
+  OUT=/tmp/a_$q timeout 95 python $B/h200_bench.py "${args[@]}" --time-budget 85 > $OUT/a_$q.log 2>&1
+  cp /tmp/a_$q/h200_bench.json $OUT/a_$q.json 2>/dev/null
+  echo "$q: $(grep -E '^a Pagoda output' $OUT/a_$q.log | head -1)"
+done
+echo "done in $SECONDS s"
