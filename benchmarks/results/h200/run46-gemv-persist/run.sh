@@ -4,7 +4,8 @@
 # CTAs all loading, then all computing), and the wgmma rule refit on run 44's sweep (o and qkv
 # at 33-64 rows, down at 161-256). GPU tests of both kernels; whole steps at 1-256 rows
 # (compare with run 44 on an H100, run 42's h200-baseline on an H200); the persistent sweep
-# at 1-16 rows against the rule's configs; workload a AWQ against bf16. Parts that would not
+# at 1-16 rows against the rule's configs; qkv at 24-32 rows, the Triton few-row kernel against
+# the wgmma kernel; workload a AWQ against bf16. Parts that would not
 # finish within LIMIT seconds (560 by default) are skipped. Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -23,6 +24,13 @@ left 100 persist && timeout $((LIMIT - SECONDS - 200)) python $B/w4a16_skinny_be
   > $OUT/persist.log 2>&1
 [ -s $OUT/persist.json ] && python $B/w4a16_skinny_bench.py --top 4 --family cuda \
   --out $OUT/persist.json
+# qkv at 17-32 rows: the Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44
+# after the split-sum change, while o and down got faster) against the wgmma kernel.
+left 150 qkv && timeout 60 python $B/w4a16_skinny_bench.py --m 24 32 --shapes qkv \
+  --no-cuda-sweep --reps 5 --out $OUT/qkv32.json > $OUT/qkv32.log 2>&1
+for f in skinny wgmma; do
+  [ -s $OUT/qkv32.json ] && python $B/w4a16_skinny_bench.py --top 3 --family $f --out $OUT/qkv32.json
+done
 for q in awq none; do
   left 100 "workload a $q" || continue
   args=(--only a); [ $q = awq ] && args+=(--quantization awq)
