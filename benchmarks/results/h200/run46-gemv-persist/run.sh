@@ -18,7 +18,7 @@ timeout 150 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
   | cut -c1-300 > $OUT/tests.log
 tail -4 $OUT/tests.log
 left 60 step && timeout 80 python $B/w4a16_skinny_bench.py --step \
-  --m 1 4 8 16 33 48 64 128 192 256 --reps 5 > $OUT/step.log 2>&1; tail -11 $OUT/step.log
+  --m 1 4 8 16 33 48 64 128 192 256 512 --reps 5 > $OUT/step.log 2>&1; tail -12 $OUT/step.log
 left 100 persist && timeout $((LIMIT - SECONDS - 200)) python $B/w4a16_skinny_bench.py \
   --m 1 4 8 16 --no-sweep --no-wgmma-sweep --gemv-persist --reps 10 --out $OUT/persist.json \
   > $OUT/persist.log 2>&1
