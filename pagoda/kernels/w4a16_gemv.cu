@@ -89,6 +89,16 @@ __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int*
   return r;
 }
 
+// Lane row g's x rows: row 8 mt + g for B tile mt (past M: row M - 1, loaded as zeros).
+__device__ __forceinline__ void x_rows(const u16* (&xrow)[M_TILES], bool (&xok)[M_TILES],
+                                       const u16* __restrict__ x, int M, int stride_x, int g) {
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    xok[mt] = 8 * mt + g < M;
+    xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
+  }
+}
+
 // The kernel's parameters (both variants below).
 #define GEMV_PARAMS                                                                          \
   u16 *__restrict__ y, const u16 *__restrict__ x, const u32 *__restrict__ qweight,           \
@@ -259,11 +269,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #endif
   const u16* xrow[M_TILES];
   bool xok[M_TILES];
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) {
-    xok[mt] = 8 * mt + g < M;
-    xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
-  }
+  x_rows(xrow, xok, x, M, stride_x, g);
 
   float acc[ROW_TILES][M_TILES][4];
 #pragma unroll
@@ -402,11 +408,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   }
   const u16* xrow[M_TILES];
   bool xok[M_TILES];
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) {
-    xok[mt] = 8 * mt + g < M;
-    xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
-  }
+  x_rows(xrow, xok, x, M, stride_x, g);
   grid_wait();  // x is written by the kernel before (the producer's weights are not)
   launch_dependents();
   // Step s of tile's scales, zero points and x, loaded a step ahead (the next tile's first
