@@ -57,8 +57,8 @@ class GemvConfig(NamedTuple):
     programmatic dependent of the kernel before it where `pdl_enabled` (sm_90, PAGODA_PDL;
     elsewhere a plain launch): its first weights load while that kernel finishes
     (`w4a16_gemv.cu`'s `grid_wait`); persist (with bulk): 0 for a CTA per tile of rows, else
-    a grid of at most this many CTAs an SM, each taking tiles in turn with its ring streaming
-    across them."""
+    a grid of at most this many CTAs an SM (and no more than an SM holds at once), each taking
+    tiles in turn with its ring streaming across them."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -153,6 +153,13 @@ def _num_sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _resident_ctas(kernel: Any, cfg: GemvConfig) -> int:
+    """CTAs of `kernel` an SM holds at once: a persistent grid of more would run its last
+    CTAs after the others, each with a whole share of the tiles."""
+    return cuda_launch.resident_ctas(kernel.func, threads(cfg), ring_bytes(cfg))
+
+
 def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     """Why `cfg` cannot run on `device`, or None."""
     if cfg.bulk and not bulk_capable(device):
@@ -236,10 +243,10 @@ def w4a16_gemv(
         y, x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
     ]  # fmt: skip
-    tiles = -(-n // (16 * cfg.row_tiles))
+    grid = (-(-n // (16 * cfg.row_tiles)), 1, 1)
     if cfg.persist:
-        tiles = min(tiles, cfg.persist * _num_sms(x.device.index or 0))
-    grid = (tiles, 1, 1)
+        per_sm = min(cfg.persist, _resident_ctas(kernel, cfg) or cfg.persist)
+        grid = (min(grid[0], per_sm * _num_sms(x.device.index or 0)), 1, 1)
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cuda_launch.launch(kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl)
     return y
