@@ -24,6 +24,15 @@ left 100 persist && timeout $((LIMIT - SECONDS - 200)) python $B/w4a16_skinny_be
   > $OUT/persist.log 2>&1
 [ -s $OUT/persist.json ] && python $B/w4a16_skinny_bench.py --top 4 --family cuda \
   --out $OUT/persist.json
+# Whole steps at 1-16 rows with the rule's ring as a persistent grid (w4a16.GEMV_PERSIST,
+# edited in this copy of the tree only; only layers of more tiles than the grid change).
+for p in 2 3; do
+  left 40 "step persist=$p" || continue
+  sed -i "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = $p/" pagoda/kernels/w4a16.py
+  timeout 40 python $B/w4a16_skinny_bench.py --step --m 1 4 8 16 --reps 5 \
+    > $OUT/step_persist$p.log 2>&1; echo "persist=$p"; tail -4 $OUT/step_persist$p.log | cut -c1-50
+done
+sed -i "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = 0/" pagoda/kernels/w4a16.py
 # qkv at 17-32 rows: the Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44
 # after the split-sum change, while o and down got faster) against the wgmma kernel.
 left 150 qkv && timeout 60 python $B/w4a16_skinny_bench.py --m 24 32 --shapes qkv \
