@@ -2,40 +2,41 @@
 # Not yet run. The ring GEMV as a persistent grid (`GemvConfig.persist`: a CTA takes tiles in
 # turn, its ring streaming across them, so an SM's loads overlap its mmas instead of a wave of
 # CTAs all loading, then all computing), and the wgmma rule refit on run 44's sweep (o and qkv
-# at 33-64 rows, down at 161-256). GPU tests of both kernels; whole steps at 1-256 rows
-# (compare with run 44 on an H100, run 42's h200-baseline on an H200); the persistent sweep
-# at 1-16 rows against the rule's configs; qkv at 24-32 rows, the Triton few-row kernel against
-# the wgmma kernel; workload a AWQ against bf16. Parts that would not
-# finish within LIMIT seconds (560 by default) are skipped. Writes to $OUT.
+# at 33-64 rows, down at 161-256). In order of need: GPU tests of both kernels; whole steps at
+# 1-16 rows with the rule as it is, then with its ring as a persistent grid of 2 and 3 CTAs
+# an SM (w4a16.GEMV_PERSIST, edited in this copy of the tree only; only layers of more tiles
+# than the grid change); whole steps at 33-512 rows (compare with run 44 on an H100, run 42's
+# h200-baseline on an H200); the persistent sweep at 1-16 rows against the rule's configs; qkv
+# at 24-32 rows, the Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44 after
+# the split-sum change, while o and down got faster) against the wgmma kernel; workload a AWQ
+# against bf16. Parts that would not finish within LIMIT seconds (560 by default) are skipped.
+# Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 B=benchmarks
 LIMIT=${LIMIT:-560}
 left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
+persist() { sed -i "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = $1/" pagoda/kernels/w4a16.py; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 150 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py tests/kernels/test_cuda_launch.py \
-  tests/kernels/test_w4a16_wgmma.py -rf -x 2>&1 | grep -E "FAILED|passed|failed|rror" \
-  | cut -c1-300 > $OUT/tests.log
+timeout 150 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
+  tests/kernels/test_cuda_launch.py tests/kernels/test_w4a16_wgmma.py -rf -x 2>&1 \
+  | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/tests.log
 tail -4 $OUT/tests.log
-left 60 step && timeout 80 python $B/w4a16_skinny_bench.py --step \
-  --m 1 4 8 16 33 48 64 128 192 256 512 --reps 5 > $OUT/step.log 2>&1; tail -12 $OUT/step.log
-left 100 persist && timeout $((LIMIT - SECONDS - 200)) python $B/w4a16_skinny_bench.py \
+for p in 0 2 3 0 2; do
+  left 40 "step persist=$p" || continue
+  persist $p
+  timeout 40 python $B/w4a16_skinny_bench.py --step --m 1 4 8 16 --reps 5 \
+    > $OUT/step_persist$p.log 2>&1; echo "persist=$p"; tail -4 $OUT/step_persist$p.log | cut -c1-50
+done
+persist 0
+left 60 step && timeout 70 python $B/w4a16_skinny_bench.py --step \
+  --m 33 48 64 128 192 256 512 --reps 5 > $OUT/step.log 2>&1; tail -8 $OUT/step.log
+left 100 persist && timeout $((LIMIT - SECONDS - 60)) python $B/w4a16_skinny_bench.py \
   --m 1 4 8 16 --no-sweep --no-wgmma-sweep --gemv-persist --reps 10 --out $OUT/persist.json \
   > $OUT/persist.log 2>&1
 [ -s $OUT/persist.json ] && python $B/w4a16_skinny_bench.py --top 4 --family cuda \
   --out $OUT/persist.json
-# Whole steps at 1-16 rows with the rule's ring as a persistent grid (w4a16.GEMV_PERSIST,
-# edited in this copy of the tree only; only layers of more tiles than the grid change).
-for p in 2 3; do
-  left 40 "step persist=$p" || continue
-  sed -i "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = $p/" pagoda/kernels/w4a16.py
-  timeout 40 python $B/w4a16_skinny_bench.py --step --m 1 4 8 16 --reps 5 \
-    > $OUT/step_persist$p.log 2>&1; echo "persist=$p"; tail -4 $OUT/step_persist$p.log | cut -c1-50
-done
-sed -i "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = 0/" pagoda/kernels/w4a16.py
-# qkv at 17-32 rows: the Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44
-# after the split-sum change, while o and down got faster) against the wgmma kernel.
-left 150 qkv && timeout 60 python $B/w4a16_skinny_bench.py --m 24 32 --shapes qkv \
+left 60 qkv && timeout 60 python $B/w4a16_skinny_bench.py --m 24 32 --shapes qkv \
   --no-cuda-sweep --reps 5 --out $OUT/qkv32.json > $OUT/qkv32.log 2>&1
 for f in skinny wgmma; do
   [ -s $OUT/qkv32.json ] && python $B/w4a16_skinny_bench.py --top 3 --family $f --out $OUT/qkv32.json
