@@ -577,7 +577,7 @@ def w4a16_linear(
             reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
         if kernel is not None:
             return w4a16_gemv.w4a16_gemv(
-                kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg
+                kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg, _num_sms(x.device)
             )
         if config is not None:
             raise ValueError(f"{cfg}: the CUDA kernel cannot run: {reason}")

@@ -149,11 +149,6 @@ def _capability(device: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _num_sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _resident_ctas(kernel: Any, cfg: GemvConfig) -> int:
     """CTAs of `kernel` an SM holds at once: a persistent grid of more would run its last
     CTAs after the others, each with a whole share of the tiles."""
@@ -233,9 +228,11 @@ def w4a16_gemv(
     bias: torch.Tensor | None,
     perm: torch.Tensor | None,
     cfg: GemvConfig,
+    num_sms: int,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) with `kernel` (from `get_kernel`); the caller has checked the
-    inputs (`w4a16_linear`, `unsupported_reason`)."""
+    """x [M, K] @ W^T (+ bias) with `kernel` (from `get_kernel`) on a GPU of `num_sms` SMs
+    (the persistent grid's size); the caller has checked the inputs (`w4a16_linear`,
+    `unsupported_reason`)."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -246,7 +243,7 @@ def w4a16_gemv(
     grid = (-(-n // (16 * cfg.row_tiles)), 1, 1)
     if cfg.persist:
         per_sm = min(cfg.persist, _resident_ctas(kernel, cfg) or cfg.persist)
-        grid = (min(grid[0], per_sm * _num_sms(x.device.index or 0)), 1, 1)
+        grid = (min(grid[0], per_sm * num_sms), 1, 1)
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cuda_launch.launch(kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl)
     return y
