@@ -39,7 +39,8 @@ def gemv_grid(m: int, persist: bool = False) -> list[tuple]:
     with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
     ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
     (pdl, sm_90). With `persist`, the ring only (with pdl): the rule's shapes as they are and
-    as persistent grids of 1-3 CTAs an SM at 2-4 stages of 1 or 2 K steps a warp."""
+    as persistent grids of 1-3 CTAs an SM at 2-4 stages of 1 or 2 K steps a warp, each with
+    its scales and zero points loaded from global memory and through the ring (sc_ring)."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -54,8 +55,11 @@ def gemv_grid(m: int, persist: bool = False) -> list[tuple]:
         return []
     if persist:
         configs = []
-        for rt, warps, sums in ((1, 8, 0), (2, 8, 0), (2, 4, 1), (2, 4, 0)):
-            ring = GemvConfig(rt, warps, sum_mma=sums, bulk=1, stages=2, chunk=2 * warps, pdl=1)
+        shapes = ((1, 8, 0), (2, 8, 0), (2, 4, 1), (2, 4, 0))
+        for (rt, warps, sums), sc in itertools.product(shapes, (0, 1)):
+            ring = GemvConfig(
+                rt, warps, sum_mma=sums, bulk=1, stages=2, chunk=2 * warps, pdl=1, sc_ring=sc
+            )
             configs.append(tuple(ring))
             for p, stages, mult in itertools.product((1, 2, 3), (2, 3, 4), (1, 2)):
                 configs.append(tuple(ring._replace(stages=stages, chunk=mult * warps, persist=p)))

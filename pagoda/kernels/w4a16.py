@@ -313,6 +313,7 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
 GEMV_PERSIST = 0  # the ring's `GemvConfig.persist` (0: a CTA a tile; see `gemv_config`)
+GEMV_SC_RING = 0  # the ring's `GemvConfig.sc_ring` where N allows (see `gemv_config`)
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
@@ -410,6 +411,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
             chunk=2 * warps,
             pdl=1,
             persist=GEMV_PERSIST,
+            sc_ring=int(bool(GEMV_SC_RING) and n % 16 == 0),
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(
@@ -571,6 +573,8 @@ def w4a16_linear(
         reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
         if reason is None:
             reason = w4a16_gemv.config_reason(cfg, x.device)
+        if reason is None:
+            reason = w4a16_gemv.layout_reason(cfg, scales, zeros)
         kernel = None
         if reason is None:
             kernel = w4a16_gemv.get_kernel(x, scales, cfg, perm is not None, bias is not None)

@@ -35,7 +35,8 @@
 // per-weight zero-point subtract; the zero point is applied to the product with the sums of
 // x that an mma of all-ones A gives), X_EARLY (1: a step's x loads all before its first mma;
 // up to 16 rows), PDL (1: launched as a programmatic dependent of the kernel before it, sm_90:
-// see `grid_wait`). The helpers of `w4a16_device.cuh` are put before this source.
+// see `grid_wait`), SC_RING (with BULK: the scales and zero points come through the ring; N a
+// multiple of 16). The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
@@ -348,8 +349,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // completing on the stage's `full` mbarrier); the WARPS consumer warps take the K steps in
 // turn as above, read their 16-byte operands from the stage, and release it on its `empty`
 // mbarrier. So the bytes in flight are bounded by shared memory, not by registers, and a
-// consumer waits ~30 cycles for a weight instead of a global load's latency. A step's scales,
-// zero points and x are loaded one step ahead (registers). Rows of a stage are PITCH bytes
+// consumer waits ~30 cycles for a weight instead of a global load's latency. A step's x is
+// loaded one step ahead (registers), and so are its scales and zero points, or with SC_RING
+// they come with the weights: the producer's lane i also copies step i of the chunk's scale
+// and zero-point rows for the tile (its group's ROWS of scales [K/G, N] and of zeros, two
+// more bulk copies; N a multiple of 16, so every copy is whole 16-byte units), and a consumer
+// reads its four of each from the stage (no global loads, 64-bit addresses or division in its
+// loop). Rows of a stage are PITCH bytes
 // apart, 64 more than a chunk's bytes: the 8 lanes of each phase of a 16-byte shared load
 // (rows g, g + 1, inputs 32t..) hit distinct banks. CHUNK is a multiple of WARPS (each
 // consumer takes CHUNK / WARPS steps of a chunk).
@@ -360,6 +366,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // of a wave of CTAs all loading, then all computing. Every consumer waits for every chunk and
 // releases it once (also one holding none of its steps), so each stage can be refilled.
 #define PITCH (CHUNK * 64 + 64)
+#define SC_OFFSET (ROWS * PITCH)                   // a stage's scales: [CHUNK][ROWS] 16-bit
+#define ZP_OFFSET (SC_OFFSET + CHUNK * ROWS * 2)  // its zero points: [CHUNK][ROWS] u8
+#define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
 
 // The consumer warps' barrier (the producer streams on).
 __device__ __forceinline__ void consumers_sync() {
@@ -370,8 +379,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
     pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
   __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
-  extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * ROWS * PITCH
-  auto ring = reinterpret_cast<unsigned char(*)[ROWS * PITCH]>(ring_bytes);
+  extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * STAGE_BYTES
+  auto ring = reinterpret_cast<unsigned char(*)[STAGE_BYTES]>(ring_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int steps = K / STEP, chunks = (steps + CHUNK - 1) / CHUNK;
@@ -393,15 +402,31 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
                                  (long long)min(tile * ROWS + lane, N - 1) * (K / 2);
+#if SC_RING
+      const int vrows = min(ROWS, N - tile * ROWS);  // a multiple of 16 (N is)
+#endif
       for (int c = 0; c < chunks; ++c, ++gc) {
         const int st = gc % STAGES;
         if (gc >= STAGES) mbar_wait(smem_addr(&empty[st]), ((gc / STAGES) - 1) & 1);
-        const int bytes = min(CHUNK, steps - c * CHUNK) * 64;
+        const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
+#if SC_RING
+        if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * vrows * 3);
+#else
         if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
+#endif
         __syncwarp();
         if (lane < ROWS)
           bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
                     smem_addr(&full[st]), policy);
+#if SC_RING
+        if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the tile
+          const long long at = (long long)((c * CHUNK + lane) * STEP / G) * N + tile * ROWS;
+          bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
+                    smem_addr(&full[st]));
+          bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
+                    smem_addr(&full[st]));
+        }
+#endif
       }
     }
     return;
@@ -411,10 +436,11 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   x_rows(xrow, xok, x, M, stride_x, g);
   grid_wait();  // x is written by the kernel before (the producer's weights are not)
   launch_dependents();
-  // Step s of tile's scales, zero points and x, loaded a step ahead (the next tile's first
-  // step during the tile's last).
+  // Step s of tile's x (and without SC_RING its scales and zero points), loaded a step ahead
+  // (the next tile's first step during the tile's last).
   auto load_step = [&](int tile, int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
                        uint4(&xv_)[4][M_TILES]) {
+#if !SC_RING
     const int grp = s * STEP / G;
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -424,6 +450,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
         sc_[rt][h] = ld_nc_u16(scales + grp * N + row);
         zp_[rt][h] = ld_nc_u8(zeros + grp * N + row);
       }
+#endif
 #pragma unroll
     for (int w = 0; w < 4; ++w)
 #pragma unroll
@@ -459,14 +486,22 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
 #pragma unroll
         for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + (16 * rt + 8 * h + g) * PITCH +
-                                                        (s % CHUNK) * 64 + 16 * t);
+          for (int h = 0; h < 2; ++h) {
+            const int r = 16 * rt + 8 * h + g;
+            wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + r * PITCH + (s % CHUNK) * 64 +
+                                                        16 * t);
+#if SC_RING
+            sc[rt][h] = *reinterpret_cast<const u16*>(ring[st] + SC_OFFSET +
+                                                      ((s % CHUNK) * ROWS + r) * 2);
+            zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
+#endif
+          }
         if (s + WARPS >= end) {  // the warp's last step of the chunk: release the stage
           __syncwarp();
           if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
         }
         step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
+#if !SC_RING
 #pragma unroll
         for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
@@ -474,6 +509,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
             sc[rt][h] = nsc[rt][h];
             zp[rt][h] = nzp[rt][h];
           }
+#endif
 #pragma unroll
         for (int w = 0; w < 4; ++w)
 #pragma unroll

@@ -58,7 +58,10 @@ class GemvConfig(NamedTuple):
     elsewhere a plain launch): its first weights load while that kernel finishes
     (`w4a16_gemv.cu`'s `grid_wait`); persist (with bulk): 0 for a CTA per tile of rows, else
     a grid of at most this many CTAs an SM (and no more than an SM holds at once), each taking
-    tiles in turn with its ring streaming across them."""
+    tiles in turn with its ring streaming across them; sc_ring (with bulk): 1 to bring each
+    step's scales and zero points through the ring with its weights instead of loading them
+    from global memory a step ahead (N a multiple of 16, scales and zeros contiguous and
+    16-byte aligned: `layout_reason`)."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -71,6 +74,7 @@ class GemvConfig(NamedTuple):
     chunk: int = 8
     pdl: int = 0
     persist: int = 0
+    sc_ring: int = 0
 
 
 def enabled() -> bool:
@@ -90,8 +94,9 @@ def smem_bytes(mt: int, cfg: GemvConfig) -> int:
 
 def ring_bytes(cfg: GemvConfig) -> int:
     """Dynamic shared memory of a CTA: with `bulk`, the ring of weight chunks (each row of a
-    chunk padded by 64 bytes)."""
-    return cfg.bulk * cfg.stages * 16 * cfg.row_tiles * (cfg.chunk * 64 + 64)
+    chunk padded by 64 bytes; with `sc_ring` also a chunk's scales and zero points)."""
+    rows = 16 * cfg.row_tiles
+    return cfg.bulk * cfg.stages * rows * (cfg.chunk * 64 + 64 + cfg.sc_ring * 3 * cfg.chunk)
 
 
 def threads(cfg: GemvConfig) -> int:
@@ -159,12 +164,28 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     """Why `cfg` cannot run on `device`, or None."""
     if cfg.bulk and not bulk_capable(device):
         return "bulk copies need sm_90"
-    if cfg.persist and not cfg.bulk:
-        return "persist needs the bulk ring"
+    if (cfg.persist or cfg.sc_ring) and not cfg.bulk:
+        return "persist and sc_ring need the bulk ring"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
+    if cfg.sc_ring and cfg.chunk > 32:
+        return f"sc_ring copies a chunk's scales a lane a step: chunk {cfg.chunk} > 32"
     if ring_bytes(cfg) > RING_LIMIT:
         return f"a ring of {ring_bytes(cfg)} bytes > {RING_LIMIT}"
+    return None
+
+
+def layout_reason(cfg: GemvConfig, scales: torch.Tensor, zeros: torch.Tensor) -> str | None:
+    """Why `cfg` cannot read these scales and zero points, or None: with `sc_ring` the
+    producer copies a group's row of each for a tile as whole 16-byte units."""
+    if not cfg.sc_ring:
+        return None
+    n = scales.shape[-1]
+    if n % 16:
+        return f"sc_ring needs N a multiple of 16, got {n}"
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return f"sc_ring needs {name} contiguous and 16-byte aligned"
     return None
 
 
@@ -187,6 +208,7 @@ def _compile(
         "STAGES": cfg.stages,
         "CHUNK": cfg.chunk,
         "PDL": cfg.pdl,
+        "SC_RING": cfg.sc_ring,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }

@@ -46,6 +46,14 @@ LAUNCHES = [
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=4, pdl=1, persist=2),
 ]
 BULK = LAUNCHES[4]
+# The scales and zero points through the ring (sc_ring): sums by mma or not, one or two row
+# tiles, 4 or 8 warps, chunks of 1-2 steps a warp, a persistent grid.
+SC_RING = [
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_ring=1),
+    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_ring=1),
+    GemvConfig(1, 8, bulk=1, stages=3, chunk=8, sc_ring=1),
+    GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, persist=2, sc_ring=1),
+]
 
 
 def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
@@ -113,6 +121,28 @@ def test_persistent_grid_takes_several_tiles_a_cta(cfg: GemvConfig, m: int, k: i
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     _assert_close(_linear(x, w4, bias, cfg), F.linear(x.float(), dense, bias.float()))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SC_RING, ids=str)
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 9, 16])
+@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 256), (1920, 1920)])
+def test_scales_through_the_ring_match(
+    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
+) -> None:
+    # N = 208: whole 16-row units, the last 32-row tile half past N (its scale copies are
+    # shorter than the tile); K of 5 and 15 steps (warps with no step of a chunk, the last
+    # chunk cut short); groups of one and two steps and one group per row (every step's copy
+    # the same row); enough tiles for the persistent grid to take several a CTA.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 208 if not cfg.persist else 16 * (cfg.persist * sms * 2 + 1)
+    w4, dense = _weights(fmt, n, k, group, seed=m + k)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if m % 2 else None
+    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    _assert_close(_linear(x, w4, bias, cfg), ref)
 
 
 @gpu
@@ -229,7 +259,34 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     if not torch.cuda.is_available():
         assert "CUDA" in reason
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(persist=1), torch.device("cpu"))
+    assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(sc_ring=1), torch.device("cpu"))
     # An explicit GemvConfig that cannot run is an error, the default falls back.
     zeros = torch.zeros(2, 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match="CUDA kernel cannot run"):
         w4a16_linear(x, qweight, scales, zeros, 128, config=GemvConfig())
+
+
+def test_scales_through_the_ring_need_whole_16_byte_rows(monkeypatch) -> None:
+    cfg = SC_RING[0]
+    scales = torch.ones(2, 208, dtype=torch.bfloat16)
+    zeros = torch.zeros(2, 208, dtype=torch.uint8)
+    assert w4a16_gemv.layout_reason(cfg, scales, zeros) is None
+    assert w4a16_gemv.layout_reason(cfg._replace(sc_ring=0), scales[:, :200], zeros) is None
+    assert "multiple of 16" in w4a16_gemv.layout_reason(cfg, scales[:, :200], zeros[:, :200])
+    assert "zeros contiguous" in w4a16_gemv.layout_reason(cfg, scales, zeros.t().contiguous().t())
+    assert "scales contiguous" in w4a16_gemv.layout_reason(cfg, scales[:, 16:], zeros)
+    # A stage holds the chunk's weights and its scales (2 bytes) and zero points (1) a row
+    # and step.
+    rows, chunk = 32, cfg.chunk
+    ring = w4a16_gemv.ring_bytes(cfg._replace(sc_ring=0))
+    assert w4a16_gemv.ring_bytes(cfg) == ring + cfg.stages * rows * chunk * 3
+    monkeypatch.setattr(w4a16_gemv, "bulk_capable", lambda device: True)
+    assert "chunk 48 > 32" in w4a16_gemv.config_reason(
+        GemvConfig(1, 8, bulk=1, chunk=48, sc_ring=1), torch.device("cpu")
+    )
+    # The rule takes it (where switched on) only where N is whole 16-row units.
+    from pagoda.kernels import w4a16
+
+    monkeypatch.setattr(w4a16, "GEMV_SC_RING", 1)
+    assert gemv_config(1, 4096, 4096, 128).sc_ring
+    assert not gemv_config(1, 4104, 4096, 128).sc_ring

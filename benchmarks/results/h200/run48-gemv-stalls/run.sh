@@ -1,0 +1,24 @@
+#!/bin/bash
+# Not yet run. Where the ring GEMV's warps wait at 1 row (it reads the packed weights at ~2.1
+# TB/s on the H200, half the copy rate, and only 5-9% faster than on the H100: latency, not
+# bandwidth): Nsight Compute's speed of light, warp states and warp-state sampling per SASS
+# instruction (SourceCounters) for gate_up and qkv with the rule's configs, and gate_up as a
+# persistent grid of 2 CTAs an SM (GemvConfig fields: row_tiles, warps, depth, l2_prefetch,
+# sum_mma, x_early, bulk, stages, chunk, pdl, persist). Writes to $OUT.
+cd "$(dirname "$0")/../../../.." || exit 1
+NCU="ncu --clock-control none --kernel-name pagoda_w4a16_gemv --launch-skip 4 --launch-count 1"
+NCU="$NCU --section SpeedOfLight --section WarpStateStats --section SchedulerStats"
+NCU="$NCU --section Occupancy --section SourceCounters"
+for job in "gate_up rule" "qkv rule" "gate_up 2,4,2,0,1,1,1,2,8,1,2"; do
+  set -- $job
+  cfg=(); [ "$2" != rule ] && cfg=(--config "$2")
+  name=$1_${2//,/}
+  timeout 90 $NCU -o $OUT/$name python benchmarks/w4a16_gemv_profile.py --shape $1 --m 1 \
+    "${cfg[@]}" > $OUT/$name.log 2>&1
+  ncu --import $OUT/$name.ncu-rep --page source --csv --print-source sass > $OUT/sass_$name.csv 2>/dev/null
+  ncu --import $OUT/$name.ncu-rep > $OUT/$name.txt 2>/dev/null
+  echo "== $job: $(grep -E '^(gate_up|qkv) M=' $OUT/$name.log)"
+  grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|No Eligible|Achieved Occupancy|Warp Cycles Per Issued" $OUT/$name.txt
+  grep -A14 "Warp Stall Sampling" $OUT/$name.txt | head -16
+done
+echo "done in $SECONDS s"
