@@ -264,6 +264,14 @@ def main(argv: list[str] | None = None) -> dict:
         "graph, by default (with and without programmatic dependent launch) and bf16 cuBLAS",
     )
     ap.add_argument(
+        "--gemv-variants",
+        nargs="+",
+        metavar="PERSIST,SC_RING",
+        help="with --step: instead of the other columns, the default step with the GEMV rule's "
+        "persist and sc_ring set to each pair (w4a16.GEMV_PERSIST, GEMV_SC_RING), in one "
+        "process, the pairs in turn twice (A B A B), and bf16 cuBLAS",
+    )
+    ap.add_argument(
         "--top",
         type=int,
         help="no timing: from the JSON of --out, the N fastest configs of --family per (shape, "
@@ -277,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
         for line in top_configs(rows, args.family, args.top):
             print(line)
         return {}
+    if args.step and args.gemv_variants:
+        pairs = [tuple(int(v) for v in p.split(",")) for p in args.gemv_variants]
+        return variants_main(args.m or (1, 4, 8, 16), pairs, args.reps, args.out)
     if args.step:
         return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
 
@@ -534,6 +545,67 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
                 + ("wgmma64", "wgmma128", "wgmma256")
             )
         )
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def variants_main(m_values, pairs, reps: int, out: str | None) -> dict:
+    """ms per decode step as `step_main` times its default, with w4a16.GEMV_PERSIST and
+    GEMV_SC_RING set to each (persist, sc_ring) pair in turn, twice over (A B A B: a drift of
+    the GPU's clock shows as a difference between the two passes), and bf16 cuBLAS."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.kernels import w4a16
+    from pagoda.kernels.skinny_gemm import prepare
+    from pagoda.kernels.w4a16 import w4a16_linear
+
+    prepare("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    packed = [
+        {s: packed_layer(n, k, GROUP, "cuda", gen) for s, (n, k) in SHAPES.items()}
+        for _ in range(LAYERS)
+    ]
+    dense = [
+        {s: torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+         for s, (n, k) in SHAPES.items()}
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    names = [f"p{p}s{sc}" for p, sc in pairs]
+    print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
+    print("the GEMV rule with persist p and sc_ring s, each timed in two passes:")
+    print(f"{'M':>5s} " + " ".join(f"{n:>15s}" for n in names) + f" {'bf16':>8s}")
+    rows = []
+    saved = w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING
+    try:
+        for m in m_values:
+            xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                  for _, k in SHAPES.values()}  # fmt: skip
+
+            def w4_step(xs=xs) -> None:
+                for layer in packed:
+                    for s, (_, k) in SHAPES.items():
+                        w4a16_linear(xs[k], *layer[s], GROUP)
+
+            def dense_step(xs=xs) -> None:
+                for layer in dense:
+                    for s, (_, k) in SHAPES.items():
+                        F.linear(xs[k], layer[s])
+
+            row = {"m": m, **{n: [] for n in names}}
+            for _ in range(2):
+                for name, (p, sc) in zip(names, pairs):
+                    w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING = p, sc
+                    row[name].append(graph_seconds(w4_step, reps) * 1e3)
+            row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
+            rows.append(row)
+            cells = [f"{row[n][0]:7.3f}/{row[n][1]:7.3f}" for n in names]
+            print(f"{m:5d} " + " ".join(cells) + f" {row['cublas_bf16']:8.3f}")
+    finally:
+        w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING = saved
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:

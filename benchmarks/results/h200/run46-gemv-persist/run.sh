@@ -6,9 +6,9 @@
 # loads in the consumers' loop), and the wgmma rule refit on run 44's sweep (o and qkv at
 # 33-64 rows, down at 161-256). In order of need: GPU tests of both kernels; whole steps at
 # 1-16 rows with the rule as it is, with sc_ring, and as a persistent grid of 2 and 3 CTAs an
-# SM with sc_ring (w4a16.GEMV_PERSIST / GEMV_SC_RING, edited in this copy of the tree only;
-# persist only changes layers of more tiles than the grid), alternated; whole steps at
-# 33-512 rows (compare with run 44 on an H100, run 42's h200-baseline on an H200); the
+# SM with sc_ring (`--gemv-variants`: w4a16.GEMV_PERSIST / GEMV_SC_RING set in one process,
+# the variants in turn twice; persist only changes layers of more tiles than the grid); whole
+# steps at 33-512 rows (compare with run 44 on an H100, run 42's h200-baseline on an H200); the
 # persistent / sc_ring sweep at 1-16 rows against the rule's configs; qkv at 24-32 rows, the
 # Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44 after the split-sum
 # change, while o and down got faster) against the wgmma kernel; workload a AWQ against bf16.
@@ -19,24 +19,14 @@ export PYTHONUNBUFFERED=1
 B=benchmarks
 LIMIT=${LIMIT:-560}
 left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
-variant() {  # persist, sc_ring
-  sed -i -e "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = $1/" \
-    -e "s/^GEMV_SC_RING = [0-9]*/GEMV_SC_RING = $2/" pagoda/kernels/w4a16.py
-}
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 150 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
   tests/kernels/test_cuda_launch.py tests/kernels/test_w4a16_wgmma.py -rf -x 2>&1 \
   | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/tests.log
 tail -4 $OUT/tests.log
-i=0
-for v in 0,0 0,1 2,1 3,1 0,0 0,1 2,1; do
-  i=$((i + 1))
-  left 40 "step persist,sc_ring=$v" || continue
-  variant ${v%,*} ${v#*,}
-  timeout 40 python $B/w4a16_skinny_bench.py --step --m 1 4 8 16 --reps 5 \
-    > $OUT/step$i-$v.log 2>&1; echo "persist,sc_ring=$v"; tail -4 $OUT/step$i-$v.log | cut -c1-50
-done
-variant 0 0
+left 60 "steps at 1-16 rows" && timeout 150 python $B/w4a16_skinny_bench.py --step \
+  --m 1 4 8 16 --gemv-variants 0,0 0,1 2,0 2,1 3,1 --reps 5 --out $OUT/variants.json \
+  > $OUT/variants.log 2>&1; tail -6 $OUT/variants.log
 left 60 step && timeout 70 python $B/w4a16_skinny_bench.py --step \
   --m 33 48 64 128 192 256 512 --reps 5 > $OUT/step.log 2>&1; tail -8 $OUT/step.log
 left 100 persist && timeout $((LIMIT - SECONDS - 60)) python $B/w4a16_skinny_bench.py \
