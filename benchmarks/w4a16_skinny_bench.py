@@ -463,22 +463,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def step_main(m_values, reps: int, out: str | None) -> dict:
-    """ms per decode step timed as one: qkv, o, gate_up and down of 32 distinct layers, in that
-    order, in one CUDA graph (the next kernel's start overlaps the last one's end as it would
-    in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, the rule without
-    the bulk ring (the register kernel up to 8 rows, then the Triton kernels), the wgmma
-    kernel with 64- and 128-row activation tiles (from 17 rows), and bf16 cuBLAS on dense
-    weights of the same shapes."""
+def _step_layers():
+    """A generator and the 32 distinct layers of the step benchmarks: packed 4-bit weights
+    and dense bf16 ones of the same shapes, on the GPU."""
     import torch
-    import torch.nn.functional as F
 
-    from pagoda.kernels.skinny_gemm import prepare
-    from pagoda.kernels.w4a16 import fallback_config, gemv_config, w4a16_linear
-    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
-
-    prepare("cuda")
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     packed = [
         {s: packed_layer(n, k, GROUP, "cuda", gen) for s, (n, k) in SHAPES.items()}
@@ -489,18 +478,55 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
          for s, (n, k) in SHAPES.items()}
         for _ in range(LAYERS)
     ]  # fmt: skip
+    return gen, packed, dense
+
+
+def _step_fns(m: int, gen, packed, dense):
+    """x of m rows for each K, and a decode step's GEMMs in order over every layer: 4-bit by
+    `w4a16_linear`'s default, and bf16 by cuBLAS."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.kernels.w4a16 import w4a16_linear
+
+    xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+          for _, k in SHAPES.values()}  # fmt: skip
+
+    def w4_step() -> None:
+        for layer in packed:
+            for s, (_, k) in SHAPES.items():
+                w4a16_linear(xs[k], *layer[s], GROUP)
+
+    def dense_step() -> None:
+        for layer in dense:
+            for s, (_, k) in SHAPES.items():
+                F.linear(xs[k], layer[s])
+
+    return xs, w4_step, dense_step
+
+
+def step_main(m_values, reps: int, out: str | None) -> dict:
+    """ms per decode step timed as one: qkv, o, gate_up and down of 32 distinct layers, in that
+    order, in one CUDA graph (the next kernel's start overlaps the last one's end as it would
+    in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, the rule without
+    the bulk ring (the register kernel up to 8 rows, then the Triton kernels), the wgmma
+    kernel with 64- and 128-row activation tiles (from 17 rows), and bf16 cuBLAS on dense
+    weights of the same shapes."""
+    import torch
+
+    from pagoda.kernels.skinny_gemm import prepare
+    from pagoda.kernels.w4a16 import fallback_config, gemv_config, w4a16_linear
+    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
+
+    prepare("cuda")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen, packed, dense = _step_layers()
     rows = []
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers):")
     print(f"{'M':>5s} {'default':>10s} {'no PDL':>10s} {'no ring':>10s} {'bf16':>10s}", end="")
     print(f" {'wgmma 64':>10s} {'wgmma 128':>10s} {'wgmma 256':>10s}")
     for m in m_values:
-        xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-              for _, k in SHAPES.values()}  # fmt: skip
-
-        def w4_step(xs=xs) -> None:
-            for layer in packed:
-                for s, (_, k) in SHAPES.items():
-                    w4a16_linear(xs[k], *layer[s], GROUP)
+        xs, w4_step, dense_step = _step_fns(m, gen, packed, dense)
 
         registers = {
             s: gemv_config(m, n, k, GROUP, bulk=False) or fallback_config(m, n, k, GROUP, num_sms)
@@ -511,11 +537,6 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
             for layer in packed:
                 for s, (_, k) in SHAPES.items():
                     w4a16_linear(xs[k], *layer[s], GROUP, config=registers[s])
-
-        def dense_step(xs=xs) -> None:
-            for layer in dense:
-                for s, (_, k) in SHAPES.items():
-                    F.linear(xs[k], layer[s])
 
         row = {"m": m}
         for key, pdl in (("default", "1"), ("no_pdl", "0")):
@@ -557,23 +578,12 @@ def variants_main(m_values, pairs, reps: int, out: str | None) -> dict:
     GEMV_SC_RING set to each (persist, sc_ring) pair in turn, twice over (A B A B: a drift of
     the GPU's clock shows as a difference between the two passes), and bf16 cuBLAS."""
     import torch
-    import torch.nn.functional as F
 
     from pagoda.kernels import w4a16
     from pagoda.kernels.skinny_gemm import prepare
-    from pagoda.kernels.w4a16 import w4a16_linear
 
     prepare("cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    packed = [
-        {s: packed_layer(n, k, GROUP, "cuda", gen) for s, (n, k) in SHAPES.items()}
-        for _ in range(LAYERS)
-    ]
-    dense = [
-        {s: torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-         for s, (n, k) in SHAPES.items()}
-        for _ in range(LAYERS)
-    ]  # fmt: skip
+    gen, packed, dense = _step_layers()
     names = [f"p{p}s{sc}" for p, sc in pairs]
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
     print("the GEMV rule with persist p and sc_ring s, each timed in two passes:")
@@ -582,18 +592,7 @@ def variants_main(m_values, pairs, reps: int, out: str | None) -> dict:
     saved = w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING
     try:
         for m in m_values:
-            xs = {k: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-                  for _, k in SHAPES.values()}  # fmt: skip
-
-            def w4_step(xs=xs) -> None:
-                for layer in packed:
-                    for s, (_, k) in SHAPES.items():
-                        w4a16_linear(xs[k], *layer[s], GROUP)
-
-            def dense_step(xs=xs) -> None:
-                for layer in dense:
-                    for s, (_, k) in SHAPES.items():
-                        F.linear(xs[k], layer[s])
+            _, w4_step, dense_step = _step_fns(m, gen, packed, dense)
 
             row = {"m": m, **{n: [] for n in names}}
             for _ in range(2):
