@@ -8,8 +8,9 @@
 # 1-16 rows with the rule as it is, with sc_ring, and as a persistent grid of 2 and 3 CTAs an
 # SM with sc_ring (`--gemv-variants`: w4a16.GEMV_PERSIST / GEMV_SC_RING set in one process,
 # the variants in turn twice; persist only changes layers of more tiles than the grid); whole
-# steps at 33-512 rows (compare with run 44 on an H100, run 42's h200-baseline on an H200); the
-# persistent / sc_ring sweep at 1-16 rows against the rule's configs; qkv at 24-32 rows, the
+# steps at 33-512 rows (compare with run 44 on an H100, run 42's h200-baseline on an H200);
+# single-stream AWQ decode (`h200_bench.py --only b`) with the rule as it is and with the
+# variant fastest at 1 row; the persistent / sc_ring sweep at 1-16 rows against the rule's configs; qkv at 24-32 rows, the
 # Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44 after the split-sum
 # change, while o and down got faster) against the wgmma kernel; workload a AWQ against bf16.
 # Parts that would not finish within LIMIT seconds (560 by default) are skipped.
@@ -32,6 +33,20 @@ left 60 "steps at 1-16 rows" && timeout 150 python $B/w4a16_skinny_bench.py --st
   > $OUT/variants.log 2>&1; tail -6 $OUT/variants.log
 left 60 step && timeout 70 python $B/w4a16_skinny_bench.py --step \
   --m 33 48 64 128 192 256 512 --reps 5 > $OUT/step.log 2>&1; tail -8 $OUT/step.log
+# Single-stream AWQ decode end to end: the rule as it is, then the variant fastest at 1 row.
+best=$(python -c "import json,sys; r=json.load(open(sys.argv[1]))['steps'][0]; \
+v={k: sum(t) for k, t in r.items() if k[0] == 'p'}; k=min(v, key=v.get); \
+print(k[1:].replace('s', ','))" $OUT/variants.json 2>/dev/null)
+[ "$best" = 0,0 ] && best=""
+for v in 0,0 $best; do
+  left 90 "e2e b $v" || continue
+  sed -i -e "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = ${v%,*}/" \
+    -e "s/^GEMV_SC_RING = [0-9]*/GEMV_SC_RING = ${v#*,}/" pagoda/kernels/w4a16.py
+  OUT=/tmp/b_$v timeout 80 python $B/h200_bench.py --only b --quantization awq > $OUT/b_$v.log 2>&1
+  echo "b persist,sc_ring=$v: $(grep -E '^b Pagoda decode tok/s' $OUT/b_$v.log)"
+done
+sed -i -e "s/^GEMV_PERSIST = [0-9]*/GEMV_PERSIST = 0/" -e "s/^GEMV_SC_RING = [0-9]*/GEMV_SC_RING = 0/" \
+  pagoda/kernels/w4a16.py
 left 100 persist && timeout $((LIMIT - SECONDS - 60)) python $B/w4a16_skinny_bench.py \
   --m 1 4 8 16 --no-sweep --no-wgmma-sweep --gemv-persist --reps 10 --out $OUT/persist.json \
   > $OUT/persist.log 2>&1
