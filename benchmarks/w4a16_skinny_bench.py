@@ -266,10 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-variants",
         nargs="+",
-        metavar="PERSIST,SC_RING",
+        metavar="PERSIST,SC_RING[,STAGES]",
         help="with --step: instead of the other columns, the default step with the GEMV rule's "
-        "persist and sc_ring set to each pair (w4a16.GEMV_PERSIST, GEMV_SC_RING), in one "
-        "process, the pairs in turn twice (A B A B), and bf16 cuBLAS",
+        "persist, sc_ring and ring stages set to each variant (w4a16.GEMV_PERSIST, "
+        "GEMV_SC_RING, GEMV_STAGES; stages default 2), in one process, the variants in turn "
+        "twice (A B A B), and bf16 cuBLAS",
     )
     ap.add_argument(
         "--top",
@@ -286,8 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(line)
         return {}
     if args.step and args.gemv_variants:
-        pairs = [tuple(int(v) for v in p.split(",")) for p in args.gemv_variants]
-        return variants_main(args.m or (1, 4, 8, 16), pairs, args.reps, args.out)
+        variants = [(*(int(v) for v in p.split(",")), 2)[:3] for p in args.gemv_variants]
+        return variants_main(args.m or (1, 4, 8, 16), variants, args.reps, args.out)
     if args.step:
         return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
 
@@ -573,10 +574,11 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
     return result
 
 
-def variants_main(m_values, pairs, reps: int, out: str | None) -> dict:
-    """ms per decode step as `step_main` times its default, with w4a16.GEMV_PERSIST and
-    GEMV_SC_RING set to each (persist, sc_ring) pair in turn, twice over (A B A B: a drift of
-    the GPU's clock shows as a difference between the two passes), and bf16 cuBLAS."""
+def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
+    """ms per decode step as `step_main` times its default, with w4a16.GEMV_PERSIST,
+    GEMV_SC_RING and GEMV_STAGES set to each (persist, sc_ring, stages) variant in turn, twice
+    over (A B A B: a drift of the GPU's clock shows as a difference between the two passes),
+    and bf16 cuBLAS."""
     import torch
 
     from pagoda.kernels import w4a16
@@ -584,27 +586,27 @@ def variants_main(m_values, pairs, reps: int, out: str | None) -> dict:
 
     prepare("cuda")
     gen, packed, dense = _step_layers()
-    names = [f"p{p}s{sc}" for p, sc in pairs]
+    names = [f"p{p}s{sc}r{st}" for p, sc, st in variants]
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
-    print("the GEMV rule with persist p and sc_ring s, each timed in two passes:")
+    print("the GEMV rule with persist p, sc_ring s and r stages, each timed in two passes:")
     print(f"{'M':>5s} " + " ".join(f"{n:>15s}" for n in names) + f" {'bf16':>8s}")
     rows = []
-    saved = w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING
+    saved = w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES
     try:
         for m in m_values:
             _, w4_step, dense_step = _step_fns(m, gen, packed, dense)
 
             row = {"m": m, **{n: [] for n in names}}
             for _ in range(2):
-                for name, (p, sc) in zip(names, pairs):
-                    w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING = p, sc
+                for name, variant in zip(names, variants):
+                    w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
                     row[name].append(graph_seconds(w4_step, reps) * 1e3)
             row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
             rows.append(row)
             cells = [f"{row[n][0]:7.3f}/{row[n][1]:7.3f}" for n in names]
             print(f"{m:5d} " + " ".join(cells) + f" {row['cublas_bf16']:8.3f}")
     finally:
-        w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING = saved
+        w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = saved
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:

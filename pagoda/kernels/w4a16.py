@@ -314,6 +314,7 @@ GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
 GEMV_PERSIST = 0  # the ring's `GemvConfig.persist` (0: a CTA a tile; see `gemv_config`)
 GEMV_SC_RING = 0  # the ring's `GemvConfig.sc_ring` where N allows (see `gemv_config`)
+GEMV_STAGES = 2  # the ring's stages (`GemvConfig.stages`; see `gemv_config`)
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
@@ -407,7 +408,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
             warps=warps,
             sum_mma=int(n >= SKINNY_WIDE_N and m <= 8),
             bulk=1,
-            stages=2,
+            stages=GEMV_STAGES,
             chunk=2 * warps,
             pdl=1,
             persist=GEMV_PERSIST,

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Not yet run. The part of run.sh that fits a short call: the GEMV's GPU tests (the default
 # path runs the rewritten bulk kernel), then whole steps at 1-16 rows with the rule as it is,
-# with its scales and zero points through the ring (sc_ring), and as persistent grids of
-# 2-3 CTAs an SM, in one process, the variants in turn twice. Writes to $OUT.
+# with its scales and zero points through the ring (sc_ring), deeper rings and persistent
+# grids of 2-3 CTAs an SM, in one process, the variants in turn twice. Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 B=benchmarks
@@ -13,8 +13,9 @@ timeout 90 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
   tests/kernels/test_cuda_launch.py -rf --maxfail=10 2>&1 | grep -E "FAILED|passed|failed|rror" \
   | cut -c1-300 > $OUT/tests.log
 tail -4 $OUT/tests.log
-V="0,0 0,1 2,0 2,1 3,1"  # without sc_ring where its tests failed (a fault ends the process)
-grep -q "FAILED.*scales_through" $OUT/tests.log && V="0,0 2,0 3,0"
+# persist,sc_ring[,stages]: without sc_ring where its tests failed (a fault ends the process)
+V="0,0 0,1 0,1,3 0,1,4 2,1 3,1"
+grep -q "FAILED.*scales_through" $OUT/tests.log && V="0,0 0,0,3 0,0,4 2,0 3,0"
 left 60 "steps at 1-16 rows" && timeout 120 python $B/w4a16_skinny_bench.py --step \
   --m 1 4 8 16 --gemv-variants $V --reps 5 --out $OUT/variants.json \
   > $OUT/variants.log 2>&1; tail -6 $OUT/variants.log
