@@ -579,10 +579,13 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
     GEMV_SC_RING and GEMV_STAGES set to each (persist, sc_ring, stages) variant in turn, twice
     over (A B A B: a drift of the GPU's clock shows as a difference between the two passes),
     and bf16 cuBLAS."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     from pagoda.kernels import w4a16
     from pagoda.kernels.skinny_gemm import prepare
+    from pagoda.kernels.w4a16_gemv import m_tiles
 
     prepare("cuda")
     gen, packed, dense = _step_layers()
@@ -593,6 +596,16 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
     rows = []
     saved = w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES
     try:
+        jobs = {}  # the variants' kernels, compiled by NVRTC on threads first
+        for variant in variants:
+            w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
+            for m in m_values:
+                cfgs = (w4a16.gemv_config(m, n, k, GROUP) for n, k in SHAPES.values())
+                jobs |= {(m_tiles(m), tuple(c)): (m, tuple(c)) for c in cfgs if c is not None}
+        with ThreadPoolExecutor(8) as pool:
+            built = pool.map(_build_gemv, jobs.values())
+            failed = [j for j, e in zip(jobs.values(), built) if e]
+        print(f"compiled {len(jobs)} CUDA variants" + (f", failed: {failed}" if failed else ""))
         for m in m_values:
             _, w4_step, dense_step = _step_fns(m, gen, packed, dense)
 
