@@ -127,7 +127,7 @@ def test_persistent_grid_takes_several_tiles_a_cta(cfg: GemvConfig, m: int, k: i
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", SC_RING, ids=str)
 @pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-@pytest.mark.parametrize("m", [1, 9, 16])
+@pytest.mark.parametrize("m", [1, 9])
 @pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 256), (1920, 1920)])
 def test_scales_through_the_ring_match(
     cfg: GemvConfig, fmt: str, m: int, k: int, group: int
@@ -140,8 +140,8 @@ def test_scales_through_the_ring_match(
     n = 208 if not cfg.persist else 16 * (cfg.persist * sms * 2 + 1)
     w4, dense = _weights(fmt, n, k, group, seed=m + k)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if m % 2 else None
-    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    ref = F.linear(x.float(), dense, bias.float())
     _assert_close(_linear(x, w4, bias, cfg), ref)
 
 

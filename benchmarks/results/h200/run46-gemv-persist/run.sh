@@ -6,14 +6,14 @@
 # loads in the consumers' loop), deeper rings (3-4 stages: on the H200 the GEMV ran only 5-9%
 # faster than on the H100, as if the bytes in flight, not the bandwidth, bound it), and the
 # wgmma rule refit on run 44's sweep (o and qkv at 33-64 rows, down at 161-256). In order of
-# need: GPU tests of both kernels; whole steps at 1-16 rows with the rule as it is and these
+# need: the GEMV's GPU tests; whole steps at 1-16 rows with the rule as it is and these
 # variants (`--gemv-variants`: w4a16.GEMV_PERSIST / GEMV_SC_RING / GEMV_STAGES set in one
 # process, the variants in turn twice); whole steps at 33-512 rows (compare with run 44 on an
 # H100, run 42's h200-baseline on an H200); single-stream AWQ decode (`h200_bench.py --only
-# b`) with the rule as it is and with the variant fastest at 1 row; the persistent / sc_ring
-# sweep at 1-16 rows against the rule's configs; qkv at 24-32 rows, the Triton few-row kernel
-# (16.5 us at 32 rows in run 41, 20.0 in run 44) against the wgmma kernel; workload a AWQ
-# against bf16. Parts that would not finish within LIMIT seconds (560 by default) are skipped.
+# b`) with the rule as it is and with the variant fastest at 1 row; the wgmma kernel's GPU
+# tests; the persistent / sc_ring sweep at 1-16 rows against the rule's configs; qkv at 24-32
+# rows, the Triton few-row kernel (16.5 us at 32 rows in run 41, 20.0 in run 44) against the
+# wgmma kernel; workload a AWQ against bf16. Parts that would not finish within LIMIT seconds (560 by default) are skipped.
 # Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -21,8 +21,8 @@ B=benchmarks
 LIMIT=${LIMIT:-560}
 left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 150 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
-  tests/kernels/test_cuda_launch.py tests/kernels/test_w4a16_wgmma.py -rf --maxfail=10 2>&1 \
+timeout 170 python -m pytest -q -m gpu tests/kernels/test_w4a16_gemv.py \
+  tests/kernels/test_cuda_launch.py -rf --maxfail=10 2>&1 \
   | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/tests.log
 tail -4 $OUT/tests.log
 # persist,sc_ring[,stages]: without sc_ring where its tests failed (a fault ends the process)
@@ -51,6 +51,9 @@ for v in 0,0,2 $best; do
   echo "b persist,sc_ring,stages=$v: $(grep -E '^b Pagoda decode tok/s' $OUT/b_$v.log)"
 done
 set_rule 0 0 2
+left 200 "wgmma tests" && timeout 150 python -m pytest -q -m gpu \
+  tests/kernels/test_w4a16_wgmma.py -rf --maxfail=10 2>&1 | grep -E "FAILED|passed|failed|rror" \
+  | cut -c1-300 > $OUT/tests_wgmma.log; tail -3 $OUT/tests_wgmma.log
 left 100 persist && timeout $((LIMIT - SECONDS - 60)) python $B/w4a16_skinny_bench.py \
   --m 1 4 8 16 --no-sweep --no-wgmma-sweep --gemv-persist --reps 10 --out $OUT/persist.json \
   > $OUT/persist.log 2>&1
