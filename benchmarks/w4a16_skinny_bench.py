@@ -34,13 +34,13 @@ from w4a16_bench import GROUP, L2_BYTES, LAYERS, SHAPES, packed_layer  # noqa: E
 M_VALUES = (1, 4, 16, 24, 32, 64, 128, 192, 256, 1024)
 
 
-def gemv_grid(m: int, persist: bool = False) -> list[tuple]:
+def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
     """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
     with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
     ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
-    (pdl, sm_90). With `persist`, the ring only (with pdl): the rule's shapes as they are and
-    as persistent grids of 1-3 CTAs an SM at 2-4 stages of 1 or 2 K steps a warp, each with
-    its scales and zero points loaded from global memory and through the ring (sc_ring)."""
+    (pdl, sm_90). With `ring`, the ring only (with pdl): the rule's shapes at 2-4 stages of 1
+    or 2 K steps a warp, each with its scales and zero points loaded from global memory and
+    through the ring (sc_ring)."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -53,16 +53,13 @@ def gemv_grid(m: int, persist: bool = False) -> list[tuple]:
 
     if m > MAX_M:
         return []
-    if persist:
+    if ring:
         configs = []
         shapes = ((1, 8, 0), (2, 8, 0), (2, 4, 1), (2, 4, 0))
         for (rt, warps, sums), sc in itertools.product(shapes, (0, 1)):
-            ring = GemvConfig(
-                rt, warps, sum_mma=sums, bulk=1, stages=2, chunk=2 * warps, pdl=1, sc_ring=sc
-            )
-            configs.append(tuple(ring))
-            for p, stages, mult in itertools.product((1, 2, 3), (2, 3, 4), (1, 2)):
-                configs.append(tuple(ring._replace(stages=stages, chunk=mult * warps, persist=p)))
+            cfg = GemvConfig(rt, warps, sum_mma=sums, bulk=1, pdl=1, sc_ring=sc)
+            for stages, mult in itertools.product((2, 3, 4), (1, 2)):
+                configs.append(tuple(cfg._replace(stages=stages, chunk=mult * warps)))
         return [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
     configs = [tuple(GemvConfig())]
     shapes = ((1, 8, 2), (1, 4, 2), (1, 8, 4), (2, 8, 2), (2, 4, 2), (2, 4, 4))
@@ -253,9 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
     ap.add_argument("--no-wgmma-sweep", action="store_true", help="no sweep of the wgmma kernel")
     ap.add_argument(
-        "--gemv-persist",
+        "--gemv-ring",
         action="store_true",
-        help="the CUDA sweep: the ring's persistent grids against the rule's shapes",
+        help="the CUDA sweep: the ring's stages, chunks and sc_ring at the rule's shapes",
     )
     ap.add_argument(
         "--step",
@@ -266,11 +263,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-variants",
         nargs="+",
-        metavar="PERSIST,SC_RING[,STAGES]",
+        metavar="SC_RING[,STAGES]",
         help="with --step: instead of the other columns, the default step with the GEMV rule's "
-        "persist, sc_ring and ring stages set to each variant (w4a16.GEMV_PERSIST, "
-        "GEMV_SC_RING, GEMV_STAGES; stages default 2), in one process, the variants in turn "
-        "twice (A B A B), and bf16 cuBLAS",
+        "sc_ring and ring stages set to each variant (w4a16.GEMV_SC_RING, GEMV_STAGES; "
+        "stages default 2), in one process, the variants in turn twice (A B A B), and bf16 "
+        "cuBLAS",
     )
     ap.add_argument(
         "--top",
@@ -287,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(line)
         return {}
     if args.step and args.gemv_variants:
-        variants = [(*(int(v) for v in p.split(",")), 2)[:3] for p in args.gemv_variants]
+        variants = [(*(int(v) for v in p.split(",")), 2)[:2] for p in args.gemv_variants]
         return variants_main(args.m or (1, 4, 8, 16), variants, args.reps, args.out)
     if args.step:
         return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
@@ -320,9 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from pagoda.kernels.w4a16_gemv import m_tiles
 
-    gemv_grids = {
-        m: [] if args.no_cuda_sweep else gemv_grid(m, args.gemv_persist) for m in m_values
-    }
+    gemv_grids = {m: [] if args.no_cuda_sweep else gemv_grid(m, args.gemv_ring) for m in m_values}
     # Each config's variant for every row count, compiled by NVRTC on threads.
     jobs = {(m_tiles(m), c): (m, c) for m, g in gemv_grids.items() for c in g}
     t_build = time.perf_counter()
@@ -575,10 +570,9 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
 
 
 def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
-    """ms per decode step as `step_main` times its default, with w4a16.GEMV_PERSIST,
-    GEMV_SC_RING and GEMV_STAGES set to each (persist, sc_ring, stages) variant in turn, twice
-    over (A B A B: a drift of the GPU's clock shows as a difference between the two passes),
-    and bf16 cuBLAS."""
+    """ms per decode step as `step_main` times its default, with w4a16.GEMV_SC_RING and
+    GEMV_STAGES set to each (sc_ring, stages) variant in turn, twice over (A B A B: a drift of
+    the GPU's clock shows as a difference between the two passes), and bf16 cuBLAS."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -589,16 +583,16 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
 
     prepare("cuda")
     gen, packed, dense = _step_layers()
-    names = [f"p{p}s{sc}r{st}" for p, sc, st in variants]
+    names = [f"s{sc}r{st}" for sc, st in variants]
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
-    print("the GEMV rule with persist p, sc_ring s and r stages, each timed in two passes:")
+    print("the GEMV rule with sc_ring s and r stages, each timed in two passes:")
     print(f"{'M':>5s} " + " ".join(f"{n:>15s}" for n in names) + f" {'bf16':>8s}")
     rows = []
-    saved = w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES
+    saved = w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES
     try:
         jobs = {}  # the variants' kernels, compiled by NVRTC on threads first
         for variant in variants:
-            w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
+            w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
             for m in m_values:
                 cfgs = (w4a16.gemv_config(m, n, k, GROUP) for n, k in SHAPES.values())
                 jobs |= {(m_tiles(m), tuple(c)): (m, tuple(c)) for c in cfgs if c is not None}
@@ -612,14 +606,14 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
             row = {"m": m, **{n: [] for n in names}}
             for _ in range(2):
                 for name, variant in zip(names, variants):
-                    w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
+                    w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
                     row[name].append(graph_seconds(w4_step, reps) * 1e3)
             row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
             rows.append(row)
             cells = [f"{row[n][0]:7.3f}/{row[n][1]:7.3f}" for n in names]
             print(f"{m:5d} " + " ".join(cells) + f" {row['cublas_bf16']:8.3f}")
     finally:
-        w4a16.GEMV_PERSIST, w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = saved
+        w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = saved
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:

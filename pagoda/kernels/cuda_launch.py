@@ -81,17 +81,6 @@ def allow_dynamic_smem(func: Any, nbytes: int) -> bool:
     return libcuda().cuFuncSetAttribute(func, 8, ctypes.c_int(nbytes)) == 0
 
 
-def resident_ctas(func: Any, block: int, smem: int) -> int:
-    """CTAs of `block` threads and `smem` bytes of dynamic shared memory that one SM holds at
-    once (registers, shared memory, threads: cuOccupancyMaxActiveBlocksPerMultiprocessor);
-    0 where the driver cannot say."""
-    n = ctypes.c_int()
-    err = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), func, ctypes.c_int(block), ctypes.c_size_t(smem)
-    )
-    return n.value if err == 0 else 0
-
-
 def bind_context() -> None:
     """Make the current device's primary context current on this thread if none is: a thread
     that has made no CUDA runtime call yet (a compile worker whose tensors came from the

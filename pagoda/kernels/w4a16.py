@@ -312,7 +312,6 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 # kernel (`w4a16_wgmma`) takes the layers and rows where it won on an H100 (`wgmma_config`).
 GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
-GEMV_PERSIST = 0  # the ring's `GemvConfig.persist` (0: a CTA a tile; see `gemv_config`)
 GEMV_SC_RING = 0  # the ring's `GemvConfig.sc_ring` where N allows (see `gemv_config`)
 GEMV_STAGES = 2  # the ring's stages (`GemvConfig.stages`; see `gemv_config`)
 SKINNY_MAX_M = 32
@@ -411,7 +410,6 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
             stages=GEMV_STAGES,
             chunk=2 * warps,
             pdl=1,
-            persist=GEMV_PERSIST,
             sc_ring=int(bool(GEMV_SC_RING) and n % 16 == 0),
         )
     row_tiles = 1 if m <= 4 else 2
@@ -582,7 +580,7 @@ def w4a16_linear(
             reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
         if kernel is not None:
             return w4a16_gemv.w4a16_gemv(
-                kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg, _num_sms(x.device)
+                kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg
             )
         if config is not None:
             raise ValueError(f"{cfg}: the CUDA kernel cannot run: {reason}")

@@ -344,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 
 #if BULK
 // BULK: the weights reach shared memory through the copy engine instead of registers. One
-// extra warp (the producer) streams a tile's rows a chunk of CHUNK K steps at a time into a
+// extra warp (the producer) streams the CTA's rows a chunk of CHUNK K steps at a time into a
 // ring of STAGES stages in dynamic shared memory (one cp.async.bulk per row and chunk,
 // completing on the stage's `full` mbarrier); the WARPS consumer warps take the K steps in
 // turn as above, read their 16-byte operands from the stage, and release it on its `empty`
@@ -352,28 +352,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // consumer waits ~30 cycles for a weight instead of a global load's latency. A step's x is
 // loaded one step ahead (registers), and so are its scales and zero points, or with SC_RING
 // they come with the weights: the producer's lane i also copies step i of the chunk's scale
-// and zero-point rows for the tile (its group's ROWS of scales [K/G, N] and of zeros, two
-// more bulk copies; N a multiple of 16, so every copy is whole 16-byte units), and a consumer
+// and zero-point rows for the CTA (its group's ROWS of scales [K/G, N] and of zeros, two more
+// bulk copies; N a multiple of 16, so every copy is whole 16-byte units), and a consumer
 // reads its four of each from the stage (no global loads, 64-bit addresses or division in its
-// loop). Rows of a stage are PITCH bytes
-// apart, 64 more than a chunk's bytes: the 8 lanes of each phase of a 16-byte shared load
-// (rows g, g + 1, inputs 32t..) hit distinct banks. CHUNK is a multiple of WARPS (each
-// consumer takes CHUNK / WARPS steps of a chunk).
-// A CTA takes tiles blockIdx.x, + gridDim.x, ... (a grid smaller than the tiles,
-// `GemvConfig.persist`): its producer streams the next tile's chunks while the consumers
-// finish the tile before (the sum over warps and the store of y, among the consumer warps
-// only), so the ring does not drain between tiles, and an SM's loads overlap its mmas instead
-// of a wave of CTAs all loading, then all computing. Every consumer waits for every chunk and
-// releases it once (also one holding none of its steps), so each stage can be refilled.
+// loop for them). Rows of a stage are PITCH bytes apart, 64 more than a chunk's bytes: the 8
+// lanes of each phase of a 16-byte shared load (rows g, g + 1, inputs 32t..) hit distinct
+// banks. CHUNK is a multiple of WARPS (each consumer takes CHUNK / WARPS steps of a chunk).
 #define PITCH (CHUNK * 64 + 64)
 #define SC_OFFSET (ROWS * PITCH)                   // a stage's scales: [CHUNK][ROWS] 16-bit
 #define ZP_OFFSET (SC_OFFSET + CHUNK * ROWS * 2)  // its zero points: [CHUNK][ROWS] u8
 #define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
-
-// The consumer warps' barrier (the producer streams on).
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
-}
 
 extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 : 2)
     pagoda_w4a16_gemv(GEMV_PARAMS) {
@@ -383,8 +371,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   auto ring = reinterpret_cast<unsigned char(*)[STAGE_BYTES]>(ring_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int steps = K / STEP, chunks = (steps + CHUNK - 1) / CHUNK;
-  const int tiles = (N + ROWS - 1) / ROWS;
+  const int n0 = blockIdx.x * ROWS;
+  const int steps = K / STEP;
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
@@ -398,70 +386,47 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
   if (warp == WARPS) {  // the producer: lane r < ROWS copies row n0 + r (past N: row N - 1)
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    int gc = 0;  // chunks of this CTA so far
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
-                                 (long long)min(tile * ROWS + lane, N - 1) * (K / 2);
+    const unsigned char* src =
+        reinterpret_cast<const unsigned char*>(qweight) + (long long)min(n0 + lane, N - 1) * (K / 2);
+    const int chunks = (steps + CHUNK - 1) / CHUNK;
 #if SC_RING
-      const int vrows = min(ROWS, N - tile * ROWS);  // a multiple of 16 (N is)
+    const int vrows = min(ROWS, N - n0);  // a multiple of 16 (N is)
 #endif
-      for (int c = 0; c < chunks; ++c, ++gc) {
-        const int st = gc % STAGES;
-        if (gc >= STAGES) mbar_wait(smem_addr(&empty[st]), ((gc / STAGES) - 1) & 1);
-        const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
+    for (int c = 0; c < chunks; ++c) {
+      const int st = c % STAGES;
+      if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);
+      const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
 #if SC_RING
-        if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * vrows * 3);
+      if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * vrows * 3);
 #else
-        if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
+      if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
 #endif
-        __syncwarp();
-        if (lane < ROWS)
-          bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
-                    smem_addr(&full[st]), policy);
+      __syncwarp();
+      if (lane < ROWS)
+        bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
+                  smem_addr(&full[st]), policy);
 #if SC_RING
-        if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the tile
-          const long long at = (long long)((c * CHUNK + lane) * STEP / G) * N + tile * ROWS;
-          bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
-                    smem_addr(&full[st]));
-          bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
-                    smem_addr(&full[st]));
-        }
-#endif
+      if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the CTA's rows
+        const long long at = (long long)((c * CHUNK + lane) * STEP / G) * N + n0;
+        bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
+                  smem_addr(&full[st]));
+        bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
+                  smem_addr(&full[st]));
       }
+#endif
     }
-    return;
-  }
-  const u16* xrow[M_TILES];
-  bool xok[M_TILES];
-  x_rows(xrow, xok, x, M, stride_x, g);
-  grid_wait();  // x is written by the kernel before (the producer's weights are not)
-  launch_dependents();
-  // Step s of tile's x (and without SC_RING its scales and zero points), loaded a step ahead
-  // (the next tile's first step during the tile's last).
-  auto load_step = [&](int tile, int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
-                       uint4(&xv_)[4][M_TILES]) {
+    grid_wait();  // before its share of the stores of y
+  } else {
 #if !SC_RING
-    const int grp = s * STEP / G;
+    int nrow[ROW_TILES][2];
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = min(tile * ROWS + 16 * rt + 8 * h + g, N - 1);
-        sc_[rt][h] = ld_nc_u16(scales + grp * N + row);
-        zp_[rt][h] = ld_nc_u8(zeros + grp * N + row);
-      }
+      for (int h = 0; h < 2; ++h) nrow[rt][h] = min(n0 + 16 * rt + 8 * h + g, N - 1);
 #endif
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-        xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
-  };
-  u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
-  uint4 xv[4][M_TILES];
-  if (blockIdx.x < tiles && warp < steps) load_step(blockIdx.x, warp, sc, zp, xv);
-  int gc = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const u16* xrow[M_TILES];
+    bool xok[M_TILES];
+    x_rows(xrow, xok, x, M, stride_x, g);
     float acc[ROW_TILES][M_TILES][4];
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -469,57 +434,74 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
-    for (int c = 0; c < chunks; ++c, ++gc) {
-      const int st = gc % STAGES, end = min(steps, (c + 1) * CHUNK);
-      mbar_wait(smem_addr(&full[st]), (gc / STAGES) & 1);
-      if (c * CHUNK + warp >= end) {  // none of this warp's steps in the chunk
+
+    // Step s's x (and without SC_RING its scales and zero points), loaded a step ahead.
+    u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
+    uint4 xv[4][M_TILES];
+    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
+                         uint4(&xv_)[4][M_TILES]) {
+#if !SC_RING
+      const int grp = s * STEP / G;
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sc_[rt][h] = ld_nc_u16(scales + grp * N + nrow[rt][h]);
+          zp_[rt][h] = ld_nc_u8(zeros + grp * N + nrow[rt][h]);
+        }
+#endif
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+          xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+    };
+    grid_wait();  // x is written by the kernel before (the producer's weights are not)
+    launch_dependents();
+    if (warp < steps) load_step(warp, sc, zp, xv);
+    int i = 0;
+    for (int s = warp; s < steps; s += WARPS, ++i) {
+      const int c = s / CHUNK, st = c % STAGES;
+      u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
+      uint4 nxv[4][M_TILES];
+      if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
+      if (i % (CHUNK / WARPS) == 0) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);
+      uint4 wv[ROW_TILES][2];
+#pragma unroll
+      for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * rt + 8 * h + g;
+          wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + r * PITCH + (s % CHUNK) * 64 +
+                                                      16 * t);
+#if SC_RING
+          sc[rt][h] = *reinterpret_cast<const u16*>(ring[st] + SC_OFFSET +
+                                                    ((s % CHUNK) * ROWS + r) * 2);
+          zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
+#endif
+        }
+      if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {
         __syncwarp();
         if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
       }
-      for (int s = c * CHUNK + warp; s < end; s += WARPS) {
-        u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
-        uint4 nxv[4][M_TILES];
-        const bool last = s + WARPS >= steps;
-        const int next_tile = last ? tile + gridDim.x : tile, next_s = last ? warp : s + WARPS;
-        if (next_tile < tiles) load_step(next_tile, next_s, nsc, nzp, nxv);
-        uint4 wv[ROW_TILES][2];
-#pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * rt + 8 * h + g;
-            wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + r * PITCH + (s % CHUNK) * 64 +
-                                                        16 * t);
-#if SC_RING
-            sc[rt][h] = *reinterpret_cast<const u16*>(ring[st] + SC_OFFSET +
-                                                      ((s % CHUNK) * ROWS + r) * 2);
-            zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
-#endif
-          }
-        if (s + WARPS >= end) {  // the warp's last step of the chunk: release the stage
-          __syncwarp();
-          if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
-        }
-        step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
+      step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #if !SC_RING
 #pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt)
+      for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            sc[rt][h] = nsc[rt][h];
-            zp[rt][h] = nzp[rt][h];
-          }
+        for (int h = 0; h < 2; ++h) {
+          sc[rt][h] = nsc[rt][h];
+          zp[rt][h] = nzp[rt][h];
+        }
 #endif
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
+      for (int w = 0; w < 4; ++w)
 #pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
-      }
+        for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
     }
     write_partial(red[warp], acc, lane);
-    consumers_sync();
-    reduce_store(red, y, bias, tile * ROWS, M, N, stride_y, WARPS * 32);
-    consumers_sync();  // red is free for the next tile's partials
   }
+  __syncthreads();
+  reduce_store(red, y, bias, n0, M, N, stride_y, (WARPS + 1) * 32);
 }
 #endif  // BULK

@@ -56,9 +56,7 @@ class GemvConfig(NamedTuple):
     `stages` chunks of `chunk` K steps (a multiple of `warps`) each; pdl: 1 to launch it as a
     programmatic dependent of the kernel before it where `pdl_enabled` (sm_90, PAGODA_PDL;
     elsewhere a plain launch): its first weights load while that kernel finishes
-    (`w4a16_gemv.cu`'s `grid_wait`); persist (with bulk): 0 for a CTA per tile of rows, else
-    a grid of at most this many CTAs an SM (and no more than an SM holds at once), each taking
-    tiles in turn with its ring streaming across them; sc_ring (with bulk): 1 to bring each
+    (`w4a16_gemv.cu`'s `grid_wait`); sc_ring (with bulk): 1 to bring each
     step's scales and zero points through the ring with its weights instead of loading them
     from global memory a step ahead (N a multiple of 16, scales and zeros contiguous and
     16-byte aligned: `layout_reason`)."""
@@ -73,7 +71,6 @@ class GemvConfig(NamedTuple):
     stages: int = 4
     chunk: int = 8
     pdl: int = 0
-    persist: int = 0
     sc_ring: int = 0
 
 
@@ -153,19 +150,12 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.cache
-def _resident_ctas(kernel: Any, cfg: GemvConfig) -> int:
-    """CTAs of `kernel` an SM holds at once: a persistent grid of more would run its last
-    CTAs after the others, each with a whole share of the tiles."""
-    return cuda_launch.resident_ctas(kernel.func, threads(cfg), ring_bytes(cfg))
-
-
 def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     """Why `cfg` cannot run on `device`, or None."""
     if cfg.bulk and not bulk_capable(device):
         return "bulk copies need sm_90"
-    if (cfg.persist or cfg.sc_ring) and not cfg.bulk:
-        return "persist and sc_ring need the bulk ring"
+    if cfg.sc_ring and not cfg.bulk:
+        return "sc_ring needs the bulk ring"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
     if cfg.sc_ring and cfg.chunk > 32:
@@ -230,7 +220,7 @@ def get_kernel(
         x.dtype == torch.bfloat16,
         scales.dtype == torch.bfloat16,
         m_tiles(x.shape[0]),
-        GemvConfig(*cfg)._replace(persist=0),  # the grid's size, not the code's
+        GemvConfig(*cfg),
         has_perm,
         has_bias,
     )
@@ -250,11 +240,9 @@ def w4a16_gemv(
     bias: torch.Tensor | None,
     perm: torch.Tensor | None,
     cfg: GemvConfig,
-    num_sms: int,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) with `kernel` (from `get_kernel`) on a GPU of `num_sms` SMs
-    (the persistent grid's size); the caller has checked the inputs (`w4a16_linear`,
-    `unsupported_reason`)."""
+    """x [M, K] @ W^T (+ bias) with `kernel` (from `get_kernel`); the caller has checked the
+    inputs (`w4a16_linear`, `unsupported_reason`)."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -263,9 +251,6 @@ def w4a16_gemv(
         bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
     ]  # fmt: skip
     grid = (-(-n // (16 * cfg.row_tiles)), 1, 1)
-    if cfg.persist:
-        per_sm = min(cfg.persist, _resident_ctas(kernel, cfg) or cfg.persist)
-        grid = (min(grid[0], per_sm * num_sms), 1, 1)
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cuda_launch.launch(kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl)
     return y

@@ -78,22 +78,3 @@ def test_a_kernel_built_on_a_fresh_thread_runs() -> None:
     cuda_launch.launch(kernel.func, (4, 1, 1), 256, 0, [y, 1000], y.device)
     torch.cuda.synchronize()
     assert torch.equal(y, torch.ones_like(y))
-
-
-def test_resident_ctas_is_zero_where_the_driver_cannot_say(monkeypatch) -> None:
-    class Refusing:
-        def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, out, func, block, smem):  # noqa: N802
-            return 1  # CUDA_ERROR_INVALID_VALUE
-
-    monkeypatch.setattr(cuda_launch, "libcuda", lambda: Refusing())
-    assert cuda_launch.resident_ctas(None, 128, 0) == 0
-
-
-@gpu
-@pytest.mark.gpu
-def test_resident_ctas_counts_what_an_sm_holds() -> None:
-    kernel = cuda_launch.build(_ADD_ONE, "add_one", {}, "test kernel")
-    assert kernel is not None
-    # 2048 threads an SM (sm_80 and sm_90): two CTAs of 1024, more of 256.
-    assert cuda_launch.resident_ctas(kernel.func, 1024, 0) == 2
-    assert cuda_launch.resident_ctas(kernel.func, 256, 0) >= 4

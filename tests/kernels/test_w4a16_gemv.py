@@ -30,7 +30,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 # Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
 # weights through the shared-memory ring (bulk), its stages and chunk; programmatic dependent
-# launch (pdl); a persistent grid (persist).
+# launch (pdl).
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
@@ -42,17 +42,15 @@ LAUNCHES = [
     GemvConfig(pdl=1),
     GemvConfig(2, 4, 2, 1, 1, 1, pdl=1),
     GemvConfig(1, 8, bulk=1, stages=4, chunk=8, pdl=1),
-    GemvConfig(1, 8, bulk=1, stages=3, chunk=8, persist=1),
-    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=4, pdl=1, persist=2),
 ]
 BULK = LAUNCHES[4]
 # The scales and zero points through the ring (sc_ring): sums by mma or not, one or two row
-# tiles, 4 or 8 warps, chunks of 1-2 steps a warp, a persistent grid.
+# tiles, 4 or 8 warps, chunks of 1-2 steps a warp, more chunks than stages.
 SC_RING = [
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_ring=1),
     GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_ring=1),
     GemvConfig(1, 8, bulk=1, stages=3, chunk=8, sc_ring=1),
-    GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, persist=2, sc_ring=1),
+    GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, sc_ring=1),
 ]
 
 
@@ -108,23 +106,6 @@ def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", LAUNCHES[-2:], ids=str)
-@pytest.mark.parametrize("m", [1, 9])
-@pytest.mark.parametrize("k", [640, 1920])
-def test_persistent_grid_takes_several_tiles_a_cta(cfg: GemvConfig, m: int, k: int) -> None:
-    # More tiles than CTAs (a few an SM): each CTA's ring runs on across tiles, its stages
-    # refilled for the next tile (K = 5 steps: warps with no step of a chunk; 15: the last
-    # chunk cut short, chunks a tile not a multiple of the stages); N not whole tiles.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = 16 * cfg.row_tiles * (cfg.persist * sms * 3 + 1) - 8
-    w4, dense = _weights("gptq", n, k, 128, seed=k)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    _assert_close(_linear(x, w4, bias, cfg), F.linear(x.float(), dense, bias.float()))
-
-
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", SC_RING, ids=str)
 @pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
 @pytest.mark.parametrize("m", [1, 9])
@@ -135,9 +116,8 @@ def test_scales_through_the_ring_match(
     # N = 208: whole 16-row units, the last 32-row tile half past N (its scale copies are
     # shorter than the tile); K of 5 and 15 steps (warps with no step of a chunk, the last
     # chunk cut short); groups of one and two steps and one group per row (every step's copy
-    # the same row); enough tiles for the persistent grid to take several a CTA.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = 208 if not cfg.persist else 16 * (cfg.persist * sms * 2 + 1)
+    # the same row).
+    n = 208
     w4, dense = _weights(fmt, n, k, group, seed=m + k)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
@@ -174,7 +154,7 @@ def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [None, BULK], ids=["default", "bulk"])
+@pytest.mark.parametrize("cfg", [None, BULK, SC_RING[1]], ids=["default", "bulk", "sc_ring"])
 def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
     w4, _ = _weights("gptq_act_order", 512, 1024, 128)
     x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
@@ -183,7 +163,9 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1]], ids=str)
+@pytest.mark.parametrize(
+    "cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1], SC_RING[0]], ids=str
+)
 def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
     cfg: GemvConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -258,7 +240,6 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert reason is not None
     if not torch.cuda.is_available():
         assert "CUDA" in reason
-    assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(persist=1), torch.device("cpu"))
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(sc_ring=1), torch.device("cpu"))
     # An explicit GemvConfig that cannot run is an error, the default falls back.
     zeros = torch.zeros(2, 32, dtype=torch.uint8)
