@@ -56,10 +56,10 @@ class GemvConfig(NamedTuple):
     `stages` chunks of `chunk` K steps (a multiple of `warps`) each; pdl: 1 to launch it as a
     programmatic dependent of the kernel before it where `pdl_enabled` (sm_90, PAGODA_PDL;
     elsewhere a plain launch): its first weights load while that kernel finishes
-    (`w4a16_gemv.cu`'s `grid_wait`); sc_ring (with bulk): 1 to bring each
-    step's scales and zero points through the ring with its weights instead of loading them
-    from global memory a step ahead (N a multiple of 16, scales and zeros contiguous and
-    16-byte aligned: `layout_reason`)."""
+    (`w4a16_gemv.cu`'s `grid_wait`); sc_ring (with bulk): 1 to bring each step's scales and
+    zero points through the ring with its weights instead of loading them from global memory
+    a step ahead (N a multiple of 16, scales and zeros contiguous and 16-byte aligned:
+    `layout_reason`)."""
 
     row_tiles: int = 1
     warps: int = 8
