@@ -8,7 +8,12 @@
 cd "$(dirname "$0")/../../../.." || exit 1
 NCU="ncu --clock-control none --kernel-name pagoda_w4a16_gemv --launch-skip 4 --launch-count 1"
 NCU="$NCU --section SpeedOfLight --section WarpStateStats --section SchedulerStats"
-NCU="$NCU --section Occupancy --section SourceCounters"
+NCU="$NCU --section Occupancy --section SourceCounters --section ComputeWorkloadAnalysis"
+# The pipes' share of their peak (ALU: LOP3, SHF, ISETP...; FMA: FFMA, IMAD, HADD2...), in a
+# second pass of its own, so that a metric this ncu lacks costs only that pass.
+PIPES=sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active
+PIPES=$PIPES,sm__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active
+PIPES=$PIPES,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed.avg.per_cycle_active
 for job in "gate_up rule" "gate_up 2,4,2,0,1,1,1,2,8,1,1" "qkv rule" \
   "qkv 2,8,2,0,0,1,1,2,16,1,1"; do
   set -- $job
@@ -18,8 +23,11 @@ for job in "gate_up rule" "gate_up 2,4,2,0,1,1,1,2,8,1,1" "qkv rule" \
     "${cfg[@]}" > $OUT/$name.log 2>&1
   ncu --import $OUT/$name.ncu-rep --page source --csv --print-source sass > $OUT/sass_$name.csv 2>/dev/null
   ncu --import $OUT/$name.ncu-rep > $OUT/$name.txt 2>/dev/null
+  timeout 60 ${NCU%% --section*} --metrics $PIPES python benchmarks/w4a16_gemv_profile.py \
+    --shape $1 --m 1 "${cfg[@]}" 2>&1 | grep -E "pipe|inst_executed|ERROR" > $OUT/pipes_$name.txt
   echo "== $job: $(grep -E '^(gate_up|qkv) M=' $OUT/$name.log)"
   grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|No Eligible|Achieved Occupancy|Warp Cycles Per Issued" $OUT/$name.txt
   grep -A14 "Warp Stall Sampling" $OUT/$name.txt | head -16
+  cat $OUT/pipes_$name.txt
 done
 echo "done in $SECONDS s"

@@ -11,7 +11,7 @@ B=benchmarks
 LIMIT=${LIMIT:-570}
 mkdir -p $OUT/49 $OUT/48 $OUT/ring
 OUT=$OUT/49 LIMIT=250 bash $B/results/h200/run49-gemv-sc-ring/run.sh
-OUT=$OUT/48 timeout 200 bash $B/results/h200/run48-gemv-stalls/run.sh
+OUT=$OUT/48 timeout $((LIMIT - SECONDS - 20)) bash $B/results/h200/run48-gemv-stalls/run.sh
 [ $((LIMIT - SECONDS)) -gt 60 ] && timeout $((LIMIT - SECONDS - 10)) python \
   $B/w4a16_skinny_bench.py --gemv-ring --no-sweep --no-wgmma-sweep --m 1 16 --reps 10 \
   --out $OUT/ring/ring.json > $OUT/ring/ring.log 2>&1
