@@ -40,7 +40,7 @@ def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
     ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
     (pdl, sm_90). With `ring`, the ring only (with pdl): the rule's shapes at 2-4 stages of 1
     or 2 K steps a warp, each with its scales and zero points loaded from global memory and
-    through the ring (sc_ring)."""
+    through the ring (sc_ring), with a producer warp and without."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -56,8 +56,8 @@ def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
     if ring:
         configs = []
         shapes = ((1, 8, 0), (2, 8, 0), (2, 4, 1), (2, 4, 0))
-        for (rt, warps, sums), sc in itertools.product(shapes, (0, 1)):
-            cfg = GemvConfig(rt, warps, sum_mma=sums, bulk=1, pdl=1, sc_ring=sc)
+        for (rt, warps, sums), sc, pr in itertools.product(shapes, (0, 1), (1, 0)):
+            cfg = GemvConfig(rt, warps, sum_mma=sums, bulk=1, pdl=1, sc_ring=sc, producer=pr)
             for stages, mult in itertools.product((2, 3, 4), (1, 2)):
                 configs.append(tuple(cfg._replace(stages=stages, chunk=mult * warps)))
         return [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
@@ -263,11 +263,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-variants",
         nargs="+",
-        metavar="SC_RING[,STAGES]",
+        metavar="SC_RING[,STAGES[,PRODUCER]]",
         help="with --step: instead of the other columns, the default step with the GEMV rule's "
-        "sc_ring and ring stages set to each variant (w4a16.GEMV_SC_RING, GEMV_STAGES; "
-        "stages default 2), in one process, the variants in turn twice (A B A B), and bf16 "
-        "cuBLAS",
+        "sc_ring, ring stages and producer warp set to each variant (w4a16.GEMV_SC_RING, "
+        "GEMV_STAGES, GEMV_PRODUCER; default 2 stages and a producer warp), in one process, the "
+        "variants in turn twice (A B A B), and bf16 cuBLAS",
     )
     ap.add_argument(
         "--top",
@@ -284,7 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(line)
         return {}
     if args.step and args.gemv_variants:
-        variants = [(*(int(v) for v in p.split(",")), 2)[:2] for p in args.gemv_variants]
+        defaults = (0, 2, 1)  # sc_ring, stages, producer
+        parts = [[int(v) for v in p.split(",")] for p in args.gemv_variants]
+        variants = [tuple(v + list(defaults[len(v) :])) for v in parts]
         return variants_main(args.m or (1, 4, 8, 16), variants, args.reps, args.out)
     if args.step:
         return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
@@ -570,9 +572,10 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
 
 
 def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
-    """ms per decode step as `step_main` times its default, with w4a16.GEMV_SC_RING and
-    GEMV_STAGES set to each (sc_ring, stages) variant in turn, twice over (A B A B: a drift of
-    the GPU's clock shows as a difference between the two passes), and bf16 cuBLAS."""
+    """ms per decode step as `step_main` times its default, with w4a16.GEMV_SC_RING,
+    GEMV_STAGES and GEMV_PRODUCER set to each (sc_ring, stages, producer) variant in turn, twice
+    over (A B A B: a drift of the GPU's clock shows as a difference between the two passes),
+    and bf16 cuBLAS."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -583,16 +586,16 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
 
     prepare("cuda")
     gen, packed, dense = _step_layers()
-    names = [f"s{sc}r{st}" for sc, st in variants]
+    names = [f"s{sc}r{st}p{pr}" for sc, st, pr in variants]
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
-    print("the GEMV rule with sc_ring s and r stages, each timed in two passes:")
+    print("the GEMV rule with sc_ring s, r stages and p producer warps, timed in two passes:")
     print(f"{'M':>5s} " + " ".join(f"{n:>15s}" for n in names) + f" {'bf16':>8s}")
     rows = []
-    saved = w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES
+    saved = w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER
     try:
         jobs = {}  # the variants' kernels, compiled by NVRTC on threads first
         for variant in variants:
-            w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
+            w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER = variant
             for m in m_values:
                 cfgs = (w4a16.gemv_config(m, n, k, GROUP) for n, k in SHAPES.values())
                 jobs |= {(m_tiles(m), tuple(c)): (m, tuple(c)) for c in cfgs if c is not None}
@@ -606,14 +609,14 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
             row = {"m": m, **{n: [] for n in names}}
             for _ in range(2):
                 for name, variant in zip(names, variants):
-                    w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = variant
+                    w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER = variant
                     row[name].append(graph_seconds(w4_step, reps) * 1e3)
             row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
             rows.append(row)
             cells = [f"{row[n][0]:7.3f}/{row[n][1]:7.3f}" for n in names]
             print(f"{m:5d} " + " ".join(cells) + f" {row['cublas_bf16']:8.3f}")
     finally:
-        w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES = saved
+        w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER = saved
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:

@@ -36,7 +36,8 @@
 // x that an mma of all-ones A gives), X_EARLY (1: a step's x loads all before its first mma;
 // up to 16 rows), PDL (1: launched as a programmatic dependent of the kernel before it, sm_90:
 // see `grid_wait`), SC_RING (with BULK: the scales and zero points come through the ring; N a
-// multiple of 16). The helpers of `w4a16_device.cuh` are put before this source.
+// multiple of 16), PRODUCER (with BULK; 0: no producer warp, the consumers refill the ring).
+// The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
@@ -358,65 +359,88 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // loop for them). Rows of a stage are PITCH bytes apart, 64 more than a chunk's bytes: the 8
 // lanes of each phase of a 16-byte shared load (rows g, g + 1, inputs 32t..) hit distinct
 // banks. CHUNK is a multiple of WARPS (each consumer takes CHUNK / WARPS steps of a chunk).
+// Without PRODUCER there is no producer warp (a fifth of the registers of a 4-warp CTA, so
+// more CTAs an SM): warp 0 fills the first STAGES chunks, and the consumer that releases a
+// stage last (a shared counter a stage, counted modulo WARPS) refills it with the chunk
+// STAGES on, its 32 lanes issuing the copies the producer's would have.
 #define PITCH (CHUNK * 64 + 64)
 #define SC_OFFSET (ROWS * PITCH)                   // a stage's scales: [CHUNK][ROWS] 16-bit
 #define ZP_OFFSET (SC_OFFSET + CHUNK * ROWS * 2)  // its zero points: [CHUNK][ROWS] u8
 #define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
 
-extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 : 2)
+#define THREADS ((WARPS + PRODUCER) * 32)
+
+extern "C" __global__ void __launch_bounds__(THREADS, M_TILES > 1 ? 1 : 2)
     pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
   __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+#if !PRODUCER
+  __shared__ u32 released[STAGES];  // consumers done with the stage's chunks, in all
+#endif
   extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * STAGE_BYTES
   auto ring = reinterpret_cast<unsigned char(*)[STAGE_BYTES]>(ring_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * ROWS;
   const int steps = K / STEP;
+  const int chunks = (steps + CHUNK - 1) / CHUNK;
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
       mbar_init(smem_addr(&full[st]), 1);
       mbar_init(smem_addr(&empty[st]), WARPS);
+#if !PRODUCER
+      released[st] = 0;
+#endif
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == WARPS) {  // the producer: lane r < ROWS copies row n0 + r (past N: row N - 1)
+  // Chunk c into stage c % STAGES, by a whole warp: lane r < ROWS copies row n0 + r (past N:
+  // row N - 1), and with SC_RING lane i < the chunk's steps its step i's scales and zeros.
+  auto fill = [&](int c) {
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    const unsigned char* src =
-        reinterpret_cast<const unsigned char*>(qweight) + (long long)min(n0 + lane, N - 1) * (K / 2);
-    const int chunks = (steps + CHUNK - 1) / CHUNK;
+    const int st = c % STAGES;
+    const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
 #if SC_RING
     const int vrows = min(ROWS, N - n0);  // a multiple of 16 (N is)
+    if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * vrows * 3);
+#else
+    if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
 #endif
+    __syncwarp();
+    if (lane < ROWS) {
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
+                                 (long long)min(n0 + lane, N - 1) * (K / 2) + c * CHUNK * 64;
+      bulk_load(smem_addr(ring[st] + lane * PITCH), src, bytes, smem_addr(&full[st]), policy);
+    }
+#if SC_RING
+    if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the CTA's rows
+      const long long at = (long long)((c * CHUNK + lane) * STEP / G) * N + n0;
+      bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
+                smem_addr(&full[st]));
+      bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
+                smem_addr(&full[st]));
+    }
+#endif
+  };
+
+#if PRODUCER
+  if (warp == WARPS) {  // the producer
     for (int c = 0; c < chunks; ++c) {
       const int st = c % STAGES;
       if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);
-      const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
-#if SC_RING
-      if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * vrows * 3);
-#else
-      if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
-#endif
-      __syncwarp();
-      if (lane < ROWS)
-        bulk_load(smem_addr(ring[st] + lane * PITCH), src + c * CHUNK * 64, bytes,
-                  smem_addr(&full[st]), policy);
-#if SC_RING
-      if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the CTA's rows
-        const long long at = (long long)((c * CHUNK + lane) * STEP / G) * N + n0;
-        bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
-                  smem_addr(&full[st]));
-        bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
-                  smem_addr(&full[st]));
-      }
-#endif
+      fill(c);
     }
     grid_wait();  // before its share of the stores of y
   } else {
+#else
+  if (warp == 0)
+    for (int c = 0; c < min(STAGES, chunks); ++c) fill(c);
+  {
+#endif
 #if !SC_RING
     int nrow[ROW_TILES][2];
 #pragma unroll
@@ -480,9 +504,24 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
           zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
 #endif
         }
-      if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {
+      if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {  // this warp is done with the stage
         __syncwarp();
+#if PRODUCER
         if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
+#else
+        // The last of the WARPS to release it refills it. The count's release orders this
+        // warp's reads of the stage before it, its acquire the others' before the copies.
+        u32 done = 0;
+        if (lane == 0)
+          asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;"
+                       : "=r"(done)
+                       : "r"(smem_addr(&released[st]))
+                       : "memory");
+        if (__shfl_sync(0xffffffffu, done, 0) % WARPS == WARPS - 1 && c + STAGES < chunks) {
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          fill(c + STAGES);
+        }
+#endif
       }
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #if !SC_RING
@@ -502,6 +541,6 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, M_TILES > 1 ? 1 :
     write_partial(red[warp], acc, lane);
   }
   __syncthreads();
-  reduce_store(red, y, bias, n0, M, N, stride_y, (WARPS + 1) * 32);
+  reduce_store(red, y, bias, n0, M, N, stride_y, THREADS);
 }
 #endif  // BULK

@@ -59,7 +59,8 @@ class GemvConfig(NamedTuple):
     (`w4a16_gemv.cu`'s `grid_wait`); sc_ring (with bulk): 1 to bring each step's scales and
     zero points through the ring with its weights instead of loading them from global memory
     a step ahead (N a multiple of 16, scales and zeros contiguous and 16-byte aligned:
-    `layout_reason`)."""
+    `layout_reason`); producer (with bulk): 0 for no producer warp, the consumer that
+    releases a stage last refilling it (fewer registers a CTA, so more CTAs an SM)."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -72,6 +73,7 @@ class GemvConfig(NamedTuple):
     chunk: int = 8
     pdl: int = 0
     sc_ring: int = 0
+    producer: int = 1
 
 
 def enabled() -> bool:
@@ -97,8 +99,9 @@ def ring_bytes(cfg: GemvConfig) -> int:
 
 
 def threads(cfg: GemvConfig) -> int:
-    """Threads of a CTA: the consumer warps and, with `bulk`, the producer warp."""
-    return 32 * (cfg.warps + cfg.bulk)
+    """Threads of a CTA: the consumer warps and, with `bulk` and `producer`, the producer
+    warp."""
+    return 32 * (cfg.warps + cfg.bulk * cfg.producer)
 
 
 def unsupported_reason(
@@ -156,6 +159,8 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "bulk copies need sm_90"
     if cfg.sc_ring and not cfg.bulk:
         return "sc_ring needs the bulk ring"
+    if not cfg.producer and not cfg.bulk:
+        return "producer=0 needs the bulk ring"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
     if cfg.sc_ring and cfg.chunk > 32:
@@ -199,6 +204,7 @@ def _compile(
         "CHUNK": cfg.chunk,
         "PDL": cfg.pdl,
         "SC_RING": cfg.sc_ring,
+        "PRODUCER": cfg.producer,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }

@@ -52,6 +52,14 @@ SC_RING = [
     GemvConfig(1, 8, bulk=1, stages=3, chunk=8, sc_ring=1),
     GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, sc_ring=1),
 ]
+# No producer warp (the consumer that releases a stage last refills it): with and without
+# sc_ring, chunks of 1-2 steps a warp, 2-3 stages, 4 or 8 warps.
+NO_PRODUCER = [
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_ring=1, producer=0),
+    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_ring=1, producer=0),
+    GemvConfig(1, 8, bulk=1, stages=3, chunk=8, producer=0),
+    GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, producer=0),
+]
 
 
 def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
@@ -127,6 +135,20 @@ def test_scales_through_the_ring_match(
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", NO_PRODUCER, ids=str)
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 256), (1920, 1920)])
+def test_ring_without_producer_warp_matches(
+    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
+) -> None:
+    # The shapes above: with 15 steps, chunks refilled by whichever consumer is last, and
+    # warps with no step of the last chunk.
+    test_scales_through_the_ring_match(cfg, fmt, m, k, group)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("group", [256, 4096])
 def test_gemv_larger_groups_and_one_group_per_row(group: int) -> None:
     n, k = 96, 1024
@@ -154,7 +176,11 @@ def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [None, BULK, SC_RING[1]], ids=["default", "bulk", "sc_ring"])
+@pytest.mark.parametrize(
+    "cfg",
+    [None, BULK, SC_RING[1], NO_PRODUCER[0]],
+    ids=["default", "bulk", "sc_ring", "no_producer"],
+)
 def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
     w4, _ = _weights("gptq_act_order", 512, 1024, 128)
     x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
@@ -164,7 +190,7 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1], SC_RING[0]], ids=str
+    "cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1], SC_RING[0], NO_PRODUCER[3]], ids=str
 )
 def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
     cfg: GemvConfig, monkeypatch: pytest.MonkeyPatch
@@ -241,6 +267,10 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     if not torch.cuda.is_available():
         assert "CUDA" in reason
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(sc_ring=1), torch.device("cpu"))
+    assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(producer=0), torch.device("cpu"))
+    # Without a producer warp a CTA is its consumers only.
+    assert w4a16_gemv.threads(NO_PRODUCER[0]) == 128
+    assert w4a16_gemv.threads(NO_PRODUCER[0]._replace(producer=1)) == 160
     # An explicit GemvConfig that cannot run is an error, the default falls back.
     zeros = torch.zeros(2, 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match="CUDA kernel cannot run"):

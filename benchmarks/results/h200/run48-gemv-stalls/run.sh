@@ -14,7 +14,7 @@ NCU="$NCU --section Occupancy --section SourceCounters --section ComputeWorkload
 PIPES=sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active
 PIPES=$PIPES,sm__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active
 PIPES=$PIPES,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed.avg.per_cycle_active
-for job in "gate_up rule" "gate_up 2,4,2,0,1,1,1,2,8,1,1" "qkv rule" \
+for job in "gate_up rule" "gate_up 2,4,2,0,1,1,1,2,8,1,1" "gate_up 2,4,2,0,1,1,1,2,8,1,1,0" "qkv rule" \
   "qkv 2,8,2,0,0,1,1,2,16,1,1"; do
   set -- $job
   cfg=(); [ "$2" != rule ] && cfg=(--config "$2")
