@@ -81,6 +81,31 @@ def allow_dynamic_smem(func: Any, nbytes: int) -> bool:
     return libcuda().cuFuncSetAttribute(func, 8, ctypes.c_int(nbytes)) == 0
 
 
+def fit_shared_carveout(func: Any, threads: int, dynamic_smem: int, device: int) -> None:
+    """Ask for the split of each SM's L1 and shared memory that holds as many CTAs of `func` as
+    its registers allow (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT): the driver's own
+    choice can hold fewer, so that shared memory, not registers, bounds the CTAs an SM."""
+    lib = libcuda()
+    regs, static = ctypes.c_int(), ctypes.c_int()
+    if lib.cuFuncGetAttribute(ctypes.byref(regs), 4, func):  # CU_FUNC_ATTRIBUTE_NUM_REGS
+        return
+    if lib.cuFuncGetAttribute(ctypes.byref(static), 1, func):  # ..._SHARED_SIZE_BYTES
+        return
+    dev, sm_smem, sm_regs = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    err = lib.cuDeviceGet(ctypes.byref(dev), device)
+    # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, ..._MAX_REGISTERS_PER_...
+    err = err or lib.cuDeviceGetAttribute(ctypes.byref(sm_smem), 81, dev)
+    err = err or lib.cuDeviceGetAttribute(ctypes.byref(sm_regs), 82, dev)
+    if err or not sm_smem.value:
+        return
+    warps = -(-threads // 32)
+    per_warp = -(-regs.value * 32 // 256) * 256  # allocated a warp at a time, 256 at once
+    ctas = min(sm_regs.value // (warps * per_warp), 2048 // threads, 32)
+    need = ctas * (static.value + dynamic_smem + 1024)  # 1 KiB a CTA for the system
+    percent = min(100, -(-100 * need // sm_smem.value))
+    lib.cuFuncSetAttribute(func, 9, ctypes.c_int(percent))
+
+
 def bind_context() -> None:
     """Make the current device's primary context current on this thread if none is: a thread
     that has made no CUDA runtime call yet (a compile worker whose tensors came from the

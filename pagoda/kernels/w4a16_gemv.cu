@@ -369,8 +369,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
 
 #define THREADS ((WARPS + PRODUCER) * 32)
+// CTAs an SM the registers must allow: without the producer, 16 warps (at most 128 registers).
+#define MIN_CTAS (M_TILES > 1 ? 1 : PRODUCER ? 2 : 16 / WARPS)
 
-extern "C" __global__ void __launch_bounds__(THREADS, M_TILES > 1 ? 1 : 2)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
   __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];

@@ -210,7 +210,11 @@ def _compile(
     }
     source = _HEADER.read_text() + _SOURCE.read_text()
     what = "CUDA W4A16 kernel (the Triton kernels run instead)"
-    return cuda_launch.build(source, _KERNEL_NAME, defines, what, ring_bytes(cfg))
+    kernel = cuda_launch.build(source, _KERNEL_NAME, defines, what, ring_bytes(cfg))
+    if kernel is not None and cfg.bulk:
+        device = torch.cuda.current_device()
+        cuda_launch.fit_shared_carveout(kernel.func, threads(cfg), ring_bytes(cfg), device)
+    return kernel
 
 
 _KERNELS = cuda_launch.KernelCache(_compile)

@@ -149,6 +149,35 @@ def test_ring_without_producer_warp_matches(
 
 @gpu
 @pytest.mark.gpu
+def test_ring_without_producer_fits_four_ctas_an_sm() -> None:
+    """Without the producer warp a 4-warp CTA keeps to 128 registers and asks for the shared
+    memory of as many CTAs as those allow (`cuda_launch.fit_shared_carveout`): 4 an SM, where
+    the producer's 5 warps allow 3."""
+    import ctypes
+
+    from pagoda.kernels import cuda_launch
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bulk ring needs sm_90")
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    scales = torch.ones(32, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def ctas(cfg: GemvConfig) -> int:
+        kernel = w4a16_gemv.get_kernel(x, scales, cfg, False, False)
+        n = ctypes.c_int()
+        err = cuda_launch.libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), kernel.func, w4a16_gemv.threads(cfg), w4a16_gemv.ring_bytes(cfg)
+        )
+        assert err == 0
+        return n.value
+
+    cfg = GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, producer=0)
+    assert ctas(cfg) >= 4
+    assert ctas(cfg) > ctas(cfg._replace(producer=1))
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("group", [256, 4096])
 def test_gemv_larger_groups_and_one_group_per_row(group: int) -> None:
     n, k = 96, 1024
