@@ -263,11 +263,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-variants",
         nargs="+",
-        metavar="SC_RING[,STAGES[,PRODUCER]]",
+        metavar="SC_RING[,STAGES[,PRODUCER[,MIN_WARPS]]]",
         help="with --step: instead of the other columns, the default step with the GEMV rule's "
-        "sc_ring, ring stages and producer warp set to each variant (w4a16.GEMV_SC_RING, "
-        "GEMV_STAGES, GEMV_PRODUCER; default 2 stages and a producer warp), in one process, the "
-        "variants in turn twice (A B A B), and bf16 cuBLAS",
+        "sc_ring, ring stages, producer warp and resident warps set to each variant "
+        "(w4a16.GEMV_SC_RING, GEMV_STAGES, GEMV_PRODUCER, GEMV_MIN_WARPS; default 2 stages, a "
+        "producer warp, the kernel's own bound), in one process, the variants in turn twice "
+        "(A B A B), and bf16 cuBLAS",
     )
     ap.add_argument(
         "--top",
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(line)
         return {}
     if args.step and args.gemv_variants:
-        defaults = (0, 2, 1)  # sc_ring, stages, producer
+        defaults = (0, 2, 1, 0)  # sc_ring, stages, producer, min_warps
         parts = [[int(v) for v in p.split(",")] for p in args.gemv_variants]
         variants = [tuple(v + list(defaults[len(v) :])) for v in parts]
         return variants_main(args.m or (1, 4, 8, 16), variants, args.reps, args.out)
@@ -573,9 +574,9 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
 
 def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
     """ms per decode step as `step_main` times its default, with w4a16.GEMV_SC_RING,
-    GEMV_STAGES and GEMV_PRODUCER set to each (sc_ring, stages, producer) variant in turn, twice
-    over (A B A B: a drift of the GPU's clock shows as a difference between the two passes),
-    and bf16 cuBLAS."""
+    GEMV_STAGES, GEMV_PRODUCER and GEMV_MIN_WARPS set to each (sc_ring, stages, producer,
+    min_warps) variant in turn, twice over (A B A B: a drift of the GPU's clock shows as a
+    difference between the two passes), and bf16 cuBLAS."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -586,16 +587,19 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
 
     prepare("cuda")
     gen, packed, dense = _step_layers()
-    names = [f"s{sc}r{st}p{pr}" for sc, st, pr in variants]
+    names = [f"s{sc}r{st}p{pr}w{mw}" for sc, st, pr, mw in variants]
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
-    print("the GEMV rule with sc_ring s, r stages and p producer warps, timed in two passes:")
+    print("the GEMV rule with sc_ring s, r stages, p producer warps and w resident warps,")
+    print("each timed in two passes:")
     print(f"{'M':>5s} " + " ".join(f"{n:>15s}" for n in names) + f" {'bf16':>8s}")
     rows = []
-    saved = w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER
+    saved = w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER, w4a16.GEMV_MIN_WARPS
     try:
         jobs = {}  # the variants' kernels, compiled by NVRTC on threads first
         for variant in variants:
-            w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER = variant
+            (w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER, w4a16.GEMV_MIN_WARPS) = (
+                variant
+            )
             for m in m_values:
                 cfgs = (w4a16.gemv_config(m, n, k, GROUP) for n, k in SHAPES.values())
                 jobs |= {(m_tiles(m), tuple(c)): (m, tuple(c)) for c in cfgs if c is not None}
@@ -609,14 +613,19 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
             row = {"m": m, **{n: [] for n in names}}
             for _ in range(2):
                 for name, variant in zip(names, variants):
-                    w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER = variant
+                    (
+                        w4a16.GEMV_SC_RING,
+                        w4a16.GEMV_STAGES,
+                        w4a16.GEMV_PRODUCER,
+                        w4a16.GEMV_MIN_WARPS,
+                    ) = variant
                     row[name].append(graph_seconds(w4_step, reps) * 1e3)
             row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
             rows.append(row)
             cells = [f"{row[n][0]:7.3f}/{row[n][1]:7.3f}" for n in names]
             print(f"{m:5d} " + " ".join(cells) + f" {row['cublas_bf16']:8.3f}")
     finally:
-        w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER = saved
+        (w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER, w4a16.GEMV_MIN_WARPS) = saved
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:

@@ -315,6 +315,7 @@ GEMV_REGISTER_MAX_M = 8
 GEMV_SC_RING = 0  # the ring's `GemvConfig.sc_ring` where N allows (see `gemv_config`)
 GEMV_STAGES = 2  # the ring's stages (`GemvConfig.stages`; see `gemv_config`)
 GEMV_PRODUCER = 1  # the ring's producer warp (`GemvConfig.producer`; see `gemv_config`)
+GEMV_MIN_WARPS = 0  # the ring's resident warps an SM (`GemvConfig.min_warps`; `gemv_config`)
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
@@ -416,6 +417,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
             pdl=1,
             sc_ring=int(bool(GEMV_SC_RING) and n % 16 == 0),
             producer=GEMV_PRODUCER,
+            min_warps=GEMV_MIN_WARPS,
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(

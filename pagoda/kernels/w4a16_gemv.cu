@@ -36,7 +36,8 @@
 // x that an mma of all-ones A gives), X_EARLY (1: a step's x loads all before its first mma;
 // up to 16 rows), PDL (1: launched as a programmatic dependent of the kernel before it, sm_90:
 // see `grid_wait`), SC_RING (with BULK: the scales and zero points come through the ring; N a
-// multiple of 16), PRODUCER (with BULK; 0: no producer warp, the consumers refill the ring).
+// multiple of 16), PRODUCER (with BULK; 0: no producer warp, the consumers refill the ring),
+// MIN_WARPS (with BULK; > 0: registers for that many resident warps an SM, see MIN_CTAS).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
@@ -369,8 +370,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
 
 #define THREADS ((WARPS + PRODUCER) * 32)
-// CTAs an SM the registers must allow: without the producer, 16 warps (at most 128 registers).
+// CTAs an SM the registers must allow (launch bounds): MIN_WARPS warps' worth where given,
+// else without the producer 16 warps (at most 128 registers), with it 2 CTAs.
+#if MIN_WARPS
+#define MIN_CTAS (MIN_WARPS * 32 / THREADS > 1 ? MIN_WARPS * 32 / THREADS : 1)
+#else
 #define MIN_CTAS (M_TILES > 1 ? 1 : PRODUCER ? 2 : 16 / WARPS)
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     pagoda_w4a16_gemv(GEMV_PARAMS) {

@@ -60,7 +60,9 @@ class GemvConfig(NamedTuple):
     zero points through the ring with its weights instead of loading them from global memory
     a step ahead (N a multiple of 16, scales and zeros contiguous and 16-byte aligned:
     `layout_reason`); producer (with bulk): 0 for no producer warp, the consumer that
-    releases a stage last refilling it (fewer registers a CTA, so more CTAs an SM)."""
+    releases a stage last refilling it (fewer registers a CTA, so more CTAs an SM);
+    min_warps (with bulk): > 0 to keep to the registers that let that many warps reside on an
+    SM (whole CTAs; the launch bounds' minimum), 0 for the kernel's own bound."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -74,6 +76,7 @@ class GemvConfig(NamedTuple):
     pdl: int = 0
     sc_ring: int = 0
     producer: int = 1
+    min_warps: int = 0
 
 
 def enabled() -> bool:
@@ -205,6 +208,7 @@ def _compile(
         "PDL": cfg.pdl,
         "SC_RING": cfg.sc_ring,
         "PRODUCER": cfg.producer,
+        "MIN_WARPS": cfg.min_warps,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
