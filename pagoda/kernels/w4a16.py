@@ -390,9 +390,10 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
     product (sums by mma) for the wide layers up to 8 rows. 1.74 ms a decode step at 1 row
     against 2.04 with the register rule below, 2.40 at 16 rows against the Triton few-row
     kernel's 2.70. The scales and zero points through the ring (`sc_ring`, where
-    GEMV_SC_RING and N allow) are off until timed on this kernel: they cut its loop by 12-16%
-    of its instructions a K step, and made a persistent-grid variant of it 9-14% faster a
-    step (H100; `benchmarks/README.md`).
+    GEMV_SC_RING and N allow) are off: they cut the loop's instructions a K step by 12-16%
+    but made whole steps 13-20% slower on the H200 (a stage then also waits for the small
+    copies of its scales and zero points); so is the ring without a producer warp
+    (GEMV_PRODUCER), 17-28% slower (`benchmarks/README.md`).
 
     Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
     2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of
