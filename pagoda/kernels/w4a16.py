@@ -393,7 +393,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
     GEMV_SC_RING and N allow) are off: they cut the loop's instructions a K step by 12-16%
     but made whole steps 13-20% slower on the H200 (a stage then also waits for the small
     copies of its scales and zero points); so is the ring without a producer warp
-    (GEMV_PRODUCER), 17-28% slower (`benchmarks/README.md`).
+    (GEMV_PRODUCER), 13-28% slower (`benchmarks/README.md`).
 
     Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
     2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of
