@@ -331,3 +331,10 @@ def test_scales_through_the_ring_need_whole_16_byte_rows(monkeypatch) -> None:
     monkeypatch.setattr(w4a16, "GEMV_SC_RING", 1)
     assert gemv_config(1, 4096, 4096, 128).sc_ring
     assert not gemv_config(1, 4104, 4096, 128).sc_ring
+
+
+def test_gemv_rule_holds_registers_for_more_warps_up_to_8_rows() -> None:
+    from pagoda.kernels import w4a16
+
+    assert gemv_config(8, 28672, 4096, 128).min_warps == w4a16.GEMV_MIN_WARPS > 0
+    assert gemv_config(9, 28672, 4096, 128).min_warps == 0  # two B tiles: it would spill
