@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. Where the ring GEMV's warps wait at 1 row (it reads the packed weights at ~2.1
+# Run on an H200: results in ../run50-h200-ring/48/. Where the ring GEMV's warps wait at 1 row (it reads the packed weights at ~2.1
 # TB/s on the H200, half the copy rate, and only 5-9% faster than on the H100: latency, not
 # bandwidth): Nsight Compute's speed of light, warp states and warp-state sampling per SASS
 # instruction (SourceCounters) for gate_up and qkv with the rule's configs, each also with its

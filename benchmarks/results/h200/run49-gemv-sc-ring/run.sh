@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. The ring GEMV back to one CTA a tile (run 46: the persistent rewrite was
+# Run on an H200: results in ../run50-h200-ring/49/. The ring GEMV back to one CTA a tile (run 46: the persistent rewrite was
 # 18-35% slower a step at 1-16 rows on an H100), now with sc_ring (each K step's scales and
 # zero points through the ring with its weights). Its GPU tests; whole steps at 1-16 rows
 # without and with sc_ring, and with 3 stages (`--gemv-variants`, in one process, in turn

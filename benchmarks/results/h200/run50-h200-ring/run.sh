@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. One call for an H200 (or whatever comes): run 49 (the GEMV's GPU tests, steps
+# Run on an H200 (README.md). One call for an H200 (or whatever comes): run 49 (the GEMV's GPU tests, steps
 # at 1-16 rows with sc_ring 0/1 and 3 stages, single-stream AWQ decode with sc_ring 0/1) in
 # $OUT/49; run 48 (Nsight Compute's warp stalls of the GEMV at 1 row, gate_up and qkv, with
 # and without sc_ring) in $OUT/48; then, time left, the ring's sweep (2-4 stages of 1-2 K
