@@ -1,7 +1,6 @@
 #!/bin/bash
 # Run on an H100 (README.md). Nsight Compute (run 50) found the ring GEMV latency-bound at 3
-# CTAs an SM (12
-# consumer warps; registers and shared memory both bound it) and the ring without a producer
+# CTAs an SM (12 consumer warps; registers and shared memory both bound it) and the ring without a producer
 # warp no better, held to 3 CTAs by both as well. Now that variant keeps to 128 registers
 # (launch bounds) and every bulk config asks for the shared memory its registers allow
 # (`cuda_launch.fit_shared_carveout`); and the rule's ring held to the registers of 20
