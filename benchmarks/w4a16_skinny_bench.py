@@ -263,11 +263,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-variants",
         nargs="+",
-        metavar="SC_RING[,STAGES[,PRODUCER[,MIN_WARPS]]]",
-        help="with --step: instead of the other columns, the default step with the GEMV rule's "
-        "sc_ring, ring stages, producer warp and resident warps set to each variant "
-        "(w4a16.GEMV_SC_RING, GEMV_STAGES, GEMV_PRODUCER, GEMV_MIN_WARPS; default 2 stages, a "
-        "producer warp, the kernel's own bound), in one process, the variants in turn twice "
+        metavar="FIELD=VALUE[,FIELD=VALUE...]|rule",
+        help="with --step: instead of the other columns, the default step with these GemvConfig "
+        "fields set in every config the GEMV rule picks (e.g. min_warps=0 or "
+        "sc_ring=1,stages=3; 'rule' for none), in one process, the variants in turn twice "
         "(A B A B), and bf16 cuBLAS",
     )
     ap.add_argument(
@@ -285,9 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(line)
         return {}
     if args.step and args.gemv_variants:
-        defaults = (0, 2, 1, 0)  # sc_ring, stages, producer, min_warps
-        parts = [[int(v) for v in p.split(",")] for p in args.gemv_variants]
-        variants = [tuple(v + list(defaults[len(v) :])) for v in parts]
+        variants = {v: gemv_overrides(v) for v in args.gemv_variants}
         return variants_main(args.m or (1, 4, 8, 16), variants, args.reps, args.out)
     if args.step:
         return step_main(args.m or (1, 4, 8, 16, 32, 64), args.reps, args.out)
@@ -572,11 +569,25 @@ def step_main(m_values, reps: int, out: str | None) -> dict:
     return result
 
 
-def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
-    """ms per decode step as `step_main` times its default, with w4a16.GEMV_SC_RING,
-    GEMV_STAGES, GEMV_PRODUCER and GEMV_MIN_WARPS set to each (sc_ring, stages, producer,
-    min_warps) variant in turn, twice over (A B A B: a drift of the GPU's clock shows as a
-    difference between the two passes), and bf16 cuBLAS."""
+def gemv_overrides(spec: str) -> dict[str, int]:
+    """GemvConfig fields from "field=value[,field=value...]" ("rule": none)."""
+    from pagoda.kernels.w4a16_gemv import GemvConfig
+
+    if spec == "rule":
+        return {}
+    fields = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in GemvConfig._fields or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--gemv-variants: {item!r} is not FIELD=INT of {GemvConfig._fields}")
+        fields[name] = int(value)
+    return fields
+
+
+def variants_main(m_values, variants: dict[str, dict[str, int]], reps: int, out: str | None):
+    """ms per decode step as `step_main` times its default, with each variant's GemvConfig
+    fields set in every config `w4a16.gemv_config` picks, in turn, twice over (A B A B: a
+    drift of the GPU's clock shows as a difference between the two passes), and bf16 cuBLAS."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -587,19 +598,23 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
 
     prepare("cuda")
     gen, packed, dense = _step_layers()
-    names = [f"s{sc}r{st}p{pr}w{mw}" for sc, st, pr, mw in variants]
+    rule = w4a16.gemv_config
+
+    def use(fields: dict[str, int]) -> None:
+        def gemv_config(*args, **kwargs):
+            cfg = rule(*args, **kwargs)
+            return None if cfg is None else cfg._replace(**fields)
+
+        w4a16.gemv_config = gemv_config
+
     print(f"\nms per decode step, timed whole ({len(SHAPES)} GEMMs x {LAYERS} distinct layers),")
-    print("the GEMV rule with sc_ring s, r stages, p producer warps and w resident warps,")
-    print("each timed in two passes:")
-    print(f"{'M':>5s} " + " ".join(f"{n:>15s}" for n in names) + f" {'bf16':>8s}")
+    print("the GEMV rule's configs with these fields set, each timed in two passes:")
+    print(f"{'M':>5s} " + " ".join(f"{n:>17s}" for n in variants) + f" {'bf16':>8s}")
     rows = []
-    saved = w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER, w4a16.GEMV_MIN_WARPS
     try:
         jobs = {}  # the variants' kernels, compiled by NVRTC on threads first
-        for variant in variants:
-            (w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER, w4a16.GEMV_MIN_WARPS) = (
-                variant
-            )
+        for fields in variants.values():
+            use(fields)
             for m in m_values:
                 cfgs = (w4a16.gemv_config(m, n, k, GROUP) for n, k in SHAPES.values())
                 jobs |= {(m_tiles(m), tuple(c)): (m, tuple(c)) for c in cfgs if c is not None}
@@ -609,23 +624,17 @@ def variants_main(m_values, variants, reps: int, out: str | None) -> dict:
         print(f"compiled {len(jobs)} CUDA variants" + (f", failed: {failed}" if failed else ""))
         for m in m_values:
             _, w4_step, dense_step = _step_fns(m, gen, packed, dense)
-
-            row = {"m": m, **{n: [] for n in names}}
+            row = {"m": m, **{n: [] for n in variants}}
             for _ in range(2):
-                for name, variant in zip(names, variants):
-                    (
-                        w4a16.GEMV_SC_RING,
-                        w4a16.GEMV_STAGES,
-                        w4a16.GEMV_PRODUCER,
-                        w4a16.GEMV_MIN_WARPS,
-                    ) = variant
+                for name, fields in variants.items():
+                    use(fields)
                     row[name].append(graph_seconds(w4_step, reps) * 1e3)
             row["cublas_bf16"] = graph_seconds(dense_step, reps) * 1e3
             rows.append(row)
-            cells = [f"{row[n][0]:7.3f}/{row[n][1]:7.3f}" for n in names]
+            cells = [f"{row[n][0]:8.3f}/{row[n][1]:8.3f}" for n in variants]
             print(f"{m:5d} " + " ".join(cells) + f" {row['cublas_bf16']:8.3f}")
     finally:
-        (w4a16.GEMV_SC_RING, w4a16.GEMV_STAGES, w4a16.GEMV_PRODUCER, w4a16.GEMV_MIN_WARPS) = saved
+        w4a16.gemv_config = rule
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": rows}
     if out:
         with open(out, "w") as f:

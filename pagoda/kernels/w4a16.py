@@ -313,8 +313,6 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
 GEMV_SC_RING = 0  # the ring's `GemvConfig.sc_ring` where N allows (see `gemv_config`)
-GEMV_STAGES = 2  # the ring's stages (`GemvConfig.stages`; see `gemv_config`)
-GEMV_PRODUCER = 1  # the ring's producer warp (`GemvConfig.producer`; see `gemv_config`)
 GEMV_MIN_WARPS = 20  # the ring's resident warps an SM up to 8 rows (`GemvConfig.min_warps`)
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
@@ -393,7 +391,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
     GEMV_SC_RING and N allow) are off: they cut the loop's instructions a K step by 12-16%
     but made whole steps 13-20% slower on the H200 (a stage then also waits for the small
     copies of its scales and zero points); so is the ring without a producer warp
-    (GEMV_PRODUCER), 13-28% slower (`benchmarks/README.md`). Up to 8 rows the registers are
+    (`producer=0`), 13-28% slower (`benchmarks/README.md`). Up to 8 rows the registers are
     held to GEMV_MIN_WARPS resident warps an SM (`min_warps`): gate_up's 5-warp CTAs then fit
     4 an SM at 96 registers instead of 3 at 118 (the 9-warp CTAs of the other layers stay at
     2), 2-3% faster a step at 1-4 rows on the H100, as fast at 8; past 8 rows it spills.
@@ -416,11 +414,10 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
             warps=warps,
             sum_mma=int(n >= SKINNY_WIDE_N and m <= 8),
             bulk=1,
-            stages=GEMV_STAGES,
+            stages=2,
             chunk=2 * warps,
             pdl=1,
             sc_ring=int(bool(GEMV_SC_RING) and n % 16 == 0),
-            producer=GEMV_PRODUCER,
             min_warps=GEMV_MIN_WARPS if m <= 8 else 0,
         )
     row_tiles = 1 if m <= 4 else 2

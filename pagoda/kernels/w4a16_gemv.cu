@@ -37,7 +37,9 @@
 // up to 16 rows), PDL (1: launched as a programmatic dependent of the kernel before it, sm_90:
 // see `grid_wait`), SC_RING (with BULK: the scales and zero points come through the ring; N a
 // multiple of 16), PRODUCER (with BULK; 0: no producer warp, the consumers refill the ring),
-// MIN_WARPS (with BULK; > 0: registers for that many resident warps an SM, see MIN_CTAS).
+// MIN_WARPS (with BULK; > 0: registers for that many resident warps an SM, see MIN_CTAS),
+// SC_PREFETCH (with BULK and PRODUCER, without SC_RING: the producer asks for the CTA's scale
+// and zero-point rows into L2 at its start).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
@@ -369,6 +371,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #define ZP_OFFSET (SC_OFFSET + CHUNK * ROWS * 2)  // its zero points: [CHUNK][ROWS] u8
 #define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
 
+// The CTA's scale and zero-point rows (one of each a group) asked into L2, so that the
+// consumers' loads of them, a step ahead, wait for L2 rather than for memory: the 128-byte
+// line of each row's start (the whole row where N is a multiple of 64). Not inlined: its
+// registers stay out of the consumers' allocation.
+__device__ __noinline__ void prefetch_group_rows(const u16* scales, const u8* zeros, int N, int K,
+                                                 int G, int n0, int lane) {
+  for (int grp = lane; grp * G < K; grp += 32) {
+    const long long at = (long long)grp * N + n0;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + at));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(zeros + at));
+  }
+}
+
 #define THREADS ((WARPS + PRODUCER) * 32)
 // CTAs an SM the registers must allow (launch bounds): MIN_WARPS warps' worth where given,
 // else without the producer 16 warps (at most 128 registers), with it 2 CTAs.
@@ -437,6 +452,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 
 #if PRODUCER
   if (warp == WARPS) {  // the producer
+#if SC_PREFETCH && !SC_RING
+    prefetch_group_rows(scales, zeros, N, K, G, n0, lane);
+#endif
     for (int c = 0; c < chunks; ++c) {
       const int st = c % STAGES;
       if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);

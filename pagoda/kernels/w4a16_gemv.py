@@ -62,7 +62,9 @@ class GemvConfig(NamedTuple):
     `layout_reason`); producer (with bulk): 0 for no producer warp, the consumer that
     releases a stage last refilling it (fewer registers a CTA, so more CTAs an SM);
     min_warps (with bulk): > 0 to keep to the registers that let that many warps reside on an
-    SM (whole CTAs; the launch bounds' minimum), 0 for the kernel's own bound."""
+    SM (whole CTAs; the launch bounds' minimum), 0 for the kernel's own bound; sc_prefetch
+    (with bulk and the producer warp, without sc_ring): 1 to have the producer ask for the
+    CTA's scale and zero-point rows into L2 at its start."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -77,6 +79,7 @@ class GemvConfig(NamedTuple):
     sc_ring: int = 0
     producer: int = 1
     min_warps: int = 0
+    sc_prefetch: int = 0
 
 
 def enabled() -> bool:
@@ -164,6 +167,8 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "sc_ring needs the bulk ring"
     if not cfg.producer and not cfg.bulk:
         return "producer=0 needs the bulk ring"
+    if cfg.sc_prefetch and (not cfg.bulk or not cfg.producer or cfg.sc_ring):
+        return "sc_prefetch needs the bulk ring's producer warp and no sc_ring"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
     if cfg.sc_ring and cfg.chunk > 32:
@@ -209,6 +214,7 @@ def _compile(
         "SC_RING": cfg.sc_ring,
         "PRODUCER": cfg.producer,
         "MIN_WARPS": cfg.min_warps,
+        "SC_PREFETCH": cfg.sc_prefetch,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }

@@ -30,7 +30,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 # Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
 # weights through the shared-memory ring (bulk), its stages and chunk, registers held to 20
-# resident warps an SM; programmatic dependent launch (pdl).
+# resident warps an SM, the scale rows prefetched into L2; programmatic dependent launch (pdl).
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
@@ -40,6 +40,7 @@ LAUNCHES = [
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8),
     GemvConfig(1, 4, bulk=1, stages=3, chunk=4),
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, min_warps=20),
+    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, sc_prefetch=1),
     GemvConfig(pdl=1),
     GemvConfig(2, 4, 2, 1, 1, 1, pdl=1),
     GemvConfig(1, 8, bulk=1, stages=4, chunk=8, pdl=1),
@@ -298,6 +299,8 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
         assert "CUDA" in reason
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(sc_ring=1), torch.device("cpu"))
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(producer=0), torch.device("cpu"))
+    reason = w4a16_gemv.config_reason(GemvConfig(sc_prefetch=1), torch.device("cpu"))
+    assert "sc_prefetch needs the bulk ring" in reason
     # Without a producer warp a CTA is its consumers only.
     assert w4a16_gemv.threads(NO_PRODUCER[0]) == 128
     assert w4a16_gemv.threads(NO_PRODUCER[0]._replace(producer=1)) == 160
