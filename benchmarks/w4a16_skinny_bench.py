@@ -38,9 +38,9 @@ def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
     """GemvConfig tuples to time: the default first, then a few (row tiles, warps, depth) each
     with the code paths (L2 prefetch, sums by mma, early x) on and off, then the shared-memory
     ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
-    (pdl, sm_90). With `ring`, the ring only (with pdl): the rule's shapes at 2-4 stages of 1
-    or 2 K steps a warp, each with its scales and zero points loaded from global memory and
-    through the ring (sc_ring), with a producer warp and without."""
+    (pdl, sm_90). With `ring`, the ring only (with pdl): the rule's shapes at 2-3 stages of 2
+    K steps a warp, x loaded a step ahead or at its turn (x_early), and registers held to 20,
+    27 or 36 resident warps an SM or not (min_warps)."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -56,10 +56,11 @@ def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
     if ring:
         configs = []
         shapes = ((1, 8, 0), (2, 8, 0), (2, 4, 1), (2, 4, 0))
-        for (rt, warps, sums), sc, pr in itertools.product(shapes, (0, 1), (1, 0)):
-            cfg = GemvConfig(rt, warps, sum_mma=sums, bulk=1, pdl=1, sc_ring=sc, producer=pr)
-            for stages, mult in itertools.product((2, 3, 4), (1, 2)):
-                configs.append(tuple(cfg._replace(stages=stages, chunk=mult * warps)))
+        for (rt, warps, sums), x_early, min_warps, stages in itertools.product(
+            shapes, (1, 0), (0, 20, 27, 36), (2, 3)
+        ):
+            cfg = GemvConfig(rt, warps, sum_mma=sums, x_early=x_early, bulk=1, pdl=1)
+            configs.append(tuple(cfg._replace(stages=stages, chunk=2 * warps, min_warps=min_warps)))
         return [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
     configs = [tuple(GemvConfig())]
     shapes = ((1, 8, 2), (1, 4, 2), (1, 8, 4), (2, 8, 2), (2, 4, 2), (2, 4, 4))
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-ring",
         action="store_true",
-        help="the CUDA sweep: the ring's stages, chunks and sc_ring at the rule's shapes",
+        help="the CUDA sweep: the ring's stages, x_early and min_warps at the rule's shapes",
     )
     ap.add_argument(
         "--step",

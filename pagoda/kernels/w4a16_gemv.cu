@@ -485,11 +485,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
 
-    // Step s's x (and without SC_RING its scales and zero points), loaded a step ahead.
+    // Step s's x (with X_EARLY; else each word's x at its turn in the step: 16 * M_TILES
+    // registers fewer) and without SC_RING its scales and zero points, loaded a step ahead.
     u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
-    uint4 xv[4][M_TILES];
-    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2],
-                         uint4(&xv_)[4][M_TILES]) {
+#if !X_EARLY
+    typedef int XRegs;  // no x registers
+    XRegs xv = 0;
+#else
+    typedef uint4 XRegs[4][M_TILES];
+    XRegs xv;
+#endif
+    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
 #if !SC_RING
       const int grp = s * STEP / G;
 #pragma unroll
@@ -500,11 +506,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           zp_[rt][h] = ld_nc_u8(zeros + grp * N + nrow[rt][h]);
         }
 #endif
+#if X_EARLY
 #pragma unroll
       for (int w = 0; w < 4; ++w)
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
           xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+#endif
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
@@ -513,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     for (int s = warp; s < steps; s += WARPS, ++i) {
       const int c = s / CHUNK, st = c % STAGES;
       u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
-      uint4 nxv[4][M_TILES];
+      XRegs nxv;
       if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
       if (i % (CHUNK / WARPS) == 0) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);
       uint4 wv[ROW_TILES][2];
@@ -549,7 +557,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
         }
 #endif
       }
+#if X_EARLY
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
+#else
+      step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) {
+        return load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+      });
+#endif
 #if !SC_RING
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -559,10 +573,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           zp[rt][h] = nzp[rt][h];
         }
 #endif
+#if X_EARLY
 #pragma unroll
       for (int w = 0; w < 4; ++w)
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
+#endif
     }
     write_partial(red[warp], acc, lane);
   }

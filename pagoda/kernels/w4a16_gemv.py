@@ -51,8 +51,9 @@ class GemvConfig(NamedTuple):
     first; l2_prefetch: 1 to have the CTA's rows prefetched into L2 at its start (sm_90);
     sum_mma: 1 to apply the zero point to the product (sums of x by an extra mma) instead of
     subtracting it from every weight; x_early: 1 to issue a K step's x loads before its first
-    mma; bulk: 1 to stream the weights through a shared-memory ring filled by the copy engine
-    (one more warp issues the copies; sm_90; depth, l2_prefetch and x_early do not apply),
+    mma (with bulk: a K step ahead, else each word's at its turn, which holds 16 registers a
+    B tile fewer); bulk: 1 to stream the weights through a shared-memory ring filled by the
+    copy engine (one more warp issues the copies; sm_90; depth and l2_prefetch do not apply),
     `stages` chunks of `chunk` K steps (a multiple of `warps`) each; pdl: 1 to launch it as a
     programmatic dependent of the kernel before it where `pdl_enabled` (sm_90, PAGODA_PDL;
     elsewhere a plain launch): its first weights load while that kernel finishes

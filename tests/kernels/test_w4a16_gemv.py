@@ -29,8 +29,9 @@ from pagoda.kernels.w4a16_skinny import SkinnyConfig  # noqa: E402
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
-# weights through the shared-memory ring (bulk), its stages and chunk, registers held to 20
-# resident warps an SM, the scale rows prefetched into L2; programmatic dependent launch (pdl).
+# weights through the shared-memory ring (bulk), its stages and chunk, registers held to 20-36
+# resident warps an SM, the scale rows prefetched into L2, x at each word's turn (x_early=0);
+# programmatic dependent launch (pdl).
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
@@ -41,6 +42,8 @@ LAUNCHES = [
     GemvConfig(1, 4, bulk=1, stages=3, chunk=4),
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, min_warps=20),
     GemvConfig(2, 8, bulk=1, stages=2, chunk=16, sc_prefetch=1),
+    GemvConfig(2, 8, x_early=0, bulk=1, stages=2, chunk=16, min_warps=27),
+    GemvConfig(1, 8, x_early=0, bulk=1, stages=3, chunk=16, min_warps=36, sc_prefetch=1),
     GemvConfig(pdl=1),
     GemvConfig(2, 4, 2, 1, 1, 1, pdl=1),
     GemvConfig(1, 8, bulk=1, stages=4, chunk=8, pdl=1),
