@@ -40,7 +40,8 @@ def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
     ring (bulk) at its stages and chunk sizes; each also as a programmatic dependent launch
     (pdl, sm_90). With `ring`, the ring only (with pdl): the rule's shapes at 2-3 stages of 2
     K steps a warp, x loaded a step ahead or at its turn (x_early), and registers held to 20,
-    27 or 36 resident warps an SM or not (min_warps)."""
+    27 or 36 resident warps an SM or not (min_warps); and K split among clusters of 2 or 4
+    CTAs (splits)."""
     from pagoda.kernels.w4a16_gemv import (
         MAX_M,
         RING_LIMIT,
@@ -61,6 +62,11 @@ def gemv_grid(m: int, ring: bool = False) -> list[tuple]:
         ):
             cfg = GemvConfig(rt, warps, sum_mma=sums, x_early=x_early, bulk=1, pdl=1)
             configs.append(tuple(cfg._replace(stages=stages, chunk=2 * warps, min_warps=min_warps)))
+        for (rt, warps, sums), splits, (x_early, min_warps) in itertools.product(
+            shapes, (2, 4), ((1, 0), (0, 27))
+        ):
+            cfg = GemvConfig(rt, warps, sum_mma=sums, x_early=x_early, bulk=1, chunk=2 * warps)
+            configs.append(tuple(cfg._replace(pdl=1, min_warps=min_warps, splits=splits)))
         return [c for c in configs if smem_bytes(m_tiles(m), GemvConfig(*c)) <= SMEM_LIMIT]
     configs = [tuple(GemvConfig())]
     shapes = ((1, 8, 2), (1, 4, 2), (1, 8, 4), (2, 8, 2), (2, 4, 2), (2, 4, 4))
@@ -253,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--gemv-ring",
         action="store_true",
-        help="the CUDA sweep: the ring's stages, x_early and min_warps at the rule's shapes",
+        help="the CUDA sweep: the ring's stages, x_early, min_warps and splits at the rule's "
+        "shapes",
     )
     ap.add_argument(
         "--step",

@@ -21,8 +21,7 @@ def libcuda() -> Any:
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int)]
-    _fields_ += [("value_rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -36,6 +35,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: {x, y, z}
 
 
 def launch(
@@ -46,13 +46,15 @@ def launch(
     args: list,
     device: torch.device,
     pdl: bool = False,
+    cluster: tuple[int, int, int] | None = None,
 ) -> None:
     """Launch `func` (a CUfunction) on `device`'s current stream with `args`: tensors as
     pointers, floats as doubles, ints as 32-bit (the kernel's parameters are declared to
     match). With `pdl`, as a programmatic dependent of the kernel before it in the stream
     (cuLaunchKernelEx with programmatic stream serialization; a programmatic edge in a CUDA
     graph capture): it may start before that kernel ends and must wait for it
-    (griddepcontrol.wait) before touching memory that kernel reads or writes."""
+    (griddepcontrol.wait) before touching memory that kernel reads or writes. With `cluster`,
+    in thread-block clusters of those dimensions (sm_90; they divide `grid`)."""
     cargs = [
         ctypes.c_void_p(a.data_ptr())
         if isinstance(a, torch.Tensor)
@@ -63,9 +65,14 @@ def launch(
     ]
     ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
     stream = torch.cuda.current_stream(device).cuda_stream
+    attrs = []
     if pdl:
-        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _LaunchConfig(*grid, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+        attrs.append(_LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1,)))
+    if cluster is not None:
+        attrs.append(_LaunchAttribute(_CLUSTER_DIMENSION, b"", cluster))
+    if attrs:
+        array = (_LaunchAttribute * len(attrs))(*attrs)
+        config = _LaunchConfig(*grid, block, 1, 1, smem, stream, array, len(attrs))
         err = libcuda().cuLaunchKernelEx(ctypes.byref(config), func, ptrs, None)
     else:
         err = libcuda().cuLaunchKernel(

@@ -39,7 +39,8 @@
 // multiple of 16), PRODUCER (with BULK; 0: no producer warp, the consumers refill the ring),
 // MIN_WARPS (with BULK; > 0: registers for that many resident warps an SM, see MIN_CTAS),
 // SC_PREFETCH (with BULK and PRODUCER, without SC_RING: the producer asks for the CTA's scale
-// and zero-point rows into L2 at its start).
+// and zero-point rows into L2 at its start), SPLITS (with BULK: a tile's K steps split among a
+// cluster of that many CTAs, grid y; sm_90).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
@@ -123,6 +124,25 @@ __device__ __forceinline__ void write_partial(float (&red)[ROW_TILES * M_TILES *
       for (int i = 0; i < 4; ++i) red[(rt * M_TILES + mt) * 4 + i][lane] = acc[rt][mt][i];
 }
 
+#if BULK && SPLITS > 1
+// SPLITS: the K steps of a tile split among a cluster of SPLITS CTAs (blockIdx.y, on
+// different SMs), whose partial tiles rank 0 sums through distributed shared memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// `*p` in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
+  u32 remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
 // The warps' partials summed in warp order (+ bias) into y, by the CTA's `threads` threads.
 // Element (j, l) of the tile: lane l's C register j % 4 of tile j / 4 = (rt, mt): row
 // 16 rt + l / 4 + 8 (j % 4 / 2), column 8 mt + 2 (l % 4) + j % 2.
@@ -136,8 +156,15 @@ __device__ __forceinline__ void reduce_store(const float (&red)[WARPS][ROW_TILES
     const int col = 8 * mt + 2 * (l % 4) + (i % 2);
     if (row < N && col < M) {
       float sum = 0.f;
+#if BULK && SPLITS > 1  // every split's warps, in rank order (rank r: blockIdx.y = r)
+#pragma unroll
+      for (int r = 0; r < SPLITS; ++r)
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += ld_cluster(&red[w][j][l], r);
+#else
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
+#endif
 #if HAS_BIAS
       sum += to_f32<BF16>(bias[row]);
 #endif
@@ -375,9 +402,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // consumers' loads of them, a step ahead, wait for L2 rather than for memory: the 128-byte
 // line of each row's start (the whole row where N is a multiple of 64). Not inlined: its
 // registers stay out of the consumers' allocation.
-__device__ __noinline__ void prefetch_group_rows(const u16* scales, const u8* zeros, int N, int K,
-                                                 int G, int n0, int lane) {
-  for (int grp = lane; grp * G < K; grp += 32) {
+__device__ __noinline__ void prefetch_group_rows(const u16* scales, const u8* zeros, int N,
+                                                 int n0, int grp_lo, int grp_hi, int lane) {
+  for (int grp = grp_lo + lane; grp <= grp_hi; grp += 32) {
     const long long at = (long long)grp * N + n0;
     asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + at));
     asm volatile("prefetch.global.L2 [%0];" ::"l"(zeros + at));
@@ -405,7 +432,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * ROWS;
-  const int steps = K / STEP;
+#if SPLITS > 1  // this CTA's K steps: [s0, s0 + steps) of split blockIdx.y (none past K)
+  const int per_split = (K / STEP + SPLITS - 1) / SPLITS, s0 = blockIdx.y * per_split;
+  const int steps = max(0, min(per_split, K / STEP - s0));
+#else
+  const int s0 = 0, steps = K / STEP;
+#endif
   const int chunks = (steps + CHUNK - 1) / CHUNK;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -436,12 +468,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     __syncwarp();
     if (lane < ROWS) {
       const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
-                                 (long long)min(n0 + lane, N - 1) * (K / 2) + c * CHUNK * 64;
+                                 (long long)min(n0 + lane, N - 1) * (K / 2) +
+                                 (s0 + c * CHUNK) * 64;
       bulk_load(smem_addr(ring[st] + lane * PITCH), src, bytes, smem_addr(&full[st]), policy);
     }
 #if SC_RING
     if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the CTA's rows
-      const long long at = (long long)((c * CHUNK + lane) * STEP / G) * N + n0;
+      const long long at = (long long)((s0 + c * CHUNK + lane) * STEP / G) * N + n0;
       bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
                 smem_addr(&full[st]));
       bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
@@ -453,7 +486,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #if PRODUCER
   if (warp == WARPS) {  // the producer
 #if SC_PREFETCH && !SC_RING
-    prefetch_group_rows(scales, zeros, N, K, G, n0, lane);
+    if (steps > 0)
+      prefetch_group_rows(scales, zeros, N, n0, s0 * STEP / G, (s0 + steps - 1) * STEP / G, lane);
 #endif
     for (int c = 0; c < chunks; ++c) {
       const int st = c % STAGES;
@@ -497,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #endif
     auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
 #if !SC_RING
-      const int grp = s * STEP / G;
+      const int grp = (s0 + s) * STEP / G;
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
@@ -511,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       for (int w = 0; w < 4; ++w)
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
-          xv_[w][mt] = load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+          xv_[w][mt] = load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[mt]);
 #endif
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
@@ -561,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #else
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) {
-        return load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+        return load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[mt]);
       });
 #endif
 #if !SC_RING
@@ -582,7 +616,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     }
     write_partial(red[warp], acc, lane);
   }
+#if SPLITS > 1
+  cluster_sync();  // every split's partial tiles written (release / acquire across the cluster)
+  if (blockIdx.y == 0) reduce_store(red, y, bias, n0, M, N, stride_y, THREADS);
+  cluster_sync();  // the other splits' shared memory kept until rank 0 has read it
+#else
   __syncthreads();
   reduce_store(red, y, bias, n0, M, N, stride_y, THREADS);
+#endif
 }
 #endif  // BULK

@@ -65,7 +65,10 @@ class GemvConfig(NamedTuple):
     min_warps (with bulk): > 0 to keep to the registers that let that many warps reside on an
     SM (whole CTAs; the launch bounds' minimum), 0 for the kernel's own bound; sc_prefetch
     (with bulk and the producer warp, without sc_ring): 1 to have the producer ask for the
-    CTA's scale and zero-point rows into L2 at its start."""
+    CTA's scale and zero-point rows into L2 at its start; splits (with bulk): the K steps of a
+    tile split among a thread-block cluster of that many CTAs (up to 8), whose partial tiles
+    one sums through distributed shared memory: more CTAs, each shorter, for layers with fewer
+    tiles than the SMs hold."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -81,6 +84,7 @@ class GemvConfig(NamedTuple):
     producer: int = 1
     min_warps: int = 0
     sc_prefetch: int = 0
+    splits: int = 1
 
 
 def enabled() -> bool:
@@ -170,6 +174,8 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "producer=0 needs the bulk ring"
     if cfg.sc_prefetch and (not cfg.bulk or not cfg.producer or cfg.sc_ring):
         return "sc_prefetch needs the bulk ring's producer warp and no sc_ring"
+    if cfg.splits != 1 and (not cfg.bulk or not 1 <= cfg.splits <= 8):
+        return f"splits={cfg.splits}: 2-8 with the bulk ring (a cluster of CTAs)"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
         return f"chunk {cfg.chunk} must be an even multiple of warps {cfg.warps}"
     if cfg.sc_ring and cfg.chunk > 32:
@@ -216,6 +222,7 @@ def _compile(
         "PRODUCER": cfg.producer,
         "MIN_WARPS": cfg.min_warps,
         "SC_PREFETCH": cfg.sc_prefetch,
+        "SPLITS": cfg.splits,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
@@ -271,7 +278,10 @@ def w4a16_gemv(
         y, x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
     ]  # fmt: skip
-    grid = (-(-n // (16 * cfg.row_tiles)), 1, 1)
+    grid = (-(-n // (16 * cfg.row_tiles)), cfg.splits, 1)
     pdl = bool(cfg.pdl) and pdl_enabled(x)
-    cuda_launch.launch(kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl)
+    cluster = (1, cfg.splits, 1) if cfg.splits > 1 else None
+    cuda_launch.launch(
+        kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl, cluster
+    )
     return y

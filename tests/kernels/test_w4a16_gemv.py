@@ -57,6 +57,13 @@ SC_RING = [
     GemvConfig(1, 8, bulk=1, stages=3, chunk=8, sc_ring=1),
     GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, sc_ring=1),
 ]
+# K split among a cluster of 2-4 CTAs (splits): one and two row tiles, 4 or 8 warps, x a step
+# ahead or at its turn, with the scale rows prefetched.
+SPLITS = [
+    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, splits=2),
+    GemvConfig(1, 4, x_early=0, bulk=1, stages=2, chunk=4, splits=4, sc_prefetch=1),
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=3, chunk=8, pdl=1, splits=3, min_warps=20),
+]
 # No producer warp (the consumer that releases a stage last refills it): with and without
 # sc_ring, chunks of 1-2 steps a warp, 2-3 stages, 4 or 8 warps.
 NO_PRODUCER = [
@@ -154,6 +161,24 @@ def test_ring_without_producer_warp_matches(
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SPLITS, ids=str)
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 1920)])
+def test_k_split_among_a_cluster_matches(
+    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
+) -> None:
+    # 5 steps over 3-4 splits leave a split with one step or none; 15 give uneven splits; the
+    # bias is added once, by the CTA that sums the splits.
+    n = 208
+    w4, dense = _weights(fmt, n, k, group, seed=m + k)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    _assert_close(_linear(x, w4, bias, cfg), F.linear(x.float(), dense, bias.float()))
+
+
+@gpu
+@pytest.mark.gpu
 def test_ring_without_producer_fits_four_ctas_an_sm() -> None:
     """Without the producer warp a 4-warp CTA keeps to 128 registers and asks for the shared
     memory of as many CTAs as those allow (`cuda_launch.fit_shared_carveout`): 4 an SM, where
@@ -212,8 +237,8 @@ def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [None, BULK, SC_RING[1], NO_PRODUCER[0]],
-    ids=["default", "bulk", "sc_ring", "no_producer"],
+    [None, BULK, SC_RING[1], NO_PRODUCER[0], SPLITS[1]],
+    ids=["default", "bulk", "sc_ring", "no_producer", "splits"],
 )
 def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
     w4, _ = _weights("gptq_act_order", 512, 1024, 128)
@@ -224,7 +249,9 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "cfg", [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1], SC_RING[0], NO_PRODUCER[3]], ids=str
+    "cfg",
+    [GemvConfig(pdl=1), LAUNCHES[-2], LAUNCHES[-1], SC_RING[0], NO_PRODUCER[3], SPLITS[0]],
+    ids=str,
 )
 def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
     cfg: GemvConfig, monkeypatch: pytest.MonkeyPatch
@@ -304,6 +331,9 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(producer=0), torch.device("cpu"))
     reason = w4a16_gemv.config_reason(GemvConfig(sc_prefetch=1), torch.device("cpu"))
     assert "sc_prefetch needs the bulk ring" in reason
+    assert "2-8 with the bulk ring" in w4a16_gemv.config_reason(
+        GemvConfig(splits=2), torch.device("cpu")
+    )
     # Without a producer warp a CTA is its consumers only.
     assert w4a16_gemv.threads(NO_PRODUCER[0]) == 128
     assert w4a16_gemv.threads(NO_PRODUCER[0]._replace(producer=1)) == 160
