@@ -124,57 +124,56 @@ def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
     _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", SC_RING, ids=str)
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-@pytest.mark.parametrize("m", [1, 9])
-@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 256), (1920, 1920)])
-def test_scales_through_the_ring_match(
-    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
-) -> None:
-    # N = 208: whole 16-row units, the last 32-row tile half past N (its scale copies are
-    # shorter than the tile); K of 5 and 15 steps (warps with no step of a chunk, the last
-    # chunk cut short); groups of one and two steps and one group per row (every step's copy
-    # the same row).
-    n = 208
-    w4, dense = _weights(fmt, n, k, group, seed=m + k)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    ref = F.linear(x.float(), dense, bias.float())
-    _assert_close(_linear(x, w4, bias, cfg), ref)
+def _ring_cases(test):
+    """The ring variants' cases: N = 208 (whole 16-row units, the last 32-row tile half past N,
+    so its scale copies are shorter than the tile); K of 5 and 15 steps (warps with no step of
+    a chunk, the last chunk cut short; split 3-4 ways, a split of one step or none); groups of
+    one and two steps and one group per row (every step's scale copy the same row)."""
+    test = pytest.mark.parametrize(
+        ("k", "group"), [(640, 128), (1920, 128), (1920, 256), (1920, 1920)]
+    )(test)
+    test = pytest.mark.parametrize("m", [1, 9])(test)
+    return pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])(test)
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", NO_PRODUCER, ids=str)
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-@pytest.mark.parametrize("m", [1, 9])
-@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 256), (1920, 1920)])
-def test_ring_without_producer_warp_matches(
-    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
-) -> None:
-    # The shapes above: with 15 steps, chunks refilled by whichever consumer is last, and
-    # warps with no step of the last chunk.
-    test_scales_through_the_ring_match(cfg, fmt, m, k, group)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", SPLITS, ids=str)
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-@pytest.mark.parametrize("m", [1, 9])
-@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 128), (1920, 1920)])
-def test_k_split_among_a_cluster_matches(
-    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
-) -> None:
-    # 5 steps over 3-4 splits leave a split with one step or none; 15 give uneven splits; the
-    # bias is added once, by the CTA that sums the splits.
+def _check_ring_case(cfg: GemvConfig, fmt: str, m: int, k: int, group: int) -> None:
     n = 208
     w4, dense = _weights(fmt, n, k, group, seed=m + k)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     _assert_close(_linear(x, w4, bias, cfg), F.linear(x.float(), dense, bias.float()))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SC_RING, ids=str)
+@_ring_cases
+def test_scales_through_the_ring_match(
+    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
+) -> None:
+    _check_ring_case(cfg, fmt, m, k, group)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", NO_PRODUCER, ids=str)
+@_ring_cases
+def test_ring_without_producer_warp_matches(
+    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
+) -> None:
+    # Chunks refilled by whichever consumer releases them last.
+    _check_ring_case(cfg, fmt, m, k, group)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SPLITS, ids=str)
+@_ring_cases
+def test_k_split_among_a_cluster_matches(
+    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
+) -> None:
+    # The bias added once, by the CTA that sums the splits.
+    _check_ring_case(cfg, fmt, m, k, group)
 
 
 @gpu
