@@ -423,8 +423,10 @@ __device__ __noinline__ void prefetch_group_rows(const u16* scales, const u8* ze
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     pagoda_w4a16_gemv(GEMV_PARAMS) {
   __shared__ float red[WARPS][ROW_TILES * M_TILES * 4][32];
-  __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
-#if !PRODUCER
+  __shared__ __align__(8) unsigned long long full[STAGES];
+#if PRODUCER
+  __shared__ __align__(8) unsigned long long empty[STAGES];  // consumers done with the stage
+#else
   __shared__ u32 released[STAGES];  // consumers done with the stage's chunks, in all
 #endif
   extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * STAGE_BYTES
@@ -443,8 +445,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
       mbar_init(smem_addr(&full[st]), 1);
+#if PRODUCER
       mbar_init(smem_addr(&empty[st]), WARPS);
-#if !PRODUCER
+#else
       released[st] = 0;
 #endif
     }
