@@ -93,9 +93,10 @@ def _build_gemv(job: tuple) -> str | None:
     from pagoda.kernels.w4a16_gemv import GemvConfig, get_kernel
 
     m, cfg = job
-    x = torch.empty(m, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(m, 2 * GROUP, device="cuda", dtype=torch.bfloat16)  # groups of one K step
     scales = torch.empty(1, 1, device="cuda", dtype=torch.float16)
-    return None if get_kernel(x, scales, GemvConfig(*cfg), False, False) else "no kernel"
+    built = get_kernel(x, scales, GemvConfig(*cfg), False, False, 4096, GROUP)
+    return None if built else "no kernel"
 
 
 def wgmma_grid(m: int) -> list[tuple]:
@@ -426,6 +427,9 @@ def main(argv: list[str] | None = None) -> dict:
                 and r["variant"] not in ("skinny", "wide", "cuda", "wgmma")
             )
             print(line + f"  err {chosen_row['max_err']:.2g}", flush=True)
+            if args.out:  # what is done so far, in case the run is cut short
+                with open(args.out, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f)
         del packed, dense, ref_w
         torch.cuda.empty_cache()
 

@@ -313,7 +313,7 @@ def chunk_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
 GEMV_MAX_M = 16
 GEMV_REGISTER_MAX_M = 8
 GEMV_SC_RING = 0  # the ring's `GemvConfig.sc_ring` where N allows (see `gemv_config`)
-GEMV_MIN_WARPS = 20  # the ring's resident warps an SM up to 8 rows (`GemvConfig.min_warps`)
+GEMV_MIN_WARPS = 0  # the ring's resident warps an SM up to 8 rows (`GemvConfig.min_warps`)
 SKINNY_MAX_M = 32
 SKINNY_WIDE_MAX_M = 64
 SKINNY_WIDE_N = 16384
@@ -375,7 +375,9 @@ def many_rows_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132
     return SkinnyConfig(block_m, block_n, 128, split_k, 4, 3, planar=True, scale_w=True)
 
 
-def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> GemvConfig | None:
+def gemv_config(
+    m: int, n: int, k: int, group_size: int, bulk: bool = True, num_sms: int = 132
+) -> GemvConfig | None:
     """The CUDA decode kernel's config (`w4a16_gemv`) for these shapes, or None where it is
     not chosen: more than GEMV_MAX_M rows (GEMV_REGISTER_MAX_M without `bulk`), or its shape
     rules say no (the inputs' own checks come at the call: `unsupported_reason`). Every
@@ -391,10 +393,13 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
     GEMV_SC_RING and N allow) are off: they cut the loop's instructions a K step by 12-16%
     but made whole steps 13-20% slower on the H200 (a stage then also waits for the small
     copies of its scales and zero points); so is the ring without a producer warp
-    (`producer=0`), 13-28% slower (`benchmarks/README.md`). Up to 8 rows the registers are
-    held to GEMV_MIN_WARPS resident warps an SM (`min_warps`): gate_up's 5-warp CTAs then fit
-    4 an SM at 96 registers instead of 3 at 118 (the 9-warp CTAs of the other layers stay at
-    2), 2-3% faster a step at 1-4 rows on the H100, as fast at 8; past 8 rows it spills.
+    (`producer=0`), 13-28% slower (`benchmarks/README.md`). So are the registers held to 20
+    resident warps an SM (`min_warps`, GEMV_MIN_WARPS up to 8 rows where > 0: gate_up's
+    5-warp CTAs 4 an SM at 96 registers instead of 3): 2-3% faster at 1-4 rows on the H100
+    while a K step's group took a division, 5-9% slower (spilling) since it is a shift and its
+    scales and zero points sit at fixed offsets. Past 8 rows (two B tiles) a 9-warp CTA's
+    registers hold it to one an SM, so a layer of more 32-row tiles than SMs takes 4 warps
+    and 3 stages instead, two an SM in one round (qkv at 16 rows: 9.1 vs 11.5 us on the H100).
 
     Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
     2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of
@@ -409,12 +414,15 @@ def gemv_config(m: int, n: int, k: int, group_size: int, bulk: bool = True) -> G
         return None
     warps = 4 if n >= SKINNY_WIDE_N else 8
     if bulk:
+        stages = 2
+        if m > 8 and warps == 8 and -(-n // 32) > num_sms:  # 9-warp CTAs one an SM: 2 rounds
+            warps, stages = 4, 3
         return GemvConfig(
             row_tiles=1 if k >= 8192 and m <= 4 else 2,
             warps=warps,
             sum_mma=int(n >= SKINNY_WIDE_N and m <= 8),
             bulk=1,
-            stages=2,
+            stages=stages,
             chunk=2 * warps,
             pdl=1,
             sc_ring=int(bool(GEMV_SC_RING) and n % 16 == 0),
@@ -438,7 +446,8 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, e
     they cannot run), a `SkinnyConfig`, `DEQUANT` (16-bit x only), or a `W4A16Config` of this
     module's kernel."""
     if elem_bytes == 2:
-        cfg = gemv_config(m, n, k, group_size) or wgmma_config(m, n, k, group_size)
+        cfg = gemv_config(m, n, k, group_size, num_sms=num_sms)
+        cfg = cfg or wgmma_config(m, n, k, group_size)
         if cfg is not None:
             return cfg
     return fallback_config(m, n, k, group_size, num_sms, elem_bytes)
@@ -582,9 +591,13 @@ def w4a16_linear(
             reason = w4a16_gemv.config_reason(cfg, x.device)
         if reason is None:
             reason = w4a16_gemv.layout_reason(cfg, scales, zeros)
+        if reason is None:
+            reason = w4a16_gemv.shape_reason(m, n, cfg)
         kernel = None
         if reason is None:
-            kernel = w4a16_gemv.get_kernel(x, scales, cfg, perm is not None, bias is not None)
+            kernel = w4a16_gemv.get_kernel(
+                x, scales, cfg, perm is not None, bias is not None, n, group_size
+            )
             reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
         if kernel is not None:
             return w4a16_gemv.w4a16_gemv(

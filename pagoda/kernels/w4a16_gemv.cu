@@ -40,12 +40,14 @@
 // MIN_WARPS (with BULK; > 0: registers for that many resident warps an SM, see MIN_CTAS),
 // SC_PREFETCH (with BULK and PRODUCER, without SC_RING: the producer asks for the CTA's scale
 // and zero-point rows into L2 at its start), SPLITS (with BULK: a tile's K steps split among a
-// cluster of that many CTAs, grid y; sm_90).
+// cluster of that many CTAs, grid y; sm_90), GROUP_STEPS (K steps a group: G / STEP, a
+// compile-time constant so that a step's group is a shift, not a division; 0 for one group).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
 #define STEP 128  // inputs per K step
+#define GROUP_OF(s) (GROUP_STEPS ? (s) / GROUP_STEPS : 0)  // the group of K step s
 
 // Pair s of a word (nibbles s and s + 4) as two 16-bit floats: OFFSET + q, and with SUB
 // q - z exactly (zoff = OFFSET + z in both halves).
@@ -109,7 +111,7 @@ __device__ __forceinline__ void x_rows(const u16* (&xrow)[M_TILES], bool (&xok)[
 #define GEMV_PARAMS                                                                          \
   u16 *__restrict__ y, const u16 *__restrict__ x, const u32 *__restrict__ qweight,           \
       const u16 *__restrict__ scales, const u8 *__restrict__ zeros,                          \
-      const int *__restrict__ perm, const u16 *__restrict__ bias, int M, int N, int K, int G, \
+      const int *__restrict__ perm, const u16 *__restrict__ bias, int M, int N, int K,        \
       int stride_x, int stride_y
 
 // A warp's fp32 tiles into its slot of the CTA's partials.
@@ -319,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     for (int d = 0; d < DEPTH; ++d) {
       const int s = s0 + d * WARPS;
       if (s < steps) {
-        const int grp = s * STEP / G;
+        const int grp = GROUP_OF(s);
 #pragma unroll
         for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
@@ -433,7 +435,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   auto ring = reinterpret_cast<unsigned char(*)[STAGE_BYTES]>(ring_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * ROWS;
+  // The last CTA's rows end at N (N >= ROWS): it repeats some of the CTA's before it, with the
+  // same sums in the same order, so no row past N is ever read and a step's scales and zero
+  // points of a lane are at fixed offsets from one address.
+  const int n0 = min(blockIdx.x * ROWS, N - ROWS);
 #if SPLITS > 1  // this CTA's K steps: [s0, s0 + steps) of split blockIdx.y (none past K)
   const int per_split = (K / STEP + SPLITS - 1) / SPLITS, s0 = blockIdx.y * per_split;
   const int steps = max(0, min(per_split, K / STEP - s0));
@@ -455,32 +460,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   }
   __syncthreads();
 
-  // Chunk c into stage c % STAGES, by a whole warp: lane r < ROWS copies row n0 + r (past N:
-  // row N - 1), and with SC_RING lane i < the chunk's steps its step i's scales and zeros.
+  // Chunk c into stage c % STAGES, by a whole warp: lane r < ROWS copies row n0 + r, and with
+  // SC_RING lane i < the chunk's steps its step i's scales and zeros.
   auto fill = [&](int c) {
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     const int st = c % STAGES;
     const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
 #if SC_RING
-    const int vrows = min(ROWS, N - n0);  // a multiple of 16 (N is)
-    if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * vrows * 3);
+    if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * ROWS * 3);
 #else
     if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes);
 #endif
     __syncwarp();
     if (lane < ROWS) {
       const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
-                                 (long long)min(n0 + lane, N - 1) * (K / 2) +
+                                 (long long)(n0 + lane) * (K / 2) +
                                  (s0 + c * CHUNK) * 64;
       bulk_load(smem_addr(ring[st] + lane * PITCH), src, bytes, smem_addr(&full[st]), policy);
     }
 #if SC_RING
     if (lane < nsteps) {  // step c * CHUNK + lane's scales and zero points of the CTA's rows
-      const long long at = (long long)((s0 + c * CHUNK + lane) * STEP / G) * N + n0;
-      bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, vrows * 2,
+      const long long at = (long long)GROUP_OF(s0 + c * CHUNK + lane) * N + n0;
+      bulk_load(smem_addr(ring[st] + SC_OFFSET + lane * ROWS * 2), scales + at, ROWS * 2,
                 smem_addr(&full[st]));
-      bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, vrows,
+      bulk_load(smem_addr(ring[st] + ZP_OFFSET + lane * ROWS), zeros + at, ROWS,
                 smem_addr(&full[st]));
     }
 #endif
@@ -490,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   if (warp == WARPS) {  // the producer
 #if SC_PREFETCH && !SC_RING
     if (steps > 0)
-      prefetch_group_rows(scales, zeros, N, n0, s0 * STEP / G, (s0 + steps - 1) * STEP / G, lane);
+      prefetch_group_rows(scales, zeros, N, n0, GROUP_OF(s0), GROUP_OF(s0 + steps - 1), lane);
 #endif
     for (int c = 0; c < chunks; ++c) {
       const int st = c % STAGES;
@@ -503,13 +507,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   if (warp == 0)
     for (int c = 0; c < min(STAGES, chunks); ++c) fill(c);
   {
-#endif
-#if !SC_RING
-    int nrow[ROW_TILES][2];
-#pragma unroll
-    for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) nrow[rt][h] = min(n0 + 16 * rt + 8 * h + g, N - 1);
 #endif
     const u16* xrow[M_TILES];
     bool xok[M_TILES];
@@ -534,13 +531,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #endif
     auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
 #if !SC_RING
-      const int grp = (s0 + s) * STEP / G;
+      const int at = GROUP_OF(s0 + s) * N + n0 + g;  // row g's (rows g + 8i follow)
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          sc_[rt][h] = ld_nc_u16(scales + grp * N + nrow[rt][h]);
-          zp_[rt][h] = ld_nc_u8(zeros + grp * N + nrow[rt][h]);
+          sc_[rt][h] = ld_nc_u16(scales + at + 16 * rt + 8 * h);
+          zp_[rt][h] = ld_nc_u8(zeros + at + 16 * rt + 8 * h);
         }
 #endif
 #if X_EARLY
@@ -553,14 +550,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
+    // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
+    // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
+    // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
+    // with a loop body twice as long, on an H100.)
     if (warp < steps) load_step(warp, sc, zp, xv);
-    int i = 0;
-    for (int s = warp; s < steps; s += WARPS, ++i) {
+    for (int s = warp; s < steps; s += WARPS) {
       const int c = s / CHUNK, st = c % STAGES;
       u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
       XRegs nxv;
       if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
-      if (i % (CHUNK / WARPS) == 0) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);
+      if (s % CHUNK < WARPS) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);  // its first
       uint4 wv[ROW_TILES][2];
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -575,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
 #endif
         }
-      if (i % (CHUNK / WARPS) == CHUNK / WARPS - 1) {  // this warp is done with the stage
+      if (s % CHUNK >= CHUNK - WARPS) {  // this warp's last step of the chunk: done with it
         __syncwarp();
 #if PRODUCER
         if (lane == 0) mbar_arrive(smem_addr(&empty[st]));

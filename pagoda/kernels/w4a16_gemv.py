@@ -199,8 +199,31 @@ def layout_reason(cfg: GemvConfig, scales: torch.Tensor, zeros: torch.Tensor) ->
     return None
 
 
+def group_steps(group_size: int, k: int) -> int:
+    """K steps a group (the kernel's GROUP_STEPS, compiled in): 0 for one group a row."""
+    return 0 if group_size >= k else group_size // STEP
+
+
+def shape_reason(m: int, n: int, cfg: GemvConfig) -> str | None:
+    """Why `cfg` cannot take m activation rows and n weight rows, or None."""
+    smem = smem_bytes(m_tiles(m), cfg)
+    if smem > SMEM_LIMIT:
+        return f"{m} rows need {smem} bytes of static shared memory > {SMEM_LIMIT}"
+    if smem + ring_bytes(cfg) > CTA_SMEM_LIMIT:
+        return f"{smem + ring_bytes(cfg)} bytes of shared memory a CTA > {CTA_SMEM_LIMIT}"
+    if cfg.bulk and n < 16 * cfg.row_tiles:
+        return f"N={n} < the {16 * cfg.row_tiles} rows of a CTA (bulk)"
+    return None
+
+
 def _compile(
-    bf16: bool, scales_bf16: bool, mt: int, cfg: GemvConfig, has_perm: bool, has_bias: bool
+    bf16: bool,
+    scales_bf16: bool,
+    mt: int,
+    cfg: GemvConfig,
+    has_perm: bool,
+    has_bias: bool,
+    group_steps: int,
 ) -> Any | None:
     """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
     build it."""
@@ -223,6 +246,7 @@ def _compile(
         "MIN_WARPS": cfg.min_warps,
         "SC_PREFETCH": cfg.sc_prefetch,
         "SPLITS": cfg.splits,
+        "GROUP_STEPS": group_steps,
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
@@ -239,9 +263,15 @@ _KERNELS = cuda_launch.KernelCache(_compile)
 
 
 def get_kernel(
-    x: torch.Tensor, scales: torch.Tensor, cfg: GemvConfig, has_perm: bool, has_bias: bool
+    x: torch.Tensor,
+    scales: torch.Tensor,
+    cfg: GemvConfig,
+    has_perm: bool,
+    has_bias: bool,
+    n: int,
+    group_size: int,
 ) -> Any | None:
-    """The kernel for these inputs, or None. Never compiles while a CUDA graph is being
+    """The kernel for these inputs (n weight rows, groups of `group_size`), or None. Never compiles while a CUDA graph is being
     captured (loading a module is not a stream operation): the eager warm-up run before each
     capture (`cuda_graphs`) builds what that capture needs."""
     key = (
@@ -251,9 +281,9 @@ def get_kernel(
         GemvConfig(*cfg),
         has_perm,
         has_bias,
+        group_steps(group_size, x.shape[1]),
     )
-    smem = smem_bytes(key[2], cfg)
-    if smem > SMEM_LIMIT or smem + ring_bytes(cfg) > CTA_SMEM_LIMIT or config_reason(cfg, x.device):
+    if shape_reason(x.shape[0], n, cfg) or config_reason(cfg, x.device):
         return None
     return _KERNELS.get(key)
 
@@ -276,7 +306,7 @@ def w4a16_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     args = [
         y, x, qweight, scales, zeros, perm if perm is not None else qweight,
-        bias if bias is not None else x, m, n, k, min(group_size, k), x.stride(0), y.stride(0),
+        bias if bias is not None else x, m, n, k, x.stride(0), y.stride(0),
     ]  # fmt: skip
     grid = (-(-n // (16 * cfg.row_tiles)), cfg.splits, 1)
     pdl = bool(cfg.pdl) and pdl_enabled(x)

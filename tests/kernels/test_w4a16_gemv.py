@@ -121,7 +121,24 @@ def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
     n, k = 200, 1920  # 15 K steps: batches of DEPTH steps and the last chunk cut short
     w4, dense = _weights("awq", n, k, 128, seed=m)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    if w4a16_gemv.shape_reason(m, n, cfg):  # 64 rows of 2 row tiles x 8 warps: 64 KiB of tiles
+        with pytest.raises(ValueError, match="static shared memory"):
+            _linear(x, w4, config=cfg)
+        return
     _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
+
+
+@gpu
+@pytest.mark.gpu
+def test_fewer_weight_rows_than_a_ctas_take_another_kernel() -> None:
+    n, k = 24, 1920  # fewer than the 32 rows of a CTA of two row tiles
+    w4, dense = _weights("awq", n, k, 128, seed=5)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    _assert_close(_linear(x, w4), F.linear(x.float(), dense))  # the rule's config falls back
+    cfg = GemvConfig(2, 4, bulk=1, stages=2, chunk=8)
+    with pytest.raises(ValueError, match="rows of a CTA"):
+        _linear(x, w4, config=cfg)
+    _assert_close(_linear(x, w4, config=cfg._replace(row_tiles=1)), F.linear(x.float(), dense))
 
 
 def _ring_cases(test):
@@ -192,7 +209,7 @@ def test_ring_without_producer_fits_four_ctas_an_sm() -> None:
     scales = torch.ones(32, 4096, device="cuda", dtype=torch.bfloat16)
 
     def ctas(cfg: GemvConfig) -> int:
-        kernel = w4a16_gemv.get_kernel(x, scales, cfg, False, False)
+        kernel = w4a16_gemv.get_kernel(x, scales, cfg, False, False, 4096, 128)
         n = ctypes.c_int()
         err = cuda_launch.libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(n), kernel.func, w4a16_gemv.threads(cfg), w4a16_gemv.ring_bytes(cfg)
@@ -300,6 +317,16 @@ def test_default_config_takes_the_cuda_kernel_where_its_shapes_allow() -> None:
         assert choose_config(m, n, k, 128).bulk and choose_config(m, n, k, 128).pdl
     assert choose_config(1, n, k, 128).row_tiles == 1 and choose_config(8, n, k, 128).row_tiles == 2
     assert choose_config(1, 28672, 4096, 128).warps == 4
+
+    # Past 8 rows 9-warp CTAs fit one an SM: more 32-row tiles than SMs take 4 warps instead.
+    def warps_and_stages(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
+        cfg = choose_config(m, n, 4096, 128, num_sms)
+        return cfg.warps, cfg.stages
+
+    assert warps_and_stages(16, 6144) == (4, 3)  # qkv: 192 tiles
+    assert warps_and_stages(16, 4096) == (8, 2)  # o: 128 tiles
+    assert warps_and_stages(8, 6144) == (8, 2)
+    assert warps_and_stages(16, 6144, num_sms=200) == (8, 2)
     assert (
         choose_config(1, 28672, 4096, 128).sum_mma
         and not choose_config(16, 28672, 4096, 128).sum_mma
@@ -333,6 +360,16 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert "2-8 with the bulk ring" in w4a16_gemv.config_reason(
         GemvConfig(splits=2), torch.device("cpu")
     )
+    # Shapes a config cannot take: 64 rows of 2 row tiles x 8 warps (64 KiB of partial tiles),
+    # and with the ring fewer weight rows than a CTA's.
+    wide = GemvConfig(2, 8, bulk=1, stages=2, chunk=16)
+    assert "static shared memory" in w4a16_gemv.shape_reason(64, 4096, wide)
+    assert w4a16_gemv.shape_reason(32, 4096, wide) is None
+    assert "N=24 < the 32 rows" in w4a16_gemv.shape_reason(1, 24, wide)
+    assert w4a16_gemv.shape_reason(1, 24, wide._replace(row_tiles=1)) is None
+    assert w4a16_gemv.shape_reason(1, 24, GemvConfig(2, 4)) is None  # registers: rows clamped
+    # A group's K steps are compiled in: none for one group a row.
+    assert [w4a16_gemv.group_steps(g, 4096) for g in (128, 512, 4096, 8192)] == [1, 4, 0, 0]
     # Without a producer warp a CTA is its consumers only.
     assert w4a16_gemv.threads(NO_PRODUCER[0]) == 128
     assert w4a16_gemv.threads(NO_PRODUCER[0]._replace(producer=1)) == 160
@@ -368,8 +405,12 @@ def test_scales_through_the_ring_need_whole_16_byte_rows(monkeypatch) -> None:
     assert not gemv_config(1, 4104, 4096, 128).sc_ring
 
 
-def test_gemv_rule_holds_registers_for_more_warps_up_to_8_rows() -> None:
+def test_gemv_rule_holds_registers_for_more_warps_up_to_8_rows_where_switched_on(
+    monkeypatch,
+) -> None:
     from pagoda.kernels import w4a16
 
-    assert gemv_config(8, 28672, 4096, 128).min_warps == w4a16.GEMV_MIN_WARPS > 0
+    assert gemv_config(8, 28672, 4096, 128).min_warps == w4a16.GEMV_MIN_WARPS == 0
+    monkeypatch.setattr(w4a16, "GEMV_MIN_WARPS", 20)
+    assert gemv_config(8, 28672, 4096, 128).min_warps == 20
     assert gemv_config(9, 28672, 4096, 128).min_warps == 0  # two B tiles: it would spill
