@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
     PAGODA_PDL: bool
+    PAGODA_W4A16_SILU: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
@@ -249,6 +250,13 @@ VARIABLES: dict[str, EnvVar] = {
             "the decode attention then each wait for the kernel before them to end before they "
             "start).",
             _flag("PAGODA_PDL", True),
+        ),
+        EnvVar(
+            "PAGODA_W4A16_SILU", "flag", "0",
+            "1: a packed 4-bit MLP's SiLU-and-mul runs in its gate_up GEMV's epilogue (the "
+            "CUDA decode kernel, sm_90, up to 16 rows) instead of as a kernel of its own; off "
+            "until measured on a GPU.",
+            _flag("PAGODA_W4A16_SILU", False),
         ),
         EnvVar(
             "PAGODA_W8A16", "flag", "1",

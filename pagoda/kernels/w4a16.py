@@ -541,6 +541,33 @@ def fallback_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132,
     return default_config(m, n, k, group_size, num_sms, elem_bytes=elem_bytes)
 
 
+def _check_inputs(
+    what: str,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    perm: torch.Tensor | None,
+) -> None:
+    """ValueError, naming `what`, where the inputs do not make a W4A16 product."""
+    if not w4a16_supported(x, qweight, bias):
+        raise ValueError(
+            f"{what}: unsupported inputs x {tuple(x.shape)} {x.dtype} {x.device}, "
+            f"qweight {tuple(qweight.shape)} {qweight.dtype} {qweight.device}"
+        )
+    k, n = x.shape[1], qweight.shape[0]
+    groups = triton.cdiv(k, group_size)
+    if scales.shape != (groups, n) or zeros.shape != (groups, n) or zeros.dtype != torch.uint8:
+        raise ValueError(
+            f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} {zeros.dtype}: "
+            f"expected ({groups}, {n}) and uint8 zeros for K={k}, G={group_size}"
+        )
+    if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int32):
+        raise ValueError(f"perm must be int32 of shape ({k},), got {tuple(perm.shape)}")
+
+
 def w4a16_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -560,21 +587,9 @@ def w4a16_linear(
     before it instead of in every N tile), a `w4a16_skinny.SkinnyConfig` the few-row kernel,
     `DEQUANT` the dequantized weight and cuBLAS. Raises ValueError where `w4a16_supported`
     says no or the config cannot run."""
-    if not w4a16_supported(x, qweight, bias):
-        raise ValueError(
-            f"w4a16_linear: unsupported inputs x {tuple(x.shape)} {x.dtype} {x.device}, "
-            f"qweight {tuple(qweight.shape)} {qweight.dtype} {qweight.device}"
-        )
+    _check_inputs("w4a16_linear", x, qweight, scales, zeros, group_size, bias, perm)
     m, k = x.shape
     n = qweight.shape[0]
-    groups = triton.cdiv(k, group_size)
-    if scales.shape != (groups, n) or zeros.shape != (groups, n) or zeros.dtype != torch.uint8:
-        raise ValueError(
-            f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} {zeros.dtype}: "
-            f"expected ({groups}, {n}) and uint8 zeros for K={k}, G={group_size}"
-        )
-    if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int32):
-        raise ValueError(f"perm must be int32 of shape ({k},), got {tuple(perm.shape)}")
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     cfg = config or choose_config(
@@ -671,6 +686,50 @@ def w4a16_linear(
         num_warps=cfg.num_warps,
     )
     return y
+
+
+def w4a16_silu_and_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> torch.Tensor | None:
+    """silu(gate) * up -> [M, N/2] for a merged gate_up layer, W = [gate; up] in the packed
+    layout above, in one launch of the CUDA decode kernel with the activation on its sums
+    (`w4a16_gemv.w4a16_gemv`'s `silu_mul`), where the rule (or `config`) takes that kernel's
+    ring with two row tiles for these shapes (sm_90, up to GEMV_MAX_M rows); else None, and
+    the caller runs `w4a16_linear` and then the activation. ValueError as `w4a16_linear` for
+    inputs that make no W4A16 product, and where an explicit `config` cannot run."""
+    _check_inputs("w4a16_silu_and_mul", x, qweight, scales, zeros, group_size, bias, perm)
+    m, k = x.shape
+    n = qweight.shape[0]
+    if m == 0 or not x.is_cuda or x.element_size() != 2:
+        return None
+    cfg = config or gemv_config(m, n, k, group_size, num_sms=_num_sms(x.device))
+    if cfg is None:
+        return None
+    reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
+    reason = reason or w4a16_gemv.config_reason(cfg, x.device)
+    reason = reason or w4a16_gemv.layout_reason(cfg, scales, zeros)
+    reason = reason or w4a16_gemv.shape_reason(m, n, cfg, silu_mul=True)
+    kernel = None
+    if reason is None:
+        kernel = w4a16_gemv.get_kernel(
+            x, scales, cfg, perm is not None, bias is not None, n, group_size, silu_mul=True
+        )
+        reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
+    if kernel is None:
+        if config is not None:
+            raise ValueError(f"{cfg}: the CUDA kernel cannot run silu_and_mul: {reason}")
+        return None
+    return w4a16_gemv.w4a16_gemv(
+        kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg, silu_mul=True
+    )
 
 
 def _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, explicit: bool):

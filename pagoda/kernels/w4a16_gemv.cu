@@ -41,10 +41,17 @@
 // SC_PREFETCH (with BULK and PRODUCER, without SC_RING: the producer asks for the CTA's scale
 // and zero-point rows into L2 at its start), SPLITS (with BULK: a tile's K steps split among a
 // cluster of that many CTAs, grid y; sm_90), GROUP_STEPS (K steps a group: G / STEP, a
-// compile-time constant so that a step's group is a shift, not a division; 0 for one group).
+// compile-time constant so that a step's group is a shift, not a division; 0 for one group),
+// SILU_MUL (with BULK and ROW_TILES 2, without SC_RING, SC_PREFETCH: the layer is a merged
+// gate_up projection, rows [0, N/2) gate and [N/2, N) up; a CTA's row tile 0 is 16 gate rows,
+// its row tile 1 the same 16 up rows, and y [M, N/2] is silu(gate) * up: the activation in
+// the epilogue, no gate_up output and no second kernel).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
+#if SILU_MUL && (!BULK || ROW_TILES != 2 || SC_RING || SC_PREFETCH)
+#error "SILU_MUL needs BULK, ROW_TILES 2 and neither SC_RING nor SC_PREFETCH"
+#endif
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
 #define STEP 128  // inputs per K step
 #define GROUP_OF(s) (GROUP_STEPS ? (s) / GROUP_STEPS : 0)  // the group of K step s
@@ -145,34 +152,58 @@ __device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
 }
 #endif
 
+// Element (j, l) of every warp's partials (and every split's), summed in order.
+__device__ __forceinline__ float sum_partials(const float (&red)[WARPS][ROW_TILES * M_TILES * 4][32],
+                                              int j, int l) {
+  float sum = 0.f;
+#if BULK && SPLITS > 1  // every split's warps, in rank order (rank r: blockIdx.y = r)
+#pragma unroll
+  for (int r = 0; r < SPLITS; ++r)
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += ld_cluster(&red[w][j][l], r);
+#else
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
+#endif
+  return sum;
+}
+
 // The warps' partials summed in warp order (+ bias) into y, by the CTA's `threads` threads.
 // Element (j, l) of the tile: lane l's C register j % 4 of tile j / 4 = (rt, mt): row
 // 16 rt + l / 4 + 8 (j % 4 / 2), column 8 mt + 2 (l % 4) + j % 2.
 __device__ __forceinline__ void reduce_store(const float (&red)[WARPS][ROW_TILES * M_TILES * 4][32],
                                              u16* __restrict__ y, const u16* __restrict__ bias,
                                              int n0, int M, int N, int stride_y, int threads) {
+#if SILU_MUL  // row tile 0 gate rows n0.., row tile 1 the same up rows: y = silu(gate) * up
+  for (int e = threadIdx.x; e < M_TILES * 4 * 32; e += threads) {
+    const int j = e / 32, l = e % 32;  // j: (0, mt, i); j + 4 * M_TILES: (1, mt, i)
+    const int mt = j / 4, i = j % 4;
+    const int row = n0 + l / 4 + 8 * (i / 2);
+    const int col = 8 * mt + 2 * (l % 4) + (i % 2);
+    if (col < M) {
+      float gate = sum_partials(red, j, l), up = sum_partials(red, j + 4 * M_TILES, l);
+#if HAS_BIAS
+      gate += to_f32<BF16>(bias[row]);
+      up += to_f32<BF16>(bias[N / 2 + row]);
+#endif
+      y[(long long)col * stride_y + row] = from_f32(gate / (1.f + __expf(-gate)) * up);
+    }
+  }
+#else
   for (int e = threadIdx.x; e < ROW_TILES * M_TILES * 4 * 32; e += threads) {
     const int j = e / 32, l = e % 32;
     const int rt = j / (4 * M_TILES), mt = (j / 4) % M_TILES, i = j % 4;
     const int row = n0 + 16 * rt + l / 4 + 8 * (i / 2);
     const int col = 8 * mt + 2 * (l % 4) + (i % 2);
     if (row < N && col < M) {
-      float sum = 0.f;
-#if BULK && SPLITS > 1  // every split's warps, in rank order (rank r: blockIdx.y = r)
-#pragma unroll
-      for (int r = 0; r < SPLITS; ++r)
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += ld_cluster(&red[w][j][l], r);
-#else
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) sum += red[w][j][l];
-#endif
+      float sum = sum_partials(red, j, l);
 #if HAS_BIAS
       sum += to_f32<BF16>(bias[row]);
 #endif
       y[(long long)col * stride_y + row] = from_f32(sum);
     }
   }
+#endif
 }
 
 // One K step of a warp: its weights wv (rows g and g + 8 of each row tile), their scales and
@@ -437,8 +468,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   const int g = lane >> 2, t = lane & 3;
   // The last CTA's rows end at N (N >= ROWS): it repeats some of the CTA's before it, with the
   // same sums in the same order, so no row past N is ever read and a step's scales and zero
-  // points of a lane are at fixed offsets from one address.
-  const int n0 = min(blockIdx.x * ROWS, N - ROWS);
+  // points of a lane are at fixed offsets from one address. Row tile rt's rows start RT_OFF
+  // rows after the one before (with SILU_MUL: gate rows n0.., up rows N/2 + n0..).
+#if SILU_MUL
+  const int n0 = min(blockIdx.x * 16, N / 2 - 16), RT_OFF = N / 2;
+#else
+  const int n0 = min(blockIdx.x * ROWS, N - ROWS), RT_OFF = 16;
+#endif
 #if SPLITS > 1  // this CTA's K steps: [s0, s0 + steps) of split blockIdx.y (none past K)
   const int per_split = (K / STEP + SPLITS - 1) / SPLITS, s0 = blockIdx.y * per_split;
   const int steps = max(0, min(per_split, K / STEP - s0));
@@ -460,8 +496,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   }
   __syncthreads();
 
-  // Chunk c into stage c % STAGES, by a whole warp: lane r < ROWS copies row n0 + r, and with
-  // SC_RING lane i < the chunk's steps its step i's scales and zeros.
+  // Chunk c into stage c % STAGES, by a whole warp: lane r < ROWS copies row r of the CTA's
+  // tiles, and with SC_RING lane i < the chunk's steps its step i's scales and zeros.
   auto fill = [&](int c) {
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -475,7 +511,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     __syncwarp();
     if (lane < ROWS) {
       const unsigned char* src = reinterpret_cast<const unsigned char*>(qweight) +
-                                 (long long)(n0 + lane) * (K / 2) +
+                                 (long long)(n0 + lane / 16 * RT_OFF + lane % 16) * (K / 2) +
                                  (s0 + c * CHUNK) * 64;
       bulk_load(smem_addr(ring[st] + lane * PITCH), src, bytes, smem_addr(&full[st]), policy);
     }
@@ -531,13 +567,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #endif
     auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
 #if !SC_RING
-      const int at = GROUP_OF(s0 + s) * N + n0 + g;  // row g's (rows g + 8i follow)
+      const int at = GROUP_OF(s0 + s) * N + n0 + g;  // row g's
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          sc_[rt][h] = ld_nc_u16(scales + at + 16 * rt + 8 * h);
-          zp_[rt][h] = ld_nc_u8(zeros + at + 16 * rt + 8 * h);
+          sc_[rt][h] = ld_nc_u16(scales + at + RT_OFF * rt + 8 * h);
+          zp_[rt][h] = ld_nc_u8(zeros + at + RT_OFF * rt + 8 * h);
         }
 #endif
 #if X_EARLY

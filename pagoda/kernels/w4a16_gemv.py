@@ -204,8 +204,9 @@ def group_steps(group_size: int, k: int) -> int:
     return 0 if group_size >= k else group_size // STEP
 
 
-def shape_reason(m: int, n: int, cfg: GemvConfig) -> str | None:
-    """Why `cfg` cannot take m activation rows and n weight rows, or None."""
+def shape_reason(m: int, n: int, cfg: GemvConfig, silu_mul: bool = False) -> str | None:
+    """Why `cfg` cannot take m activation rows and n weight rows, or None; with `silu_mul`,
+    as a merged gate_up layer whose output is silu(gate) * up (see `w4a16_gemv`)."""
     smem = smem_bytes(m_tiles(m), cfg)
     if smem > SMEM_LIMIT:
         return f"{m} rows need {smem} bytes of static shared memory > {SMEM_LIMIT}"
@@ -213,6 +214,11 @@ def shape_reason(m: int, n: int, cfg: GemvConfig) -> str | None:
         return f"{smem + ring_bytes(cfg)} bytes of shared memory a CTA > {CTA_SMEM_LIMIT}"
     if cfg.bulk and n < 16 * cfg.row_tiles:
         return f"N={n} < the {16 * cfg.row_tiles} rows of a CTA (bulk)"
+    if silu_mul:
+        if not cfg.bulk or cfg.row_tiles != 2 or cfg.sc_ring or cfg.sc_prefetch:
+            return "silu_and_mul needs the bulk ring, 2 row tiles, no sc_ring or sc_prefetch"
+        if n % 2 or n < 32:
+            return f"silu_and_mul needs gate and up halves of >= 16 rows, got N={n}"
     return None
 
 
@@ -224,6 +230,7 @@ def _compile(
     has_perm: bool,
     has_bias: bool,
     group_steps: int,
+    silu_mul: bool,
 ) -> Any | None:
     """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
     build it."""
@@ -247,6 +254,7 @@ def _compile(
         "SC_PREFETCH": cfg.sc_prefetch,
         "SPLITS": cfg.splits,
         "GROUP_STEPS": group_steps,
+        "SILU_MUL": int(silu_mul),
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
@@ -270,8 +278,10 @@ def get_kernel(
     has_bias: bool,
     n: int,
     group_size: int,
+    silu_mul: bool = False,
 ) -> Any | None:
-    """The kernel for these inputs (n weight rows, groups of `group_size`), or None. Never compiles while a CUDA graph is being
+    """The kernel for these inputs (n weight rows, groups of `group_size`; `silu_mul` as in
+    `w4a16_gemv`), or None. Never compiles while a CUDA graph is being
     captured (loading a module is not a stream operation): the eager warm-up run before each
     capture (`cuda_graphs`) builds what that capture needs."""
     key = (
@@ -282,8 +292,9 @@ def get_kernel(
         has_perm,
         has_bias,
         group_steps(group_size, x.shape[1]),
+        silu_mul,
     )
-    if shape_reason(x.shape[0], n, cfg) or config_reason(cfg, x.device):
+    if shape_reason(x.shape[0], n, cfg, silu_mul) or config_reason(cfg, x.device):
         return None
     return _KERNELS.get(key)
 
@@ -298,20 +309,25 @@ def w4a16_gemv(
     bias: torch.Tensor | None,
     perm: torch.Tensor | None,
     cfg: GemvConfig,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with `kernel` (from `get_kernel`); the caller has checked the
-    inputs (`w4a16_linear`, `unsupported_reason`)."""
+    inputs (`w4a16_linear`, `unsupported_reason`). With `silu_mul` (a kernel built for it) the
+    layer is a merged gate_up projection, W = [gate; up], and y [M, N/2] is silu(gate) * up:
+    each CTA takes 16 gate rows and the same 16 up rows and applies the activation to its sums
+    (`w4a16_gemv.cu`'s SILU_MUL)."""
     m, k = x.shape
     n = qweight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if silu_mul else n), dtype=x.dtype, device=x.device)
     args = [
         y, x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else x, m, n, k, x.stride(0), y.stride(0),
     ]  # fmt: skip
-    grid = (-(-n // (16 * cfg.row_tiles)), cfg.splits, 1)
+    tiles = -(-n // 2 // 16) if silu_mul else -(-n // (16 * cfg.row_tiles))
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cluster = (1, cfg.splits, 1) if cfg.splits > 1 else None
     cuda_launch.launch(
-        kernel.func, grid, threads(cfg), ring_bytes(cfg), args, x.device, pdl, cluster
-    )
+        kernel.func, (tiles, cfg.splits, 1), threads(cfg), ring_bytes(cfg), args, x.device, pdl,
+        cluster,
+    )  # fmt: skip
     return y

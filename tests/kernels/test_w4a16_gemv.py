@@ -22,6 +22,7 @@ from pagoda.kernels.w4a16 import (  # noqa: E402
     gemv_config,
     skinny_config,
     w4a16_linear,
+    w4a16_silu_and_mul,
 )
 from pagoda.kernels.w4a16_gemv import GemvConfig  # noqa: E402
 from pagoda.kernels.w4a16_skinny import SkinnyConfig  # noqa: E402
@@ -126,6 +127,61 @@ def test_every_launch_shape_matches(cfg: GemvConfig, m: int) -> None:
             _linear(x, w4, config=cfg)
         return
     _assert_close(_linear(x, w4, config=cfg), F.linear(x.float(), dense))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+@pytest.mark.parametrize("m", [1, 9, 16])
+@pytest.mark.parametrize("half", [100, 208])  # the last CTA's 16 rows overlap the one before
+def test_silu_and_mul_in_the_gemv_matches(fmt: str, m: int, half: int) -> None:
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bulk ring needs sm_90")
+    n, k = 2 * half, 1920
+    w4, dense = _weights(fmt, n, k, 128, seed=m + half)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if m % 2 else None
+    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
+    ref = F.silu(ref[:, :half]) * ref[:, half:]
+    args = (x, w4.qweight, w4.scales, w4.zeros, w4.group_size, bias, w4.perm)
+    out = w4a16_silu_and_mul(*args)  # the rule's config
+    assert out is not None and out.shape == (m, half)
+    _assert_close(out, ref)
+    for cfg in (  # 4 warps with sums by mma, 3 stages, K split among a cluster
+        GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1),
+        GemvConfig(2, 8, bulk=1, stages=3, chunk=16, splits=2),
+    ):
+        _assert_close(w4a16_silu_and_mul(*args, config=cfg), ref)
+    with pytest.raises(ValueError, match="2 row tiles"):
+        w4a16_silu_and_mul(*args, config=GemvConfig(1, 8, bulk=1, stages=2, chunk=16))
+
+
+@gpu
+@pytest.mark.gpu
+def test_silu_and_mul_of_a_packed_layer_or_none_where_the_kernel_does_not_take_it(
+    monkeypatch,
+) -> None:
+    from torch import nn
+
+    from pagoda.model.quantization import W4A16LinearMethod
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bulk ring needs sm_90")
+    n, k = 192, 1024
+    w4, dense = _weights("awq", n, k, 128, seed=3)
+    layer = nn.Module()
+    layer.w4_qweight, layer.w4_scales, layer.w4_zeros = w4.qweight, w4.scales, w4.zeros
+    layer.w4_group_size, layer.w4_perm, layer.input_size_per_partition = 128, None, k
+    method = W4A16LinearMethod()
+    x = torch.randn(2, 3, k, device="cuda").to(torch.bfloat16)  # [batch, tokens, hidden]
+    ref = F.linear(x.float(), dense)
+    assert method.apply_silu_and_mul(layer, x) is None  # PAGODA_W4A16_SILU off by default
+    monkeypatch.setenv("PAGODA_W4A16_SILU", "1")
+    _assert_close(method.apply_silu_and_mul(layer, x), F.silu(ref[..., :96]) * ref[..., 96:])
+    assert method.apply_silu_and_mul(layer, x.float()) is None  # fp32 x: not this kernel
+    assert method.apply_silu_and_mul(layer, torch.randn(2, 9, k).to(x)) is None  # 18 rows
+    layer.fused_ops = False  # the reference path: the activation after the product
+    assert method.apply_silu_and_mul(layer, x) is None
 
 
 @gpu
@@ -368,6 +424,17 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert "N=24 < the 32 rows" in w4a16_gemv.shape_reason(1, 24, wide)
     assert w4a16_gemv.shape_reason(1, 24, wide._replace(row_tiles=1)) is None
     assert w4a16_gemv.shape_reason(1, 24, GemvConfig(2, 4)) is None  # registers: rows clamped
+    # silu(gate) * up in the kernel: a CTA's two row tiles are gate and up rows of the ring.
+    assert w4a16_gemv.shape_reason(1, 4096, wide, silu_mul=True) is None
+    assert "2 row tiles" in w4a16_gemv.shape_reason(1, 4096, wide._replace(row_tiles=1), True)
+    assert "2 row tiles" in w4a16_gemv.shape_reason(1, 4096, wide._replace(sc_ring=1), True)
+    assert "halves of >= 16 rows" in w4a16_gemv.shape_reason(1, 33, wide, silu_mul=True)
+    x_cpu = torch.randn(1, 256).to(torch.bfloat16)  # not on a GPU: no kernel, the caller's path
+    qw = torch.zeros(64, 32, dtype=torch.int32)
+    sc, zp = torch.ones(2, 64, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.uint8)
+    assert w4a16_silu_and_mul(x_cpu, qw, sc, zp, 128) is None
+    with pytest.raises(ValueError, match="expected \\(2, 64\\)"):
+        w4a16_silu_and_mul(x_cpu, qw, sc[:, :32], zp, 128)
     # A group's K steps are compiled in: none for one group a row.
     assert [w4a16_gemv.group_steps(g, 4096) for g in (128, 512, 4096, 8192)] == [1, 4, 0, 0]
     # Without a producer warp a CTA is its consumers only.

@@ -185,3 +185,30 @@ def test_repacked_layer_holds_half_a_byte_per_weight() -> None:
     assert isinstance(layer.linear_method, W4A16LinearMethod) and layer.weight is None
     held = {name: p.numel() * p.element_size() for name, p in layer.named_parameters()}
     assert held == {"w4_qweight": 256 * 64 // 2, "w4_scales": 8 * 64 * 2, "w4_zeros": 8 * 64}
+
+
+def test_llama_mlp_takes_the_activation_from_a_method_that_fuses_it(monkeypatch) -> None:
+    import torch.nn.functional as F
+
+    from pagoda.model.models.llama import LlamaMLP
+
+    mlp = LlamaMLP({"hidden_size": 8, "intermediate_size": 6}, None)
+    for p in mlp.parameters():
+        p.data.normal_()
+    x = torch.randn(3, 8)
+    ref = mlp(x)
+    method, calls = mlp.gate_up_proj.linear_method, []
+
+    def fused(layer, x, bias=None):  # what W4A16LinearMethod's kernel gives on a GPU
+        calls.append(tuple(x.shape))
+        y = method.apply(layer, x, bias)
+        return F.silu(y[..., :6]) * y[..., 6:]
+
+    monkeypatch.setattr(method, "apply_silu_and_mul", fused)
+    monkeypatch.setattr(mlp.act_fn, "forward", lambda *a: pytest.fail("activation run twice"))
+    torch.testing.assert_close(mlp(x), ref)
+    assert calls == [(3, 8)]
+    mlp.act_fn.fused_ops = False  # the reference path never asks for it
+    monkeypatch.undo()
+    monkeypatch.setattr(method, "apply_silu_and_mul", lambda *a: pytest.fail("fused asked"))
+    torch.testing.assert_close(mlp(x), ref)

@@ -76,6 +76,13 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
 
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate_up layer's product in one kernel, where the method
+        has one for these inputs; else None (the caller runs `apply`, then the activation)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense `[out, in]` weight in the model dtype."""

@@ -56,6 +56,11 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_fn.fused_ops:  # the activation inside the gate_up kernel (4-bit layers)
+            gate_up_proj = self.gate_up_proj
+            act = gate_up_proj.linear_method.apply_silu_and_mul(gate_up_proj, x, gate_up_proj.bias)
+            if act is not None:
+                return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
         if self.act_fn.fused_ops and down.tp_size == 1:  # the activation inside the down GEMV

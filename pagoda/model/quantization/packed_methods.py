@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.model.layers.linear import LinearMethodBase
 from pagoda.model.quantization.w4_layout import W4Weight, dequantize_w4
 from pagoda.model.quantization.w8_layout import W8Weight, dequantize_w8
@@ -79,6 +80,23 @@ class W4A16LinearMethod(_KeptQuantizedMethod):
         from pagoda.kernels.w4a16 import w4a16_linear
 
         return w4a16_linear(x, w.qweight, w.scales, w.zeros, w.group_size, bias, w.perm)
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The CUDA decode kernel's product with the activation on its sums
+        (`w4a16_silu_and_mul`), where it runs these inputs and PAGODA_W4A16_SILU is on."""
+        if not envs.PAGODA_W4A16_SILU or not getattr(layer, "fused_ops", True) or not x.is_cuda:
+            return None
+        from pagoda.kernels.w4a16 import w4a16_silu_and_mul
+
+        k = layer.input_size_per_partition
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        w = self.packed(layer)
+        y = w4a16_silu_and_mul(x2, w.qweight, w.scales, w.zeros, w.group_size, bias, w.perm)
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class W8A16LinearMethod(_KeptQuantizedMethod):
