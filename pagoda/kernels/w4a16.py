@@ -33,7 +33,7 @@ order, with the same per-device counters: `skinny_gemm.prepare` before CUDA-grap
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -601,19 +601,7 @@ def w4a16_linear(
                 m, n, k, group_size, _num_sms(x.device), x.element_size()
             )
     if isinstance(cfg, GemvConfig):
-        reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
-        if reason is None:
-            reason = w4a16_gemv.config_reason(cfg, x.device)
-        if reason is None:
-            reason = w4a16_gemv.layout_reason(cfg, scales, zeros)
-        if reason is None:
-            reason = w4a16_gemv.shape_reason(m, n, cfg)
-        kernel = None
-        if reason is None:
-            kernel = w4a16_gemv.get_kernel(
-                x, scales, cfg, perm is not None, bias is not None, n, group_size
-            )
-            reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
+        kernel, reason = _gemv_kernel(x, qweight, scales, zeros, group_size, bias, perm, cfg)
         if kernel is not None:
             return w4a16_gemv.w4a16_gemv(
                 kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg
@@ -713,16 +701,7 @@ def w4a16_silu_and_mul(
     cfg = config or gemv_config(m, n, k, group_size, num_sms=_num_sms(x.device))
     if cfg is None:
         return None
-    reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
-    reason = reason or w4a16_gemv.config_reason(cfg, x.device)
-    reason = reason or w4a16_gemv.layout_reason(cfg, scales, zeros)
-    reason = reason or w4a16_gemv.shape_reason(m, n, cfg, silu_mul=True)
-    kernel = None
-    if reason is None:
-        kernel = w4a16_gemv.get_kernel(
-            x, scales, cfg, perm is not None, bias is not None, n, group_size, silu_mul=True
-        )
-        reason = "not compiled (CUDA-graph capture, or NVRTC failed)" if kernel is None else ""
+    kernel, reason = _gemv_kernel(x, qweight, scales, zeros, group_size, bias, perm, cfg, True)
     if kernel is None:
         if config is not None:
             raise ValueError(f"{cfg}: the CUDA kernel cannot run silu_and_mul: {reason}")
@@ -730,6 +709,24 @@ def w4a16_silu_and_mul(
     return w4a16_gemv.w4a16_gemv(
         kernel, x, qweight, scales, zeros, group_size, bias, perm, cfg, silu_mul=True
     )
+
+
+def _gemv_kernel(
+    x, qweight, scales, zeros, group_size, bias, perm, cfg: GemvConfig, silu_mul: bool = False
+) -> tuple[Any, str]:
+    """The CUDA decode kernel for these inputs and `cfg` and "", or None and why not."""
+    m, n = x.shape[0], qweight.shape[0]
+    reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
+    reason = reason or w4a16_gemv.config_reason(cfg, x.device)
+    reason = reason or w4a16_gemv.layout_reason(cfg, scales, zeros)
+    reason = reason or w4a16_gemv.shape_reason(m, n, cfg, silu_mul)
+    if reason:
+        return None, reason
+    has_perm, has_bias = perm is not None, bias is not None
+    kernel = w4a16_gemv.get_kernel(x, scales, cfg, has_perm, has_bias, n, group_size, silu_mul)
+    if kernel is None:
+        return None, "not compiled (CUDA-graph capture, or NVRTC failed)"
+    return kernel, ""
 
 
 def _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, explicit: bool):
