@@ -43,16 +43,6 @@ def tool(name: str, given: str | None) -> str:
     raise SystemExit(f"no {name}: pass --nvcc or set CUDA_HOME")
 
 
-def defines(cfg: GemvConfig, mt: int, group_steps: int, extra: list[str]) -> dict[str, str]:
-    d = {"BF16": 1, "SCALES_BF16": 1, "M_TILES": mt, "HAS_PERM": 0, "HAS_BIAS": 0}
-    d |= {"GROUP_STEPS": group_steps, "SILU_MUL": 0}
-    d |= {name.upper(): value for name, value in cfg._asdict().items()}
-    d["ROW_TILES"], d["WARPS"] = cfg.row_tiles, cfg.warps
-    out = {k: str(v) for k, v in d.items()}
-    out |= dict(item.split("=", 1) for item in extra)
-    return out
-
-
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     """The K-step loop's instructions and HMMA count: of the loops (backward branches) that
     hold MMAs, the one with the fewest instructions per MMA."""
@@ -98,14 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg is None:
             raise SystemExit(f"the rule takes no CUDA GEMV at m={args.m}")
     mt = m_tiles(args.m)
-    d = defines(cfg, mt, w4a16_gemv.group_steps(args.group, args.k), args.define)
-    src_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pagoda", "kernels")
+    group_steps = w4a16_gemv.group_steps(args.group, args.k)
+    d = w4a16_gemv.defines(True, True, mt, cfg, False, False, group_steps, False)
+    d |= {name: int(value) for name, value in (item.split("=", 1) for item in args.define)}
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "gemv.cu")
         with open(src, "w") as f:
-            for name in ("w4a16_device.cuh", "w4a16_gemv.cu"):
-                with open(os.path.join(src_dir, name)) as part:
-                    f.write(part.read())
+            f.write(w4a16_gemv.source())
         cubin = os.path.join(tmp, "gemv.cubin")
         cmd = [tool("nvcc", args.nvcc), "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v"]
         cmd += [f"-D{k}={v}" for k, v in d.items()] + ["-o", cubin, src]

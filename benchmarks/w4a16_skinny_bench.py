@@ -90,12 +90,16 @@ def _build_gemv(job: tuple) -> str | None:
     """Compile the CUDA kernel variant of (m, GemvConfig) for bf16 x and fp16 scales."""
     import torch
 
-    from pagoda.kernels.w4a16_gemv import GemvConfig, get_kernel
+    from pagoda.kernels.w4a16_gemv import GemvConfig, config_reason, get_kernel, shape_reason
 
     m, cfg = job
+    cfg = GemvConfig(*cfg)
     x = torch.empty(m, 2 * GROUP, device="cuda", dtype=torch.bfloat16)  # groups of one K step
+    reason = config_reason(cfg, x.device) or shape_reason(m, 4096, cfg)
+    if reason:
+        return reason
     scales = torch.empty(1, 1, device="cuda", dtype=torch.float16)
-    built = get_kernel(x, scales, GemvConfig(*cfg), False, False, 4096, GROUP)
+    built = get_kernel(x, scales, cfg, False, False, GROUP)
     return None if built else "no kernel"
 
 

@@ -723,7 +723,7 @@ def _gemv_kernel(
     if reason:
         return None, reason
     has_perm, has_bias = perm is not None, bias is not None
-    kernel = w4a16_gemv.get_kernel(x, scales, cfg, has_perm, has_bias, n, group_size, silu_mul)
+    kernel = w4a16_gemv.get_kernel(x, scales, cfg, has_perm, has_bias, group_size, silu_mul)
     if kernel is None:
         return None, "not compiled (CUDA-graph capture, or NVRTC failed)"
     return kernel, ""

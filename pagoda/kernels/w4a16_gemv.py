@@ -222,7 +222,7 @@ def shape_reason(m: int, n: int, cfg: GemvConfig, silu_mul: bool = False) -> str
     return None
 
 
-def _compile(
+def defines(
     bf16: bool,
     scales_bf16: bool,
     mt: int,
@@ -231,10 +231,9 @@ def _compile(
     has_bias: bool,
     group_steps: int,
     silu_mul: bool,
-) -> Any | None:
-    """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
-    build it."""
-    defines = {
+) -> dict[str, int]:
+    """The source's compile-time constants (`w4a16_gemv.cu`'s header) for one variant."""
+    return {
         "BF16": int(bf16),
         "SCALES_BF16": int(scales_bf16),
         "M_TILES": mt,
@@ -258,9 +257,28 @@ def _compile(
         "HAS_PERM": int(has_perm),
         "HAS_BIAS": int(has_bias),
     }
-    source = _HEADER.read_text() + _SOURCE.read_text()
+
+
+def source() -> str:
+    """The kernel's source as NVRTC compiles it: the shared device helpers, then the kernel."""
+    return _HEADER.read_text() + _SOURCE.read_text()
+
+
+def _compile(
+    bf16: bool,
+    scales_bf16: bool,
+    mt: int,
+    cfg: GemvConfig,
+    has_perm: bool,
+    has_bias: bool,
+    group_steps: int,
+    silu_mul: bool,
+) -> Any | None:
+    """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
+    build it."""
+    d = defines(bf16, scales_bf16, mt, cfg, has_perm, has_bias, group_steps, silu_mul)
     what = "CUDA W4A16 kernel (the Triton kernels run instead)"
-    kernel = cuda_launch.build(source, _KERNEL_NAME, defines, what, ring_bytes(cfg))
+    kernel = cuda_launch.build(source(), _KERNEL_NAME, d, what, ring_bytes(cfg))
     if kernel is not None and cfg.bulk:
         device = torch.cuda.current_device()
         cuda_launch.fit_shared_carveout(kernel.func, threads(cfg), ring_bytes(cfg), device)
@@ -276,14 +294,14 @@ def get_kernel(
     cfg: GemvConfig,
     has_perm: bool,
     has_bias: bool,
-    n: int,
     group_size: int,
     silu_mul: bool = False,
 ) -> Any | None:
-    """The kernel for these inputs (n weight rows, groups of `group_size`; `silu_mul` as in
-    `w4a16_gemv`), or None. Never compiles while a CUDA graph is being
-    captured (loading a module is not a stream operation): the eager warm-up run before each
-    capture (`cuda_graphs`) builds what that capture needs."""
+    """The kernel for these inputs (groups of `group_size`; `silu_mul` as in
+    `w4a16_gemv`), or None; the caller has found no `config_reason` or `shape_reason`. Never
+    compiles while a CUDA graph is being captured (loading a module is not a stream
+    operation): the eager warm-up run before each capture (`cuda_graphs`) builds what that
+    capture needs."""
     key = (
         x.dtype == torch.bfloat16,
         scales.dtype == torch.bfloat16,
@@ -294,8 +312,6 @@ def get_kernel(
         group_steps(group_size, x.shape[1]),
         silu_mul,
     )
-    if shape_reason(x.shape[0], n, cfg, silu_mul) or config_reason(cfg, x.device):
-        return None
     return _KERNELS.get(key)
 
 

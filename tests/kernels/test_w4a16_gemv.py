@@ -265,7 +265,7 @@ def test_ring_without_producer_fits_four_ctas_an_sm() -> None:
     scales = torch.ones(32, 4096, device="cuda", dtype=torch.bfloat16)
 
     def ctas(cfg: GemvConfig) -> int:
-        kernel = w4a16_gemv.get_kernel(x, scales, cfg, False, False, 4096, 128)
+        kernel = w4a16_gemv.get_kernel(x, scales, cfg, False, False, 128)
         n = ctypes.c_int()
         err = cuda_launch.libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(n), kernel.func, w4a16_gemv.threads(cfg), w4a16_gemv.ring_bytes(cfg)
