@@ -252,11 +252,11 @@ VARIABLES: dict[str, EnvVar] = {
             _flag("PAGODA_PDL", True),
         ),
         EnvVar(
-            "PAGODA_W4A16_SILU", "flag", "0",
+            "PAGODA_W4A16_SILU", "flag", "1",
             "1: a packed 4-bit MLP's SiLU-and-mul runs in its gate_up GEMV's epilogue (the "
-            "CUDA decode kernel, sm_90, up to 16 rows) instead of as a kernel of its own; off "
-            "until measured on a GPU.",
-            _flag("PAGODA_W4A16_SILU", False),
+            "CUDA decode kernel, sm_90, up to 16 rows) instead of as a kernel of its own; 0: "
+            "the separate kernel.",
+            _flag("PAGODA_W4A16_SILU", True),
         ),
         EnvVar(
             "PAGODA_W8A16", "flag", "1",

@@ -175,9 +175,10 @@ def test_silu_and_mul_of_a_packed_layer_or_none_where_the_kernel_does_not_take_i
     method = W4A16LinearMethod()
     x = torch.randn(2, 3, k, device="cuda").to(torch.bfloat16)  # [batch, tokens, hidden]
     ref = F.linear(x.float(), dense)
-    assert method.apply_silu_and_mul(layer, x) is None  # PAGODA_W4A16_SILU off by default
-    monkeypatch.setenv("PAGODA_W4A16_SILU", "1")
     _assert_close(method.apply_silu_and_mul(layer, x), F.silu(ref[..., :96]) * ref[..., 96:])
+    monkeypatch.setenv("PAGODA_W4A16_SILU", "0")
+    assert method.apply_silu_and_mul(layer, x) is None  # the separate kernel asked for
+    monkeypatch.setenv("PAGODA_W4A16_SILU", "1")
     assert method.apply_silu_and_mul(layer, x.float()) is None  # fp32 x: not this kernel
     assert method.apply_silu_and_mul(layer, torch.randn(2, 9, k).to(x)) is None  # 18 rows
     layer.fused_ops = False  # the reference path: the activation after the product

@@ -85,7 +85,8 @@ class W4A16LinearMethod(_KeptQuantizedMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The CUDA decode kernel's product with the activation on its sums
-        (`w4a16_silu_and_mul`), where it runs these inputs and PAGODA_W4A16_SILU is on."""
+        (`w4a16_silu_and_mul`), where it runs these inputs and PAGODA_W4A16_SILU is on (the
+        default)."""
         if not envs.PAGODA_W4A16_SILU or not getattr(layer, "fused_ops", True) or not x.is_cuda:
             return None
         from pagoda.kernels.w4a16 import w4a16_silu_and_mul

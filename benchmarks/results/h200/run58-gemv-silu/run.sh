@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run (no device time was left). SiLU-and-mul in the 4-bit gate_up GEMV's epilogue
+# SiLU-and-mul in the 4-bit gate_up GEMV's epilogue
 # (`w4a16_silu_and_mul`: a CTA takes 16 gate rows and the same 16 up rows; LlamaMLP asks the
 # layer's method for it first; PAGODA_W4A16_SILU=1 turns it on): the GEMV's GPU tests, then
 # single-stream AWQ decode and the decode step's kernels (`decode_step_profile.py`, without
