@@ -13,7 +13,8 @@ CUDA graph, at M = 1, 16, 64, 128, 256, 512, 1024, 4096 rows. Columns:
 - fp8: what `scaled_mm` runs for fp8 weights: the fused Triton GEMM on e4m3 up to 64 rows,
   `torch._scaled_mm` above.
 
-Activation quantization is included in every 8-bit time.
+Activation quantization is included in every 8-bit time; the quant column is that
+quantization alone (the int8 row quantization of each GEMM's input, no GEMM).
 
     python benchmarks/w8a8_bench.py                    # the table (~2 min on an H200)
     python benchmarks/w8a8_bench.py --sweep            # + every int8 and fp8 config (~1 min)
@@ -89,12 +90,20 @@ def make_layers(shapes, layers, device, modes, dtype):
 
 def gemm(mode: str, config=None):
     """The call of one column: (x, w, scale) -> y."""
+    import torch
     import torch.nn.functional as F
 
-    from pagoda.kernels.scaled_mm_triton import INT_MM, SCALED_MM, scaled_mm_cuda
+    from pagoda.kernels.scaled_mm_triton import (
+        INT_MM,
+        SCALED_MM,
+        quantize_rows_triton,
+        scaled_mm_cuda,
+    )
 
     if mode == "bf16":
         return lambda x, w, s: F.linear(x, w)
+    if mode == "quant":
+        return lambda x, w, s: quantize_rows_triton(x, torch.int8)
     if mode == "int_mm":
         config = INT_MM
     if mode == "scaled_mm":
@@ -315,7 +324,8 @@ def main() -> None:
         errors[mode] = max(errs)
     print("max relative error vs dequantize-then-matmul: " + ", ".join(
         f"{m} {e:.1e}" for m, e in errors.items()))  # fmt: skip
-    header = f"{'M':>6} | " + " | ".join(f"{m + ' ms':>9}" for m in modes)
+    quant = gemm("quant")
+    header = f"{'M':>6} | " + " | ".join(f"{m + ' ms':>9}" for m in modes) + " |  quant ms"
     header += " | " + " | ".join(f"{m + ' x':>8}" for m in modes[1:])
     print(header)
     print("-" * len(header))
@@ -327,7 +337,9 @@ def main() -> None:
         times = {
             mode: time_step(step_fn(gemm(mode), weights[mode], xs), device, iters) for mode in modes
         }
+        times["quant"] = time_step(step_fn(quant, weights[modes[0]], xs), device, iters)
         row = f"{m:>6} | " + " | ".join(f"{times[mode]:>9.2f}" for mode in modes)
+        row += f" | {times['quant']:>9.2f}"
         row += " | " + " | ".join(f"{times['bf16'] / times[mode]:>7.2f}x" for mode in modes[1:])
         configs = {
             dt: {s: _config_name(choose_w8a8_config(m, n, k, qd)) for s, (n, k) in shapes.items()}
