@@ -12,8 +12,12 @@ CUDA graph, at M = 1, 16, 64, 128, 256, 512, 1024, 4096 rows. Columns:
   (sm_89+), at every M;
 - fp8: what `scaled_mm` runs for fp8 weights: the fused Triton GEMM on e4m3 up to 64 rows,
   `torch._scaled_mm` above.
+- int8_fq / fp8_fq: what a model's layers run (`PAGODA_W8A8_FUSED_QUANT`): the RMSNorm or
+  SiLU-and-mul before qkv, gate_up and down quantizes its output for them, so those take
+  their inputs quantized (`QuantizedRows`) and run the product alone; o quantizes its own.
 
-Activation quantization is included in every 8-bit time; the quant column is that
+Activation quantization is included in every 8-bit time but the _fq columns' qkv, gate_up and
+down (there the kernel before writes it, at no extra pass); the quant column is that
 quantization alone (the int8 row quantization of each GEMM's input, no GEMM).
 
     python benchmarks/w8a8_bench.py                    # the table (~2 min on an H200)
@@ -54,8 +58,10 @@ L2_BYTES = 60e6
 TINY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 200)}
 TINY_LAYERS = 1
 TINY_M_VALUES = (1, 70)
-MODES = ("bf16", "int_mm", "int8", "scaled_mm", "fp8")
-FP8_MODES = ("scaled_mm", "fp8")
+MODES = ("bf16", "int_mm", "int8", "scaled_mm", "fp8", "int8_fq", "fp8_fq")
+FP8_MODES = ("scaled_mm", "fp8", "fp8_fq")
+# The layers whose input the kernel before them quantizes in the _fq columns.
+PREQUANTIZED = ("qkv", "gate_up", "down")
 
 
 def make_layers(shapes, layers, device, modes, dtype):
@@ -65,7 +71,8 @@ def make_layers(shapes, layers, device, modes, dtype):
     from pagoda.kernels.scaled_mm import FP8_DTYPE, quantize_weight
 
     g = torch.Generator(device=device).manual_seed(0)
-    qdtypes = {"int_mm": torch.int8, "int8": torch.int8, "scaled_mm": FP8_DTYPE, "fp8": FP8_DTYPE}
+    qdtypes = {"int_mm": torch.int8, "int8": torch.int8, "int8_fq": torch.int8}
+    qdtypes.update(scaled_mm=FP8_DTYPE, fp8=FP8_DTYPE, fp8_fq=FP8_DTYPE)
     out = {m: [] for m in modes}
     for _ in range(layers):
         per = {m: [] for m in modes}
@@ -93,6 +100,7 @@ def gemm(mode: str, config=None):
     import torch
     import torch.nn.functional as F
 
+    from pagoda.kernels.scaled_mm import scaled_mm
     from pagoda.kernels.scaled_mm_triton import (
         INT_MM,
         SCALED_MM,
@@ -104,11 +112,29 @@ def gemm(mode: str, config=None):
         return lambda x, w, s: F.linear(x, w)
     if mode == "quant":
         return lambda x, w, s: quantize_rows_triton(x, torch.int8)
+    if mode.endswith("_fq"):  # x: a tensor or `QuantizedRows`
+        return lambda x, w, s: scaled_mm(x, w, s)
     if mode == "int_mm":
         config = INT_MM
     if mode == "scaled_mm":
         config = SCALED_MM
     return lambda x, w, s: scaled_mm_cuda(x, w, s, None, config=config)
+
+
+def _inputs(mode: str, shapes: dict, xs: list) -> list:
+    """Each shape's input for a mode: for the _fq modes the layers of `PREQUANTIZED` get theirs
+    quantized already (what RMSNorm / SiLU-and-mul hand them), made once outside the timing."""
+    if not mode.endswith("_fq"):
+        return xs
+    import torch
+
+    from pagoda.kernels.scaled_mm import FP8_DTYPE, QuantizedRows, quantize_rows_ref
+
+    qd = torch.int8 if mode == "int8_fq" else FP8_DTYPE
+    return [
+        QuantizedRows(*quantize_rows_ref(x, qd), x.dtype) if name in PREQUANTIZED else x
+        for name, x in zip(shapes, xs)
+    ]
 
 
 def step_fn(call, layers, xs):
@@ -335,7 +361,10 @@ def main() -> None:
               for _, k in shapes.values()]  # fmt: skip
         iters = args.iters or (1 if args.tiny else max(3, min(20, int(2000 / max(m, 100)))))
         times = {
-            mode: time_step(step_fn(gemm(mode), weights[mode], xs), device, iters) for mode in modes
+            mode: time_step(
+                step_fn(gemm(mode), weights[mode], _inputs(mode, shapes, xs)), device, iters
+            )
+            for mode in modes
         }
         times["quant"] = time_step(step_fn(quant, weights[modes[0]], xs), device, iters)
         row = f"{m:>6} | " + " | ".join(f"{times[mode]:>9.2f}" for mode in modes)

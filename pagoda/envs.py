@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     PAGODA_W4A16_CUDA: bool
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
+    PAGODA_W8A8_FUSED_QUANT: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
@@ -257,6 +258,13 @@ VARIABLES: dict[str, EnvVar] = {
             "CUDA decode kernel, sm_90, up to 16 rows) instead of as a kernel of its own; 0: "
             "the separate kernel.",
             _flag("PAGODA_W4A16_SILU", True),
+        ),
+        EnvVar(
+            "PAGODA_W8A8_FUSED_QUANT", "flag", "1",
+            "1: on CUDA the RMSNorm or SiLU-and-mul before a W8A8 / FP8 layer quantizes its "
+            "output per token as it writes it; 0: the layer quantizes its input with a kernel "
+            "of its own.",
+            _flag("PAGODA_W8A8_FUSED_QUANT", True),
         ),
         EnvVar(
             "PAGODA_W8A16", "flag", "1",

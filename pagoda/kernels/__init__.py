@@ -17,6 +17,7 @@ import torch
 
 from pagoda import envs
 from pagoda.kernels.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from pagoda.kernels.scaled_mm import QuantizedRows, quantize_rows_ref
 
 
 @functools.cache
@@ -48,24 +49,41 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(weight * rmsnorm(h), h) with h = x + residual, or h = x when residual is None:
-    a decoder layer does `x, residual = rms_norm(x, w, eps, residual)`."""
+    a decoder layer does `x, residual = rms_norm(x, w, eps, residual)`. With `quant_dtype`
+    (int8 / float8 e4m3, before an 8-bit layer) the first comes quantized per token, a
+    `QuantizedRows`."""
     if _use_triton(x):
         from pagoda.kernels.norm_act import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, quant_dtype)
+    out, h = rms_norm_ref(x, weight, eps, residual)
+    return _quantized(out, quant_dtype), h
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:]."""
+def silu_and_mul(
+    x: torch.Tensor, quant_dtype: torch.dtype | None = None
+) -> torch.Tensor | QuantizedRows:
+    """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:], quantized per token with
+    `quant_dtype` (a `QuantizedRows`)."""
     if _use_triton(x):
         from pagoda.kernels.norm_act import silu_and_mul_triton
 
-        return silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
+        return silu_and_mul_triton(x, quant_dtype)
+    return _quantized(silu_and_mul_ref(x), quant_dtype)
+
+
+def _quantized(out: torch.Tensor, quant_dtype: torch.dtype | None) -> torch.Tensor | QuantizedRows:
+    if quant_dtype is None:
+        return out
+    q, scale = quantize_rows_ref(out, quant_dtype)
+    return QuantizedRows(q, scale, out.dtype)
 
 
 def rotary_embedding(

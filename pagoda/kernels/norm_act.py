@@ -5,6 +5,11 @@ Each saves memory passes over activations that the unfused torch code makes (the
 norm's float32 copy, the gate's intermediate). Semantics are those of
 `pagoda.kernels.reference`: statistics in float32, sums rounded to the model dtype where
 Hugging Face rounds them.
+
+Before an 8-bit (W8A8 / FP8) layer either kernel can also quantize its output per token
+(`quant_dtype`): it writes the 8-bit rows and their scales (`QuantizedRows`) instead of the
+model-dtype rows, bit for bit what `quantize_rows_triton` makes of those rows, so the layer
+runs no quantization kernel of its own and nothing reads the rows twice.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import pdl_enabled
+from pagoda.kernels.scaled_mm import QuantizedRows, qmax_of
+from pagoda.kernels.scaled_mm_triton import quantize_values, row_scale
 from pagoda.kernels.triton_pdl import dependent_start
 
 
@@ -28,11 +35,14 @@ def _rms_norm_kernel(
     stride_r: tl.int64,
     stride_o: tl.int64,
     stride_ro: tl.int64,
+    scale_ptr,
     n_cols,
     eps,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,  # `pdl_enabled`: launched as a programmatic dependent (`triton_pdl`)
+    QMAX: tl.constexpr,  # > 0: out is the 8-bit rows, scale_ptr their scales (`quant_dtype`)
+    IS_INT: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n_cols
@@ -48,8 +58,17 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_ro + offs, h, mask=mask)
         x = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if QMAX > 0:  # the model-dtype output, quantized: what the unfused kernels would make of it
+        model_dtype = x_ptr.dtype.element_ty
+        y = ((x * rstd).to(model_dtype).to(tl.float32) * w).to(model_dtype).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(y), axis=0), QMAX)
+        tl.store(scale_ptr + row, scale)
+        y = quantize_values(y, scale, QMAX, IS_INT)
+        tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (normed * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -63,23 +82,31 @@ def _num_warps(block: int) -> int:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * norm(h), h) with h = x + residual, or h = x (returned as is) without one."""
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """(weight * norm(h), h) with h = x + residual, or h = x (returned as is) without one.
+    With `quant_dtype` (int8 / float8 e4m3) the first is that output quantized per token, a
+    `QuantizedRows`."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({hidden},)")
     x2 = _rows(x, "x")
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=quant_dtype or x.dtype, device=x.device)
+    scale = _scales(x2, quant_dtype)
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"residual shape {tuple(residual.shape)} != x {tuple(x.shape)}")
         r2 = _rows(residual, "residual")
-        res_out = torch.empty_like(out)
+        res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     else:
         r2 = res_out = x2  # unused
+    h = res_out.view(x.shape) if residual is not None else x
     if x2.shape[0] == 0:
-        return out.view(x.shape), (res_out.view(x.shape) if residual is not None else x)
+        return _output(out, scale, x, quant_dtype), h
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
@@ -91,15 +118,38 @@ def rms_norm_triton(
         r2.stride(0),
         out.stride(0),
         res_out.stride(0),
+        scale,
         hidden,
         eps,
         BLOCK_N=block,
         HAS_RESIDUAL=residual is not None,
         PDL=pdl_enabled(x),
+        QMAX=qmax_of(quant_dtype) if quant_dtype else 0.0,
+        IS_INT=quant_dtype == torch.int8,
         launch_pdl=pdl_enabled(x),
         num_warps=_num_warps(block),
     )
-    return out.view(x.shape), (res_out.view(x.shape) if residual is not None else x)
+    return _output(out, scale, x, quant_dtype), h
+
+
+def _scales(x2: torch.Tensor, quant_dtype: torch.dtype | None) -> torch.Tensor:
+    # A quantized output's per-row scales (float32 [M, 1]); otherwise a placeholder.
+    if quant_dtype is None:
+        return x2
+    if quant_dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"quant_dtype must be int8 or float8_e4m3fn, got {quant_dtype}")
+    return torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device)
+
+
+def _output(
+    out: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, quant_dtype: torch.dtype | None
+) -> torch.Tensor | QuantizedRows:
+    # out [M, N] viewed with x's leading dimensions; quantized: with its scales [..., 1].
+    lead = x.shape[:-1]
+    out = out.view(*lead, out.shape[-1])
+    if quant_dtype is None:
+        return out
+    return QuantizedRows(out, scale.view(*lead, 1), x.dtype)
 
 
 @triton.jit
@@ -115,20 +165,66 @@ def _silu_and_mul_kernel(
     dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    out = _silu_mul_block(x_ptr + row * stride_x, offs, d)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=offs < d)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x: tl.int64,
+    stride_q: tl.int64,
+    d,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One row a program: its absolute maximum first, then the row again, quantized (the
+    # second pass reads what the first just brought into L2).
+    dependent_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, d, BLOCK):
+        y = _silu_mul_block(x_ptr + row * stride_x, start + tl.arange(0, BLOCK), d)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = row_scale(tl.max(amax, axis=0), QMAX)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, d, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        y = quantize_values(_silu_mul_block(x_ptr + row * stride_x, offs, d), scale, QMAX, IS_INT)
+        tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < d)
+
+
+@triton.jit
+def _silu_mul_block(row_ptr, offs, d):
+    # silu(gate) * up at offs, rounded to the model dtype as `_silu_and_mul_kernel` stores it.
     mask = offs < d
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + d + offs, mask=mask, other=0.0).to(tl.float32)
+    return (gate * tl.sigmoid(gate) * up).to(row_ptr.dtype.element_ty).to(tl.float32)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:]."""
+def silu_and_mul_triton(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
+    """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:]; with `quant_dtype` (int8 / float8
+    e4m3) that quantized per token, a `QuantizedRows`."""
     if x.shape[-1] % 2 != 0:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
     d = x.shape[-1] // 2
     x2 = _rows(x, "x")
-    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape[0], d, dtype=quant_dtype or x.dtype, device=x.device)
+    scale = _scales(x2, quant_dtype)
+    if quant_dtype is not None:
+        if x2.shape[0] > 0:
+            block = min(2048, triton.next_power_of_2(d))
+            _silu_and_mul_quant_kernel[(x2.shape[0],)](
+                x2, out, scale, x2.stride(0), out.stride(0), d,
+                QMAX=qmax_of(quant_dtype), IS_INT=quant_dtype == torch.int8, BLOCK=block,
+                PDL=pdl_enabled(x), launch_pdl=pdl_enabled(x), num_warps=_num_warps(block),
+            )  # fmt: skip
+        return _output(out, scale, x, quant_dtype)
     if x2.shape[0] > 0:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](

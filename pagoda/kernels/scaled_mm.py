@@ -25,6 +25,7 @@ of them with.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,21 @@ def qmax_of(dtype: torch.dtype) -> float:
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     # Ties away from zero, as the Triton kernel rounds (torch.round rounds ties to even).
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token, as `quantize_rows_ref` does, by the kernel that
+    produced them (RMSNorm or SiLU-and-mul before an 8-bit layer, `norm_act`): q [..., K] int8
+    / e4m3 and scale [..., 1] float32 with x ~= q * scale; dtype is the activations' own (the
+    model dtype), the product's output dtype. `scaled_mm` takes one in place of x and runs no
+    quantization of its own."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(self.dtype)
 
 
 def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +100,25 @@ def scaled_mm_ref(
 def _plain_scaled_mm(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    # The integer (or fp8) values in float32, the scales after the product: what the tensor
-    # cores compute, up to the float32 rounding of large int8 sums.
     x_q, x_scale = quantize_rows_ref(x, w_q.dtype)
+    return plain_quantized_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+def plain_quantized_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The integer (or fp8) values in float32, the scales after the product: what the tensor
+    cores compute, up to the float32 rounding of large int8 sums."""
     acc = x_q.float() @ w_q.float().t()
     y = acc * x_scale * w_scale.float().reshape(1, -1)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype)
 
 
 @functools.cache
@@ -109,13 +136,16 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 
 def scaled_mm(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) times the 8-bit weight w_q [N, K] (int8 or float8
-    e4m3, per-channel w_scale [N] float32), x quantized per token: [..., N] in x's dtype."""
+    e4m3, per-channel w_scale [N] float32), x quantized per token: [..., N] in x's dtype.
+    x may come quantized already (`QuantizedRows` of w_q's dtype): then only the product."""
+    if isinstance(x, QuantizedRows):
+        return _prequantized_mm(x, w_q, w_scale, bias)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if _triton_ok(x2) and x2.shape[0] > 0:
@@ -127,11 +157,32 @@ def scaled_mm(
     return y.reshape(*x.shape[:-1], w_q.shape[0])
 
 
+def _prequantized_mm(
+    x: QuantizedRows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if x.q.dtype != w_q.dtype:
+        raise ValueError(
+            f"activations quantized to {x.q.dtype} for a weight of {w_q.dtype}: the kernel "
+            f"before this layer must quantize to the weight's dtype"
+        )
+    k = x.q.shape[-1]
+    q2, s2 = x.q.reshape(-1, k), x.scale.reshape(-1, 1)
+    if _triton_ok(q2) and q2.shape[0] > 0:
+        from pagoda.kernels.scaled_mm_triton import quantized_mm_cuda
+
+        y = quantized_mm_cuda(q2, s2, w_q, w_scale, bias, x.dtype)
+    else:
+        y = plain_quantized_mm(q2, s2, w_q, w_scale, bias, x.dtype)
+    return y.reshape(*x.q.shape[:-1], w_q.shape[0])
+
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "INT8_MAX",
+    "QuantizedRows",
     "fp8_supported",
+    "plain_quantized_mm",
     "quantize_rows_ref",
     "quantize_weight",
     "scaled_mm",

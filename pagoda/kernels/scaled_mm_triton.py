@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm
+from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm, plain_quantized_mm
 from pagoda.kernels.skinny_gemm import (
     MAX_SPLIT_TILES,
     SMEM_BUDGET,
@@ -40,6 +40,22 @@ from pagoda.kernels.skinny_gemm import (
     split_k_plan,
     sum_splits,
 )
+
+
+@triton.jit
+def row_scale(amax, QMAX: tl.constexpr):
+    """A row's quantization scale from its absolute maximum (`quantize_rows_ref`'s)."""
+    return tl.maximum(amax / QMAX, 1e-10)
+
+
+@triton.jit
+def quantize_values(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+    """x / scale rounded (int8: ties away from zero) and clamped to +-QMAX, in float32: the
+    caller casts to the 8-bit type."""
+    v = x / scale
+    if IS_INT:
+        v = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+    return tl.minimum(tl.maximum(v, -QMAX), QMAX)
 
 
 @triton.jit
@@ -60,15 +76,13 @@ def _quant_rows_kernel(
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-10)
+    scale = row_scale(tl.max(amax, axis=0), QMAX)
     tl.store(s_ptr + row, scale)
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < K
-        v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32) / scale
-        if IS_INT:
-            v = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))  # ties away from zero
-        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+        v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        v = quantize_values(v, scale, QMAX, IS_INT)
         tl.store(q_ptr + row * stride_q + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -477,48 +491,61 @@ def w8a8_gemm(
     return out
 
 
-def _int8_mm(
-    x: torch.Tensor,
+def _cuda_path(
+    m: int, w_q: torch.Tensor, config: W8A8Config | str | None
+) -> W8A8Config | str | None:
+    """The product's kernel for m rows: a `W8A8Config` of the fused GEMM, `INT_MM` or
+    `SCALED_MM`; None where none runs these operands (the plain path)."""
+    from pagoda.kernels.scaled_mm import fp8_supported
+
+    n, k = w_q.shape
+    if w_q.dtype == torch.int8:
+        cfg = config or choose_w8a8_config(m, n, k)
+        if cfg != INT_MM and w_q.stride(1) == 1:
+            return cfg
+        if k % 8 == 0 and n % 8 == 0:
+            return INT_MM
+    elif fp8_supported(w_q.device):
+        cfg = config or choose_w8a8_config(m, n, k, w_q.dtype)
+        if cfg != SCALED_MM and w_q.stride(1) == 1:
+            return cfg
+        if k % 16 == 0 and n % 16 == 0:
+            return SCALED_MM
+    return None
+
+
+def _product(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    config: W8A8Config | str | None = None,
+    out_dtype: torch.dtype,
+    rows: int,
+    cfg: W8A8Config | str,
 ) -> torch.Tensor:
-    m, k = x.shape
-    cfg = config or choose_w8a8_config(m, w_q.shape[0], k)
-    if cfg != INT_MM:
-        x_q, x_scale = quantize_rows_triton(x, torch.int8)
-        return w8a8_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype, cfg)
-    # cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 rows: fewer are padded to 32
-    # (rows of garbage int8 whose products the epilogue does not read).
-    x_q, x_scale = quantize_rows_triton(x, torch.int8, min_rows=32 if m <= 16 else 0)
-    acc = torch._int_mm(x_q, w_q.t())  # [M', N] int32; w_q.t() column-major, as cuBLAS likes
-    return int8_epilogue(acc, x_scale, w_scale, bias, x.dtype, m)
+    # x_q may hold padding rows past `rows` (torch._int_mm's); x_scale has `rows`.
+    if cfg == INT_MM:
+        acc = torch._int_mm(x_q, w_q.t())  # [M', N] int32; w_q.t() column-major, as cuBLAS likes
+        return int8_epilogue(acc, x_scale, w_scale, bias, out_dtype, rows)
+    if cfg == SCALED_MM:
+        # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) wants a bfloat16 output; the bias is
+        # added after (not every torch version takes one with row-wise scales; Llamas have none).
+        y = torch._scaled_mm(
+            x_q,
+            w_q.t(),
+            scale_a=x_scale,
+            scale_b=w_scale.reshape(1, -1),
+            out_dtype=torch.bfloat16,
+        )
+        y = y if y.dtype == out_dtype else y.to(out_dtype)
+        return y if bias is None else y + bias
+    return w8a8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype, cfg)
 
 
-def _fp8_mm(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: W8A8Config | str | None = None,
-) -> torch.Tensor:
-    m, k = x.shape
-    cfg = config or choose_w8a8_config(m, w_q.shape[0], k, w_q.dtype)
-    x_q, x_scale = quantize_rows_triton(x, w_q.dtype)
-    if cfg != SCALED_MM:
-        return w8a8_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype, cfg)
-    # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) wants a bfloat16 output; the bias is
-    # added after (not every torch version takes one with row-wise scales; Llamas have none).
-    y = torch._scaled_mm(
-        x_q,
-        w_q.t(),
-        scale_a=x_scale,
-        scale_b=w_scale.reshape(1, -1),
-        out_dtype=torch.bfloat16,
-    )
-    y = y if y.dtype == x.dtype else y.to(x.dtype)
-    return y if bias is None else y + bias
+# cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 rows: fewer are padded to 32 (rows
+# of garbage int8 whose products the epilogue does not read).
+_INT_MM_MIN_ROWS = 32
 
 
 def scaled_mm_cuda(
@@ -528,24 +555,40 @@ def scaled_mm_cuda(
     bias: torch.Tensor | None,
     config: W8A8Config | str | None = None,
 ) -> torch.Tensor:
-    """x [M, K] on CUDA times w_q [N, K] (int8 or fp8, w_scale [N] float32): the tensor-core
-    path where the shapes allow it, the plain one otherwise. The fused Triton GEMM with
-    `config` (a `W8A8Config`; None: `choose_w8a8_config`); int8 with config=INT_MM
-    `torch._int_mm` + the epilogue kernel (K and N multiples of 8); fp8 (sm_89+) with
-    config=SCALED_MM `torch._scaled_mm` (K and N multiples of 16)."""
-    from pagoda.kernels.scaled_mm import fp8_supported
+    """x [M, K] on CUDA times w_q [N, K] (int8 or fp8, w_scale [N] float32): x quantized per
+    row (`quantize_rows_triton`), then the tensor-core product where the shapes allow it, the
+    plain path otherwise. The fused Triton GEMM with `config` (a `W8A8Config`; None:
+    `choose_w8a8_config`); int8 with config=INT_MM `torch._int_mm` + the epilogue kernel (K
+    and N multiples of 8); fp8 (sm_89+) with config=SCALED_MM `torch._scaled_mm` (K and N
+    multiples of 16)."""
+    m = x.shape[0]
+    cfg = _cuda_path(m, w_q, config)
+    if cfg is None:
+        return _plain_scaled_mm(x, w_q, w_scale, bias)
+    min_rows = _INT_MM_MIN_ROWS if cfg == INT_MM and m <= 16 else 0
+    x_q, x_scale = quantize_rows_triton(x, w_q.dtype, min_rows=min_rows)
+    return _product(x_q, x_scale, w_q, w_scale, bias, x.dtype, m, cfg)
 
-    n, k = w_q.shape
-    if w_q.dtype == torch.int8:
-        cfg = config or choose_w8a8_config(x.shape[0], n, k)
-        if cfg != INT_MM and w_q.stride(1) == 1:
-            return _int8_mm(x, w_q, w_scale, bias, cfg)
-        if k % 8 == 0 and n % 8 == 0:
-            return _int8_mm(x, w_q, w_scale, bias, INT_MM)
-    elif fp8_supported(x.device):
-        cfg = config or choose_w8a8_config(x.shape[0], n, k, w_q.dtype)
-        if cfg != SCALED_MM and w_q.stride(1) == 1:
-            return _fp8_mm(x, w_q, w_scale, bias, cfg)
-        if k % 16 == 0 and n % 16 == 0:
-            return _fp8_mm(x, w_q, w_scale, bias, SCALED_MM)
-    return _plain_scaled_mm(x, w_q, w_scale, bias)
+
+def quantized_mm_cuda(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: W8A8Config | str | None = None,
+) -> torch.Tensor:
+    """`scaled_mm_cuda` on x quantized already (x_q [M, K] of w_q's dtype, x_scale [M, 1]
+    float32): the same product kernels, no quantization."""
+    m = x_q.shape[0]
+    cfg = _cuda_path(m, w_q, config)
+    if cfg is None:
+        return plain_quantized_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    if x_q.stride(1) != 1:
+        x_q = x_q.contiguous()
+    if cfg == INT_MM and m <= 16:
+        padded = x_q.new_zeros((_INT_MM_MIN_ROWS, x_q.shape[1]))
+        padded[:m] = x_q
+        x_q = padded
+    return _product(x_q, x_scale, w_q, w_scale, bias, out_dtype, m, cfg)

@@ -18,8 +18,11 @@ from pagoda.kernels.reference import (  # noqa: E402
     silu_and_mul_ref,
 )
 from pagoda.kernels.rotary import rotary_embedding_triton  # noqa: E402
+from pagoda.kernels.scaled_mm import QuantizedRows, quantize_rows_ref  # noqa: E402
+from pagoda.kernels.scaled_mm_triton import quantize_rows_triton  # noqa: E402
 
 DEV = kernel_device()
+DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float32  # the interpreter: float32
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -69,6 +72,54 @@ def test_silu_and_mul_keeps_leading_dims() -> None:
     out = silu_and_mul_triton(x)
     assert out.shape == (2, 3, 64)
     torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=1e-5, atol=1e-5)
+
+
+QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def _assert_same_quantized(got, q_ref: torch.Tensor, scale_ref: torch.Tensor, lead) -> None:
+    # Bit for bit what the row quantization makes of the unfused kernel's output.
+    assert isinstance(got, QuantizedRows) and got.dtype == DTYPE
+    assert got.q.shape == (*lead, q_ref.shape[-1]) and got.scale.shape == (*lead, 1)
+    assert torch.equal(got.q.reshape(q_ref.shape).view(torch.int8), q_ref.view(torch.int8))
+    assert torch.equal(got.scale.reshape(scale_ref.shape), scale_ref)
+
+
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantized_output_is_the_quantized_norm(quant_dtype, with_residual) -> None:
+    x, w = _randn(3, 5, 320).to(DTYPE), _randn(320, seed=1).to(DTYPE)
+    x[0, 2] = 0.0  # an all-zero row: the smallest scale, zeros
+    r = _randn(3, 5, 320, seed=2).to(DTYPE) if with_residual else None
+    if r is not None:
+        r[0, 2] = 0.0
+    got, h = rms_norm_triton(x, w, 1e-6, r, quant_dtype)
+    out, h_ref = rms_norm_triton(x, w, 1e-6, r)
+    assert torch.equal(h, h_ref)
+    _assert_same_quantized(got, *quantize_rows_triton(out.reshape(15, 320), quant_dtype), (3, 5))
+
+
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("d", [64, 2500])  # one block a row; two passes of blocks
+def test_silu_and_mul_quantized_output_is_the_quantized_product(quant_dtype, d) -> None:
+    x = (_randn(2, 3, 2 * d) * 3).to(DTYPE)
+    got = silu_and_mul_triton(x, quant_dtype)
+    out = silu_and_mul_triton(x).reshape(6, d)
+    _assert_same_quantized(got, *quantize_rows_triton(out, quant_dtype), (2, 3))
+
+
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+def test_quantized_outputs_on_the_torch_path(quant_dtype) -> None:
+    # CPU tensors take the references, then the reference row quantization.
+    x, r, w = torch.randn(4, 96), torch.randn(4, 96), torch.randn(96)
+    got, h = rms_norm(x, w, 1e-6, r, quant_dtype)
+    out, h_ref = rms_norm_ref(x, w, 1e-6, r)
+    assert torch.equal(h, h_ref)
+    _assert_same_quantized(got, *quantize_rows_ref(out, quant_dtype), (4,))
+    got = silu_and_mul(x, quant_dtype)
+    _assert_same_quantized(got, *quantize_rows_ref(silu_and_mul_ref(x), quant_dtype), (4,))
+    with pytest.raises(ValueError, match="quant_dtype"):
+        rms_norm_triton(x.to(DEV), w.to(DEV), 1e-6, None, torch.float16)
 
 
 def _cos_sin_cache(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:

@@ -14,6 +14,7 @@ enable_interpreter_without_cuda()
 
 from pagoda.kernels.scaled_mm import (  # noqa: E402
     FP8_DTYPE,
+    QuantizedRows,
     fp8_supported,
     quantize_rows_ref,
     quantize_weight,
@@ -124,6 +125,38 @@ def test_int8_tensor_core_path_matches_reference(m, config) -> None:
     y = scaled_mm_cuda(x, w_q, w_scale, bias, config=config)
     assert y.shape == (m, 48)
     torch.testing.assert_close(y, scaled_mm_ref(x, w_q, w_scale, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prequantized_rows_give_the_same_product(dtype) -> None:
+    # What RMSNorm / SiLU-and-mul hand an 8-bit layer (`QuantizedRows`): the product of the
+    # rows the layer would have quantized itself, bit for bit (the plain path, CPU).
+    x, w_q, w_scale, bias = _problem(6, 96, 40, dtype)
+    q, scale = quantize_rows_ref(x.reshape(2, 3, 96), dtype)
+    y = scaled_mm(QuantizedRows(q, scale, x.dtype), w_q, w_scale, bias)
+    assert y.shape == (2, 3, 40)
+    assert torch.equal(y.reshape(6, 40), scaled_mm(x, w_q, w_scale, bias))
+    other = torch.int8 if dtype != torch.int8 else FP8_DTYPE
+    with pytest.raises(ValueError, match="quantized to"):
+        scaled_mm(QuantizedRows(q.to(other), scale, x.dtype), w_q, w_scale, bias)
+
+
+@pytest.mark.parametrize("config", [None, "int_mm"])
+@pytest.mark.parametrize("m", [1, 20])
+def test_prequantized_rows_on_the_tensor_core_path(m, config) -> None:
+    # quantized_mm_cuda: scaled_mm_cuda's kernels without its quantization (under the
+    # interpreter without a GPU); int_mm pads 16 rows or fewer to 32 itself.
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import (
+        quantize_rows_triton,
+        quantized_mm_cuda,
+        scaled_mm_cuda,
+    )
+
+    x, w_q, w_scale, bias = _problem(m, 64, 48, torch.int8, device=kernel_device())
+    q, scale = quantize_rows_triton(x, torch.int8)
+    y = quantized_mm_cuda(q, scale, w_q, w_scale, bias, x.dtype, config=config)
+    assert torch.equal(y, scaled_mm_cuda(x, w_q, w_scale, bias, config=config))
 
 
 def _int8_operands(m: int, n: int, k: int, device, with_bias: bool = True, seed: int = 0):

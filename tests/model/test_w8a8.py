@@ -14,7 +14,7 @@ from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pagoda.config import ModelConfig
-from pagoda.kernels.scaled_mm import quantize_weight
+from pagoda.kernels.scaled_mm import FP8_DTYPE, quantize_weight, scaled_mm
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.quantization.smoothquant import (
     quantize_model_w8a8,
@@ -164,6 +164,49 @@ def test_fp8_at_load_runs_close_to_the_dense_model(tmp_path) -> None:
     assert _rel(_logits(fp8, cfg, seqs), _logits(dense, cfg, seqs)) < 0.1
 
 
+def test_norms_and_activation_quantize_for_the_8bit_layers(tmp_path, monkeypatch) -> None:
+    # RMSNorm and SiLU-and-mul hand the 8-bit qkv, gate_up and down projections their input
+    # quantized (`QuantizedRows`), as they do on CUDA (asked for here on a CPU, where they run
+    # the torch references and the reference row quantization); o_proj quantizes its own.
+    from pagoda.model.quantization import w8a8
+
+    make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias")
+    seqs = _sequences(2, 32)
+    fp8, cfg = _load(tmp_path, "fp8")
+    assert fp8.model.layers[0].self_attn.qkv_proj.input_quantization() is None  # CPU weights
+    plain = _logits(fp8, cfg, seqs)
+    seen: list[str] = []
+
+    def spy(x, *args):
+        seen.append(type(x).__name__)
+        return scaled_mm(x, *args)
+
+    monkeypatch.setattr(w8a8, "scaled_mm", spy)
+    monkeypatch.setattr(w8a8.W8A8LinearMethod, "input_quantization", lambda m, layer: FP8_DTYPE)
+    fused = _logits(fp8, cfg, seqs)
+    assert seen.count("QuantizedRows") == 3 * seen.count("Tensor") > 0
+    # the same 8-bit rows up to the CPU's own RMSNorm / SiLU ops in the unfused run
+    assert _rel(fused, plain) < 1e-3
+
+
+def test_8bit_layers_ask_for_quantized_input_on_cuda_unless_turned_off(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from pagoda.model.quantization.w8a8 import W8A8LinearMethod
+
+    method = W8A8LinearMethod()
+    layer = SimpleNamespace(weight=SimpleNamespace(is_cuda=True, dtype=torch.int8))
+    assert method.input_quantization(layer) == torch.int8
+    layer.fused_ops = False  # the reference path: each layer quantizes its own input
+    assert method.input_quantization(layer) is None
+    layer.fused_ops = True
+    monkeypatch.setenv("PAGODA_W8A8_FUSED_QUANT", "0")
+    assert method.input_quantization(layer) is None
+    monkeypatch.setenv("PAGODA_W8A8_FUSED_QUANT", "1")
+    layer.weight.is_cuda = False
+    assert method.input_quantization(layer) is None
+
+
 def _fp8_checkpoint(tmp_path, strategy: str, static_input: bool, vllm_format: bool = False) -> None:
     """A compressed-tensors float-quantized checkpoint (as llm-compressor's FP8 / FP8_DYNAMIC
     schemes write them) made from a tiny dense one."""
@@ -304,7 +347,9 @@ def test_the_engine_takes_a_w8a8_checkpoint_by_its_names(w8a8_checkpoint) -> Non
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quantization", ["w8a8", "fp8"])
-def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(tmp_path, quantization) -> None:
+def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(
+    tmp_path, quantization, monkeypatch
+) -> None:
     from pagoda import LLM, SamplingParams
     from pagoda.kernels.scaled_mm import fp8_supported
 
@@ -324,20 +369,23 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(tmp_path, quantizatio
     prompts = [{"prompt_token_ids": list(range(1, 1 + n))} for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = {}
-    for eager in (True, False):  # CUDA graphs replay the same kernels: the same greedy tokens
+    # CUDA graphs replay the same kernels: the same greedy tokens; so do the layers quantizing
+    # their own inputs (the same 8-bit rows as RMSNorm / SiLU-and-mul write for them).
+    for eager, fused_quant in ((True, "1"), (False, "1"), ("unfused", "0")):
+        monkeypatch.setenv("PAGODA_W8A8_FUSED_QUANT", fused_quant)
         llm = LLM(
             str(tmp_path / "config.json"),
             load_format="dummy",
             quantization=quantization,
             skip_tokenizer_init=True,
-            enforce_eager=eager,
+            enforce_eager=eager is True,
             max_model_len=128,
             gpu_memory_utilization=0.3,
         )
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()
-    assert outs[True] == outs[False] and all(len(t) == 8 for t in outs[True])
+    assert outs[True] == outs[False] == outs["unfused"] and all(len(t) == 8 for t in outs[True])
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import silu_and_mul
+from pagoda.kernels.scaled_mm import QuantizedRows
 
 
 class SiluAndMul(nn.Module):
@@ -20,10 +21,15 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.fused_ops = True  # use the fused kernel on CUDA / the C op on CPU
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, quant_dtype: torch.dtype | None = None
+    ) -> torch.Tensor | QuantizedRows:
+        """silu(gate) * up; with `quant_dtype` (the 8-bit layer after asks for it,
+        `LinearBase.input_quantization`) quantized per token as the kernel writes it (on a CPU
+        the torch reference, then the reference row quantization)."""
         if self.fused_ops:
-            if x.is_cuda:
-                return silu_and_mul(x)
+            if x.is_cuda or quant_dtype is not None:
+                return silu_and_mul(x, quant_dtype)
             if cpu_ops.elementwise_supported(x):
                 return cpu_ops.silu_and_mul(x)
         d = x.shape[-1] // 2

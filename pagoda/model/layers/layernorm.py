@@ -13,6 +13,9 @@ from torch import nn
 
 from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import rms_norm
+from pagoda.kernels.scaled_mm import QuantizedRows
+
+Normed = torch.Tensor | QuantizedRows
 
 
 class RMSNorm(nn.Module):
@@ -30,12 +33,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(input_dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        quant_dtype: torch.dtype | None = None,
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual). With
+        `quant_dtype` (the 8-bit layer after asks for it, `LinearBase.input_quantization`)
+        norm(...) comes quantized per token as the kernel writes it, a `QuantizedRows` (on a
+        CPU by the torch reference, then the reference row quantization)."""
         if self.fused_ops:
-            if x.is_cuda:
-                out, h = rms_norm(x, self.weight, self.variance_epsilon, residual)
+            if x.is_cuda or quant_dtype is not None:
+                out, h = rms_norm(x, self.weight, self.variance_epsilon, residual, quant_dtype)
                 return out if residual is None else (out, h)
             if x.dtype is self.weight.dtype and cpu_ops.rms_norm_supported(
                 x, self.weight, residual

@@ -83,6 +83,13 @@ class LinearMethodBase(ABC):
         has one for these inputs; else None (the caller runs `apply`, then the activation)."""
         return None
 
+    def input_quantization(self, layer: nn.Module) -> torch.dtype | None:
+        """The 8-bit dtype this layer quantizes its input to, per token, where it takes the
+        input already quantized instead (a `QuantizedRows` from the RMSNorm or SiLU-and-mul
+        before it, which then quantize as they write); None: it takes the activations as
+        they are (the default)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense `[out, in]` weight in the model dtype."""
@@ -162,6 +169,10 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
+
+    def input_quantization(self) -> torch.dtype | None:
+        """`LinearMethodBase.input_quantization` of this layer."""
+        return self.linear_method.input_quantization(self)
 
 
 class ReplicatedLinear(LinearBase):

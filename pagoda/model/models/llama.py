@@ -22,6 +22,7 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend, get_attn_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels.linear import lm_head_logits, silu_and_mul_linear
+from pagoda.kernels.scaled_mm import QuantizedRows
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.layernorm import RMSNorm
@@ -55,19 +56,28 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias, linear_method)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_fn.fused_ops:  # the activation inside the gate_up kernel (4-bit layers)
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x: the normed hidden states, quantized already where `input_quantization` asked."""
+        if self.act_fn.fused_ops and not isinstance(x, QuantizedRows):
+            # the activation inside the gate_up kernel (4-bit layers)
             gate_up_proj = self.gate_up_proj
             act = gate_up_proj.linear_method.apply_silu_and_mul(gate_up_proj, x, gate_up_proj.bias)
             if act is not None:
                 return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
+        quant = down.input_quantization()
+        if quant is not None:  # an 8-bit down_proj: the activation quantizes for it
+            return down(self.act_fn(gate_up, quant))
         if self.act_fn.fused_ops and down.tp_size == 1:  # the activation inside the down GEMV
             y = silu_and_mul_linear(gate_up, down.weight, down.bias)
             if y is not None:
                 return y
         return down(self.act_fn(gate_up))
+
+    def input_quantization(self) -> torch.dtype | None:
+        """The dtype gate_up_proj takes its input quantized to (`LinearBase`'s)."""
+        return self.gate_up_proj.input_quantization()
 
 
 class LlamaAttention(nn.Module):
@@ -120,8 +130,8 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+        qkv = self.qkv_proj(hidden_states)  # hidden_states may come quantized (QuantizedRows)
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -167,12 +177,16 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Before 8-bit projections the norms write their output quantized for them.
+        quant = self.self_attn.qkv_proj.input_quantization()
         if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states, quant_dtype=quant)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, quant)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        quant = self.mlp.input_quantization() if isinstance(self.mlp, LlamaMLP) else None
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, quant)
         return self.mlp(hidden_states), residual
 
 

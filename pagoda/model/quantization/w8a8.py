@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.kernels.scaled_mm import FP8_DTYPE, quantize_weight, scaled_mm
+from pagoda import envs
+from pagoda.kernels.scaled_mm import FP8_DTYPE, QuantizedRows, quantize_weight, scaled_mm
 from pagoda.model.layers.linear import LinearMethodBase, set_weight_attrs
 from pagoda.model.quantization import cpu_blocks
 
@@ -179,9 +180,17 @@ class W8A8LinearMethod(LinearMethodBase):
         raise TypeError("W8A8LinearMethod runs layers that a checkpoint method loaded")
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return scaled_mm(x, layer.weight, layer.weight_scale, bias)
+
+    def input_quantization(self, layer: nn.Module) -> torch.dtype | None:
+        """The weight's dtype on CUDA (the kernel before quantizes for the product), unless
+        PAGODA_W8A8_FUSED_QUANT is off or the layer runs its reference path."""
+        w = layer.weight
+        if not envs.PAGODA_W8A8_FUSED_QUANT or not getattr(layer, "fused_ops", True):
+            return None
+        return w.dtype if w.is_cuda else None
 
 
 _RUN = W8A8LinearMethod()
