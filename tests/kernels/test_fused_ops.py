@@ -77,9 +77,9 @@ def test_silu_and_mul_keeps_leading_dims() -> None:
 QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn]
 
 
-def _assert_same_quantized(got, q_ref: torch.Tensor, scale_ref: torch.Tensor, lead) -> None:
+def _assert_same_quantized(got, q_ref, scale_ref, lead, dtype: torch.dtype = DTYPE) -> None:
     # Bit for bit what the row quantization makes of the unfused kernel's output.
-    assert isinstance(got, QuantizedRows) and got.dtype == DTYPE
+    assert isinstance(got, QuantizedRows) and got.dtype == dtype
     assert got.q.shape == (*lead, q_ref.shape[-1]) and got.scale.shape == (*lead, 1)
     assert torch.equal(got.q.reshape(q_ref.shape).view(torch.int8), q_ref.view(torch.int8))
     assert torch.equal(got.scale.reshape(scale_ref.shape), scale_ref)
@@ -115,9 +115,10 @@ def test_quantized_outputs_on_the_torch_path(quant_dtype) -> None:
     got, h = rms_norm(x, w, 1e-6, r, quant_dtype)
     out, h_ref = rms_norm_ref(x, w, 1e-6, r)
     assert torch.equal(h, h_ref)
-    _assert_same_quantized(got, *quantize_rows_ref(out, quant_dtype), (4,))
+    _assert_same_quantized(got, *quantize_rows_ref(out, quant_dtype), (4,), x.dtype)
     got = silu_and_mul(x, quant_dtype)
-    _assert_same_quantized(got, *quantize_rows_ref(silu_and_mul_ref(x), quant_dtype), (4,))
+    ref = quantize_rows_ref(silu_and_mul_ref(x), quant_dtype)
+    _assert_same_quantized(got, *ref, (4,), x.dtype)
     with pytest.raises(ValueError, match="quant_dtype"):
         rms_norm_triton(x.to(DEV), w.to(DEV), 1e-6, None, torch.float16)
 
