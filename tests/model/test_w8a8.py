@@ -381,7 +381,7 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(
             skip_tokenizer_init=True,
             enforce_eager=eager is True,
             max_model_len=128,
-            gpu_memory_utilization=0.3,
+            kv_cache_memory_bytes=64 << 20,
         )
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
