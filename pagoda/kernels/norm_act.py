@@ -169,6 +169,11 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=offs < d)
 
 
+# The longest row SiLU-and-mul quantizes in one pass, from registers (16 warps, 32 outputs a
+# thread): one program a row, so at one row the program's loads are all in flight at once.
+SILU_QUANT_ONE_PASS = 16384
+
+
 @triton.jit
 def _silu_and_mul_quant_kernel(
     x_ptr,
@@ -180,12 +185,22 @@ def _silu_and_mul_quant_kernel(
     QMAX: tl.constexpr,
     IS_INT: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # One row a program: its absolute maximum first, then the row again, quantized (the
-    # second pass reads what the first just brought into L2).
+    # One row a program. A row of at most BLOCK outputs is loaded at once and kept in
+    # registers; a longer one gives its absolute maximum first, then is read again, quantized
+    # (the second pass reads what the first just brought into L2).
     dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        y = _silu_mul_block(x_ptr + row * stride_x, offs, d)
+        scale = row_scale(tl.max(tl.abs(y), axis=0), QMAX)
+        tl.store(scale_ptr + row, scale)
+        y = quantize_values(y, scale, QMAX, IS_INT)
+        tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < d)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, d, BLOCK):
         y = _silu_mul_block(x_ptr + row * stride_x, start + tl.arange(0, BLOCK), d)
@@ -218,11 +233,14 @@ def silu_and_mul_triton(x: torch.Tensor, quant_dtype: torch.dtype | None = None)
     scale = _scales(x2, quant_dtype)
     if quant_dtype is not None:
         if x2.shape[0] > 0:
-            block = min(2048, triton.next_power_of_2(d))
+            block = triton.next_power_of_2(d)
+            one_pass = block <= SILU_QUANT_ONE_PASS
+            block = block if one_pass else 2048
             _silu_and_mul_quant_kernel[(x2.shape[0],)](
                 x2, out, scale, x2.stride(0), out.stride(0), d,
                 QMAX=qmax_of(quant_dtype), IS_INT=quant_dtype == torch.int8, BLOCK=block,
-                PDL=pdl_enabled(x), launch_pdl=pdl_enabled(x), num_warps=_num_warps(block),
+                ONE_PASS=one_pass, PDL=pdl_enabled(x), launch_pdl=pdl_enabled(x),
+                num_warps=max(1, min(16, block // 1024)),  # <= 32 outputs a thread
             )  # fmt: skip
         return _output(out, scale, x, quant_dtype)
     if x2.shape[0] > 0:

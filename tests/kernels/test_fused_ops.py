@@ -100,7 +100,7 @@ def test_rms_norm_quantized_output_is_the_quantized_norm(quant_dtype, with_resid
 
 
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
-@pytest.mark.parametrize("d", [64, 2500])  # one block a row; two passes of blocks
+@pytest.mark.parametrize("d", [64, 2500, 16500])  # from registers; two passes of blocks
 def test_silu_and_mul_quantized_output_is_the_quantized_product(quant_dtype, d) -> None:
     x = (_randn(2, 3, 2 * d) * 3).to(DTYPE)
     got = silu_and_mul_triton(x, quant_dtype)
