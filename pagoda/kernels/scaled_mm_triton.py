@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl_enabled
 from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm, plain_quantized_mm
 from pagoda.kernels.skinny_gemm import (
     MAX_SPLIT_TILES,
@@ -40,6 +41,7 @@ from pagoda.kernels.skinny_gemm import (
     split_k_plan,
     sum_splits,
 )
+from pagoda.kernels.triton_pdl import dependent_start
 
 
 @triton.jit
@@ -69,7 +71,9 @@ def _quant_rows_kernel(
     QMAX: tl.constexpr,
     IS_INT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, K, BLOCK):
@@ -139,6 +143,8 @@ def quantize_rows_triton(
         QMAX=qmax,
         IS_INT=dtype == torch.int8,
         BLOCK=block,
+        PDL=pdl_enabled(x),
+        launch_pdl=pdl_enabled(x),
         num_warps=min(max(block // 256, 1), 8),
     )
     return q, scale
@@ -203,11 +209,14 @@ def _w8a8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """c[M, N] = (a[M, K] @ b[N, K]^T) * xs[M] * ws[N] (+ bias[N]); a and b both int8 (an
     int32 accumulator, ACC_INT) or both float8 e4m3 (float32; Hopper's fp8 MMA adds with
     fewer mantissa bits, so each K tile's sum is added to the float32 accumulator: IMPRECISE,
-    Triton's max_num_imprecise_acc, is BLOCK_K, or None for int8)."""
+    Triton's max_num_imprecise_acc, is BLOCK_K, or None for int8). PDL: launched as a
+    programmatic dependent of the kernel before it (`triton_pdl`)."""
+    dependent_start(PDL)
     # Tile order: GROUP_M row tiles sweep the N tiles together, so B tiles are reused from L2.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -486,6 +495,8 @@ def w8a8_gemm(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.num_stages,
+        PDL=pdl_enabled(x_q),
+        launch_pdl=pdl_enabled(x_q),
         num_warps=cfg.num_warps,
     )
     return out
