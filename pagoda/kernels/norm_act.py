@@ -222,7 +222,9 @@ def _silu_mul_block(row_ptr, offs, d):
     return (gate * tl.sigmoid(gate) * up).to(row_ptr.dtype.element_ty).to(tl.float32)
 
 
-def silu_and_mul_triton(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
+def silu_and_mul_triton(
+    x: torch.Tensor, quant_dtype: torch.dtype | None = None
+) -> torch.Tensor | QuantizedRows:
     """[..., 2 * d] -> silu(x[..., :d]) * x[..., d:]; with `quant_dtype` (int8 / float8
     e4m3) that quantized per token, a `QuantizedRows`."""
     if x.shape[-1] % 2 != 0:

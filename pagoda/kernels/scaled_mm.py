@@ -56,9 +56,6 @@ class QuantizedRows(NamedTuple):
     scale: torch.Tensor
     dtype: torch.dtype
 
-    def dequantize(self) -> torch.Tensor:
-        return (self.q.float() * self.scale).to(self.dtype)
-
 
 def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row quantization of x [M, K]: (q [M, K] int8 / fp8, scale [M, 1] float32)
