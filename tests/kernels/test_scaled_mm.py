@@ -343,7 +343,7 @@ sig.update(a_ptr=op, b_ptr=op, xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
 consts = dict(HAS_BIAS=True, EVEN_K=True, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
               ACC_INT=is_int, IMPRECISE=None if is_int else cfg.block_k,
               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-              GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages)
+              GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, PDL=True)
 sig.update(dict.fromkeys(consts, "constexpr"))
 # The runtime specializes 16-aligned pointers and 16-divisible sizes: say so, as a launch would.
 aligned = ("a_ptr", "b_ptr", "c_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_a",
@@ -371,6 +371,7 @@ def test_chosen_w8a8_configs_compile_for_sm90(m: int, name: str, dtype: str) -> 
     assert built["shared"] <= 227 * 1024
     kind = ".s32.s8.s8" if dtype == "int8" else ".f32.e4m3.e4m3"
     assert "wgmma.mma_async.sync.aligned" in built["ptx"] and kind in built["ptx"]
+    assert "griddepcontrol.wait" in built["ptx"]  # launched as a programmatic dependent
 
 
 # ---- GPU: the tensor-core paths --------------------------------------------------------------
