@@ -13,7 +13,10 @@ one program per row), then the 8-bit product:
   weight on the MMA's 64-row side, as `skinny_gemm.py` does for bf16) with split-K for the
   deep down projection (partials summed in split order by the last split to arrive; the
   per-tile counters are `skinny_gemm.prepare`'s), for larger M 64/128 x 64/128 tiles with a
-  GROUP_M swizzle so that weight tiles are reused from L2.
+  GROUP_M swizzle so that weight tiles are reused from L2. The same product with both
+  operands' tiles brought by the copy engine (TMA, `_w8a8_tma_kernel`; one program a tile or
+  persistent) is among the configs `w8a8_config_candidates` gives a sweep from 65 rows; the
+  rule does not take it until a sweep says so.
 - int8 with config=INT_MM: `torch._int_mm` (cuBLASLt, int32 out) and the epilogue kernel,
   kept so that benchmarks/w8a8_bench.py can compare the two.
 - fp8 with config=SCALED_MM, the default from 65 rows: `torch._scaled_mm` with row-wise
@@ -217,16 +220,9 @@ def _w8a8_gemm_kernel(
     Triton's max_num_imprecise_acc, is BLOCK_K, or None for int8). PDL: launched as a
     programmatic dependent of the kernel before it (`triton_pdl`)."""
     dependent_start(PDL)
-    # Tile order: GROUP_M row tiles sweep the N tiles together, so B tiles are reused from L2.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -276,6 +272,58 @@ def _w8a8_gemm_kernel(
                 total, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
             )
             tl.store(counter_ptr + pid, 0)
+
+
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Tile order: GROUP_M row tiles sweep the N tiles together, so B tiles are reused from L2.
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % group_rows, (tile % in_group) // group_rows
+
+
+@triton.jit
+def _w8a8_tma_kernel(
+    a_desc,
+    b_desc,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_c: tl.int64,
+    HAS_BIAS: tl.constexpr,
+    ACC_INT: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_w8a8_gemm_kernel`'s product (tiles not swapped, K not split) with both operands'
+    tiles brought by the copy engine (TMA, through host tensor descriptors: rows and columns
+    past M, N and K arrive as zeros) instead of per-thread loads. A program takes tiles
+    program_id, + programs, ...: persistent when launched with fewer programs than tiles."""
+    dependent_start(PDL)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if ACC_INT else tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            b = b_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype, max_num_imprecise_acc=IMPRECISE)
+        rows_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
+        cols_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        _w8a8_scale_store(
+            acc, xs_ptr, ws_ptr, bias_ptr, c_ptr, rows_m, cols_n, M, N, stride_c, HAS_BIAS
+        )
 
 
 @triton.jit
@@ -330,7 +378,10 @@ _MIN_PROGRAMS = 190
 class W8A8Config(NamedTuple):
     """Tiles of the fused 8-bit GEMM. swap_ab: acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (for
     few rows: the weight on the MMA's 64-row side, BLOCK_M activation rows on its N side).
-    split_k > 1 cuts K into that many ranges of whole BLOCK_K blocks (one program each)."""
+    split_k > 1 cuts K into that many ranges of whole BLOCK_K blocks (one program each).
+    tma: the operands' tiles by the copy engine (`_w8a8_tma_kernel`, sm_90; neither swapped
+    nor split); persistent: with it, `PERSISTENT_CTAS_PER_SM` programs an SM, each looping
+    over tiles, instead of one program a tile."""
 
     block_m: int
     block_n: int
@@ -340,13 +391,16 @@ class W8A8Config(NamedTuple):
     num_warps: int = 4
     swap_ab: bool = False
     split_k: int = 1
+    tma: bool = False
+    persistent: bool = False
 
     @property
     def name(self) -> str:
         kind = "swap" if self.swap_ab else "tile"
         name = f"{kind}{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}"
         name += f"_s{self.num_stages}w{self.num_warps}"
-        return name + (f"_k{self.split_k}" if self.split_k > 1 else "")
+        name += f"_k{self.split_k}" if self.split_k > 1 else ""
+        return name + ("_tma" if self.tma else "") + ("_persistent" if self.persistent else "")
 
 
 def rows_tile(m: int) -> int:
@@ -416,6 +470,11 @@ def w8a8_config_candidates(
             if bm == 128 and bk == 128 and stages == 3 and m > 128:
                 # Whole 128-row tiles, K split to fill the SMs where they give few programs.
                 cands += [W8A8Config(bm, bn, bk, group, stages, warps, False, s) for s in (2, 4)]
+    if m > 64:  # the copy engine's tiles (sm_90), one program a tile or persistent
+        for bm, bn, stages, warps in ((128, 128, 3, 4), (128, 128, 4, 8), (128, 256, 3, 8)):
+            for persistent in (False, True):
+                cands.append(W8A8Config(bm, bn, 128, 8, stages, warps, tma=True,
+                                        persistent=persistent))  # fmt: skip
     for cfg in cands:
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
         if cfg.split_k > 1 and split_k_plan(k, cfg.block_k, cfg.split_k)[1] != cfg.split_k:
@@ -459,6 +518,9 @@ def w8a8_gemm(
     k_per_split, split_k = split_k_plan(k, cfg.block_k, cfg.split_k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if cfg.tma:
+        _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, cfg, tiles)
+        return out
     if split_k > 1:
         if tiles > MAX_SPLIT_TILES:
             raise ValueError(f"split_k > 1 takes one counter per tile: {tiles} > {MAX_SPLIT_TILES}")
@@ -500,6 +562,60 @@ def w8a8_gemm(
         num_warps=cfg.num_warps,
     )
     return out
+
+
+# Programs an SM of a persistent TMA config: two CTAs resident an SM at the stage counts of
+# the 128 x 128 tiles (as `choose_w8a8_config`'s tiles assume).
+PERSISTENT_CTAS_PER_SM = 2
+
+
+def _launch_tma(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: W8A8Config,
+    tiles: int,
+) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if cfg.swap_ab or cfg.split_k > 1:
+        raise ValueError(f"{cfg.name}: TMA tiles are neither swapped nor split")
+    for name, t in (("x_q", x_q), ("w_q", w_q)):
+        if t.stride(0) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{cfg.name}: TMA needs {name}'s rows 16-byte aligned")
+    m, k = x_q.shape
+    programs = tiles
+    if cfg.persistent:
+        sms = (
+            torch.cuda.get_device_properties(x_q.device).multi_processor_count if x_q.is_cuda else 1
+        )
+        programs = min(tiles, PERSISTENT_CTAS_PER_SM * sms)
+    _w8a8_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k]),
+        TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k]),
+        x_scale,
+        w_scale,
+        bias if bias is not None else w_scale,
+        out,
+        m,
+        w_q.shape[0],
+        k,
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        ACC_INT=w_q.dtype == torch.int8,
+        IMPRECISE=None if w_q.dtype == torch.int8 else cfg.block_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_STAGES=cfg.num_stages,
+        PDL=pdl_enabled(x_q),
+        launch_pdl=pdl_enabled(x_q),
+        num_warps=cfg.num_warps,
+    )
 
 
 def _cuda_path(

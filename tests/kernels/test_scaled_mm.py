@@ -239,6 +239,45 @@ def test_fused_fp8_gemm_is_the_float_product_scaled(m, n, k, swap_ab, split_k) -
     torch.testing.assert_close(y.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(70, 72, 160), (37, 100, 208)])  # ragged M, N and K
+def test_tma_tiles_give_the_same_product(m, n, k, dtype, persistent) -> None:
+    # The copy engine's tiles (zeros past M, N and K) and the persistent tile loop: the same
+    # product as the per-thread loads (under the interpreter: bit for bit).
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import W8A8Config, w8a8_gemm
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(m)
+    if dtype == torch.int8:
+        a, xs, b, ws, bias, _ = _int8_operands(m, n, k, dev, seed=m)
+    else:
+        a = (torch.randn(m, k, generator=g) * 40).to(dtype).to(dev)
+        b = (torch.randn(n, k, generator=g) * 40).to(dtype).to(dev)
+        xs, ws = (
+            (torch.rand(m, 1, generator=g) / 50).to(dev),
+            (torch.rand(n, generator=g) / 50).to(dev),
+        )
+        bias = torch.randn(n, generator=g).to(dev)
+    plain = W8A8Config(32, 32, 64, 2, 2, 4)
+    tma = plain._replace(tma=True, persistent=persistent)
+    assert tma.name.endswith("_tma_persistent" if persistent else "_tma")
+    y = w8a8_gemm(a, xs, b, ws, bias, torch.float32, tma)
+    ref = w8a8_gemm(a, xs, b, ws, bias, torch.float32, plain)
+    if dev.type == "cpu":
+        assert torch.equal(y, ref)
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="neither swapped nor split"):
+        w8a8_gemm(a, xs, b, ws, bias, torch.float32, tma._replace(split_k=2))
+    odd = torch.zeros(m, 100, dtype=dtype, device=dev)  # rows 100 bytes apart
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w8a8_gemm(
+            odd, xs, torch.zeros(n, 100, dtype=dtype, device=dev), ws, None, torch.float32, tma
+        )
+
+
 def _assert_within_one_ulp(
     y: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor | float = 0.0
 ) -> None:
@@ -372,6 +411,43 @@ def test_chosen_w8a8_configs_compile_for_sm90(m: int, name: str, dtype: str) -> 
     kind = ".s32.s8.s8" if dtype == "int8" else ".f32.e4m3.e4m3"
     assert "wgmma.mma_async.sync.aligned" in built["ptx"] and kind in built["ptx"]
     assert "griddepcontrol.wait" in built["ptx"]  # launched as a programmatic dependent
+
+
+_SM90_TMA_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.kernels.scaled_mm_triton import _w8a8_tma_kernel as fn, w8a8_config_candidates
+
+is_int = sys.argv[1] == "int8"
+m, n, k = 256, 6144, 4096
+cfg = next(c for c in w8a8_config_candidates(m, n, k) if not isinstance(c, str) and c.tma)
+op = "i8" if is_int else "fp8e4nv"
+sig = {p.name: "i32" for p in fn.params if not p.is_constexpr}
+sig.update(a_desc=f"tensordesc<{op}[{cfg.block_m}, {cfg.block_k}]>",
+           b_desc=f"tensordesc<{op}[{cfg.block_n}, {cfg.block_k}]>",
+           xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", c_ptr="*bf16", stride_c="i64")
+consts = dict(HAS_BIAS=True, ACC_INT=is_int, IMPRECISE=None if is_int else cfg.block_k,
+              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+              GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, PDL=True)
+sig.update(dict.fromkeys(consts, "constexpr"))
+src = ASTSource(fn, sig, {(fn.arg_names.index(c),): v for c, v in consts.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+print(json.dumps({"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_tma_config_compiles_for_sm90(dtype: str) -> None:
+    """A real sm_90 build of a TMA config: its tiles by the copy engine (bulk tensor copies)
+    into the 8-bit wgmma, within the shared memory of two CTAs an SM."""
+    pytest.importorskip("triton")
+    built = build_for_sm90(_SM90_TMA_BUILD, dtype)
+    assert built["shared"] <= 227 * 1024 // 2
+    assert "cp.async.bulk.tensor" in built["ptx"] and "wgmma.mma_async" in built["ptx"]
 
 
 # ---- GPU: the tensor-core paths --------------------------------------------------------------
