@@ -1,9 +1,8 @@
 #!/bin/bash
 # Not yet run. The GPU tests of the 8-bit path under PDL (run 61's timed out on a cold
-# machine), then the step table (`w8a8_bench.py`, the _fq columns), the sweep at 128-512 rows
-# with the TMA configs (`_w8a8_tma_kernel`) among its candidates, and workload a with FP8 and
+# machine), then the step table (`w8a8_bench.py`, the _fq columns) and workload a with FP8 and
 # INT8 weights and an FP8 KV cache, all with the quantization in RMSNorm / SiLU-and-mul and
-# the GEMM under PDL. Writes $OUT/run62.tgz.
+# the GEMM under PDL. Writes $OUT/run62.tgz. `run2.sh`: the sweep with the TMA configs.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 O=/tmp/run62 && mkdir -p $O
@@ -16,9 +15,6 @@ tail -3 $O/tests.log
 grep -q "passed" $O/tests.log && ! grep -q "FAILED" $O/tests.log || exit 1
 timeout 120 python benchmarks/w8a8_bench.py --m 1,16,64,128,256,512,1024 --out $O/w8a8.json \
   2>&1 | grep -v Warn | tee $O/w8a8.log | grep -v configs
-timeout 330 python benchmarks/w8a8_bench.py --sweep --m 128,256,512 --budget-s 240 \
-  --out $O/sweep.json 2>&1 | grep -v Warn > $O/sweep.log   # the TMA configs among them
-grep -E "per step|^ +(128|256|512) \|" $O/sweep.log | tail -12
 for q in fp8 w8a8; do
   OUT=/tmp/a timeout 130 python benchmarks/h200_bench.py --only a,b --quantization $q \
     --kv-cache-dtypes fp8 > $O/ab_$q.log 2>&1
