@@ -546,12 +546,23 @@ def w8a8_gemm(
         x_q.stride(0),
         w_q.stride(0),
         out.stride(0),
-        HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0,
         SWAP_AB=cfg.swap_ab,
         SPLIT=split_k > 1,
-        ACC_INT=w_q.dtype == torch.int8,
-        IMPRECISE=None if w_q.dtype == torch.int8 else cfg.block_k,
+        **_launch_args(cfg, x_q, w_q, bias),
+    )
+    return out
+
+
+def _launch_args(
+    cfg: W8A8Config, x_q: torch.Tensor, w_q: torch.Tensor, bias: torch.Tensor | None
+) -> dict:
+    # The constexprs and launch options both GEMM kernels take from a config.
+    is_int = w_q.dtype == torch.int8
+    return dict(
+        HAS_BIAS=bias is not None,
+        ACC_INT=is_int,
+        IMPRECISE=None if is_int else cfg.block_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -561,7 +572,6 @@ def w8a8_gemm(
         launch_pdl=pdl_enabled(x_q),
         num_warps=cfg.num_warps,
     )
-    return out
 
 
 # Programs an SM of a persistent TMA config: two CTAs resident an SM at the stage counts of
@@ -604,17 +614,7 @@ def _launch_tma(
         w_q.shape[0],
         k,
         out.stride(0),
-        HAS_BIAS=bias is not None,
-        ACC_INT=w_q.dtype == torch.int8,
-        IMPRECISE=None if w_q.dtype == torch.int8 else cfg.block_k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        NUM_STAGES=cfg.num_stages,
-        PDL=pdl_enabled(x_q),
-        launch_pdl=pdl_enabled(x_q),
-        num_warps=cfg.num_warps,
+        **_launch_args(cfg, x_q, w_q, bias),
     )
 
 
