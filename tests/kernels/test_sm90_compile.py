@@ -211,23 +211,47 @@ def test_cache_write_compiles_with_exact_division(cache_dtype, quant, lo, hi) ->
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
-def test_fused_ops_compile_for_sm90() -> None:
+# What RMSNorm and SiLU-and-mul write: (type, QMAX, IS_INT), QMAX 0 the model dtype, else the
+# 8-bit rows for a W8A8 / FP8 layer (each with the kernels of the rest of a layer once).
+QUANT_OUTPUTS = [("*bf16", 0.0, False), ("*i8", 127.0, True), ("*fp8e4nv", 448.0, False)]
+
+
+@pytest.mark.parametrize("out,qmax,is_int", QUANT_OUTPUTS)
+def test_fused_ops_compile_for_sm90(out: str, qmax: float, is_int: bool) -> None:
     _compile(
         norm_act._rms_norm_kernel,
         {
-            **dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"], "*bf16"),
+            **dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "res_out_ptr"], "*bf16"),
+            "out_ptr": out,
             **_strides("stride_x", "stride_r", "stride_o", "stride_ro"),
+            "scale_ptr": "*fp32",
             "n_cols": "i32",
             "eps": "fp32",
         },
-        dict(BLOCK_N=4096, HAS_RESIDUAL=True),
+        dict(BLOCK_N=4096, HAS_RESIDUAL=True, PDL=True, QMAX=qmax, IS_INT=is_int),
         num_warps=8,
     )
-    _compile(
-        norm_act._silu_and_mul_kernel,
-        {"x_ptr": "*bf16", "out_ptr": "*bf16", **_strides("stride_x", "stride_o"), "d": "i32"},
-        dict(BLOCK=1024),
-    )
+    if qmax == 0.0:
+        _compile(
+            norm_act._silu_and_mul_kernel,
+            {"x_ptr": "*bf16", "out_ptr": "*bf16", **_strides("stride_x", "stride_o"), "d": "i32"},
+            dict(BLOCK=1024, PDL=True),
+        )
+    else:
+        for block, one_pass, warps in ((16384, True, 16), (2048, False, 2)):
+            _compile(
+                norm_act._silu_and_mul_quant_kernel,
+                {
+                    "x_ptr": "*bf16",
+                    "q_ptr": out,
+                    "scale_ptr": "*fp32",
+                    **_strides("stride_x", "stride_q"),
+                    "d": "i32",
+                },
+                dict(QMAX=qmax, IS_INT=is_int, BLOCK=block, ONE_PASS=one_pass, PDL=True),
+                num_warps=warps,
+            )
+        return
     _compile(
         rotary._rotary_kernel,
         {
