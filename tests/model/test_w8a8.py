@@ -372,22 +372,24 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(
     outs = {}
     # CUDA graphs replay the same kernels: the same greedy tokens; so do the layers quantizing
     # their own inputs (the same 8-bit rows as RMSNorm / SiLU-and-mul write for them).
-    for eager, fused_quant in ((True, "1"), (False, "1"), ("unfused", "0")):
+    runs = (("eager", True, "1"), ("graphs", False, "1"), ("unfused", False, "0"))
+    for name, eager, fused_quant in runs:
         monkeypatch.setenv("PAGODA_W8A8_FUSED_QUANT", fused_quant)
         llm = LLM(
             str(tmp_path / "config.json"),
             load_format="dummy",
             quantization=quantization,
             skip_tokenizer_init=True,
-            enforce_eager=eager is True,
+            enforce_eager=eager,
             max_model_len=128,
             kv_cache_memory_bytes=64 << 20,
         )
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
         gc.collect()  # the engine's reference cycles: its KV cache freed before the next one
         torch.cuda.empty_cache()
-    assert outs[True] == outs[False] == outs["unfused"] and all(len(t) == 8 for t in outs[True])
+    assert outs["eager"] == outs["graphs"] == outs["unfused"]
+    assert all(len(t) == 8 for t in outs["eager"])
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
