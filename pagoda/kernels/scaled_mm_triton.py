@@ -39,6 +39,7 @@ from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm, plain_
 from pagoda.kernels.skinny_gemm import (
     MAX_SPLIT_TILES,
     SMEM_BUDGET,
+    _num_sms,
     check_tiles,
     prepare,
     split_k_plan,
@@ -599,9 +600,8 @@ def _launch_tma(
     m, k = x_q.shape
     programs = tiles
     if cfg.persistent:
-        sms = (
-            torch.cuda.get_device_properties(x_q.device).multi_processor_count if x_q.is_cuda else 1
-        )
+        # The interpreter takes one SM, so that its programs loop over tiles as on a GPU.
+        sms = _num_sms(x_q.device) if x_q.is_cuda else 1
         programs = min(tiles, PERSISTENT_CTAS_PER_SM * sms)
     _w8a8_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k]),
