@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. The W8A8 / FP8 sweep at 128-512 rows with the TMA configs
+# The W8A8 / FP8 sweep at 128-512 rows with the TMA configs
 # (`_w8a8_tma_kernel`, `..._tma[_persistent]`) among the candidates: does the copy engine's
 # product beat the per-thread loads (int8) or cuBLASLt (fp8) where 1.6x is not met?
 # Writes $OUT/run62b.tgz.
