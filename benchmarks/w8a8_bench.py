@@ -15,6 +15,8 @@ CUDA graph, at M = 1, 16, 64, 128, 256, 512, 1024, 4096 rows. Columns:
 - int8_fq / fp8_fq: what a model's layers run (`PAGODA_W8A8_FUSED_QUANT`): the RMSNorm or
   SiLU-and-mul before qkv, gate_up and down quantizes its output for them, so those take
   their inputs quantized (`QuantizedRows`) and run the product alone; o quantizes its own.
+- fp8_fq_exact: fp8_fq with each K tile's sum promoted to float32 (PAGODA_FP8_FAST_ACCUM=0);
+  the other fp8 columns accumulate as the default says (fast: the tensor cores' precision).
 
 Activation quantization is included in every 8-bit time but the _fq columns' qkv, gate_up and
 down (there the kernel before writes it, at no extra pass); the quant column is that
@@ -58,8 +60,8 @@ L2_BYTES = 60e6
 TINY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 200)}
 TINY_LAYERS = 1
 TINY_M_VALUES = (1, 70)
-MODES = ("bf16", "int_mm", "int8", "scaled_mm", "fp8", "int8_fq", "fp8_fq")
-FP8_MODES = ("scaled_mm", "fp8", "fp8_fq")
+MODES = ("bf16", "int_mm", "int8", "scaled_mm", "fp8", "int8_fq", "fp8_fq", "fp8_fq_exact")
+FP8_MODES = ("scaled_mm", "fp8", "fp8_fq", "fp8_fq_exact")
 # The layers whose input the kernel before them quantizes in the _fq columns.
 PREQUANTIZED = ("qkv", "gate_up", "down")
 
@@ -72,7 +74,7 @@ def make_layers(shapes, layers, device, modes, dtype):
 
     g = torch.Generator(device=device).manual_seed(0)
     qdtypes = {"int_mm": torch.int8, "int8": torch.int8, "int8_fq": torch.int8}
-    qdtypes.update(scaled_mm=FP8_DTYPE, fp8=FP8_DTYPE, fp8_fq=FP8_DTYPE)
+    qdtypes.update(scaled_mm=FP8_DTYPE, fp8=FP8_DTYPE, fp8_fq=FP8_DTYPE, fp8_fq_exact=FP8_DTYPE)
     out = {m: [] for m in modes}
     for _ in range(layers):
         per = {m: [] for m in modes}
@@ -112,7 +114,21 @@ def gemm(mode: str, config=None):
         return lambda x, w, s: F.linear(x, w)
     if mode == "quant":
         return lambda x, w, s: quantize_rows_triton(x, torch.int8)
-    if mode.endswith("_fq"):  # x: a tensor or `QuantizedRows`
+    if mode == "fp8_fq_exact":  # the variable is read as the kernels launch (or are captured)
+
+        def exact(x, w, s):
+            before = os.environ.get("PAGODA_FP8_FAST_ACCUM")
+            os.environ["PAGODA_FP8_FAST_ACCUM"] = "0"
+            try:
+                return scaled_mm(x, w, s)
+            finally:
+                if before is None:
+                    del os.environ["PAGODA_FP8_FAST_ACCUM"]
+                else:
+                    os.environ["PAGODA_FP8_FAST_ACCUM"] = before
+
+        return exact
+    if mode.endswith(("_fq", "_fq_exact")):  # x: a tensor or `QuantizedRows`
         return lambda x, w, s: scaled_mm(x, w, s)
     if mode == "int_mm":
         config = INT_MM
@@ -124,7 +140,7 @@ def gemm(mode: str, config=None):
 def _inputs(mode: str, shapes: dict, xs: list) -> list:
     """Each shape's input for a mode: for the _fq modes the layers of `PREQUANTIZED` get theirs
     quantized already (what RMSNorm / SiLU-and-mul hand them), made once outside the timing."""
-    if not mode.endswith("_fq"):
+    if "_fq" not in mode:
         return xs
     import torch
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
     PAGODA_W8A8_FUSED_QUANT: bool
+    PAGODA_FP8_FAST_ACCUM: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_S: float
@@ -265,6 +266,13 @@ VARIABLES: dict[str, EnvVar] = {
             "output per token as it writes it; 0: the layer quantizes its input with a kernel "
             "of its own.",
             _flag("PAGODA_W8A8_FUSED_QUANT", True),
+        ),
+        EnvVar(
+            "PAGODA_FP8_FAST_ACCUM", "flag", "1",
+            "1: FP8 GEMMs on sm_90 accumulate in the tensor cores' own precision across K (as "
+            "vLLM's FP8 kernels do: cuBLASLt's fast accumulation, and the Triton GEMM without "
+            "a float32 promotion every K tile); 0: each K tile's sum promoted to float32.",
+            _flag("PAGODA_FP8_FAST_ACCUM", True),
         ),
         EnvVar(
             "PAGODA_W8A16", "flag", "1",

@@ -22,6 +22,11 @@ one program per row), then the 8-bit product:
 - fp8 with config=SCALED_MM, the default from 65 rows: `torch._scaled_mm` with row-wise
   scales (both scales and the bias in cuBLASLt's epilogue).
 
+FP8 products accumulate as `fp8_fast_accum` says (PAGODA_FP8_FAST_ACCUM, on by default): in
+the tensor cores' own precision across K (Hopper's fp8 MMA adds with fewer mantissa bits than
+float32), as vLLM's FP8 kernels do, or with each K tile's sum promoted to float32 (cuBLASLt's
+`use_fast_accum=False`, the Triton GEMM's `max_num_imprecise_acc=BLOCK_K`).
+
 Semantics are `scaled_mm_ref`'s; the tests also run the kernels on a CPU through Triton's
 interpreter."""
 
@@ -34,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import envs
 from pagoda.kernels import pdl_enabled
 from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm, plain_quantized_mm
 from pagoda.kernels.skinny_gemm import (
@@ -555,15 +561,22 @@ def w8a8_gemm(
     return out
 
 
+def fp8_fast_accum() -> bool:
+    """Whether FP8 products accumulate in the tensor cores' own precision across K
+    (PAGODA_FP8_FAST_ACCUM, the default) rather than promoting each K tile's sum to float32."""
+    return envs.PAGODA_FP8_FAST_ACCUM
+
+
 def _launch_args(
     cfg: W8A8Config, x_q: torch.Tensor, w_q: torch.Tensor, bias: torch.Tensor | None
 ) -> dict:
-    # The constexprs and launch options both GEMM kernels take from a config.
+    # The constexprs and launch options both GEMM kernels take from a config. IMPRECISE: the
+    # fp8 MMA's additions between float32 promotions (None: Triton's default, none on sm_90).
     is_int = w_q.dtype == torch.int8
     return dict(
         HAS_BIAS=bias is not None,
         ACC_INT=is_int,
-        IMPRECISE=None if is_int else cfg.block_k,
+        IMPRECISE=None if is_int or fp8_fast_accum() else cfg.block_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -664,6 +677,7 @@ def _product(
             scale_a=x_scale,
             scale_b=w_scale.reshape(1, -1),
             out_dtype=torch.bfloat16,
+            use_fast_accum=fp8_fast_accum(),
         )
         y = y if y.dtype == out_dtype else y.to(out_dtype)
         return y if bias is None else y + bias

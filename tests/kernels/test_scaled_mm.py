@@ -362,6 +362,22 @@ def test_int8_config_table_covers_the_buckets_within_shared_memory() -> None:
             assert fp8_cands[0] == fp8 and SCALED_MM in fp8_cands and INT_MM not in fp8_cands
 
 
+def test_fp8_accumulation_follows_the_variable(monkeypatch) -> None:
+    # PAGODA_FP8_FAST_ACCUM: the fp8 MMA's additions between float32 promotions, none (the
+    # tensor cores' precision across K, the default) or each K tile's; int8 sums are exact.
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm_triton import _launch_args, choose_w8a8_config
+
+    cfg = choose_w8a8_config(16, 4096, 14336, FP8_DTYPE)
+    x8, w8 = torch.zeros(16, 64, dtype=torch.int8), torch.zeros(64, 64, dtype=torch.int8)
+    xf, wf = x8.view(FP8_DTYPE), w8.view(FP8_DTYPE)
+    monkeypatch.delenv("PAGODA_FP8_FAST_ACCUM", raising=False)
+    assert _launch_args(cfg, xf, wf, None)["IMPRECISE"] is None
+    monkeypatch.setenv("PAGODA_FP8_FAST_ACCUM", "0")
+    assert _launch_args(cfg, xf, wf, None)["IMPRECISE"] == cfg.block_k
+    assert _launch_args(cfg, x8, w8, None)["IMPRECISE"] is None
+
+
 # A fresh interpreter: a process that imported triton under TRITON_INTERPRET=1 (this module
 # does, without a GPU) cannot compile for real any more.
 _SM90_BUILD = """
@@ -471,6 +487,26 @@ def test_gpu_scaled_mm_matches_dequantize_then_matmul(dtype, k_n, m) -> None:
     # The same quantized operands up to a tie rounded otherwise; bf16 output.
     err = float((y.float() - ref).norm() / ref.norm())
     assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [16, 300])  # the Triton GEMM, cuBLASLt's
+def test_gpu_fp8_fast_and_exact_accumulation(monkeypatch, m) -> None:
+    # Both accumulations give the product within the 8-bit operands' error; promoting each K
+    # tile's sum to float32 keeps it near the bf16 output's rounding, on the deepest layer.
+    if not fp8_supported():
+        pytest.skip("no FP8 tensor cores on this GPU (sm_89+)")
+    x, w_q, w_scale, bias = _problem(
+        m, 14336, 4096, FP8_DTYPE, device="cuda", x_dtype=torch.bfloat16
+    )
+    ref = scaled_mm_ref(x, w_q, w_scale, bias).float()
+    errors = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FP8_FAST_ACCUM", fast)
+        y = scaled_mm(x, w_q, w_scale, bias).float()
+        errors[fast] = float((y - ref).norm() / ref.norm())
+    assert errors["1"] < 1e-2 and errors["0"] < 2e-3, errors
 
 
 @pytest.mark.gpu
