@@ -380,6 +380,9 @@ SCALED_MM = "scaled_mm"  # the config name of torch._scaled_mm, cuBLASLt's fp8 G
 # Programs a tile size must give to fill the H200's 132 SMs (two resident CTAs each at the
 # tiles' stage counts, less a ragged last wave); below it a smaller tile is taken.
 _MIN_PROGRAMS = 190
+# Programs for about one a SM: where no tile gives _MIN_PROGRAMS, one CTA an SM with a deeper
+# pipeline beats two of a smaller tile.
+_ONE_WAVE_PROGRAMS = 120
 
 
 class W8A8Config(NamedTuple):
@@ -426,10 +429,15 @@ def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
     - m <= 64 (decode): weight streaming. Swap-AB; 64 weight rows x 256-deep K tiles, 6 stages;
       wide N (>= 16384: gate_up) 128 x 128 tiles, 4 stages (3 from 64 rows); the deep down
       projection (k >= 2n) splits K in 2, so its few programs fill the SMs' memory pipes.
-    - larger: the largest of 128 x 128 (3 stages), 64 x 128 (4) and 64 x 64 (5) tiles, K 128,
-      that still gives `_MIN_PROGRAMS` programs. Stage counts keep two CTAs resident per SM
-      (96 / 96 / 80 KB of shared memory); one more stage and one CTA per SM was up to 1.4x
-      slower. GROUP_M 8 swizzle, so row tiles reuse weight tiles from L2.
+    - larger: the largest of 128 x 128 (3 stages) and 64 x 128 (4) tiles, K 128, that still
+      gives `_MIN_PROGRAMS` programs, stage counts that keep two CTAs resident per SM (96 KB
+      of shared memory each; one more stage and one CTA per SM was up to 1.4x slower there).
+      Where the larger tile gives fewer (the 4096-wide o and down projections at 256-512
+      rows) one CTA an SM with a deeper pipeline, 128 x 128 with 4 stages or 64 x 128 with
+      5, as long as the tile gives `_ONE_WAVE_PROGRAMS` (on the H100 down at 256 rows 50.1
+      against 55.6 us for 64 x 64 tiles, at 512 75.6 against 83.1 for 64 x 128 ones); else
+      64 x 64 with 5 stages (80 KB). GROUP_M 8 swizzle, so row tiles reuse weight tiles from
+      L2.
 
     `w8a8_config_candidates` lists the neighbours the sweep times."""
     if m <= 64:
@@ -441,8 +449,13 @@ def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
         return W8A8Config(bm, bn, bk, 1, stages, 4, True, split)
     if dtype != torch.int8:
         return SCALED_MM
-    for bm, bn, stages in ((128, 128, 3), (64, 128, 4)):
-        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= _MIN_PROGRAMS:
+    for bm, bn, stages, programs in (
+        (128, 128, 3, _MIN_PROGRAMS),
+        (128, 128, 4, _ONE_WAVE_PROGRAMS),
+        (64, 128, 4, _MIN_PROGRAMS),
+        (64, 128, 5, _ONE_WAVE_PROGRAMS),
+    ):
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= programs:
             return W8A8Config(bm, bn, 128, 8, stages, 4)
     return W8A8Config(64, 64, 128, 8, 5, 4)
 
