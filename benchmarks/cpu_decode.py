@@ -7,6 +7,7 @@ one-call decoder stack:
     PAGODA_CPU_POOL=0 python benchmarks/cpu_decode.py
     PAGODA_CPU_DECODER=0 python benchmarks/cpu_decode.py
     python benchmarks/cpu_decode.py --dtype float32     # a GGUF model's blocks kept quantized
+    python benchmarks/cpu_decode.py --quantization fp8  # its weights cast to FP8 at load
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", help="float32 keeps a GGUF model's blocks quantized")
     p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (cast at load)")
     args = p.parse_args()
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=1024,
         max_num_batched_tokens=1024,
         enable_prefix_caching=False,
@@ -45,7 +48,8 @@ def main() -> None:
     seconds(8)
     runs = [256 / (seconds(257) - seconds(1)) for _ in range(args.repeats)]
     switches = " ".join(
-        f"{name}={os.environ.get(name, '1')}" for name in ("PAGODA_CPU_POOL", "PAGODA_CPU_DECODER")
+        f"{name}={os.environ.get(name, '1')}"
+        for name in ("PAGODA_CPU_POOL", "PAGODA_CPU_DECODER", "PAGODA_CPU_QUANTIZED")
     )
     print(
         f"{switches} decode tok/s: median {statistics.median(runs):.1f}, "

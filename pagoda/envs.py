@@ -224,8 +224,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "PAGODA_CPU_QUANTIZED", "flag", "1",
             "0: AWQ/GPTQ layers on a CPU are dequantized at load (the dense reference), and int8 "
-            "W8A8 ones take the float32 reference product, instead of running as GGUF blocks in "
-            "the quantized CPU kernels.",
+            "W8A8 and FP8 ones take the float32 reference product, instead of running as GGUF "
+            "blocks in the quantized CPU kernels.",
             _flag("PAGODA_CPU_QUANTIZED", True),
         ),
         EnvVar(

@@ -155,13 +155,20 @@ def test_compressed_tensors_decompresses_pagoda_w8a8_to_the_same_weights(
         rows += d.shape[0]
 
 
-def test_fp8_at_load_runs_close_to_the_dense_model(tmp_path) -> None:
+@pytest.mark.parametrize("blocks", [True, False], ids=["q8_0-blocks", "fp8-reference"])
+def test_fp8_at_load_runs_close_to_the_dense_model(tmp_path, monkeypatch, blocks) -> None:
+    # On a CPU FP8 layers are requantized as Q8_0 blocks of the quantized GEMM;
+    # PAGODA_CPU_QUANTIZED=0 keeps the e4m3 weight for the float32 reference product.
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "1" if blocks else "0")
     make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias")
     seqs = _sequences(2, 32)
     dense, cfg = _load(tmp_path)
     fp8, _ = _load(tmp_path, "fp8")
     layer = fp8.model.layers[1].mlp.gate_up_proj
-    assert layer.weight.dtype == torch.float8_e4m3fn
+    if blocks:
+        assert layer.gguf_weight.type_name == "Q8_0" and not hasattr(layer, "weight_scale")
+    else:
+        assert layer.weight.dtype == torch.float8_e4m3fn
     assert _rel(_logits(fp8, cfg, seqs), _logits(dense, cfg, seqs)) < 0.1
 
 
@@ -171,6 +178,7 @@ def test_norms_and_activation_quantize_for_the_8bit_layers(tmp_path, monkeypatch
     # the torch references and the reference row quantization); o_proj quantizes its own.
     from pagoda.model.quantization import w8a8
 
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the 8-bit layers, not Q8_0 blocks
     make_tiny_checkpoint(tmp_path, "llama_mqa_attention_bias")
     seqs = _sequences(2, 32)
     fp8, cfg = _load(tmp_path, "fp8")
@@ -253,7 +261,10 @@ def _fp8_checkpoint(tmp_path, strategy: str, static_input: bool, vllm_format: bo
     ("strategy", "static_input", "vllm_format"),
     [("channel", False, False), ("tensor", True, False), ("tensor", True, True)],
 )
-def test_compressed_tensors_fp8_checkpoints_load(tmp_path, strategy, static_input, vllm_format):
+def test_compressed_tensors_fp8_checkpoints_load(
+    tmp_path, monkeypatch, strategy, static_input, vllm_format
+):
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the e4m3 weights and scales as loaded
     _fp8_checkpoint(tmp_path / "c", strategy, static_input, vllm_format)
     make_tiny_checkpoint(tmp_path / "d", "llama_gqa_tied_llama3_rope")
     seqs = _sequences(2, 32)
@@ -316,10 +327,8 @@ def test_dummy_presets_build_quantized_layers(tmp_path, quantization) -> None:
     make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
     model, cfg = _load(tmp_path / "config.json", quantization, load_format="dummy")
     layer = model.model.layers[0].mlp.down_proj
-    if quantization == "w8a8":  # a CPU runs int8 layers as Q8_0 blocks
+    if quantization in ("w8a8", "fp8"):  # a CPU runs int8 and FP8 layers as Q8_0 blocks
         assert layer.gguf_weight.type_name == "Q8_0"
-    elif quantization == "fp8":
-        assert layer.weight.dtype == torch.float8_e4m3fn
     else:  # a CPU runs 4-bit layers as GGUF blocks: random nibbles, non-zero weights
         assert layer.gguf_weight.type_name in ("Q4_0", "Q4_1")
         assert dequantize_weight(layer.gguf_weight).abs().sum() > 0
@@ -390,6 +399,49 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(
         torch.cuda.empty_cache()
     assert outs["eager"] == outs["graphs"] == outs["unfused"]
     assert all(len(t) == 8 for t in outs["eager"])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fp8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
+    """On a CPU an FP8 layer is requantized as Q8_0 blocks (each block's max / 127 its scale):
+    every weight within half a Q8_0 step of its e4m3 value, and the product no further from
+    the float one than the FP8 reference's (e4m3 activations per token)."""
+    from pagoda.kernels.cpu import quant
+    from pagoda.kernels.scaled_mm import quantize_weight, scaled_mm_ref
+    from pagoda.model.quantization.cpu_blocks import fp8_blocks
+    from pagoda.model.quantization.gguf import GGUFLinearMethod, dequantize_weight
+    from pagoda.model.quantization.w8a8 import _finish
+
+    if not quant.quant_kernel_available():
+        pytest.skip("the quantized CPU GEMM does not build here")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 256, generator=g)
+    x[:, 7] *= 20.0  # an outlier channel
+    w = torch.randn(96, 256, generator=g) * 0.05
+    w[3, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    bias = torch.randn(96, generator=g)
+    w_q, w_scale = quantize_weight(w, FP8_DTYPE)
+    layer = torch.nn.Module()
+    layer.params_dtype = x_dtype
+    _finish(layer, w_q, w_scale)
+    assert type(layer.linear_method) is GGUFLinearMethod
+    assert layer.gguf_weight.type_name == "Q8_0" and not hasattr(layer, "weight_scale")
+    ref_w = (w_q.float() * w_scale.reshape(-1, 1)).view(96, 8, 32)
+    half_step = ref_w.abs().amax(-1, keepdim=True) / 254 * (1 + 2**-10)  # d rounded to fp16
+    got = dequantize_weight(layer.gguf_weight).view(96, 8, 32)
+    assert ((got - ref_w).abs() <= half_step).all() and (got[3, 1] == 0).all()
+    y = layer.linear_method.apply(layer, x.to(x_dtype), bias.to(x_dtype)).double()
+    assert y.shape == (5, 96)
+    exact = x.double() @ w.double().T + bias.double()
+    ref = scaled_mm_ref(x, w_q, w_scale.reshape(-1), bias).double()
+    slack = 0.01 if x_dtype == torch.bfloat16 else 0.0
+    assert _rel(y, exact) <= _rel(ref, exact) + slack
+    # K not a multiple of 32, or a block's scale below fp16's normal range: the plain path
+    assert fp8_blocks(w_q[:, :250].contiguous(), w_scale) is None
+    assert fp8_blocks(w_q, torch.full((96,), 1e-9)) is None
+    plain = torch.nn.Module()
+    _finish(plain, w_q[:, :250].contiguous(), w_scale)
+    assert plain.weight.dtype == FP8_DTYPE and plain.weight_scale.shape == (96,)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])

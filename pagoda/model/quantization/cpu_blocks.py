@@ -1,4 +1,4 @@
-"""AWQ / GPTQ (and int8 W8A8, `int8_blocks`) layers on a CPU kept quantized: their codes, zero
+"""AWQ / GPTQ (and 8-bit W8A8 / FP8, `int8_blocks` / `fp8_blocks`) layers on a CPU kept quantized: their codes, zero
 points and scales rewritten at load as the GGUF blocks the quantized CPU GEMM reads (`pagoda.kernels.cpu.quant`: int8
 activations, AVX-512 VNNI / AVX2 / portable C), so a 4-bit checkpoint runs as a GGUF Q4 file
 does, with a quarter of the bf16 weight bytes, instead of dequantized to dense weights.
@@ -22,8 +22,8 @@ through that permutation before the product (`ActOrderGGUFLinearMethod`).
 The blocks are installed as a GGUF layer's (`layer.gguf_weight`, x8 layout): the layer path,
 the one-call C decoder stack and the reference path (blocks dequantized, F.linear; a layer's
 `fused_ops` off) treat them as they treat a GGUF file's. `PAGODA_CPU_QUANTIZED=0` dequantizes
-AWQ / GPTQ layers at load instead (the dense reference) and leaves int8 layers to the W8A8
-float32 reference.
+AWQ / GPTQ layers at load instead (the dense reference) and leaves int8 and FP8 layers to the
+W8A8 float32 reference.
 """
 
 from __future__ import annotations
@@ -127,6 +127,25 @@ def int8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> QuantWeight | None:
     if k % BLOCK or not bool(((d.float() >= 2**-14) & torch.isfinite(d)).all()):
         return None
     return _as_blocks(Q8_0, n, k, d[:, None].expand(n, k // BLOCK), w_q)
+
+
+def fp8_blocks(w_q: torch.Tensor, w_scale: torch.Tensor) -> QuantWeight | None:
+    """An FP8 (e4m3) weight [N, K] with per-channel scales [N] requantized as Q8_0 blocks:
+    w = e4m3 * scale, each 32-input block's d = fp16(max |w| / 127) and codes round(w / d),
+    so a weight moves by at most half a Q8_0 step, d / 2 <= max |w| / 254 (e4m3's own
+    rounding is up to 1/16 of the weight). Not exact, unlike `int8_blocks`; None where K is
+    not whole blocks or a nonzero block's d is outside fp16's normal range."""
+    n, k = w_q.shape
+    if k % BLOCK:
+        return None
+    w = (w_q.float() * w_scale.float().reshape(-1, 1)).view(n, k // BLOCK, BLOCK)
+    amax = w.abs().amax(-1)
+    d = (amax / 127).to(torch.float16)
+    if not bool(((d.float() >= 2**-14) | (amax == 0)).all() and torch.isfinite(d).all()):
+        return None
+    step = torch.where(d == 0, torch.ones_like(d), d).float()[..., None]
+    codes = torch.round(w / step).clamp(-127, 127).to(torch.int8)
+    return _as_blocks(Q8_0, n, k, d, codes)
 
 
 class ActOrderGGUFLinearMethod(GGUFLinearMethod):

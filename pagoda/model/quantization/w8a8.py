@@ -7,7 +7,8 @@ A layer holds weight [N, K] int8 or float8_e4m3fn and weight_scale [N] float32 (
 output channel; a checkpoint's per-tensor scales are spread over their shard's rows), and runs
 `pagoda.kernels.scaled_mm`: activations quantized per token at run time, the 8-bit GEMM, the
 scales after it. On a CPU an int8 layer becomes Q8_0 blocks of the quantized CPU GEMM instead
-(`cpu_blocks.int8_blocks`), a GGUF layer like a GGUF file's. compressed-tensors stores, per linear layer, `<prefix>.weight` (int8 / fp8)
+(`cpu_blocks.int8_blocks`, exact), an FP8 one too (`cpu_blocks.fp8_blocks`, requantized), a
+GGUF layer like a GGUF file's. compressed-tensors stores, per linear layer, `<prefix>.weight` (int8 / fp8)
 and `<prefix>.weight_scale` ([N, 1] for strategy "channel", [1] for "tensor"); the
 `config_groups` say which. Static activation scales (`input_scale`) are read and not used:
 every layer quantizes its activations per token, which is at least as accurate.
@@ -198,14 +199,16 @@ _RUN = W8A8LinearMethod()
 
 def _finish(layer: nn.Module, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
     """Install a loaded layer's 8-bit weight and per-channel scales: `W8A8LinearMethod`, or on
-    a CPU (float32 / bf16) for an int8 weight the Q8_0 blocks of the quantized CPU GEMM
-    (`cpu_blocks.int8_blocks`, a GGUF layer from then on) where they exist."""
+    a CPU (float32 / bf16) the Q8_0 blocks of the quantized CPU GEMM (a GGUF layer from then
+    on) where they exist: an int8 weight's codes as they are (`cpu_blocks.int8_blocks`), an
+    FP8 one requantized (`cpu_blocks.fp8_blocks`; the e4m3 product has no CPU kernel)."""
     if "input_scale" in layer._parameters:
         del layer._parameters["input_scale"]
     w_scale = w_scale.float().reshape(-1).contiguous()
     dtype = getattr(layer, "params_dtype", torch.float32)
-    if w_q.dtype == torch.int8 and cpu_blocks.cpu_blocks_enabled(w_q.device, dtype):
-        blocks = cpu_blocks.int8_blocks(w_q, w_scale)
+    if cpu_blocks.cpu_blocks_enabled(w_q.device, dtype):
+        to_blocks = cpu_blocks.int8_blocks if w_q.dtype == torch.int8 else cpu_blocks.fp8_blocks
+        blocks = to_blocks(w_q, w_scale)
         if blocks is not None:
             if "weight_scale" in layer._parameters:
                 del layer._parameters["weight_scale"]
