@@ -401,29 +401,39 @@ def test_gpu_engine_runs_8bit_dummy_weights_in_cuda_graphs(
     assert all(len(t) == 8 for t in outs["eager"])
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_cpu_fp8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
-    """On a CPU an FP8 layer is requantized as Q8_0 blocks (each block's max / 127 its scale):
-    every weight within half a Q8_0 step of its e4m3 value, and the product no further from
-    the float one than the FP8 reference's (e4m3 activations per token)."""
+def _cpu_8bit_layer(dtype: torch.dtype, x_dtype: torch.dtype):
+    """A 96 x 256 layer quantized per channel to `dtype` and installed as on a CPU (`_finish`),
+    with its input (an outlier channel, as LLM activations have), float weight and bias;
+    skips where the quantized CPU GEMM does not build."""
     from pagoda.kernels.cpu import quant
-    from pagoda.kernels.scaled_mm import quantize_weight, scaled_mm_ref
-    from pagoda.model.quantization.cpu_blocks import fp8_blocks
-    from pagoda.model.quantization.gguf import GGUFLinearMethod, dequantize_weight
     from pagoda.model.quantization.w8a8 import _finish
 
     if not quant.quant_kernel_available():
         pytest.skip("the quantized CPU GEMM does not build here")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 256, generator=g)
-    x[:, 7] *= 20.0  # an outlier channel
+    x[:, 7] *= 20.0
     w = torch.randn(96, 256, generator=g) * 0.05
-    w[3, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    w[3, 32:64] = 0.0  # an all-zero block
     bias = torch.randn(96, generator=g)
-    w_q, w_scale = quantize_weight(w, FP8_DTYPE)
+    w_q, w_scale = quantize_weight(w, dtype)
     layer = torch.nn.Module()
     layer.params_dtype = x_dtype
     _finish(layer, w_q, w_scale)
+    return x, w, bias, w_q, w_scale, layer
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fp8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
+    """On a CPU an FP8 layer is requantized as Q8_0 blocks (each block's max / 127 its scale):
+    every weight within half a Q8_0 step of its e4m3 value, and the product no further from
+    the float one than the FP8 reference's (e4m3 activations per token)."""
+    from pagoda.kernels.scaled_mm import scaled_mm_ref
+    from pagoda.model.quantization.cpu_blocks import fp8_blocks
+    from pagoda.model.quantization.gguf import GGUFLinearMethod, dequantize_weight
+    from pagoda.model.quantization.w8a8 import _finish
+
+    x, w, bias, w_q, w_scale, layer = _cpu_8bit_layer(FP8_DTYPE, x_dtype)
     assert type(layer.linear_method) is GGUFLinearMethod
     assert layer.gguf_weight.type_name == "Q8_0" and not hasattr(layer, "weight_scale")
     ref_w = (w_q.float() * w_scale.reshape(-1, 1)).view(96, 8, 32)
@@ -449,23 +459,12 @@ def test_cpu_int8_layers_run_the_quantized_cpu_gemm(x_dtype) -> None:
     """On a CPU an int8 layer becomes Q8_0 blocks of the quantized GEMM (its codes as they
     are, the per-channel scale in fp16, activations quantized per 32 values): no further from
     the float product than the per-token reference."""
-    from pagoda.kernels.cpu import quant
-    from pagoda.kernels.scaled_mm import quantize_weight, scaled_mm_ref
+    from pagoda.kernels.scaled_mm import scaled_mm_ref
     from pagoda.model.quantization.cpu_blocks import int8_blocks
     from pagoda.model.quantization.gguf import GGUFLinearMethod, dequantize_weight
     from pagoda.model.quantization.w8a8 import _finish
 
-    if not quant.quant_kernel_available():
-        pytest.skip("the quantized CPU GEMM does not build here")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 256, generator=g)
-    x[:, 7] *= 20.0  # an outlier channel
-    w = torch.randn(96, 256, generator=g) * 0.05
-    bias = torch.randn(96, generator=g)
-    w_q, w_scale = quantize_weight(w, torch.int8)
-    layer = torch.nn.Module()
-    layer.params_dtype = x_dtype
-    _finish(layer, w_q, w_scale)
+    x, w, bias, w_q, w_scale, layer = _cpu_8bit_layer(torch.int8, x_dtype)
     assert type(layer.linear_method) is GGUFLinearMethod
     assert layer.gguf_weight.type_name == "Q8_0" and not hasattr(layer, "weight_scale")
     # The blocks hold the codes and the scales rounded to fp16: at most 2**-11 of a weight.
