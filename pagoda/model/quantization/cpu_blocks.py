@@ -1,7 +1,8 @@
-"""AWQ / GPTQ (and 8-bit W8A8 / FP8, `int8_blocks` / `fp8_blocks`) layers on a CPU kept quantized: their codes, zero
-points and scales rewritten at load as the GGUF blocks the quantized CPU GEMM reads (`pagoda.kernels.cpu.quant`: int8
-activations, AVX-512 VNNI / AVX2 / portable C), so a 4-bit checkpoint runs as a GGUF Q4 file
-does, with a quarter of the bf16 weight bytes, instead of dequantized to dense weights.
+"""AWQ / GPTQ (and 8-bit W8A8 / FP8, `int8_blocks` / `fp8_blocks`) layers on a CPU kept
+quantized: their codes, zero points and scales rewritten at load as the GGUF blocks the
+quantized CPU GEMM reads (`pagoda.kernels.cpu.quant`: int8 activations, AVX-512 VNNI / AVX2 /
+portable C), so a 4-bit checkpoint runs as a GGUF Q4 file does, with a quarter of the bf16
+weight bytes, instead of dequantized to dense weights.
 
 A group of G inputs (a multiple of 32) with scale s and zero point z holds w = s * (q - z),
 so each of its 32-input blocks is

@@ -8,9 +8,9 @@ output channel; a checkpoint's per-tensor scales are spread over their shard's r
 `pagoda.kernels.scaled_mm`: activations quantized per token at run time, the 8-bit GEMM, the
 scales after it. On a CPU an int8 layer becomes Q8_0 blocks of the quantized CPU GEMM instead
 (`cpu_blocks.int8_blocks`, exact), an FP8 one too (`cpu_blocks.fp8_blocks`, requantized), a
-GGUF layer like a GGUF file's. compressed-tensors stores, per linear layer, `<prefix>.weight` (int8 / fp8)
-and `<prefix>.weight_scale` ([N, 1] for strategy "channel", [1] for "tensor"); the
-`config_groups` say which. Static activation scales (`input_scale`) are read and not used:
+GGUF layer like a GGUF file's. compressed-tensors stores, per linear layer, `<prefix>.weight`
+(int8 / fp8) and `<prefix>.weight_scale` ([N, 1] for strategy "channel", [1] for "tensor");
+the `config_groups` say which. Static activation scales (`input_scale`) are read and not used:
 every layer quantizes its activations per token, which is at least as accurate.
 
 A checkpoint whose tensors do not match its quantization_config (a float weight where it
