@@ -145,9 +145,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )  # fmt: skip
     model, hf_config, max_model_len = engine_args.check_model_config()
     sc = engine_args._scheduler_config(max_model_len, async_scheduling=False)  # noqa: SLF001
-    dtype = resolve_dtype(args.dtype, hf_config, device)
     qc = hf_config.get("quantization_config")
     quant = args.quantization or (qc.get("quant_method") if isinstance(qc, dict) else None)
+    dtype = resolve_dtype(args.dtype, hf_config, device, quant)
     tp = args.tensor_parallel_size
     shape = est.ModelShape.from_hf_config(hf_config)
     if shape.num_attention_heads % tp:

@@ -55,7 +55,7 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
-def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
+def _cpu_default_dtype(hf_config: dict[str, Any], quantization: str | None = None) -> str:
     """`dtype="auto"` on a CPU: what ran faster (`pagoda bench throughput --num-prompts 16
     --input-len 64:256 --output-len 64:256 --seed 0`, the two dtypes one after the other).
 
@@ -87,27 +87,32 @@ def _cpu_default_dtype(hf_config: dict[str, Any]) -> str:
     benchmarks/runner_step_bench.py --dtype float32 --quantization gguf | --dtype bfloat16
     --batch 1 8 32 64 --context 192 --prefill 512`); offline throughput favours bf16 there.
     `--dtype bfloat16` dequantizes at load. Without a compiler the blocks are
-    dequantized and the torch rule below applies."""
+    dequantized and the torch rule below applies, as it does where `quantization` asks for
+    another format (`fp8`: the file's weights dequantized, then cast at load)."""
     from pagoda.utils import cpu_build as build  # stdlib only: no torch in the front end
 
     flags = set(build.cpu_flags().split())
     fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     quant = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if quant == "gguf" and build.compiler_available():
+    if quant == "gguf" and quantization in (None, "gguf") and build.compiler_available():
         return "float32"
     if envs.PAGODA_CPU_FAST_OPS and build.compiler_available():
         return "bfloat16"
     return "bfloat16" if fast_bf16 else "float32"
 
 
-def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
+def resolve_dtype(
+    dtype: str, hf_config: dict[str, Any], device: str, quantization: str | None = None
+) -> str:
+    """The model dtype `dtype` names; "auto": the checkpoint's on a GPU, on a CPU
+    `_cpu_default_dtype` (which takes the `quantization` asked for into account)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
     if dtype != "auto":
         return dtype
     if device == "cpu":
-        return _cpu_default_dtype(hf_config)
+        return _cpu_default_dtype(hf_config, quantization)
     ckpt = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
     ckpt = ckpt.replace("torch.", "")
     return ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
@@ -273,7 +278,7 @@ class EngineArgs:
         from pagoda.model.loader.hf_config import kv_cache_sliding_window
 
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, hf_config, device)
+        dtype = resolve_dtype(self.dtype, hf_config, device, quantization)
         if device == "cpu" and self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
             logger.warning(
                 "gpu_memory_utilization=%s is ignored on a CPU: the KV cache takes "

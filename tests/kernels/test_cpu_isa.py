@@ -149,7 +149,11 @@ def test_auto_dtype_on_a_cpu(monkeypatch, flags, compiler, fast_ops, gguf, expec
     monkeypatch.setenv("PAGODA_CPU_FAST_OPS", fast_ops)
     hf_config = {"quantization_config": {"quant_method": "gguf"}} if gguf else {}
     assert resolve_dtype("auto", hf_config, "cpu") == expected
+    assert resolve_dtype("auto", hf_config, "cpu", "gguf") == expected
     assert resolve_dtype("float32", hf_config, "cpu") == "float32"  # an explicit dtype stays
+    # FP8 asked of a GGUF file: its blocks dequantized at load, so the rule of dense models
+    dense = resolve_dtype("auto", {}, "cpu")
+    assert resolve_dtype("auto", hf_config, "cpu", "fp8") == dense
 
 
 @pytest.mark.parametrize(
