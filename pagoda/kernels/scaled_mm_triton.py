@@ -223,9 +223,10 @@ def _w8a8_gemm_kernel(
 ):
     """c[M, N] = (a[M, K] @ b[N, K]^T) * xs[M] * ws[N] (+ bias[N]); a and b both int8 (an
     int32 accumulator, ACC_INT) or both float8 e4m3 (float32; Hopper's fp8 MMA adds with
-    fewer mantissa bits, so each K tile's sum is added to the float32 accumulator: IMPRECISE,
-    Triton's max_num_imprecise_acc, is BLOCK_K, or None for int8). PDL: launched as a
-    programmatic dependent of the kernel before it (`triton_pdl`)."""
+    fewer mantissa bits: IMPRECISE, Triton's max_num_imprecise_acc, is BLOCK_K where each K
+    tile's sum is promoted to the float32 accumulator, None for int8 and for fp8 fast
+    accumulation, `fp8_fast_accum`). PDL: launched as a programmatic dependent of the kernel
+    before it (`triton_pdl`)."""
     dependent_start(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
