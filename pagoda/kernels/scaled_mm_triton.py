@@ -381,9 +381,11 @@ SCALED_MM = "scaled_mm"  # the config name of torch._scaled_mm, cuBLASLt's fp8 G
 # Programs a tile size must give to fill the H200's 132 SMs (two resident CTAs each at the
 # tiles' stage counts, less a ragged last wave); below it a smaller tile is taken.
 _MIN_PROGRAMS = 190
-# Programs for about one a SM: where no tile gives _MIN_PROGRAMS, one CTA an SM with a deeper
-# pipeline beats two of a smaller tile.
-_ONE_WAVE_PROGRAMS = 120
+# Programs of one wave, about one a SM of the 132: where no tile gives _MIN_PROGRAMS, one CTA an
+# SM with a deeper pipeline beats two of a smaller tile; a few programs past the SMs leave a
+# second wave almost empty (on the H100 qkv at 384 rows, 144 programs of 128 x 128 tiles: 41.6
+# against 35.0 us for 288 of 64 x 128).
+_ONE_WAVE_PROGRAMS = range(120, 133)
 
 
 class W8A8Config(NamedTuple):
@@ -435,9 +437,9 @@ def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
       of shared memory each; one more stage and one CTA per SM was up to 1.4x slower there).
       Where the larger tile gives fewer (the 4096-wide o and down projections at 256-512
       rows) one CTA an SM with a deeper pipeline, 128 x 128 with 4 stages or 64 x 128 with
-      5, as long as the tile gives `_ONE_WAVE_PROGRAMS` (on the H100 down at 256 rows 50.1
-      against 55.6 us for 64 x 64 tiles, at 512 75.6 against 83.1 for 64 x 128 ones); else
-      64 x 64 with 5 stages (80 KB). GROUP_M 8 swizzle, so row tiles reuse weight tiles from
+      5, as long as the tile gives one wave, `_ONE_WAVE_PROGRAMS` (on the H100 down at 256
+      rows 50.5 against 55.8 us for 64 x 64 tiles, at 512 75.4 against 82.2 for 64 x 128
+      ones); else 64 x 64 with 5 stages (80 KB). GROUP_M 8 swizzle, so row tiles reuse weight tiles from
       L2.
 
     `w8a8_config_candidates` lists the neighbours the sweep times."""
@@ -450,13 +452,14 @@ def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
         return W8A8Config(bm, bn, bk, 1, stages, 4, True, split)
     if dtype != torch.int8:
         return SCALED_MM
+    many = range(_MIN_PROGRAMS, 1 << 31)
     for bm, bn, stages, programs in (
-        (128, 128, 3, _MIN_PROGRAMS),
+        (128, 128, 3, many),
         (128, 128, 4, _ONE_WAVE_PROGRAMS),
-        (64, 128, 4, _MIN_PROGRAMS),
+        (64, 128, 4, many),
         (64, 128, 5, _ONE_WAVE_PROGRAMS),
     ):
-        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= programs:
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) in programs:
             return W8A8Config(bm, bn, 128, 8, stages, 4)
     return W8A8Config(64, 64, 128, 8, 5, 4)
 

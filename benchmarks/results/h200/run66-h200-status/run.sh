@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. #13's figures on the H200 they are set for (the last H200 runs were 50 and
+# #13's figures on the H200 they are set for (the last H200 runs were 50 and
 # 32-45; every run since came on an H100), with the code as it is: the int8 tile rule against
 # the rule before it (run 65's rule_check.py), the W8A8 / FP8 step table (FP8 fast
 # accumulation, fp8_fq_exact beside it), whole W4A16 decode steps, single-stream AWQ and bf16
