@@ -228,15 +228,22 @@ def sweep(args, dev, shapes, weights, m_values, dtype, g, mode: str = "int8") ->
     (int8 or fp8)."""
     import torch
 
+    from pagoda.kernels import w8a8_wgmma
     from pagoda.kernels.scaled_mm import FP8_DTYPE
-    from pagoda.kernels.scaled_mm_triton import INT_MM, SCALED_MM, w8a8_config_candidates
+    from pagoda.kernels.scaled_mm_triton import (
+        INT_MM,
+        SCALED_MM,
+        W8A8Config,
+        w8a8_config_candidates,
+    )
     from pagoda.kernels.skinny_gemm import prepare
 
     qdtype = torch.int8 if mode == "int8" else FP8_DTYPE
     library = INT_MM if mode == "int8" else SCALED_MM
     plan = {}
     for (name, (n, k)), m in ((s, m) for s in shapes.items() for m in m_values):
-        cands = w8a8_config_candidates(m, n, k, qdtype)
+        wgmma = dev.on_gpu and w8a8_wgmma.available(torch.device(dev.device))
+        cands = w8a8_config_candidates(m, n, k, qdtype, wgmma)
         if args.tiny:  # a few, one split-K among them
             cands = cands[:3] + [c for c in cands[3:] if c.split_k > 1][:1]
         plan[name, m] = cands
@@ -247,7 +254,7 @@ def sweep(args, dev, shapes, weights, m_values, dtype, g, mode: str = "int8") ->
         for (name, m), cands in plan.items():
             n, k = shapes[name]
             for c in cands:
-                if not isinstance(c, str):
+                if isinstance(c, W8A8Config):  # Triton's; the CUDA kernel builds in-process
                     job = (m, n, k, tuple(c), dev.device, str(qdtype).split(".")[-1])
                     todo.setdefault(_compile_key(m, k, c), job)
         precompile(_precompile_one, todo.values(), args.jobs, cpu=False)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
     PAGODA_W8A8_FUSED_QUANT: bool
+    PAGODA_W8A8_CUDA: bool
     PAGODA_FP8_FAST_ACCUM: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
@@ -266,6 +267,12 @@ VARIABLES: dict[str, EnvVar] = {
             "output per token as it writes it; 0: the layer quantizes its input with a kernel "
             "of its own.",
             _flag("PAGODA_W8A8_FUSED_QUANT", True),
+        ),
+        EnvVar(
+            "PAGODA_W8A8_CUDA", "flag", "1",
+            "0: int8 W8A8 layers on sm_90 take the Triton GEMM where the rule would take the "
+            "CUDA wgmma kernel (many rows).",
+            _flag("PAGODA_W8A8_CUDA", True),
         ),
         EnvVar(
             "PAGODA_FP8_FAST_ACCUM", "flag", "1",

@@ -6,7 +6,9 @@ per output channel (int8 or float8 e4m3) and activations quantized per token at 
 - CUDA, int8: one Triton kernel quantizes each row of x (absmax / 127), then one Triton GEMM
   multiplies the int8 operands on the tensor cores into int32 accumulators and scales them in
   its epilogue (x_scale * w_scale, + bias), writing the model dtype once; its tiles come from a
-  fixed rule by shape (`scaled_mm_triton.choose_w8a8_config`). The alternative it
+  fixed rule by shape (`scaled_mm_triton.choose_w8a8_config`). On sm_90 from 65 rows a CUDA
+  kernel takes its place (`w8a8_wgmma.py`: warp-specialized, TMA copies and wgmma, the same
+  epilogue). The alternative it
   replaces, `torch._int_mm` (cuBLASLt, an int32 [M, N] product in memory, more than 16 rows)
   and a separate epilogue kernel, stays selectable (config="int_mm") for comparison.
 - CUDA sm_89+, fp8: the same row quantization (absmax / 448), then up to 64 rows the same

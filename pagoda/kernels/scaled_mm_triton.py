@@ -17,6 +17,9 @@ one program per row), then the 8-bit product:
   operands' tiles brought by the copy engine (TMA, `_w8a8_tma_kernel`; one program a tile or
   persistent) is among the configs `w8a8_config_candidates` gives a sweep from 65 rows; the
   rule does not take it until a sweep says so.
+- int8 from 65 rows on sm_90: the CUDA kernel of `w8a8_wgmma.py` (a producer warp issuing
+  TMA copies, consumer warpgroups issuing wgmma, the epilogue through shared memory), faster
+  than every Triton tile there (`PAGODA_W8A8_CUDA=0`: the Triton GEMM).
 - int8 with config=INT_MM: `torch._int_mm` (cuBLASLt, int32 out) and the epilogue kernel,
   kept so that benchmarks/w8a8_bench.py can compare the two.
 - fp8 with config=SCALED_MM, the default from 65 rows: `torch._scaled_mm` with row-wise
@@ -40,7 +43,7 @@ import triton
 import triton.language as tl
 
 from pagoda import envs
-from pagoda.kernels import pdl_enabled
+from pagoda.kernels import pdl_enabled, w8a8_wgmma
 from pagoda.kernels.scaled_mm import FP8_MAX, INT8_MAX, _plain_scaled_mm, plain_quantized_mm
 from pagoda.kernels.skinny_gemm import (
     MAX_SPLIT_TILES,
@@ -52,6 +55,7 @@ from pagoda.kernels.skinny_gemm import (
     sum_splits,
 )
 from pagoda.kernels.triton_pdl import dependent_start
+from pagoda.kernels.w8a8_wgmma import WgmmaW8A8Config
 
 
 @triton.jit
@@ -422,9 +426,18 @@ def rows_tile(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
-    """The 8-bit GEMM of an [m, k] x [n, k]^T product: a `W8A8Config` of the fused kernel, or
-    `SCALED_MM` (fp8 from 65 rows: cuBLASLt's fp8 GEMM was faster there on the H200). A fixed
+def choose_w8a8_config(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.int8,
+    wgmma: bool = False,
+    num_sms: int = 132,
+) -> W8A8Config | WgmmaW8A8Config | str:
+    """The 8-bit GEMM of an [m, k] x [n, k]^T product: a `W8A8Config` of the fused kernel,
+    `SCALED_MM` (fp8 from 65 rows: cuBLASLt's fp8 GEMM was faster there on the H200), or with
+    `wgmma` (sm_90, `w8a8_wgmma.available`) int8 from 65 rows the CUDA kernel's
+    (`w8a8_wgmma.choose_config` for `num_sms` SMs: faster than every Triton tile there). A fixed
     rule (deterministic, nothing measured at run time, so CUDA graphs capture it), fitted to
     `benchmarks/w8a8_bench.py --sweep` on the Llama-3-8B shapes (within 5% of the best config
     per shape at every row count):
@@ -452,6 +465,8 @@ def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
         return W8A8Config(bm, bn, bk, 1, stages, 4, True, split)
     if dtype != torch.int8:
         return SCALED_MM
+    if wgmma:
+        return w8a8_wgmma.choose_config(m, n, k, num_sms)
     many = range(_MIN_PROGRAMS, 1 << 31)
     for bm, bn, stages, programs in (
         (128, 128, 3, many),
@@ -465,15 +480,20 @@ def choose_w8a8_config(m: int, n: int, k: int, dtype: torch.dtype = torch.int8):
 
 
 def w8a8_config_candidates(
-    m: int, n: int, k: int, dtype: torch.dtype = torch.int8
-) -> list[W8A8Config | str]:
+    m: int, n: int, k: int, dtype: torch.dtype = torch.int8, wgmma: bool = False
+) -> list[W8A8Config | WgmmaW8A8Config | str]:
     """The configs a sweep times for [m, k] x [n, k]^T: the chosen one first, then the
-    library GEMM (`INT_MM` for int8, `SCALED_MM` for fp8) and the rule's neighbours (tile
+    library GEMM (`INT_MM` for int8, `SCALED_MM` for fp8), with `wgmma` int8 from 65 rows the
+    CUDA kernel's tiles (`w8a8_wgmma.candidates`), and the Triton rule's neighbours (tile
     sizes, stages, warps, swap-AB, split-K) that fit an SM's shared memory."""
     library = INT_MM if dtype == torch.int8 else SCALED_MM
-    out: list[W8A8Config | str] = [choose_w8a8_config(m, n, k, dtype)]
+    out: list[W8A8Config | WgmmaW8A8Config | str] = [choose_w8a8_config(m, n, k, dtype, wgmma)]
     if library not in out:
         out.append(library)
+    if wgmma and dtype == torch.int8 and m > 64:
+        out += [c for c in w8a8_wgmma.candidates(m, n, k) if c not in out]
+        if choose_w8a8_config(m, n, k, dtype) not in out:
+            out.append(choose_w8a8_config(m, n, k, dtype))
     cands: list[W8A8Config] = []
     if m <= 128:
         bm = rows_tile(m)
@@ -515,7 +535,7 @@ def w8a8_gemm(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    config: W8A8Config | None = None,
+    config: W8A8Config | WgmmaW8A8Config | None = None,
 ) -> torch.Tensor:
     """(x_q [M, K] @ w_q [N, K]^T) * x_scale [M(, 1)] * w_scale [N] (+ bias [N]) -> [M, N]
     `out_dtype`, in one kernel (`choose_w8a8_config` unless `config`). The operands are both
@@ -536,6 +556,14 @@ def w8a8_gemm(
     cfg = config or choose_w8a8_config(m, n, k, w_q.dtype)
     if isinstance(cfg, str):
         raise ValueError(f"w8a8_gemm runs the fused kernel; {cfg} is scaled_mm_cuda's choice")
+    if isinstance(cfg, WgmmaW8A8Config):
+        reason = w8a8_wgmma.unsupported_reason(x_q, w_q, out_dtype, bias)
+        if reason is not None:
+            raise ValueError(f"{cfg.name}: {reason}")
+        y = w8a8_wgmma.w8a8_wgmma(x_q, x_scale, w_q, w_scale, bias, out_dtype, cfg)
+        if y is not None:
+            return y
+        cfg = choose_w8a8_config(m, n, k, w_q.dtype)  # not built: the Triton GEMM
     check_tiles(cfg.split_k, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k)
     if cfg.block_k < 32:
         raise ValueError(f"block_k must be >= 32 for 8-bit tensor cores, got {cfg.block_k}")
@@ -649,15 +677,18 @@ def _launch_tma(
 
 
 def _cuda_path(
-    m: int, w_q: torch.Tensor, config: W8A8Config | str | None
-) -> W8A8Config | str | None:
-    """The product's kernel for m rows: a `W8A8Config` of the fused GEMM, `INT_MM` or
-    `SCALED_MM`; None where none runs these operands (the plain path)."""
+    m: int, w_q: torch.Tensor, config: W8A8Config | WgmmaW8A8Config | str | None
+) -> W8A8Config | WgmmaW8A8Config | str | None:
+    """The product's kernel for m rows: a `W8A8Config` of the fused GEMM, a `WgmmaW8A8Config`
+    of the CUDA int8 kernel (sm_90, from 65 rows), `INT_MM` or `SCALED_MM`; None where none
+    runs these operands (the plain path)."""
     from pagoda.kernels.scaled_mm import fp8_supported
 
     n, k = w_q.shape
     if w_q.dtype == torch.int8:
-        cfg = config or choose_w8a8_config(m, n, k)
+        wgmma = m > 64 and w8a8_wgmma.available(w_q.device)
+        num_sms = _num_sms(w_q.device) if wgmma else 132
+        cfg = config or choose_w8a8_config(m, n, k, wgmma=wgmma, num_sms=num_sms)
         if cfg != INT_MM and w_q.stride(1) == 1:
             return cfg
         if k % 8 == 0 and n % 8 == 0:
@@ -679,9 +710,13 @@ def _product(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     rows: int,
-    cfg: W8A8Config | str,
+    cfg: W8A8Config | WgmmaW8A8Config | str,
 ) -> torch.Tensor:
     # x_q may hold padding rows past `rows` (torch._int_mm's); x_scale has `rows`.
+    if isinstance(cfg, WgmmaW8A8Config) and w8a8_wgmma.unsupported_reason(
+        x_q, w_q, out_dtype, bias
+    ):
+        cfg = choose_w8a8_config(rows, w_q.shape[0], w_q.shape[1], w_q.dtype)  # Triton's
     if cfg == INT_MM:
         acc = torch._int_mm(x_q, w_q.t())  # [M', N] int32; w_q.t() column-major, as cuBLAS likes
         return int8_epilogue(acc, x_scale, w_scale, bias, out_dtype, rows)
@@ -711,7 +746,7 @@ def scaled_mm_cuda(
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    config: W8A8Config | str | None = None,
+    config: W8A8Config | WgmmaW8A8Config | str | None = None,
 ) -> torch.Tensor:
     """x [M, K] on CUDA times w_q [N, K] (int8 or fp8, w_scale [N] float32): x quantized per
     row (`quantize_rows_triton`), then the tensor-core product where the shapes allow it, the
@@ -735,7 +770,7 @@ def quantized_mm_cuda(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    config: W8A8Config | str | None = None,
+    config: W8A8Config | WgmmaW8A8Config | str | None = None,
 ) -> torch.Tensor:
     """`scaled_mm_cuda` on x quantized already (x_q [M, K] of w_q's dtype, x_scale [M, 1]
     float32): the same product kernels, no quantization."""

@@ -1,0 +1,205 @@
+// INT8 W8A8 GEMM on sm_90a: y[m, n] = ((float)(sum_k xq[m, k] wq[n, k]) * xs[m]) * ws[n]
+// (+ bias[n]), the int8 products exact in int32, the epilogue in float32 in the order of the
+// Triton kernel (`scaled_mm_triton._epilogue`), y bf16 (BF16) or fp16.
+//
+// Warp-specialized, as CUTLASS's sm90 TMA GEMMs are: warpgroups 0..CONSUMERS-1 are the
+// consumers, each taking 64 rows of x (the wgmma M side) against all BN weight rows of the CTA
+// (its N side, m64nBNk32 s8 x s8 -> s32); the warp after them is the producer (one thread
+// issues every copy). A producer warp rather than a warpgroup leaves the registers for two
+// CTAs of 128 x 128 an SM (288 threads, 113 registers each), so one CTA's epilogue and
+// pipeline fill overlap the other's main loop.
+// A K step is 128 inputs (one 128-byte row of each operand, the 128-byte swizzle's span): the
+// producer copies a step's x tile [BM x 128] and weight tile [BN x 128] by the TMA unit (two
+// tensor maps, 128-byte swizzle, rows past M or N and inputs past K zero-filled) into stage
+// i % STAGES, completing on that stage's `full` mbarrier; each consumer warp waits for it,
+// issues the step's four k32 wgmmas, commits, waits for the step before's wgmmas and then
+// arrives on that step's `empty` mbarrier, which the producer waits on before refilling the
+// stage. Both operands are K-major, as 8-bit wgmma requires; the descriptors are those of
+// `w4a16_wgmma.cu`'s B (1024-byte atoms of 8 rows, 128-byte swizzle), a k32 step 32 bytes on.
+//
+// The CTA at blockIdx (x, y) covers x rows [BM x, +BM) and weight rows [BN y, +BN): CTAs next
+// to each other share a weight tile, read from DRAM once and from L2 after.
+//
+// Epilogue: each consumer scales its accumulators, (acc * xs[m]) * ws[n] (+ bias[n]), writes
+// them as 16-bit pairs into its 64 x BN tile in shared memory (the pipeline's, free once every
+// consumer is past its last wgmma; rows padded 16 bytes so that a warp's pairs hit 32 banks),
+// then stores the tile row by row in 16-byte pieces (N a multiple of 8).
+//
+// Compile-time constants (-D): BF16, BM (64 or 128), BN (64, 128 or 256), STAGES, HAS_BIAS,
+// PDL, CTAS_PER_SM. WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is defined before
+// this source (`w8a8_wgmma.py` writes it for BN), as are the helpers of `w4a16_device.cuh`.
+
+#define BK 128
+#define CONSUMERS (BM / 64)
+#define THREADS (128 * CONSUMERS + 32)
+#define OUT_ROW_BYTES (2 * BN + 16)  // a row of a consumer's output tile in shared memory
+#define A_BYTES (BM * BK)
+#define STAGE_BYTES ((BM + BN) * BK)
+static_assert(CONSUMERS * 64 * OUT_ROW_BYTES <= STAGES * STAGE_BYTES,
+              "the output tiles reuse the pipeline's shared memory");
+
+struct __align__(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// Box (k, row) of `map` into shared `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// The descriptor of a K-major tile at `tile` (1024-aligned rows of 128 bytes): start address,
+// leading offset 16 (unused by the swizzled layout), stride 1024 bytes between 8-row atoms,
+// 128-byte swizzle.
+__device__ __forceinline__ unsigned long long desc(u32 tile) {
+  return (unsigned long long)((tile & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
+         (1ull << 62);
+}
+
+// (acc * xs) * ws (+ b), each operation rounded (no FMA contraction under --use_fast_math).
+__device__ __forceinline__ float scaled(int acc, float xs, float ws, float b) {
+  const float v = __fmul_rn(__fmul_rn((float)acc, xs), ws);
+#if HAS_BIAS
+  return __fadd_rn(v, b);
+#else
+  return v;
+#endif
+}
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  return (u32)from_f32(lo) | ((u32)from_f32(hi) << 16);
+}
+
+// @WGMMA@
+
+extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
+    pagoda_w8a8_wgmma(const __grid_constant__ TensorMap x_map,
+                      const __grid_constant__ TensorMap w_map, u16* __restrict__ y,
+                      const float* __restrict__ x_scale, const float* __restrict__ w_scale,
+                      const u16* __restrict__ bias, int M, int N, int K, int stride_y) {
+  extern __shared__ unsigned char smem_raw[];  // STAGES x (x tile, weight tile), 1024-aligned
+  __shared__ __align__(8) unsigned long long full[STAGES];   // a stage's tiles have landed
+  __shared__ __align__(8) unsigned long long empty[STAGES];  // every consumer warp is done
+  __shared__ float ws_tile[BN], bias_tile[BN];  // the CTA's weight rows' scales and bias
+  const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  const int steps = (K + BK - 1) / BK;
+  const u32 full0 = smem_addr(full), empty0 = smem_addr(empty);
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&x_map))
+                 : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&w_map))
+                 : "memory");
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4 * CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 4 * CONSUMERS) {  // the producer warp: one thread copies
+    if (lane == 0) {
+      // The weights never change: the first stages' weight tiles load before the kernel
+      // before this one (which writes x and its scales) has ended.
+      for (int i = 0; i < STAGES && i < steps; ++i) {
+        mbar_expect_tx(full0 + 8 * i, STAGE_BYTES);
+        tma_load(tiles + i * STAGE_BYTES + A_BYTES, &w_map, i * BK, n0, full0 + 8 * i);
+      }
+      grid_wait();
+      launch_dependents();
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % STAGES;
+        const u32 stage = tiles + s * STAGE_BYTES, bar = full0 + 8 * s;
+        if (i >= STAGES) {
+          mbar_wait(empty0 + 8 * s, (i / STAGES - 1) & 1);
+          mbar_expect_tx(bar, STAGE_BYTES);
+          tma_load(stage + A_BYTES, &w_map, i * BK, n0, bar);
+        }
+        tma_load(stage, &x_map, i * BK, m0, bar);
+      }
+    }
+    return;
+  }
+
+  for (int i = tid; i < BN; i += 128 * CONSUMERS) {  // read by the epilogue, after a barrier
+    const int n = min(n0 + i, N - 1);  // past N: never stored
+    ws_tile[i] = w_scale[n];
+#if HAS_BIAS
+    bias_tile[i] = to_f32<BF16>(bias[n]);
+#else
+    bias_tile[i] = 0.f;
+#endif
+  }
+  grid_wait();  // x_scale is written by the kernel before; y may still be read by it
+  const int c = warp / 4, wq = warp & 3;  // consumer warpgroup, its warp
+  int acc[BN / 2];
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) acc[j] = 0;
+  for (int i = 0; i < steps; ++i) {
+    const int s = i % STAGES;
+    mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+    const u32 stage = tiles + s * STAGE_BYTES;
+    const unsigned long long da = desc(stage + c * 64 * BK), db = desc(stage + A_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) WGMMA(acc, da + 2 * kk, db + 2 * kk);
+    wgmma_commit();
+    wgmma_wait<1>();  // the step before's wgmmas are done: its stage is free
+    if (i > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+r"(acc[j])::"memory");
+
+  // acc[4j + e]: x row 16 wq + g + 8 (e / 2) of the warpgroup's 64, weight row 8j + 2t + e % 2.
+  asm volatile("bar.sync 1, %0;" ::"n"(128 * CONSUMERS) : "memory");  // every wgmma has ended
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = 16 * wq + g;
+  const int r0 = m0 + 64 * c + row0, r1 = r0 + 8;
+  const float xs0 = r0 < M ? x_scale[r0] : 0.f, xs1 = r1 < M ? x_scale[r1] : 0.f;
+  unsigned char* out = smem_raw + (tiles - smem_addr(smem_raw)) + c * 64 * OUT_ROW_BYTES;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = 8 * j + 2 * t;
+    const float ws0 = ws_tile[col], ws1 = ws_tile[col + 1];
+    const float b0 = bias_tile[col], b1 = bias_tile[col + 1];
+    *reinterpret_cast<u32*>(out + row0 * OUT_ROW_BYTES + 2 * col) =
+        pack2(scaled(acc[4 * j], xs0, ws0, b0), scaled(acc[4 * j + 1], xs0, ws1, b1));
+    *reinterpret_cast<u32*>(out + (row0 + 8) * OUT_ROW_BYTES + 2 * col) =
+        pack2(scaled(acc[4 * j + 2], xs1, ws0, b0), scaled(acc[4 * j + 3], xs1, ws1, b1));
+  }
+  if (c == 0)  // the warpgroup's tile is whole (a barrier of its own: ids known at compile time)
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 3, 128;" ::: "memory");
+  const int tig = tid & 127;
+#pragma unroll
+  for (int q = tig; q < 64 * (BN / 8); q += 128) {
+    const int row = q / (BN / 8), col = 8 * (q % (BN / 8));
+    const int m = m0 + 64 * c + row, n = n0 + col;
+    if (m < M && n < N)
+      *reinterpret_cast<uint4*>(y + (long long)m * stride_y + n) =
+          *reinterpret_cast<const uint4*>(out + row * OUT_ROW_BYTES + 2 * col);
+  }
+}

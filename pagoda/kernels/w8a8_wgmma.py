@@ -1,0 +1,233 @@
+"""INT8 W8A8 GEMM on Hopper as a warp-specialized CUDA kernel (`w8a8_wgmma.cu`: a producer
+warpgroup issuing TMA copies through tensor maps, consumer warpgroups issuing wgmma, mbarriers
+between them), for the many-row products where the Triton GEMM (`scaled_mm_triton.w8a8_gemm`:
+each warp both loads and multiplies) stays near half of the int8 tensor cores' rate.
+
+It covers: sm_90 (wgmma and the TMA unit; NVRTC target "90a"), int8 x int8 with K-contiguous
+rows 16-byte aligned (K a multiple of 16; a ragged last K step is zero-filled by the copy),
+N a multiple of 8, a bf16 or fp16 output and bias. Compiled at first use with NVRTC, once per variant,
+never during CUDA-graph capture. `scaled_mm.plain_quantized_mm` stays its reference in the
+tests. The tensor maps (`cuTensorMapEncodeTiled` through the driver) are made on the host at
+each call, cached by what they encode (address, shape, stride, box), so that a decode step's
+fixed buffers reuse them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from pagoda import envs
+from pagoda.kernels import cuda_launch, pdl_enabled
+
+_SOURCE = Path(__file__).with_name("w8a8_wgmma.cu")
+_HEADER = Path(__file__).with_name("w4a16_device.cuh")  # typedefs, mbarriers, PDL
+_KERNEL_NAME = "pagoda_w8a8_wgmma"
+STEP = 128  # K bytes a stage holds of each row (the 128-byte swizzle's span)
+SM_SMEM = 228 * 1024  # of an SM
+CTA_SMEM_EXTRA = 3 * 1024  # a CTA's static shared memory (scales, bias, mbarriers) and the system's
+
+
+class WgmmaW8A8Config(NamedTuple):
+    """bm: x rows of a CTA (64 a consumer warpgroup: 64 or 128); bn: weight rows (wgmma's N:
+    64, 128 or 256); stages: K steps of both tiles in shared memory; ctas_per_sm: the launch
+    bound's minimum CTAs an SM (2: registers capped at 65536 / (2 x threads))."""
+
+    bm: int = 128
+    bn: int = 128
+    stages: int = 4
+    ctas_per_sm: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"wgmma{self.bm}x{self.bn}_s{self.stages}" + (
+            f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""
+        )
+
+
+def smem_bytes(cfg: WgmmaW8A8Config) -> int:
+    """Dynamic shared memory of a CTA: `stages` x (bm + bn) rows of 128 bytes, and 1 KB to
+    align them to the swizzle's 1024-byte atoms."""
+    return cfg.stages * (cfg.bm + cfg.bn) * STEP + 1024
+
+
+def config_reason(cfg: WgmmaW8A8Config) -> str | None:
+    """Why `cfg` is not a valid config, or None."""
+    if cfg.bm not in (64, 128):
+        return f"bm {cfg.bm} not 64 or 128"
+    if cfg.bn not in (64, 128, 256):
+        return f"bn {cfg.bn} not 64, 128 or 256"
+    if cfg.stages < 2:
+        return f"stages {cfg.stages} < 2"
+    if cfg.ctas_per_sm not in (1, 2):
+        return f"ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
+    if cfg.ctas_per_sm == 2 and cfg.bn > 128:
+        return "two CTAs an SM leave 113 registers a thread, fewer than 256 columns need"
+    if cfg.ctas_per_sm * (smem_bytes(cfg) + CTA_SMEM_EXTRA) > SM_SMEM:
+        return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SM_SMEM}"
+    return None
+
+
+def available(device: torch.device) -> bool:
+    """Whether int8 products on `device` may take the kernel (PAGODA_W8A8_CUDA, sm_90)."""
+    return (
+        envs.PAGODA_W8A8_CUDA
+        and device.type == "cuda"
+        and torch.version.cuda is not None
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
+def unsupported_reason(
+    x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> str | None:
+    """Why these operands cannot take the kernel, or None when they can."""
+    if not envs.PAGODA_W8A8_CUDA:
+        return "PAGODA_W8A8_CUDA=0"
+    if not x_q.is_cuda or torch.version.cuda is None:
+        return "not a CUDA tensor"
+    if not available(x_q.device):
+        return "wgmma needs sm_90"
+    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
+        return f"int8 operands only, got {x_q.dtype} and {w_q.dtype}"
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        return f"output {out_dtype}: bf16 or fp16 only"
+    if bias is not None and bias.dtype != out_dtype:
+        return f"bias {bias.dtype} is not the output's {out_dtype}"
+    k = x_q.shape[1]
+    if k % 16 or w_q.shape[1] != k or w_q.shape[0] % 8:
+        return f"K {k} or N {w_q.shape[0]} not a multiple of 16 / 8"
+    for name, t in (("x_q", x_q), ("w_q", w_q)):
+        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            return f"{name}'s rows are not contiguous and 16-byte aligned"
+    return None
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config:
+    """The tiles of an int8 [m, k] x [n, k]^T product from 65 rows: a fixed rule (CUDA-graph
+    capturable), fitted to the Llama-3-8B layers on the H100 (`results/h200/run67-w8a8-wgmma/`):
+
+    - up to 128 rows: 64 x 64 tiles, 6 stages, two CTAs an SM (most CTAs where the weights are
+      read once); wide layers (>= 16384 outputs: gate_up) 128 x 128, 6 stages;
+    - more: 128 x 256 tiles (4 stages, one CTA an SM) where their waves of CTAs take no longer
+      than those of 128 x 128 tiles, each of which takes ~0.58 of a 128 x 256 one's time (qkv
+      at 384-512 rows, o and down at 1024, gate_up from 256); else 128 x 128, 4 stages (6 for a
+      deep layer, k >= 2n: down), one CTA an SM."""
+    if m <= 128:
+        return WgmmaW8A8Config(128, 128, 6) if n >= 16384 else WgmmaW8A8Config(64, 64, 6, 2)
+
+    def waves(bn: int) -> int:
+        return -(-(-(-m // 128) * -(-n // bn)) // num_sms)
+
+    if waves(256) <= 0.58 * waves(128):
+        return WgmmaW8A8Config(128, 256, 4)
+    return WgmmaW8A8Config(128, 128, 6 if k >= 2 * n else 4)
+
+
+def candidates(m: int, n: int, k: int) -> list[WgmmaW8A8Config]:
+    """The configs a sweep times besides the rule's (`w8a8_bench.py --sweep`)."""
+    tiles = [(64, 64, 6, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 4, 1)]
+    tiles += [(128, 128, 6, 1), (128, 256, 3, 1), (128, 256, 4, 1)]
+    return [WgmmaW8A8Config(*t) for t in tiles]
+
+
+def _wgmma_function(bn: int) -> str:
+    """WGMMA(acc, desc_a, desc_b): wgmma m64n{bn}k32 s8 x s8 into acc[bn / 2] (int32), both
+    operands K-major from shared memory."""
+    regs = bn // 2
+    d = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+r"(d[{i}])' for i in range(regs))
+    return (
+        f"__device__ __forceinline__ void WGMMA(int (&d)[{regs}], unsigned long long da,\n"
+        "    unsigned long long db) {\n"
+        f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{bn}k32.s32.s8.s8 '
+        f'{{{d}}}, %{regs}, %{regs + 1}, 1;"\n'
+        f'      : {outs}\n      : "l"(da), "l"(db));\n}}\n'
+    )
+
+
+def _compile(bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> Any | None:
+    defines = {
+        "BF16": int(bf16),
+        "BM": cfg.bm,
+        "BN": cfg.bn,
+        "STAGES": cfg.stages,
+        "CTAS_PER_SM": cfg.ctas_per_sm,
+        "HAS_BIAS": int(has_bias),
+        "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
+    }
+    source = _HEADER.read_text()
+    source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn))
+    what = "CUDA W8A8 wgmma kernel"
+    return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")
+
+
+_KERNELS = cuda_launch.KernelCache(_compile)
+
+# CUtensorMap's enums (cuda.h).
+_UINT8, _SWIZZLE_128B, _L2_PROMOTION_256B = 0, 3, 3
+
+
+@functools.lru_cache(maxsize=1024)
+def tensor_map(ptr: int, rows: int, k: int, row_stride: int, box_rows: int) -> ctypes.Array:
+    """The CUtensorMap (128 bytes, 64-byte aligned) of an int8 [rows, k] matrix at `ptr` with
+    `row_stride` bytes between rows, read in boxes of 128 inputs x `box_rows` rows into the
+    128-byte swizzle, zero past its edges. Cached: it depends on nothing else."""
+    buf = ctypes.create_string_buffer(128 + 64)
+    desc = (ctypes.c_uint64 * 16).from_address((ctypes.addressof(buf) + 63) & ~63)
+    desc._keep = buf  # type: ignore[attr-defined]  # the memory `desc` lives in
+    err = cuda_launch.libcuda().cuTensorMapEncodeTiled(
+        ctypes.byref(desc),
+        _UINT8,
+        ctypes.c_uint32(2),
+        ctypes.c_void_p(ptr),
+        (ctypes.c_uint64 * 2)(k, rows),
+        (ctypes.c_uint64 * 1)(row_stride),
+        (ctypes.c_uint32 * 2)(STEP, box_rows),
+        (ctypes.c_uint32 * 2)(1, 1),
+        0,  # no interleave
+        _SWIZZLE_128B,
+        _L2_PROMOTION_256B,
+        0,  # out-of-bounds elements read as zero
+    )
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {err}")
+    return desc
+
+
+def w8a8_wgmma(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    cfg: WgmmaW8A8Config,
+) -> torch.Tensor | None:
+    """(x_q [M, K] @ w_q [N, K]^T) * x_scale [M(, 1)] * w_scale [N] (+ bias) -> [M, N]
+    `out_dtype`, or None where the kernel is not built (NVRTC missing, during a capture before
+    its warm-up). The caller has checked `unsupported_reason`."""
+    reason = config_reason(cfg)
+    if reason is not None:
+        raise ValueError(f"{cfg.name}: {reason}")
+    kernel = _KERNELS.get((out_dtype == torch.bfloat16, cfg, bias is not None))
+    if kernel is None:
+        return None
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    x_map = tensor_map(x_q.data_ptr(), m, k, x_q.stride(0), cfg.bm)
+    w_map = tensor_map(w_q.data_ptr(), n, k, w_q.stride(0), cfg.bn)
+    x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()  # views as the callers give
+    args = [
+        x_map, w_map, y, x_scale, w_scale, bias if bias is not None else y, m, n, k, y.stride(0),
+    ]  # fmt: skip
+    grid = (-(-m // cfg.bm), -(-n // cfg.bn), 1)
+    threads = 128 * (cfg.bm // 64) + 32  # the consumer warpgroups and the producer warp
+    cuda_launch.launch(kernel.func, grid, threads, smem_bytes(cfg), args, x_q.device,
+                       pdl_enabled(x_q))  # fmt: skip
+    return y
