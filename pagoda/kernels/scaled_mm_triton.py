@@ -436,8 +436,10 @@ def choose_w8a8_config(
 ) -> W8A8Config | WgmmaW8A8Config | str:
     """The 8-bit GEMM of an [m, k] x [n, k]^T product: a `W8A8Config` of the fused kernel,
     `SCALED_MM` (fp8 from 65 rows: cuBLASLt's fp8 GEMM was faster there on the H200), or with
-    `wgmma` (sm_90, `w8a8_wgmma.available`) int8 from 65 rows the CUDA kernel's
-    (`w8a8_wgmma.choose_config` for `num_sms` SMs: faster than every Triton tile there). A fixed
+    `wgmma` (sm_90, `w8a8_wgmma.available`) from 65 rows the CUDA kernel's
+    (`w8a8_wgmma.choose_config` for `num_sms` SMs): int8 at every such row count (faster than
+    every Triton tile there), fp8 up to `w8a8_wgmma.FP8_MAX_ROWS` (faster than cuBLASLt there,
+    slower past it). A fixed
     rule (deterministic, nothing measured at run time, so CUDA graphs capture it), fitted to
     `benchmarks/w8a8_bench.py --sweep` on the Llama-3-8B shapes (within 5% of the best config
     per shape at every row count):
@@ -463,10 +465,10 @@ def choose_w8a8_config(
         stages = (3 if bm >= 64 else 4) if wide else 6
         split = 2 if k >= 2 * n else 1
         return W8A8Config(bm, bn, bk, 1, stages, 4, True, split)
+    if wgmma and (dtype == torch.int8 or m <= w8a8_wgmma.FP8_MAX_ROWS):
+        return w8a8_wgmma.choose_config(m, n, k, num_sms)
     if dtype != torch.int8:
         return SCALED_MM
-    if wgmma:
-        return w8a8_wgmma.choose_config(m, n, k, num_sms)
     many = range(_MIN_PROGRAMS, 1 << 31)
     for bm, bn, stages, programs in (
         (128, 128, 3, many),
@@ -694,7 +696,9 @@ def _cuda_path(
         if k % 8 == 0 and n % 8 == 0:
             return INT_MM
     elif fp8_supported(w_q.device):
-        cfg = config or choose_w8a8_config(m, n, k, w_q.dtype)
+        wgmma = m > 64 and fp8_fast_accum() and w8a8_wgmma.available(w_q.device)
+        num_sms = _num_sms(w_q.device) if wgmma else 132
+        cfg = config or choose_w8a8_config(m, n, k, w_q.dtype, wgmma, num_sms)
         if cfg != SCALED_MM and w_q.stride(1) == 1:
             return cfg
         if k % 16 == 0 and n % 16 == 0:

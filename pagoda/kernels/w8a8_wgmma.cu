@@ -1,10 +1,12 @@
-// INT8 W8A8 GEMM on sm_90a: y[m, n] = ((float)(sum_k xq[m, k] wq[n, k]) * xs[m]) * ws[n]
-// (+ bias[n]), the int8 products exact in int32, the epilogue in float32 in the order of the
-// Triton kernel (`scaled_mm_triton._epilogue`), y bf16 (BF16) or fp16.
+// 8-bit W8A8 GEMM on sm_90a: y[m, n] = ((float)(sum_k xq[m, k] wq[n, k]) * xs[m]) * ws[n]
+// (+ bias[n]), int8 operands (INT8: products exact in int32) or float8 e4m3 ones (float32
+// accumulators, added in the tensor cores' own precision across K: FP8 fast accumulation),
+// the epilogue in float32 in the order of the Triton kernel (`scaled_mm_triton._epilogue`),
+// y bf16 (BF16) or fp16.
 //
 // Warp-specialized, as CUTLASS's sm90 TMA GEMMs are: warpgroups 0..CONSUMERS-1 are the
 // consumers, each taking 64 rows of x (the wgmma M side) against all BN weight rows of the CTA
-// (its N side, m64nBNk32 s8 x s8 -> s32); the warp after them is the producer (one thread
+// (its N side, m64nBNk32: s8 x s8 -> s32 or e4m3 x e4m3 -> f32); the warp after them is the producer (one thread
 // issues every copy). A producer warp rather than a warpgroup leaves the registers for two
 // CTAs of 128 x 128 an SM (288 threads, 113 registers each), so one CTA's epilogue and
 // pipeline fill overlap the other's main loop.
@@ -25,11 +27,17 @@
 // consumer is past its last wgmma; rows padded 16 bytes so that a warp's pairs hit 32 banks),
 // then stores the tile row by row in 16-byte pieces (N a multiple of 8).
 //
-// Compile-time constants (-D): BF16, BM (64 or 128), BN (64, 128 or 256), STAGES, HAS_BIAS,
-// PDL, CTAS_PER_SM. WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is defined before
-// this source (`w8a8_wgmma.py` writes it for BN), as are the helpers of `w4a16_device.cuh`.
+// Compile-time constants (-D): INT8, BF16, BM (64 or 128), BN (64, 128 or 256), STAGES,
+// HAS_BIAS, PDL, CTAS_PER_SM. WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is
+// defined before this source (`w8a8_wgmma.py` writes it for BN and the operands' type), as
+// are the helpers of `w4a16_device.cuh`.
 
 #define BK 128
+#if INT8
+typedef int acc_t;
+#else
+typedef float acc_t;
+#endif
 #define CONSUMERS (BM / 64)
 #define THREADS (128 * CONSUMERS + 32)
 #define OUT_ROW_BYTES (2 * BN + 16)  // a row of a consumer's output tile in shared memory
@@ -73,7 +81,7 @@ __device__ __forceinline__ unsigned long long desc(u32 tile) {
 }
 
 // (acc * xs) * ws (+ b), each operation rounded (no FMA contraction under --use_fast_math).
-__device__ __forceinline__ float scaled(int acc, float xs, float ws, float b) {
+__device__ __forceinline__ float scaled(acc_t acc, float xs, float ws, float b) {
   const float v = __fmul_rn(__fmul_rn((float)acc, xs), ws);
 #if HAS_BIAS
   return __fadd_rn(v, b);
@@ -150,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   }
   grid_wait();  // x_scale is written by the kernel before; y may still be read by it
   const int c = warp / 4, wq = warp & 3;  // consumer warpgroup, its warp
-  int acc[BN / 2];
+  acc_t acc[BN / 2];
 #pragma unroll
   for (int j = 0; j < BN / 2; ++j) acc[j] = 0;
   for (int i = 0; i < steps; ++i) {
@@ -170,7 +178,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+r"(acc[j])::"memory");
+  for (int j = 0; j < BN / 2; ++j)  // read after the wait
+#if INT8
+    asm volatile("" : "+r"(acc[j])::"memory");
+#else
+    asm volatile("" : "+f"(acc[j])::"memory");
+#endif
 
   // acc[4j + e]: x row 16 wq + g + 8 (e / 2) of the warpgroup's 64, weight row 8j + 2t + e % 2.
   asm volatile("bar.sync 1, %0;" ::"n"(128 * CONSUMERS) : "memory");  // every wgmma has ended

@@ -1,12 +1,15 @@
-"""INT8 W8A8 GEMM on Hopper as a warp-specialized CUDA kernel (`w8a8_wgmma.cu`: a producer
-warpgroup issuing TMA copies through tensor maps, consumer warpgroups issuing wgmma, mbarriers
-between them), for the many-row products where the Triton GEMM (`scaled_mm_triton.w8a8_gemm`:
-each warp both loads and multiplies) stays near half of the int8 tensor cores' rate.
+"""W8A8 GEMM on Hopper as a warp-specialized CUDA kernel (`w8a8_wgmma.cu`: a producer warp
+issuing TMA copies through tensor maps, consumer warpgroups issuing wgmma, mbarriers between
+them, the epilogue through shared memory), for the many-row products where the Triton GEMM
+(`scaled_mm_triton.w8a8_gemm`: each warp both loads and multiplies) stays near half of the
+int8 tensor cores' rate: int8 from 65 rows, fp8 from 65 to `FP8_MAX_ROWS` (cuBLASLt's fp8 GEMM
+past it).
 
-It covers: sm_90 (wgmma and the TMA unit; NVRTC target "90a"), int8 x int8 with K-contiguous
-rows 16-byte aligned (K a multiple of 16; a ragged last K step is zero-filled by the copy),
-N a multiple of 8, a bf16 or fp16 output and bias. Compiled at first use with NVRTC, once per variant,
-never during CUDA-graph capture. `scaled_mm.plain_quantized_mm` stays its reference in the
+It covers: sm_90 (wgmma and the TMA unit; NVRTC target "90a"), int8 x int8 or e4m3 x e4m3
+(with FP8 fast accumulation, `PAGODA_FP8_FAST_ACCUM`: no float32 promotion here), rows
+K-contiguous and 16-byte aligned (K a multiple of 16; a ragged last K step is zero-filled by
+the copy), N a multiple of 8, a bf16 or fp16 output and bias. Compiled at first use with
+NVRTC, once per variant, never during CUDA-graph capture. `scaled_mm.plain_quantized_mm` stays its reference in the
 tests. The tensor maps (`cuTensorMapEncodeTiled` through the driver) are made on the host at
 each call, cached by what they encode (address, shape, stride, box), so that a decode step's
 fixed buffers reuse them.
@@ -92,8 +95,10 @@ def unsupported_reason(
         return "not a CUDA tensor"
     if not available(x_q.device):
         return "wgmma needs sm_90"
-    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        return f"int8 operands only, got {x_q.dtype} and {w_q.dtype}"
+    if x_q.dtype != w_q.dtype or w_q.dtype not in (torch.int8, torch.float8_e4m3fn):
+        return f"two int8 or two float8_e4m3fn operands, got {x_q.dtype} and {w_q.dtype}"
+    if w_q.dtype != torch.int8 and not envs.PAGODA_FP8_FAST_ACCUM:
+        return "FP8 without fast accumulation (PAGODA_FP8_FAST_ACCUM=0): no promotion here"
     if out_dtype not in (torch.bfloat16, torch.float16):
         return f"output {out_dtype}: bf16 or fp16 only"
     if bias is not None and bias.dtype != out_dtype:
@@ -107,9 +112,16 @@ def unsupported_reason(
     return None
 
 
+# fp8 products up to this many rows take the kernel (on the H100 at 128 rows qkv 14.7 us against
+# cuBLASLt's 16.2, o 12.4 / 16.2, gate_up 50.7 / 59.0, down 37.5 / 44.5); past it cuBLASLt's
+# fp8 GEMM (gate_up at 256 rows 60.3 against 62.9, down 45.3 / 47.5).
+FP8_MAX_ROWS = 128
+
+
 def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config:
-    """The tiles of an int8 [m, k] x [n, k]^T product from 65 rows: a fixed rule (CUDA-graph
-    capturable), fitted to the Llama-3-8B layers on the H100 (`results/h200/run67-w8a8-wgmma/`):
+    """The tiles of an 8-bit [m, k] x [n, k]^T product from 65 rows: a fixed rule (CUDA-graph
+    capturable), fitted to the Llama-3-8B layers on the H100 with int8 operands
+    (`results/h200/run67-w8a8-wgmma/`; fp8 ones took the same tiles, `run68-...`):
 
     - up to 128 rows: 64 x 64 tiles, 6 stages, two CTAs an SM (most CTAs where the weights are
       read once); wide layers (>= 16384 outputs: gate_up) 128 x 128, 6 stages;
@@ -135,23 +147,26 @@ def candidates(m: int, n: int, k: int) -> list[WgmmaW8A8Config]:
     return [WgmmaW8A8Config(*t) for t in tiles]
 
 
-def _wgmma_function(bn: int) -> str:
-    """WGMMA(acc, desc_a, desc_b): wgmma m64n{bn}k32 s8 x s8 into acc[bn / 2] (int32), both
-    operands K-major from shared memory."""
+def _wgmma_function(bn: int, int8: bool = True) -> str:
+    """WGMMA(acc, desc_a, desc_b): wgmma m64n{bn}k32 into acc[bn / 2], s8 x s8 into int32 or
+    e4m3 x e4m3 into float32, both operands K-major from shared memory."""
     regs = bn // 2
     d = ", ".join(f"%{i}" for i in range(regs))
-    outs = ", ".join(f'"+r"(d[{i}])' for i in range(regs))
+    kind, acc, con = ("s32.s8.s8", "int", "r") if int8 else ("f32.e4m3.e4m3", "float", "f")
+    scales = "1" if int8 else "1, 1, 1"  # scale-d (, imm-scale-a, imm-scale-b for floats)
+    outs = ", ".join(f'"+{con}"(d[{i}])' for i in range(regs))
     return (
-        f"__device__ __forceinline__ void WGMMA(int (&d)[{regs}], unsigned long long da,\n"
+        f"__device__ __forceinline__ void WGMMA({acc} (&d)[{regs}], unsigned long long da,\n"
         "    unsigned long long db) {\n"
-        f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{bn}k32.s32.s8.s8 '
-        f'{{{d}}}, %{regs}, %{regs + 1}, 1;"\n'
+        f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{bn}k32.{kind} '
+        f'{{{d}}}, %{regs}, %{regs + 1}, {scales};"\n'
         f'      : {outs}\n      : "l"(da), "l"(db));\n}}\n'
     )
 
 
-def _compile(bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> Any | None:
+def _compile(int8: bool, bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> Any | None:
     defines = {
+        "INT8": int(int8),
         "BF16": int(bf16),
         "BM": cfg.bm,
         "BN": cfg.bn,
@@ -161,7 +176,7 @@ def _compile(bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> Any | None:
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
     source = _HEADER.read_text()
-    source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn))
+    source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, int8))
     what = "CUDA W8A8 wgmma kernel"
     return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")
 
@@ -214,7 +229,8 @@ def w8a8_wgmma(
     reason = config_reason(cfg)
     if reason is not None:
         raise ValueError(f"{cfg.name}: {reason}")
-    kernel = _KERNELS.get((out_dtype == torch.bfloat16, cfg, bias is not None))
+    int8 = w_q.dtype == torch.int8
+    kernel = _KERNELS.get((int8, out_dtype == torch.bfloat16, cfg, bias is not None))
     if kernel is None:
         return None
     m, k = x_q.shape

@@ -65,6 +65,26 @@ def test_every_tile_gives_the_integer_product_scaled(cfg, m, n, k, dtype) -> Non
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("cfg", [W(128, 128, 4), W(128, 256, 4), W(64, 64, 6, 2)], ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 72, 128), (300, 1000, 14336), (256, 4096, 4096)])
+def test_fp8_tiles_match_the_fp8_product_scaled(cfg, m, n, k) -> None:
+    # e4m3 operands, float32 accumulators added in the tensor cores' own precision (fast
+    # accumulation, as cuBLASLt's and the Triton GEMM's by default).
+    from pagoda.kernels.scaled_mm import plain_quantized_mm
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    a, b = (torch.randn(r, k, generator=g, device="cuda") * 64 for r in (m, n))
+    a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    xs = torch.rand(m, 1, generator=g, device="cuda") / 1e3
+    ws = torch.rand(n, generator=g, device="cuda") / 1e3
+    y = w8a8_wgmma.w8a8_wgmma(a, xs, b, ws, None, torch.bfloat16, cfg)
+    ref = plain_quantized_mm(a, xs, b, ws, None, torch.float32)
+    assert y is not None
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("m", [65, 256, 512])
 def test_the_rule_agrees_with_the_triton_gemm_and_replays_in_a_graph(m) -> None:
     from pagoda.kernels.scaled_mm_triton import W8A8Config, scaled_mm_cuda
@@ -119,7 +139,7 @@ def test_the_rule_takes_the_tiles_that_won_per_layer() -> None:
         assert w8a8_wgmma.config_reason(cfg) is None
 
 
-def test_the_w8a8_rule_takes_the_cuda_kernel_only_for_int8_from_65_rows() -> None:
+def test_the_w8a8_rule_takes_the_cuda_kernel_from_65_rows_fp8_to_128() -> None:
     from pagoda.kernels.scaled_mm import FP8_DTYPE
     from pagoda.kernels.scaled_mm_triton import (
         SCALED_MM,
@@ -132,6 +152,8 @@ def test_the_w8a8_rule_takes_the_cuda_kernel_only_for_int8_from_65_rows() -> Non
     assert isinstance(choose_w8a8_config(65, 4096, 4096, wgmma=True), W)
     assert isinstance(choose_w8a8_config(256, 4096, 4096), W8A8Config)
     assert choose_w8a8_config(256, 4096, 4096, FP8_DTYPE, wgmma=True) == SCALED_MM
+    assert isinstance(choose_w8a8_config(128, 4096, 4096, FP8_DTYPE, wgmma=True), W)
+    assert choose_w8a8_config(128, 4096, 4096, FP8_DTYPE) == SCALED_MM
     cands = w8a8_config_candidates(256, 4096, 4096, wgmma=True)
     assert isinstance(cands[0], W) and choose_w8a8_config(256, 4096, 4096) in cands
     assert not any(isinstance(c, W) for c in w8a8_config_candidates(256, 4096, 4096))
