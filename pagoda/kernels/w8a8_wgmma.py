@@ -127,8 +127,12 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
       read once); wide layers (>= 16384 outputs: gate_up) 128 x 128, 6 stages;
     - more: 128 x 256 tiles (4 stages, one CTA an SM) where their waves of CTAs take no longer
       than those of 128 x 128 tiles, each of which takes ~0.58 of a 128 x 256 one's time (qkv
-      at 384-512 rows, o and down at 1024, gate_up from 256); else 128 x 128, 4 stages (6 for a
-      deep layer, k >= 2n: down), one CTA an SM."""
+      at 384-512 rows, o and down at 1024, gate_up from 256); else where 128 x 128 tiles would
+      fill at most half the SMs 64 x 64 ones as above (o at 129-256 rows: 14.0 against 15.9
+      us at 192, `run69-w8a8-split/`), but for a deep layer (k >= 2n: down, 54.9 against 50.0
+      at 256 rows); else 128 x 128, 4 stages (6 for a deep layer), one CTA an SM. Splitting K
+      over two or four CTAs where the tiles are few (partials through global memory, summed by
+      the last to arrive) was slower everywhere (o at 256 rows 27.2 against 16.1 us)."""
     if m <= 128:
         return WgmmaW8A8Config(128, 128, 6) if n >= 16384 else WgmmaW8A8Config(64, 64, 6, 2)
 
@@ -137,6 +141,8 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
 
     if waves(256) <= 0.58 * waves(128):
         return WgmmaW8A8Config(128, 256, 4)
+    if 2 * -(-m // 128) * -(-n // 128) <= num_sms and k < 2 * n:
+        return WgmmaW8A8Config(64, 64, 6, 2)
     return WgmmaW8A8Config(128, 128, 6 if k >= 2 * n else 4)
 
 
