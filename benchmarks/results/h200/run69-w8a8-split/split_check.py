@@ -1,4 +1,5 @@
-"""The CUDA 8-bit kernel's K split (`WgmmaW8A8Config.split_k`) against the same tiles unsplit,
+"""The CUDA 8-bit kernel's K split (`WgmmaW8A8Config.split_k`, in run 69's working tree only:
+dropped after it) against the same tiles unsplit,
 us a layer (cold weights, row quantization included), where the rule splits: o and down at
 192-256 rows, int8 and fp8."""
 
