@@ -54,7 +54,7 @@ if ONLY in ("all", "time", "fp8"):
         w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_weight(w, QD)
         layers = [[(wq.clone(), ws.reshape(-1).clone())] for _ in range(copies)]
-        for m in (128, 256, 384, 512, 1024):
+        for m in [int(v) for v in os.environ.get("PROBE_M", "128,256,384,512,1024").split(",")]:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
             t = {}
             for cfg in [choose_w8a8_config(m, n, k, QD)] + CONFIGS:
