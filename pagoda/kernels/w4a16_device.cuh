@@ -1,5 +1,6 @@
-// Device helpers of the CUDA W4A16 kernels (`w4a16_gemv.cu`, `w4a16_wgmma.cu`), put before
-// each source by its Python side. BF16 (0: fp16 x, bias and y) and PDL are defined before it.
+// Device helpers of the CUDA W4A16 kernels (`w4a16_gemv.cu`, `w4a16_wgmma.cu`) and of the W8A8
+// one (`w8a8_wgmma.cu`), put before each source by its Python side. BF16 (0: fp16 x, bias and
+// y) and PDL are defined before it.
 
 typedef unsigned int u32;
 typedef unsigned short u16;

@@ -51,7 +51,7 @@
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
 // SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
 // instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
-// it for BN), as are the helpers of `w4a16_device.cuh`.
+// it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
@@ -100,19 +100,6 @@ __device__ __forceinline__ u32 weight_pair(u32 w, u32 zoff, u32 s2) {
   return v;
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
 // A warp's lane 0 counts the warp done with a stage; the count before it (acq_rel: the last
 // to count sees every other warp's reads of the stage done).
 __device__ __forceinline__ u32 count_release(u32 counter) {
@@ -122,13 +109,6 @@ __device__ __forceinline__ u32 count_release(u32 counter) {
                : "r"(counter)
                : "memory");
   return old;
-}
-
-// The descriptor of B for the tile at `tile` (1024-aligned): start address, leading offset 16
-// (unused by the swizzled layout), stride 1024 bytes between 8-row atoms, 128-byte swizzle.
-__device__ __forceinline__ unsigned long long b_desc(u32 tile) {
-  return (unsigned long long)((tile & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
-         (1ull << 62);
 }
 
 // What k-chunk j (16 inputs) of a tile adds to its descriptor: the chunk's byte offset / 16 in
@@ -253,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         }
         load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
 
-        const unsigned long long desc = b_desc(tiles + (i % STAGES) * STAGE_BYTES);
+        const unsigned long long desc = swizzled_desc(tiles + (i % STAGES) * STAGE_BYTES);
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 8; ++j)

@@ -40,6 +40,7 @@ from pagoda.kernels.triton_pdl import dependent_start
 
 _SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
 _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
+_WGMMA_HEADER = Path(__file__).with_name("wgmma_device.cuh")  # wgmma and its descriptors
 _KERNEL_NAME = "pagoda_w4a16_wgmma"
 STEP = 128  # inputs per K step (one group at most)
 SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
@@ -156,7 +157,7 @@ def _compile(
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
-    source = _HEADER.read_text()
+    source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
     what = "CUDA W4A16 wgmma kernel"
     return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")

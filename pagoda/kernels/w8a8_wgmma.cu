@@ -16,8 +16,8 @@
 // i % STAGES, completing on that stage's `full` mbarrier; each consumer warp waits for it,
 // issues the step's four k32 wgmmas, commits, waits for the step before's wgmmas and then
 // arrives on that step's `empty` mbarrier, which the producer waits on before refilling the
-// stage. Both operands are K-major, as 8-bit wgmma requires; the descriptors are those of
-// `w4a16_wgmma.cu`'s B (1024-byte atoms of 8 rows, 128-byte swizzle), a k32 step 32 bytes on.
+// stage. Both operands are K-major, as 8-bit wgmma requires; their descriptors are
+// `swizzled_desc`'s (`wgmma_device.cuh`: 1024-byte atoms of 8 rows), a k32 step 32 bytes on.
 //
 // The CTA at blockIdx (x, y) covers x rows [BM x, +BM) and weight rows [BN y, +BN): CTAs next
 // to each other share a weight tile, read from DRAM once and from L2 after.
@@ -30,7 +30,7 @@
 // Compile-time constants (-D): INT8, BF16, BM (64 or 128), BN (64, 128 or 256), STAGES,
 // HAS_BIAS, PDL, CTAS_PER_SM. WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is
 // defined before this source (`w8a8_wgmma.py` writes it for BN and the operands' type), as
-// are the helpers of `w4a16_device.cuh`.
+// are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
 #define BK 128
 #if INT8
@@ -57,27 +57,6 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, int k, i
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(row), "r"(bar)
       : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// The descriptor of a K-major tile at `tile` (1024-aligned rows of 128 bytes): start address,
-// leading offset 16 (unused by the swizzled layout), stride 1024 bytes between 8-row atoms,
-// 128-byte swizzle.
-__device__ __forceinline__ unsigned long long desc(u32 tile) {
-  return (unsigned long long)((tile & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
-         (1ull << 62);
 }
 
 // (acc * xs) * ws (+ b), each operation rounded (no FMA contraction under --use_fast_math).
@@ -165,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     const int s = i % STAGES;
     mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
     const u32 stage = tiles + s * STAGE_BYTES;
-    const unsigned long long da = desc(stage + c * 64 * BK), db = desc(stage + A_BYTES);
+    const unsigned long long da = swizzled_desc(stage + c * 64 * BK),
+                             db = swizzled_desc(stage + A_BYTES);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 32; ++kk) WGMMA(acc, da + 2 * kk, db + 2 * kk);

@@ -29,6 +29,7 @@ from pagoda.kernels import cuda_launch, pdl_enabled
 
 _SOURCE = Path(__file__).with_name("w8a8_wgmma.cu")
 _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # typedefs, mbarriers, PDL
+_WGMMA_HEADER = Path(__file__).with_name("wgmma_device.cuh")  # wgmma and its descriptors
 _KERNEL_NAME = "pagoda_w8a8_wgmma"
 STEP = 128  # K bytes a stage holds of each row (the 128-byte swizzle's span)
 SM_SMEM = 228 * 1024  # of an SM
@@ -181,7 +182,7 @@ def _compile(int8: bool, bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> An
         "HAS_BIAS": int(has_bias),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
-    source = _HEADER.read_text()
+    source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, int8))
     what = "CUDA W8A8 wgmma kernel"
     return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")
