@@ -249,8 +249,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "PAGODA_PDL", "flag", "1",
             "0: no programmatic dependent launch on sm_90 GPUs (the CUDA W4A16 GEMV and wgmma "
-            "kernels and the latter's x tiling, the W8A8 / FP8 Triton GEMM and its row "
-            "quantization, RMSNorm, SiLU-and-mul, RoPE + cache write and the decode attention "
+            "kernels and the latter's x tiling, the W8A8 / FP8 Triton and CUDA GEMMs and the "
+            "row quantization, RMSNorm, SiLU-and-mul, RoPE + cache write and the decode attention "
             "then each wait for the kernel before them to end before they start).",
             _flag("PAGODA_PDL", True),
         ),
@@ -270,8 +270,8 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "PAGODA_W8A8_CUDA", "flag", "1",
-            "0: int8 W8A8 layers on sm_90 take the Triton GEMM where the rule would take the "
-            "CUDA wgmma kernel (many rows).",
+            "0: 8-bit layers on sm_90 take the Triton GEMM (int8) or cuBLASLt (FP8) where the "
+            "rule would take the CUDA wgmma kernel (int8 from 65 rows, FP8 at 65-128).",
             _flag("PAGODA_W8A8_CUDA", True),
         ),
         EnvVar(

@@ -32,11 +32,11 @@ def triton_available() -> bool:
 def pdl_enabled(x: torch.Tensor) -> bool:
     """Whether kernels on x's device use programmatic dependent launch (PAGODA_PDL, sm_90 or
     newer): the W4A16 GEMV and wgmma kernels (and the latter's x tiling), the W8A8 / FP8
-    Triton GEMM and its row quantization, RMSNorm, SiLU-and-mul, RoPE + cache write, the CUDA
-    decode attention and its segment reduce are
-    launched as dependents of the kernel before them (each starts while that one finishes: the
-    W4A16 kernels load their first weights, the others wait), and at their start let the next
-    one launch (`triton_pdl`, `w4a16_device.cuh`)."""
+    Triton and CUDA GEMMs and the row quantization, RMSNorm, SiLU-and-mul, RoPE + cache write,
+    the CUDA decode attention and its segment reduce are launched as dependents of the kernel
+    before them (each starts while that one finishes: the W4A16 kernels and the CUDA W8A8
+    GEMM load their first weights, the others wait), and at their start let the next one
+    launch (`triton_pdl`, `w4a16_device.cuh`)."""
     return x.is_cuda and envs.PAGODA_PDL and _sm90(x.device.index or 0)
 
 
