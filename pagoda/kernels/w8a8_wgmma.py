@@ -76,13 +76,18 @@ def config_reason(cfg: WgmmaW8A8Config) -> str | None:
     return None
 
 
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def available(device: torch.device) -> bool:
-    """Whether int8 products on `device` may take the kernel (PAGODA_W8A8_CUDA, sm_90)."""
+    """Whether 8-bit products on `device` may take the kernel (PAGODA_W8A8_CUDA, sm_90)."""
     return (
         envs.PAGODA_W8A8_CUDA
         and device.type == "cuda"
         and torch.version.cuda is not None
-        and torch.cuda.get_device_capability(device) == (9, 0)
+        and _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
     )
 
 
