@@ -1,0 +1,84 @@
+"""The CUDA kernels' sources, assembled as their Python sides hand them to NVRTC (shared
+headers, -D defines, the generated wgmma wrappers), compile with nvcc for sm_90a without
+spilling: no GPU needed, so a broken source or header fails here rather than on the next GPU
+run. Marked `slow`; skipped where there is no nvcc."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from pagoda.kernels import cuda_launch, w4a16_gemv, w4a16_wgmma, w8a8_wgmma
+
+NVCC = shutil.which("nvcc")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)"),
+]
+
+
+def _captured(monkeypatch, build) -> tuple[str, dict]:
+    """The source and defines `build()` hands to `cuda_launch.build`."""
+    got = []
+
+    def fake(source, name, defines, what, smem=0, compute_capability=None):
+        got.append((source, dict(defines)))
+        return None
+
+    monkeypatch.setattr(cuda_launch, "build", fake)
+    build()
+    assert len(got) == 1
+    return got[0]
+
+
+def _nvcc(tmp_path, source: str, defines: dict) -> str:
+    path = tmp_path / "kernel.cu"
+    path.write_text("".join(f"#define {k} {v}\n" for k, v in defines.items()) + source)
+    out = subprocess.run(
+        [NVCC, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"), str(path)]
+        + ["-Xptxas", "-v", "--use_fast_math"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stderr
+
+
+W8A8 = [
+    (int8, cfg)
+    for int8 in (True, False)
+    for cfg in (
+        w8a8_wgmma.WgmmaW8A8Config(64, 64, 6, 2),
+        w8a8_wgmma.WgmmaW8A8Config(128, 128, 4),
+        w8a8_wgmma.WgmmaW8A8Config(128, 256, 4),
+    )
+]
+
+
+@pytest.mark.parametrize("int8,cfg", W8A8, ids=lambda v: getattr(v, "name", str(v)))
+def test_w8a8_wgmma_compiles_without_spills(monkeypatch, tmp_path, int8, cfg) -> None:
+    source, defines = _captured(monkeypatch, lambda: w8a8_wgmma._compile(int8, True, cfg, True))
+    log = _nvcc(tmp_path, source, defines)
+    assert "0 bytes spill stores" in log, log
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [w4a16_wgmma.WgmmaConfig(), w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1)],
+    ids=str,
+)
+def test_w4a16_wgmma_compiles_without_spills(monkeypatch, tmp_path, cfg) -> None:
+    source, defines = _captured(
+        monkeypatch, lambda: w4a16_wgmma._compile(True, True, cfg, False, True)
+    )
+    log = _nvcc(tmp_path, source, defines)
+    assert "0 bytes spill stores" in log, log
+
+
+def test_w4a16_gemv_compiles(tmp_path) -> None:
+    cfg = w4a16_gemv.GemvConfig()
+    defines = w4a16_gemv.defines(True, True, 1, cfg, False, False, 1, False)
+    _nvcc(tmp_path, w4a16_gemv.source(), defines)
