@@ -17,9 +17,10 @@ one program per row), then the 8-bit product:
   operands' tiles brought by the copy engine (TMA, `_w8a8_tma_kernel`; one program a tile or
   persistent) is among the configs `w8a8_config_candidates` gives a sweep from 65 rows; the
   rule does not take it until a sweep says so.
-- int8 from 65 rows on sm_90: the CUDA kernel of `w8a8_wgmma.py` (a producer warp issuing
-  TMA copies, consumer warpgroups issuing wgmma, the epilogue through shared memory), faster
-  than every Triton tile there (`PAGODA_W8A8_CUDA=0`: the Triton GEMM).
+- on sm_90 from 65 rows, int8 at every row count and fp8 to 128 rows: the CUDA kernel of
+  `w8a8_wgmma.py` (a producer warp issuing TMA copies, consumer warpgroups issuing wgmma, the
+  epilogue through shared memory), faster there than every Triton tile and than cuBLASLt's fp8
+  GEMM (`PAGODA_W8A8_CUDA=0`: those instead).
 - int8 with config=INT_MM: `torch._int_mm` (cuBLASLt, int32 out) and the epilogue kernel,
   kept so that benchmarks/w8a8_bench.py can compare the two.
 - fp8 with config=SCALED_MM, the default from 65 rows: `torch._scaled_mm` with row-wise
@@ -454,8 +455,8 @@ def choose_w8a8_config(
       rows) one CTA an SM with a deeper pipeline, 128 x 128 with 4 stages or 64 x 128 with
       5, as long as the tile gives one wave, `_ONE_WAVE_PROGRAMS` (on the H100 down at 256
       rows 50.5 against 55.8 us for 64 x 64 tiles, at 512 75.4 against 82.2 for 64 x 128
-      ones); else 64 x 64 with 5 stages (80 KB). GROUP_M 8 swizzle, so row tiles reuse weight tiles from
-      L2.
+      ones); else 64 x 64 with 5 stages (80 KB). GROUP_M 8 swizzle, so row tiles reuse
+      weight tiles from L2.
 
     `w8a8_config_candidates` lists the neighbours the sweep times."""
     if m <= 64:
@@ -558,14 +559,14 @@ def w8a8_gemm(
     cfg = config or choose_w8a8_config(m, n, k, w_q.dtype)
     if isinstance(cfg, str):
         raise ValueError(f"w8a8_gemm runs the fused kernel; {cfg} is scaled_mm_cuda's choice")
-    if isinstance(cfg, WgmmaW8A8Config):
+    if isinstance(cfg, WgmmaW8A8Config):  # the CUDA kernel, asked for by name
         reason = w8a8_wgmma.unsupported_reason(x_q, w_q, out_dtype, bias)
         if reason is not None:
             raise ValueError(f"{cfg.name}: {reason}")
         y = w8a8_wgmma.w8a8_wgmma(x_q, x_scale, w_q, w_scale, bias, out_dtype, cfg)
-        if y is not None:
-            return y
-        cfg = choose_w8a8_config(m, n, k, w_q.dtype)  # not built: the Triton GEMM
+        if y is None:
+            raise RuntimeError(f"{cfg.name}: the CUDA kernel is not built (see the warning)")
+        return y
     check_tiles(cfg.split_k, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k)
     if cfg.block_k < 32:
         raise ValueError(f"block_k must be >= 32 for 8-bit tensor cores, got {cfg.block_k}")
@@ -717,10 +718,19 @@ def _product(
     cfg: W8A8Config | WgmmaW8A8Config | str,
 ) -> torch.Tensor:
     # x_q may hold padding rows past `rows` (torch._int_mm's); x_scale has `rows`.
-    if isinstance(cfg, WgmmaW8A8Config) and w8a8_wgmma.unsupported_reason(
-        x_q, w_q, out_dtype, bias
-    ):
-        cfg = choose_w8a8_config(rows, w_q.shape[0], w_q.shape[1], w_q.dtype)  # Triton's
+    if isinstance(cfg, WgmmaW8A8Config):
+        y = None
+        if w8a8_wgmma.unsupported_reason(x_q, w_q, out_dtype, bias) is None:
+            y = w8a8_wgmma.w8a8_wgmma(x_q, x_scale, w_q, w_scale, bias, out_dtype, cfg)
+        if y is not None:
+            return y
+        # Operands it does not take, or not built (no NVRTC; a CUDA-graph capture before the
+        # warm-up built it): the Triton GEMM's rule, cuBLASLt's for fp8 past 64 rows where its
+        # shapes allow it, else the Triton GEMM (any shape).
+        n, k = w_q.shape
+        cfg = choose_w8a8_config(rows, n, k, w_q.dtype)
+        if cfg == SCALED_MM and (k % 16 or n % 16):
+            cfg = W8A8Config(128, 128, 128, 8, 3, 4)
     if cfg == INT_MM:
         acc = torch._int_mm(x_q, w_q.t())  # [M', N] int32; w_q.t() column-major, as cuBLAS likes
         return int8_epilogue(acc, x_scale, w_scale, bias, out_dtype, rows)

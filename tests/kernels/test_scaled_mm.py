@@ -208,6 +208,28 @@ def test_fused_int8_gemm_is_the_integer_product_scaled(m, n, k, swap_ab, split_k
         torch.testing.assert_close(y.cpu(), ref, rtol=2e-7, atol=1e-6)
 
 
+def test_a_cuda_kernel_config_it_cannot_run_falls_back_to_the_triton_gemm() -> None:
+    # The CUDA wgmma kernel's config on operands it does not take (here: not on an sm_90 GPU;
+    # there: unaligned rows, or not built during a capture): the Triton GEMM's rule instead,
+    # for fp8 past 64 rows the Triton GEMM where cuBLASLt's shapes do not fit (N = 40).
+    pytest.importorskip("triton")
+    from pagoda.kernels.scaled_mm import plain_quantized_mm
+    from pagoda.kernels.scaled_mm_triton import _product
+    from pagoda.kernels.w8a8_wgmma import WgmmaW8A8Config
+
+    dev = kernel_device()
+    if dev.type != "cpu":
+        pytest.skip("the interpreter's fallback; a GPU runs the kernel (test_w8a8_wgmma.py)")
+    m, n, k = 70, 40, 64
+    a, xs, b, ws, _, ref = _int8_operands(m, n, k, dev, with_bias=False)
+    y = _product(a, xs, b, ws, None, torch.float32, m, WgmmaW8A8Config())
+    assert torch.equal(y, ref)
+    a8, b8 = (t.float().div(2).to(FP8_DTYPE) for t in (a, b))
+    y8 = _product(a8, xs, b8, ws, None, torch.float32, m, WgmmaW8A8Config())
+    ref8 = plain_quantized_mm(a8, xs, b8, ws, None, torch.float32)
+    torch.testing.assert_close(y8, ref8, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "m,n,k,swap_ab,split_k",
     [
