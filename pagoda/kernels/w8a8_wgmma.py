@@ -127,7 +127,8 @@ FP8_MAX_ROWS = 128
 def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config:
     """The tiles of an 8-bit [m, k] x [n, k]^T product from 65 rows: a fixed rule (CUDA-graph
     capturable), fitted to the Llama-3-8B layers on the H100 with int8 operands
-    (`results/h200/run67-w8a8-wgmma/`; fp8 ones took the same tiles, `run68-...`):
+    (`results/h200/run67-w8a8-wgmma/`; fp8 ones took the same tiles,
+    `run68-w8a8-wgmma-rule/fp8_probe.log`):
 
     - up to 128 rows: 64 x 64 tiles, 6 stages, two CTAs an SM (most CTAs where the weights are
       read once); wide layers (>= 16384 outputs: gate_up) 128 x 128, 6 stages;
