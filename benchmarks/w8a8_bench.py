@@ -6,12 +6,13 @@ CUDA graph, at M = 1, 16, 64, 128, 256, 512, 1024, 4096 rows. Columns:
 - bf16: F.linear (cuBLAS) on the dense weights;
 - int_mm: Pagoda's Triton row quantization + `torch._int_mm` (cuBLASLt, int32 out) + the
   Triton epilogue kernel (`scaled_mm_cuda(..., config="int_mm")`);
-- int8: the row quantization + the fused Triton int8 GEMM (scales and bias in its epilogue)
-  with the config `choose_w8a8_config` picks, what `scaled_mm` runs;
+- int8: the row quantization + what `scaled_mm` runs: the fused Triton int8 GEMM (scales and
+  bias in its epilogue) with the config `choose_w8a8_config` picks, on sm_90 from 65 rows the
+  CUDA kernel (`w8a8_wgmma.py`);
 - scaled_mm: the row quantization + `torch._scaled_mm` (cuBLASLt fp8) with row-wise scales
   (sm_89+), at every M;
-- fp8: what `scaled_mm` runs for fp8 weights: the fused Triton GEMM on e4m3 up to 64 rows,
-  `torch._scaled_mm` above.
+- fp8: what `scaled_mm` runs for fp8 weights: the fused Triton GEMM on e4m3 up to 64 rows, on
+  sm_90 the CUDA kernel at 65-128, `torch._scaled_mm` above.
 - int8_fq / fp8_fq: what a model's layers run (`PAGODA_W8A8_FUSED_QUANT`): the RMSNorm or
   SiLU-and-mul before qkv, gate_up and down quantizes its output for them, so those take
   their inputs quantized (`QuantizedRows`) and run the product alone; o quantizes its own.
@@ -314,7 +315,7 @@ def sweep(args, dev, shapes, weights, m_values, dtype, g, mode: str = "int8") ->
 
 
 def _config_name(cfg) -> str:
-    return cfg if isinstance(cfg, str) else cfg.name
+    return "plain" if cfg is None else cfg if isinstance(cfg, str) else cfg.name
 
 
 def main() -> None:
@@ -341,8 +342,8 @@ def main() -> None:
     dev = sweep_device(args.tiny)  # the interpreter without a GPU, before kernels are imported
     import triton
 
-    from pagoda.kernels.scaled_mm import FP8_DTYPE, fp8_supported, scaled_mm_ref
-    from pagoda.kernels.scaled_mm_triton import choose_w8a8_config
+    from pagoda.kernels.scaled_mm import fp8_supported, scaled_mm_ref
+    from pagoda.kernels.scaled_mm_triton import _cuda_path
 
     device = dev.device
     dtype = dev.dtype  # bf16 on a GPU, float32 in the interpreter
@@ -393,9 +394,12 @@ def main() -> None:
         row = f"{m:>6} | " + " | ".join(f"{times[mode]:>9.2f}" for mode in modes)
         row += f" | {times['quant']:>9.2f}"
         row += " | " + " | ".join(f"{times['bf16'] / times[mode]:>7.2f}x" for mode in modes[1:])
-        configs = {
-            dt: {s: _config_name(choose_w8a8_config(m, n, k, qd)) for s, (n, k) in shapes.items()}
-            for dt, qd in (("int8", torch.int8), ("fp8", FP8_DTYPE))
+        configs = {  # what the dispatch picks for these weights (the CUDA kernel included)
+            dt: {
+                s: _config_name(_cuda_path(m, w, None)) for s, (w, _) in zip(shapes, weights[dt][0])
+            }
+            for dt in ("int8", "fp8")
+            if dt in weights
         }
         table.append(dict(m=m, ms=times, configs=configs))
         print(row, flush=True)
