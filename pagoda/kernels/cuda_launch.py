@@ -50,9 +50,10 @@ def launch(
 ) -> None:
     """Launch `func` (a CUfunction) on `device`'s current stream with `args`: tensors as
     pointers, floats as doubles, ints as 32-bit, ctypes arrays as their bytes (a tensor map;
-    the kernel's parameters are declared to match). With `pdl`, as a programmatic dependent of the kernel before it in the stream
-    (cuLaunchKernelEx with programmatic stream serialization; a programmatic edge in a CUDA
-    graph capture): it may start before that kernel ends and must wait for it
+    the kernel's parameters are declared to match). With `pdl`, as a programmatic dependent
+    of the kernel before it in the stream (cuLaunchKernelEx with programmatic stream
+    serialization; a programmatic edge in a CUDA graph capture): it may start before that
+    kernel ends and must wait for it
     (griddepcontrol.wait) before touching memory that kernel reads or writes. With `cluster`,
     in thread-block clusters of those dimensions (sm_90; they divide `grid`)."""
     cargs = [

@@ -8,12 +8,13 @@ per output channel (int8 or float8 e4m3) and activations quantized per token at 
   its epilogue (x_scale * w_scale, + bias), writing the model dtype once; its tiles come from a
   fixed rule by shape (`scaled_mm_triton.choose_w8a8_config`). On sm_90 from 65 rows a CUDA
   kernel takes its place (`w8a8_wgmma.py`: warp-specialized, TMA copies and wgmma, the same
-  epilogue). The alternative it
-  replaces, `torch._int_mm` (cuBLASLt, an int32 [M, N] product in memory, more than 16 rows)
-  and a separate epilogue kernel, stays selectable (config="int_mm") for comparison.
+  epilogue). The alternative they replace, `torch._int_mm` (cuBLASLt, an int32 [M, N]
+  product in memory, more than 16 rows) and a separate epilogue kernel, stays selectable
+  (config="int_mm") for comparison.
 - CUDA sm_89+, fp8: the same row quantization (absmax / 448), then up to 64 rows the same
-  Triton GEMM on e4m3 operands (float32 accumulators), from 65 rows `torch._scaled_mm` with
-  row-wise scales, which applies both scales and the bias in cuBLASLt's epilogue.
+  Triton GEMM on e4m3 operands (float32 accumulators), on sm_90 at 65-128 rows the CUDA
+  kernel, past that `torch._scaled_mm` with row-wise scales, which applies both scales and
+  the bias in cuBLASLt's epilogue.
 - Elsewhere (a CPU, or no triton): the same quantization in torch and the product in float32 on
   the integer / fp8 values (exact for int8 products up to 2^24 per output, a float32 rounding
   beyond): `torch._int_mm` exists on a CPU but runs ~20x slower than a float32 GEMM. A model's

@@ -487,16 +487,15 @@ def w8a8_config_candidates(
 ) -> list[W8A8Config | WgmmaW8A8Config | str]:
     """The configs a sweep times for [m, k] x [n, k]^T: the chosen one first, then the
     library GEMM (`INT_MM` for int8, `SCALED_MM` for fp8), with `wgmma` int8 from 65 rows the
-    CUDA kernel's tiles (`w8a8_wgmma.candidates`), and the Triton rule's neighbours (tile
+    CUDA kernel's tiles (`w8a8_wgmma.CANDIDATES`), and the Triton rule's neighbours (tile
     sizes, stages, warps, swap-AB, split-K) that fit an SM's shared memory."""
     library = INT_MM if dtype == torch.int8 else SCALED_MM
     out: list[W8A8Config | WgmmaW8A8Config | str] = [choose_w8a8_config(m, n, k, dtype, wgmma)]
     if library not in out:
         out.append(library)
     if wgmma and dtype == torch.int8 and m > 64:
-        out += [c for c in w8a8_wgmma.candidates(m, n, k) if c not in out]
-        if choose_w8a8_config(m, n, k, dtype) not in out:
-            out.append(choose_w8a8_config(m, n, k, dtype))
+        triton_rule = choose_w8a8_config(m, n, k, dtype)
+        out += [c for c in (*w8a8_wgmma.CANDIDATES, triton_rule) if c not in out]
     cands: list[W8A8Config] = []
     if m <= 128:
         bm = rows_tile(m)
@@ -683,25 +682,23 @@ def _cuda_path(
     m: int, w_q: torch.Tensor, config: W8A8Config | WgmmaW8A8Config | str | None
 ) -> W8A8Config | WgmmaW8A8Config | str | None:
     """The product's kernel for m rows: a `W8A8Config` of the fused GEMM, a `WgmmaW8A8Config`
-    of the CUDA int8 kernel (sm_90, from 65 rows), `INT_MM` or `SCALED_MM`; None where none
-    runs these operands (the plain path)."""
+    of the CUDA 8-bit kernel (sm_90, from 65 rows: int8, and fp8 with fast accumulation),
+    `INT_MM` or `SCALED_MM`; None where none runs these operands (the plain path)."""
     from pagoda.kernels.scaled_mm import fp8_supported
 
     n, k = w_q.shape
-    if w_q.dtype == torch.int8:
-        wgmma = m > 64 and w8a8_wgmma.available(w_q.device)
-        num_sms = _num_sms(w_q.device) if wgmma else 132
-        cfg = config or choose_w8a8_config(m, n, k, wgmma=wgmma, num_sms=num_sms)
-        if cfg != INT_MM and w_q.stride(1) == 1:
-            return cfg
+    is_int = w_q.dtype == torch.int8
+    if config is None and (is_int or fp8_supported(w_q.device)):
+        wgmma = m > 64 and (is_int or fp8_fast_accum()) and w8a8_wgmma.available(w_q.device)
+        config = choose_w8a8_config(m, n, k, w_q.dtype, wgmma, _num_sms(w_q.device))
+    if is_int:
+        if config != INT_MM and w_q.stride(1) == 1:
+            return config
         if k % 8 == 0 and n % 8 == 0:
             return INT_MM
     elif fp8_supported(w_q.device):
-        wgmma = m > 64 and fp8_fast_accum() and w8a8_wgmma.available(w_q.device)
-        num_sms = _num_sms(w_q.device) if wgmma else 132
-        cfg = config or choose_w8a8_config(m, n, k, w_q.dtype, wgmma, num_sms)
-        if cfg != SCALED_MM and w_q.stride(1) == 1:
-            return cfg
+        if config != SCALED_MM and w_q.stride(1) == 1:
+            return config
         if k % 16 == 0 and n % 16 == 0:
             return SCALED_MM
     return None

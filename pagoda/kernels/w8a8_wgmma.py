@@ -153,11 +153,12 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
     return WgmmaW8A8Config(128, 128, 6 if k >= 2 * n else 4)
 
 
-def candidates(m: int, n: int, k: int) -> list[WgmmaW8A8Config]:
-    """The configs a sweep times besides the rule's (`w8a8_bench.py --sweep`)."""
-    tiles = [(64, 64, 6, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 4, 1)]
-    tiles += [(128, 128, 6, 1), (128, 256, 3, 1), (128, 256, 4, 1)]
-    return [WgmmaW8A8Config(*t) for t in tiles]
+# The tiles a sweep times besides the rule's (`w8a8_bench.py --sweep`), at every shape.
+CANDIDATES = tuple(
+    WgmmaW8A8Config(*t)
+    for t in ((64, 64, 6, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 4, 1),
+              (128, 128, 6, 1), (128, 256, 3, 1), (128, 256, 4, 1))
+)  # fmt: skip
 
 
 def _wgmma_function(bn: int, int8: bool = True) -> str:
@@ -202,7 +203,7 @@ _UINT8, _SWIZZLE_128B, _L2_PROMOTION_256B = 0, 3, 3
 
 @functools.lru_cache(maxsize=1024)
 def tensor_map(ptr: int, rows: int, k: int, row_stride: int, box_rows: int) -> ctypes.Array:
-    """The CUtensorMap (128 bytes, 64-byte aligned) of an int8 [rows, k] matrix at `ptr` with
+    """The CUtensorMap (128 bytes, 64-byte aligned) of an 8-bit [rows, k] matrix at `ptr` with
     `row_stride` bytes between rows, read in boxes of 128 inputs x `box_rows` rows into the
     128-byte swizzle, zero past its edges. Cached: it depends on nothing else."""
     buf = ctypes.create_string_buffer(128 + 64)
