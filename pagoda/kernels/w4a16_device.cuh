@@ -117,6 +117,59 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
       : "memory");
 }
 
+// Thread-block clusters (sm_90): a barrier across the cluster's threads, and shared-memory
+// operations on the cluster's CTA `rank` (its address of the same variable by `mapa`).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_addr(u32 addr, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// One arrival on the mbarrier at `bar` of CTA `rank`, releasing at cluster scope.
+__device__ __forceinline__ void mbar_arrive_at(u32 bar, u32 rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                   cluster_addr(bar, rank))
+               : "memory");
+}
+
+// `mbar_expect_tx` on the mbarrier at `bar` of CTA `rank`.
+__device__ __forceinline__ void mbar_expect_tx_at(u32 bar, u32 rank, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(
+                   cluster_addr(bar, rank)),
+               "r"(bytes)
+               : "memory");
+}
+
+// `mbar_wait`, acquiring what threads of the whole cluster released by arriving on it.
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// `bulk_load` into shared `dst` of every CTA of the cluster in `mask` (by rank), completing on
+// the `bar` at the same offset in each.
+__device__ __forceinline__ void bulk_multicast(u32 dst, const void* src, u32 bytes, u32 bar,
+                                               u16 mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+      : "memory");
+}
+
 // PDL (compiled in where PDL is 1): the kernel may start while the one before it in the stream
 // is still running. The weights, scales and zero points never change, so a CTA loads its first
 // ones before `grid_wait`; x (the kernel before may be writing it) and y (it may still be

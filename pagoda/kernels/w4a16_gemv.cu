@@ -136,18 +136,13 @@ __device__ __forceinline__ void write_partial(float (&red)[ROW_TILES * M_TILES *
 #if BULK && SPLITS > 1
 // SPLITS: the K steps of a tile split among a cluster of SPLITS CTAs (blockIdx.y, on
 // different SMs), whose partial tiles rank 0 sums through distributed shared memory.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // `*p` in the shared memory of the cluster's CTA `rank`.
 __device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
-  u32 remote;
   float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];"
+               : "=f"(v)
+               : "r"(cluster_addr(smem_addr(p), rank))
+               : "memory");
   return v;
 }
 #endif

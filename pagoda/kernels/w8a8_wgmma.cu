@@ -22,15 +22,27 @@
 // The CTA at blockIdx (x, y) covers x rows [BM x, +BM) and weight rows [BN y, +BN): CTAs next
 // to each other share a weight tile, read from DRAM once and from L2 after.
 //
+// Thread-block clusters (CM x CN CTAs, sm_90): where L2 rather than DRAM or the tensor cores
+// bounds the product (every weight tile read by each of the M tiles, every x tile by each of
+// the N tiles), the CM CTAs of a cluster row (same weight rows) share their weight tile: each
+// copies BN / CM of its rows by a multicast TMA copy that lands in all CM CTAs' shared memory
+// at the same offset and completes on each one's `full` mbarrier; likewise the CN CTAs of a
+// cluster column share the x tile, BM / CN rows each. So a CTA's `full` barrier counts bytes
+// that its peers' copies bring, and a stage may be refilled only when the consumers of every
+// CTA it lands in are done with it: each consumer warp arrives on the `empty` barrier of every
+// CTA of the cluster. The cluster synchronizes after the barriers are initialized (a peer's
+// copy may land first) and before any CTA exits (a peer may still arrive on its barriers).
+//
 // Epilogue: each consumer scales its accumulators, (acc * xs[m]) * ws[n] (+ bias[n]), writes
 // them as 16-bit pairs into its 64 x BN tile in shared memory (the pipeline's, free once every
 // consumer is past its last wgmma; rows padded 16 bytes so that a warp's pairs hit 32 banks),
 // then stores the tile row by row in 16-byte pieces (N a multiple of 8).
 //
 // Compile-time constants (-D): INT8, BF16, BM (64 or 128), BN (64, 128 or 256), STAGES,
-// HAS_BIAS, PDL, CTAS_PER_SM. WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is
-// defined before this source (`w8a8_wgmma.py` writes it for BN and the operands' type), as
-// are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
+// HAS_BIAS, PDL, CTAS_PER_SM, CM and CN (the cluster's CTAs along x and y: 1, 2 or 4).
+// WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is defined before this source
+// (`w8a8_wgmma.py` writes it for BN and the operands' type), as are the helpers of
+// `w4a16_device.cuh` (mbarriers, bulk copies, clusters) and `wgmma_device.cuh`.
 
 #define BK 128
 #if INT8
@@ -43,6 +55,10 @@ typedef float acc_t;
 #define OUT_ROW_BYTES (2 * BN + 16)  // a row of a consumer's output tile in shared memory
 #define A_BYTES (BM * BK)
 #define STAGE_BYTES ((BM + BN) * BK)
+#define CLUSTER (CM * CN)
+#define X_SLICE (BM / CN)  // x rows a CTA copies for its cluster column
+#define W_SLICE (BN / CM)  // weight rows a CTA copies for its cluster row
+static_assert(X_SLICE % 8 == 0 && W_SLICE % 8 == 0, "slices of whole 1024-byte swizzle atoms");
 static_assert(CONSUMERS * 64 * OUT_ROW_BYTES <= STAGES * STAGE_BYTES,
               "the output tiles reuse the pipeline's shared memory");
 
@@ -56,6 +72,17 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, int k, i
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+
+// The same into shared `dst` of every CTA of the cluster in `mask` (by rank), completing on the
+// `bar` at the same offset in each.
+__device__ __forceinline__ void tma_multicast(u32 dst, const TensorMap* map, int k, int row,
+                                              u32 bar, u16 mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(row), "r"(bar), "h"(mask)
       : "memory");
 }
 
@@ -96,19 +123,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
                  : "memory");
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 4 * CONSUMERS);
+      mbar_init(empty0 + 8 * s, 4 * CONSUMERS * CLUSTER);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+#if CLUSTER > 1
+  cluster_sync();  // every CTA's barriers initialized before any copy lands on them
+#else
   __syncthreads();
+#endif
 
   if (warp == 4 * CONSUMERS) {  // the producer warp: one thread copies
     if (lane == 0) {
+#if CLUSTER > 1
+      const int rx = blockIdx.x % CM, ry = blockIdx.y % CN;  // rank rx + CM ry
+      const u16 w_mask = (u16)(((1u << CM) - 1u) << (CM * ry));  // the cluster row
+      u16 x_mask = 0;                                             // the cluster column
+      for (int r = 0; r < CN; ++r) x_mask |= (u16)(1u << (rx + CM * r));
+      auto load_w = [&](u32 stage, int i, u32 bar) {
+        if (CM > 1)
+          tma_multicast(stage + A_BYTES + rx * W_SLICE * BK, &w_map, i * BK, n0 + rx * W_SLICE,
+                        bar, w_mask);
+        else
+          tma_load(stage + A_BYTES, &w_map, i * BK, n0, bar);
+      };
+      auto load_x = [&](u32 stage, int i, u32 bar) {
+        if (CN > 1)
+          tma_multicast(stage + ry * X_SLICE * BK, &x_map, i * BK, m0 + ry * X_SLICE, bar,
+                        x_mask);
+        else
+          tma_load(stage, &x_map, i * BK, m0, bar);
+      };
+#else
+      auto load_w = [&](u32 stage, int i, u32 bar) {
+        tma_load(stage + A_BYTES, &w_map, i * BK, n0, bar);
+      };
+      auto load_x = [&](u32 stage, int i, u32 bar) { tma_load(stage, &x_map, i * BK, m0, bar); };
+#endif
       // The weights never change: the first stages' weight tiles load before the kernel
       // before this one (which writes x and its scales) has ended.
       for (int i = 0; i < STAGES && i < steps; ++i) {
         mbar_expect_tx(full0 + 8 * i, STAGE_BYTES);
-        tma_load(tiles + i * STAGE_BYTES + A_BYTES, &w_map, i * BK, n0, full0 + 8 * i);
+        load_w(tiles + i * STAGE_BYTES, i, full0 + 8 * i);
       }
       grid_wait();
       launch_dependents();
@@ -116,13 +172,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         const int s = i % STAGES;
         const u32 stage = tiles + s * STAGE_BYTES, bar = full0 + 8 * s;
         if (i >= STAGES) {
+#if CLUSTER > 1
+          mbar_wait_cluster(empty0 + 8 * s, (i / STAGES - 1) & 1);
+#else
           mbar_wait(empty0 + 8 * s, (i / STAGES - 1) & 1);
+#endif
           mbar_expect_tx(bar, STAGE_BYTES);
-          tma_load(stage + A_BYTES, &w_map, i * BK, n0, bar);
+          load_w(stage, i, bar);
         }
-        tma_load(stage, &x_map, i * BK, m0, bar);
+        load_x(stage, i, bar);
       }
     }
+#if CLUSTER > 1
+    __syncwarp();
+    cluster_sync();  // no CTA exits while a peer may still arrive on its barriers
+#endif
     return;
   }
 
@@ -153,7 +217,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     wgmma_wait<1>();  // the step before's wgmmas are done: its stage is free
     if (i > 0) {
       __syncwarp();
+#if CLUSTER > 1
+      if (lane < CLUSTER) mbar_arrive_at(empty0 + 8 * ((i - 1) % STAGES), lane);
+#else
       if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
+#endif
     }
   }
   wgmma_wait<0>();
@@ -195,4 +263,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       *reinterpret_cast<uint4*>(y + (long long)m * stride_y + n) =
           *reinterpret_cast<const uint4*>(out + row * OUT_ROW_BYTES + 2 * col);
   }
+#if CLUSTER > 1
+  __syncwarp();
+  cluster_sync();
+#endif
 }

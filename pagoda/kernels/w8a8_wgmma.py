@@ -39,17 +39,24 @@ CTA_SMEM_EXTRA = 3 * 1024  # a CTA's static shared memory (scales, bias, mbarrie
 class WgmmaW8A8Config(NamedTuple):
     """bm: x rows of a CTA (64 a consumer warpgroup: 64 or 128); bn: weight rows (wgmma's N:
     64, 128 or 256); stages: K steps of both tiles in shared memory; ctas_per_sm: the launch
-    bound's minimum CTAs an SM (2: registers capped at 65536 / (2 x threads))."""
+    bound's minimum CTAs an SM (2: registers capped at 65536 / (2 x threads)); cm, cn: a
+    thread-block cluster of cm x cn CTAs (1, 2 or 4 each), the cm CTAs along M sharing their
+    weight tile and the cn along N their x tile, each copied once from L2 and multicast."""
 
     bm: int = 128
     bn: int = 128
     stages: int = 4
     ctas_per_sm: int = 1
+    cm: int = 1
+    cn: int = 1
 
     @property
     def name(self) -> str:
-        return f"wgmma{self.bm}x{self.bn}_s{self.stages}" + (
-            f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""
+        return (
+            f"wgmma{self.bm}x{self.bn}_s{self.stages}"
+            + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "")
+            + (f"_m{self.cm}" if self.cm > 1 else "")
+            + (f"_n{self.cn}" if self.cn > 1 else "")
         )
 
 
@@ -71,6 +78,8 @@ def config_reason(cfg: WgmmaW8A8Config) -> str | None:
         return f"ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
     if cfg.ctas_per_sm == 2 and cfg.bn > 128:
         return "two CTAs an SM leave 113 registers a thread, fewer than 256 columns need"
+    if cfg.cm not in (1, 2, 4) or cfg.cn not in (1, 2, 4) or cfg.cm * cfg.cn > 8:
+        return f"cluster {cfg.cm} x {cfg.cn}: 1, 2 or 4 CTAs each way, at most 8"
     if cfg.ctas_per_sm * (smem_bytes(cfg) + CTA_SMEM_EXTRA) > SM_SMEM:
         return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SM_SMEM}"
     return None
@@ -187,6 +196,8 @@ def _compile(int8: bool, bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> An
         "STAGES": cfg.stages,
         "CTAS_PER_SM": cfg.ctas_per_sm,
         "HAS_BIAS": int(has_bias),
+        "CM": cfg.cm,
+        "CN": cfg.cn,
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
     source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
@@ -228,6 +239,10 @@ def tensor_map(ptr: int, rows: int, k: int, row_stride: int, box_rows: int) -> c
     return desc
 
 
+def _round_up(v: int, multiple: int) -> int:
+    return -(-v // multiple) * multiple
+
+
 def w8a8_wgmma(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -250,14 +265,16 @@ def w8a8_wgmma(
     m, k = x_q.shape
     n = w_q.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
-    x_map = tensor_map(x_q.data_ptr(), m, k, x_q.stride(0), cfg.bm)
-    w_map = tensor_map(w_q.data_ptr(), n, k, w_q.stride(0), cfg.bn)
+    x_map = tensor_map(x_q.data_ptr(), m, k, x_q.stride(0), cfg.bm // cfg.cn)
+    w_map = tensor_map(w_q.data_ptr(), n, k, w_q.stride(0), cfg.bn // cfg.cm)
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()  # views as the callers give
     args = [
         x_map, w_map, y, x_scale, w_scale, bias if bias is not None else y, m, n, k, y.stride(0),
     ]  # fmt: skip
-    grid = (-(-m // cfg.bm), -(-n // cfg.bn), 1)
+    # Whole clusters: CTAs past M or N read zeros and store nothing.
+    grid = (_round_up(-(-m // cfg.bm), cfg.cm), _round_up(-(-n // cfg.bn), cfg.cn), 1)
     threads = 128 * (cfg.bm // 64) + 32  # the consumer warpgroups and the producer warp
+    cluster = (cfg.cm, cfg.cn, 1) if cfg.cm * cfg.cn > 1 else None
     cuda_launch.launch(kernel.func, grid, threads, smem_bytes(cfg), args, x_q.device,
-                       pdl_enabled(x_q))  # fmt: skip
+                       pdl_enabled(x_q), cluster)  # fmt: skip
     return y

@@ -54,6 +54,8 @@ W8A8 = [
         w8a8_wgmma.WgmmaW8A8Config(64, 64, 6, 2),
         w8a8_wgmma.WgmmaW8A8Config(128, 128, 4),
         w8a8_wgmma.WgmmaW8A8Config(128, 256, 4),
+        w8a8_wgmma.WgmmaW8A8Config(128, 128, 4, cm=2),
+        w8a8_wgmma.WgmmaW8A8Config(64, 64, 6, 2, cm=2, cn=2),
     )
 ]
 
@@ -67,7 +69,11 @@ def test_w8a8_wgmma_compiles_without_spills(monkeypatch, tmp_path, int8, cfg) ->
 
 @pytest.mark.parametrize(
     "cfg",
-    [w4a16_wgmma.WgmmaConfig(), w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1)],
+    [
+        w4a16_wgmma.WgmmaConfig(),
+        w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1),
+        w4a16_wgmma.WgmmaConfig(bn=64, warpgroups=1, depth=4, cluster=4),
+    ],
     ids=str,
 )
 def test_w4a16_wgmma_compiles_without_spills(monkeypatch, tmp_path, cfg) -> None:

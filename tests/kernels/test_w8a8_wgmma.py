@@ -20,6 +20,10 @@ sm90 = pytest.mark.skipif(
 TILES = [W(128, 128, 4), W(128, 256, 4), W(64, 128, 6), W(64, 256, 4), W(64, 64, 8),
          W(128, 64, 6), W(64, 128, 3, 2), W(128, 128, 3, 2), W(128, 64, 4, 2),
          W(128, 128, 2)]  # fmt: skip
+# Clusters sharing tiles by multicast copies; the grids round up to whole clusters, so the
+# problems below also give clusters with CTAs wholly past M or N.
+CLUSTERS = [W(128, 128, 4, cm=2), W(128, 256, 4, cm=2), W(64, 64, 6, 2, cm=2, cn=2),
+            W(64, 128, 4, 2, cn=2), W(128, 64, 4, cm=4), W(64, 64, 6, cm=2, cn=4)]  # fmt: skip
 
 
 def _problem(m: int, n: int, k: int, seed: int = 0, bias_dtype=None):
@@ -44,7 +48,7 @@ def _exact(a, xs, b, ws, bias, dtype):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("cfg", TILES, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", TILES + CLUSTERS, ids=lambda c: c.name)
 @pytest.mark.parametrize(
     "m,n,k,dtype",
     [
@@ -65,7 +69,11 @@ def test_every_tile_gives_the_integer_product_scaled(cfg, m, n, k, dtype) -> Non
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("cfg", [W(128, 128, 4), W(128, 256, 4), W(64, 64, 6, 2)], ids=str)
+@pytest.mark.parametrize(
+    "cfg",
+    [W(128, 128, 4), W(128, 256, 4), W(64, 64, 6, 2), W(128, 128, 4, cm=2, cn=2)],
+    ids=lambda c: c.name,
+)
 @pytest.mark.parametrize("m,n,k", [(1, 72, 128), (300, 1000, 14336), (256, 4096, 4096)])
 def test_fp8_tiles_match_the_fp8_product_scaled(cfg, m, n, k) -> None:
     # e4m3 operands, float32 accumulators added in the tensor cores' own precision (fast
@@ -108,6 +116,10 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "shared memory" in w8a8_wgmma.config_reason(W(128, 256, 5))
     assert "registers" in w8a8_wgmma.config_reason(W(128, 256, 2, 2))
     assert "shared memory" in w8a8_wgmma.config_reason(W(128, 128, 4, 2))
+    assert "cluster 3 x 1" in w8a8_wgmma.config_reason(W(128, 128, 4, cm=3))
+    assert "cluster 4 x 4" in w8a8_wgmma.config_reason(W(128, 128, 4, cm=4, cn=4))
+    assert w8a8_wgmma.config_reason(W(64, 64, 6, cm=2, cn=4)) is None  # 16-row x slices
+    assert W(64, 64, 6, 2, cm=2, cn=4).name == "wgmma64x64_s6_c2_m2_n4"
     x = torch.zeros(4, 64, dtype=torch.int8)
     assert w8a8_wgmma.unsupported_reason(x, x, torch.bfloat16, None) == "not a CUDA tensor"
     assert w8a8_wgmma.smem_bytes(W(128, 128, 4)) == 4 * 256 * 128 + 1024
