@@ -131,43 +131,13 @@ __device__ __forceinline__ u32 cluster_addr(u32 addr, u32 rank) {
   return remote;
 }
 
-// One arrival on the mbarrier at `bar` of CTA `rank`, releasing at cluster scope.
+// One arrival on the mbarrier at `bar` of CTA `rank`. Release at CTA scope, as CUTLASS's
+// cluster barriers arrive: what it orders are this warp's reads of shared memory by wgmma,
+// complete before the arrival (`wgmma_wait`); at cluster scope the release fences this
+// thread's memory operations GPU-wide, ~0.5 us an arrival (a K step's worth).
 __device__ __forceinline__ void mbar_arrive_at(u32 bar, u32 rank) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
-                   cluster_addr(bar, rank))
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr(bar, rank))
                : "memory");
-}
-
-// `mbar_expect_tx` on the mbarrier at `bar` of CTA `rank`.
-__device__ __forceinline__ void mbar_expect_tx_at(u32 bar, u32 rank, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(
-                   cluster_addr(bar, rank)),
-               "r"(bytes)
-               : "memory");
-}
-
-// `mbar_wait`, acquiring what threads of the whole cluster released by arriving on it.
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// `bulk_load` into shared `dst` of every CTA of the cluster in `mask` (by rank), completing on
-// the `bar` at the same offset in each.
-__device__ __forceinline__ void bulk_multicast(u32 dst, const void* src, u32 bytes, u32 bar,
-                                               u16 mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
-      : "memory");
 }
 
 // PDL (compiled in where PDL is 1): the kernel may start while the one before it in the stream

@@ -43,22 +43,13 @@
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
 //
-// Clusters (CLUSTER > 1: that many CTAs along grid y, weight rows, on different SMs): every
-// CTA of a cluster reads the same x tiles, which at many rows are 4-8 times the bytes of its
-// weights a K step, so L2 rather than DRAM bounds the kernel. There one bulk copy a K step
-// multicasts the tile into all of them: the counter of warps done with a stage is rank 0's,
-// counted at cluster scope, and the last warp of the cluster to count arms every CTA's
-// mbarrier for the tile's bytes and issues the copy. The cluster synchronizes after the
-// barriers are initialized and after the main loop (no CTA exits while a peer may still count
-// on rank 0 or copy into it).
-//
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
 // BN (activation rows of a CTA: a multiple of 32 up to 256), WG (1, 2 or 4 warpgroups), STAGES,
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
-// SPLIT (1: K split over blockIdx.z), PDL, CLUSTER. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
+// SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
 // instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
 // it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
@@ -116,16 +107,6 @@ __device__ __forceinline__ u32 count_release(u32 counter) {
   asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;"
                : "=r"(old)
                : "r"(counter)
-               : "memory");
-  return old;
-}
-
-// The same on the counter of the cluster's CTA 0, at cluster scope.
-__device__ __forceinline__ u32 count_release_cluster(u32 counter) {
-  u32 old;
-  asm volatile("atom.acq_rel.cluster.shared::cluster.add.u32 %0, [%1], 1;"
-               : "=r"(old)
-               : "r"(cluster_addr(counter, 0))
                : "memory");
   return old;
 }
@@ -192,28 +173,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   // Step i's x tile into stage i % STAGES: one bulk copy by one thread.
   const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS;
   const u32 full0 = smem_addr(full), released0 = smem_addr(released);
-#if CLUSTER > 1
-  // Step i's x tile into stage i % STAGES of every CTA of the cluster (their barriers armed).
-  auto multicast_x = [&](int i) {
-    const int stage = i % STAGES;
-    bulk_multicast(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
-                   full0 + 8 * stage, (u16)((1u << CLUSTER) - 1u));
-  };
-  // After step i's wgmmas are done in every warp of the cluster, the last warp to say so arms
-  // every CTA's barrier of its stage and copies step i + STAGES into it. The counter only
-  // grows: a stage's round ends at each multiple of the cluster's warps.
-  auto release = [&](int i) {
-    __syncwarp();
-    if (lane == 0 && i + STAGES < nsteps) {
-      const u32 counter = released0 + 4 * (i % STAGES);
-      if ((count_release_cluster(counter) + 1) % (4 * WG * CLUSTER) == 0) {
-        for (int r = 0; r < CLUSTER; ++r)
-          mbar_expect_tx_at(full0 + 8 * (i % STAGES), r, STAGE_BYTES);
-        multicast_x(i + STAGES);
-      }
-    }
-  };
-#else
   auto load_x = [&](int i) {
     const int stage = i % STAGES;
     mbar_expect_tx(full0 + 8 * stage, STAGE_BYTES);
@@ -232,35 +191,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       }
     }
   };
-#endif
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
       released[s] = 0;
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#if CLUSTER > 1
-    for (int i = 0; i < STAGES && i < nsteps; ++i) mbar_expect_tx(full0 + 8 * i, STAGE_BYTES);
-#endif
   }
-#if CLUSTER > 1
-  cluster_sync();  // every CTA's barriers and counters initialized before any copy or count
-#else
   __syncthreads();
-#endif
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
   grid_wait();  // xt is written by the kernel before (`tile_x`)
   launch_dependents();
-#if CLUSTER > 1
-  u32 rank;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  if (tid == 0 && rank == 0)
-    for (int i = 0; i < STAGES && i < nsteps; ++i) multicast_x(i);
-#else
   if (tid == 0)
     for (int i = 0; i < STAGES && i < nsteps; ++i) load_x(i);
-#endif
 
   float acc[BN / 2];
 #pragma unroll
@@ -303,9 +247,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   wgmma_wait<0>();
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // read after the wait
-#if CLUSTER > 1
-  cluster_sync();  // every count on rank 0 and every copy into this CTA done
-#endif
 
   // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
 #if SPLIT

@@ -57,8 +57,7 @@ class WgmmaConfig(NamedTuple):
     summed by the last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K
     step's weights while the step before's wgmmas run, 1 to wait for them first (fewer
     registers); ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at
-    65536 / (2 x threads)); cluster: CTAs of a thread-block cluster along the weight rows
-    (1, 2 or 4), which share each x tile by one multicast copy (`w4a16_wgmma.cu`)."""
+    65536 / (2 x threads))."""
 
     bn: int = 64
     warpgroups: int = 2
@@ -67,7 +66,6 @@ class WgmmaConfig(NamedTuple):
     split_k: int = 0
     a_buffers: int = 2
     ctas_per_sm: int = 1
-    cluster: int = 1
 
 
 def rows_per_cta(cfg: WgmmaConfig) -> int:
@@ -101,8 +99,6 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"split_k {cfg.split_k} < 0"
     if cfg.a_buffers not in (1, 2) or cfg.ctas_per_sm not in (1, 2):
         return f"a_buffers {cfg.a_buffers} / ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
-    if cfg.cluster not in (1, 2, 4):
-        return f"cluster {cfg.cluster} not 1, 2 or 4"
     if cfg.ctas_per_sm * smem_bytes(cfg) > SMEM_LIMIT:
         return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     return None
@@ -160,7 +156,6 @@ def _compile(
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
-        "CLUSTER": cfg.cluster,
     }
     source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
@@ -313,15 +308,12 @@ def w4a16_wgmma(
         return None
     xt = tile_x(x, perm, cfg.bn)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # Whole clusters: CTAs past N read row N - 1 and store nothing.
-    grid = (-(-m // cfg.bn), -(-n // (rows_per_cta(cfg) * cfg.cluster)) * cfg.cluster, split)
+    grid = (-(-m // cfg.bn), -(-n // rows_per_cta(cfg)), split)
     counters, partials = split_k_buffers(y, grid[0] * grid[1], split)
     args = [
         y, xt, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
         m, n, k, min(group_size, k), y.stride(0), steps_per_split,
     ]  # fmt: skip
     block = 128 * cfg.warpgroups
-    cluster = (1, cfg.cluster, 1) if cfg.cluster > 1 else None
-    cuda_launch.launch(kernel.func, grid, block, smem_bytes(cfg), args, x.device, pdl_enabled(x),
-                       cluster)  # fmt: skip
+    cuda_launch.launch(kernel.func, grid, block, smem_bytes(cfg), args, x.device, pdl_enabled(x))
     return y

@@ -172,11 +172,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         const int s = i % STAGES;
         const u32 stage = tiles + s * STAGE_BYTES, bar = full0 + 8 * s;
         if (i >= STAGES) {
-#if CLUSTER > 1
-          mbar_wait_cluster(empty0 + 8 * s, (i / STAGES - 1) & 1);
-#else
           mbar_wait(empty0 + 8 * s, (i / STAGES - 1) & 1);
-#endif
           mbar_expect_tx(bar, STAGE_BYTES);
           load_w(stage, i, bar);
         }

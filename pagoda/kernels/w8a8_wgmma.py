@@ -148,18 +148,27 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
       us at 192, `run69-w8a8-split/`), but for a deep layer (k >= 2n: down, 54.9 against 50.0
       at 256 rows); else 128 x 128, 4 stages (6 for a deep layer), one CTA an SM. Splitting K
       over two or four CTAs where the tiles are few (partials through global memory, summed by
-      the last to arrive) was slower everywhere (o at 256 rows 27.2 against 16.1 us)."""
+      the last to arrive) was slower everywhere (o at 256 rows 27.2 against 16.1 us);
+    - at 129-192 rows (two 128-row tiles, the second at most half full) the two row tiles'
+      CTAs of a 128 x 256 tile, or of a 128 x 128 one but for a deep layer, as a cluster
+      sharing the weight tile (and for 128 x 128 pairs of them the x tile): a whole step at
+      192 rows 4.13 against 4.85 ms (`results/h200/run72-w8a8-cluster/`; gate_up 61.3 against
+      66.3 us, qkv 19.9 against 20.2); elsewhere clusters were no faster (1-3% slower at 256
+      rows) or much slower (four CTAs, or 64-row tiles)."""
     if m <= 128:
         return WgmmaW8A8Config(128, 128, 6) if n >= 16384 else WgmmaW8A8Config(64, 64, 6, 2)
 
     def waves(bn: int) -> int:
         return -(-(-(-m // 128) * -(-n // bn)) // num_sms)
 
+    pair = m <= 192
     if waves(256) <= 0.58 * waves(128):
-        return WgmmaW8A8Config(128, 256, 4)
+        return WgmmaW8A8Config(128, 256, 4, cm=2 if pair else 1)
     if 2 * -(-m // 128) * -(-n // 128) <= num_sms and k < 2 * n:
         return WgmmaW8A8Config(64, 64, 6, 2)
-    return WgmmaW8A8Config(128, 128, 6 if k >= 2 * n else 4)
+    if k >= 2 * n:
+        return WgmmaW8A8Config(128, 128, 6)
+    return WgmmaW8A8Config(128, 128, 4, cm=2 if pair else 1, cn=2 if pair else 1)
 
 
 # The tiles a sweep times besides the rule's (`w8a8_bench.py --sweep`), at every shape.

@@ -45,13 +45,6 @@ TILES = [
     WgmmaConfig(bn=160, split_k=2),
     WgmmaConfig(bn=192, a_buffers=1),
     WgmmaConfig(bn=224, warpgroups=1, split_k=3),
-    # Clusters sharing x tiles by multicast (320 rows: the last cluster has CTAs past N).
-    WgmmaConfig(bn=64, warpgroups=1, depth=4, cluster=2),
-    WgmmaConfig(bn=64, warpgroups=1, depth=4, a_buffers=1, cluster=4),
-    WgmmaConfig(bn=128, cluster=2),
-    WgmmaConfig(bn=256, stages=3, a_buffers=1, cluster=2),
-    WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2, cluster=4),
-    WgmmaConfig(bn=160, warpgroups=1, split_k=2, cluster=4),
 ]
 
 
@@ -110,7 +103,6 @@ def test_every_tile_shape_matches(cfg: WgmmaConfig, m: int) -> None:
         WgmmaConfig(bn=256, stages=3, a_buffers=1),
         WgmmaConfig(warpgroups=4, a_buffers=1),
         WgmmaConfig(warpgroups=1),
-        WgmmaConfig(warpgroups=1, cluster=4),
     ],
     ids=str,
 )
@@ -212,7 +204,6 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "warpgroups" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=3))
     assert "registers" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=4, ctas_per_sm=2))
     assert w4a16_wgmma.rows_per_cta(WgmmaConfig(warpgroups=4)) == 256
-    assert "cluster 3" in w4a16_wgmma.config_reason(WgmmaConfig(cluster=3))
     assert w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3, a_buffers=1)) is None
     asm = w4a16_wgmma._wgmma_function(64, bf16=True)
     assert "m64n64k16.f32.bf16.bf16" in asm and '"+f"(d[31])' in asm and "%36" in asm

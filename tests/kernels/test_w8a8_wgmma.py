@@ -147,6 +147,9 @@ def test_the_rule_takes_the_tiles_that_won_per_layer() -> None:
         (gate_up, 128): W(128, 128, 6), (gate_up, 256): W(128, 256, 4),
         (gate_up, 1024): W(128, 256, 4),
         (down, 128): W(64, 64, 6, 2), (down, 512): W(128, 128, 6), (down, 1024): W(128, 256, 4),
+        # Run 72: clusters at 129-192 rows.
+        (qkv, 192): W(128, 128, 4, cm=2, cn=2), (gate_up, 192): W(128, 256, 4, cm=2),
+        (down, 192): W(128, 128, 6), (o, 160): W(64, 64, 6, 2),
     }  # fmt: skip
     for ((n, k), m), cfg in won.items():
         assert choose_config(m, n, k) == cfg, (n, k, m)

@@ -30,9 +30,9 @@ from pagoda.kernels.scaled_mm_triton import SCALED_MM  # noqa: E402
 from pagoda.kernels.w8a8_wgmma import WgmmaW8A8Config as W  # noqa: E402
 
 M_VALUES = [int(v) for v in os.environ.get("PROBE_M", "128,192,256,384,512,1024").split(",")]
-EXTRA = [W(64, 64, 6, 2, cm=2), W(64, 64, 6, 2, cm=4), W(64, 128, 4, 2, cm=2),
-         W(64, 128, 4, 2, cm=4), W(128, 128, 4, cm=2), W(128, 128, 6, cm=2),
-         W(128, 128, 4, cm=2, cn=2), W(128, 256, 4, cm=2), W(128, 256, 4, cn=2)]  # fmt: skip
+FP8_M = [int(v) for v in os.environ.get("PROBE_FP8_M", "256,512").split(",")]
+EXTRA = [W(64, 64, 6, 2, cm=4), W(64, 128, 4, 2, cm=2), W(128, 128, 4, cm=2, cn=2),
+         W(128, 256, 4, cm=2)]  # fmt: skip
 g = torch.Generator(device="cuda").manual_seed(0)
 rule = w8a8_wgmma.choose_config
 
@@ -58,7 +58,7 @@ for fp8 in (False, True):
         w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_weight(w, qd)
         layers = [[(wq.clone(), ws.reshape(-1).clone())] for _ in range(copies)]
-        for m in M_VALUES:
+        for m in FP8_M if fp8 else M_VALUES:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
             t = {}
             for cfg in candidates(m, n, k, fp8):

@@ -33,9 +33,7 @@ def candidates(m, n, k):
         out += [rule._replace(cluster=2), rule._replace(cluster=4)]
     bn = min(256, 32 * -(-m // 32))
     for c in (WgmmaConfig(bn=bn, warpgroups=1, depth=4, a_buffers=1, cluster=4),
-              WgmmaConfig(bn=bn, warpgroups=2, a_buffers=1, cluster=2),
               WgmmaConfig(bn=bn, warpgroups=2, a_buffers=1, cluster=4),
-              WgmmaConfig(bn=min(bn, 128), warpgroups=1, depth=4, cluster=4),
               WgmmaConfig(bn=64, warpgroups=1, depth=4, cluster=4)):  # fmt: skip
         if c not in out and config_reason(c) is None:
             out.append(c)
