@@ -24,6 +24,8 @@ from pagoda.kernels.scaled_mm_triton import (  # noqa: E402
 )
 from pagoda.kernels.triton_pdl import dependent_start  # noqa: E402
 
+QMAX = tl.constexpr(INT8_MAX)  # a jitted function reads only constexpr globals (on a GPU)
+
 
 @triton.jit
 def _one_pass_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, ROWS: tl.constexpr,
@@ -34,9 +36,9 @@ def _one_pass_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, ROWS: tl.con
     mask = (rows[:, None] < M) & (offs[None, :] < K)
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = row_scale(tl.max(tl.abs(x), axis=1), INT8_MAX)
+    scale = row_scale(tl.max(tl.abs(x), axis=1), QMAX)
     tl.store(s_ptr + rows, scale, mask=rows < M)
-    v = quantize_values(x, scale[:, None], INT8_MAX, True)
+    v = quantize_values(x, scale[:, None], QMAX, True)
     tl.store(q_ptr + r64 * stride_q + offs[None, :], v.to(tl.int8), mask=mask)
 
 
