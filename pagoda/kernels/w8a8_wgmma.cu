@@ -22,12 +22,11 @@
 // The CTA at blockIdx (x, y) covers x rows [BM x, +BM) and weight rows [BN y, +BN): CTAs next
 // to each other share a weight tile, read from DRAM once and from L2 after.
 //
-// Thread-block clusters (CM x CN CTAs, sm_90): where L2 rather than DRAM or the tensor cores
-// bounds the product (every weight tile read by each of the M tiles, every x tile by each of
-// the N tiles), the CM CTAs of a cluster row (same weight rows) share their weight tile: each
-// copies BN / CM of its rows by a multicast TMA copy that lands in all CM CTAs' shared memory
-// at the same offset and completes on each one's `full` mbarrier; likewise the CN CTAs of a
-// cluster column share the x tile, BM / CN rows each. So a CTA's `full` barrier counts bytes
+// Thread-block clusters (CM x CN CTAs, sm_90): the CM CTAs of a cluster row (same weight
+// rows) share their weight tile, read from L2 once for all of them: each copies BN / CM of its
+// rows by a multicast TMA copy that lands in all CM CTAs' shared memory at the same offset and
+// completes on each one's `full` mbarrier; likewise the CN CTAs of a cluster column share the x
+// tile, BM / CN rows each (`w8a8_wgmma.choose_config` says where this is faster). So a CTA's `full` barrier counts bytes
 // that its peers' copies bring, and a stage may be refilled only when the consumers of every
 // CTA it lands in are done with it: each consumer warp arrives on the `empty` barrier of every
 // CTA of the cluster. The cluster synchronizes after the barriers are initialized (a peer's

@@ -152,10 +152,12 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
       the last to arrive) was slower everywhere (o at 256 rows 27.2 against 16.1 us);
     - at 129-192 rows (two 128-row tiles, the second at most half full) the two row tiles'
       CTAs of a 128 x 256 tile, or of a 128 x 128 one but for a deep layer, as a cluster
-      sharing the weight tile (and for 128 x 128 pairs of them the x tile): a whole step at
-      192 rows 4.13 against 4.85 ms (`results/h200/run72-w8a8-cluster/`; gate_up 61.3 against
-      66.3 us, qkv 19.9 against 20.2); elsewhere clusters were no faster (1-3% slower at 256
-      rows) or much slower (four CTAs, or 64-row tiles)."""
+      sharing the weight tile (and for 128 x 128 pairs of them the x tile): a whole step
+      (int8, inputs quantized by the kernel before) at 192 rows 4.11 against 4.76 ms, at 160
+      4.80 against 5.13 (H100, `results/h200/run73-w8a8-cluster-rule/`; per layer, in
+      `run72-w8a8-cluster/`, gate_up 61.3 against 66.3 us at 192 rows, qkv 19.9 against
+      20.2); elsewhere clusters were no faster (1-3% slower at 256 rows) or much slower (four
+      CTAs, or 64-row tiles)."""
     if m <= 128:
         return WgmmaW8A8Config(128, 128, 6) if n >= 16384 else WgmmaW8A8Config(64, 64, 6, 2)
 
