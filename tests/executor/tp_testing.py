@@ -47,10 +47,12 @@ def generated_tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not). OSError: gone before the open, or between the
+    open and the read of its stat file (ESRCH, ProcessLookupError)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:
         return False
 
 
