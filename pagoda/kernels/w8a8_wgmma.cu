@@ -134,7 +134,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 
   if (warp == 4 * CONSUMERS) {  // the producer warp: one thread copies
     if (lane == 0) {
-#if CLUSTER > 1
+      // Where a cluster shares a tile (CM or CN > 1, known at compile time) this CTA copies
+      // its slice into every CTA of its cluster row (weights) or column (x).
       const int rx = blockIdx.x % CM, ry = blockIdx.y % CN;  // rank rx + CM ry
       const u16 w_mask = (u16)(((1u << CM) - 1u) << (CM * ry));  // the cluster row
       u16 x_mask = 0;                                             // the cluster column
@@ -153,12 +154,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         else
           tma_load(stage, &x_map, i * BK, m0, bar);
       };
-#else
-      auto load_w = [&](u32 stage, int i, u32 bar) {
-        tma_load(stage + A_BYTES, &w_map, i * BK, n0, bar);
-      };
-      auto load_x = [&](u32 stage, int i, u32 bar) { tma_load(stage, &x_map, i * BK, m0, bar); };
-#endif
       // The weights never change: the first stages' weight tiles load before the kernel
       // before this one (which writes x and its scales) has ended.
       for (int i = 0; i < STAGES && i < steps; ++i) {
