@@ -164,14 +164,14 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
     def waves(bn: int) -> int:
         return -(-(-(-m // 128) * -(-n // bn)) // num_sms)
 
-    pair = m <= 192
+    c = 2 if m <= 192 else 1  # a cluster of the two row tiles' CTAs at 129-192 rows
     if waves(256) <= 0.58 * waves(128):
-        return WgmmaW8A8Config(128, 256, 4, cm=2 if pair else 1)
+        return WgmmaW8A8Config(128, 256, 4, cm=c)
     if 2 * -(-m // 128) * -(-n // 128) <= num_sms and k < 2 * n:
         return WgmmaW8A8Config(64, 64, 6, 2)
     if k >= 2 * n:
         return WgmmaW8A8Config(128, 128, 6)
-    return WgmmaW8A8Config(128, 128, 4, cm=2 if pair else 1, cn=2 if pair else 1)
+    return WgmmaW8A8Config(128, 128, 4, cm=c, cn=c)
 
 
 # The tiles a sweep times besides the rule's (`w8a8_bench.py --sweep`), at every shape.
