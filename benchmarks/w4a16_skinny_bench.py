@@ -144,7 +144,7 @@ def wgmma_grid(m: int) -> list[tuple]:
 def ws_grid(m: int) -> list[tuple]:
     """WsConfig tuples to time from 33 rows (the warp-specialized kernel): activation tiles of
     64 rows, 128 and one tile of all the rows (up to 256); 1 or 2 weight blocks and consumer
-    warpgroups along the rows; 4 stages or as many as fit (up to 8); 4 stages of weights in
+    warpgroups along the rows (past 64 rows also 4 weight blocks of 128-row tiles); 4 stages or as many as fit (up to 8); 4 stages of weights in
     flight; 1 or 2 CTAs an SM; K split by `split_for`."""
     from pagoda.kernels.w4a16_ws import CTA_SMEM_EXTRA, SM_SMEM, WsConfig, config_reason, smem_bytes
 
@@ -159,6 +159,8 @@ def ws_grid(m: int) -> list[tuple]:
         most = min(8, (SM_SMEM // cps - CTA_SMEM_EXTRA - 1024) // one)
         for stages in sorted({min(4, most), most}):
             configs.append(WsConfig(bn, wm, wn, stages, depth, 0, cps))
+    if m > 64:  # 256 weight rows a CTA: x read from L2 half as often as with 128
+        configs += [WsConfig(bn, 4, 1, 4, 2) for bn in sorted({min(128, fit), 128})]
     configs = list(dict.fromkeys(configs))
     return [tuple(c) for c in configs if config_reason(c) is None]
 

@@ -35,7 +35,7 @@ REGISTERS = 65536  # of an SM
 
 
 class WsConfig(NamedTuple):
-    """bn: activation rows of a CTA; wm: 64-row weight blocks of a CTA (1 or 2); wn: consumer
+    """bn: activation rows of a CTA; wm: 64-row weight blocks of a CTA (1, 2 or 4); wn: consumer
     warpgroups along the activation rows (1 or 2; each takes bn / wn of them, a multiple of 8
     up to 256); stages: stages of 64 inputs in shared memory; depth: stages of weights the
     dequantizing warpgroup has in flight; split_k: K split over this many CTAs per output tile
@@ -77,8 +77,8 @@ def smem_bytes(cfg: WsConfig) -> int:
 
 def config_reason(cfg: WsConfig) -> str | None:
     """Why `cfg` is not a valid config, or None."""
-    if cfg.wm not in (1, 2) or cfg.wn not in (1, 2):
-        return f"wm {cfg.wm} / wn {cfg.wn} not 1 or 2"
+    if cfg.wm not in (1, 2, 4) or cfg.wn not in (1, 2) or cfg.wm * cfg.wn > 4:
+        return f"wm {cfg.wm} / wn {cfg.wn}: 1, 2 or 4 / 1 or 2, at most 4 consumers"
     if cfg.bn % 32 or cfg.bn % (8 * cfg.wn) or not 0 < cfg.bn // cfg.wn <= 256:
         return f"bn {cfg.bn}: a multiple of 32, bn / wn a multiple of 8 up to 256"
     # A consumer holds bn / wn / 2 accumulators and ~32 registers more, a dequantizing thread

@@ -35,6 +35,7 @@ TILES = [
     WsConfig(bn=256, wn=2, stages=3),
     WsConfig(bn=32, wm=2, stages=8, depth=1),
     WsConfig(bn=128, wm=1, split_k=3, ctas_per_sm=2),
+    WsConfig(bn=128, wm=4, depth=2),
 ]
 
 
@@ -136,7 +137,8 @@ def test_ws_in_a_cuda_graph_replays_exactly() -> None:
 def test_configs_that_cannot_run_name_the_reason() -> None:
     for cfg in TILES:
         assert w4a16_ws.config_reason(cfg) is None, cfg
-    assert "wm" in w4a16_ws.config_reason(WsConfig(wm=4))
+    assert "wm" in w4a16_ws.config_reason(WsConfig(wm=3))
+    assert "wm" in w4a16_ws.config_reason(WsConfig(wm=4, wn=2))
     assert "bn" in w4a16_ws.config_reason(WsConfig(bn=48))
     assert "bn" in w4a16_ws.config_reason(WsConfig(bn=512))
     assert "registers" in w4a16_ws.config_reason(WsConfig(bn=256, wn=2, ctas_per_sm=2))
