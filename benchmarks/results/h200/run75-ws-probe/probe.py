@@ -22,13 +22,18 @@ for c in configs:
 rows = [int(v) for v in os.environ.get("ROWS", "128,256").split(",")]
 prepare("cuda")
 gen = torch.Generator(device="cuda").manual_seed(0)
-print(f"{'shape':8s} {'M':>4s} {'cublas':>7s} {'rule':>7s} " + " ".join(f"{c.name:>22s}" for c in configs))
+print(
+    f"{'shape':8s} {'M':>4s} {'cublas':>7s} {'rule':>7s} "
+    + " ".join(f"{c.name:>22s}" for c in configs)
+)
 for name, (n, k) in SHAPES.items():
     one = packed_layer(n, k, GROUP, "cuda", gen)
     copies = math.ceil(3 * L2_BYTES / sum(t.nbytes for t in one))
     packed = [one] + [packed_layer(n, k, GROUP, "cuda", gen) for _ in range(copies - 1)]
-    dense = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-             for _ in range(math.ceil(3 * L2_BYTES / (n * k * 2)))]
+    dense = [
+        torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(math.ceil(3 * L2_BYTES / (n * k * 2)))
+    ]
     for m in rows:
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
 
@@ -36,12 +41,15 @@ for name, (n, k) in SHAPES.items():
             def run():
                 for w in weights:
                     call(w)
+
             return graph_seconds(run, 10) / len(weights) * 1e6
 
-        line = f"{name:8s} {m:4d} {timed(lambda w: F.linear(x, w), dense):7.1f} "
-        line += f"{timed(lambda p: w4a16_linear(x, *p, GROUP), packed):7.1f} "
+        line = f"{name:8s} {m:4d} {timed(lambda w, x=x: F.linear(x, w), dense):7.1f} "
+        line += f"{timed(lambda p, x=x: w4a16_linear(x, *p, GROUP), packed):7.1f} "
         for c in configs:
-            line += f"{timed(lambda p, c=c: w4a16_linear(x, *p, GROUP, config=c), packed):22.1f} "
+            line += (
+                f"{timed(lambda p, c=c, x=x: w4a16_linear(x, *p, GROUP, config=c), packed):22.1f} "
+            )
         print(line, flush=True)
     del packed, dense
     torch.cuda.empty_cache()
