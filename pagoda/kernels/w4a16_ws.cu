@@ -35,7 +35,9 @@
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales), BN
 // (activation rows of a CTA, BN / WN a multiple of 8 up to 256), WM (64-row weight blocks: 1 or
 // 2), WN (consumer warpgroups along the activation rows: 1 or 2), STAGES, DEPTH (stages of
-// weights a dequantizing thread has in flight), CTAS_PER_SM (the launch bound's minimum),
+// weights a dequantizing thread has in flight in registers; with RING, of scales and zeros
+// only), RING (0, or stages of packed weights a thread copies ahead by cp.async into a ring in
+// shared memory after the tiles: WM x 16 bytes a thread and stage), CTAS_PER_SM (the launch bound's minimum),
 // HAS_BIAS, SPLIT, PDL. WGMMA(acc, desc_a, desc_b), the m64n(BN/WN)k16 instruction with both
 // operands from shared memory, is defined before this source (`w4a16_ws.py` writes it), as are
 // the helpers of `w4a16_device.cuh`, `wgmma_device.cuh` and `w4a16_unpack.cuh`.
@@ -101,17 +103,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       sp[q] = scales + group_off + row;
       zp[q] = zeros + group_off + row;
     }
+#if RING
+    uint4 wv[1][WM];  // this stage's, read back from the ring
+#else
     uint4 wv[DEPTH][WM];
+#endif
     u32 sc[DEPTH][WM], zr[DEPTH][WM];
     // Called for i = 0, 1, 2, ... in turn: each call moves the pointers one stage on.
     auto load_weights = [&](int i, uint4(&wv_)[WM], u32(&sc_)[WM], u32(&zr_)[WM]) {
       if (i < nsteps) {
 #pragma unroll
         for (int q = 0; q < WM; ++q) {
+#if !RING
           wv_[q] = ld_weights(wp[q], policy);
+          wp[q] += 2;
+#endif
           sc_[q] = ld_nc_u16(sp[q]);
           zr_[q] = ld_nc_u8(zp[q]);
-          wp[q] += 2;
         }
         if (--group_left == 0) {
           group_left = group_stages;
@@ -120,8 +128,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         }
       }
     };
+#if RING
+    // Slot j % RING of the ring holds this thread's 16-byte units of stage j (one per weight
+    // block), copied RING - 1 stages ahead; one commit group a stage, empty past the last.
+    const u32 ring0 = tiles + STAGES * STAGE_BYTES + 16 * d;
+    auto copy_weights = [&](int i) {
+      if (i < nsteps) {
 #pragma unroll
-    for (int j = 0; j < DEPTH; ++j) load_weights(j, wv[j], sc[j], zr[j]);
+        for (int q = 0; q < WM; ++q) {
+          asm volatile(
+              "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
+                  ring0 + ((i % RING) * WM + q) * 2048),
+              "l"(wp[q]), "l"(policy)
+              : "memory");
+          wp[q] += 2;
+        }
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int j = 0; j < RING - 1; ++j) copy_weights(j);
+#endif
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) load_weights(j, wv[RING ? 0 : j], sc[j], zr[j]);
     grid_wait();  // xt is written by the kernel before (`tile_x`)
     launch_dependents();
     const u16* xsrc = xt + ((long long)blockIdx.x * stages + s_begin) * (X_BYTES / 2);
@@ -139,13 +167,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
             mbar_expect_tx(bar, X_BYTES);
             bulk_load(stage, xsrc + (long long)i * (X_BYTES / 2), X_BYTES, bar);
           }
+#if RING
+          copy_weights(i + RING - 1);
+          asm volatile("cp.async.wait_group %0;" ::"n"(RING - 1) : "memory");
+#pragma unroll
+          for (int q = 0; q < WM; ++q) {
+            const u32 at = ring0 + ((i % RING) * WM + q) * 2048;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(wv[0][q].x), "=r"(wv[0][q].y), "=r"(wv[0][q].z), "=r"(wv[0][q].w)
+                         : "r"(at)
+                         : "memory");
+          }
+#endif
 #pragma unroll
           for (int q = 0; q < WM; ++q) {
             const u32 zoff = MAGIC | (zr[j][q] * 0x10001u), s2 = scale2(sc[j][q]);
             const u32 block = stage + X_BYTES + q * A_BYTES + row_off;
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-              const u32 word = part(wv[j][q], u);
+              const u32 word = part(wv[RING ? 0 : j][q], u);
               const u32 dst = block + (((4 * unit + u) ^ sw) << 4);
               asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst),
                            "r"(weight_pair<0>(word, zoff, s2)), "r"(weight_pair<1>(word, zoff, s2)),
@@ -153,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
                            : "memory");
             }
           }
-          load_weights(i + DEPTH, wv[j], sc[j], zr[j]);
+          load_weights(i + DEPTH, wv[RING ? 0 : j], sc[j], zr[j]);
           // The stores are read by wgmma (the async proxy): fenced before the arrival.
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           mbar_arrive(bar);

@@ -40,7 +40,9 @@ class WsConfig(NamedTuple):
     up to 256); stages: stages of 64 inputs in shared memory; depth: stages of weights the
     dequantizing warpgroup has in flight; split_k: K split over this many CTAs per output tile
     (fp32 partials summed by the last to arrive), 0 to take `split_for`'s choice; ctas_per_sm:
-    the launch bound's minimum CTAs an SM."""
+    the launch bound's minimum CTAs an SM; ring: 0, or stages of packed weights each
+    dequantizing thread copies ahead by cp.async into shared memory (then `depth` counts only
+    the scales and zeros in registers)."""
 
     bn: int = 128
     wm: int = 2
@@ -49,6 +51,7 @@ class WsConfig(NamedTuple):
     depth: int = 4
     split_k: int = 0
     ctas_per_sm: int = 1
+    ring: int = 0
 
     @property
     def name(self) -> str:
@@ -56,6 +59,7 @@ class WsConfig(NamedTuple):
             f"ws{64 * self.wm}x{self.bn}_n{self.wn}_s{self.stages}_d{self.depth}"
             + (f"_k{self.split_k}" if self.split_k else "")
             + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "")
+            + (f"_r{self.ring}" if self.ring else "")
         )
 
 
@@ -71,8 +75,9 @@ def rows_per_cta(cfg: WsConfig) -> int:
 
 def smem_bytes(cfg: WsConfig) -> int:
     """Dynamic shared memory of a CTA: `stages` x (bn x 64 inputs of x and 64 wm x 64 of
-    weights, 16-bit), and 1 KB to align them to the swizzle's 1024-byte atoms."""
-    return cfg.stages * (cfg.bn + 64 * cfg.wm) * KS * 2 + 1024
+    weights, 16-bit), the packed weights' ring (`ring` x wm x 2 KB), and 1 KB to align the
+    tiles to the swizzle's 1024-byte atoms."""
+    return cfg.stages * (cfg.bn + 64 * cfg.wm) * KS * 2 + cfg.ring * cfg.wm * 2048 + 1024
 
 
 def config_reason(cfg: WsConfig) -> str | None:
@@ -84,11 +89,11 @@ def config_reason(cfg: WsConfig) -> str | None:
     # A consumer holds bn / wn / 2 accumulators and ~32 registers more, a dequantizing thread
     # 6 a stage and weight block in flight and ~40 more (nvcc 13.0, sm_90a: no spills).
     regs = min(255, REGISTERS // (threads(cfg) * cfg.ctas_per_sm) // 8 * 8)
-    need = max(cfg.bn // cfg.wn // 2 + 32, 6 * cfg.depth * cfg.wm + 40)
+    need = max(cfg.bn // cfg.wn // 2 + 32, (2 if cfg.ring else 6) * cfg.depth * cfg.wm + 40)
     if need > regs:
         return f"{need} registers a thread needed, {regs} there"
-    if cfg.stages < 2 or cfg.depth < 1:
-        return f"stages {cfg.stages} < 2 or depth {cfg.depth} < 1"
+    if cfg.stages < 2 or cfg.depth < 1 or cfg.ring == 1 or cfg.ring < 0:
+        return f"stages {cfg.stages} < 2, depth {cfg.depth} < 1 or ring {cfg.ring} not 0 or > 1"
     if cfg.ctas_per_sm not in (1, 2) or smem_bytes(cfg) > SMEM_LIMIT:
         return f"ctas_per_sm {cfg.ctas_per_sm} / {smem_bytes(cfg)} bytes of shared memory"
     if cfg.ctas_per_sm * (smem_bytes(cfg) + CTA_SMEM_EXTRA) > SM_SMEM:
@@ -128,6 +133,7 @@ def _compile(
         "STAGES": cfg.stages,
         "DEPTH": cfg.depth,
         "CTAS_PER_SM": cfg.ctas_per_sm,
+        "RING": cfg.ring,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute

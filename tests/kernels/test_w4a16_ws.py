@@ -36,6 +36,8 @@ TILES = [
     WsConfig(bn=32, wm=2, stages=8, depth=1),
     WsConfig(bn=128, wm=1, split_k=3, ctas_per_sm=2),
     WsConfig(bn=128, wm=4, depth=2),
+    WsConfig(bn=128, wm=1, stages=3, ctas_per_sm=2, ring=8),
+    WsConfig(bn=256, stages=3, depth=3, ring=12),
 ]
 
 
@@ -87,7 +89,9 @@ def test_every_tile_shape_matches(cfg: WsConfig, m: int) -> None:
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [2, 3, 8])
-@pytest.mark.parametrize("cfg", [WsConfig(), WsConfig(bn=256, wm=1, wn=2)], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "cfg", [WsConfig(), WsConfig(bn=256, wm=1, wn=2), WsConfig(ring=5)], ids=lambda c: c.name
+)
 def test_split_k_sums_every_split(split_k: int, cfg: WsConfig) -> None:
     n, k = 320, 4096  # the last CTA's rows past N
     w4, dense = _weights("gptq", n, k, 128)
@@ -144,6 +148,11 @@ def test_configs_that_cannot_run_name_the_reason() -> None:
     assert "registers" in w4a16_ws.config_reason(WsConfig(bn=256, wn=2, ctas_per_sm=2))
     assert "shared memory" in w4a16_ws.config_reason(WsConfig(bn=256, stages=6))
     assert "stages" in w4a16_ws.config_reason(WsConfig(stages=1))
+    assert "ring" in w4a16_ws.config_reason(WsConfig(ring=1))
+    assert (
+        w4a16_ws.smem_bytes(WsConfig(bn=128, wm=2, stages=4, ring=8))
+        == 4 * 256 * 128 + 8 * 2 * 2048 + 1024
+    )
     assert w4a16_ws.threads(WsConfig(wm=2, wn=2)) == 640
     assert w4a16_ws.smem_bytes(WsConfig(bn=128, wm=2, stages=4)) == 4 * 256 * 128 + 1024
     assert WsConfig(bn=256, wm=1, wn=2, split_k=2).name == "ws64x256_n2_s4_d4_k2"
