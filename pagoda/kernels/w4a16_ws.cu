@@ -37,9 +37,13 @@
 // 2), WN (consumer warpgroups along the activation rows: 1 or 2), STAGES, DEPTH (stages of
 // weights a dequantizing thread has in flight in registers; with RING, of scales and zeros
 // only), RING (0, or stages of packed weights a thread copies ahead by cp.async into a ring in
-// shared memory after the tiles: WM x 16 bytes a thread and stage), CTAS_PER_SM (the launch bound's minimum),
+// shared memory after the tiles: WM x 16 bytes a thread and stage), A_REGS (1: the consumers
+// read the weight tile into registers by ldmatrix and multiply with A from registers, so that
+// the dequantizing threads' stores need no fence for the async proxy), CTAS_PER_SM (the
+// launch bound's minimum),
 // HAS_BIAS, SPLIT, PDL. WGMMA(acc, desc_a, desc_b), the m64n(BN/WN)k16 instruction with both
-// operands from shared memory, is defined before this source (`w4a16_ws.py` writes it), as are
+// operands from shared memory, and WGMMA_RS(acc, a0, a1, a2, a3, desc_b), the same with A from
+// registers, are defined before this source (`w4a16_ws.py` writes them), as are
 // the helpers of `w4a16_device.cuh`, `wgmma_device.cuh` and `w4a16_unpack.cuh`.
 
 #define KS 64  // inputs a stage
@@ -195,7 +199,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
           }
           load_weights(i + DEPTH, wv[RING ? 0 : j], sc[j], zr[j]);
           // The stores are read by wgmma (the async proxy): fenced before the arrival.
+#if !A_REGS
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
           mbar_arrive(bar);
         }
       }
@@ -208,20 +214,50 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     for (int i = 0; i < NW / 2; ++i) acc[i] = 0.f;
     grid_wait();  // y may still be read by the kernel before
     launch_dependents();
-    for (int i = 0; i < nsteps; ++i) {
-      const int s = i % STAGES;
-      mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
-      const u32 stage = tiles + s * STAGE_BYTES;
-      const unsigned long long da = swizzled_desc(stage + X_BYTES + wm * A_BYTES),
-                               db = swizzled_desc(stage + wn * NW * 128);
-      wgmma_fence();
+#if A_REGS
+    // Lane l's row of the weight tile for ldmatrix.x4 (matrix l / 8 of a k16 step: rows
+    // 16 (warp % 4) + 8 ((l / 8) % 2) + l % 8, inputs 8 (l / 16) .. +8), so that its four
+    // registers are the A fragment of m64k16 as wgmma takes it from registers.
+    const int arow = 16 * (warp & 3) + 8 * ((lane >> 3) & 1) + (lane & 7);
+    const u32 a_row = wm * A_BYTES + arow * 128, a_sw = arow & 7, a_half = lane >> 4;
+    u32 a[2][KS / 16][4];  // two buffers: a stage's wgmmas may still read the one before
+#endif
+    for (int i0 = 0; i0 < nsteps; i0 += 2) {
 #pragma unroll
-      for (int kk = 0; kk < KS / 16; ++kk) WGMMA(acc, da + 2 * kk, db + 2 * kk);
-      wgmma_commit();
-      wgmma_wait<1>();  // the stage before's wgmmas are done: it is free
-      if (i > 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
+      for (int b = 0; b < 2; ++b) {
+        const int i = i0 + b;
+        if (i < nsteps) {
+          const int s = i % STAGES;
+          mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+          const u32 stage = tiles + s * STAGE_BYTES;
+          const unsigned long long db = swizzled_desc(stage + wn * NW * 128);
+#if A_REGS
+#pragma unroll
+          for (int kk = 0; kk < KS / 16; ++kk) {
+            const u32 at = stage + X_BYTES + a_row + (((2 * kk + a_half) ^ a_sw) << 4);
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(a[b][kk][0]), "=r"(a[b][kk][1]), "=r"(a[b][kk][2]),
+                           "=r"(a[b][kk][3])
+                         : "r"(at)
+                         : "memory");
+          }
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < KS / 16; ++kk)
+            WGMMA_RS(acc, a[b][kk][0], a[b][kk][1], a[b][kk][2], a[b][kk][3], db + 2 * kk);
+#else
+          const unsigned long long da = swizzled_desc(stage + X_BYTES + wm * A_BYTES);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < KS / 16; ++kk) WGMMA(acc, da + 2 * kk, db + 2 * kk);
+#endif
+          wgmma_commit();
+          wgmma_wait<1>();  // the stage before's wgmmas are done: it is free
+          if (i > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
+          }
+        }
       }
     }
     wgmma_wait<0>();

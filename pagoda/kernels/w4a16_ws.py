@@ -42,7 +42,9 @@ class WsConfig(NamedTuple):
     (fp32 partials summed by the last to arrive), 0 to take `split_for`'s choice; ctas_per_sm:
     the launch bound's minimum CTAs an SM; ring: 0, or stages of packed weights each
     dequantizing thread copies ahead by cp.async into shared memory (then `depth` counts only
-    the scales and zeros in registers)."""
+    the scales and zeros in registers); a_regs: 1 for consumers that read the unpacked weights
+    into registers by ldmatrix and multiply with A from registers (no async-proxy fence after
+    the dequantizing threads' stores), 0 for wgmma reading both operands from shared memory."""
 
     bn: int = 128
     wm: int = 2
@@ -52,6 +54,7 @@ class WsConfig(NamedTuple):
     split_k: int = 0
     ctas_per_sm: int = 1
     ring: int = 0
+    a_regs: int = 0
 
     @property
     def name(self) -> str:
@@ -60,6 +63,7 @@ class WsConfig(NamedTuple):
             + (f"_k{self.split_k}" if self.split_k else "")
             + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "")
             + (f"_r{self.ring}" if self.ring else "")
+            + ("_a" if self.a_regs else "")
         )
 
 
@@ -89,7 +93,8 @@ def config_reason(cfg: WsConfig) -> str | None:
     # A consumer holds bn / wn / 2 accumulators and ~32 registers more, a dequantizing thread
     # 6 a stage and weight block in flight and ~40 more (nvcc 13.0, sm_90a: no spills).
     regs = min(255, REGISTERS // (threads(cfg) * cfg.ctas_per_sm) // 8 * 8)
-    need = max(cfg.bn // cfg.wn // 2 + 32, (2 if cfg.ring else 6) * cfg.depth * cfg.wm + 40)
+    consumer = cfg.bn // cfg.wn // 2 + 32 + 32 * cfg.a_regs
+    need = max(consumer, (2 if cfg.ring else 6) * cfg.depth * cfg.wm + 40)
     if need > regs:
         return f"{need} registers a thread needed, {regs} there"
     if cfg.stages < 2 or cfg.depth < 1 or cfg.ring == 1 or cfg.ring < 0:
@@ -98,8 +103,8 @@ def config_reason(cfg: WsConfig) -> str | None:
         return f"ctas_per_sm {cfg.ctas_per_sm} / {smem_bytes(cfg)} bytes of shared memory"
     if cfg.ctas_per_sm * (smem_bytes(cfg) + CTA_SMEM_EXTRA) > SM_SMEM:
         return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SM_SMEM}"
-    if cfg.split_k < 0:
-        return f"split_k {cfg.split_k} < 0"
+    if cfg.split_k < 0 or cfg.a_regs not in (0, 1):
+        return f"split_k {cfg.split_k} < 0 or a_regs {cfg.a_regs} not 0 or 1"
     return None
 
 
@@ -134,13 +139,16 @@ def _compile(
         "DEPTH": cfg.depth,
         "CTAS_PER_SM": cfg.ctas_per_sm,
         "RING": cfg.ring,
+        "A_REGS": cfg.a_regs,
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
     headers = (w4a16_wgmma._HEADER, w4a16_wgmma._WGMMA_HEADER, w4a16_wgmma._UNPACK_HEADER)
     source = "".join(h.read_text() for h in headers)
-    source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn // cfg.wn, bf16))
+    n = cfg.bn // cfg.wn
+    rs = w4a16_wgmma._wgmma_function(n, bf16).replace("void WGMMA(", "void WGMMA_RS(")
+    source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(n, bf16) + rs)
     what = "CUDA W4A16 warp-specialized kernel"
     return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")
 

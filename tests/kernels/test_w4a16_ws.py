@@ -38,6 +38,9 @@ TILES = [
     WsConfig(bn=128, wm=4, depth=2),
     WsConfig(bn=128, wm=1, stages=3, ctas_per_sm=2, ring=8),
     WsConfig(bn=256, stages=3, depth=3, ring=12),
+    WsConfig(bn=128, wm=1, ctas_per_sm=2, a_regs=1),
+    WsConfig(bn=256, wm=1, wn=2, stages=3, ring=12, a_regs=1),
+    WsConfig(bn=96, wm=2, stages=5, a_regs=1),
 ]
 
 
@@ -90,7 +93,9 @@ def test_every_tile_shape_matches(cfg: WsConfig, m: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [2, 3, 8])
 @pytest.mark.parametrize(
-    "cfg", [WsConfig(), WsConfig(bn=256, wm=1, wn=2), WsConfig(ring=5)], ids=lambda c: c.name
+    "cfg",
+    [WsConfig(), WsConfig(bn=256, wm=1, wn=2), WsConfig(ring=5), WsConfig(a_regs=1)],
+    ids=lambda c: c.name,
 )
 def test_split_k_sums_every_split(split_k: int, cfg: WsConfig) -> None:
     n, k = 320, 4096  # the last CTA's rows past N
@@ -128,6 +133,7 @@ def test_ws_at_llama8b_shapes(name: str, m: int) -> None:
     ref = F.linear(x.float(), dense)
     _assert_close(_linear(x, w4, config=WsConfig(bn=256)), ref)
     _assert_close(_linear(x, w4, config=WsConfig(bn=256, wm=1, wn=2)), ref)
+    _assert_close(_linear(x, w4, config=WsConfig(bn=256, wm=1, wn=2, a_regs=1)), ref)
 
 
 @sm90
@@ -149,6 +155,7 @@ def test_configs_that_cannot_run_name_the_reason() -> None:
     assert "shared memory" in w4a16_ws.config_reason(WsConfig(bn=256, stages=6))
     assert "stages" in w4a16_ws.config_reason(WsConfig(stages=1))
     assert "ring" in w4a16_ws.config_reason(WsConfig(ring=1))
+    assert "registers" in w4a16_ws.config_reason(WsConfig(bn=256, a_regs=1))
     assert (
         w4a16_ws.smem_bytes(WsConfig(bn=128, wm=2, stages=4, ring=8))
         == 4 * 256 * 128 + 8 * 2 * 2048 + 1024
