@@ -6,8 +6,7 @@ Nsight Compute to read its counters (stall reasons, DRAM throughput, issue rate)
         python benchmarks/w4a16_gemv_profile.py --shape gate_up --m 1
 
 `--config` takes a GemvConfig as comma-separated integers (default: `gemv_config`'s choice);
-`--wgmma` a WgmmaConfig instead, for the wgmma kernel (`--kernel-name pagoda_w4a16_wgmma`);
-`--ws` a WsConfig, for the warp-specialized one (`--kernel-name pagoda_w4a16_ws`).
+`--wgmma` a WgmmaConfig instead, for the wgmma kernel (`--kernel-name pagoda_w4a16_wgmma`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--config", help="GemvConfig fields, e.g. 1,4,2,0,1,1,0,4,8,1")
     ap.add_argument("--wgmma", help="WgmmaConfig fields, e.g. 128,2,4,2,0")
-    ap.add_argument("--ws", help="WsConfig fields, e.g. 128,2,1,4,4")
     ap.add_argument("--launches", type=int, default=8)
     args = ap.parse_args()
 
@@ -36,13 +34,10 @@ def main() -> None:
     from pagoda.kernels.w4a16 import gemv_config, w4a16_linear
     from pagoda.kernels.w4a16_gemv import GemvConfig
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig
-    from pagoda.kernels.w4a16_ws import WsConfig
 
     n, k = SHAPES[args.shape]
     if args.wgmma:
         cfg = WgmmaConfig(*map(int, args.wgmma.split(",")))
-    elif args.ws:
-        cfg = WsConfig(*map(int, args.ws.split(",")))
     elif args.config:
         cfg = GemvConfig(*map(int, args.config.split(",")))
     else:

@@ -141,43 +141,6 @@ def wgmma_grid(m: int) -> list[tuple]:
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 
-def ws_grid(m: int) -> list[tuple]:
-    """WsConfig tuples to time from 33 rows (the warp-specialized kernel): activation tiles of
-    64 rows, 128 and one tile of all the rows (up to 256); 1 or 2 weight blocks and consumer
-    warpgroups along the rows (past 64 rows also 4 weight blocks of 128-row tiles); 4 stages or as many as fit (up to 8); 4 stages of weights in
-    flight; 1 or 2 CTAs an SM; K split by `split_for`."""
-    from pagoda.kernels.w4a16_ws import CTA_SMEM_EXTRA, SM_SMEM, WsConfig, config_reason, smem_bytes
-
-    if m < 33:
-        return []
-    fit = min(256, 32 * -(-m // 32))
-    configs = []
-    for bn, wm, wn, depth, cps in itertools.product(
-        sorted({64, min(128, fit), fit}), (1, 2), (1, 2), (4,), (1, 2)
-    ):
-        one = smem_bytes(WsConfig(bn, wm, wn, 1)) - 1024
-        most = min(8, (SM_SMEM // cps - CTA_SMEM_EXTRA - 1024) // one)
-        for stages in sorted({min(4, most), most}):
-            configs.append(WsConfig(bn, wm, wn, stages, depth, 0, cps))
-    if m > 64:  # 256 weight rows a CTA: x read from L2 half as often as with 128
-        configs += [WsConfig(bn, 4, 1, 4, 2) for bn in sorted({min(128, fit), 128})]
-    configs = list(dict.fromkeys(configs))
-    return [tuple(c) for c in configs if config_reason(c) is None]
-
-
-def _build_ws(cfg: tuple) -> str | None:
-    """Compile the warp-specialized kernel of `cfg` for bf16 x and fp16 scales, with and
-    without split K."""
-    import torch
-
-    from pagoda.kernels.w4a16_ws import WsConfig, get_kernel
-
-    x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
-    scales = torch.empty(1, 1, device="cuda", dtype=torch.float16)
-    built = [get_kernel(x, scales, WsConfig(*cfg), False, split) for split in (False, True)]
-    return None if all(built) else "no kernel"
-
-
 def few_row_mode(cfg: tuple) -> str:
     """The Triton few-row kernel's configs as two families: the many-row modes ("wide": x in
     planar order) and the rest ("skinny")."""
@@ -272,7 +235,7 @@ def _build(job: tuple) -> str | None:
 def top_configs(rows: list[dict], family: str, n: int) -> list[str]:
     """Per (shape, M) of a sweep's rows: cuBLAS's and the default's us, then the `n` fastest
     configs of `family` (its rows' variant: "cuda" for the GEMV, "wgmma" for the wgmma
-    kernel, "ws" for the warp-specialized one, "skinny" / "wide" for the Triton few-row kernel's modes) with their us."""
+    kernel, "skinny" / "wide" for the Triton few-row kernel's modes) with their us."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["shape"], r["m"]), []).append(r)
@@ -298,9 +261,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-sweep", action="store_true", help="choose_config only")
     ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
     ap.add_argument("--no-wgmma-sweep", action="store_true", help="no sweep of the wgmma kernel")
-    ap.add_argument(
-        "--no-ws-sweep", action="store_true", help="no sweep of the warp-specialized kernel"
-    )
     ap.add_argument(
         "--gemv-ring",
         action="store_true",
@@ -328,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="no timing: from the JSON of --out, the N fastest configs of --family per (shape, "
         "M) with cuBLAS's and the default's times",
     )
-    ap.add_argument("--family", default="wgmma", help="with --top: wgmma, ws or cuda")
+    ap.add_argument("--family", default="wgmma", help="with --top: wgmma or cuda")
     args = ap.parse_args(argv)
     if args.top:
         with open(args.out) as f:
@@ -351,7 +311,6 @@ def main(argv: list[str] | None = None) -> dict:
     from pagoda.kernels.w4a16_gemv import GemvConfig
     from pagoda.kernels.w4a16_skinny import SkinnyConfig
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig
-    from pagoda.kernels.w4a16_ws import WsConfig
     from pagoda.model.quantization.w4_layout import W4Weight, dequantize_w4
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -377,15 +336,11 @@ def main(argv: list[str] | None = None) -> dict:
     t_build = time.perf_counter()
     wgmma_grids = {m: [] if args.no_wgmma_sweep else wgmma_grid(m) for m in m_values}
     wgmma_jobs = sorted({c for g in wgmma_grids.values() for c in g})
-    ws_grids = {m: [] if args.no_ws_sweep else ws_grid(m) for m in m_values}
-    ws_jobs = sorted({c for g in ws_grids.values() for c in g})
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         failed = [j for j, e in zip(jobs.values(), pool.map(_build_gemv, jobs.values())) if e]
         failed += [j for j, e in zip(wgmma_jobs, pool.map(_build_wgmma, wgmma_jobs)) if e]
-        failed += [j for j, e in zip(ws_jobs, pool.map(_build_ws, ws_jobs)) if e]
-    built = len(jobs) + 2 * len(wgmma_jobs) + 2 * len(ws_jobs)
     print(
-        f"compiled {built} CUDA variants in {time.perf_counter() - t_build:.1f} s"
+        f"compiled {len(jobs) + 2 * len(wgmma_jobs)} CUDA variants in {time.perf_counter() - t_build:.1f} s"
         + (f", failed: {failed}" if failed else ""),
         flush=True,
     )
@@ -466,7 +421,6 @@ def main(argv: list[str] | None = None) -> dict:
 
             sweep_family("cuda", gemv_grids[m], GemvConfig)
             sweep_family("wgmma", wgmma_grids[m], WgmmaConfig)
-            sweep_family("ws", ws_grids[m], WsConfig)
             sweep_family(few_row_mode, grids[name, m], SkinnyConfig)
             line = f"{name:8s} M={m:5d} " + "  ".join(
                 f"{r['variant']} {r['us']:7.1f} us {r['tbps']:5.2f} TB/s"
@@ -474,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in rows
                 if r["shape"] == name
                 and r["m"] == m
-                and r["variant"] not in ("skinny", "wide", "cuda", "wgmma", "ws")
+                and r["variant"] not in ("skinny", "wide", "cuda", "wgmma")
             )
             print(line + f"  err {chosen_row['max_err']:.2g}", flush=True)
             if args.out:  # what is done so far, in case the run is cut short
@@ -492,7 +446,6 @@ def main(argv: list[str] | None = None) -> dict:
         "wide_best",
         "cuda_best",
         "wgmma_best",
-        "ws_best",
     )
     print(f"\nms per decode step ({len(shapes)} GEMMs x {LAYERS} layers):")
     print(f"{'M':>5s} " + " ".join(f"{v:>14s}" for v in variants))

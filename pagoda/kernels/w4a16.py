@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import w4a16_gemv, w4a16_wgmma, w4a16_ws
+from pagoda.kernels import w4a16_gemv, w4a16_wgmma
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
     check_tiles,
@@ -49,7 +49,6 @@ from pagoda.kernels.skinny_gemm import (
 )
 from pagoda.kernels.w4a16_gemv import GemvConfig
 from pagoda.kernels.w4a16_wgmma import WgmmaConfig
-from pagoda.kernels.w4a16_ws import WsConfig
 
 MAX_BLOCK_M = 128
 # The exponent bits of 16.0 in both halves of a word (bf16, fp16); fp32 converts instead.
@@ -583,8 +582,7 @@ def w4a16_linear(
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W in the packed layout above (qweight,
     scales and zeros of the same device; perm for an act-order layer). `config` defaults to
     `choose_config`: a `GemvConfig` runs the CUDA decode kernel (`w4a16_gemv`), a
-    `WgmmaConfig` the CUDA wgmma kernel (`w4a16_wgmma`, sm_90), a `WsConfig` its
-    warp-specialized sibling (`w4a16_ws`, sm_90), a `W4A16Config` this
+    `WgmmaConfig` the CUDA wgmma kernel (`w4a16_wgmma`, sm_90), a `W4A16Config` this
     module's kernel (with `pre_sums`, x's tile sums and an act-order x's gather are made once
     before it instead of in every N tile), a `w4a16_skinny.SkinnyConfig` the few-row kernel,
     `DEQUANT` the dequantized weight and cuBLAS. Raises ValueError where `w4a16_supported`
@@ -611,7 +609,7 @@ def w4a16_linear(
         if config is not None:
             raise ValueError(f"{cfg}: the CUDA kernel cannot run: {reason}")
         cfg = fallback_config(m, n, k, group_size, _num_sms(x.device), x.element_size())
-    if isinstance(cfg, (WgmmaConfig, WsConfig)):
+    if isinstance(cfg, WgmmaConfig):
         y = _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, config is not None)
         if y is not None:
             return y
@@ -732,17 +730,14 @@ def _gemv_kernel(
 
 
 def _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, explicit: bool):
-    """The output of the wgmma kernel of `cfg` (`w4a16_wgmma` for a `WgmmaConfig`, the
-    warp-specialized `w4a16_ws` for a `WsConfig`), or None where it cannot run (ValueError for
-    an `explicit` config)."""
-    module = w4a16_ws if isinstance(cfg, WsConfig) else w4a16_wgmma
-    run = w4a16_ws.w4a16_ws if module is w4a16_ws else w4a16_wgmma.w4a16_wgmma
+    """The wgmma kernel's output, or None where it cannot run (ValueError for an `explicit`
+    config)."""
     reason = w4a16_wgmma.unsupported_reason(x, qweight, scales, bias, group_size)
-    reason = reason or module.config_reason(cfg)
+    reason = reason or w4a16_wgmma.config_reason(cfg)
     y = None
     if reason is None:
-        y = run(
-            lambda split: module.get_kernel(x, scales, cfg, bias is not None, split),
+        y = w4a16_wgmma.w4a16_wgmma(
+            lambda split: w4a16_wgmma.get_kernel(x, scales, cfg, bias is not None, split),
             x, qweight, scales, zeros, group_size, bias, perm, cfg, _num_sms(x.device),
         )  # fmt: skip
         reason = "not compiled (CUDA-graph capture, or NVRTC failed)"

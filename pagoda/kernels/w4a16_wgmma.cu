@@ -51,7 +51,7 @@
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
 // SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
 // instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
-// it for BN), as are the helpers of `w4a16_device.cuh`, `wgmma_device.cuh` and `w4a16_unpack.cuh`.
+// it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
@@ -61,6 +61,44 @@
 #define STAGE_ELEMS (STAGE_BYTES / 2)
 #define SUM_OUTPUTS 8  // outputs a thread of the split-K sum takes at once
 #define SUM_SPLITS 4   // splits whose loads it issues together
+
+#if BF16
+#define ONE2 0x3f803f80u
+#else
+#define ONE2 0x3c003c00u
+#endif
+#define NEG_ZERO2 0x80008000u
+
+// A scale as x's 16-bit type, in both halves of a word.
+__device__ __forceinline__ u32 scale2(u32 raw) {
+#if SCALES_BF16 == BF16
+  return raw * 0x10001u;
+#else
+#if SCALES_BF16
+  const float f = __uint_as_float(raw << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)raw));
+#endif
+  return (u32)from_f32(f) * 0x10001u;
+#endif
+}
+
+// Pair s of a word (nibbles s and s + 4: two consecutive inputs) as (q - z) * scale in two
+// 16-bit floats: zoff = MAGIC | z in both halves, s2 the scale in both halves.
+template <int S>
+__device__ __forceinline__ u32 weight_pair(u32 w, u32 zoff, u32 s2) {
+  u32 v, r;
+  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(v) : "r"(w >> (4 * S)), "r"(MAGIC));
+#if BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(ONE2), "r"(zoff ^ NEG_ZERO2));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(r), "r"(s2), "r"(NEG_ZERO2));
+#else
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(zoff));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(r), "r"(s2));
+#endif
+  return v;
+}
 
 // A warp's lane 0 counts the warp done with a stage; the count before it (acq_rel: the last
 // to count sees every other warp's reads of the stage done).

@@ -41,7 +41,6 @@ from pagoda.kernels.triton_pdl import dependent_start
 _SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
 _HEADER = Path(__file__).with_name("w4a16_device.cuh")  # helpers of both kernels
 _WGMMA_HEADER = Path(__file__).with_name("wgmma_device.cuh")  # wgmma and its descriptors
-_UNPACK_HEADER = Path(__file__).with_name("w4a16_unpack.cuh")  # 4-bit pairs to 16-bit A
 _KERNEL_NAME = "pagoda_w4a16_wgmma"
 STEP = 128  # inputs per K step (one group at most)
 SMEM_LIMIT = 227 * 1024  # shared memory of a CTA on sm_90
@@ -158,7 +157,7 @@ def _compile(
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
-    source = _HEADER.read_text() + _WGMMA_HEADER.read_text() + _UNPACK_HEADER.read_text()
+    source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
     what = "CUDA W4A16 wgmma kernel"
     return cuda_launch.build(source, _KERNEL_NAME, defines, what, smem_bytes(cfg), "90a")
@@ -201,32 +200,22 @@ def k_order(k: int, device: torch.device) -> torch.Tensor:
     return (steps[:, None] + _step_order(device)[None, :]).reshape(-1)
 
 
-def _order(k: int, perm: torch.Tensor | None, natural: bool, device) -> torch.Tensor | None:
-    """The input each position of the tiled x holds: `k_order` (or k's own order where
-    `natural`), act order's perm folded in; None for the identity."""
-    if natural:
-        return perm
-    order = k_order(k, device)
-    return order if perm is None else perm.index_select(0, order)
+def reorder_x(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] gathered into the kernel's k order (act order's perm folded in)."""
+    order = k_order(x.shape[1], x.device)
+    if perm is not None:
+        order = perm.index_select(0, order)
+    return x.index_select(1, order)
 
 
-def reorder_x(x: torch.Tensor, perm: torch.Tensor | None, natural: bool = False) -> torch.Tensor:
-    """x [M, K] gathered into the kernel's k order (natural: K's own), act order's perm
-    folded in."""
-    order = _order(x.shape[1], perm, natural, x.device)
-    return x if order is None else x.index_select(1, order)
-
-
-def tile_x_reference(
-    x: torch.Tensor, perm: torch.Tensor | None, bn: int, natural: bool = False
-) -> torch.Tensor:
+def tile_x_reference(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
     """The kernel's B tiles in torch: xt [M tiles, K steps, bn x 128] where tile (mt, s) holds
     rows [bn mt, +bn) (zero past M) of `reorder_x`'s step s as two 64-input halves, each bn
     rows of eight 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8)."""
     m, k = x.shape
     m_tiles, steps = -(-m // bn), k // STEP
     xr = torch.zeros(m_tiles * bn, k, dtype=x.dtype, device=x.device)
-    xr[:m] = reorder_x(x, perm, natural)
+    xr[:m] = reorder_x(x, perm)
     tiles = xr.view(m_tiles, bn, steps, 2, 8, 8).permute(0, 2, 3, 1, 4, 5)  # [mt, s, h, r, c, e]
     r = torch.arange(bn, device=x.device)[:, None]
     chunk = (torch.arange(8, device=x.device)[None, :] ^ (r % 8)).view(1, 1, 1, bn, 8, 1)
@@ -245,21 +234,18 @@ def _tile_x_kernel(
     steps,
     stride_x: tl.int64,
     BN: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
     HAS_PERM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (mt, s, slab) writes rows [32 slab, +32) of tile (mt, s) of `tile_x_reference`
-    in both halves, in the tile's order (16-byte runs), reading x through the k order (where
-    HAS_ORDER; else K's own) and an act-order layer's perm."""
+    in both halves, in the tile's order (16-byte runs), reading x through the k order (and an
+    act-order layer's perm)."""
     mt, s, slab = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, 32 * 128)  # half h = d // 2048, row 32 slab + (d // 64) % 32, 16-bit e
     r = slab * 32 + (d // 64) % 32
     h = d // (32 * 64)
     pos = s * 128 + h * 64 + (((d // 8) % 8) ^ (r % 8)) * 8 + d % 8
-    col = pos
-    if HAS_ORDER:
-        col = tl.load(order_ptr + pos)  # constants: read before the wait
+    col = tl.load(order_ptr + pos)  # constants: read before the wait
     if HAS_PERM:
         col = tl.load(perm_ptr + col)
     dependent_start(PDL)
@@ -269,21 +255,17 @@ def _tile_x_kernel(
     tl.store(out_ptr + dst, v)
 
 
-def tile_x(
-    x: torch.Tensor, perm: torch.Tensor | None, bn: int, natural: bool = False
-) -> torch.Tensor:
+def tile_x(x: torch.Tensor, perm: torch.Tensor | None, bn: int) -> torch.Tensor:
     """`tile_x_reference` in one kernel (x's rows may be strided, its columns are contiguous:
-    `w4a16_supported`); bn a multiple of 32."""
+    `w4a16_supported`)."""
     m, k = x.shape
     m_tiles, steps = -(-m // bn), k // STEP
     out = torch.empty(m_tiles, steps, bn * STEP, dtype=x.dtype, device=x.device)
-    order = _order(k, None, natural, x.device)
+    order = k_order(k, x.device)
     pdl = pdl_enabled(x)
-    placeholder = perm if perm is not None else out  # an unread pointer
     _tile_x_kernel[(m_tiles, steps, bn // 32)](
-        x, order if order is not None else placeholder, placeholder, out, m, steps, x.stride(0),
-        BN=bn, HAS_ORDER=order is not None, HAS_PERM=perm is not None, PDL=pdl, launch_pdl=pdl,
-        num_warps=8,
+        x, order, perm if perm is not None else order, out, m, steps, x.stride(0), BN=bn,
+        HAS_PERM=perm is not None, PDL=pdl, launch_pdl=pdl, num_warps=8,
     )  # fmt: skip
     return out
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from pagoda.kernels import cuda_launch, w4a16_gemv, w4a16_wgmma, w4a16_ws, w8a8_wgmma
+from pagoda.kernels import cuda_launch, w4a16_gemv, w4a16_wgmma, w8a8_wgmma
 
 NVCC = shutil.which("nvcc")
 pytestmark = [
@@ -75,20 +75,6 @@ def test_w8a8_wgmma_compiles_without_spills(monkeypatch, tmp_path, int8, cfg) ->
 def test_w4a16_wgmma_compiles_without_spills(monkeypatch, tmp_path, cfg) -> None:
     source, defines = _captured(
         monkeypatch, lambda: w4a16_wgmma._compile(True, True, cfg, False, True)
-    )
-    log = _nvcc(tmp_path, source, defines)
-    assert "0 bytes spill stores" in log, log
-
-
-@pytest.mark.parametrize(
-    "cfg",
-    [w4a16_ws.WsConfig(), w4a16_ws.WsConfig(bn=256), w4a16_ws.WsConfig(bn=256, wm=1, wn=2)],
-    ids=lambda c: c.name,
-)
-@pytest.mark.parametrize("split", [False, True])
-def test_w4a16_ws_compiles_without_spills(monkeypatch, tmp_path, cfg, split) -> None:
-    source, defines = _captured(
-        monkeypatch, lambda: w4a16_ws._compile(True, False, cfg, True, split)
     )
     log = _nvcc(tmp_path, source, defines)
     assert "0 bytes spill stores" in log, log

@@ -170,25 +170,15 @@ def test_k_order_is_a_permutation_of_each_step() -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "bn", "act_order", "natural"),
-    [
-        (3, 256, 32, False, False),
-        (70, 384, 64, True, False),
-        (100, 256, 96, True, False),
-        (200, 256, 192, False, False),
-        (40, 256, 64, False, True),
-        (70, 384, 96, True, True),
-    ],
+    ("m", "k", "bn", "act_order"),
+    [(3, 256, 32, False), (70, 384, 64, True), (100, 256, 96, True), (200, 256, 192, False)],
 )
-def test_tile_x_writes_the_swizzled_b_tiles(
-    m: int, k: int, bn: int, act_order: bool, natural: bool
-) -> None:
-    """The B tiles in the k order of `w4a16_wgmma.cu` or (natural, for `w4a16_ws.cu`) K's own."""
+def test_tile_x_writes_the_swizzled_b_tiles(m: int, k: int, bn: int, act_order: bool) -> None:
     x = torch.randn(m, k)
     perm = torch.randperm(k).to(torch.int32) if act_order else None
-    ref = w4a16_wgmma.tile_x_reference(x, perm, bn, natural)
+    ref = w4a16_wgmma.tile_x_reference(x, perm, bn)
     assert ref.shape == (-(-m // bn), k // 128, bn * 128)
-    order = torch.arange(k) if natural else w4a16_wgmma.k_order(k, x.device).long()
+    order = w4a16_wgmma.k_order(k, x.device).long()
     if perm is not None:
         order = perm.long()[order]
     for mt, s, h, r, c in [(0, 0, 0, 0, 0), (0, k // 128 - 1, 1, 2, 5), (m // bn, 1, 0, 9, 3)]:
@@ -196,13 +186,11 @@ def test_tile_x_writes_the_swizzled_b_tiles(
         want = x[row, order[s * 128 + h * 64 + 8 * c :][:8]] if row < m else torch.zeros(8)
         at = h * bn * 64 + r * 64 + 8 * (c ^ (r % 8))  # 16-byte chunk c of row r, swizzled
         assert torch.equal(ref[mt, s, at : at + 8], want), (mt, s, h, r, c)
-    # the kernel (interpreted on CPU)
-    assert torch.equal(w4a16_wgmma.tile_x(x, perm, bn, natural), ref)
+    assert torch.equal(w4a16_wgmma.tile_x(x, perm, bn), ref)  # the kernel (interpreted on CPU)
     if torch.cuda.is_available():
         xc = x.cuda().to(torch.bfloat16)
         pc = None if perm is None else perm.cuda()
-        got = w4a16_wgmma.tile_x(xc, pc, bn, natural)
-        assert torch.equal(got, w4a16_wgmma.tile_x_reference(xc, pc, bn, natural))
+        assert torch.equal(w4a16_wgmma.tile_x(xc, pc, bn), w4a16_wgmma.tile_x_reference(xc, pc, bn))
 
 
 def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
