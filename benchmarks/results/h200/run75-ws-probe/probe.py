@@ -9,12 +9,12 @@ import sys
 sys.path[:0] = ["benchmarks", "."]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from pagoda.kernels.w4a16_ws import WsConfig, config_reason  # noqa: E402
 from sweep_common import graph_seconds  # noqa: E402
 from w4a16_bench import GROUP, L2_BYTES, SHAPES, packed_layer  # noqa: E402
 
 from pagoda.kernels.skinny_gemm import prepare  # noqa: E402
 from pagoda.kernels.w4a16 import w4a16_linear  # noqa: E402
-from pagoda.kernels.w4a16_ws import WsConfig, config_reason  # noqa: E402
 
 configs = [WsConfig(*map(int, a.split(","))) for a in sys.argv[1:]]
 for c in configs:
