@@ -86,23 +86,33 @@ def _quant_rows_kernel(
     QMAX: tl.constexpr,
     IS_INT: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = row_scale(tl.max(amax, axis=0), QMAX)
-    tl.store(s_ptr + row, scale)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    if ONE_PASS:  # the row fits one block: read once, held for its quantization
+        offs = tl.arange(0, BLOCK)
         mask = offs < K
-        v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        v = quantize_values(v, scale, QMAX, IS_INT)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(x), axis=0), QMAX)
+        tl.store(s_ptr + row, scale)
+        v = quantize_values(x, scale, QMAX, IS_INT)
         tl.store(q_ptr + row * stride_q + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = row_scale(tl.max(amax, axis=0), QMAX)
+        tl.store(s_ptr + row, scale)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < K
+            v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+            v = quantize_values(v, scale, QMAX, IS_INT)
+            tl.store(q_ptr + row * stride_q + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,7 +150,11 @@ def quantize_rows_triton(
     x: torch.Tensor, dtype: torch.dtype, min_rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_ref` in one kernel: (q [max(M, min_rows), K] `dtype`, scale [M, 1]
-    float32); rows past M are left unwritten (padding whose products nobody reads)."""
+    float32); rows past M are left unwritten (padding whose products nobody reads). A row of
+    up to 4096 values is read once and held (the same bits as reading it twice; the probe of
+    this form, `benchmarks/results/h200/run71-next/quant_probe.py`, was 5-12% faster a call
+    on an H100, `run77-quant-pdl/`); a longer one twice, for its maximum and then to quantize
+    it."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -158,6 +172,7 @@ def quantize_rows_triton(
         QMAX=qmax,
         IS_INT=dtype == torch.int8,
         BLOCK=block,
+        ONE_PASS=k <= block,
         PDL=pdl_enabled(x),
         launch_pdl=pdl_enabled(x),
         num_warps=min(max(block // 256, 1), 8),
