@@ -70,7 +70,7 @@ def test_batched_inputs_keep_their_leading_dims() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [64, 300, 5000])
+@pytest.mark.parametrize("k", [64, 300, 4096, 5000])  # one pass up to 4096 values, then two
 def test_triton_row_quantization_matches_reference(dtype, k) -> None:
     pytest.importorskip("triton")
     from pagoda.kernels.scaled_mm_triton import quantize_rows_triton
@@ -89,9 +89,11 @@ def test_triton_row_quantization_matches_reference(dtype, k) -> None:
         assert (diff > 0).float().mean() < 0.01
     else:
         # The interpreter's fp32 -> e4m3 cast drops the carry when rounding up crosses a power
-        # of two (125.5 -> 64, not 128): a mismatch is allowed only there.
+        # of two (125.5 -> 64, not 128) and rounds e4m3's subnormals (below 2^-6) otherwise: a
+        # mismatch is allowed only there.
         bad = diff > 0
-        assert (q_ref.float()[bad].abs().log2() % 1 == 0).all() and bad.float().mean() < 0.05
+        ref = q_ref.float()[bad].abs()
+        assert ((ref.log2() % 1 == 0) | (ref < 2.0**-6)).all() and bad.float().mean() < 0.05
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
