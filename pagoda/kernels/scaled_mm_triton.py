@@ -151,9 +151,8 @@ def quantize_rows_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_ref` in one kernel: (q [max(M, min_rows), K] `dtype`, scale [M, 1]
     float32); rows past M are left unwritten (padding whose products nobody reads). A row of
-    up to 4096 values is read once and held (the same bits as reading it twice; the probe of
-    this form, `benchmarks/results/h200/run71-next/quant_probe.py`, was 5-12% faster a call
-    on an H100, `run77-quant-pdl/`); a longer one twice, for its maximum and then to quantize
+    up to 4096 values is read once and held in registers (the same bits as reading it twice,
+    one pass over memory fewer); a longer one twice, for its maximum and then to quantize
     it."""
     if x.stride(-1) != 1:
         x = x.contiguous()
