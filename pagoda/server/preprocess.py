@@ -125,6 +125,7 @@ class Preprocessor:
         self._idle: asyncio.Queue | None = None
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
+        self._retiring: set[asyncio.Task] = set()  # replacements waiting on a cancelled job
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_CHARS:
@@ -155,22 +156,50 @@ class Preprocessor:
                 self._idle.put_nowait(self._spawn())
         worker = await self._idle.get()
         loop = asyncio.get_running_loop()
+        call = loop.run_in_executor(None, worker.call, job, self.timeout_s)
         try:
-            return await loop.run_in_executor(None, worker.call, job, self.timeout_s)
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The client is gone, but a thread still waits on this worker's reply: a worker
+            # handed to the next job now would be read by two threads, which then swap (or
+            # tear) their replies. Stop the job; a fresh worker joins the pool once that
+            # thread has let go of this one's pipe.
+            worker.process.kill()
+            retiring = loop.create_task(self._replace_after(worker, call))
+            self._retiring.add(retiring)
+            retiring.add_done_callback(self._retiring.discard)
+            raise
         except PreprocessTimeout:
-            await loop.run_in_executor(None, worker.kill)
-            worker = self._spawn()
+            await self._replace(worker)
             raise PreprocessTimeout(
                 f"{what} took longer than {self.timeout_s:g} s (the server's limit)"
             ) from None
         except ValueError as e:
+            self._idle.put_nowait(worker)
             raise ValueError(f"{what} failed: {e}") from None
         except (OSError, EOFError, RuntimeError):  # the worker died (killed for memory, ...)
-            await loop.run_in_executor(None, worker.kill)
-            worker = self._spawn()
+            await self._replace(worker)
             raise ValueError(f"{what} failed: it exceeded the server's limits") from None
-        finally:
-            self._idle.put_nowait(worker)
+        except Exception:  # anything else leaves the worker in a state no one knows
+            await self._replace(worker)
+            raise
+        self._idle.put_nowait(worker)
+        return result
+
+    async def _replace(self, worker: _Worker) -> None:
+        """Put a fresh worker in the pool in place of `worker`, which no thread uses now, and
+        stop `worker` (the pool is whole again before the first await)."""
+        assert self._idle is not None
+        self._idle.put_nowait(self._spawn())
+        await asyncio.get_running_loop().run_in_executor(None, worker.kill)
+
+    async def _replace_after(self, worker: _Worker, call: asyncio.Future) -> None:
+        """Replace `worker` once `call`, the thread still using it, has ended."""
+        try:
+            await call
+        except Exception:  # noqa: BLE001 - its caller is gone; the worker is replaced anyway
+            pass
+        await self._replace(worker)
 
     def _spawn(self) -> _Worker:
         worker = _Worker(self._ctx, self.tokenizer, self.memory_bytes)
