@@ -315,16 +315,15 @@ class OutputProcessor:
             if stop_token and i == last:
                 break
             stop_str = s.detokenizer.update([tok])
-            if stop_str is not None and out.finish_reason is None:
-                # Tokens after the one completing the stop string are dropped.
+            if stop_str is not None:
+                # Tokens after the one completing the stop string are dropped, and the string
+                # is the reason even where the core ended the request on this token (its
+                # length cap, or a stop token kept in the text), as in vLLM.
                 if s.logprobs is not None:
                     del s.logprobs[len(s.token_ids) :]
                 del new_ids[i + 1 :]
                 s.finish_reason, s.stop_reason = "stop", stop_str
-                return True
-            if stop_str is not None:
-                s.stop_reason = stop_str
-                break
+                return out.finish_reason is None  # the core still runs it: abort it there
         return False
 
     def _to_logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:

@@ -115,6 +115,28 @@ def test_stop_string_truncates_text(llm: LLM, reference) -> None:
     assert stop not in out.text and full.startswith(out.text)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_on_the_last_allowed_token_is_the_reason(llm: LLM, include) -> None:
+    # The core ends the request for its length on the very token that completes the stop
+    # string: the string is still the reason ("stop"), as in vLLM.
+    for k in range(3, 12):
+        text = llm.generate(
+            [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=k), use_tqdm=False
+        )[0]
+        text = text.outputs[0].text
+        stop = text.rstrip()[-2:]
+        if len(stop) == 2 and text == text.rstrip() and text.find(stop) == len(text) - 2:
+            break
+    else:
+        pytest.skip("no output ends in a two-character string found nowhere before")
+    params = SamplingParams(
+        temperature=0, max_tokens=k, stop=[stop], include_stop_str_in_output=include
+    )
+    out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == (text if include else text[:-2])
+
+
 def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
     out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
