@@ -39,7 +39,7 @@ from pagoda.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.serving import APIError, ServingContext
+from pagoda.server.serving import APIError, ServingContext, model_json
 from pagoda.server.serving_chat import create_chat_completion, render_chat_prompt
 from pagoda.server.serving_completion import create_completion
 from pagoda.server.tool_parsers import TOOL_PARSERS
@@ -98,7 +98,8 @@ async def _with_cancellation(raw: Request, work: Awaitable[Any]) -> Any:
 
 def _respond(result: Any) -> Response:
     if hasattr(result, "model_dump"):
-        return JSONResponse(result.model_dump())
+        # `model_json`: a lone surrogate in a string goes out escaped, not as a 500.
+        return Response(model_json(result), media_type="application/json")
     if isinstance(result, Response):
         return result
     return StreamingResponse(result, media_type="text/event-stream")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -387,6 +388,25 @@ def usage_info(num_prompt_tokens: int, num_generated_tokens: int) -> UsageInfo:
 
 def sse_line(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def escape_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (what a JSON `\\ud800` escape decodes to, which UTF-8
+    cannot hold) written back as that escape: inside a JSON string, the same value."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def model_json(model: Any) -> str:
+    """A response model as compact JSON; where a string holds a lone surrogate (a tool call's
+    arguments decoded from the model's own escapes, say) UTF-8 cannot hold it, and that
+    string goes out escaped instead of failing the response."""
+    try:
+        return model.model_dump_json()
+    except ValueError:  # pydantic's serialization error
+        return json.dumps(model.model_dump(mode="json"), separators=(",", ":"))
 
 
 async def sse_stream(

@@ -34,6 +34,7 @@ from pagoda.server.serving import (
     collect_outputs,
     first_output,
     merge_async_iterators,
+    model_json,
     prompt_logprobs_json,
     ranked_logprobs,
     safe_logprob,
@@ -322,7 +323,7 @@ def _stream(
         chunk = ChatCompletionStreamResponse(
             id=request_id, created=created, model=model, choices=choices, usage=usage
         )
-        return sse_line(chunk.model_dump_json())
+        return sse_line(model_json(chunk))
 
     def chunks(_: int, out: Any) -> list[str]:
         nonlocal num_gen

@@ -28,6 +28,7 @@ from pagoda.server.serving import (
     collect_outputs,
     first_output,
     merge_async_iterators,
+    model_json,
     prompt_logprobs_json,
     ranked_logprobs,
     safe_logprob,
@@ -231,7 +232,7 @@ def _stream(
             resp = CompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=[choice]
             )
-            lines.append(sse_line(resp.model_dump_json()))
+            lines.append(sse_line(model_json(resp)))
         return lines
 
     def usage_chunk() -> str:
@@ -239,7 +240,7 @@ def _stream(
         final = CompletionStreamResponse(
             id=request_id, created=created, model=model, choices=[], usage=usage
         )
-        return sse_line(final.model_dump_json())
+        return sse_line(model_json(final))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return sse_stream(stream, first, chunks, usage_chunk if include_usage else None)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.server.protocol import random_uuid
-from pagoda.server.serving import APIError
+from pagoda.server.serving import APIError, escape_surrogates
 
 # A function without parameters takes an empty object.
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -124,10 +124,13 @@ def tool_call_id() -> str:
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """A `tool_calls` entry. Arguments decoded from the model's JSON and written again can
+    hold lone surrogates (its `\\ud800` escapes), which no UTF-8 response can carry: they
+    stay escapes."""
     return {
         "id": tool_call_id(),
         "type": "function",
-        "function": {"name": name, "arguments": arguments},
+        "function": {"name": escape_surrogates(name), "arguments": escape_surrogates(arguments)},
     }
 
 

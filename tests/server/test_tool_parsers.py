@@ -223,6 +223,22 @@ def test_auto_tool_calls_through_the_server(client):
         assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_surrogate_escape_in_the_arguments_stays_an_escape(client, stream):
+    # json.loads makes the model's "\ud800" a lone surrogate, which UTF-8 cannot hold: the
+    # response carries the same escape, not a 500 (or an in-band error when streamed).
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800 Z"}}</tool_call>'
+    r = _chat(client, text, stream, tools=TOOLS)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(e[6:]) for e in r.text.splitlines() if e.startswith("data: {")]
+        assert all("error" not in e for e in events), r.text
+        calls = [t for e in events if e["choices"] for t in e["choices"][0]["delta"].get("tool_calls") or []]  # fmt: skip
+    else:
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert _names_args(calls) == [("get_weather", {"city": "\ud800 Z"})]
+
+
 @pytest.mark.parametrize(
     "parser, text, content",
     [
