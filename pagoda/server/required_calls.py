@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.server.serving import escape_surrogates
 from pagoda.server.tool_choice import tool_call_id
 
 _ESCAPES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -25,8 +26,9 @@ _SCALAR_CHARS = frozenset("0123456789+-.eEtruefalsn")
 
 
 def _dumped(ch: str) -> str:
-    """One character as it stands inside a string that json.dumps(ensure_ascii=False) writes."""
-    if ch in '"\\' or ord(ch) < 0x20:
+    """One character as it stands inside a string that json.dumps(ensure_ascii=False) writes,
+    but a lone surrogate as its escape (as `tool_choice.tool_call` keeps it: UTF-8 has none)."""
+    if ch in '"\\' or ord(ch) < 0x20 or 0xD800 <= ord(ch) <= 0xDFFF:
         return json.dumps(ch)[1:-1]
     return ch
 
@@ -204,7 +206,7 @@ class RequiredCallsStream:
                         "index": index,
                         "id": tool_call_id(),
                         "type": "function",
-                        "function": {"name": call.name, "arguments": arguments},
+                        "function": {"name": escape_surrogates(call.name), "arguments": arguments},
                     }
                 )
             elif arguments:
