@@ -27,10 +27,17 @@ def apply_allowed_token_ids(
     return logits
 
 
-def apply_token_mask(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Ban the (row, token) pairs of `index` [2, N] (min_tokens: stop tokens before the minimum)."""
+def apply_min_tokens(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Ban the (row, token) pairs of `index` [2, N]: stop tokens before a row's min_tokens.
+    A row left with no token at all (its allowed_token_ids or grammar allow only stop tokens)
+    keeps them: a request's constraints outrank its minimum length, and a row of only -inf
+    would sample a token nothing allows."""
+    rows, tokens = index[0], index[1]
+    kept = logits[rows, tokens]
     # The value as a device tensor: `logits[i, j] = -inf` copies a host scalar (a host sync).
-    return logits.index_put_((index[0], index[1]), logits.new_full((1,), _NEG_INF))
+    logits.index_put_((rows, tokens), logits.new_full((1,), _NEG_INF))
+    empty = torch.isneginf(logits[rows]).all(dim=-1)
+    return logits.index_put_((rows, tokens), torch.where(empty, kept, logits[rows, tokens]))
 
 
 def apply_logit_bias(

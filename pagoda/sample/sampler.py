@@ -108,7 +108,7 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     if md.allowed_token_index is not None:
         lp.apply_allowed_token_ids(logits, md.allowed_rows, md.allowed_token_index)
     if md.min_tokens_index is not None:
-        lp.apply_token_mask(logits, md.min_tokens_index)
+        lp.apply_min_tokens(logits, md.min_tokens_index)
     if md.logit_bias_index is not None:
         lp.apply_logit_bias(logits, md.logit_bias_index, md.logit_bias_values)
     if md.output_token_ids is not None:

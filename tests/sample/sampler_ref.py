@@ -26,8 +26,9 @@ def ref_processed_logits(
         allowed = set(p.allowed_token_ids)
         row = [x if t in allowed else -math.inf for t, x in enumerate(row)]
     if len(output) < p.min_tokens:
-        for t in p.all_stop_token_ids:
-            row[t] = -math.inf
+        banned = [-math.inf if t in p.all_stop_token_ids else x for t, x in enumerate(row)]
+        if any(x > -math.inf for x in banned):  # else the stop tokens are all it may take
+            row = banned
     for t, b in (p.logit_bias or {}).items():
         row[t] += b
     if p.repetition_penalty != 1.0:

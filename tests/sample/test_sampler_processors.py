@@ -164,6 +164,30 @@ def test_min_tokens_blocks_stop_tokens_until_reached():
     assert out[2] == eos
 
 
+def test_min_tokens_yields_to_constraints_that_allow_only_stop_tokens():
+    # allowed_token_ids of stop tokens only (or a grammar that can only end): min_tokens
+    # would leave no token at all; the stop tokens stay, the other rows are banned as before.
+    eos, stop = 5, 9
+    logits = _logits(3, seed=12)
+    params = [
+        SP(temperature=0.0, min_tokens=3, allowed_token_ids=[eos, stop]),
+        SP(temperature=1.0, min_tokens=3, allowed_token_ids=[eos]),
+        SP(temperature=0.0, min_tokens=3, allowed_token_ids=[eos, 20]),
+    ]
+    for p in params:
+        p.all_stop_token_ids = {eos, stop}
+    outputs = [[1], [1], [1]]
+    md = make_md(params, V, outputs=outputs)
+    x = apply_logits_processors(logits.clone(), md)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(
+            x[i].double(), ref_processed_logits(logits[i], p, [], outputs[i]), rtol=0, atol=1e-6
+        )
+    out = Sampler()(logits, md).sampled_token_ids
+    assert out[0] == max((eos, stop), key=lambda t: logits[0, t].item())
+    assert out[1] == eos and out[2] == 20
+
+
 def test_penalty_rows_subset_leaves_other_rows_untouched():
     params = [SP(temperature=0.0), SP(temperature=0.0, presence_penalty=2.0), SP(temperature=0.0)]
     logits = _logits(3, seed=11)
