@@ -308,11 +308,12 @@ class AsyncLLM:
         compiler free in time). Closing or cancelling the iterator before the last output
         aborts the request.
         """
-        self._check_admission(params.n)
         arrival_time = time.time()
+        # A bad request is a 400 whatever the load: validated before the admission check.
         prompt_text, prompt_ids, requests = self.input_processor.process(
             request_id, prompt, params, arrival_time, priority
         )
+        self.check_admission(params.n)
         loop = asyncio.get_running_loop()
         stream = _Stream(asyncio.Queue(), loop, params.n)
         with self._lock:
@@ -426,7 +427,12 @@ class AsyncLLM:
         self._shutting_down = True
         self._core.shutdown(timeout)
 
-    def _check_admission(self, n: int) -> None:
+    def check_admission(self, n: int, what: str = "n") -> None:
+        """Raise what `generate` would for `n` more samples now: a PromptValidationError
+        (param `what`) where even an idle server never admits that many at once, else
+        EngineOverloadedError past the waiting bound, or the engine's state error. A request
+        of several prompts asks for all of their samples here first, so that it is refused
+        whole (and with a 400 where it can never run) rather than part-way."""
         if self.state == "restarting":
             raise EngineRestartingError("the engine core is restarting after a failure: retry")
         if self.state != "running" or not self._core.is_alive():
@@ -437,10 +443,11 @@ class AsyncLLM:
         if bound is None:
             return
         if n > self.max_num_seqs + bound:  # not even an idle server admits it: not a 503
+            samples = f"n={n} samples" if what == "n" else f"{n} samples ({what} x n)"
             raise PromptValidationError(
-                f"n={n} samples are more than this server ever admits at once ({self.max_num_seqs}"
+                f"{samples} are more than this server ever admits at once ({self.max_num_seqs}"
                 f" running, --max-num-seqs, plus {bound} waiting, --max-waiting-requests)",
-                "n",
+                what,
             )
         free = max(0, self.max_num_seqs - self._engine_running)
         if self._num_pending_adds + self._engine_waiting + n - free > bound:

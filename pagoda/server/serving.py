@@ -118,10 +118,17 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     json_schema: dict[str, Any] | None = None,
+    max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:
-    """SamplingParams for a completion or chat request; range errors name the field.
-    `json_schema` constrains the output instead of the request's own structured outputs (a
-    forced tool call, which the request cannot combine with them)."""
+    """SamplingParams for a completion or chat request; range errors name the field (the
+    request's `max_tokens_field` for max_tokens). `json_schema` constrains the output instead
+    of the request's own structured outputs (a forced tool call, which the request cannot
+    combine with them)."""
+    if req.stream and req.prompt_logprobs is not None and req.prompt_logprobs != 0:
+        # As vLLM: a stream has no place for them (rather than dropping them unsaid).
+        raise APIError(
+            "prompt_logprobs are not available when stream is true", 400, "prompt_logprobs"
+        )
     kw: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=_or(req.presence_penalty, 0.0),
@@ -155,7 +162,11 @@ def build_sampling_params(
     try:
         params = SamplingParams(**kw)
     except ValueError as e:
-        raise value_error_to_api_error(e, fields | {"max_tokens", "logprobs"}) from None
+        err = value_error_to_api_error(e, fields | {"max_tokens", "logprobs"})
+        if err.param == "max_tokens" != max_tokens_field:
+            msg = err.message.replace("max_tokens", max_tokens_field, 1)
+            err = APIError(msg, 400, max_tokens_field)
+        raise err from None
     except TypeError as e:  # a comparison between wrong types slipped past pydantic
         raise APIError(f"invalid sampling parameter: {e}", 400) from None
     return params
@@ -165,6 +176,20 @@ logger = init_logger(__name__)
 _REMOVED_GUIDED_FIELDS = frozenset(
     ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 )
+
+
+def name_constraint_error(e: APIError, req: Any) -> APIError:
+    """An error of the output's constraint, as the grammar compiler words it
+    (`structured_outputs.<kind>`), named for the request field that set it."""
+    if e.param is not None or "structured_outputs." not in e.message:
+        return e
+    rf = getattr(req, "response_format", None) or {}
+    if rf.get("type") == "json_schema":
+        message = e.message.replace("structured_outputs.json", "response_format.json_schema.schema")
+        return APIError(message, e.status, "response_format")
+    if rf.get("type") == "json_object":
+        return APIError(e.message, e.status, "response_format")
+    return APIError(e.message, e.status, "structured_outputs")
 
 
 def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:

@@ -35,6 +35,7 @@ from pagoda.server.serving import (
     first_output,
     merge_async_iterators,
     model_json,
+    name_constraint_error,
     prompt_logprobs_json,
     ranked_logprobs,
     safe_logprob,
@@ -170,8 +171,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.tool_choice,
         req.response_format is not None or req.structured_outputs is not None,
     )
+    if req.continue_final_message and req.add_generation_prompt:
+        if "add_generation_prompt" in req.model_fields_set:  # its default gives way
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                400,
+                "continue_final_message",
+            )
     params = build_sampling_params(
-        req, max_tokens, top_k if req.logprobs else None, req.prompt_logprobs, tools.schema
+        req,
+        max_tokens,
+        top_k if req.logprobs else None,
+        req.prompt_logprobs,
+        tools.schema,
+        mt_field,
     )
     if tools.mode == "auto" and getattr(ctx.tool_parser, "keeps_special_tokens", False):
         params.skip_special_tokens = False  # the calls' marker is a special token (mistral)
@@ -196,14 +209,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         try:
             first = await first_output(stream)
         except APIError as e:
-            raise _named_for_tools(e, tools) from None
+            raise _named_for_tools(e, req, tools) from None
         return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k, tools)
 
     state = RequestState()
     try:
         await collect_outputs(stream, [state])
     except APIError as e:
-        raise _named_for_tools(e, tools) from None
+        raise _named_for_tools(e, req, tools) from None
     choices, num_gen = [], 0
     for j in sorted(state.choices):
         c = state.choices[j]
@@ -242,10 +255,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     )
 
 
-def _named_for_tools(e: APIError, tools: ToolChoice) -> APIError:
-    """A forced call's constraint is the tool's parameters: its errors name the tools."""
+def _named_for_tools(e: APIError, req: ChatCompletionRequest, tools: ToolChoice) -> APIError:
+    """A forced call's constraint is the tool's parameters: its errors name the tools; other
+    constraints' name their field (`name_constraint_error`)."""
     if not tools.forced or "structured_outputs.json" not in e.message:
-        return e
+        return name_constraint_error(e, req)
     message = e.message.replace("structured_outputs.json", "tools (the function's parameters)")
     return APIError(message, e.status, "tools")
 
@@ -318,6 +332,10 @@ def _stream(
     model = ctx.model_name
     num_gen = 0
     deltas = _ToolDeltas(tools, ctx.tool_parser, bool(req.logprobs))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # stream_options.continuous_usage_stats (vLLM): every chunk carries its choice's usage so far.
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+    choice_tokens = [0] * req.n
 
     def sse(choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> str:
         chunk = ChatCompletionStreamResponse(
@@ -330,6 +348,7 @@ def _stream(
         lines = []
         for c in out.outputs:
             num_gen += len(c.token_ids)
+            choice_tokens[c.index] += len(c.token_ids)
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
             logprobs = None
@@ -347,14 +366,17 @@ def _stream(
                 finish_reason=deltas.finish_reason(c.index, c.finish_reason),
                 stop_reason=c.stop_reason,
             )
-            lines.append(sse([choice]))
+            lines.append(sse([choice], _usage_so_far(c.index)))
         return lines
+
+    def _usage_so_far(index: int) -> Any:
+        return usage_info(num_prompt, choice_tokens[index]) if continuous else None
 
     def usage_chunk() -> str:
         return sse([], usage_info(num_prompt, num_gen))
 
     # The role goes first, once per choice, as OpenAI sends it.
     role = DeltaMessage(role="assistant", content="")
-    head = [sse([ChatCompletionResponseStreamChoice(index=j, delta=role) for j in range(req.n)])]
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    heads = [ChatCompletionResponseStreamChoice(index=j, delta=role) for j in range(req.n)]
+    head = [sse(heads, usage_info(num_prompt, 0) if continuous else None)]
     return sse_stream(stream, first, chunks, usage_chunk if include_usage else None, head)

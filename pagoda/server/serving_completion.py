@@ -26,9 +26,11 @@ from pagoda.server.serving import (
     ServingContext,
     build_sampling_params,
     collect_outputs,
+    exception_to_api_error,
     first_output,
     merge_async_iterators,
     model_json,
+    name_constraint_error,
     prompt_logprobs_json,
     ranked_logprobs,
     safe_logprob,
@@ -108,6 +110,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
         req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
     )
     prompts = await _normalize_prompts(ctx, req)
+    if len(prompts) > 1:  # refused whole, before any of its prompts is added
+        try:
+            ctx.engine.check_admission(len(prompts) * base.n, "prompt")
+        except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
+            raise exception_to_api_error(e) from None
     request_id = req.request_id or f"cmpl-{random_uuid()}"
     generators = []
     for i, pr in enumerate(prompts):
@@ -122,12 +129,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
     stream = merge_async_iterators(*generators)
     created = int(time.time())
     model = ctx.model_name
-    if req.stream:
-        first = await first_output(stream)
-        return _stream(ctx, req, prompts, stream, first, request_id, created, echo_only)
-
     states = [RequestState() for _ in prompts]
-    await collect_outputs(stream, states)
+    try:
+        if req.stream:
+            first = await first_output(stream)
+            return _stream(ctx, req, prompts, stream, first, request_id, created, echo_only)
+        await collect_outputs(stream, states)
+    except APIError as e:
+        raise name_constraint_error(e, req) from None
     return _final_response(ctx, req, prompts, states, request_id, created, model, echo_only)
 
 
@@ -196,6 +205,10 @@ def _stream(
     started: set[int] = set()  # choice indices whose first chunk went out (echo goes there)
     offsets: dict[int, int] = {}
     num_gen = 0
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # stream_options.continuous_usage_stats (vLLM): every chunk carries its choice's usage so far.
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+    choice_tokens: dict[int, int] = {}
 
     def chunks(i: int, out: Any) -> list[str]:
         nonlocal num_gen
@@ -206,6 +219,7 @@ def _stream(
             if echo_only:
                 text, ids, lps = "", [], []
             num_gen += len(ids)
+            choice_tokens[index] = choice_tokens.get(index, 0) + len(ids)
             if index not in started:
                 started.add(index)
                 offsets[index] = 0 if req.echo else len(pr.text or "")
@@ -229,8 +243,9 @@ def _stream(
                 finish_reason=finish,
                 stop_reason=None if echo_only else c.stop_reason,
             )
+            usage = usage_info(len(pr.token_ids), choice_tokens[index]) if continuous else None
             resp = CompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[choice]
+                id=request_id, created=created, model=model, choices=[choice], usage=usage
             )
             lines.append(sse_line(model_json(resp)))
         return lines
@@ -242,5 +257,4 @@ def _stream(
         )
         return sse_line(model_json(final))
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return sse_stream(stream, first, chunks, usage_chunk if include_usage else None)

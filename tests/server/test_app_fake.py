@@ -287,6 +287,31 @@ def test_engine_overload_is_503_with_retry_after():
         llm.shutdown()
 
 
+def test_a_batch_of_prompts_is_admitted_or_refused_whole():
+    # 2 running + 1 waiting at most: 4 prompts can never run (400, like n=4), 3 can on an
+    # idle server, and a busy one refuses them whole (503) and stays usable; an invalid
+    # request is a 400 however busy the server is.
+    llm = AsyncLLM(FakeEngine(max_num_seqs=2, step_delay=0.01), max_waiting_requests=1)
+    try:
+        with TestClient(build_app(llm)) as c:
+            r = c.post("/v1/completions", json={"prompt": ["a"] * 4, "max_tokens": 2})
+            assert "4 samples (prompt x n)" in _error(r, 400, "prompt")
+            r = c.post("/v1/completions", json={"prompt": ["a"] * 2, "n": 2, "max_tokens": 2})
+            _error(r, 400, "prompt")
+            r = c.post("/v1/completions", json={"prompt": ["a"] * 3, "max_tokens": 2})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3
+            llm._engine_running = 2  # as the core reports while two requests run
+            r = c.post("/v1/completions", json={"prompt": ["a"] * 2, "max_tokens": 2})
+            _error(r, 503, None)
+            r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "priority": 1})
+            _error(r, 400, "priority")  # FCFS scheduling
+            llm._engine_running = 0
+            r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        llm.shutdown()
+
+
 def test_load_chat_template(tmp_path):
     from pagoda.server.cli import load_chat_template
 
@@ -368,3 +393,38 @@ def test_the_stopping_token_stays_out_of_the_text_unless_asked(client, stream):
     assert text(stop_token_ids=[ord("!")]) == "hi"
     assert text(stop_token_ids=[ord("!")], include_stop_str_in_output=True) == "hi!"
     assert text(skip_special_tokens=True, include_stop_str_in_output=True) == "hi!there"
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(client):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "stream": True,
+                                             "n": 2, "stream_options": opts})  # fmt: skip
+    chunks, seen = _sse(r), {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (ch,) = c["choices"]
+        seen[ch["index"]] += len(ch["text"])  # one byte a token
+        assert c["usage"] == {"prompt_tokens": 3, "completion_tokens": seen[ch["index"]],
+                              "total_tokens": 3 + seen[ch["index"]]}  # fmt: skip
+    assert seen == {0: 3, 1: 3} and chunks[-1]["usage"]["completion_tokens"] == 6
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+            "stream_options": opts}  # fmt: skip
+    chunks = _sse(client.post("/v1/chat/completions", json=body))
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == [0, 1, 2, 2] and chunks[-1]["choices"] == []
+    body["stream_options"] = {"include_usage": True}  # usage only at the end, as before
+    assert [c.get("usage") is None for c in _sse(client.post("/v1/chat/completions", json=body))] == [True, True, True, False]  # fmt: skip
+
+
+def test_vllm_refusals_of_field_combinations(client):
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True,
+                                             "prompt_logprobs": 1})  # fmt: skip
+    assert "stream" in _error(r, 400, "prompt_logprobs")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+        "continue_final_message": True, "add_generation_prompt": True})  # fmt: skip
+    _error(r, 400, "continue_final_message")
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                  "continue_final_message": True})  # fmt: skip
+    assert r.status_code == 200, r.text  # add_generation_prompt's default gives way
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 0})
+    assert "max_completion_tokens" in _error(r, 400, "max_completion_tokens")

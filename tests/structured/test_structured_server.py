@@ -125,7 +125,7 @@ INVALID = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
     (
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
-        "invalid structured_outputs.json",
+        "invalid response_format.json_schema.schema",
     ),
     ({"structured_outputs": {"regex": "(abc"}}, "invalid structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "root ::= nope"}}, "invalid structured_outputs.grammar"),
@@ -135,8 +135,9 @@ INVALID = [
 ]
 
 
-def _each_is_400(url: str, cases: list, messages: list) -> None:
-    """Each (body, pattern) of `cases`, streamed and not, is a 400 whose message matches."""
+def _each_is_400(url: str, cases: list, messages: list, named: bool = False) -> None:
+    """Each (body, pattern) of `cases`, streamed and not, is a 400 whose message matches;
+    `named`: its param is the body's field that set the constraint."""
     for body, match in cases:
         for stream in (False, True):
             r = httpx.post(
@@ -147,10 +148,11 @@ def _each_is_400(url: str, cases: list, messages: list) -> None:
             )
             assert r.status_code == 400, r.text
             assert re.search(match, r.json()["error"]["message"]), r.text
+            assert not named or r.json()["error"]["param"] == next(iter(body)), r.text
 
 
 def test_invalid_constraint_is_400_and_server_keeps_serving(url, client):
-    _each_is_400(url, INVALID, MESSAGES)
+    _each_is_400(url, INVALID, MESSAGES, named=True)
     resp = client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
