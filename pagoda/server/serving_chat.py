@@ -212,6 +212,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             raise _named_for_tools(e, req, tools) from None
         return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k, tools)
 
+    echo = _echoed(req)
     state = RequestState()
     try:
         await collect_outputs(stream, [state])
@@ -232,6 +233,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         elif tools.mode == "auto" and ctx.tool_parser is not None:
             content, calls = ctx.tool_parser.extract(content)
             finish_reason = "tool_calls" if calls else finish_reason
+        if echo:
+            content = echo + (content or "")
         choices.append(
             ChatCompletionResponseChoice(
                 index=j,
@@ -253,6 +256,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         usage=usage,
         prompt_logprobs=plps,
     )
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's `echo`: the text an answer starts with, the last message's content where that
+    message is the assistant's own (the turn the output continues), else nothing."""
+    last = req.messages[-1] if req.echo and req.messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    return _flatten_content([last])[0]["content"]
 
 
 def _named_for_tools(e: APIError, req: ChatCompletionRequest, tools: ToolChoice) -> APIError:
@@ -379,4 +391,11 @@ def _stream(
     role = DeltaMessage(role="assistant", content="")
     heads = [ChatCompletionResponseStreamChoice(index=j, delta=role) for j in range(req.n)]
     head = [sse(heads, usage_info(num_prompt, 0) if continuous else None)]
+    echo = _echoed(req)
+    if echo:  # then the echoed text, as the first content of each choice
+        echoed = [
+            ChatCompletionResponseStreamChoice(index=j, delta=DeltaMessage(content=echo))
+            for j in range(req.n)
+        ]
+        head.append(sse(echoed, usage_info(num_prompt, 0) if continuous else None))
     return sse_stream(stream, first, chunks, usage_chunk if include_usage else None, head)

@@ -428,3 +428,22 @@ def test_vllm_refusals_of_field_combinations(client):
     assert r.status_code == 200, r.text  # add_generation_prompt's default gives way
     r = client.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 0})
     assert "max_completion_tokens" in _error(r, 400, "max_completion_tokens")
+
+
+def test_chat_echo_starts_the_answer_with_the_assistant_turn_it_continues(client):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    body = {"messages": msgs, "max_tokens": 2, "temperature": 0, "echo": True,
+            "continue_final_message": True}  # fmt: skip
+    plain = client.post("/v1/chat/completions", json=body | {"echo": False}).json()
+    text = plain["choices"][0]["message"]["content"]
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.json()["choices"][0]["message"]["content"] == "Hel" + text
+    chunks = _sse(client.post("/v1/chat/completions", json=body | {"stream": True}))
+    streamed = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
+    assert streamed == "Hel" + text
+    # the last message is the user's: nothing to echo
+    r = client.post("/v1/chat/completions", json=body | {"messages": msgs[:1],
+                                                          "continue_final_message": False})  # fmt: skip
+    assert not r.json()["choices"][0]["message"]["content"].startswith("hi")
