@@ -1,7 +1,8 @@
 #!/bin/bash
-# Not yet run as a whole (its quantization probe and PDL table ran as run77-quant-pdl, H100).
-# #13's figures with the CUDA 8-bit kernel, meant for the H200 the targets are set for (ask
-# for `nvidia-h200`; runs 66-77 came on an H100): the row quantization against a
+# Ran as part of run 79 (`../run79-check/`, on an H200); its quantization probe and PDL
+# table also ran as run77-quant-pdl (H100). #13's figures with the CUDA 8-bit kernel, meant
+# for the H200 the targets are set for (ask for `nvidia-h200`; runs 66-77 came on an H100):
+# the row quantization against a
 # one-pass variant (quant_probe.py), the W8A8 / FP8 step table (and with PDL off at 160-256
 # rows), whole W4A16 decode steps, single-stream AWQ / bf16 decode, workload a with FP8 and
 # with INT8 weights (FP8 KV cache).
