@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. Does a Triton kernel letting the next one launch before it waits for its own
+# Does a Triton kernel letting the next one launch before it waits for its own
 # predecessor (`triton_pdl.dependent_start`) make chains of short kernels slower? A chain of
 # row quantizations ran 1.5-1.9x slower with PDL (runs 77, 79), and INT8 at 160 rows 0.11-0.39
 # ms a step. The 8-bit table at 160-256 rows and single-stream AWQ decode, each with the
