@@ -249,9 +249,9 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "PAGODA_PDL", "flag", "1",
             "0: no programmatic dependent launch on sm_90 GPUs (the CUDA W4A16 GEMV and wgmma "
-            "kernels and the latter's x tiling, the W8A8 / FP8 Triton and CUDA GEMMs and the "
-            "row quantization, RMSNorm, SiLU-and-mul, RoPE + cache write and the decode attention "
-            "then each wait for the kernel before them to end before they start).",
+            "kernels and the latter's x tiling, the W8A8 / FP8 Triton and CUDA GEMMs, RMSNorm, "
+            "SiLU-and-mul, RoPE + cache write and the decode attention then each wait for the "
+            "kernel before them to end before they start).",
             _flag("PAGODA_PDL", True),
         ),
         EnvVar(

@@ -1,8 +1,10 @@
 #!/bin/bash
-# Not yet run. Which kernel's programmatic dependent launch costs INT8 with fused quantization
-# 0.39 ms a step at 160 rows (run 77): the 8-bit table at 160-256 rows with every kernel as
-# the default says, with the row quantization launched without PDL, and with the CUDA GEMM
-# without it (`<variant>/sitecustomize.py` on PYTHONPATH), in one call. Writes $OUT/run78.tgz.
+# Never run: run 80 (`../run80-pdl-order/`) answered its question, with the row
+# quantization without PDL among its variants. Was: which kernel's programmatic dependent
+# launch costs INT8 with fused quantization 0.39 ms a step at 160 rows (run 77): the 8-bit
+# table at 160-256 rows with every kernel as the default says, with the row quantization
+# launched without PDL, and with the CUDA GEMM without it (`<variant>/sitecustomize.py` on
+# PYTHONPATH), in one call. Writes $OUT/run78.tgz.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 R=benchmarks/results/h200/run78-pdl-parts

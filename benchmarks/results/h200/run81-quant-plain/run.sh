@@ -1,5 +1,5 @@
 #!/bin/bash
-# Not yet run. The per-token row quantization launched plainly (the code of the commit that
+# The per-token row quantization launched plainly (the code of the commit that
 # adds this folder) against as a programmatic dependent (`quant_pdl/`, as before), in one
 # call: the 8-bit table, then single-stream FP8 decode. Writes $OUT/run81.tgz.
 cd "$(dirname "$0")/../../../.." || exit 1
