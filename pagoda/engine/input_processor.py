@@ -9,6 +9,7 @@ core receives only these: token ids and sampling parameters.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from pagoda.core.outputs import EngineCoreRequest
@@ -25,6 +26,19 @@ class PromptValidationError(ValueError):
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def token_id_list(ids: Any, what: str) -> list[int]:
+    """`ids` as a list of ints, or a ValueError naming `what`: floats, strings, booleans or
+    nested lists are no token ids (a float would otherwise run as its integer part)."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{what} must be a list of token ids (ints), got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{what} must be a list of token ids (ints), found {t!r:.40}")
+        out.append(int(t))
+    return out
 
 
 def validate_request(
@@ -120,12 +134,15 @@ class InputProcessor:
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"a prompt dict's 'prompt' must be a string, got {text!r:.40}")
+                return text, token_id_list(prompt["prompt_token_ids"], "prompt_token_ids")
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self._encode(prompt["prompt"])
             raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, token_id_list(prompt, "prompt")
         raise ValueError(
             f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )

@@ -99,7 +99,8 @@ class LLMEngine:
         clash = self.output_processor.id_in_use(request_id, [r.request_id for r in requests])
         if clash is not None:  # before the core takes any of them
             raise ValueError(clash)
-        self.engine_core.add_requests(requests)
+        # Tracked before the core takes it: a request the output processor refused would
+        # otherwise run in the core, unseen and never freed.
         self.output_processor.add_request(
             request_id,
             prompt_text,
@@ -108,6 +109,11 @@ class LLMEngine:
             requests,
             arrival_time,
         )
+        try:
+            self.engine_core.add_requests(requests)
+        except BaseException:
+            self.output_processor.discard(request_id)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
