@@ -263,6 +263,8 @@ class Tokenizer:
         The rendered text already holds the template's special tokens, so it is tokenized
         without adding bos/eos again (as transformers does).
         """
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}")
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(
@@ -284,9 +286,10 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens_map, **kwargs},
             )
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, TypeError, AttributeError, KeyError) as e:
             # raise_exception() in a template rejects the conversation (e.g. roles that do not
-            # alternate): that is the user's request to fix.
+            # alternate), and a message of a shape the template cannot render (a content of
+            # parts where it adds strings) fails in it: the user's request to fix either way.
             raise ValueError(f"The chat template rejected the messages: {e}") from None
         if continue_final_message:
             # Cut after the final message's content so that generation continues it.

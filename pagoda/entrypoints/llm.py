@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.entrypoints.chat_utils import normalize_messages
 from pagoda.logger import init_logger
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -64,6 +66,7 @@ class LLM:
 
     `LLM()` runs the embedded SmolLM2-135M-Instruct; `LLM(model=PATH)` takes a Hugging Face
     directory or a .gguf file. Keyword arguments are `EngineArgs` fields (vLLM's names).
+    Calls from several threads run one at a time (one engine steps one batch).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -84,6 +87,7 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()
+        self._lock = threading.RLock()  # generate / chat from several threads: one at a time
 
     def get_tokenizer(self):  # noqa: ANN201 - pagoda.tokenizer.Tokenizer
         return self.llm_engine.tokenizer
@@ -99,7 +103,12 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                "prompts must be a string, a list of token ids, a dict or a list of these, "
+                f"got {type(prompts).__name__}"
+            )
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -108,8 +117,23 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params must be one object or one per prompt")
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(
+                    f"sampling_params must be SamplingParams objects, got {type(p).__name__}"
+                )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must have one value per prompt")
+        with self._lock:
+            return self._generate(prompts, params_list, use_tqdm, priority)
+
+    def _generate(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        priority: list[int] | None,
+    ) -> list[RequestOutput]:
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -135,17 +159,32 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(
+                "messages must be a list of messages ({'role': ..., 'content': ...}) or a list "
+                f"of such conversations, got {type(messages).__name__}"
+            )
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be a dict")
+        kw = dict(chat_template_kwargs or {})
+        # As vLLM (and the server): these arguments given in chat_template_kwargs win.
+        add_generation_prompt = kw.pop("add_generation_prompt", add_generation_prompt)
+        tools = kw.pop("tools", tools)
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError(
+                f"tools must be a list of tool definitions, got {type(tools).__name__}"
+            )
         tok = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
         for conv in conversations:
             text = tok.apply_chat_template(
-                conv,  # type: ignore[arg-type]
+                normalize_messages(conv),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 chat_template=chat_template,
                 tools=tools,
-                **(chat_template_kwargs or {}),
+                **kw,
             )
             # The template already holds the special tokens (BOS etc.): do not add them twice.
             prompts.append(

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagoda.entrypoints.chat_utils import normalize_messages
 from pagoda.outputs import Logprob
 from pagoda.server.protocol import (
     ChatCompletionLogProb,
@@ -55,28 +56,11 @@ from pagoda.server.tool_parsers import StreamingToolCalls
 
 
 def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI allows content as a list of parts (text-only models read their text joined) or
-    null (an assistant turn of tool calls; templates read "", as vLLM gives them)."""
-    flat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise APIError(f"messages[{i}] must be an object with a 'role'", 400, "messages")
-        content = m.get("content")
-        if content is None:  # an assistant turn of tool calls: OpenAI clients send null
-            m = {**m, "content": ""}
-        elif isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise APIError(
-                        f"messages[{i}].content: only parts of type 'text' are supported",
-                        400,
-                        "messages",
-                    )
-                texts.append(str(part.get("text", "")))
-            m = {**m, "content": "\n".join(texts)}
-        flat.append(m)
-    return flat
+    """`normalize_messages`, its errors 400s naming `messages`."""
+    try:
+        return normalize_messages(messages)
+    except ValueError as e:
+        raise APIError(str(e), 400, "messages") from None
 
 
 async def render_chat_prompt(

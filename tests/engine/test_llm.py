@@ -208,12 +208,82 @@ def test_an_id_naming_another_requests_sample_is_refused_alone(llm: LLM) -> None
         ({"prompt_token_ids": [10**7]}, SamplingParams(), "token ids"),
         ("x " * 2000, SamplingParams(), "maximum context length"),
         ("hi", SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
+        ({"prompt_token_ids": [1.0] * 50}, SamplingParams(), "list of token ids"),
+        ({"prompt_token_ids": [1, "2"]}, SamplingParams(), "list of token ids"),
+        ({"prompt_token_ids": [True, 2]}, SamplingParams(), "list of token ids"),
+        ({"prompt_token_ids": None}, SamplingParams(), "list of token ids"),
+        ([[1, 2], [3]], SamplingParams(), "list of token ids"),  # one prompt of lists
     ],
 )
 def test_bad_input_raises_clear_error(llm: LLM, prompt, params, match) -> None:
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt], params, use_tqdm=False)
+    # nothing left behind, in the front end or in the core
     assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.scheduler.make_stats().num_running_reqs == 0
+    assert not llm.llm_engine.scheduler.waiting
+
+
+@pytest.mark.parametrize(
+    "prompts, params, error, match",
+    [
+        (None, None, ValueError, "prompts must be"),
+        (5, None, ValueError, "prompts must be"),
+        (["hi"], [{"max_tokens": 2}], TypeError, "SamplingParams objects"),
+    ],
+)
+def test_bad_generate_arguments_raise_clear_errors(llm: LLM, prompts, params, error, match) -> None:
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_chat_takes_openai_message_forms_and_names_bad_ones(llm: LLM) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}]
+    plain = [{"role": "user", "content": "Say hello."}]
+    a = llm.chat(parts, GREEDY, use_tqdm=False)[0]
+    b = llm.chat(plain, GREEDY, use_tqdm=False)[0]
+    assert a.prompt == b.prompt and a.outputs[0].token_ids == b.outputs[0].token_ids
+    kw = llm.chat(
+        plain, GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False}
+    )
+    assert not kw[0].prompt.rstrip().endswith("assistant")  # the kwargs win, as in vLLM
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    for messages, match in [
+        ({"role": "user", "content": "hi"}, "list of messages"),
+        ("hello", "list of messages"),
+        (["hi"], r"messages\[0\] must be an object"),
+        (image, "only parts of type 'text'"),
+        ([{"role": "user", "content": 5}], "content must be a string"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template must be a string"):
+        llm.chat(plain, GREEDY, use_tqdm=False, chat_template=123)
+    with pytest.raises(ValueError, match="rejected the messages"):
+        llm.chat(plain, GREEDY, use_tqdm=False, chat_template="{{ messages[0].content + 1 }}")
+
+
+def test_generate_from_two_threads_runs_one_call_at_a_time(llm: LLM, reference) -> None:
+    import threading
+
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            outs = llm.generate(PROMPTS[2 * i : 2 * i + 2], GREEDY, use_tqdm=False)
+            results[i] = [o.outputs[0].token_ids for o in outs]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert results[0] + results[1] == reference
+    assert llm.llm_engine.scheduler.make_stats().num_running_reqs == 0
 
 
 @pytest.mark.parametrize(
