@@ -33,6 +33,13 @@ MAX_N: int = envs.PAGODA_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLAGS = (  # SamplingParams fields that are plain switches
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -224,6 +231,13 @@ class SamplingParams:
             if getattr(self, name) is True:  # vLLM reads True as 1
                 setattr(self, name, 1)
             self._int(name, 0, MAX_LOGPROBS, optional=True)
+        for name in _FLAGS:  # "no" would otherwise count as true
+            value = getattr(self, name)
+            if isinstance(value, str) or value is None or value not in (True, False):
+                raise ValueError(f"{name} must be true or false, got {value!r:.100}")
+            setattr(self, name, bool(value))
+        if self.stop and not self.detokenize:  # as vLLM: no text to find them in
+            raise ValueError("stop strings need detokenize=True (or use stop_token_ids)")
 
     def _int(
         self,

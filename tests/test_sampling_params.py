@@ -99,10 +99,19 @@ def test_temperature_bounds_are_accepted() -> None:
         ("logit_bias", {1: "2"}),
         ("logit_bias", [1, 2]),
         ("output_kind", 1),
+        ("ignore_eos", "no"),
+        ("detokenize", None),
+        ("skip_special_tokens", [1]),
+        ("include_stop_str_in_output", "false"),
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value) -> None:
     _refused(field, **{field: value})
+
+
+def test_stop_strings_need_detokenize() -> None:
+    _refused("stop", stop=["x"], detokenize=False)
+    SamplingParams(stop_token_ids=[3], detokenize=False)  # token ids need no text
 
 
 def test_min_tokens_above_max_tokens_is_refused() -> None:

@@ -150,6 +150,14 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "device='cuda' but no CUDA GPU is available to this torch build "
+                f"({torch.__version__}): use device='cpu' (or 'auto')"
+            )
     return device
 
 
@@ -216,6 +224,10 @@ class EngineArgs:
         from pagoda.model.loader import get_model_config_dict
 
         self._check_types()
+        if self.model is not None and not (isinstance(self.model, str) and self.model.strip()):
+            raise ValueError(
+                f"model must be a path (or None for the embedded model), got {self.model!r}"
+            )
         model = self.model or embedded_model_path()
         hf_config = get_model_config_dict(model, self.load_format)
         derived_max_len = int(hf_config.get("max_position_embeddings") or 2048)
@@ -335,7 +347,7 @@ class EngineArgs:
             if not self.enable_chunked_prefill:
                 max_batched = max(max_batched, max_model_len)
         return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            max_num_seqs=DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs,
             max_num_batched_tokens=max_batched,
             max_model_len=max_model_len,
             policy=self.scheduling_policy,

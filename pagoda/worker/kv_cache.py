@@ -100,5 +100,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    try:
+        mapping = mmap.mmap(-1, nbytes)
+    except OSError as e:  # more than the machine can map (ENOMEM): the user's sizing
+        raise ValueError(
+            f"a KV cache tensor of {nbytes / 2**30:.1f} GiB cannot be allocated ({e.strerror}): "
+            "lower kv_cache_memory_bytes / num_gpu_blocks_override (--kv-cache-memory-bytes, "
+            "--num-gpu-blocks-override)"
+        ) from None
+    pages = np.frombuffer(mapping, dtype=np.uint8)
     return torch.from_numpy(pages).view(dtype).view(shape)

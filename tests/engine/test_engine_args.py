@@ -72,6 +72,7 @@ def test_speculative_max_model_len_is_logged_as_ignored(warnings) -> None:
         ("seed", 2**64, "seed must be a signed 64-bit integer"),
         ("num_gpu_blocks_override", 0, "num_gpu_blocks_override must be positive"),
         ("kv_cache_memory_bytes", -1, "kv_cache_memory_bytes must be positive"),
+        ("max_num_seqs", 0, "max_num_seqs must be positive"),
         ("speculative_config", "ngram", "speculative_config must be a dict"),
         ("speculative_config", {"num_speculative_tokens": "5"}, "must be an integer"),
     ],
@@ -89,3 +90,26 @@ def test_max_waiting_requests_is_a_server_flag_only() -> None:
         build_parser().parse_args(["generate", "hi", "--max-waiting-requests", "4"])
     args = build_parser().parse_args(["serve", "--max-waiting-requests", "4"])
     assert args.max_waiting_requests == 4
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tiny) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA GPU is available"):
+        EngineArgs(model=tiny, load_format="dummy", device="cuda").create_engine_config()
+
+
+def test_a_kv_cache_past_the_machines_memory_is_a_clear_error() -> None:
+    import torch
+
+    from pagoda.worker.kv_cache import _zeros
+
+    with pytest.raises(ValueError, match="cannot be allocated.*kv_cache_memory_bytes"):
+        _zeros((2**52,), torch.uint8, torch.device("cpu"))  # 4 PiB
+
+
+def test_an_empty_model_path_is_refused_not_the_embedded_model() -> None:
+    with pytest.raises(ValueError, match="model must be a path"):
+        EngineArgs(model="  ").create_engine_config()
