@@ -98,7 +98,9 @@ class CacheConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.block_size <= 0 or self.block_size % 8 != 0 and self.block_size not in (1, 2, 4):
-            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+            raise ValueError(
+                f"block_size must be 1, 2, 4 or a positive multiple of 8, got {self.block_size}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

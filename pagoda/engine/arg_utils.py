@@ -269,7 +269,7 @@ class EngineArgs:
 
         if self.quantization not in (None, "gguf", *QUANT_METHODS):
             raise ValueError(
-                f"quantization={self.quantization!r} is not supported yet; supported: gguf, "
+                f"quantization={self.quantization!r} is not supported yet; supported: "
                 + ", ".join(QUANT_METHODS)
             )
         quantization = self.quantization
