@@ -150,14 +150,6 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "device='cuda' but no CUDA GPU is available to this torch build "
-                f"({torch.__version__}): use device='cpu' (or 'auto')"
-            )
     return device
 
 
@@ -290,6 +282,14 @@ class EngineArgs:
         from pagoda.model.loader.hf_config import kv_cache_sliding_window
 
         device = resolve_device(self.device)
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "device='cuda' but no CUDA GPU is available to this torch build "
+                    f"({torch.__version__}): use device='cpu' (or 'auto')"
+                )
         dtype = resolve_dtype(self.dtype, hf_config, device, quantization)
         if device == "cpu" and self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
             logger.warning(
