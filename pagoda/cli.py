@@ -170,6 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # bad sampling flags end the command before it starts
     engine = _make_engine(args)
     tok = engine.tokenizer
     messages: list[dict[str, str]] = []
@@ -183,6 +184,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        except UnicodeDecodeError:  # a terminal's strict UTF-8 stdin
+            print("[error] that line is not valid UTF-8")
+            continue
         if user.strip() in ("/exit", "/quit"):
             return 0
         if user.strip() == "/reset":
@@ -191,11 +195,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
         reply = []
-        try:
-            for piece in _stream(engine, f"chat-{turn}", prompt, _sampling_params(args)):
+        try:  # a turn that fails (text that is not valid Unicode, too long a history) is its own
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            for piece in _stream(engine, f"chat-{turn}", prompt, params.clone()):
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

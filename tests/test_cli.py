@@ -33,6 +33,24 @@ def test_chat_answers_and_exits_on_eof() -> None:
     assert reply.strip()
 
 
+def test_a_chat_turn_that_fails_is_its_own_and_bad_sampling_flags_end_it_at_once() -> None:
+    # A line of invalid UTF-8 (stdin decodes it to lone surrogates) is one turn's error; the
+    # next turn is answered.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "chat", "--max-tokens", "4", "--temperature", "0"],
+        input=b"\xff\xfe bad\nHello!\n",
+        capture_output=True,
+        timeout=180,
+        env={**__import__("os").environ, "PYTHONIOENCODING": "utf-8:surrogateescape"},
+    )
+    out = proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "[error]" in out and out.count("> ") >= 2
+    proc = _pagoda("chat", "--temperature", "5", stdin="Hello!\n")
+    assert proc.returncode == 2 and "temperature" in proc.stderr
+    assert "Pagoda chat" not in proc.stdout
+
+
 def test_bad_flag_value_is_a_clear_error() -> None:
     proc = _pagoda("generate", "hi", "--max-model-len", "999999")
     assert proc.returncode == 2
