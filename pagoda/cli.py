@@ -345,10 +345,16 @@ def run_command(func: Callable[[argparse.Namespace], Any], args: argparse.Namesp
         message = user_error_message(e)
         if message is None:
             raise
-        if logging.getLogger("pagoda").isEnabledFor(logging.DEBUG):
-            traceback.print_exc()
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return report_user_error(message)
+
+
+def report_user_error(message: str) -> int:
+    """A user error as a command reports it, inside its `except`: one `error:` line on
+    stderr (the traceback first at --log-level debug); returns exit code 2."""
+    if logging.getLogger("pagoda").isEnabledFor(logging.DEBUG):
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

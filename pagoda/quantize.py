@@ -16,10 +16,7 @@ flag and exit code 2, before the model is loaded (`_settings`).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,22 +243,15 @@ def _settings(args: argparse.Namespace) -> _Settings:
     return _Settings(method, model, bits, group_size, alpha, sym, sequences)
 
 
-def _user_error(e: ValueError) -> int:
-    """`e` as `pagoda.cli.run_command` reports a user error: one `error:` line on stderr (the
-    traceback first at --log-level debug), exit code 2."""
-    if logging.getLogger("pagoda").isEnabledFor(logging.DEBUG):
-        traceback.print_exc()
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
-
-
 def cmd_quantize(args: argparse.Namespace) -> int:
     # The flags are checked here, not left to `run_command`, so that a caller of `args.func`
     # gets exit code 2 too; nothing is loaded or written before they pass.
     try:
         s = _settings(args)
     except ValueError as e:
-        return _user_error(e)
+        from pagoda.cli import report_user_error, user_error_message
+
+        return report_user_error(user_error_message(e) or str(e))
     from pagoda.model.quantization.gptq import quantize_model
 
     sequences = s.sequences

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,7 +42,7 @@ def test_a_chat_turn_that_fails_is_its_own_and_bad_sampling_flags_end_it_at_once
         input=b"\xff\xfe bad\nHello!\n",
         capture_output=True,
         timeout=180,
-        env={**__import__("os").environ, "PYTHONIOENCODING": "utf-8:surrogateescape"},
+        env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"},
     )
     out = proc.stdout.decode("utf-8", "replace")
     assert proc.returncode == 0, proc.stderr.decode()
