@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     PAGODA_W4A16_CUDA: bool
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
+    PAGODA_L2_PREFETCH_MB: int
     PAGODA_W8A8_FUSED_QUANT: bool
     PAGODA_W8A8_CUDA: bool
     PAGODA_FP8_FAST_ACCUM: bool
@@ -260,6 +261,13 @@ VARIABLES: dict[str, EnvVar] = {
             "CUDA decode kernel, sm_90, up to 16 rows) instead of as a kernel of its own; 0: "
             "the separate kernel.",
             _flag("PAGODA_W4A16_SILU", True),
+        ),
+        EnvVar(
+            "PAGODA_L2_PREFETCH_MB", "int", "24",
+            "MiB of weights asked into the GPU's L2 cache during each layer's attention in "
+            "decode steps of up to 16 rows (sm_90): o_proj's, then the first rows of "
+            "gate_up's (`pagoda/kernels/l2_prefetch.py`). 0: none.",
+            _count("PAGODA_L2_PREFETCH_MB", 24),
         ),
         EnvVar(
             "PAGODA_W8A8_FUSED_QUANT", "flag", "1",

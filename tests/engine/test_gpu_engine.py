@@ -97,6 +97,27 @@ def test_programmatic_dependent_launch_changes_no_token(model_dir, monkeypatch, 
     assert runs["1"] == runs["0"]
 
 
+@pytest.mark.parametrize("quantization", [None, "awq"])
+def test_l2_weight_prefetch_changes_no_token(model_dir, monkeypatch, quantization):
+    # Decode steps of up to 16 rows ask the next weights into L2 from a side stream while the
+    # attention runs; the graphs must capture and join it, and the tokens stay the same.
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the L2 prefetch needs sm_90")
+    from pagoda.kernels import l2_prefetch
+
+    issued = []
+    real = l2_prefetch.prefetch
+    monkeypatch.setattr(l2_prefetch, "prefetch", lambda *a: issued.append(1) or real(*a))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(128000) for _ in range(rng.randint(5, 300))] for _ in range(11)]
+    runs = {}
+    for mb in ("24", "0"):
+        monkeypatch.setenv("PAGODA_L2_PREFETCH_MB", mb)
+        runs[mb] = _generate(model_dir, prompts, dtype="bfloat16", quantization=quantization)
+    assert issued  # with 24 MiB: every layer of every eager decode step (and each capture)
+    assert runs["24"] == runs["0"]
+
+
 def test_start_fails_with_the_numbers_when_weights_do_not_fit(model_dir):
     with pytest.raises(ValueError, match=r"weights take \d+\.\d+ GiB.*--gpu-memory-utilization"):
         LLM(

@@ -21,6 +21,8 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend, get_attn_backend
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kernels import l2_prefetch
+from pagoda.kernels.l2_prefetch import WeightPrefetch
 from pagoda.kernels.linear import lm_head_logits, silu_and_mul_linear
 from pagoda.kernels.scaled_mm import QuantizedRows
 from pagoda.model.layers.activation import SiluAndMul
@@ -122,6 +124,8 @@ class LlamaAttention(nn.Module):
         # op on CPU (the rotary module is shared by all layers and models with the same table,
         # so the choice lives here).
         self.fused_ops = True
+        # Set by the decoder layer: what to ask into L2 once qkv_proj has run (`l2_prefetch`).
+        self.l2_prefetch: WeightPrefetch | None = None
 
     def forward(
         self,
@@ -131,6 +135,8 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # hidden_states may come quantized (QuantizedRows)
+        if self.l2_prefetch is not None:  # the next weights into L2 while the attention runs
+            self.l2_prefetch(qkv)
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -162,6 +168,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(cfg, layer_idx, linear_method)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.self_attn.l2_prefetch = WeightPrefetch(self.weights_after_qkv)
+
+    def weights_after_qkv(self) -> list[nn.Module]:
+        """The layers whose weights are read next once qkv_proj has run, in order: o_proj, then
+        (a dense MLP) gate_up_proj."""
+        after: list[nn.Module] = [self.self_attn.o_proj]
+        if isinstance(self.mlp, LlamaMLP):
+            after.append(self.mlp.gate_up_proj)
+        return after
 
     def make_mlp(
         self, cfg: dict[str, Any], layer_idx: int, linear_method: LinearMethodBase | None
@@ -231,6 +246,7 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
+        l2_prefetch.join(hidden_states)  # the layers' weight prefetches, issued on a side stream
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
