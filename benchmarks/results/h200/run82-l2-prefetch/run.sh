@@ -1,7 +1,8 @@
 #!/bin/bash
 # The next weights asked into L2 during each layer's attention (`pagoda/kernels/l2_prefetch.py`,
 # the commit that adds this folder): its GPU tests, then single-stream decode (AWQ and bf16)
-# with PAGODA_L2_PREFETCH_MB 0 (off), 24 and 40 in turn, then the 8-bit step table at 256-1024
+# with PAGODA_L2_PREFETCH_MB 0 (off), 24 and 40 in turn and with 24 plus the next layer's
+# qkv_proj asked for after each MLP (`next_qkv/`), then the 8-bit step table at 256-1024
 # rows (the row quantization launched plainly). Writes $OUT/run82.tgz.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -14,12 +15,14 @@ timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_l2
   tests/engine/test_gpu_engine.py -k "prefetch or programmatic" -rf 2>&1 \
   | grep -E "FAILED|Error|passed|failed" | cut -c1-300 > $O/tests.log
 tail -3 $O/tests.log
+R=$B/results/h200/run82-l2-prefetch
 for q in awq bf16; do
-  for mb in 0 24 40; do
+  for mb in 0 24 40 next; do
     left 50 "b $q $mb" || continue
     flag=$([ $q = bf16 ] || echo "--quantization $q")
-    PAGODA_L2_PREFETCH_MB=$mb OUT=/tmp/b timeout 70 python $B/h200_bench.py --only b $flag \
-      > $O/b_${q}_$mb.log 2>&1
+    P=$([ $mb = next ] && echo $R/next_qkv)
+    PYTHONPATH=$P PAGODA_L2_PREFETCH_MB=${mb/next/24} OUT=/tmp/b timeout 70 \
+      python $B/h200_bench.py --only b $flag > $O/b_${q}_$mb.log 2>&1
     echo "b $q $mb MiB: $(grep -E '^b Pagoda decode tok/s' $O/b_${q}_$mb.log | tr -s ' ')"
   done
 done
