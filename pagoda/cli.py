@@ -158,10 +158,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-        prompt = {
-            "prompt": text,
-            "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False),
-        }
+        ids = engine.input_processor.encode(text, add_special_tokens=False)
+        prompt = {"prompt": text, "prompt_token_ids": ids}
     for piece in _stream(engine, "generate-0", prompt, _sampling_params(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -198,7 +196,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = []
         try:  # a turn that fails (text that is not valid Unicode, too long a history) is its own
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = engine.input_processor.encode(text, add_special_tokens=False)
             prompt = {"prompt": text, "prompt_token_ids": ids}
             for piece in _stream(engine, f"chat-{turn}", prompt, params.clone()):
                 reply.append(piece)

@@ -13,13 +13,21 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, models, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 _SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
+# Normalizers by the most input characters they can turn into one: none of these deletes a
+# character. NFC/NFKC compose a character with the marks after it, at most the length of a
+# canonical decomposition, 4 code points (e.g. U+1F82: alpha, psili, varia, ypogegrammeni).
+_NORMALIZER_SHRINK = {"Prepend": 1, "NFD": 1, "NFKD": 1, "Lowercase": 1, "NFC": 4, "NFKC": 4}
+# Pre-tokenizers that split or respell the text but drop none of it (a Split or Punctuation
+# with behavior "Removed" does, and Whitespace, BertPreTokenizer, CharDelimiterSplit do).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                           "UnicodeScripts"}  # fmt: skip
 
 
 def _post_processor(
@@ -166,6 +174,59 @@ class Tokenizer:
     def _post_processor_adds(self, token_id: int | None) -> bool:
         return token_id is not None and token_id in self.backend.encode("a").ids
 
+    def min_num_tokens(self, text: str) -> int:
+        """At least how many tokens `text` is (with or without special tokens), found without
+        tokenizing it: 0 where this tokenizer gives no bound. How a prompt too long for any
+        context is refused before the seconds (a megabyte) to minutes (100 MB) that a fast
+        tokenizer takes over it, holding the GIL (`input_processor.check_prompt_text`)."""
+        bound = self._length_bound
+        if bound is None:
+            return 0
+        max_chars, vanishing = bound
+        chars = len(text) - sum(text.count(c) for c in vanishing)
+        return -(-chars // max_chars)
+
+    @cached_property
+    def _length_bound(self) -> tuple[int, str] | None:
+        """(the most characters of text one token stands for, the characters that become no
+        token at all), or None where this tokenizer has no such bound.
+
+        A BPE token's text is one of its vocabulary's strings, and each of their characters
+        spells at most one character of the text it came from: a byte (byte-level BPE), a
+        character or "▁" for a space (SentencePiece), "<0xNN>" for a byte. That holds where no
+        character can disappear on the way: a normalizer that deletes none (one that composes
+        characters, NFC, is counted at its most), a pre-tokenizer that drops none, and every
+        character reaching the model has a token (every byte does, or an unknown character is
+        one unknown token, not fused with the next). A byte-level vocabulary without some
+        bytes (SmolLM2's lacks six control characters: a BPE without an unknown token drops
+        them) has its bound for the other characters, where only single-byte characters can
+        vanish. Anything else (WordPiece, Unigram, a Strip normalizer...) has no bound here."""
+        model = self.backend.model
+        if not isinstance(model, models.BPE):
+            return None
+        shrink = _shrink_factor(self.backend.normalizer)
+        pre = _component_state(self.backend.pre_tokenizer)
+        if shrink is None or (pre is not None and not _keeps_characters(pre)):
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        max_chars = shrink * max(map(len, vocab), default=1)
+        if model.unk_token is not None and not model.fuse_unk:
+            return max_chars, ""  # an unknown character is a token of its own
+        if model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+            return max_chars, ""
+        if pre is None or "ByteLevel" not in _pre_tokenizer_types(pre):
+            return None  # unknown characters vanish, or a run of them is one token
+        from pagoda.tokenizer_gguf import _bytes_to_unicode
+
+        missing = [b for b, c in _bytes_to_unicode().items() if c not in vocab]
+        # A character of several bytes vanishes only if its continuation bytes (0x80-0xBF) do;
+        # one of them missing, or a normalizer that could make a missing one, is no bound.
+        if missing and (
+            self.backend.normalizer is not None or any(0x80 <= b < 0xC0 for b in missing)
+        ):
+            return None
+        return max_chars, "".join(chr(b) for b in missing if b < 0x80)
+
     # ---- ids and text ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -298,6 +359,48 @@ class Tokenizer:
                 raise ValueError("continue_final_message needs a final message with text content")
             text = text[: text.rindex(final.strip()) + len(final.strip())]
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _component_state(component: Any) -> dict[str, Any] | None:
+    """A normalizer's or pre-tokenizer's configuration, as tokenizer.json writes it."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _shrink_factor(normalizer: Any) -> int | None:
+    """The most characters `normalizer` turns into one, or None where it may delete some."""
+    state = _component_state(normalizer)
+    if state is None:
+        return 1
+    factor = 1
+    for step in state["normalizers"] if state["type"] == "Sequence" else [state]:
+        kind = step["type"]
+        if kind == "Replace":  # a fixed string by one no shorter ("▁" for " ")
+            pattern = step["pattern"].get("String")
+            if pattern is None or len(step["content"]) < len(pattern):
+                return None
+        elif kind in _NORMALIZER_SHRINK:
+            factor *= _NORMALIZER_SHRINK[kind]
+        else:
+            return None
+    return factor
+
+
+def _pre_tokenizer_steps(state: dict[str, Any]) -> list[dict[str, Any]]:
+    if state["type"] == "Sequence":
+        return [step for s in state["pretokenizers"] for step in _pre_tokenizer_steps(s)]
+    return [state]
+
+
+def _pre_tokenizer_types(state: dict[str, Any]) -> set[str]:
+    return {step["type"] for step in _pre_tokenizer_steps(state)}
+
+
+def _keeps_characters(state: dict[str, Any]) -> bool:
+    """Whether the pre-tokenizer of configuration `state` hands on every character."""
+    return all(
+        step["type"] in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed"
+        for step in _pre_tokenizer_steps(state)
+    )
 
 
 def _read_json(path: str) -> dict[str, Any]:

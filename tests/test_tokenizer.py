@@ -275,3 +275,83 @@ def test_lone_surrogate_is_a_clear_value_error() -> None:
 
     with pytest.raises(ValueError, match="not valid Unicode"):
         get_tokenizer(embedded_model_path()).encode("bad \ud800 text")
+
+
+# ---- the token count's lower bound (a prompt too long, refused before tokenizing) ------------
+
+# Characters that stress the bound: the control characters SmolLM2's vocabulary lacks (the
+# BPE drops them), runs of spaces and newlines (its longest tokens), several-byte characters,
+# a special token, a letter the SentencePiece file spells only in bytes.
+_BOUND_ALPHABET = ["a", "b", " ", "\n", "\t", "\x13", "\x04", "é", "你", "🦙", "\U00050000",
+                   "#", "=", "<|im_start|>", "<|user|>", "hello", " world", "Ġ", "▁"]  # fmt: skip
+
+
+def _random_texts(seed: int, count: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    texts = []
+    for _ in range(count):
+        parts = []
+        for _ in range(int(rng.integers(1, 60))):
+            piece = _BOUND_ALPHABET[int(rng.integers(len(_BOUND_ALPHABET)))]
+            parts.append(piece * int(rng.choice([1, 1, 3, 40, 200])))
+        texts.append("".join(parts))
+    return texts
+
+
+def test_min_num_tokens_never_exceeds_the_tokens(tok: Tokenizer, tmp_path) -> None:
+    gguf_path = str(tmp_path / "tiny.gguf")
+    write_llama_gguf(gguf_path)
+    make_tokenizer_dir(tmp_path)
+    tokenizers = {
+        "embedded byte-level GGUF": tok,
+        "SentencePiece GGUF": Tokenizer.from_gguf(gguf_path),
+        "tokenizer.json": Tokenizer.from_pretrained(tmp_path),
+    }
+    for name, t in tokenizers.items():
+        assert t._length_bound is not None, name
+        for text in _random_texts(0, 300) + TEXTS:
+            for special in (True, False):
+                n = len(t.encode(text, add_special_tokens=special))
+                assert t.min_num_tokens(text) <= n, (name, text[:80])
+    # Tight where the text is the vocabulary's longest token over and over (81 characters).
+    assert tok._length_bound == (81, "\x04\x06\x13\x14\x16\x1d")
+    text = ("\n" + " " * 80) * 1000
+    assert tok.min_num_tokens(text) == len(tok.encode(text, add_special_tokens=False)) == 1000
+    # The characters the BPE drops count for nothing: 10^6 of them are no token at all.
+    assert tok.min_num_tokens("a" + "\x13" * 10**6) == 1 == len(tok.encode("a" + "\x13" * 10**6))
+
+
+def test_min_num_tokens_is_zero_where_characters_can_vanish() -> None:
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    def backend(model, normalizer=None, pre_tokenizer=None) -> Tokenizer:
+        b = BackendTokenizer(model)
+        b.normalizer, b.pre_tokenizer = normalizer, pre_tokenizer
+        return Tokenizer(b)
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, " ": 3}
+    vanishing = [
+        backend(models.WordPiece(vocab, unk_token="[UNK]")),  # a whole word can be one [UNK]
+        backend(models.BPE(vocab, [], unk_token="[UNK]", fuse_unk=True)),  # a run: one [UNK]
+        backend(models.BPE(vocab, [])),  # unknown characters dropped
+        backend(models.BPE(vocab, [], unk_token="[UNK]"), normalizers.Strip()),
+        backend(models.BPE(vocab, [], unk_token="[UNK]"), None, pre_tokenizers.Whitespace()),
+    ]
+    for t in vanishing:
+        assert t.min_num_tokens("c" * 1000 + " " * 1000) == 0
+    kept = backend(models.BPE(vocab, [], unk_token="[UNK]"), normalizers.NFC())
+    text = "e\u0301" * 100  # NFC makes each pair one character: 100 tokens, not 200
+    assert kept.min_num_tokens(text) <= len(kept.encode(text)) == 100
+
+
+def test_the_canonical_decomposition_bound_holds_for_this_unicode() -> None:
+    # NFC / NFKC turn at most this many characters into one (tokenizer._NORMALIZER_SHRINK).
+    import sys
+    import unicodedata
+
+    from pagoda.tokenizer import _NORMALIZER_SHRINK
+
+    longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(sys.maxunicode + 1)
+                  if not 0xD800 <= c < 0xE000)  # fmt: skip
+    assert _NORMALIZER_SHRINK["NFC"] == _NORMALIZER_SHRINK["NFKC"] == longest == 4

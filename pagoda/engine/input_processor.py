@@ -4,7 +4,9 @@ A prompt (text, token ids, or a dict with `prompt` / `prompt_token_ids`) becomes
 is validated once by `validate_request` (THE rule for every entry point: a prompt must leave
 room for at least one generated token, so one of `max_model_len` tokens or more is refused),
 and a request with n > 1 is fanned out into n one-sample `EngineCoreRequest`s. The engine
-core receives only these: token ids and sampling parameters.
+core receives only these: token ids and sampling parameters. Text is checked against the same
+rule before it is tokenized (`check_prompt_text`): one too long by its length alone is refused
+without the tokenizer's seconds to minutes over it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,25 @@ def validate_request(
     return min(room, params.max_tokens)
 
 
+def check_prompt_text(tokenizer: Any, text: str, max_model_len: int) -> None:
+    """`validate_request`'s context rule for a prompt not tokenized yet: refuse `text` when
+    its length alone shows it is `max_model_len` tokens or more (`Tokenizer.min_num_tokens`:
+    no token stands for more characters than the longest in the vocabulary). Tokenizing it
+    would take the tokenizer seconds for a megabyte, minutes for 100 MB, and only to refuse it;
+    a text under the bound is tokenized and validated as usual."""
+    min_tokens = getattr(tokenizer, "min_num_tokens", None)
+    if min_tokens is None or len(text) < max_model_len:  # (the bound: a token a character)
+        return
+    n = min_tokens(text)
+    if n >= max_model_len:
+        raise PromptValidationError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{len(text)} characters, which make at least {n} tokens, and at least one token "
+            "must be generated: shorten the prompt (or raise max_model_len, --max-model-len)",
+            "prompt",
+        )
+
+
 def fan_out(request_id: str, params: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
     """The one-sample requests of a request with `params.n` samples: ids `{i}_{request_id}`,
     seeds `seed + i` (distinct but reproducible samples)."""
@@ -123,15 +144,20 @@ class InputProcessor:
     def eos_token_id(self) -> int | None:
         return eos_token_id(self.tokenizer, self.model_config)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids; a PromptValidationError, before tokenizing, for a text too long
+        for the context by its length alone (`check_prompt_text`)."""
         if self.tokenizer is None:
             raise ValueError("the engine runs with skip_tokenizer_init: give prompt token ids")
-        return self.tokenizer.encode(text)
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        check_prompt_text(self.tokenizer, text, self.model_config.max_model_len)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(the prompt's text if it has one, its token ids)."""
         if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
@@ -139,7 +165,7 @@ class InputProcessor:
                     raise ValueError(f"a prompt dict's 'prompt' must be a string, got {text!r:.40}")
                 return text, token_id_list(prompt["prompt_token_ids"], "prompt_token_ids")
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self._encode(prompt["prompt"])
+                return prompt["prompt"], self.encode(prompt["prompt"])
             raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)):
             return None, token_id_list(prompt, "prompt")

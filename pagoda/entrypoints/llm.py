@@ -187,9 +187,10 @@ class LLM:
                 **kw,
             )
             # The template already holds the special tokens (BOS etc.): do not add them twice.
-            prompts.append(
-                {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-            )
+            # A conversation too long for the context by its length alone is refused here,
+            # before it is tokenized (and before any of the batch runs), as generate does.
+            ids = self.llm_engine.input_processor.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -18,7 +18,11 @@ from http import HTTPStatus
 from typing import Any
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.input_processor import PromptValidationError, validate_request
+from pagoda.engine.input_processor import (
+    PromptValidationError,
+    check_prompt_text,
+    validate_request,
+)
 from pagoda.logger import init_logger
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -110,6 +114,18 @@ class ServingContext:
             return await self.preprocessor.encode(text, add_special_tokens)
         except ValueError as e:
             raise APIError(f"{field_name}: {e}", 400, field_name) from None
+
+    async def encode_prompt(
+        self, text: str, add_special_tokens: bool, field_name: str
+    ) -> list[int]:
+        """`encode` for a prompt to generate from: one too long for the context by its length
+        alone is a 400 at once, not tokenized (`check_prompt_text`, the engine's rule)."""
+        self.require_tokenizer(field_name)
+        try:
+            check_prompt_text(self.tokenizer, text, self.max_model_len)
+        except PromptValidationError as e:
+            raise APIError(str(e), 400, field_name) from None
+        return await self.encode(text, add_special_tokens, field_name)
 
 
 def build_sampling_params(

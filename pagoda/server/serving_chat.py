@@ -182,7 +182,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         None if tools.mode == "none" else req.tools,
         req.chat_template_kwargs,
     )
-    prompt_ids = await ctx.encode(prompt, req.add_special_tokens, "messages")
+    prompt_ids = await ctx.encode_prompt(prompt, req.add_special_tokens, "messages")
     validate_prompt(ctx, prompt_ids, params, "messages", mt_field)
     request_id = req.request_id or f"chatcmpl-{random_uuid()}"
     stream = merge_async_iterators(

@@ -90,7 +90,7 @@ async def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = await ctx.encode(item, req.add_special_tokens, "prompt")
+            ids = await ctx.encode_prompt(item, req.add_special_tokens, "prompt")
             prompts.append(_Prompt(item, ids))
         else:
             prompts.append(_Prompt(None, list(item)))

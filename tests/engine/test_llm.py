@@ -224,6 +224,38 @@ def test_bad_input_raises_clear_error(llm: LLM, prompt, params, match) -> None:
     assert not llm.llm_engine.scheduler.waiting
 
 
+def test_a_prompt_too_long_by_its_length_is_refused_before_tokenizing(
+    llm: LLM, monkeypatch
+) -> None:
+    # 2.6 million characters make at least 32,000 tokens (no token of SmolLM2's stands for more
+    # than 81): a ValueError naming max_model_len at once, not after the tokenizer's seconds
+    # over them (10^8 characters took 164 s). As vLLM, the whole call raises and nothing of
+    # the batch is left running; the next call is served.
+    long_text = "hello world, " * 200_000
+    tok = llm.get_tokenizer()
+    encode = tok.encode
+
+    def encode_short_only(text: str, *args, **kwargs) -> list[int]:
+        assert len(text) < 100_000, "the long prompt was tokenized"
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode_short_only)
+    too_long = r"maximum context length is 1024 tokens.*2600000 characters.*at least 32099 tokens"
+    with pytest.raises(ValueError, match=too_long):
+        llm.generate([PROMPTS[0], long_text, PROMPTS[2]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=too_long):
+        llm.generate([{"prompt": long_text}], GREEDY, use_tqdm=False)
+    short = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="maximum context length is 1024 tokens"):
+        llm.chat([short, [{"role": "user", "content": long_text}]], GREEDY, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and engine.num_used_blocks == 0
+    assert not engine.scheduler.waiting
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+    assert len(llm.chat(short, GREEDY, use_tqdm=False)) == 1
+
+
 @pytest.mark.parametrize(
     "prompts, params, error, match",
     [

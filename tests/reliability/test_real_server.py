@@ -114,12 +114,33 @@ def test_request_chat_templates_run_within_limits(server, template, needle):
 
 
 def test_a_big_prompt_does_not_stall_the_event_loop(server):
-    text = "hello world, this is a long prompt. " * 30_000  # ~1 MB: seconds of tokenizing
+    # ~1 MB: seconds of tokenizing. A completion refuses it by its length alone (below);
+    # /tokenize, bound by no context, tokenizes it, off the event loop.
+    text = "hello world, this is a long prompt. " * 30_000
     with HealthProbe(server.url) as probe:
-        r = _post(server, "/v1/completions", {"prompt": text, "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = _post(server, "/tokenize", {"prompt": text})
+    assert r.status_code == 200 and r.json()["count"] > 200_000, r.text[:200]
     assert probe.worst < 2.0, probe.worst
     assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_prompt_too_long_by_its_length_is_refused_before_tokenizing(server):
+    # 3.25 MB make at least 40,000 tokens (SmolLM2's longest token is 81 characters), for a
+    # context of 256: a 400 naming the context at once (before: tokenized in a worker until
+    # the 3 s --preprocess-timeout, then a 400 naming that).
+    text = "hello world, " * 250_000
+    for path, body, param in (
+        ("/v1/completions", {"prompt": text, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ):
+        start = time.monotonic()
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
+        assert "3250000 characters, which make at least 40124 tokens" in r.text or (
+            param == "messages" and "characters, which make at least" in r.text
+        )
+        assert time.monotonic() - start < 2.0
 
 
 def test_disconnected_requests_are_counted_as_aborted(server):
