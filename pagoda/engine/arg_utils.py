@@ -153,6 +153,50 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_input_buffers_fit(config: EngineConfig) -> None:
+    """Refuse a max_num_seqs / max_num_batched_tokens whose step inputs could never be
+    allocated, where the configuration is made rather than in torch's allocator deep in the
+    model runner's start. The runner keeps them in buffers allocated once (`InputBuilder`): a
+    block-table row of max_model_len / block_size block ids for each of max_num_seqs
+    sequences, and four ids for each of max_num_batched_tokens tokens. They must fit in the
+    host memory available now and, on a GPU, in gpu_memory_utilization of its memory (where
+    they are allocated a second time)."""
+    from pagoda.worker.input_batch import input_buffer_bytes
+    from pagoda.worker.memory_plan import GiB, available_memory_bytes
+
+    sc, cc = config.scheduler_config, config.cache_config
+    max_model_len = config.model_config.max_model_len
+    blocks = -(-max_model_len // cc.block_size)
+    on_gpu = config.device_config.device == "cuda"
+    seqs, tokens = sc.max_num_seqs, sc.max_num_batched_tokens
+    need = input_buffer_bytes(tokens, seqs, blocks, on_gpu)
+    limits = [("host", need.host, available_memory_bytes(), "of memory available")]
+    if on_gpu:
+        import torch
+
+        total = torch.cuda.get_device_properties("cuda").total_memory
+        budget = int(total * cc.gpu_memory_utilization)
+        limits.append(("device", need.device, budget, "of GPU memory (gpu_memory_utilization)"))
+    for kind, bytes_needed, bytes_there, where in limits:
+        if bytes_needed <= bytes_there:
+            continue
+        # The flag at fault: the one whose buffers alone do not fit, else both.
+        alone = {
+            "max_num_seqs (--max-num-seqs)": input_buffer_bytes(1, seqs, blocks, on_gpu),
+            "max_num_batched_tokens (--max-num-batched-tokens)": input_buffer_bytes(
+                tokens, 1, blocks, on_gpu
+            ),
+        }
+        flags = [f for f, b in alone.items() if getattr(b, kind) > bytes_there] or list(alone)
+        raise ValueError(
+            f"max_num_seqs={seqs} and max_num_batched_tokens={tokens} cannot be honoured: the "
+            f"engine's step inputs for them take {bytes_needed / GiB:.1f} GiB (about "
+            f"{4 * blocks + 16} bytes a sequence, a block-table row of {blocks} blocks for "
+            f"max_model_len {max_model_len} at block_size {cc.block_size}, and 40 a token), "
+            f"more than the {bytes_there / GiB:.1f} GiB {where}: lower {' or '.join(flags)}"
+        )
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -297,7 +341,7 @@ class EngineArgs:
                 "--kv-cache-memory-bytes (default: min(2 GiB, 25%% of the available RAM))",
                 self.gpu_memory_utilization,
             )
-        return EngineConfig(
+        config = EngineConfig(
             model_config=ModelConfig(
                 model=model,
                 hf_config=hf_config,
@@ -326,6 +370,8 @@ class EngineArgs:
             ),
             speculative_config=self._speculative_config(),
         )
+        check_input_buffers_fit(config)
+        return config
 
     def _cache_config(
         self, sliding_window: int | None = None, cache_dtype: str | None = None

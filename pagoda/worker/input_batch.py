@@ -20,6 +20,7 @@ logprobs were asked for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,22 +70,60 @@ class _Array:
         self.host, self.dev = host, dev
 
 
+_ALIGN = 64  # elements: each staged array starts at least 256-byte aligned
+
+
+def _layout(shapes: list[tuple[int, ...]]) -> tuple[list[int], int]:
+    """Each array's offset in one allocation, and the allocation's size, in elements."""
+    offsets, total = [], 0
+    for shape in shapes:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += math.prod(shape)
+    return offsets, total
+
+
+def _token_shapes(num_tokens: int) -> list[tuple[int, ...]]:
+    # int64: ids, positions and slots of a step's tokens, then the rows to compute logits for.
+    return [(num_tokens,)] * 4
+
+
+def _req_shapes(num_reqs: int, num_blocks: int) -> list[tuple[int, ...]]:
+    # int32: query start offsets, sequence lengths, block table. One spare request row: the
+    # request that owns a mixed CUDA graph's padding tokens.
+    return [(num_reqs + 2,), (num_reqs + 1,), (num_reqs + 1, num_blocks)]
+
+
+@dataclass(frozen=True)
+class InputBufferBytes:
+    """What `InputBuilder` allocates for its sizes: `host` bytes of host memory (pinned on a
+    GPU), `device` bytes of device memory besides (0 on a CPU, where they are the same)."""
+
+    host: int
+    device: int
+
+
+def input_buffer_bytes(
+    max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, copy_to_device: bool
+) -> InputBufferBytes:
+    """The memory an `InputBuilder` of these sizes takes, without allocating it: how a
+    configuration that could never be allocated is refused where it is made."""
+    staged = 8 * _layout(_token_shapes(max_num_tokens))[1]
+    staged += 4 * _layout(_req_shapes(max_num_reqs, max_blocks_per_req))[1]
+    arange = 8 * max(max_num_tokens, max_num_reqs + 2)
+    return InputBufferBytes(staged + arange, staged if copy_to_device else 0)
+
+
 class _Staging:
     """Arrays of one dtype at fixed offsets of one host allocation (pinned on a GPU) and one
     device allocation: a step sends all of them with a single copy of a prefix, since every
     host-to-device copy is a driver call that costs tens of microseconds of host time. Without
     copies (a CPU run) the host memory is the device memory."""
 
-    _ALIGN = 64  # elements: each array starts at least 256-byte aligned
-
     def __init__(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, copies: bool
     ) -> None:
-        self.offsets, total = [], 0
-        for shape in shapes:
-            total = -(-total // self._ALIGN) * self._ALIGN
-            self.offsets.append(total)
-            total += int(np.prod(shape))
+        self.offsets, total = _layout(shapes)
         pin = copies and device.type == "cuda"
         self.host_t = torch.zeros(total, dtype=dtype, pin_memory=pin)
         self.dev = torch.zeros(total, dtype=dtype, device=device) if copies else self.host_t
@@ -137,22 +176,17 @@ class InputBuilder:
 
     def _alloc_tokens(self, num_tokens: int) -> None:
         self.max_num_tokens = num_tokens
-        # Copied as one prefix: ids, positions and slots of a step's tokens, then (rarely
-        # needed) the rows to compute logits for.
-        self._tokens = _Staging([(num_tokens,)] * 4, torch.int64, self.device, self._copies)
+        # Copied as one prefix: ids, positions and slots, then (rarely needed) logits rows.
+        self._tokens = _Staging(_token_shapes(num_tokens), torch.int64, self.device, self._copies)
         self.input_ids, self.positions, self.slot_mapping, self.logits_indices = self._tokens.arrays
         self._arange = np.arange(max(num_tokens, self.max_num_reqs + 2), dtype=np.int64)
         self.generation += 1
 
     def _alloc_reqs(self, num_reqs: int, num_blocks: int) -> None:
         self.max_num_reqs, self.max_blocks_per_req = num_reqs, num_blocks
-        # Copied as one prefix up to the last block-table row of the step. One spare request
-        # row: the request that owns a mixed CUDA graph's padding tokens.
+        # Copied as one prefix up to the last block-table row of the step.
         self._reqs = _Staging(
-            [(num_reqs + 2,), (num_reqs + 1,), (num_reqs + 1, num_blocks)],
-            torch.int32,
-            self.device,
-            self._copies,
+            _req_shapes(num_reqs, num_blocks), torch.int32, self.device, self._copies
         )
         self.query_start_loc, self.seq_lens, self.block_table = self._reqs.arrays
         self._arange = np.arange(max(self.max_num_tokens, num_reqs + 2), dtype=np.int64)

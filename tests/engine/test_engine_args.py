@@ -113,3 +113,64 @@ def test_a_kv_cache_past_the_machines_memory_is_a_clear_error() -> None:
 def test_an_empty_model_path_is_refused_not_the_embedded_model() -> None:
     with pytest.raises(ValueError, match="model must be a path"):
         EngineArgs(model="  ").create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "kwargs, flags",
+    [
+        ({"max_num_seqs": 10**11}, "lower max_num_seqs \\(--max-num-seqs\\)$"),
+        ({"max_num_batched_tokens": 10**13}, "lower max_num_batched_tokens"),
+        ({"max_num_seqs": 10**11, "max_num_batched_tokens": 10**13}, "lower max_num_seqs .* or"),
+    ],
+)
+def test_sizes_whose_step_inputs_cannot_be_allocated_are_refused_at_configuration(
+    tiny, kwargs, flags
+) -> None:
+    # Each sequence has a block-table row of max_model_len / block_size block ids (256 / 16 =
+    # 16 here: 80 bytes with its two offsets), each token four ids: 10^11 sequences or 10^13
+    # tokens are terabytes. Before, torch's allocator failed deep in the model runner.
+    with pytest.raises(
+        ValueError, match=f"cannot be honoured: .* GiB of memory available: {flags}"
+    ):
+        _config(tiny, **kwargs)
+    with pytest.raises(ValueError, match="max_num_seqs=100000000000 .* cannot be honoured"):
+        LLM(model=tiny, load_format="dummy", device="cpu", max_num_seqs=10**11)
+    assert _config(tiny, max_num_seqs=100_000).scheduler_config.max_num_seqs == 100_000
+
+
+def test_the_step_input_bound_is_what_the_input_builder_allocates() -> None:
+    import torch
+
+    from pagoda.worker.input_batch import InputBufferBytes, InputBuilder, input_buffer_bytes
+
+    for tokens, reqs, blocks in ((2048, 256, 512), (7, 3, 5), (16, 1000, 1)):
+        b = InputBuilder(tokens, reqs, blocks, 16, torch.device("cpu"))
+        allocated = b._tokens.host_t.nbytes + b._reqs.host_t.nbytes + b._arange.nbytes
+        assert input_buffer_bytes(tokens, reqs, blocks, False).host == allocated
+        assert input_buffer_bytes(tokens, reqs, blocks, False).device == 0
+        copied = InputBuilder(tokens, reqs, blocks, 16, torch.device("cpu"), copy_to_device=True)
+        device = copied._tokens.dev.nbytes + copied._reqs.dev.nbytes
+        assert input_buffer_bytes(tokens, reqs, blocks, True) == InputBufferBytes(allocated, device)
+
+
+def test_on_a_gpu_the_step_inputs_must_also_fit_its_memory_budget(tiny, monkeypatch) -> None:
+    # On CUDA the buffers are allocated twice, pinned on the host and on the device: 10^7
+    # sequences (about 0.7 GB each side) fit a host but not gpu_memory_utilization=0.5 of 1 GiB.
+    import dataclasses
+    import types
+
+    import torch
+
+    from pagoda.config import DeviceConfig
+    from pagoda.engine.arg_utils import check_input_buffers_fit
+
+    gib = types.SimpleNamespace(total_memory=2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gib)
+    config = _config(tiny, max_num_seqs=10**7, gpu_memory_utilization=0.5)
+    check_input_buffers_fit(config)  # on the CPU: host memory only
+    on_gpu = dataclasses.replace(config, device_config=DeviceConfig(device="cuda"))
+    with pytest.raises(ValueError, match="0.5 GiB of GPU memory .*: lower max_num_seqs"):
+        check_input_buffers_fit(on_gpu)
+    check_input_buffers_fit(
+        dataclasses.replace(on_gpu, scheduler_config=_config(tiny).scheduler_config)
+    )
