@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pagoda.chat_commands import help_text, parse_chat_line
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Exceptions a user causes and can fix. ValueError is what every config, flag and input check
 # in Pagoda raises; the OSErrors are paths; MemoryError is a model larger than the machine.
@@ -174,25 +176,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Pagoda chat. Type /reset to clear the history, /exit (or Ctrl-D) to quit.")
+    print("Pagoda chat. Type /help for the commands, /reset to clear the history, /exit (or "
+          "Ctrl-D) to quit.")  # fmt: skip
     turn = 0
     while True:
         try:
-            user = input("> ")
+            line = parse_chat_line(input("> "))
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
         except UnicodeDecodeError:  # a terminal's strict UTF-8 stdin
             print("[error] that line is not valid UTF-8")
             continue
-        if user.strip() in ("/exit", "/quit"):
+        if line.error is not None:  # an unknown command is not sent to the model
+            print(f"[error] {line.error}")
+            continue
+        if line.command in ("/exit", "/quit"):
             return 0
-        if user.strip() == "/reset":
+        if line.command == "/reset":
             messages = messages[:1] if args.system else []
             continue
-        if not user.strip():
+        if line.command == "/help":
+            print(help_text())
             continue
-        messages.append({"role": "user", "content": user})
+        if line.text is None:  # a blank line
+            continue
+        messages.append({"role": "user", "content": line.text})
         reply = []
         try:  # a turn that fails (text that is not valid Unicode, too long a history) is its own
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
@@ -258,6 +267,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = _engine_parser(sub, "chat", "interactive chat with the model")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = help_text()
     p.add_argument("--system", type=str, default=None, help="system prompt")
     _add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)

@@ -52,6 +52,35 @@ def test_a_chat_turn_that_fails_is_its_own_and_bad_sampling_flags_end_it_at_once
     assert "Pagoda chat" not in proc.stdout
 
 
+def test_an_unknown_chat_command_is_reported_not_sent_to_the_model() -> None:
+    # "/foo" is reported with the commands there are, and the session goes on: "/ hello" is
+    # text (a "/" before a space), answered; /help lists the commands; /exit ends it.
+    proc = _pagoda(
+        "chat", "--max-tokens", "2", "--temperature", "0", stdin="/foo\n/ hello\n/help\n/exit\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    turns = proc.stdout.split("> ")[1:]
+    assert len(turns) == 4, proc.stdout  # three lines answered, then /exit
+    assert turns[0].startswith("[error] unknown command /foo: the commands are /help, /reset, ")
+    assert turns[1].strip() and "[error]" not in turns[1]  # the model's two tokens
+    assert turns[2].startswith("Commands (a line whose first word is /name):")
+    assert "/reset" in _pagoda("chat", "--help").stdout
+
+
+def test_chat_lines_starting_with_a_slash_are_commands_only_when_they_name_one() -> None:
+    from pagoda.chat_commands import ChatLine, parse_chat_line
+
+    assert parse_chat_line(" /reset ") == ChatLine(command="/reset")
+    assert parse_chat_line("/quit") == ChatLine(command="/quit")
+    assert "unknown command /rest" in parse_chat_line("/rest").error
+    assert "unknown command /etc" in parse_chat_line("/etc holds config").error
+    assert "takes no arguments" in parse_chat_line("/reset the counter").error
+    for text in ("/ hello", "/usr/bin is a directory", "/2 of them", "hello /reset", "/é"):
+        assert parse_chat_line(text) == ChatLine(text=text)
+    assert parse_chat_line("//etc holds config") == ChatLine(text="/etc holds config")
+    assert parse_chat_line("   ") == ChatLine()
+
+
 def test_bad_flag_value_is_a_clear_error() -> None:
     proc = _pagoda("generate", "hi", "--max-model-len", "999999")
     assert proc.returncode == 2
