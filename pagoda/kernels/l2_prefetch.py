@@ -172,9 +172,10 @@ def join(x: torch.Tensor) -> None:
 
 
 class WeightPrefetch:
-    """Prefetches the weights of `modules()` (called at the first use, once the weights are
-    loaded and repacked) into L2, up to `PAGODA_L2_PREFETCH_MB`, when called on a step's
-    activations x of at most MAX_TOKENS rows on an sm_90 GPU; a no-op elsewhere."""
+    """Prefetches the weights of `modules()` into L2, up to `PAGODA_L2_PREFETCH_MB`, when called
+    on a step's activations x of at most MAX_TOKENS rows on an sm_90 GPU; a no-op elsewhere.
+    The addresses are taken at the first such call (the weights are loaded and repacked by
+    then, and a loaded weight never moves)."""
 
     def __init__(self, modules: Callable[[], Sequence[nn.Module]]) -> None:
         self._modules = modules
