@@ -212,3 +212,13 @@ class RequiredCallsStream:
             elif arguments:
                 out.append({"index": index, "function": {"arguments": arguments}})
         return out
+
+
+def calls_read_so_far(text: str) -> list[dict[str, Any]]:
+    """The `tool_calls` of a "required" output that holds no whole list of calls (cut short by
+    max_tokens, say), as its stream gives them in all: each call whose name is whole, with the
+    arguments written so far; none where it was cut before the first name."""
+    return [
+        {"id": d["id"], "type": "function", "function": d["function"]}
+        for d in RequiredCallsStream().feed(text, final=True)
+    ]

@@ -26,7 +26,7 @@ from pagoda.server.protocol import (
     DeltaMessage,
     random_uuid,
 )
-from pagoda.server.required_calls import RequiredCallsStream
+from pagoda.server.required_calls import RequiredCallsStream, calls_read_so_far
 from pagoda.server.serving import (
     APIError,
     RequestState,
@@ -213,6 +213,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         calls, finish_reason = None, c.finish_reason
         if tools.forced:
             calls = tool_calls_from_text(tools, content or "")
+            if calls is None and tools.mode == "required":  # cut short: what its stream gives
+                calls = calls_read_so_far(content or "")
             content = "" if calls else content
         elif tools.mode == "auto" and ctx.tool_parser is not None:
             content, calls = ctx.tool_parser.extract(content)

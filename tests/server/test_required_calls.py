@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pagoda.server.required_calls import RequiredCallsStream
+from pagoda.server.required_calls import RequiredCallsStream, calls_read_so_far
 from pagoda.server.serving_chat import _ToolDeltas
 from pagoda.server.tool_choice import ToolChoice, tool_calls_from_text
 
@@ -92,3 +92,13 @@ def test_a_stream_cut_short_before_a_name_sends_its_text_as_content() -> None:
         {"index": 0, "id": cut.tool_calls[0]["id"], "type": "function",
          "function": {"name": "b", "arguments": '{"x": 1'}}
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", OUTPUTS)
+def test_an_output_cut_anywhere_gives_unstreamed_what_its_stream_gave(text: str) -> None:
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        calls = calls_read_so_far(cut)
+        assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+        got = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        assert got == _merged(_stream(cut, [1] * len(cut))), cut

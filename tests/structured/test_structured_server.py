@@ -282,6 +282,22 @@ def test_tool_choice_none_and_a_cut_short_call(client):
     assert not resp.choices[0].message.tool_calls
 
 
+def test_a_required_call_cut_short_reads_the_same_streamed_or_not(client):
+    # Cut by max_tokens after the first call's name: its arguments so far, as the stream
+    # sends them, and no content, streamed or not.
+    kw = dict(REQUIRED_CALLS, max_tokens=20)
+    resp = client.chat.completions.create(**kw)
+    msg = resp.choices[0].message
+    assert resp.choices[0].finish_reason == "length" and not msg.content
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    pieces = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert not any(c.choices[0].delta.content for c in chunks)
+    assert pieces[0].function.name == "get_weather"
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
 BAD_TOOLS = [
     (
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
