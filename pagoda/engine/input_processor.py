@@ -16,6 +16,7 @@ from typing import Any
 
 from pagoda.core.outputs import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.backend_xgrammar import check_constraint
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -192,6 +193,8 @@ class InputProcessor:
         prompt_text, prompt_ids = self.process_prompt(prompt)
         mc = self.model_config
         max_tokens = validate_request(prompt_ids, params, mc.max_model_len, mc.vocab_size)
+        if params.structured_outputs is not None:  # what needs no grammar compiler to refuse
+            check_constraint(params.structured_outputs)
         eos = self.eos_token_id
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         if eos is not None:

@@ -28,6 +28,7 @@ from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
+from pagoda.structured_output.backend_xgrammar import check_constraint
 
 
 class APIError(Exception):
@@ -246,11 +247,18 @@ def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
         for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag"):
             kw.pop(k, None)
         kw.update(override)
+    param = "response_format" if override else "structured_outputs"
     try:
-        return StructuredOutputsParams(**kw)
+        so = StructuredOutputsParams.from_dict(kw)
     except (TypeError, ValueError) as e:
-        param = "response_format" if override else "structured_outputs"
         raise APIError(f"invalid {param}: {e}", 400, param) from None
+    # Input processing checks it too, but a request of several prompts is admitted whole
+    # before any of them is processed.
+    try:
+        check_constraint(so)
+    except ValueError as e:
+        raise name_constraint_error(APIError(str(e), 400), req) from None
+    return so
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -192,20 +192,31 @@ def compile_constraint(compiler: Any, params: StructuredOutputsParams) -> Any:
         raise ValueError(f"invalid structured_outputs.{kind}: {msg}") from None
 
 
-def _compile(c: Any, p: StructuredOutputsParams) -> Any:
+def check_constraint(p: StructuredOutputsParams) -> dict[str, Any] | None:
+    """Refuse, with compile's ValueError, what is wrong with `p` that no grammar compiler is
+    needed to see: a whitespace_pattern (xgrammar has none), a schema given as text that is
+    not JSON or not an object. Input processing calls it before a server admits the request,
+    so that such a constraint is a 400 at any load; a regex or grammar that does not parse, a
+    schema feature xgrammar lacks, only the compile finds (docs/reliability.md: why that
+    cannot come before admission). Returns the JSON schema as a dict where `p.json` is set."""
     if p.whitespace_pattern is not None:
         raise ValueError(
             "structured_outputs.whitespace_pattern is not supported by the xgrammar backend"
         )
-    if p.json is not None:
-        schema = p.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"invalid structured_outputs.json: not JSON ({e})") from None
-        if not isinstance(schema, dict):
-            raise ValueError("invalid structured_outputs.json: a schema must be an object")
+    schema = p.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"invalid structured_outputs.json: not JSON ({e})") from None
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError("invalid structured_outputs.json: a schema must be an object")
+    return schema
+
+
+def _compile(c: Any, p: StructuredOutputsParams) -> Any:
+    schema = check_constraint(p)
+    if schema is not None:
         if p.disable_additional_properties:
             schema = _no_additional_properties(schema)
         return c.compile_json_schema(

@@ -3,12 +3,14 @@ streaming, logprobs, echo, errors, auth and metrics, in milliseconds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
+from pagoda import SamplingParams, StructuredOutputsParams
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.server.app import build_app
 
@@ -308,6 +310,59 @@ def test_a_batch_of_prompts_is_admitted_or_refused_whole():
             llm._engine_running = 0
             r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
             assert r.status_code == 200
+    finally:
+        llm.shutdown()
+
+
+class _AbandonedFills:
+    """The structured-outputs manager as the core's admission sees it: `num_abandoned_running`
+    mask fills given up on still run (at PAGODA_GRAMMAR_MAX_ABANDONED: structured requests 503)."""
+
+    def __init__(self, running: int) -> None:
+        self.num_abandoned_running = running
+
+    def compiled(self, params) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("load", ["queue full", "abandoned fills"])
+def test_a_constraint_invalid_without_a_compiler_is_400_at_any_load(load, monkeypatch):
+    # A schema given as text that is not JSON, or not an object, and whitespace_pattern (which
+    # xgrammar lacks) are refused where the request is validated, before admission: a 400 on a
+    # full server too (before: 503, its compile never reached), and from AsyncLLM.generate. A
+    # valid constraint is still shed (503); what only the compiler finds is too
+    # (docs/reliability.md says why).
+    monkeypatch.setenv("PAGODA_GRAMMAR_MAX_ABANDONED", "2")
+    fake = FakeEngine(max_num_seqs=2, max_model_len=64)
+    if load == "abandoned fills":
+        fake.structured_output = _AbandonedFills(2)
+        llm = AsyncLLM(fake)
+    else:
+        llm = AsyncLLM(fake, max_waiting_requests=0)
+        llm._engine_running = 2  # as the core reports while two requests run
+    invalid = {
+        "not JSON": {"json": "{not json"},
+        "a schema must be an object": {"json": "[1, 2]"},
+        "whitespace_pattern is not supported": {"json_object": True, "whitespace_pattern": " "},
+    }
+    try:
+        with TestClient(build_app(llm)) as c:
+            for message, so in invalid.items():
+                body = {"prompt": "x", "max_tokens": 2, "structured_outputs": so}
+                assert message in _error(
+                    c.post("/v1/completions", json=body), 400, "structured_outputs"
+                )
+                chat = {"messages": [{"role": "user", "content": "x"}], "structured_outputs": so}
+                r = c.post("/v1/chat/completions", json=chat)
+                assert message in _error(r, 400, "structured_outputs")
+                batch = {**body, "prompt": ["x", "y"]}  # admitted whole before each is processed
+                r = c.post("/v1/completions", json=batch)
+                assert message in _error(r, 400, "structured_outputs")
+            valid = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "[ab]+"}}
+            assert c.post("/v1/completions", json=valid).status_code == 503
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(json="{not json"))
+        with pytest.raises(ValueError, match="invalid structured_outputs.json: not JSON"):
+            asyncio.run(anext(llm.generate("x", params, "library-call")))
     finally:
         llm.shutdown()
 
