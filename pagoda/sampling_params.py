@@ -18,6 +18,7 @@ Limits beyond the obvious ranges:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import json as _json
 import numbers
@@ -58,6 +59,19 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From a request's `structured_outputs` object: a ValueError naming a key that is no
+        field (and the fields there are), not Python's message about keyword arguments."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in fields if k not in known]
+        if unknown:
+            raise ValueError(
+                f"structured_outputs has no field {', '.join(map(repr, unknown))} "
+                f"(its fields: {', '.join(known)})"
+            )
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
@@ -191,7 +205,7 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

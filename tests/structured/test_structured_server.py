@@ -130,7 +130,8 @@ INVALID = [
     ({"structured_outputs": {"regex": "(abc"}}, "invalid structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "root ::= nope"}}, "invalid structured_outputs.grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
-    ({"structured_outputs": {"jsn": {}}}, "jsn"),
+    ({"structured_outputs": {"jsn": {}}}, "no field 'jsn' \\(its fields: json, regex"),
+    ({"structured_outputs": {"json": {}, "foo": 1}}, "no field 'foo'"),
     ({"response_format": {"type": "xml"}}, "response_format"),
 ]
 
