@@ -55,6 +55,50 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
+# vLLM's older speculative-decoding arguments (vLLM <= 0.6: `LLM(speculative_model=...)`,
+# `--speculative-model ...`), mapped onto `speculative_config`.
+LEGACY_SPECULATIVE_ARGS = (
+    "speculative_model",
+    "num_speculative_tokens",
+    "ngram_prompt_lookup_max",
+    "ngram_prompt_lookup_min",
+    "speculative_max_model_len",
+)
+
+
+def legacy_speculative_config(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM <= 0.6's `speculative_model` (a draft model's path, or "[ngram]"),
+    `num_speculative_tokens`, `ngram_prompt_lookup_max/min` as a `speculative_config` dict
+    (popped from kwargs, with those set to None). `speculative_max_model_len` is logged as
+    ignored: drafts are proposed up to the target's max_model_len (what the outputs are does not
+    depend on it). None where none of them is set."""
+    legacy = {k: kwargs.pop(k) for k in LEGACY_SPECULATIVE_ARGS if kwargs.get(k) is not None}
+    for k in LEGACY_SPECULATIVE_ARGS:
+        kwargs.pop(k, None)
+    if "speculative_max_model_len" in legacy:
+        logger.warning(
+            "speculative_max_model_len=%s is ignored: drafts are proposed up to max_model_len",
+            legacy.pop("speculative_max_model_len"),
+        )
+    if not legacy:
+        return None
+    model = legacy.get("speculative_model")
+    if model is None:
+        raise ValueError(f"{', '.join(sorted(legacy))} need speculative_model (e.g. '[ngram]')")
+    config: dict[str, Any] = (
+        {"method": "ngram"} if model == "[ngram]" else {"method": "draft_model", "model": model}
+    )
+    if "num_speculative_tokens" in legacy:
+        config["num_speculative_tokens"] = legacy["num_speculative_tokens"]
+    for old, new in (
+        ("ngram_prompt_lookup_max", "prompt_lookup_max"),
+        ("ngram_prompt_lookup_min", "prompt_lookup_min"),
+    ):
+        if old in legacy:
+            config[new] = legacy[old]
+    return config
+
+
 def _cpu_default_dtype(hf_config: dict[str, Any], quantization: str | None = None) -> str:
     """`dtype="auto"` on a CPU: what ran faster (`pagoda bench throughput --num-prompts 16
     --input-len 64:256 --output-len 64:256 --seed 0`, the two dtypes one after the other).
@@ -505,9 +549,33 @@ class EngineArgs:
             help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
             '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
         )
+        g.add_argument(
+            "--speculative-model",
+            type=str,
+            default=None,
+            help="vLLM <= 0.6's form of --speculative-config: a draft model's path, or [ngram]",
+        )
+        g.add_argument("--num-speculative-tokens", type=int, default=None)
+        g.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
+        g.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+        g.add_argument(
+            "--speculative-max-model-len",
+            type=int,
+            default=None,
+            help="accepted and ignored (logged): drafts are proposed up to --max-model-len",
+        )
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+        kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        # vLLM <= 0.6's flags (--speculative-model ...), as LLM(speculative_model=...) takes them.
+        legacy = legacy_speculative_config(
+            {k: getattr(args, k) for k in LEGACY_SPECULATIVE_ARGS if hasattr(args, k)}
+        )
+        if legacy is not None:
+            if kwargs.get("speculative_config") is not None:
+                raise ValueError("give --speculative-config or --speculative-model, not both")
+            kwargs["speculative_config"] = legacy
+        return cls(**kwargs)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.entrypoints.chat_utils import normalize_messages
 from pagoda.logger import init_logger
@@ -19,46 +19,6 @@ logger = init_logger(__name__)
 
 # vLLM arguments that select features Pagoda does not have yet: refuse them clearly.
 _UNSUPPORTED = ("lora_modules",)
-# vLLM's older speculative-decoding arguments, mapped onto `speculative_config`.
-_LEGACY_SPEC = (
-    "speculative_model",
-    "num_speculative_tokens",
-    "ngram_prompt_lookup_max",
-    "ngram_prompt_lookup_min",
-    "speculative_max_model_len",
-)
-
-
-def _legacy_speculative_config(kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """vLLM <= 0.6's `speculative_model` (a draft model's path, or "[ngram]"),
-    `num_speculative_tokens`, `ngram_prompt_lookup_max/min` as a `speculative_config` dict
-    (popped from kwargs). `speculative_max_model_len` is logged as ignored: drafts are proposed
-    up to the target's max_model_len (what the outputs are does not depend on it)."""
-    legacy = {k: kwargs.pop(k) for k in _LEGACY_SPEC if kwargs.get(k) is not None}
-    for k in _LEGACY_SPEC:
-        kwargs.pop(k, None)
-    if "speculative_max_model_len" in legacy:
-        logger.warning(
-            "speculative_max_model_len=%s is ignored: drafts are proposed up to max_model_len",
-            legacy.pop("speculative_max_model_len"),
-        )
-    if not legacy:
-        return None
-    model = legacy.get("speculative_model")
-    if model is None:
-        raise ValueError(f"{', '.join(sorted(legacy))} need speculative_model (e.g. '[ngram]')")
-    config: dict[str, Any] = (
-        {"method": "ngram"} if model == "[ngram]" else {"method": "draft_model", "model": model}
-    )
-    if "num_speculative_tokens" in legacy:
-        config["num_speculative_tokens"] = legacy["num_speculative_tokens"]
-    for old, new in (
-        ("ngram_prompt_lookup_max", "prompt_lookup_max"),
-        ("ngram_prompt_lookup_min", "prompt_lookup_min"),
-    ):
-        if old in legacy:
-            config[new] = legacy[old]
-    return config
 
 
 class LLM:
@@ -74,7 +34,7 @@ class LLM:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name} is not supported by Pagoda yet")
             kwargs.pop(name, None)
-        legacy = _legacy_speculative_config(kwargs)
+        legacy = legacy_speculative_config(kwargs)
         if legacy is not None:
             if kwargs.get("speculative_config") is not None:
                 raise ValueError("give speculative_config or speculative_model, not both")

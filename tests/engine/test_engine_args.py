@@ -11,8 +11,7 @@ from model_testing import TINY_CONFIG
 
 from pagoda import LLM
 from pagoda.cli import build_parser
-from pagoda.engine.arg_utils import EngineArgs
-from pagoda.entrypoints.llm import _legacy_speculative_config
+from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
 
 
 @pytest.fixture
@@ -55,11 +54,50 @@ def test_gpu_memory_utilization_on_a_cpu_is_logged_as_ignored(tiny, warnings) ->
 def test_speculative_max_model_len_is_logged_as_ignored(warnings) -> None:
     kwargs = {"speculative_model": "[ngram]", "num_speculative_tokens": 3,
               "speculative_max_model_len": 512}  # fmt: skip
-    config = _legacy_speculative_config(kwargs)
+    config = legacy_speculative_config(kwargs)
     assert config == {"method": "ngram", "num_speculative_tokens": 3} and not kwargs
     [record] = warnings
     assert "speculative_max_model_len=512 is ignored" in record.getMessage()
-    assert _legacy_speculative_config({"speculative_max_model_len": 512}) is None
+    assert legacy_speculative_config({"speculative_max_model_len": 512}) is None
+
+
+def test_legacy_speculative_flags_on_the_command_line(warnings) -> None:
+    """vLLM <= 0.6's --speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-*
+    (what LLM(speculative_model=...) takes as keywords) become --speculative-config, on `pagoda
+    serve` and vLLM's api_server module alike; --speculative-max-model-len is logged as
+    ignored."""
+    from pagoda.entrypoints.openai.api_server import make_arg_parser
+
+    legacy = ["--speculative-model", "/m/draft", "--num-speculative-tokens", "5"]
+    legacy += ["--speculative-max-model-len", "4096"]
+    for args in (
+        build_parser().parse_args(["serve", *legacy]),
+        make_arg_parser().parse_args(legacy),
+    ):
+        config = EngineArgs.from_cli_args(args).speculative_config
+        assert config == {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 5}
+    assert [r.getMessage() for r in warnings] == [
+        "speculative_max_model_len=4096 is ignored: drafts are proposed up to max_model_len"
+    ] * 2
+    ngram = ["serve", "--speculative-model", "[ngram]", "--ngram-prompt-lookup-max", "4"]
+    assert EngineArgs.from_cli_args(build_parser().parse_args(ngram)).speculative_config == {
+        "method": "ngram",
+        "prompt_lookup_max": 4,
+    }
+    assert EngineArgs.from_cli_args(build_parser().parse_args(["serve"])).speculative_config is None
+    both = [
+        "serve",
+        "--speculative-model",
+        "[ngram]",
+        "--speculative-config",
+        '{"method": "ngram"}',
+    ]
+    with pytest.raises(ValueError, match="--speculative-config or --speculative-model, not both"):
+        EngineArgs.from_cli_args(build_parser().parse_args(both))
+    with pytest.raises(ValueError, match="num_speculative_tokens need speculative_model"):
+        EngineArgs.from_cli_args(
+            build_parser().parse_args(["serve", "--num-speculative-tokens", "3"])
+        )
 
 
 @pytest.mark.parametrize(
