@@ -115,7 +115,7 @@ def check_listen_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
-def check_engine_start(engine_args: Any) -> None:
+def check_engine_start(engine_args: Any) -> Any:
     """What an engine built from `engine_args` would refuse at start-up, checked in this
     process: `pagoda serve` builds its engine in a child process, whose failure would come
     with that process's traceback in its log.
@@ -124,10 +124,12 @@ def check_engine_start(engine_args: Any) -> None:
     (quantization, architecture, weight files, memory) only where torch is already imported
     (`pagoda serve`): a front end that has not imported it (`python -m
     pagoda.entrypoints.openai.api_server`) is not made to, for a check the engine core repeats.
+    Returns the `EngineConfig` it made for that (None without torch), for the caller to build
+    the engine from instead of making it again (and logging its warnings twice).
     """
     engine_args.check_model_config()
     if "torch" not in sys.modules:
-        return
+        return None
     from pagoda.model.registry import supported_architectures
 
     config = engine_args.create_engine_config()
@@ -142,6 +144,7 @@ def check_engine_start(engine_args: Any) -> None:
 
         find_weight_files(mc.model)
     check_model_fits_in_memory(config)
+    return config
 
 
 def _stream(engine, request_id: str, prompt, params) -> Iterator[str]:  # noqa: ANN001

@@ -127,8 +127,8 @@ def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = Fals
     served_args = serving_engine_args(engine_args)
     # What a server's front end (without torch) could not check: refused here in one line
     # (architecture, weight files, memory) before anything is allocated.
-    check_engine_start(served_args)
-    engine = EngineCore(served_args.create_engine_config())
+    config = check_engine_start(served_args)
+    engine = EngineCore(config if config is not None else served_args.create_engine_config())
     if served_args is not engine_args:  # said once the engine started (a refusal is one line)
         logger.info(
             "serving on a CPU: prefill chunks of %s tokens (--max-num-batched-tokens), %s "

@@ -51,6 +51,26 @@ def test_gpu_memory_utilization_on_a_cpu_is_logged_as_ignored(tiny, warnings) ->
     assert "gpu_memory_utilization=0.5 is ignored on a CPU" in record.getMessage()
 
 
+def test_served_engine_logs_an_ignored_argument_once(tiny, warnings) -> None:
+    """The engine core process checks its arguments before building the engine
+    (`check_engine_start`) and builds it from the config that check made: the warning of an
+    argument ignored on a CPU comes once, not once for each."""
+    from pagoda.engine.async_llm import build_serving_engine
+
+    args = EngineArgs(
+        model=tiny,
+        load_format="dummy",
+        device="cpu",
+        gpu_memory_utilization=0.5,
+        skip_tokenizer_init=True,
+    )
+    build_serving_engine(args)
+    assert [r.getMessage() for r in warnings if "gpu_memory_utilization" in r.getMessage()] == [
+        "gpu_memory_utilization=0.5 is ignored on a CPU: the KV cache takes "
+        "--kv-cache-memory-bytes (default: min(2 GiB, 25% of the available RAM))"
+    ]
+
+
 def test_speculative_max_model_len_is_logged_as_ignored(warnings) -> None:
     kwargs = {"speculative_model": "[ngram]", "num_speculative_tokens": 3,
               "speculative_max_model_len": 512}  # fmt: skip
