@@ -369,12 +369,34 @@ def report_user_error(message: str) -> int:
     return 2
 
 
+# Said of a command-line argument that is only whitespace, which no flag takes and no path is.
+BLANK_ARGUMENT_HINT = (
+    "an argument that is only whitespace: in a command continued over several lines, a "
+    "backslash followed by a space (as before a '# comment') passes a space and ends the "
+    "command there; end each continued line with the backslash"
+)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, with a usage error for unrecognized arguments that shows
+    an argument of only whitespace quoted and says where such an argument comes from
+    (`BLANK_ARGUMENT_HINT`): argparse's message leaves it invisible."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        shown = " ".join(a if a.strip() else repr(a) for a in extra)
+        blank = any(not a.strip() for a in extra)
+        parser.error(
+            f"unrecognized arguments: {shown}" + (f" ({BLANK_ARGUMENT_HINT})" if blank else "")
+        )
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only = _light_command(argv)
     parser = build_parser(only=only)
     add_log_level_flag(parser)
-    args = parser.parse_args(argv)  # --help and usage errors exit here, before torch loads
+    args = parse_args(parser, argv)  # --help and usage errors exit here, before torch loads
     if only is None:
         # The other engine commands run torch in this process.
         import torch  # noqa: F401

@@ -142,3 +142,27 @@ def test_python_dash_m_pagoda_is_the_pagoda_command() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "usage: pagoda generate" in proc.stderr
+
+
+def test_a_blank_argument_is_shown_and_explained(capsys) -> None:
+    """A server command pasted with a backslash before a '# comment' on a continued line (as
+    printed in a vLLM tutorial) passes ' ' as an argument and ends there: the error says so
+    instead of showing an invisible argument or a model path of ' '."""
+    from pagoda.cli import main
+    from pagoda.entrypoints.openai import api_server
+
+    pasted = ["--model", "/m", "--max-num-seqs", "128", " "]
+    with pytest.raises(SystemExit) as exit_info:
+        api_server.main(pasted)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: unrecognized arguments: ' ' (an argument that is only whitespace" in last
+    assert "a backslash followed by a space" in last
+    # `pagoda serve` takes the blank as its positional model: one error line, the same hint.
+    assert main(["serve", *pasted]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: the model argument is ' ', an argument that is only whitespace")
+    # Other unrecognized arguments keep argparse's message.
+    with pytest.raises(SystemExit):
+        main(["serve", "/m", "--no-such-flag"])
+    assert capsys.readouterr().err.strip().endswith("error: unrecognized arguments: --no-such-flag")

@@ -189,6 +189,10 @@ def run_server(args: argparse.Namespace) -> None:
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None and not model_tag.strip():
+        from pagoda.cli import BLANK_ARGUMENT_HINT
+
+        raise ValueError(f"the model argument is {model_tag!r}, {BLANK_ARGUMENT_HINT}")
     if model_tag:
         args.model = model_tag
     if not getattr(args, "model", None):

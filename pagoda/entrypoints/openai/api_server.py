@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import sys
 
-from pagoda.cli import add_log_level_flag, run_command
+from pagoda.cli import add_log_level_flag, parse_args, run_command
 from pagoda.server.cli import make_arg_parser, run_server
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_arg_parser()
     add_log_level_flag(parser)
-    return run_command(run_server, parser.parse_args(argv))
+    return run_command(run_server, parse_args(parser, argv))
 
 
 if __name__ == "__main__":
