@@ -73,6 +73,8 @@ def test_plan_agrees_with_the_engine_on_this_cpu():
     plan = _plan("--device", "cpu", "--max-model-len", "2048")
     log, handler = logging.getLogger("pagoda.engine.core"), _Lines()
     log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)  # whatever level an earlier test's command line set for pagoda
     try:
         engine = LLMEngine(
             EngineArgs(device="cpu", max_model_len=2048, max_num_seqs=4).create_engine_config(),
@@ -80,6 +82,7 @@ def test_plan_agrees_with_the_engine_on_this_cpu():
         )
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
     line = next(m for m in handler.lines if "KV cache (" in m)  # the engine's start-up line
     cache_dtype, blocks, tokens = re.search(
         r"KV cache \((\w+)\): (\d+) blocks of \d+ tokens = (\d+) tokens", line
