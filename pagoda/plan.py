@@ -124,8 +124,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     if args.gpu_memory_gib is not None and args.device == "cpu":
         raise ValueError("--gpu-memory-gib is for a GPU: leave out --device cpu")
-    if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0:
-        raise ValueError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
+    if args.gpu_memory_gib is not None and not 0 < args.gpu_memory_gib < math.inf:
+        raise ValueError(
+            f"--gpu-memory-gib must be a positive number of GiB, got {args.gpu_memory_gib}"
+        )
     total = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB)
     device = args.device
     if device == "auto":

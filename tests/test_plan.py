@@ -113,7 +113,12 @@ def test_plan_errors_are_one_line(capsys):
     assert main(["plan", "/no/such/model"]) == 2
     assert capsys.readouterr().err.startswith("error: model '/no/such/model' is neither")
     assert main(["plan", "llama-3-8b", "--gpu-memory-gib", "-1"]) == 2
-    assert "--gpu-memory-gib must be positive" in capsys.readouterr().err
+    assert "--gpu-memory-gib must be a positive number" in capsys.readouterr().err
+    for value in ("inf", "nan"):  # inf overflowed int() with a traceback
+        assert main(["plan", "llama-3-8b", "--gpu-memory-gib", value]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --gpu-memory-gib must be a positive number of GiB, got {value}\n"
+        )
     assert main(["plan", "llama-3-8b", "-tp", "3", "--gpu-memory-gib", "80"]) == 2
     assert "does not divide" in capsys.readouterr().err
 
