@@ -60,9 +60,17 @@ def test_tune_records_a_baseline_and_writes_its_report_within_the_budget(tmp_pat
     assert (out / "latency_vs_throughput.png").stat().st_size > 10_000
 
 
-def test_bad_values_are_one_line_errors(capsys):
+def test_bad_values_are_one_line_errors(capsys, tmp_path):
     assert main(["tune", "--goal", "latency", "--budget-minutes", "0"]) == 2
-    assert "--budget-minutes must be positive" in capsys.readouterr().err
+    assert "--budget-minutes must be a positive number" in capsys.readouterr().err
+    for flag in ("--budget-minutes", "--slo-ttft-ms", "--slo-tpot-ms"):
+        for value in ("inf", "nan"):  # inf overflowed int() after the output directory was made
+            out_dir = tmp_path / f"{flag}{value}"
+            argv = ["tune", "--goal", "latency", flag, value, "--output-dir", str(out_dir)]
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err == f"error: {flag} must be a positive number, got {value}\n"
+            assert not out_dir.exists()
     assert main(["tune", "/no/such/model", "--goal", "latency"]) == 2
     assert "not found" in capsys.readouterr().err
 

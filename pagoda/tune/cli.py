@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shlex
 import signal
@@ -87,8 +88,8 @@ def add_tune_args(subparsers: Any) -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     for name in ("slo_ttft_ms", "slo_tpot_ms", "budget_minutes"):
         value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if value is not None and not 0 < value < math.inf:  # inf overflowed the progress bar
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     for name in ("num_prompts", "input_len", "output_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
