@@ -73,6 +73,11 @@ def test_bad_values_are_one_line_errors(capsys, tmp_path):
             assert not out_dir.exists()
     assert main(["tune", "/no/such/model", "--goal", "latency"]) == 2
     assert "not found" in capsys.readouterr().err
+    # Was a trial that could only fail, after the baseline's minutes.
+    assert main(["tune", "--goal", "latency", "--quantized-model", "/no/such/awq"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --quantized-model '/no/such/awq' not found: pass a local directory or .gguf file\n"
+    )
 
 
 def test_ctrl_c_stops_tune_and_its_server(tmp_path):

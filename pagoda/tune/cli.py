@@ -96,8 +96,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.dataset == "sharegpt" and not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
-    if args.model and not os.path.exists(args.model) and args.server_cmd is None:
-        raise ValueError(f"model {args.model!r} not found: pass a local directory or .gguf file")
+    # `pagoda serve` takes a local path; another --server-cmd (vllm serve) may take a hub name.
+    for flag, path in (("model", args.model), ("--quantized-model", args.quantized_model)):
+        if path and not os.path.exists(path) and args.server_cmd is None:
+            raise ValueError(f"{flag} {path!r} not found: pass a local directory or .gguf file")
 
 
 def _requests(args: argparse.Namespace, tokenizer: str, device: str) -> list[Any]:
