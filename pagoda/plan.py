@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import mmap
 import os
 import shutil
 import subprocess
@@ -172,7 +173,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         kv_bytes_per_token=bytes_per_block // args.block_size, total_bytes=total,
     )  # fmt: skip
     if device == "cpu":
-        return _plan_cpu(plan, args, bytes_per_block)
+        return _plan_cpu(plan, args, bytes_per_block, shape.num_layers)
     eager = args.enforce_eager
     plan.activation_bytes = est.activation_bytes(hf_config, itemsize, sc.max_num_batched_tokens,
                                                  sc.max_num_seqs, tp)  # fmt: skip
@@ -192,6 +193,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         )  # fmt: skip
         plan.num_blocks, plan.kv_cache_bytes = mp.num_blocks, mp.kv_cache_bytes
+        if args.kv_cache_memory_bytes is not None and _gpu_cache_too_large(plan):
+            return plan
     except ValueError as e:
         plan.fits, plan.problem = False, str(e)
         fixed = weights + plan.activation_bytes + plan.cuda_graph_bytes + plan.non_torch_bytes
@@ -224,7 +227,38 @@ def _weights(
     return est.weight_bytes(hf_config, itemsize, tp), dtype
 
 
-def _plan_cpu(plan: Plan, args: argparse.Namespace, bytes_per_block: int) -> Plan:
+def _gpu_cache_too_large(plan: Plan) -> bool:
+    """--kv-cache-memory-bytes replaces what gpu_memory_utilization leaves (vLLM's meaning), and
+    the engine allocates that cache whatever the GPU holds: beyond the GPU's memory less the
+    weights and the reserve, it runs out of memory at start (or at its first full step)."""
+    fixed = plan.weights_bytes + plan.activation_bytes + plan.cuda_graph_bytes
+    left = plan.total_bytes - fixed - plan.non_torch_bytes
+    if plan.kv_cache_bytes <= left:
+        return False
+    plan.fits = False
+    plan.problem = (f"--kv-cache-memory-bytes asks for a {_size(plan.kv_cache_bytes)} KV cache, "
+                    f"but the GPU's {_size(plan.total_bytes)} leave {_size(max(left, 0))} beside "
+                    "the weights and the reserve: the engine would run out of GPU memory")  # fmt: skip
+    block = plan.kv_bytes_per_token * plan.block_size
+    fit = left // block * block
+    plan.advice = [f"--kv-cache-memory-bytes {fit} or less (or leave it out: "
+                   "gpu_memory_utilization sizes the cache)"] if fit > 0 else []  # fmt: skip
+    return True
+
+
+def _mapping_refused(nbytes: int) -> str | None:
+    """Why the kernel refuses an anonymous mapping of `nbytes` (None when it grants it). The
+    engine maps each layer's CPU cache so (`pagoda.worker.kv_cache._zeros`) and stops at start
+    when the kernel refuses; asking here for the same mapping, released untouched, costs no
+    memory and tells what the engine would meet."""
+    try:
+        mmap.mmap(-1, nbytes).close()
+    except (OSError, OverflowError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
+
+
+def _plan_cpu(plan: Plan, args: argparse.Namespace, bytes_per_block: int, num_layers: int) -> Plan:
     """As `ModelRunner.determine_num_blocks` on a CPU: a fixed budget for the cache."""
     from pagoda.cli import _total_memory_bytes
 
@@ -234,10 +268,27 @@ def _plan_cpu(plan: Plan, args: argparse.Namespace, bytes_per_block: int) -> Pla
     plan.budget_bytes = budget
     plan.num_blocks = budget // bytes_per_block
     plan.kv_cache_bytes = plan.num_blocks * bytes_per_block
+    layer_bytes = plan.kv_cache_bytes // num_layers  # one [2, num_blocks, ...] tensor a layer
+    refused = _mapping_refused(layer_bytes) if layer_bytes else None
+    need = (plan.weights_bytes + plan.kv_cache_bytes) * tp
     if plan.total_bytes and plan.weights_bytes * tp > plan.total_bytes:
         plan.fits = False
         plan.problem = (f"the weights take {plan.weights_bytes * tp / GiB:.1f} GiB, more than "
                         f"this machine's {plan.total_bytes / GiB:.1f} GiB of memory")  # fmt: skip
+    elif refused or plan.total_bytes and need > plan.total_bytes:
+        plan.fits = False
+        plan.problem = (
+            f"a KV cache tensor of {_size(layer_bytes)} a layer cannot be allocated ({refused}): "
+            "the engine stops at start" if refused else
+            f"the KV cache ({_size(plan.kv_cache_bytes * tp)}) and the weights take "
+            f"{_size(need)}, more than this machine's {_size(plan.total_bytes)}: the engine "
+            "starts, but runs out of memory as the cache fills"
+        )  # fmt: skip
+        room = (plan.total_bytes or 0) // tp - plan.weights_bytes
+        fit = room // bytes_per_block * bytes_per_block
+        plan.advice = [f"--kv-cache-memory-bytes below {fit}, what the RAM leaves beside the "
+                       "weights (or leave it out)"] if fit > 0 else []  # fmt: skip
+        return plan
     elif plan.num_blocks < blocks_per_request(plan.max_model_len, plan.block_size) + 1:
         plan.fits = False
         plan.problem = (f"the KV cache budget ({budget / GiB:.2f} GiB) holds {plan.num_tokens} "

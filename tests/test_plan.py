@@ -109,6 +109,29 @@ def test_a_plan_that_does_not_fit_says_what_to_change(capsys):
     assert plan.fits and any("fp8" in a for a in plan.advice)
 
 
+def test_a_kv_cache_larger_than_the_memory_does_not_fit(capsys):
+    import os
+
+    # The engine stops at start: the kernel refuses to map one layer's 310 GiB tensor.
+    plan = _plan("--device", "cpu", "--kv-cache-memory-bytes", str(10**13))
+    assert not plan.fits and "cannot be allocated" in plan.problem
+    assert plan.advice[0].startswith("--kv-cache-memory-bytes below")
+    # Each layer's tensor maps, but the whole cache cannot become resident as it fills.
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    plan = _plan("--device", "cpu", "--kv-cache-memory-bytes", str(2 * ram))
+    assert not plan.fits and "runs out of memory as the cache fills" in plan.problem
+    assert _plan("--device", "cpu", "--kv-cache-memory-bytes", str(ram // 8)).fits
+    # On a GPU --kv-cache-memory-bytes replaces gpu_memory_utilization's share, up to what
+    # the weights and the reserve leave of the whole GPU.
+    assert main(["plan", "llama-3-8b", "--gpu-memory-gib", "80", "--kv-cache-memory-bytes",
+                 str(10**12)]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Fits:         NO: --kv-cache-memory-bytes asks for a 931.32 GiB KV cache" in out
+    fit = int(re.search(r"--kv-cache-memory-bytes (\d+) or less", out).group(1))
+    assert 60 * GiB < fit < 70 * GiB
+    assert _plan("llama-3-8b", "--gpu-memory-gib", "80", "--kv-cache-memory-bytes", str(fit)).fits
+
+
 def test_plan_errors_are_one_line(capsys):
     assert main(["plan", "/no/such/model"]) == 2
     assert capsys.readouterr().err.startswith("error: model '/no/such/model' is neither")
