@@ -149,7 +149,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     model, hf_config, max_model_len = engine_args.check_model_config()
     sc = engine_args._scheduler_config(max_model_len, async_scheduling=False)  # noqa: SLF001
     qc = hf_config.get("quantization_config")
-    quant = args.quantization or (qc.get("quant_method") if isinstance(qc, dict) else None)
+    ckpt = qc.get("quant_method") if isinstance(qc, dict) else None
+    if args.quantization not in (None, ckpt) and ckpt and load_format != "dummy":
+        # As the engine refuses it at start (EngineArgs.create_engine_config); for a shape
+        # without weights (a preset, a config.json) --quantization says what to plan.
+        raise ValueError(f"--quantization {args.quantization} but {model} is a {ckpt!r} "
+                         "checkpoint: leave out --quantization")  # fmt: skip
+    quant = args.quantization or ckpt
     dtype = resolve_dtype(args.dtype, hf_config, device, quant)
     tp = args.tensor_parallel_size
     shape = est.ModelShape.from_hf_config(hf_config)

@@ -144,6 +144,11 @@ def test_plan_errors_are_one_line(capsys):
         )
     assert main(["plan", "llama-3-8b", "-tp", "3", "--gpu-memory-gib", "80"]) == 2
     assert "does not divide" in capsys.readouterr().err
+    # The engine refuses an AWQ run of the GGUF checkpoint; plan planned the GGUF and said yes.
+    assert main(["plan", "--quantization", "awq"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --quantization awq but ") and "is a 'gguf' checkpoint" in err
+    assert _plan("--quantization", "gguf").quantization == "gguf"
 
 
 def test_plan_reads_the_config_without_torch():
