@@ -10,7 +10,10 @@ finishes that request alone, with finish_reason "error" and the error in its out
 others in the step go on. So does a sample the engine core ended with an error (its constraint
 too slow to apply): the request's other samples end with it, and its output says the error is
 the request's own (`client_error`). Requests that end by abort are counted too (their
-statistics reach the next step's `IterationStats`).
+statistics reach the next step's `IterationStats`), under finish_reason "abort": a client that
+left, and a request dropped after waiting --max-queue-delay-s (its 503 ends a request the
+engine had admitted, unlike a 503 at the door, which never becomes one; vLLM counts the aborts
+its engine makes under "abort" too). A request that never left the queue has only queue time.
 """
 
 from __future__ import annotations
@@ -406,19 +409,26 @@ class OutputProcessor:
         )
 
     def _finished_stats(self, s: SampleState, now: float) -> FinishedRequestStats:
-        arrival = s.parent.arrival_time
-        scheduled = s.first_scheduled_time or arrival
-        first_tok = s.first_token_time or now
+        """The sample's statistics as it ends at `now`. One never scheduled (aborted while
+        waiting, or dropped after --max-queue-delay-s) waited all its life: queue time only."""
+        arrival, first_tok = s.parent.arrival_time, s.first_token_time
+        scheduled = s.first_scheduled_time
+        if scheduled is None:
+            scheduled = first_tok if first_tok is not None else now
         n_gen = len(s.token_ids)
-        decode_time = (s.last_token_time or now) - first_tok
+        prefill = decode = tpot = None
+        if first_tok is not None:
+            prefill = first_tok - scheduled
+            decode = (s.last_token_time or first_tok) - first_tok
+            tpot = decode / (n_gen - 1) if n_gen > 1 else None
         return FinishedRequestStats(
             finish_reason=s.finish_reason or "abort",
             e2e_latency=now - arrival,
             num_prompt_tokens=len(s.parent.prompt_token_ids),
             num_generation_tokens=n_gen,
             queued_time=scheduled - arrival,
-            prefill_time=first_tok - scheduled,
-            decode_time=decode_time,
-            mean_time_per_output_token=decode_time / (n_gen - 1) if n_gen > 1 else 0.0,
+            prefill_time=prefill,
+            decode_time=decode,
+            mean_time_per_output_token=tpot,
             num_cached_tokens=s.parent.num_cached_tokens,
         )

@@ -195,12 +195,15 @@ class PrometheusStatLogger:
             success.inc()
             self.e2e_request_latency.observe(f.e2e_latency)
             self.request_queue_time.observe(f.queued_time)
-            self.request_prefill_time.observe(f.prefill_time)
-            self.request_decode_time.observe(f.decode_time)
-            self.request_inference_time.observe(f.prefill_time + f.decode_time)
+            # Only a request that reached its first token has prefill, decode and inference
+            # times (vLLM's CompletedTiming); one aborted before it has its queue time alone.
+            if f.prefill_time is not None and f.decode_time is not None:
+                self.request_prefill_time.observe(f.prefill_time)
+                self.request_decode_time.observe(f.decode_time)
+                self.request_inference_time.observe(f.prefill_time + f.decode_time)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
-            if f.num_generation_tokens > 1:
+            if f.mean_time_per_output_token is not None:
                 self.request_time_per_output_token.observe(f.mean_time_per_output_token)
 
     def render(self) -> bytes:

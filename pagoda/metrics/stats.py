@@ -21,14 +21,19 @@ class SchedulerStats:
 
 @dataclass
 class FinishedRequestStats:
+    """A request (one sample) that ended, and where its time went. A phase it never reached
+    has no time, as in vLLM: one that left the queue unscheduled (aborted by its client, or
+    dropped after --max-queue-delay-s) spent its whole life in the queue; one that ended before
+    its first token has no prefill, decode or inference time."""
+
     finish_reason: str
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
-    queued_time: float
-    prefill_time: float
-    decode_time: float
-    mean_time_per_output_token: float
+    queued_time: float  # arrival -> first scheduled (or -> the end, if never scheduled)
+    prefill_time: float | None  # first scheduled -> first token
+    decode_time: float | None  # first token -> last token
+    mean_time_per_output_token: float | None  # None below 2 tokens
     num_cached_tokens: int = 0
 
 
