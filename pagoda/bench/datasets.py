@@ -173,9 +173,10 @@ class LognormalMix:
     max_len: int = 2048
 
     def __post_init__(self) -> None:
-        if self.input_mean < 1 or self.output_mean < 1 or self.max_len < 16:
+        means = (self.input_mean, self.output_mean)
+        if not all(1 <= m < float("inf") for m in means) or self.max_len < 16:  # nan too
             raise ValueError("--lognormal-*-mean must be >= 1 and --lognormal-max-len >= 16")
-        if self.input_sigma < 0 or self.output_sigma < 0:
+        if not all(0 <= s < float("inf") for s in (self.input_sigma, self.output_sigma)):
             raise ValueError("--lognormal-*-sigma must be >= 0")
 
     def draw(self, rng: random.Random) -> tuple[int, int]:

@@ -69,6 +69,20 @@ async def run_load(
     return list(outputs), time.perf_counter() - start
 
 
+def check_output_path(flag: str, path: str | None) -> None:
+    """Refuse a file to be written after the run whose folder does not exist or cannot be
+    written, before the run rather than after it."""
+    import os
+
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: cannot write a file there")
+
+
 def get_json(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> Any:
     """GET `url` as JSON with the standard library (no HTTP client to install)."""
     import json

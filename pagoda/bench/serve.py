@@ -122,7 +122,9 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         try:
             slos[name] = float(value)
         except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of ms") from None
+            slos[name] = float("nan")
+        if not slos[name] > 0:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a positive number of ms")
     return slos
 
 
@@ -349,6 +351,45 @@ def _build_requests(args: argparse.Namespace, base_url: str, headers: dict[str, 
                             args.seed)  # fmt: skip
 
 
+def check_bench_serve_args(args: argparse.Namespace) -> list[float]:
+    """Refuse a bad flag value before the prompts are built and the server is asked anything;
+    returns the --metric-percentiles. vLLM's rules: a request rate is positive or inf (all at
+    once), the burstiness (the gamma shape) positive."""
+    from pagoda.bench.load import check_output_path
+
+    for rate in args.request_rate:
+        if not rate > 0:
+            raise ValueError(f"--request-rate must be positive, or inf for all at once, got {rate}")
+    if not 0 < args.burstiness < float("inf"):
+        raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        percentiles = [float("nan")]
+    if not percentiles or not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(
+            "--metric-percentiles takes comma-separated numbers in [0, 100], got "
+            f"{args.metric_percentiles!r}"
+        )
+    for name in ("num_prompts", "random_input_len", "random_output_len", "max_concurrency",
+                 "prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
+                 "prefix_repetition_num_prefixes", "prefix_repetition_output_len",
+                 "sharegpt_output_len", "vocab_size"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value < 1:  # an output of 0 tokens ran as 1
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.dataset_name == "lognormal":
+        lognormal_mix_from_args(args)  # its own checks
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
+    check_output_path("--plot", args.plot)
+    if args.result_filename and not args.result_dir:
+        check_output_path("--result-filename", args.result_filename)
+    return percentiles
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     from pagoda.bench.load import (
         apply_device_defaults,
@@ -361,7 +402,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     goodput = parse_goodput(args.goodput)
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    percentiles = check_bench_serve_args(args)
     if args.model is None:
         try:
             args.model = get_json(f"{base_url}/v1/models", headers)["data"][0]["id"]
@@ -370,8 +411,6 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 f"cannot reach {base_url}/v1/models ({e}); is the server up?"
             ) from None
     device = apply_device_defaults(args, base_url, headers)
-    if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
     print(f"Building {args.num_prompts} '{args.dataset_name}' prompts (server on {device}) ...",
           file=sys.stderr)  # fmt: skip
     requests = _build_requests(args, base_url, headers)

@@ -17,7 +17,10 @@ from typing import Any
 
 def parse_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
-    a, b = int(lo), int(hi or lo)
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        a, b = 0, 0
     if a <= 0 or b < a:
         raise ValueError(f"a length range must be N or LO:HI with 0 < LO <= HI, got {text!r}")
     return a, b
@@ -144,12 +147,30 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
             json.dump(result, f, indent=2)
 
 
+def check_throughput_args(args: argparse.Namespace) -> None:
+    """Refuse a bad workload flag, or an --output-json that cannot be written, before the
+    engine starts: they failed after it (0 prompts ran as an empty benchmark)."""
+    from pagoda.bench.datasets import lognormal_mix_from_args
+    from pagoda.bench.load import check_output_path
+    from pagoda.sampling_params import SamplingParams
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.dataset_name == "lognormal":
+        lognormal_mix_from_args(args)
+    else:
+        parse_range(args.input_len), parse_range(args.output_len)
+    SamplingParams(temperature=args.temperature, max_tokens=1)  # its own checks
+    check_output_path("--output-json", args.output_json)
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     t_process = time.perf_counter()
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
+    check_throughput_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
     llm = LLM(engine_args.model, **kwargs)
