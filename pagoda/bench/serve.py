@@ -390,10 +390,29 @@ def check_bench_serve_args(args: argparse.Namespace) -> list[float]:
     return percentiles
 
 
+def served_model(base_url: str, model: str | None, headers: dict[str, str]) -> str:
+    """`model` if the server serves it (its /v1/models), else its first model."""
+    from pagoda.bench.load import get_json
+
+    try:
+        served = [m["id"] for m in get_json(f"{base_url}/v1/models", headers)["data"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot reach {base_url}/v1/models ({e}); is the server up?") from None
+    if not served:
+        raise ValueError(f"{base_url}/v1/models lists no model")
+    if model is None:
+        return served[0]
+    if model not in served:
+        raise ValueError(
+            f"--model {model!r} is not served by {base_url}: it serves "
+            + ", ".join(repr(m) for m in served)
+        )
+    return model
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     from pagoda.bench.load import (
         apply_device_defaults,
-        get_json,
         plot_latency_vs_throughput,
         print_sweep,
         save_result,
@@ -403,13 +422,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     goodput = parse_goodput(args.goodput)
     percentiles = check_bench_serve_args(args)
-    if args.model is None:
-        try:
-            args.model = get_json(f"{base_url}/v1/models", headers)["data"][0]["id"]
-        except (OSError, ValueError, KeyError, IndexError) as e:
-            raise ValueError(
-                f"cannot reach {base_url}/v1/models ({e}); is the server up?"
-            ) from None
+    args.model = served_model(base_url, args.model, headers)
     device = apply_device_defaults(args, base_url, headers)
     print(f"Building {args.num_prompts} '{args.dataset_name}' prompts (server on {device}) ...",
           file=sys.stderr)  # fmt: skip
