@@ -19,6 +19,8 @@ from typing import Any
 from tokenizers import AddedToken, models, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from pagoda.tokenizer_hf import VERY_LARGE_INTEGER, HFTokenizerMixin, id_list
+
 _SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
 # Normalizers by the most input characters they can turn into one: none of these deletes a
 # character. NFC/NFKC compose a character with the marks after it, at most the length of a
@@ -42,8 +44,12 @@ def _post_processor(
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
-class Tokenizer:
-    """Text <-> token ids for one model, plus its special tokens and chat template."""
+class Tokenizer(HFTokenizerMixin):
+    """Text <-> token ids for one model, plus its special tokens and chat template.
+
+    The methods that transformers' tokenizers have (`tok(text)`, `convert_tokens_to_ids`...)
+    behave as there: this is what `LLM.get_tokenizer()` returns, where vLLM returns a
+    transformers tokenizer."""
 
     def __init__(
         self,
@@ -55,9 +61,14 @@ class Tokenizer:
         chat_template: str | None = None,
         clean_up_tokenization_spaces: bool = False,
         name_or_path: str = "",
+        model_max_length: int | None = None,
     ) -> None:
         self.backend = backend
         self.name_or_path = name_or_path
+        # The longest input the model takes, from the tokenizer config (else transformers' huge
+        # placeholder): what `tok(text, truncation=True)` cuts to.
+        self.model_max_length = model_max_length or VERY_LARGE_INTEGER
+        self.padding_side = "right"
         self.chat_template = chat_template
         # The clean-up was designed for WordPiece; transformers ignores it for BPE, where it
         # would delete real spaces before punctuation.
@@ -85,6 +96,8 @@ class Tokenizer:
         self.pad_token_id: int | None = ids.get("pad_token")
         self.bos_token: str | None = self.special_tokens_map.get("bos_token")
         self.eos_token: str | None = self.special_tokens_map.get("eos_token")
+        self.unk_token: str | None = self.special_tokens_map.get("unk_token")
+        self.pad_token: str | None = self.special_tokens_map.get("pad_token")
         added = backend.get_added_tokens_decoder()
         self._added_token_ids = frozenset(added)
         self._special_ids = frozenset(i for i, t in added.items() if t.special) | {
@@ -145,6 +158,7 @@ class Tokenizer:
             chat_template=chat_template,
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
             name_or_path=path,
+            model_max_length=_int_or_none(config.get("model_max_length")),
         )
 
     def save_pretrained(
@@ -250,15 +264,15 @@ class Tokenizer:
 
     def decode(
         self,
-        ids: Iterable[int],
+        ids: int | Iterable[int],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = False,
         clean_up_tokenization_spaces: bool | None = None,
     ) -> str:
-        """Token ids -> text. `spaces_between_special_tokens` joins added tokens and the text
-        around them with single spaces, as transformers' slow tokenizers (and vLLM) do;
+        """Token ids (or one id) -> text. `spaces_between_special_tokens` joins added tokens
+        and the text around them with single spaces, as transformers' slow tokenizers (and vLLM) do;
         `clean_up_tokenization_spaces` defaults to the tokenizer config's value."""
-        ids = list(ids)
+        ids = id_list(ids)
         if spaces_between_special_tokens and not skip_special_tokens:
             text = self._decode_spaced(ids)
         else:
@@ -280,12 +294,6 @@ class Tokenizer:
         if run:
             pieces.append(self.backend.decode(run, skip_special_tokens=False))
         return " ".join(pieces)
-
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
-        return [self.backend.id_to_token(i) for i in ids]
-
-    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> list[int | None]:
-        return [self.backend.token_to_id(t) for t in tokens]
 
     def is_special_id(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -411,6 +419,10 @@ def _read_json(path: str) -> dict[str, Any]:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _token_text(token: Any) -> str | None:

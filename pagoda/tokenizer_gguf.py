@@ -74,7 +74,8 @@ def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tu
 
 def build_gguf_tokenizer(path_or_reader: Any) -> tuple[BackendTokenizer, dict[str, Any]]:
     """The backend a GGUF file's `tokenizer.*` metadata describes, and the keyword arguments of
-    `pagoda.tokenizer.Tokenizer` (special tokens, add_bos/add_eos, chat template, path)."""
+    `pagoda.tokenizer.Tokenizer` (special tokens, add_bos/add_eos, chat template, path,
+    model_max_length)."""
     from pagoda.model.loader.gguf import GGUFReader
 
     reader = (
@@ -154,4 +155,6 @@ def build_gguf_tokenizer(path_or_reader: Any) -> tuple[BackendTokenizer, dict[st
         add_eos_token=bool(md.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=md.get("tokenizer.chat_template"),
         name_or_path=reader.path,
+        # What a Hugging Face checkpoint's tokenizer_config.json says: the model's context.
+        model_max_length=md.get(f"{md.get('general.architecture')}.context_length"),
     )
