@@ -263,11 +263,12 @@ VARIABLES: dict[str, EnvVar] = {
             _flag("PAGODA_W4A16_SILU", True),
         ),
         EnvVar(
-            "PAGODA_L2_PREFETCH_MB", "int", "24",
+            "PAGODA_L2_PREFETCH_MB", "int", "0",
             "MiB of weights asked into the GPU's L2 cache during each layer's attention in "
             "decode steps of up to 16 rows (sm_90): o_proj's, then the first rows of "
-            "gate_up's (`pagoda/kernels/l2_prefetch.py`). 0: none.",
-            _count("PAGODA_L2_PREFETCH_MB", 24),
+            "gate_up's (`pagoda/kernels/l2_prefetch.py`). 0 (the default until it is "
+            "measured on a GPU): none.",
+            _count("PAGODA_L2_PREFETCH_MB", 0),
         ),
         EnvVar(
             "PAGODA_W8A8_FUSED_QUANT", "flag", "1",

@@ -111,7 +111,7 @@ def test_l2_weight_prefetch_changes_no_token(model_dir, monkeypatch, quantizatio
     rng = random.Random(2)
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(5, 300))] for _ in range(11)]
     runs = {}
-    for mb in ("24", "0"):
+    for mb in ("24", "0"):  # on, off
         monkeypatch.setenv("PAGODA_L2_PREFETCH_MB", mb)
         runs[mb] = _generate(model_dir, prompts, dtype="bfloat16", quantization=quantization)
     assert issued  # with 24 MiB: every layer of every eager decode step (and each capture)
