@@ -47,9 +47,9 @@ def _post_processor(
 class Tokenizer(HFTokenizerMixin):
     """Text <-> token ids for one model, plus its special tokens and chat template.
 
-    The methods that transformers' tokenizers have (`tok(text)`, `convert_tokens_to_ids`...)
-    behave as there: this is what `LLM.get_tokenizer()` returns, where vLLM returns a
-    transformers tokenizer."""
+    The methods and defaults that transformers' tokenizers have (`decode` keeps special
+    tokens unless told, `tok(text)`, `convert_tokens_to_ids`...) behave as there: this is
+    what `LLM.get_tokenizer()` returns, where vLLM returns a transformers tokenizer."""
 
     def __init__(
         self,
@@ -265,12 +265,13 @@ class Tokenizer(HFTokenizerMixin):
     def decode(
         self,
         ids: int | Iterable[int],
-        skip_special_tokens: bool = True,
+        skip_special_tokens: bool = False,
         spaces_between_special_tokens: bool = False,
         clean_up_tokenization_spaces: bool | None = None,
     ) -> str:
-        """Token ids (or one id) -> text. `spaces_between_special_tokens` joins added tokens
-        and the text around them with single spaces, as transformers' slow tokenizers (and vLLM) do;
+        """Token ids (or one id) -> text, special tokens kept unless `skip_special_tokens` (as
+        transformers). `spaces_between_special_tokens` joins added tokens and the text around
+        them with single spaces, as transformers' slow tokenizers (and vLLM) do;
         `clean_up_tokenization_spaces` defaults to the tokenizer config's value."""
         ids = id_list(ids)
         if spaces_between_special_tokens and not skip_special_tokens:

@@ -65,10 +65,12 @@ def test_convert_ids_to_tokens_takes_an_id_or_a_list(tok, ref, ids, skip) -> Non
         assert tok.convert_ids_to_tokens(ids, skip_special_tokens=skip) == expected
 
 
-def test_decode_and_batch_decode_take_what_transformers_takes(tok, ref) -> None:
+def test_decode_keeps_special_tokens_by_default(tok, ref) -> None:
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert tok.decode(ids) == ref.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
     for one in (2, torch.tensor(2), np.int64(2)):
-        assert tok.decode(one, skip_special_tokens=False) == ref.decode(2) == "<|im_end|>"
+        assert tok.decode(one) == ref.decode(2) == "<|im_end|>"
     assert tok.decode(torch.tensor(ids)) == tok.decode(np.array(ids)) == tok.decode(ids)
     batch = [ids, ids[1:3]]
     assert tok.batch_decode(batch) == ref.batch_decode(batch)
