@@ -252,7 +252,7 @@ class OutputProcessor:
             parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
         stopped = False
         if out.new_token_ids:
-            self._record_timing(state, now, stats, len(out.new_token_ids))
+            self._record_timing(state, out, now, stats)
             stopped = self._append_tokens(state, out)
         if out.finish_reason is not None and state.finish_reason is None:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
@@ -288,11 +288,15 @@ class OutputProcessor:
             finished=True, error=parent.error, client_error=parent.client_error,
         )  # fmt: skip
 
-    def _record_timing(self, s: SampleState, now: float, stats: IterationStats, n: int) -> None:
-        stats.num_generation_tokens += n
+    def _record_timing(
+        self, s: SampleState, out: EngineCoreOutput, now: float, stats: IterationStats
+    ) -> None:
+        stats.num_generation_tokens += len(out.new_token_ids)
         if s.first_token_time is None:
             s.first_token_time = now
             stats.time_to_first_tokens_iter.append(now - s.parent.arrival_time)
+            # The whole prompt, as vLLM's prompt_tokens_total, split by prefix-cache hits.
+            stats.prompt_token_stats.update(len(s.parent.prompt_token_ids), out.num_cached_tokens)
         elif s.last_token_time is not None:
             stats.inter_token_latencies_iter.append(now - s.last_token_time)
         s.last_token_time = now

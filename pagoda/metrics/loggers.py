@@ -25,7 +25,7 @@ class LoggingStatLogger:
         self.accepted_tokens = 0
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
-        self.prompt_tokens += it.num_prompt_tokens
+        self.prompt_tokens += it.prompt_token_stats.total  # whole prompts, as vLLM's line
         self.generation_tokens += it.num_generation_tokens
         self.prefix_queries += sched.prefix_cache_queries
         self.prefix_hits += sched.prefix_cache_hits

@@ -16,7 +16,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagoda.metrics import gpu
-from pagoda.metrics.stats import IterationStats, SchedulerStats
+from pagoda.metrics.stats import IterationStats, PromptTokenStats, SchedulerStats
 
 PREFIX = "pagoda:"
 
@@ -113,7 +113,18 @@ class PrometheusStatLogger:
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        # Every request's whole prompt, prefix-cache hits included, as vLLM counts it; what the
+        # model computed and what the cache held are the two sources below.
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        by_source = Counter(
+            PREFIX + "prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            ["model_name", "source"],
+            registry=r,
+        )
+        self.prompt_tokens_by_source = {
+            src: by_source.labels(model_name, src) for src in PromptTokenStats.SOURCES
+        }
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens.")
         self.spec_decode_num_drafts = counter(
             "spec_decode_num_drafts", "Number of spec decoding drafts (requests verified)."
@@ -176,12 +187,16 @@ class PrometheusStatLogger:
     def record_iteration_stats(self, it: IterationStats | None) -> None:
         if it is None:
             return
-        self.prompt_tokens.inc(it.num_prompt_tokens)
+        prompts = it.prompt_token_stats
+        self.prompt_tokens.inc(prompts.total)
+        self.prompt_tokens_by_source["local_compute"].inc(prompts.local_compute)
+        self.prompt_tokens_by_source["local_cache_hit"].inc(prompts.local_cache_hit)
         self.generation_tokens.inc(it.num_generation_tokens)
         if it.num_drafts:
             self.spec_decode_num_drafts.inc(it.num_drafts)
             self.spec_decode_num_draft_tokens.inc(it.num_draft_tokens)
             self.spec_decode_num_accepted_tokens.inc(it.num_accepted_tokens)
+        # Tokens the model ran on: the prompt tokens it computed, not those the cache held.
         if it.num_prompt_tokens or it.num_generation_tokens:
             self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
         for t in it.time_to_first_tokens_iter:

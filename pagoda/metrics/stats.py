@@ -38,11 +38,35 @@ class FinishedRequestStats:
 
 
 @dataclass
+class PromptTokenStats:
+    """Prompt tokens by where their KV came from, as vLLM's `PromptTokenStats` (Pagoda has no
+    KV transfer): each request's (each sample's, with n > 1) whole prompt once, when its first
+    token comes."""
+
+    SOURCES = ("local_compute", "local_cache_hit")
+
+    local_compute: int = 0  # computed by the model
+    local_cache_hit: int = 0  # whose KV the prefix cache held
+
+    @property
+    def total(self) -> int:
+        return self.local_compute + self.local_cache_hit
+
+    def update(self, prompt_len: int, num_cached_tokens: int) -> None:
+        cached = min(max(num_cached_tokens, 0), prompt_len)
+        self.local_cache_hit += cached
+        self.local_compute += prompt_len - cached
+
+
+@dataclass
 class IterationStats:
     """What happened in one engine step."""
 
     iteration_timestamp: float = 0.0
-    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    # Prompt tokens the model computed this step (the engine core's count: prefix-cache hits
+    # left out, a preempted request's recomputation in). Not vLLM's num_prompt_tokens: that is
+    # `prompt_token_stats.total`.
+    num_prompt_tokens: int = 0
     num_generation_tokens: int = 0  # tokens sampled this step
     num_scheduled_tokens: int = 0  # tokens the model ran on this step
     # Speculative decoding: requests with drafts verified, their drafts, the drafts accepted.
@@ -52,3 +76,5 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # The prompts whose first token came this step (the output processor's count).
+    prompt_token_stats: PromptTokenStats = field(default_factory=PromptTokenStats)

@@ -81,3 +81,23 @@ def test_a_finished_request_splits_its_time_into_queue_prefill_and_decode():
     logger = _record(stats)
     assert _value(logger, "request_inference_time_seconds_sum") == pytest.approx(1.5)
     assert _value(logger, "request_time_per_output_token_seconds_count") == 1
+
+
+def test_prompt_tokens_count_whole_prompts_with_prefix_cache_hits_by_source():
+    # vLLM's prompt_tokens_total: each request's (each sample's) whole prompt at its first
+    # token, whatever the prefix cache held; by source, what was computed and what was a hit.
+    op = OutputProcessor(None)
+    prompt = list(range(10))
+    _add(op, "a", prompt, arrival=100.0)
+    _add(op, "b", prompt, arrival=100.0, n=2)
+    outs = [EngineCoreOutput("0_a", [7], num_cached_tokens=0),
+            EngineCoreOutput("0_b", [7], num_cached_tokens=8),
+            EngineCoreOutput("1_b", [7], num_cached_tokens=9)]  # fmt: skip
+    stats = _step(op, 101.0, outs)
+    stats.num_prompt_tokens = 12  # the core's count: what the model computed
+    _step(op, 101.5, [EngineCoreOutput("0_a", [8])])  # a later token counts no prompt again
+    logger = _record(stats)
+    assert _value(logger, "prompt_tokens_total") == 30
+    assert _value(logger, "prompt_tokens_by_source_total", source="local_compute") == 13
+    assert _value(logger, "prompt_tokens_by_source_total", source="local_cache_hit") == 17
+    assert _value(logger, "iteration_tokens_total_sum") == 12 + 3
