@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
@@ -17,8 +17,31 @@ from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
-# vLLM arguments that select features Pagoda does not have yet: refuse them clearly.
-_UNSUPPORTED = ("lora_modules",)
+# vLLM arguments that select features Pagoda does not have: their defaults are accepted (code
+# written for vLLM passes them), anything else is refused saying so.
+_NO_LORA = "Pagoda has no LoRA adapters (merge the adapter into the checkpoint instead)"
+_UNSUPPORTED_INIT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "lora_modules": ((None,), _NO_LORA),
+    "enable_lora": ((None, False), _NO_LORA),
+    "task": ((None, "auto", "generate"), "Pagoda runs generative models only"),
+}
+_UNSUPPORTED_REQUEST: dict[str, str] = {
+    "lora_request": _NO_LORA,
+    "prompt_adapter_request": "Pagoda has no prompt adapters",
+    "guided_options_request": (
+        "give structured outputs as SamplingParams(structured_outputs=StructuredOutputsParams(...))"
+    ),
+    "mm_processor_kwargs": "Pagoda runs text-only models",
+}
+
+
+def _refuse_unsupported(**kwargs: Any) -> None:
+    for name, value in kwargs.items():
+        # vLLM takes one per prompt too: a list of Nones is the default as well.
+        if value is not None and not (
+            isinstance(value, (list, tuple)) and all(v is None for v in value)
+        ):
+            raise ValueError(f"{name} is not supported: {_UNSUPPORTED_REQUEST[name]}")
 
 
 class LLM:
@@ -30,10 +53,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        for name in _UNSUPPORTED:
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{name} is not supported by Pagoda yet")
-            kwargs.pop(name, None)
+        for name, (accepted, reason) in _UNSUPPORTED_INIT.items():
+            value = kwargs.pop(name, None)
+            if value not in accepted:
+                raise ValueError(f"{name}={value!r} is not supported: {reason}")
         legacy = legacy_speculative_config(kwargs)
         if legacy is not None:
             if kwargs.get("speculative_config") is not None:
@@ -50,15 +73,30 @@ class LLM:
         self._lock = threading.RLock()  # generate / chat from several threads: one at a time
 
     def get_tokenizer(self):  # noqa: ANN201 - pagoda.tokenizer.Tokenizer
+        """The model's tokenizer, with the methods and defaults of a transformers tokenizer
+        (what vLLM returns here), except apply_chat_template: add_generation_prompt=True and
+        tokenize=False unless told."""
         return self.llm_engine.tokenizer
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: list[int] | None = None,
+        *,
+        lora_request: Any = None,
+        prompt_adapter_request: Any = None,
+        guided_options_request: Any = None,
     ) -> list[RequestOutput]:
+        """Complete each prompt. `use_tqdm` is a bool or, as in vLLM, a tqdm-like
+        factory to make the progress bar with. vLLM's LoRA, prompt-adapter and guided-options
+        arguments are accepted as None only."""
+        _refuse_unsupported(
+            lora_request=lora_request,
+            prompt_adapter_request=prompt_adapter_request,
+            guided_options_request=guided_options_request,
+        )
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -91,7 +129,7 @@ class LLM:
         self,
         prompts: list[PromptType],
         params_list: list[SamplingParams],
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
         priority: list[int] | None,
     ) -> list[RequestOutput]:
         ids: list[str] = []
@@ -113,12 +151,26 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Render each conversation with the chat template and complete it (vLLM's arguments,
+        in vLLM's order). `continue_final_message` (with add_generation_prompt=False) continues
+        the last message instead of starting a new one. Content is rendered as a string (text
+        parts joined): chat_template_content_format "openai" is not supported."""
+        _refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                f"chat_template_content_format={chat_template_content_format!r} is not "
+                "supported: Pagoda renders message content as a string ('auto' or 'string')"
+            )
         if not isinstance(messages, (list, tuple)):
             raise ValueError(
                 "messages must be a list of messages ({'role': ..., 'content': ...}) or a list "
@@ -130,7 +182,13 @@ class LLM:
         kw = dict(chat_template_kwargs or {})
         # As vLLM (and the server): these arguments given in chat_template_kwargs win.
         add_generation_prompt = kw.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kw.pop("continue_final_message", continue_final_message)
         tools = kw.pop("tools", tools)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True continues the last message: pass "
+                "add_generation_prompt=False with it"
+            )
         if tools is not None and not isinstance(tools, list):
             raise ValueError(
                 f"tools must be a list of tool definitions, got {type(tools).__name__}"
@@ -141,6 +199,7 @@ class LLM:
             text = tok.apply_chat_template(
                 normalize_messages(conv),
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 chat_template=chat_template,
                 tools=tools,
@@ -153,13 +212,16 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         pbar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            pbar = tqdm(
+            make_pbar = use_tqdm if callable(use_tqdm) else tqdm
+            pbar = make_pbar(
                 total=len(request_ids),
                 desc="Processed prompts",
                 dynamic_ncols=True,

@@ -1,0 +1,85 @@
+"""`LLM` takes the calls that code written for vLLM makes: vLLM's arguments at their defaults,
+continue_final_message, a tqdm factory."""
+
+from __future__ import annotations
+
+import pytest
+from tqdm import tqdm
+
+from pagoda import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=512, seed=0)
+
+
+def test_vllms_default_arguments_are_accepted(llm: LLM) -> None:
+    plain = llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(
+        ["Hi", "Hi"],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=[None, None],
+        prompt_adapter_request=None,
+        guided_options_request=None,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [plain, plain]
+    chat = llm.chat(CHAT, GREEDY, False, None, chat_template_content_format="string")[0]
+    assert (
+        chat.outputs[0].token_ids == llm.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    out = llm.chat(CHAT, GREEDY, use_tqdm=False, lora_request=None, mm_processor_kwargs=None)
+    assert out[0].outputs[0].token_ids
+
+
+def test_stop_token_ids_from_the_tokenizer_stop_generation(llm: LLM) -> None:
+    comma = llm.get_tokenizer().convert_tokens_to_ids(",")
+    params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[comma])
+    out = llm.chat(CHAT, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == comma == out.token_ids[-1]
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.generate("Hi", GREEDY, lora_request=object()), "lora_request .*LoRA"),
+        (lambda m: m.generate("Hi", GREEDY, prompt_adapter_request=1), "prompt_adapter_request"),
+        (lambda m: m.generate("Hi", GREEDY, guided_options_request={}), "structured_outputs"),
+        (lambda m: m.chat(CHAT, GREEDY, lora_request=object()), "lora_request"),
+        (lambda m: m.chat(CHAT, GREEDY, mm_processor_kwargs={"a": 1}), "text-only"),
+        (lambda m: m.chat(CHAT, GREEDY, chat_template_content_format="openai"), "as a string"),
+        (lambda m: LLM(enable_lora=True), "enable_lora=True is not supported: .*LoRA"),
+        (lambda m: LLM(task="embed"), "task='embed' is not supported: .*generative"),
+    ],
+)
+def test_vllm_arguments_pagoda_lacks_are_refused_by_name(llm: LLM, call, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(llm)
+
+
+def test_chat_continues_the_final_message(llm: LLM) -> None:
+    msgs = [*CHAT, {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(
+        msgs, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )[0]
+    assert out.prompt.endswith("<|im_start|>assistant\nThe capital of France is")
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True}
+    again = llm.chat(msgs, GREEDY, use_tqdm=False, chat_template_kwargs=kwargs)[0]
+    assert again.prompt == out.prompt and again.outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(msgs, GREEDY, use_tqdm=False, continue_final_message=True)
+
+
+def test_use_tqdm_takes_a_progress_bar_factory(llm: LLM) -> None:
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(kwargs)
+        return tqdm(*args, **kwargs, disable=True)
+
+    llm.generate(["Hi", "Hello"], GREEDY, use_tqdm=factory)
+    assert [m["total"] for m in made] == [2]
