@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +34,16 @@ _UNSUPPORTED_REQUEST: dict[str, str] = {
         "give structured outputs as SamplingParams(structured_outputs=StructuredOutputsParams(...))"
     ),
     "mm_processor_kwargs": "Pagoda runs text-only models",
+}
+# The keys of a model's generation_config.json that set default sampling parameters, as vLLM
+# reads them (max_new_tokens -> max_tokens).
+_GENERATION_CONFIG_KEYS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
 }
 
 
@@ -71,12 +83,34 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()
         self._lock = threading.RLock()  # generate / chat from several threads: one at a time
+        self._default_sampling_params: dict[str, Any] | None = None
 
     def get_tokenizer(self):  # noqa: ANN201 - pagoda.tokenizer.Tokenizer
         """The model's tokenizer, with the methods and defaults of a transformers tokenizer
         (what vLLM returns here), except apply_chat_template: add_generation_prompt=True and
         tokenize=False unless told."""
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens) over SamplingParams' defaults, as vLLM reads it."""
+        if self._default_sampling_params is None:
+            self._default_sampling_params = _generation_config_defaults(
+                self.llm_engine.model_config.model
+            )
+            if self._default_sampling_params:
+                logger.info(
+                    "Default sampling parameters from the model's generation_config.json: %s",
+                    self._default_sampling_params,
+                )
+        return SamplingParams(**self._default_sampling_params)
+
+    def reset_prefix_cache(self, device: Any = None) -> bool:
+        """Forget every cached prompt prefix (e.g. between benchmark runs); False (nothing
+        done) while a request still holds KV blocks. `device` is vLLM's and is ignored."""
+        with self._lock:
+            return self.llm_engine.scheduler.reset_prefix_cache()
 
     def generate(
         self,
@@ -89,7 +123,8 @@ class LLM:
         prompt_adapter_request: Any = None,
         guided_options_request: Any = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt. `use_tqdm` is a bool or, as in vLLM, a tqdm-like
+        """Complete each prompt; `sampling_params` None samples with
+        `get_default_sampling_params()`. `use_tqdm` is a bool or, as in vLLM, a tqdm-like
         factory to make the progress bar with. vLLM's LoRA, prompt-adapter and guided-options
         arguments are accepted as None only."""
         _refuse_unsupported(
@@ -108,7 +143,7 @@ class LLM:
             )
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -252,3 +287,21 @@ class LLM:
             if pbar is not None:
                 pbar.close()
         return [finished[rid] for rid in request_ids if rid in finished]
+
+
+def _generation_config_defaults(model: str) -> dict[str, Any]:
+    """The sampling parameters a Hugging Face model directory's generation_config.json sets,
+    under SamplingParams' names ({} for a GGUF file or a directory without one)."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return {
+        name: config[key]
+        for key, name in _GENERATION_CONFIG_KEYS.items()
+        if config.get(key) is not None
+    }

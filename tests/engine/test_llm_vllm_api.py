@@ -1,7 +1,11 @@
 """`LLM` takes the calls that code written for vLLM makes: vLLM's arguments at their defaults,
-continue_final_message, a tqdm factory."""
+continue_final_message, a tqdm factory, reset_prefix_cache, default sampling parameters from
+generation_config.json, and a clear error for what Pagoda does not do."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import pytest
 from tqdm import tqdm
@@ -83,3 +87,25 @@ def test_use_tqdm_takes_a_progress_bar_factory(llm: LLM) -> None:
 
     llm.generate(["Hi", "Hello"], GREEDY, use_tqdm=factory)
     assert [m["total"] for m in made] == [2]
+
+
+def test_reset_prefix_cache_forgets_cached_prefixes(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": list(range(1000, 1100))}
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens >= 96
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_default_sampling_params_come_from_generation_config(llm: LLM, tmp_path, monkeypatch):
+    defaults = llm.get_default_sampling_params()  # a GGUF file: SamplingParams' own defaults
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (1.0, 1.0, 16)
+    config = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 1, "bos_token_id": 1}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    model_config = dataclasses.replace(llm.llm_engine.model_config, model=str(tmp_path))
+    monkeypatch.setattr(llm.llm_engine, "model_config", model_config)
+    monkeypatch.setattr(llm, "_default_sampling_params", None)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 1)
+    assert len(llm.generate("Tell me a long story.", use_tqdm=False)[0].outputs[0].token_ids) == 1
+    assert len(llm.chat(CHAT, use_tqdm=False)[0].outputs[0].token_ids) == 1
