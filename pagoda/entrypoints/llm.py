@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
 from pagoda.engine.llm_engine import LLMEngine, PromptType
@@ -45,6 +45,10 @@ _GENERATION_CONFIG_KEYS = {
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
+_NO_POOLING = (
+    "Pagoda runs generative models only (LLM.generate, LLM.chat): embedding, classification "
+    "and scoring models are not supported"
+)
 
 
 def _refuse_unsupported(**kwargs: Any) -> None:
@@ -54,6 +58,10 @@ def _refuse_unsupported(**kwargs: Any) -> None:
             isinstance(value, (list, tuple)) and all(v is None for v in value)
         ):
             raise ValueError(f"{name} is not supported: {_UNSUPPORTED_REQUEST[name]}")
+
+
+def _not_implemented(method: str, what_instead: str) -> NoReturn:
+    raise NotImplementedError(f"LLM.{method}() is not implemented by Pagoda: {what_instead}")
 
 
 class LLM:
@@ -287,6 +295,42 @@ class LLM:
             if pbar is not None:
                 pbar.close()
         return [finished[rid] for rid in request_ids if rid in finished]
+
+    # -- vLLM's other LLM methods, for what Pagoda does not do -------------------------------
+    def beam_search(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _not_implemented(
+            "beam_search",
+            "it samples (LLM.generate with SamplingParams: temperature=0 for greedy decoding, "
+            "n=... with logprobs for several candidates)",
+        )
+
+    def encode(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _not_implemented("encode", _NO_POOLING)
+
+    def embed(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _not_implemented("embed", _NO_POOLING)
+
+    def classify(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _not_implemented("classify", _NO_POOLING)
+
+    def score(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _not_implemented("score", _NO_POOLING)
+
+    def start_profile(self) -> NoReturn:
+        _not_implemented(
+            "start_profile",
+            "profile the generate call with torch.profiler.profile() instead",
+        )
+
+    def stop_profile(self) -> NoReturn:
+        _not_implemented("stop_profile", "see start_profile")
+
+    def get_metrics(self) -> NoReturn:
+        _not_implemented(
+            "get_metrics",
+            "its Prometheus metrics are served at /metrics by `pagoda serve`; offline, "
+            "LLM(disable_log_stats=False) logs throughput and cache use",
+        )
 
 
 def _generation_config_defaults(model: str) -> dict[str, Any]:

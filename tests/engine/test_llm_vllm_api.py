@@ -109,3 +109,23 @@ def test_default_sampling_params_come_from_generation_config(llm: LLM, tmp_path,
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 1)
     assert len(llm.generate("Tell me a long story.", use_tqdm=False)[0].outputs[0].token_ids) == 1
     assert len(llm.chat(CHAT, use_tqdm=False)[0].outputs[0].token_ids) == 1
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("beam_search", "samples"),
+        ("encode", "generative models only"),
+        ("embed", "generative models only"),
+        ("classify", "generative models only"),
+        ("score", "generative models only"),
+        ("start_profile", "torch.profiler"),
+        ("stop_profile", "start_profile"),
+        ("get_metrics", "/metrics"),
+    ],
+)
+def test_vllm_methods_pagoda_lacks_say_what_it_offers(llm: LLM, name, match) -> None:
+    with pytest.raises(
+        NotImplementedError, match=f"LLM.{name}.. is not implemented by Pagoda: .*{match}"
+    ):
+        getattr(llm, name)()
