@@ -25,6 +25,7 @@ from pagoda.config import (
     SpeculativeConfig,
     embedded_model_path,
 )
+from pagoda.generation_config import check_generation_config
 from pagoda.logger import init_logger
 from pagoda.utils import cpu_kernels
 
@@ -252,6 +253,9 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None
     served_model_name: str | None = None
+    # vLLM's: "auto" (default sampling parameters from the model's generation_config.json),
+    # "vllm" (ignore it) or a folder holding one (`pagoda.generation_config`).
+    generation_config: str = "auto"
     device: str = "auto"
     # Cache
     block_size: int = 16
@@ -322,6 +326,7 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({derived_max_len}); lower --max-model-len"
             )
+        check_generation_config(self.generation_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
@@ -485,6 +490,13 @@ class EngineArgs:
         )
         g.add_argument("--quantization", "-q", type=str, default=None)
         g.add_argument("--served-model-name", type=str, default=None)
+        g.add_argument(
+            "--generation-config",
+            type=str,
+            default=d.generation_config,
+            help="default sampling parameters for what a request leaves unset: 'auto' (the "
+            "model's generation_config.json), 'vllm' (ignore it), or a folder holding one",
+        )
         g.add_argument("--device", type=str, default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +11,7 @@ from typing import Any, NoReturn
 from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.entrypoints.chat_utils import normalize_messages
+from pagoda.generation_config import get_diff_sampling_param
 from pagoda.logger import init_logger
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -34,16 +33,6 @@ _UNSUPPORTED_REQUEST: dict[str, str] = {
         "give structured outputs as SamplingParams(structured_outputs=StructuredOutputsParams(...))"
     ),
     "mm_processor_kwargs": "Pagoda runs text-only models",
-}
-# The keys of a model's generation_config.json that set default sampling parameters, as vLLM
-# reads them (max_new_tokens -> max_tokens).
-_GENERATION_CONFIG_KEYS = {
-    "repetition_penalty": "repetition_penalty",
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "max_new_tokens": "max_tokens",
 }
 _NO_POOLING = (
     "Pagoda runs generative models only (LLM.generate, LLM.chat): embedding, classification "
@@ -102,16 +91,12 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
         generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
-        max_new_tokens as max_tokens) over SamplingParams' defaults, as vLLM reads it."""
+        max_new_tokens as max_tokens) over SamplingParams' defaults, as vLLM reads it
+        (`generation_config`: "auto", "vllm" to ignore it, or another folder)."""
         if self._default_sampling_params is None:
-            self._default_sampling_params = _generation_config_defaults(
-                self.llm_engine.model_config.model
+            self._default_sampling_params = get_diff_sampling_param(
+                self.llm_engine.model_config.model, self.engine_args.generation_config
             )
-            if self._default_sampling_params:
-                logger.info(
-                    "Default sampling parameters from the model's generation_config.json: %s",
-                    self._default_sampling_params,
-                )
         return SamplingParams(**self._default_sampling_params)
 
     def reset_prefix_cache(self, device: Any = None) -> bool:
@@ -331,21 +316,3 @@ class LLM:
             "its Prometheus metrics are served at /metrics by `pagoda serve`; offline, "
             "LLM(disable_log_stats=False) logs throughput and cache use",
         )
-
-
-def _generation_config_defaults(model: str) -> dict[str, Any]:
-    """The sampling parameters a Hugging Face model directory's generation_config.json sets,
-    under SamplingParams' names ({} for a GGUF file or a directory without one)."""
-    path = os.path.join(model, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return {
-        name: config[key]
-        for key, name in _GENERATION_CONFIG_KEYS.items()
-        if config.get(key) is not None
-    }

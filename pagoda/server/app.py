@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.generation_config import get_diff_sampling_param
 from pagoda.metrics.prometheus import PrometheusStatLogger
 from pagoda.server.dashboard import BasicAuthForDashboard, dashboard_html
 from pagoda.server.middleware import APIKeyAuth, BodySizeLimit, ErrorBoundary
@@ -125,9 +126,15 @@ def build_app(
     trust_request_chat_template: bool = False,
     preprocessor: Preprocessor | None = None,
     tool_call_parser: str | None = None,
+    generation_config: str = "auto",
 ) -> FastAPI:
+    """The OpenAI-compatible app serving `engine`; `generation_config` is --generation-config
+    (the defaults of the sampling fields a request leaves unset)."""
     mc = engine.model_config
     model_path = getattr(mc, "model", None)
+    default_sampling_params = (
+        get_diff_sampling_param(model_path, generation_config) if model_path else {}
+    )
     names = list(served_model_names or []) or [default_served_model_name(mc.name)]
     ctx = ServingContext(
         engine=engine,
@@ -139,6 +146,7 @@ def build_app(
         model_aliases=(mc.name,),
         trust_request_chat_template=trust_request_chat_template,
         tool_parser=TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None,
+        default_sampling_params=default_sampling_params,
     )
     cache_config = getattr(getattr(engine.engine, "config", None), "cache_config", None)
     stat_logger = PrometheusStatLogger(

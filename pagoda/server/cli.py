@@ -242,6 +242,7 @@ def serve(engine: Any, args: argparse.Namespace, chat_template: str | None = Non
         trust_request_chat_template=args.trust_request_chat_template,
         preprocessor=Preprocessor(engine.tokenizer, timeout_s=args.preprocess_timeout),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        generation_config=getattr(args, "generation_config", "auto"),
     )
     config = uvicorn.Config(
         app,

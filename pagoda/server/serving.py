@@ -79,6 +79,9 @@ class ServingContext:
     model_aliases: tuple[str, ...] = ()
     trust_request_chat_template: bool = False
     tool_parser: Any = None  # `tool_parsers.TOOL_PARSERS` entry (--tool-call-parser), or None
+    # What a request leaves unset samples with (--generation-config: the model's
+    # generation_config.json), under SamplingParams' names; {}: SamplingParams' defaults.
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Any:
@@ -136,11 +139,16 @@ def build_sampling_params(
     prompt_logprobs: int | None,
     json_schema: dict[str, Any] | None = None,
     max_tokens_field: str = "max_tokens",
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """SamplingParams for a completion or chat request; range errors name the field (the
     request's `max_tokens_field` for max_tokens). `json_schema` constrains the output instead
     of the request's own structured outputs (a forced tool call, which the request cannot
-    combine with them)."""
+    combine with them). `defaults` (`ServingContext.default_sampling_params`) fill the
+    temperature, top_p, top_k, min_p and repetition_penalty the request leaves unset, as
+    vLLM's `to_sampling_params(..., default_sampling_params)`; a max_tokens left unset is
+    `validate_prompt`'s."""
+    defaults = defaults or {}
     if req.stream and req.prompt_logprobs is not None and req.prompt_logprobs != 0:
         # As vLLM: a stream has no place for them (rather than dropping them unsaid).
         raise APIError(
@@ -150,11 +158,11 @@ def build_sampling_params(
         n=req.n,
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=_or(req.top_k, 0),
-        min_p=_or(req.min_p, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, defaults.get("repetition_penalty", 1.0)),
+        temperature=_or(req.temperature, defaults.get("temperature", 1.0)),
+        top_p=_or(req.top_p, defaults.get("top_p", 1.0)),
+        top_k=_or(req.top_k, defaults.get("top_k", 0)),
+        min_p=_or(req.min_p, defaults.get("min_p", 0.0)),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
@@ -273,9 +281,14 @@ def validate_prompt(
     max_tokens_field: str = "max_tokens",
 ) -> None:
     """The engine's one validation (`validate_request`), with OpenAI's rule that a max_tokens
-    past the context is refused rather than cut; resolves `params.max_tokens` (None: the rest
-    of the context). Errors are 400s naming the request's field."""
+    past the context is refused rather than cut; resolves `params.max_tokens` (None: the
+    generation config's max_new_tokens if any, cut to the rest of the context as vLLM's
+    `get_max_tokens`, else the rest of the context). Errors are 400s naming the request's
+    field."""
     mc = ctx.engine.model_config
+    default_max_tokens = None
+    if params.max_tokens is None:
+        default_max_tokens = ctx.default_sampling_params.get("max_tokens")
     try:
         params.max_tokens = validate_request(
             prompt_token_ids,
@@ -287,6 +300,8 @@ def validate_prompt(
     except PromptValidationError as e:
         param = prompt_field if e.param == "prompt" else e.param
         raise APIError(str(e), 400, param) from None
+    if default_max_tokens is not None:
+        params.max_tokens = min(params.max_tokens, default_max_tokens)
 
 
 def prompt_logprobs_json(

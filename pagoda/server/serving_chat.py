@@ -169,6 +169,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.prompt_logprobs,
         tools.schema,
         mt_field,
+        ctx.default_sampling_params,
     )
     if tools.mode == "auto" and getattr(ctx.tool_parser, "keeps_special_tokens", False):
         params.skip_special_tokens = False  # the calls' marker is a special token (mistral)

@@ -107,7 +107,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
     if prompt_logprobs is None and req.echo:
         prompt_logprobs = req.logprobs
     base = build_sampling_params(
-        req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_logprobs
+        req,
+        1 if echo_only else req.max_tokens,
+        req.logprobs,
+        prompt_logprobs,
+        defaults=ctx.default_sampling_params,
     )
     prompts = await _normalize_prompts(ctx, req)
     if len(prompts) > 1:  # refused whole, before any of its prompts is added
