@@ -161,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         text = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
         ids = engine.input_processor.encode(text, add_special_tokens=False)
         prompt = {"prompt": text, "prompt_token_ids": ids}
@@ -207,7 +207,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line.text})
         reply = []
         try:  # a turn that fails (text that is not valid Unicode, too long a history) is its own
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             ids = engine.input_processor.encode(text, add_special_tokens=False)
             prompt = {"prompt": text, "prompt_token_ids": ids}
             for piece in _stream(engine, f"chat-{turn}", prompt, params.clone()):

@@ -83,7 +83,7 @@ def test_gguf_special_tokens(tok: Tokenizer, ref) -> None:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(tok, ref, messages, add_generation_prompt) -> None:
     kwargs = {"add_generation_prompt": add_generation_prompt}
-    text = tok.apply_chat_template(messages, **kwargs)
+    text = tok.apply_chat_template(messages, tokenize=False, **kwargs)
     assert text == ref.apply_chat_template(messages, tokenize=False, **kwargs)
     expected_ids = ref.apply_chat_template(messages, tokenize=True, **kwargs)
     if not isinstance(expected_ids, list):
@@ -99,16 +99,22 @@ def test_chat_template_helpers(tok: Tokenizer) -> None:
         "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
     )
     msgs = [{"role": "user", "content": "é", "tool_calls": None}]
-    text = tok.apply_chat_template(msgs, chat_template=template)
+    text = tok.apply_chat_template(
+        msgs, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
     # None-valued keys dropped; tojson does not escape non-ASCII; globals available.
     assert text == f'[{{"role": "user", "content": "é"}}]|{datetime.now().year}|<|im_start|>'
     with pytest.raises(ValueError, match="one message only"):
-        tok.apply_chat_template(msgs * 2, chat_template=template)
+        tok.apply_chat_template(
+            msgs * 2, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
 
 
 def test_continue_final_message(tok: Tokenizer) -> None:
     msgs = [*MESSAGES[:2], {"role": "assistant", "content": "The answer"}]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    text = tok.apply_chat_template(
+        msgs, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>assistant\nThe answer")
 
 
@@ -117,7 +123,9 @@ def test_model_without_chat_template_raises(tmp_path) -> None:
     tok = Tokenizer.from_pretrained(tmp_path)
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
 
 
 def test_spaces_between_special_tokens(tok: Tokenizer) -> None:
@@ -231,9 +239,9 @@ def test_tokenizer_json_dir_matches_transformers(tmp_path) -> None:
     assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (1, 2, 0)
     assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
     msgs = MESSAGES[:2]
-    assert tok.apply_chat_template(msgs) == ref.apply_chat_template(
+    assert tok.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True
-    )
+    ) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
 def test_clean_up_tokenization_spaces_from_config(tmp_path) -> None:
@@ -247,7 +255,9 @@ def test_clean_up_tokenization_spaces_from_config(tmp_path) -> None:
 
 def test_chat_template_jinja_file_takes_priority(tmp_path) -> None:
     make_tokenizer_dir(tmp_path, jinja_file="{{ messages[0]['content'] }}!")
-    assert Tokenizer.from_pretrained(tmp_path).apply_chat_template(MESSAGES[1:2]) == "Hi! 你好!"
+    tok = Tokenizer.from_pretrained(tmp_path)
+    text = tok.apply_chat_template(MESSAGES[1:2], tokenize=False, add_generation_prompt=True)
+    assert text == "Hi! 你好!"
 
 
 def test_get_tokenizer_picks_by_path(tmp_path) -> None:

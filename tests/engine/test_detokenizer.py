@@ -27,7 +27,8 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def prompt_ids(tok: Tokenizer) -> list[int]:
-    return tok.apply_chat_template([{"role": "user", "content": "Say something."}], tokenize=True)
+    messages = [{"role": "user", "content": "Say something."}]
+    return tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
 
 
 def sentencepiece_tokenizer() -> Tokenizer:

@@ -35,8 +35,9 @@ def test_a_gguf_tokenizer_written_as_hf_files_gives_the_same_ids(tmp_path) -> No
         assert written.decode(ids, skip_special_tokens=False) == original.decode(
             ids, skip_special_tokens=False
         )
-    assert written.apply_chat_template(MESSAGES, tokenize=True) == original.apply_chat_template(
-        MESSAGES, tokenize=True
+    chat = {"add_generation_prompt": True, "tokenize": True}
+    assert written.apply_chat_template(MESSAGES, **chat) == original.apply_chat_template(
+        MESSAGES, **chat
     )
     assert (written.bos_token_id, written.eos_token_id) == (
         original.bos_token_id,
@@ -59,7 +60,7 @@ def test_the_written_tokenizer_reads_the_same_in_transformers(tmp_path) -> None:
         assert hf.encode(text) == original.encode(text), text
     ids = hf.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
-    assert ids == original.apply_chat_template(MESSAGES, tokenize=True)
+    assert ids == original.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
 
 
 def test_a_hf_source_directory_has_its_tokenizer_files_copied(tmp_path) -> None:
