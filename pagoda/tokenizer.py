@@ -321,14 +321,16 @@ class Tokenizer(HFTokenizerMixin):
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the chat template; token ids when `tokenize`.
+        """Render `messages` with the chat template; token ids when `tokenize`. The defaults
+        are transformers' (token ids, no generation prompt), which code written for vLLM's
+        `LLM.get_tokenizer()` expects.
 
         The rendered text already holds the template's special tokens, so it is tokenized
         without adding bos/eos again (as transformers does).

@@ -129,3 +129,14 @@ def test_tokenize_vocab_and_lengths(tok, ref, with_bos) -> None:
     assert with_bos[0].model_max_length == with_bos[1].model_max_length == 16
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         assert getattr(tok, name) == getattr(ref, name)
+
+
+def test_apply_chat_template_defaults_are_transformers(tok, ref) -> None:
+    """Token ids, no generation prompt: what code written for vLLM's get_tokenizer() expects."""
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    expected = ref.apply_chat_template(messages)
+    if not isinstance(expected, list):  # transformers 5: a BatchEncoding (return_dict=True)
+        expected = expected["input_ids"]
+    assert tok.apply_chat_template(messages) == expected
+    text = tok.decode(expected, skip_special_tokens=False)
+    assert not text.endswith("<|im_start|>assistant\n")

@@ -84,8 +84,8 @@ class LLM:
 
     def get_tokenizer(self):  # noqa: ANN201 - pagoda.tokenizer.Tokenizer
         """The model's tokenizer, with the methods and defaults of a transformers tokenizer
-        (what vLLM returns here), except apply_chat_template: add_generation_prompt=True and
-        tokenize=False unless told."""
+        (what vLLM returns here), apply_chat_template's included (tokenize=True,
+        add_generation_prompt=False)."""
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
