@@ -1,4 +1,6 @@
-"""Fixtures shared by test directories: `cpu_isa` runs a C CPU kernel test once per ISA level."""
+"""Fixtures shared by test directories: `cpu_isa` runs a C CPU kernel test once per ISA level;
+`tok` is the embedded model's tokenizer and `ref` transformers' reading of the same GGUF (the
+tokenizer tests' oracle); `warnings` collects the warnings the `pagoda` loggers emit."""
 
 from __future__ import annotations
 
@@ -46,3 +48,34 @@ def cpu_isa(request) -> str:
         else:
             os.environ[build.ISA_ENV] = old
         _clear_cpu_kernel_caches()
+
+
+@pytest.fixture(scope="session")
+def tok():
+    from pagoda.config import embedded_model_path
+    from pagoda.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(embedded_model_path())
+
+
+@pytest.fixture(scope="session")
+def ref():
+    from model_testing import hf_tokenizer
+
+    from pagoda.config import embedded_model_path
+
+    path = embedded_model_path()
+    return hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture
+def warnings():
+    """Warnings of the `pagoda` loggers (they do not propagate to the root logger)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("pagoda").addHandler(handler)
+    yield records
+    logging.getLogger("pagoda").removeHandler(handler)

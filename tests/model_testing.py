@@ -1,4 +1,5 @@
-"""Tiny random checkpoints written by `transformers`, for tests of loaders, models and runners.
+"""Tiny random checkpoints written by `transformers`, for tests of loaders, models and runners;
+`hf_tokenizer`, transformers' tokenizer of a folder or GGUF (the tokenizer tests' oracle).
 
 `make_tiny_checkpoint(path, "qwen3")` saves a two-layer model (safetensors + config.json) whose
 norms and biases are perturbed away from HF's 1/0 initialisation, and returns the HF model as
@@ -176,3 +177,10 @@ class PagedRunner:
         with torch.inference_mode():
             hidden = self.model(torch.tensor(tokens), pos, self.kv_caches, md)
             return self.model.compute_logits(hidden)
+
+
+def hf_tokenizer(path: str, **kwargs: Any) -> Any:
+    """transformers' tokenizer of a folder (or of a GGUF in it: gguf_file=...)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **kwargs)

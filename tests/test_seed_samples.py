@@ -34,19 +34,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def warnings():
-    """Warnings of the `pagoda` loggers (they do not propagate to the root logger)."""
-    import logging
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("pagoda").addHandler(handler)
-    yield records
-    logging.getLogger("pagoda").removeHandler(handler)
-
-
 def test_a1_paged_attention_settings(warnings) -> None:
     """Article 1, "配置vLLM的PagedAttention时，关键参数是gpu_memory_utilization"."""
     from pagoda import LLM, SamplingParams

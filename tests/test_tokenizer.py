@@ -4,12 +4,12 @@ SentencePiece-style GGUF and a tiny tokenizer.json directory."""
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime
 
 import gguf
 import numpy as np
 import pytest
+from model_testing import hf_tokenizer
 
 from pagoda.config import embedded_model_path
 from pagoda.tokenizer import Tokenizer, get_tokenizer
@@ -35,23 +35,6 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def hf_tokenizer(path: str, **kwargs):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(embedded_model_path())
-
-
-@pytest.fixture(scope="module")
-def ref():
-    path = embedded_model_path()
-    return hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 @pytest.mark.parametrize("text", TEXTS)

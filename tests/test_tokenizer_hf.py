@@ -3,11 +3,10 @@ returns, where vLLM returns a transformers tokenizer), against transformers as t
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from model_testing import hf_tokenizer
 
 from pagoda.config import embedded_model_path
 from pagoda.sampling_params import SamplingParams
@@ -15,23 +14,6 @@ from pagoda.tokenizer import Tokenizer
 from pagoda.tokenizer_gguf import build_gguf_tokenizer
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again and again, all day long."
-
-
-def hf_tokenizer(path: str, **kwargs):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(embedded_model_path())
-
-
-@pytest.fixture(scope="module")
-def ref():
-    path = embedded_model_path()
-    return hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pagoda.config import embedded_model_path
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.tokenizer import Tokenizer
 
@@ -18,11 +17,6 @@ TEXTS = [
     "I ❤️ 🦙 emojis 👨‍👩‍👧 and 😀😀😀 ok",
     "The quick brown fox jumps over the lazy dog.\n\tdef f(x): return x",
 ]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(embedded_model_path())
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ ignored; none is accepted and silently dropped."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 from model_testing import TINY_CONFIG
@@ -18,17 +17,6 @@ from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
 def tiny(tmp_path) -> str:
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     return str(tmp_path)
-
-
-@pytest.fixture
-def warnings():
-    """Warnings of the `pagoda` loggers (they do not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("pagoda").addHandler(handler)
-    yield records
-    logging.getLogger("pagoda").removeHandler(handler)
 
 
 def _config(tiny: str, **kwargs):
