@@ -4,18 +4,10 @@ exit code 2 before any slow work: before the prompts are built or the server is 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from pagoda.cli import main
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-
-from servers import ServerProcess  # noqa: E402
-
-FAKE = Path(__file__).parents[1] / "reliability" / "fake_server.py"
 NOWHERE = ["bench", "serve", "--base-url", "http://127.0.0.1:9"]  # discard: nothing listens
 
 
@@ -72,23 +64,3 @@ def test_bench_throughput_refuses_a_bad_flag_before_the_engine_starts(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert message in err
-
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    log = tmp_path_factory.mktemp("fake") / "server.log"
-    s = ServerProcess([sys.executable, str(FAKE), "--step-delay", "0.002"], log).wait_ready(60)
-    yield s
-    s.stop()
-
-
-def test_a_model_the_server_does_not_serve_is_named_with_the_served_ones(fake, capsys):
-    from pagoda.bench.load import get_json
-
-    served = get_json(f"{fake.url}/v1/models")["data"][0]["id"]
-    argv = ["bench", "serve", "--base-url", fake.url, "--num-prompts", "2", "--model", "nope"]
-    assert main(argv) == 2
-    # It said "The server has no tokenizer", then "cannot find the vocabulary size".
-    assert capsys.readouterr().err == (
-        f"error: --model 'nope' is not served by {fake.url}: it serves {served!r}\n"
-    )

@@ -1,6 +1,6 @@
 """`pagoda bench serve`'s load: gamma arrivals (burstiness), a sweep of rates with its table,
 results and plot, defaults by the server's device, and a run without httpx (the plain install:
-aiohttp and the standard library only)."""
+aiohttp and the standard library only), and a --model the server does not serve."""
 
 from __future__ import annotations
 
@@ -70,3 +70,17 @@ def test_a_rate_sweep_without_httpx_saves_each_rate_and_plots(fake, tmp_path):
         assert {"p50_ttft_ms", "p90_tpot_ms", "p99_itl_ms", "p99_e2el_ms"} <= set(res)
     pytest.importorskip("matplotlib")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_a_model_the_server_does_not_serve_is_named_with_the_served_ones(fake, capsys):
+    from pagoda.bench.load import get_json
+
+    served = get_json(f"{fake.url}/v1/models")["data"][0]["id"]
+    argv = ["bench", "serve", "--base-url", fake.url, "--num-prompts", "2", "--model", "nope"]
+    from pagoda.cli import main
+
+    assert main(argv) == 2
+    # It said "The server has no tokenizer", then "cannot find the vocabulary size".
+    assert capsys.readouterr().err == (
+        f"error: --model 'nope' is not served by {fake.url}: it serves {served!r}\n"
+    )
