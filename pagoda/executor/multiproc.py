@@ -35,7 +35,7 @@ from typing import Any
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.utils.processes import children_allowed
+from pagoda.utils.processes import born_ignoring_sigint, children_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class MultiprocExecutor(TensorParallelExecutorBase):
         from pagoda.executor.multiproc_worker import run_worker
 
         ctx = multiprocessing.get_context("spawn")  # fork after torch and threads is unsafe
-        with children_allowed():
+        with children_allowed(), born_ignoring_sigint():
             for rank in range(self.world_size):
                 conn, child_conn = ctx.Pipe(duplex=True)
                 args = (

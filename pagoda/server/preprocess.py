@@ -18,6 +18,8 @@ import multiprocessing
 import threading
 from typing import Any
 
+from pagoda.utils.processes import born_ignoring_sigint
+
 logger = logging.getLogger("pagoda.server")
 
 INLINE_CHARS = 16384  # inputs up to this many characters are handled on the event loop
@@ -84,7 +86,8 @@ class _Worker:
             name="pagoda-preprocess",
             daemon=True,
         )
-        self.process.start()
+        with born_ignoring_sigint():
+            self.process.start()
         child.close()
         self.ready = False
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from pagoda.sampling_params import StructuredOutputsParams
-from pagoda.utils.processes import children_allowed
+from pagoda.utils.processes import born_ignoring_sigint, children_allowed
 
 _PARENT_POLL_S = 0.5
 # A worker imports xgrammar, and with it torch and transformers: 1.8 s on a quiet 2-core AMD
@@ -57,7 +57,7 @@ class CompileWorker:
             name="pagoda-grammar-compile",
             daemon=True,  # terminated at its parent's exit if nothing else stopped it
         )
-        with children_allowed():
+        with children_allowed(), born_ignoring_sigint():
             self.process.start()
         child.close()  # the worker's end lives in the worker only: its death reads as EOF
         self.ready = False
