@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagoda import envs
-from pagoda.kernels import cuda_launch
+from pagoda.kernels import _sm90, cuda_launch
 
 MAX_TOKENS = 16  # rows of a step up to which its weights are prefetched
 PIECE = 4096  # bytes a prefetch instruction asks for
@@ -107,8 +107,8 @@ def module_ranges(modules: Sequence[nn.Module], budget: int) -> list[tuple[int, 
     budget lasts, then the first outputs of the one it ends in; 16-byte aligned."""
     out: list[tuple[int, int]] = []
     for m in modules:
-        tensors = [t for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
-        tensors = [t for t in tensors if t is not None and t.numel()]
+        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        tensors = [t for t in own if t is not None and t.numel()]
         size = sum(t.numel() * t.element_size() for t in tensors)
         if budget <= 0 or not size:
             break
@@ -122,11 +122,6 @@ def module_ranges(modules: Sequence[nn.Module], budget: int) -> list[tuple[int, 
                 out.append((lo, hi - lo))
         budget -= int(size * fraction)
     return out
-
-
-@functools.cache
-def _supported(device: int) -> bool:
-    return torch.version.cuda is not None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _compile() -> Any | None:
@@ -186,7 +181,7 @@ class WeightPrefetch:
         if not x.is_cuda or x.shape[0] > MAX_TOKENS:
             return
         budget = budget_bytes()
-        if not budget or not _supported(x.device.index or 0):
+        if not budget or not _sm90(x.device.index or 0):
             return
         key = (x.device.index or 0, budget)
         if key not in self._ranges:
