@@ -24,6 +24,7 @@ from pagoda.config import KV_CACHE_DTYPES
 from pagoda.worker.memory_plan import (
     KV_CACHE_ITEMSIZE,
     GiB,
+    KVCacheTooLargeError,
     blocks_per_request,
     cpu_kv_cache_bytes,
     kv_cache_bytes_per_block,
@@ -199,8 +200,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         )  # fmt: skip
         plan.num_blocks, plan.kv_cache_bytes = mp.num_blocks, mp.kv_cache_bytes
-        if args.kv_cache_memory_bytes is not None and _gpu_cache_too_large(plan):
-            return plan
+    except KVCacheTooLargeError as e:
+        plan.fits, plan.problem = False, str(e)
+        plan.kv_cache_bytes = args.kv_cache_memory_bytes
+        plan.num_blocks = plan.kv_cache_bytes // bytes_per_block
+        plan.advice = [f"--kv-cache-memory-bytes {e.fit_bytes} or less (or leave it out: "
+                       "gpu_memory_utilization sizes the cache)"] if e.fit_bytes else []  # fmt: skip
+        return plan
     except ValueError as e:
         plan.fits, plan.problem = False, str(e)
         fixed = weights + plan.activation_bytes + plan.cuda_graph_bytes + plan.non_torch_bytes
@@ -231,25 +237,6 @@ def _weights(
     if quant in ("awq", "gptq"):
         return est.weight_bytes(hf_config, itemsize, tp), f"{quant} dequantized to {dtype}"
     return est.weight_bytes(hf_config, itemsize, tp), dtype
-
-
-def _gpu_cache_too_large(plan: Plan) -> bool:
-    """--kv-cache-memory-bytes replaces what gpu_memory_utilization leaves (vLLM's meaning), and
-    the engine allocates that cache whatever the GPU holds: beyond the GPU's memory less the
-    weights and the reserve, it runs out of memory at start (or at its first full step)."""
-    fixed = plan.weights_bytes + plan.activation_bytes + plan.cuda_graph_bytes
-    left = plan.total_bytes - fixed - plan.non_torch_bytes
-    if plan.kv_cache_bytes <= left:
-        return False
-    plan.fits = False
-    plan.problem = (f"--kv-cache-memory-bytes asks for a {_size(plan.kv_cache_bytes)} KV cache, "
-                    f"but the GPU's {_size(plan.total_bytes)} leave {_size(max(left, 0))} beside "
-                    "the weights and the reserve: the engine would run out of GPU memory")  # fmt: skip
-    block = plan.kv_bytes_per_token * plan.block_size
-    fit = left // block * block
-    plan.advice = [f"--kv-cache-memory-bytes {fit} or less (or leave it out: "
-                   "gpu_memory_utilization sizes the cache)"] if fit > 0 else []  # fmt: skip
-    return True
 
 
 def _mapping_refused(nbytes: int) -> str | None:

@@ -69,6 +69,15 @@ class MemoryPlan:
         )
 
 
+class KVCacheTooLargeError(ValueError):
+    """kv_cache_memory_bytes asks for more than the device holds beside the rest; `fit_bytes`
+    is the largest whole number of blocks that does fit (0 when none does)."""
+
+    def __init__(self, message: str, fit_bytes: int) -> None:
+        super().__init__(message)
+        self.fit_bytes = fit_bytes
+
+
 def blocks_per_request(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
@@ -89,7 +98,8 @@ def plan_kv_cache_memory(
 ) -> MemoryPlan:
     """The KV blocks left by the rest (see the module docstring); `kv_cache_memory_bytes`
     replaces that remainder when given. Raises ValueError when the weights do not fit, nothing
-    is left for the cache, or the cache cannot hold one max_model_len request."""
+    is left for the cache, the cache cannot hold one max_model_len request, or (a
+    KVCacheTooLargeError) kv_cache_memory_bytes is more than the device holds beside the rest."""
     budget = int(total_bytes * gpu_memory_utilization)
     usable = budget - non_torch_bytes
     if weights_bytes > usable:
@@ -101,6 +111,19 @@ def plan_kv_cache_memory(
             "(--tensor-parallel-size)"
         )
     fixed = weights_bytes + activation_bytes + cuda_graph_bytes + non_torch_bytes
+    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes > total_bytes - fixed:
+        # It replaces gpu_memory_utilization's share (vLLM's meaning), so it may exceed the
+        # budget, but not the whole device: the cache would run out of memory at allocation.
+        left = max(total_bytes - fixed, 0)
+        raise KVCacheTooLargeError(
+            f"kv_cache_memory_bytes (--kv-cache-memory-bytes) asks for a "
+            f"{_gib(kv_cache_memory_bytes)} KV cache, but the device's {_gib(total_bytes)} "
+            f"leave {_gib(left)} beside the weights ({_gib(weights_bytes)}), the activations "
+            f"({_gib(activation_bytes)}), CUDA graphs ({_gib(cuda_graph_bytes)}) and the "
+            f"memory used outside torch ({_gib(non_torch_bytes)}): pass at most {left} bytes, "
+            "or leave it out (gpu_memory_utilization sizes the cache)",
+            fit_bytes=left // bytes_per_block * bytes_per_block,
+        )
     kv_bytes = budget - fixed if kv_cache_memory_bytes is None else kv_cache_memory_bytes
     if kv_bytes <= 0:
         raise ValueError(

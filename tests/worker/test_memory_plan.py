@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.worker.memory_plan import GiB, plan_kv_cache_memory
+from pagoda.worker.memory_plan import GiB, KVCacheTooLargeError, plan_kv_cache_memory
 
 MiB = 2**20
 # Llama-3-8B on an H200-sized device: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes x 16.
@@ -44,6 +44,18 @@ def test_kv_cache_gets_the_rest_of_the_budget():
 def test_kv_cache_memory_bytes_overrides_the_remainder():
     plan = _plan(kv_cache_memory_bytes=2 * GiB)
     assert plan.num_blocks == 2 * GiB // BYTES_PER_BLOCK
+
+
+def test_kv_cache_memory_bytes_may_pass_the_budget_but_not_the_device():
+    # The rest of the 140 GiB device beside weights, activations, graphs and the outside use.
+    left = 140 * GiB - 15 * GiB - 2 * GiB - GiB // 2 - 256 * MiB
+    assert _plan(kv_cache_memory_bytes=left).kv_cache_bytes > int(140 * GiB * 0.9) - 18 * GiB
+    with pytest.raises(
+        KVCacheTooLargeError, match=r"asks for a 1000.00 GiB.*leave 122.25 GiB"
+    ) as e:
+        _plan(kv_cache_memory_bytes=1000 * GiB)
+    assert isinstance(e.value, ValueError) and "--kv-cache-memory-bytes" in str(e.value)
+    assert e.value.fit_bytes == left // BYTES_PER_BLOCK * BYTES_PER_BLOCK
 
 
 def test_weights_larger_than_the_budget_name_the_flag():
