@@ -109,7 +109,8 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = True
+    # As OpenAI and vLLM: the usage chunk only when asked for.
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 

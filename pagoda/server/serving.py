@@ -154,6 +154,12 @@ def build_sampling_params(
         raise APIError(
             "prompt_logprobs are not available when stream is true", 400, "prompt_logprobs"
         )
+    if not req.stream and req.stream_options is not None:
+        if req.stream_options.model_dump(exclude_unset=True):
+            # As vLLM and OpenAI: options of a stream that is not asked for are an error.
+            raise APIError(
+                "stream_options can only be given when stream is true", 400, "stream_options"
+            )
     kw: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=_or(req.presence_penalty, 0.0),

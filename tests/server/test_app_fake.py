@@ -502,3 +502,22 @@ def test_chat_echo_starts_the_answer_with_the_assistant_turn_it_continues(client
     r = client.post("/v1/chat/completions", json=body | {"messages": msgs[:1],
                                                           "continue_final_message": False})  # fmt: skip
     assert not r.json()["choices"][0]["message"]["content"].startswith("hi")
+
+
+def test_stream_options_are_vllms(client):
+    # The usage chunk only when include_usage says so (stream_options {} or continuous_usage_stats
+    # alone: none), and stream_options without a stream a 400, as vLLM and OpenAI.
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+                       ("/v1/chat/completions", chat)):  # fmt: skip
+        for opts in ({}, {"continuous_usage_stats": True}, {"include_usage": False}):
+            chunks = _sse(client.post(path, json=body | {"stream": True, "stream_options": opts}))
+            assert all(c["choices"] and c.get("usage") is None for c in chunks), (opts, chunks)
+        r = client.post(path, json=body | {"stream_options": {"include_usage": True}})
+        assert "stream" in _error(r, 400, "stream_options")
+        r = client.post(
+            path, json=body | {"stream": False, "stream_options": {"include_usage": True}}
+        )
+        _error(r, 400, "stream_options")
+        for opts in ({}, None):  # nothing asked of a stream: as vLLM, not an error
+            assert client.post(path, json=body | {"stream_options": opts}).status_code == 200
