@@ -66,11 +66,6 @@ def check_tensor_parallel_config(config: EngineConfig) -> None:
         divide(kv, tp, "num_key_value_heads")
     divide(mc.vocab_size, tp, "vocab_size")
     divide(int(mc.hf_config["intermediate_size"]), tp, "intermediate_size")
-    if mc.quantization in ("awq", "gptq"):
-        raise ValueError(
-            f"{mc.quantization.upper()} checkpoints with tensor_parallel_size > 1 are not "
-            "supported yet (their packed tensors are not sharded): use tensor_parallel_size=1"
-        )
     spec = config.speculative_config
     if spec is not None and spec.method != "ngram":
         raise ValueError(

@@ -30,12 +30,19 @@ SHARED_INPUT = {
 
 
 def quantized_checkpoint(
-    tmp_path, method: str, bits: int = 4, act_order: bool = False, sym: bool = False
+    tmp_path,
+    method: str,
+    bits: int = 4,
+    act_order: bool = False,
+    sym: bool = False,
+    group: int = GROUP,
+    **overrides,
 ):
-    """A tiny Llama saved in `method`'s format (GPTQ with `sym`: every zero point 2**(bits-1));
-    returns the HF model with the dequantized weights (the reference) and the path."""
+    """A tiny Llama (its config's `overrides`) saved in `method`'s format, groups of `group`
+    inputs (GPTQ with `sym`: every zero point 2**(bits-1)); returns the HF model with the
+    dequantized weights (the reference) and the path."""
     assert not sym or method == "gptq"
-    hf = make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope")
+    hf = make_tiny_checkpoint(tmp_path / "dense", "llama_gqa_tied_llama3_rope", **overrides)
     tensors = {}
     perms: dict[tuple[str, str], torch.Tensor] = {}
     g = torch.Generator().manual_seed(7)
@@ -48,7 +55,7 @@ def quantized_checkpoint(
             prefix = name.removesuffix(".weight")
             n, k = p.shape
             values, zeros, scales = quantize_groups(
-                p, bits, GROUP, symmetric=sym, min_zero=method == "gptq"
+                p, bits, group, symmetric=sym, min_zero=method == "gptq"
             )
             scales = scales.half()
             if method == "awq":
@@ -56,10 +63,10 @@ def quantized_checkpoint(
                 tensors[prefix + ".qzeros"] = pack_awq(zeros)
                 tensors[prefix + ".scales"] = scales
                 dense = dequantize_awq(
-                    tensors[prefix + ".qweight"], tensors[prefix + ".qzeros"], scales, GROUP
+                    tensors[prefix + ".qweight"], tensors[prefix + ".qzeros"], scales, group
                 )
             else:
-                g_idx = torch.arange(k, dtype=torch.int32) // GROUP
+                g_idx = torch.arange(k, dtype=torch.int32) // group
                 if act_order:  # inputs regrouped: a permutation of the groups' members
                     # Projections of one input (q/k/v, gate/up) share it, as AutoGPTQ's do:
                     # their Hessians, which order the inputs, are the same.
@@ -85,7 +92,7 @@ def quantized_checkpoint(
         cfg["quantization_config"] = {
             "quant_method": "awq",
             "bits": 4,
-            "group_size": GROUP,
+            "group_size": group,
             "zero_point": True,
             "version": "gemm",
         }
@@ -93,7 +100,7 @@ def quantized_checkpoint(
         cfg["quantization_config"] = {
             "quant_method": "gptq",
             "bits": bits,
-            "group_size": GROUP,
+            "group_size": group,
             "desc_act": act_order,
             "sym": sym,
         }

@@ -167,6 +167,10 @@ def load_model(
         files = find_weight_files(source)  # fail on missing weights before building anything
     with torch.device(device), _default_dtype(dtype), torch.no_grad():
         model = model_cls(model_config.hf_config, linear_method, attn_backend)
+        if model_config.quantization in ("awq", "gptq"):
+            from pagoda.model.quantization.tp_shards import raise_shard_problems
+
+            raise_shard_problems(model)  # a rank's shards that do not split, before reading
         if load_format == "dummy":
             init_dummy_weights(model, model_config.seed)
         else:

@@ -21,7 +21,10 @@ once every tensor is in, each layer is repacked or dequantized, on its device, o
   weight in the model dtype and runs as an unquantized layer (the packed C GEMM on a CPU, the
   Triton GEMV / cuBLAS on a GPU): the dense model's memory.
 `formats.dequantize_*` + F.linear is the reference of all (tests compare them); the methods of
-the layers kept quantized are `packed_methods.py`'s.
+the layers kept quantized are `packed_methods.py`'s. With tensor parallelism each rank loads
+only its shards of the packed tensors (`tp_shards.py`: outputs of column-parallel layers, inputs
+and their groups of row-parallel ones) and the above runs on them, on the rank's device; a GPTQ
+act-order row-parallel shard (its inputs parts of many groups) is dequantized.
 
 8-bit weights and activations (INT8 W8A8 and FP8, compressed-tensors checkpoints, or FP8 made
 at load from a dense checkpoint with `quantization="fp8"`) are `w8a8.py`'s; `--load-format
@@ -47,6 +50,12 @@ from pagoda.model.quantization import cpu_blocks
 from pagoda.model.quantization.cpu_blocks import cpu_blocks_enabled
 from pagoda.model.quantization.formats import dequantize_awq, dequantize_gptq
 from pagoda.model.quantization.packed_methods import W4A16LinearMethod, W8A16LinearMethod
+from pagoda.model.quantization.tp_shards import (
+    compact_groups,
+    rank_g_idx,
+    row_split,
+    shard_problem,
+)
 from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, gptq_to_w4
 from pagoda.model.quantization.w8_layout import W8Weight, gptq_to_w8
 
@@ -294,14 +303,19 @@ class AWQLinearMethod(_PackedUntilLoaded):
         params_dtype: torch.dtype,
     ) -> None:
         k, n = input_size_per_partition, sum(output_partition_sizes)
-        groups = self._num_groups(k)
+        whole = self.group_size in (-1, 0)  # one group per row: on every rank whole
+        layer.quant_shard_problem = shard_problem(layer, "AWQ", self.group_size, 8, False, whole)
+        if layer.quant_shard_problem:
+            return  # refused by name at load (`tp_shards.raise_shard_problems`)
+        groups = 1 if whole else self._num_groups(k)
         if n % self.pack:
             raise ValueError(f"AWQ needs output sizes divisible by {self.pack}, got {n}")
+        group_dims = {} if whole else {"input_dim": 0}
         self._param(layer, "qweight", (k, n // self.pack), torch.int32, output_dim=1, input_dim=0)
         self._param(
-            layer, "qzeros", (groups, n // self.pack), torch.int32, output_dim=1, input_dim=0
+            layer, "qzeros", (groups, n // self.pack), torch.int32, output_dim=1, **group_dims
         )
-        self._param(layer, "scales", (groups, n), torch.float16, output_dim=1, input_dim=0)
+        self._param(layer, "scales", (groups, n), torch.float16, output_dim=1, **group_dims)
 
     def _dense(self, layer: nn.Module) -> torch.Tensor:
         group = self._group(layer.input_size_per_partition)
@@ -327,6 +341,7 @@ class GPTQLinearMethod(_PackedUntilLoaded):
             )
         super().__init__(bits, int(qc.get("group_size", 128)))
         self.sym = bool(qc.get("sym", False))
+        self.desc_act = bool(qc.get("desc_act", False))
 
     def init_dummy_weights(self, layer: nn.Module) -> None:
         """After `init_dummy_weights`' random bits: symmetric zeros where the config says sym
@@ -347,12 +362,24 @@ class GPTQLinearMethod(_PackedUntilLoaded):
     ) -> None:
         k, n = input_size_per_partition, sum(output_partition_sizes)
         group = self._group(k)
+        # A row-parallel rank keeps every group where its inputs are not whole groups of
+        # their own: act order, or one group per row.
+        whole = self.group_size in (-1, 0) or self.desc_act
+        layer.quant_shard_problem = shard_problem(
+            layer, f"GPTQ {self.bits}-bit", self.group_size, self.pack, True, whole
+        )
+        if layer.quant_shard_problem:
+            return  # refused by name at load (`tp_shards.raise_shard_problems`)
         if k % self.pack or n % self.pack:
             raise ValueError(f"GPTQ needs sizes divisible by {self.pack}, got in {k}, out {n}")
         self._param(layer, "qweight", (k // self.pack, n), torch.int32, output_dim=1, input_dim=0)
-        groups = self._num_groups(k)
-        self._param(layer, "qzeros", (groups, n // self.pack), torch.int32, output_dim=1)
-        self._param(layer, "scales", (groups, n), torch.float16, output_dim=1)
+        keep_all = row_split(layer) and whole and self.group_size not in (-1, 0)
+        groups = self._num_groups(k * layer.tp_size) if keep_all else self._num_groups(k)
+        group_dims = {} if whole else {"input_dim": 0}
+        self._param(
+            layer, "qzeros", (groups, n // self.pack), torch.int32, output_dim=1, **group_dims
+        )
+        self._param(layer, "scales", (groups, n), torch.float16, output_dim=1, **group_dims)
         # g_idx: one row per fused shard (q, k and v each have their own act-order); the
         # default k // group_size where a checkpoint has none.
         g_idx = self._param(
@@ -362,6 +389,7 @@ class GPTQLinearMethod(_PackedUntilLoaded):
         shard_index = {"q": 0, "k": 1, "v": 2}
 
         def load_g_idx(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            loaded = rank_g_idx(layer, loaded, group, local=not whole)
             rows = (
                 range(param.shape[0]) if shard_id is None else [shard_index.get(shard_id, shard_id)]
             )
@@ -371,6 +399,11 @@ class GPTQLinearMethod(_PackedUntilLoaded):
                 param.data[r].copy_(loaded)
 
         g_idx.weight_loader = load_g_idx
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if row_split(layer) and self.desc_act and self.group_size not in (-1, 0):
+            compact_groups(layer)  # only the groups this rank's inputs use
+        super().process_weights_after_loading(layer)
 
     def _dense(self, layer: nn.Module) -> torch.Tensor:
         sizes = layer.output_partition_sizes
@@ -393,23 +426,36 @@ class GPTQLinearMethod(_PackedUntilLoaded):
     def _w4(self, layer: nn.Module) -> W4Weight | None:
         group = self._group(layer.input_size_per_partition)
         return self._told_if_none(
-            gptq_to_w4(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
+            layer, gptq_to_w4(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
         )
 
     def _w8(self, layer: nn.Module) -> W8Weight | None:
         group = self._group(layer.input_size_per_partition)
         return self._told_if_none(
-            gptq_to_w8(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
+            layer, gptq_to_w8(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, group)
         )
 
-    def _told_if_none(self, packed: W4Weight | W8Weight | None) -> W4Weight | W8Weight | None:
-        if packed is None and not getattr(self, "_told_act_order", False):
+    def _told_if_none(
+        self, layer: nn.Module, packed: W4Weight | W8Weight | None
+    ) -> W4Weight | W8Weight | None:
+        if packed is not None:
+            return packed
+        if row_split(layer):
+            if not getattr(self, "_told_row_act_order", False):
+                self._told_row_act_order = True  # once per model, not per layer
+                logger.warning(
+                    "GPTQ act-order row-parallel layers (o_proj, down_proj) with "
+                    "tensor_parallel_size > 1 are dequantized on each rank: a rank's inputs "
+                    "hold parts of many groups, which no input permutation makes groups of "
+                    "group_size consecutive inputs (the kernels' layout)"
+                )
+        elif not getattr(self, "_told_act_order", False):
             self._told_act_order = True  # once per model, not per layer
             logger.info(
                 "GPTQ act-order layers whose fused shards have different g_idx are "
                 "dequantized (one input permutation must serve the shards that share x)"
             )
-        return packed
+        return None
 
 
 __all__ = [
