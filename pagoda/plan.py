@@ -233,10 +233,25 @@ def _weights(
     bits = int(qc.get("bits", 4))
     if quant in ("awq", "gptq") and device == "cuda" and bits in (4, 8):
         kept = "4-bit layers kept packed" if bits == 4 else "8-bit layers kept 8-bit"
-        return est.weight_bytes(hf_config, itemsize, tp, qc), f"{quant} {kept}"
+        nbytes = est.weight_bytes(hf_config, itemsize, tp, qc)
+        if quant == "gptq" and tp > 1 and qc.get("desc_act"):
+            # A rank's inputs of an act-order o_proj / down_proj hold parts of many groups:
+            # dequantized there (`quantization/tp_shards.py`).
+            nbytes += _row_parallel_params(hf_config) // tp * (itemsize - bits / 8)
+            kept += ", act-order o_proj / down_proj dequantized"
+        return int(nbytes), f"{quant} {kept}"
     if quant in ("awq", "gptq"):
         return est.weight_bytes(hf_config, itemsize, tp), f"{quant} dequantized to {dtype}"
     return est.weight_bytes(hf_config, itemsize, tp), dtype
+
+
+def _row_parallel_params(hf_config: dict[str, Any]) -> int:
+    """The weights of the row-parallel layers (o_proj, down_proj) of all decoder layers."""
+    from pagoda.worker.memory_estimate import ModelShape
+
+    shape = ModelShape.from_hf_config(hf_config)
+    per_layer = shape.num_attention_heads * shape.head_dim + shape.intermediate_size
+    return shape.num_layers * shape.hidden_size * per_layer
 
 
 def _mapping_refused(nbytes: int) -> str | None:

@@ -160,3 +160,22 @@ def test_packed_outputs_split_mid_word_are_refused() -> None:
         "multiple of 8, the outputs packed in one int32 word of its tensors"
     )
     assert shard_problem(qkv, "AWQ", 16, 8, False, False) == qkv.quant_shard_problem
+
+
+def test_plan_counts_act_order_row_shards_dequantized() -> None:
+    from pagoda.plan import _weights
+
+    cfg = dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    plain, _ = _weights("m", {**cfg, "quantization_config": qc}, "bfloat16", 2, "cuda", "gptq", 2)
+    qc["desc_act"] = True
+    act, why = _weights("m", {**cfg, "quantization_config": qc}, "bfloat16", 2, "cuda", "gptq", 2)
+    rows = 32 * 4096 * (4096 + 14336) // 2  # o_proj and down_proj weights a rank holds
+    assert act - plain == int(rows * 1.5) and "act-order o_proj / down_proj dequantized" in why
