@@ -192,6 +192,7 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {config!r:.100}")
         known = {
+            "draft_tensor_parallel_size",
             "method",
             "model",
             "num_speculative_tokens",
@@ -225,6 +226,14 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {key} must be an integer, got {value!r}")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"speculative_config: model must be a path, got {model!r}")
+        draft_tp = config.get("draft_tensor_parallel_size")
+        if draft_tp is not None and (type(draft_tp) is not int or draft_tp != 1 or not model):
+            # The draft runs whole on one device in the engine core, whatever the target's
+            # tensor_parallel_size: vLLM's draft_tensor_parallel_size=1.
+            raise ValueError(
+                f"speculative_config: draft_tensor_parallel_size {draft_tp!r} is not supported: "
+                "a draft model runs unsharded on one device (1), beside the target's ranks"
+            )
         hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
         hi = hi if hi is not None else (lo if lo is not None else 5)
         lo = lo if lo is not None else hi

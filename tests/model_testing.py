@@ -4,7 +4,8 @@
 `make_tiny_checkpoint(path, "qwen3")` saves a two-layer model (safetensors + config.json) whose
 norms and biases are perturbed away from HF's 1/0 initialisation, and returns the HF model as
 the numerical reference. `PagedRunner` drives a model one sequence at a time through a paged KV
-cache with shuffled blocks, without the model runner. Needs `transformers` (a test dependency).
+cache with shuffled blocks, without the model runner. `Tally` stands in for an engine's stat
+logger and sums its speculative-decoding counts. Needs `transformers` (a test dependency).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.metrics.stats import IterationStats
 
 TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
@@ -184,3 +186,15 @@ def hf_tokenizer(path: str, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+class Tally:
+    """Stands in for the engine's stat logger: sums the speculative-decoding counts."""
+
+    def __init__(self) -> None:
+        self.drafts = self.draft_tokens = self.accepted = 0
+
+    def record(self, sched: object, it: IterationStats) -> None:
+        self.drafts += it.num_drafts
+        self.draft_tokens += it.num_draft_tokens
+        self.accepted += it.num_accepted_tokens

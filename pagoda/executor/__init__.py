@@ -66,18 +66,20 @@ def check_tensor_parallel_config(config: EngineConfig) -> None:
         divide(kv, tp, "num_key_value_heads")
     divide(mc.vocab_size, tp, "vocab_size")
     divide(int(mc.hf_config["intermediate_size"]), tp, "intermediate_size")
-    spec = config.speculative_config
-    if spec is not None and spec.method != "ngram":
-        raise ValueError(
-            "speculative decoding with a draft model and tensor_parallel_size > 1 is not "
-            "supported yet: use method 'ngram' or tensor_parallel_size=1"
-        )
-    if config.device_config.device == "cuda" and pc.distributed_executor_backend != "ray":
-        import torch  # (Ray's GPUs may be on other machines: RayExecutor counts the cluster's)
+    if config.device_config.device != "cuda":
+        return
+    import torch
 
-        found = torch.cuda.device_count()
-        if found < tp:
-            raise ValueError(
-                f"tensor_parallel_size={tp} needs {tp} GPUs, this machine shows {found}: lower "
-                "--tensor-parallel-size (or check CUDA_VISIBLE_DEVICES)"
-            )
+    found = torch.cuda.device_count()
+    if pc.distributed_executor_backend != "ray" and found < tp:
+        # (Ray's GPUs may be on other machines: RayExecutor counts the cluster's.)
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} GPUs, this machine shows {found}: lower "
+            "--tensor-parallel-size (or check CUDA_VISIBLE_DEVICES)"
+        )
+    spec = config.speculative_config
+    if spec is not None and spec.model is not None and found == 0:
+        raise ValueError(
+            "a draft model runs whole in the engine's own process, beside the ranks, and this "
+            "process sees no GPU: run Pagoda on a node with a GPU (or use method 'ngram')"
+        )

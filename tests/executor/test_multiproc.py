@@ -20,7 +20,8 @@ import textwrap
 import time
 
 import pytest
-from model_testing import make_tiny_checkpoint
+import torch
+from model_testing import Tally, make_tiny_checkpoint
 from tp_testing import (  # noqa: E402
     GREEDY,
     PROMPTS,
@@ -33,6 +34,7 @@ from tp_testing import (  # noqa: E402
 )
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import DeviceConfig, ParallelConfig
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.executor import check_tensor_parallel_config, make_executor
 from pagoda.executor.multiproc import WorkerError
@@ -102,6 +104,21 @@ def test_tp2_ngram_speculation_matches_one_process(checkpoint, tp1) -> None:
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=24)
         assert generated_tokens(llm, greedy) == generated_tokens(tp1, greedy)
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
+def test_tp2_draft_model_speculation_matches_one_process(checkpoint, tp1) -> None:
+    # The draft runs whole in the driver (draft_tensor_parallel_size 1); the target's ranks
+    # verify its drafts. The model drafting for itself gets every greedy draft accepted.
+    draft = {"model": checkpoint, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
+    llm = tp_llm(checkpoint, 2, speculative_config=draft)
+    try:
+        tally = Tally()
+        llm.llm_engine.stat_logger = tally
+        greedy = SamplingParams(temperature=0.0, max_tokens=24)
+        assert generated_tokens(llm, greedy) == generated_tokens(tp1, greedy)
+        assert tally.drafts > 0 and tally.accepted > len(PROMPTS) * 12
     finally:
         llm.llm_engine.executor.shutdown()
 
@@ -266,17 +283,21 @@ def _config(path: str, **kwargs):
     return EngineArgs(model=path, dtype="float32", device="cpu", **kwargs).create_engine_config()
 
 
-def test_unshardable_or_unsupported_setups_are_refused(checkpoint, tmp_path) -> None:
+def test_unshardable_or_unsupported_setups_are_refused(checkpoint, tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by"):
         check_tensor_parallel_config(_config(checkpoint, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="backend must be 'mp' or 'ray'"):
         make_executor(
             _config(checkpoint, tensor_parallel_size=2, distributed_executor_backend="dask")
         )
+    # A draft model runs in the driver: on GPUs (Ray's may all be elsewhere) it needs one there.
     draft = {"model": checkpoint, "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="draft model and tensor_parallel_size > 1"):
+    config = _config(checkpoint, tensor_parallel_size=2, speculative_config=draft)
+    config = config.replace(device_config=DeviceConfig(device="cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="draft model runs whole in the engine's own process"):
         check_tensor_parallel_config(
-            _config(checkpoint, tensor_parallel_size=2, speculative_config=draft)
+            config.replace(parallel_config=ParallelConfig(2, distributed_executor_backend="ray"))
         )
     make_tiny_checkpoint(
         tmp_path, "llama_mqa_attention_bias", num_attention_heads=6, hidden_size=96, vocab_size=120

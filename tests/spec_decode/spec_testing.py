@@ -1,24 +1,10 @@
-"""Helpers of the speculative-decoding tests: a stat-logger stand-in that sums the draft
-counts, and tiny Llama checkpoints whose next token depends strongly on the current one."""
+"""Helpers of the speculative-decoding tests: tiny Llama checkpoints whose next token depends
+strongly on the current one."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from pagoda.metrics.stats import IterationStats
-
-
-class Tally:
-    """Stands in for the engine's stat logger: sums the speculative-decoding counts."""
-
-    def __init__(self) -> None:
-        self.drafts = self.draft_tokens = self.accepted = 0
-
-    def record(self, sched: object, it: IterationStats) -> None:
-        self.drafts += it.num_drafts
-        self.draft_tokens += it.num_draft_tokens
-        self.accepted += it.num_accepted_tokens
 
 
 def tiny_model(

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from spec_testing import Tally, tiny_model
+from model_testing import Tally
+from spec_testing import tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import embedded_model_path

@@ -10,7 +10,8 @@ import argparse
 from collections import Counter
 
 import pytest
-from spec_testing import Tally, tiny_model
+from model_testing import Tally
+from spec_testing import tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.arg_utils import EngineArgs
@@ -117,7 +118,10 @@ def test_configuration() -> None:
     with pytest.raises(ValueError, match="not supported yet"):
         LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="unsupported key"):
-        LLM(speculative_config={**SPEC, "draft_tensor_parallel_size": 1})
+        LLM(speculative_config={**SPEC, "draft_model_max_len": 1})
+    for draft_tp in (2, True, "1"):  # the draft runs on one device: only 1 is honest
+        with pytest.raises(ValueError, match="draft_tensor_parallel_size .* not supported"):
+            LLM(speculative_config={**SPEC, "draft_tensor_parallel_size": draft_tp})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="prompt_lookup_min"):

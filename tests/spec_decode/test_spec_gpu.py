@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_testing import Tally
+from model_testing import Tally
 
 from pagoda import LLM, SamplingParams
 
