@@ -152,3 +152,6 @@ class EngineCoreOutputs:
     # The step's `IterationStats` as far as the core knows them (scheduled and prompt tokens,
     # drafts); the output processor adds the token timings and the finished requests.
     iteration_stats: Any = None
+    # Requests the scheduler preempted in this call's steps (each time it did), for the
+    # per-request preemption counts.
+    preempted: list[str] = field(default_factory=list)

@@ -205,6 +205,10 @@ class AsyncLLM:
         self.num_restarts = 0
         self.stats_hooks = list(stats_hooks or [])
         self.restart_hooks: list[Callable[[], None]] = []  # called after each restart
+        # Called with the reason of each request refused for load (vLLM's admission
+        # rejections): "max_num_queued_reqs" (the waiting bound), or a structured request's
+        # StructuredOutputsBusyError reason. Not for 503s that are no load: draining, restarting.
+        self.rejection_hooks: list[Callable[[str], None]] = []
         self.fatal_hooks: list[Callable[[BaseException], None]] = []  # called once, if dead
         self._engine_factory = engine_factory
         self._idle_poll_s = idle_poll_s
@@ -451,6 +455,7 @@ class AsyncLLM:
             )
         free = max(0, self.max_num_seqs - self._engine_running)
         if self._num_pending_adds + self._engine_waiting + n - free > bound:
+            self._rejected("max_num_queued_reqs")
             raise EngineOverloadedError(
                 f"the server is at capacity ({bound} requests waiting, --max-waiting-requests):"
                 " retry later"
@@ -474,6 +479,8 @@ class AsyncLLM:
                 for rid in op.parents_of([cid]):
                     op.discard(rid)
                     refused.append((rid, error))
+                    if isinstance(error, StructuredOutputsBusyError) and error.reason:
+                        self._rejected(error.reason)
             expired = op.parents_of(report.expired)
             if expired:
                 op.abort_requests(expired)
@@ -487,7 +494,10 @@ class AsyncLLM:
             if report.stepped:
                 outputs, stopped = op.process_core_outputs(
                     EngineCoreOutputs(
-                        report.outputs, report.first_scheduled, report.iteration_stats
+                        report.outputs,
+                        report.first_scheduled,
+                        report.iteration_stats,
+                        report.preempted,
                     )
                 )
         if stopped:  # a stop string (or an error) ended them here: free their KV blocks
@@ -526,6 +536,13 @@ class AsyncLLM:
                 batches.setdefault(st.loop, []).append((st.out, out))
         for loop, items in batches.items():
             _send(loop, items)
+
+    def _rejected(self, reason: str) -> None:
+        for hook in self.rejection_hooks:
+            try:
+                hook(reason)
+            except Exception:  # noqa: BLE001 - metrics must never stop admission
+                logger.exception("rejection hook failed")
 
     def _report_stats(self) -> None:
         for hook in self.stats_hooks:

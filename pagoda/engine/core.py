@@ -230,6 +230,7 @@ class EngineCore:
             self._propose_drafts()
         sched_out = self.scheduler.schedule()
         scheduled = self.scheduler.scheduled_requests(sched_out)
+        result.preempted.extend(sched_out.preempted_req_ids)
         too_slow: dict[str, str] = {}
         if self.structured_output.backend_ready:
             too_slow = self.structured_output.grammar_bitmask(sched_out, scheduled)

@@ -84,6 +84,7 @@ class CoreReport:
     stepped: bool = False
     scheduler_stats: Any = None  # core.last_scheduler_stats after the step
     iteration_stats: Any = None  # the step's IterationStats, as far as the core counts them
+    preempted: list[str] = field(default_factory=list)  # ids preempted in the step
     num_preemptions_total: int = 0
 
     @property
@@ -137,6 +138,8 @@ class EngineCoreLoop:
         # every other request go on meanwhile). They count as waiting.
         self._compiling: list[tuple[Future, AddRequest]] = []
         self._compile_pool: GrammarCompilePool | None = None
+        # The samples compiling as of the last statistics sent (num_deferred_waiting_reqs).
+        self._deferred_reported = 0
 
     def run(self) -> None:
         try:
@@ -177,7 +180,8 @@ class EngineCoreLoop:
             return None
         return StructuredOutputsBusyError(
             f"the server is busy with {running} structured_outputs constraints given up on as "
-            f"too slow (at most {limit}, PAGODA_GRAMMAR_MAX_ABANDONED): retry later"
+            f"too slow (at most {limit}, PAGODA_GRAMMAR_MAX_ABANDONED): retry later",
+            "grammar_max_abandoned",
         )
 
     def _admit_compiled(self, report: CoreReport) -> None:
@@ -244,6 +248,9 @@ class EngineCoreLoop:
                 if expired:
                     report.expired.extend(expired)
                     needs_flush = True
+            deferred = sum(len(c[1].requests) for c in self._compiling)
+            if deferred != self._deferred_reported:
+                needs_flush = True  # statistics with the new count, even with nothing to run
             # After aborts one step runs even when nothing is left: it tells the model runner
             # which requests are gone and refreshes the scheduler's statistics.
             if not stop and (core.has_unfinished_requests() or needs_flush):
@@ -252,12 +259,14 @@ class EngineCoreLoop:
                 report.outputs = result.outputs
                 report.first_scheduled = result.first_scheduled
                 report.iteration_stats = result.iteration_stats
+                report.preempted = result.preempted
                 report.stepped = True
                 report.scheduler_stats = core.last_scheduler_stats
+                if report.scheduler_stats is not None:  # they wait too, off the scheduler
+                    report.scheduler_stats.num_deferred_waiting_reqs = deferred
+                self._deferred_reported = deferred
                 report.num_preemptions_total = getattr(core, "num_preemptions_total", 0)
-            report.num_waiting = core.num_waiting_requests + sum(
-                len(c[1].requests) for c in self._compiling
-            )
+            report.num_waiting = core.num_waiting_requests + deferred
             if report.has_news:
                 self._put_report(report)
             if stop:

@@ -52,6 +52,9 @@ class SampleState:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     final_sent: bool = False  # DELTA: the finished sample was reported
+    max_tokens: int | None = None  # resolved against the context (the core request's)
+    num_cached_tokens: int = 0  # its prompt tokens the prefix cache held
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -84,8 +87,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.samples: dict[str, SampleState] = {}  # child request id -> state
         self.parents: dict[str, ParentState] = {}  # user request id -> state
-        # Samples ended by abort since the last step: counted in the next step's statistics.
+        # Samples ended by abort since the last step: counted in the next step's statistics,
+        # with their user requests' (n, most tokens a sample generated).
         self._aborted_stats: list[FinishedRequestStats] = []
+        self._aborted_parents: list[tuple[int, int]] = []
 
     # -- bookkeeping -----------------------------------------------------------------------
     def add_request(
@@ -115,7 +120,7 @@ class OutputProcessor:
                     stop=list(p.stop or []),
                     include_stop_str_in_output=p.include_stop_str_in_output,
                 )
-            state = SampleState(child_id, index, parent, p, detok)
+            state = SampleState(child_id, index, parent, p, detok, max_tokens=sample.max_tokens)
             if p.logprobs is not None:
                 state.logprobs, state.cumulative_logprob = [], 0.0
             parent.samples.append(state)
@@ -172,6 +177,7 @@ class OutputProcessor:
                     children.append(s.request_id)
                     s.finish_reason = "abort"
                     self._aborted_stats.append(self._finished_stats(s, now))
+            self._aborted_parents.append(_parent_stats(parent))
         return children
 
     def has_unfinished_requests(self) -> bool:
@@ -193,6 +199,10 @@ class OutputProcessor:
         `process_outputs`; the step's `iteration_stats` get the timings and finished requests)."""
         for rid, t in core_out.first_scheduled.items():
             self.mark_scheduled(rid, t)
+        for rid in core_out.preempted:
+            state = self.samples.get(rid)
+            if state is not None:
+                state.num_preemptions += 1
         now = time.time() if now is None else now
         return self.process_outputs(core_out.outputs, now, core_out.iteration_stats)
 
@@ -205,6 +215,10 @@ class OutputProcessor:
         stopped_early: list[str] = []
         stats.finished_requests.extend(self._aborted_stats)
         self._aborted_stats = []
+        for n, max_gen in self._aborted_parents:
+            stats.n_params_iter.append(n)
+            stats.max_num_generation_tokens_iter.append(max_gen)
+        self._aborted_parents = []
         for out in core_outputs:
             state = self.samples.get(out.request_id)
             if state is None or state.finished:
@@ -238,8 +252,10 @@ class OutputProcessor:
                 ro = self._error_output(parent, now)
             if ro is not None:
                 outputs.append(ro)
-            if parent.finished:
-                self.parents.pop(parent.request_id, None)
+            if parent.finished and self.parents.pop(parent.request_id, None) is not None:
+                n, max_gen = _parent_stats(parent)
+                stats.n_params_iter.append(n)
+                stats.max_num_generation_tokens_iter.append(max_gen)
         return outputs, stopped_early
 
     def _process_one(
@@ -248,6 +264,7 @@ class OutputProcessor:
         """Take one sample's step output; True when a stop string ended it."""
         parent = state.parent
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
             parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
         stopped = False
@@ -434,5 +451,12 @@ class OutputProcessor:
             prefill_time=prefill,
             decode_time=decode,
             mean_time_per_output_token=tpot,
-            num_cached_tokens=s.parent.num_cached_tokens,
+            num_cached_tokens=s.num_cached_tokens,
+            num_preemptions=s.num_preemptions,
+            max_tokens_param=s.max_tokens,
         )
+
+
+def _parent_stats(parent: ParentState) -> tuple[int, int]:
+    """A user request's n, and the most tokens one of its samples generated."""
+    return len(parent.samples), max((len(s.token_ids) for s in parent.samples), default=0)

@@ -10,7 +10,11 @@ class SchedulerStats:
     """State of the scheduler after a step. Counters are deltas since the previous step."""
 
     num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
+    num_waiting_reqs: int = 0  # in the scheduler's queue: waiting for room in the batch
+    # Waiting off the scheduler for something other than room (vLLM's skipped waiting
+    # requests): samples whose structured-outputs constraint is being compiled. Set by the
+    # engine core loop, which holds them.
+    num_deferred_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_used_blocks: int = 0
     num_total_blocks: int = 0
@@ -34,7 +38,9 @@ class FinishedRequestStats:
     prefill_time: float | None  # first scheduled -> first token
     decode_time: float | None  # first token -> last token
     mean_time_per_output_token: float | None  # None below 2 tokens
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # its prompt tokens the prefix cache held
+    num_preemptions: int = 0  # times the scheduler preempted it
+    max_tokens_param: int | None = None  # its max_tokens, resolved against the context
 
 
 @dataclass
@@ -76,5 +82,9 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Per user request that ended this step (all its samples): its n, and the most tokens one
+    # of its samples generated (vLLM's ParentRequest observations).
+    n_params_iter: list[int] = field(default_factory=list)
+    max_num_generation_tokens_iter: list[int] = field(default_factory=list)
     # The prompts whose first token came this step (the output processor's count).
     prompt_token_stats: PromptTokenStats = field(default_factory=PromptTokenStats)

@@ -157,6 +157,7 @@ def build_app(
     )
     engine.stats_hooks.append(stat_logger.record)
     engine.restart_hooks.append(stat_logger.engine_restarts.inc)
+    engine.rejection_hooks.append(stat_logger.record_admission_rejection)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:

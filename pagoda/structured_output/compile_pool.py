@@ -37,7 +37,14 @@ NUM_COMPILE_SLOTS = 2  # compiles at once (worker processes, or threads without 
 
 class StructuredOutputsBusyError(RuntimeError):
     """A structured request refused for now: too much constraint work given up on is still
-    running, or no compile worker was free until its deadline. Retry later (HTTP 503)."""
+    running, or no compile worker was free until its deadline. Retry later (HTTP 503).
+    `reason` is the load limit it hit, for `pagoda:admission_rejections_total` (None: not a
+    refusal for load, as when the server shuts down). It survives pickling (the instance's
+    attributes travel with it)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def timeout_message(limit_s: float) -> str:
@@ -306,7 +313,8 @@ def _busy(limit_s: float) -> StructuredOutputsBusyError:
     return StructuredOutputsBusyError(
         f"the server's grammar compilers were busy for {limit_s:g} s "
         "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S) with other structured_outputs constraints: "
-        "retry later"
+        "retry later",
+        "grammar_compile_backlog",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pagoda import LLM, SamplingParams
@@ -54,9 +56,16 @@ def test_chunked_prefill_does_not_change_greedy_outputs(reference) -> None:
 def test_preemption_does_not_change_greedy_outputs(reference) -> None:
     # 6 blocks of 16 tokens cannot hold all four requests at once: some get preempted.
     tiny = LLM(dtype="float32", max_model_len=96, num_gpu_blocks_override=8, seed=0)
+    finished = []  # each step's finished requests' statistics, as the metrics get them
+    tiny.llm_engine.stat_logger = SimpleNamespace(
+        record=lambda sched, it: finished.extend(it.finished_requests)
+    )
     outs = tiny.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _texts(outs) == reference
     assert tiny.llm_engine.num_preemptions_total > 0
+    # Each preemption reaches the preempted request's statistics (request_num_preemptions).
+    assert len(finished) == len(PROMPTS)
+    assert sum(f.num_preemptions for f in finished) == tiny.llm_engine.num_preemptions_total
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -8,22 +8,28 @@ import pytest
 
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.metrics.prometheus import PrometheusStatLogger
+from pagoda.metrics.prometheus import PREFIX, PrometheusStatLogger
 from pagoda.metrics.stats import IterationStats
 from pagoda.sampling_params import SamplingParams
 
-M = {"model_name": "m"}
+M = {"model_name": "m", "engine": "0"}  # vLLM's labels of an engine metric
 
 
-def _add(op: OutputProcessor, rid: str, prompt: list[int], arrival: float, n: int = 1) -> None:
-    params = SamplingParams(max_tokens=8, n=n, detokenize=False)
-    samples = [EngineCoreRequest(f"{i}_{rid}", prompt, params, arrival, None, 8) for i in range(n)]
+def _add(
+    op: OutputProcessor, rid: str, prompt: list[int], arrival: float, n: int = 1, max_tokens=8
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens, n=n, detokenize=False)
+    samples = [EngineCoreRequest(f"{i}_{rid}", prompt, params, arrival, None, max_tokens)
+               for i in range(n)]  # fmt: skip
     op.add_request(rid, None, prompt, params, samples, arrival)
 
 
-def _step(op: OutputProcessor, now: float, outputs: list[EngineCoreOutput], scheduled=None):
+def _step(op: OutputProcessor, now: float, outputs: list[EngineCoreOutput], scheduled=None,
+          preempted=()):  # fmt: skip
     stats = IterationStats(iteration_timestamp=now)
-    op.process_core_outputs(EngineCoreOutputs(outputs, scheduled or {}, stats), now)
+    op.process_core_outputs(
+        EngineCoreOutputs(outputs, scheduled or {}, stats, list(preempted)), now
+    )
     return stats
 
 
@@ -101,3 +107,83 @@ def test_prompt_tokens_count_whole_prompts_with_prefix_cache_hits_by_source():
     assert _value(logger, "prompt_tokens_by_source_total", source="local_compute") == 13
     assert _value(logger, "prompt_tokens_by_source_total", source="local_cache_hit") == 17
     assert _value(logger, "iteration_tokens_total_sum") == 12 + 3
+
+
+def _record_all(*steps: IterationStats) -> PrometheusStatLogger:
+    logger = PrometheusStatLogger("m", max_model_len=256)
+    for stats in steps:
+        logger.record_iteration_stats(stats)
+    return logger
+
+
+def _buckets(logger: PrometheusStatLogger, name: str) -> dict[str, float]:
+    """A histogram's cumulative bucket counts, by upper bound."""
+    return {s.labels["le"]: s.value for m in logger.registry.collect() if m.name == PREFIX + name
+            for s in m.samples if s.name.endswith("_bucket")}  # fmt: skip
+
+
+def test_request_parameter_histograms_observe_n_once_per_request_and_max_tokens_per_sample():
+    # vLLM's: request_params_n and request_max_num_generation_tokens once per user request, as
+    # its last sample ends (the most tokens any sample generated); request_params_max_tokens
+    # per sample (its max_tokens resolved against the context).
+    op = OutputProcessor(None)
+    _add(op, "a", [1, 2, 3], arrival=100.0, n=3, max_tokens=40)
+    _add(op, "b", [1, 2, 3], arrival=100.0, max_tokens=7)
+    s1 = _step(op, 101.0, [EngineCoreOutput("0_a", [5, 6]), EngineCoreOutput("1_a", [5]),
+                           EngineCoreOutput("2_a", [5], finish_reason="stop"),
+                           EngineCoreOutput("0_b", [5])])  # fmt: skip
+    assert s1.n_params_iter == []  # a's samples are not all done
+    s2 = _step(op, 102.0, [EngineCoreOutput("0_a", [7, 8], finish_reason="length"),
+                           EngineCoreOutput("1_a", [9], finish_reason="stop")])  # fmt: skip
+    assert (s2.n_params_iter, s2.max_num_generation_tokens_iter) == ([3], [4])
+    op.abort_requests(["b"], now=103.0)  # an aborted request is observed too, at the next step
+    s3 = _step(op, 103.0, [])
+    assert (s3.n_params_iter, s3.max_num_generation_tokens_iter) == ([1], [1])
+    logger = _record_all(s1, s2, s3)
+    assert _value(logger, "request_params_n_count") == 2
+    assert _value(logger, "request_params_n_sum") == 4
+    assert _buckets(logger, "request_params_n") == {
+        "1.0": 1, "2.0": 1, "5.0": 2, "10.0": 2, "20.0": 2, "+Inf": 2}  # fmt: skip
+    assert _value(logger, "request_max_num_generation_tokens_sum") == 5
+    assert _value(logger, "request_params_max_tokens_count") == 4
+    assert _value(logger, "request_params_max_tokens_sum") == 3 * 40 + 7
+    assert _buckets(logger, "request_params_max_tokens")["5.0"] == 0
+    assert _buckets(logger, "request_params_max_tokens")["10.0"] == 1
+
+
+def test_request_num_preemptions_counts_each_samples_preemptions():
+    # The core reports the samples it preempted each step; a request never preempted is
+    # observed as 0, as vLLM's (its first bucket holds 0 and 1).
+    op = OutputProcessor(None)
+    _add(op, "a", [1, 2, 3], arrival=100.0)
+    _add(op, "b", [1, 2, 3], arrival=100.0)
+    s1 = _step(op, 101.0, [EngineCoreOutput("0_a", [5]), EngineCoreOutput("0_b", [5])],
+               preempted=["0_a"])  # fmt: skip
+    s2 = _step(op, 102.0, [EngineCoreOutput("0_b", [6], finish_reason="length")],
+               preempted=["0_a", "unknown"])  # fmt: skip
+    s3 = _step(op, 103.0, [EngineCoreOutput("0_a", [6], finish_reason="length")])
+    assert [f.num_preemptions for f in s2.finished_requests + s3.finished_requests] == [0, 2]
+    logger = _record_all(s1, s2, s3)
+    assert _value(logger, "request_num_preemptions_count") == 2
+    assert _value(logger, "request_num_preemptions_sum") == 2
+    assert _buckets(logger, "request_num_preemptions") == {
+        "1.0": 1, "2.0": 2, "3.0": 2, "4.0": 2, "5.0": 2, "10.0": 2, "20.0": 2, "+Inf": 2}  # fmt: skip
+
+
+def test_prefill_kv_computed_tokens_leave_out_each_samples_prefix_cache_hits():
+    # Per sample, its prompt less what the prefix cache held for it; a request that never
+    # prefilled (aborted in the queue) is not observed.
+    op = OutputProcessor(None)
+    prompt = list(range(10))
+    _add(op, "a", prompt, arrival=100.0, n=2)
+    _add(op, "w", prompt, arrival=100.0)
+    s1 = _step(op, 101.0, [
+        EngineCoreOutput("0_a", [7], num_cached_tokens=0),
+        EngineCoreOutput("1_a", [7], finish_reason="length", num_cached_tokens=8)])  # fmt: skip
+    s2 = _step(op, 102.0, [EngineCoreOutput("0_a", [8], finish_reason="length")])
+    op.abort_requests(["w"], now=102.5)
+    s3 = _step(op, 103.0, [])
+    logger = _record_all(s1, s2, s3)
+    assert _value(logger, "request_prefill_kv_computed_tokens_count") == 2
+    assert _value(logger, "request_prefill_kv_computed_tokens_sum") == 10 + 2
+    assert _value(logger, "prompt_tokens_cached_total") == 8  # local_cache_hit, as vLLM's

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 from fake_engine import FakeEngine
@@ -247,10 +250,15 @@ def test_api_key_guards_everything_but_health_and_metrics():
 
 
 def _metric(text: str, name: str) -> float:
+    return _metric_with(text, name)
+
+
+def _metric_with(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -264,8 +272,8 @@ def test_metrics_move_after_requests(client):
     assert _metric(after, "pagoda:prompt_tokens_total") == 3
     assert _metric(after, "pagoda:request_success_total") == 1
     assert (
-        'pagoda:request_success_total{finished_reason="length",model_name="fake-model"} 1.0'
-        in after
+        'pagoda:request_success_total{engine="0",finished_reason="length",model_name="fake-model"}'
+        " 1.0" in after
     )
     assert _metric(after, "pagoda:e2e_request_latency_seconds_count") == 1
     assert _metric(after, "pagoda:time_to_first_token_seconds_count") == 1
@@ -285,6 +293,13 @@ def test_engine_overload_is_503_with_retry_after():
             assert "retry" in _error(r, 503, None) and r.headers["retry-after"] == "1"
             r = c.post("/v1/completions", json={"prompt": "a", "stream": True})
             _error(r, 503, None)
+            # Counted as vLLM counts a request its queue bound refuses (before: nowhere).
+            text = c.get("/metrics").text
+            assert _metric(text, "pagoda:admission_rejections_total") == 2
+            assert (
+                'pagoda:admission_rejections_total{model_name="fake-model",'
+                'reason="max_num_queued_reqs"} 2.0' in text
+            )
     finally:
         llm.shutdown()
 
@@ -360,9 +375,94 @@ def test_a_constraint_invalid_without_a_compiler_is_400_at_any_load(load, monkey
                 assert message in _error(r, 400, "structured_outputs")
             valid = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "[ab]+"}}
             assert c.post("/v1/completions", json=valid).status_code == 503
+            # The 503 alone is a rejection for load, under the limit it hit; the 400s are not.
+            reason = "max_num_queued_reqs" if load == "queue full" else "grammar_max_abandoned"
+            text = c.get("/metrics").text
+            assert _metric(text, "pagoda:admission_rejections_total") == 1
+            assert f'reason="{reason}"}} 1.0' in text
         params = SamplingParams(structured_outputs=StructuredOutputsParams(json="{not json"))
         with pytest.raises(ValueError, match="invalid structured_outputs.json: not JSON"):
             asyncio.run(anext(llm.generate("x", params, "library-call")))
+    finally:
+        llm.shutdown()
+
+
+class _HeldCompiles:
+    """The serving loop's grammar compile pool, its one compile held until the test settles
+    its future."""
+
+    num_runaway = 0
+
+    def __init__(self, manager) -> None:
+        self.future: Future = Future()
+
+    def submit(self, params, timeout_s: float) -> Future:
+        return self.future
+
+    def expire(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Uncompiled(_AbandonedFills):
+    def compiled(self, params) -> bool:
+        return False
+
+
+def test_a_request_compiling_its_constraint_waits_deferred_and_a_compile_backlog_is_counted(
+    monkeypatch,
+):
+    # vLLM counts a request waiting for its grammar as waiting, "deferred" (not for room in the
+    # batch); Pagoda's waits in the serving loop, off the scheduler. Refused because no compiler
+    # was free in time, it is a rejection for load (503), as a full queue is.
+    from pagoda.engine import engine_core
+    from pagoda.engine.async_llm import StructuredOutputsBusyError
+
+    pools: list[_HeldCompiles] = []
+
+    def pool(manager) -> _HeldCompiles:
+        pools.append(_HeldCompiles(manager))
+        return pools[-1]
+
+    monkeypatch.setattr(engine_core, "GrammarCompilePool", pool)
+    fake = FakeEngine(max_num_seqs=2, max_model_len=64)
+    fake.structured_output = _Uncompiled(0)
+    llm = AsyncLLM(fake)
+    body = {"prompt": "x", "max_tokens": 2, "n": 2, "structured_outputs": {"regex": "[ab]+"}}
+    responses = []
+
+    def waiting(c) -> dict[str, float]:
+        text = c.get("/metrics").text
+        name = "pagoda:num_requests_waiting_by_reason"
+        by = {r: _metric_with(text, name, reason=r) for r in ("capacity", "deferred")}
+        return {**by, "all": _metric(text, "pagoda:num_requests_waiting")}
+
+    try:
+        with TestClient(build_app(llm)) as c:
+            t = threading.Thread(
+                target=lambda: responses.append(c.post("/v1/completions", json=body))
+            )
+            t.start()
+            deadline = time.monotonic() + 10
+            while waiting(c)["deferred"] != 2:  # its two samples
+                assert time.monotonic() < deadline, waiting(c)
+                time.sleep(0.02)
+            assert waiting(c) == {"capacity": 0, "deferred": 2, "all": 2}
+            pools[0].future.set_exception(
+                StructuredOutputsBusyError("compilers busy: retry later", "grammar_compile_backlog")
+            )
+            t.join(10)
+            _error(responses[0], 503, None)
+            text = c.get("/metrics").text
+            name, reason = "pagoda:admission_rejections_total", "grammar_compile_backlog"
+            assert _metric_with(text, name, reason=reason) == 1
+            deadline = time.monotonic() + 10
+            while waiting(c)["all"] != 0:
+                assert time.monotonic() < deadline, waiting(c)
+                time.sleep(0.02)
+            assert waiting(c)["deferred"] == 0
     finally:
         llm.shutdown()
 
