@@ -44,13 +44,26 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
      "Prefill and decode tokens per second."),
     ("Requests running / waiting", "short",
      [(f"sum(pagoda:num_requests_running{{{M}}})", "running"),
-      (f"sum(pagoda:num_requests_waiting{{{M}}})", "waiting (queue)")],
-     "A queue that keeps growing means the server cannot keep up."),
+      (f"sum(pagoda:num_requests_waiting{{{M}}})", "waiting (queue)"),
+      (f'sum(pagoda:num_requests_waiting_by_reason{{{M},reason="deferred"}})',
+       "waiting: deferred (constraint compiling)")],
+     "A queue that keeps growing means the server cannot keep up. Deferred: waiting for a "
+     "structured-outputs constraint to compile, not for room in the batch."),
+    ("Admission rejections", "reqps",
+     [(f"sum by(reason) (rate(pagoda:admission_rejections_total{{{M}}}[{RATE}]))", "{{reason}}")],
+     "Requests refused at the door for load (HTTP 503 with Retry-After), by the limit hit: "
+     "max_num_queued_reqs (--max-waiting-requests), grammar_compile_backlog, "
+     "grammar_max_abandoned."),
     ("KV-cache usage", "percentunit", [(f"max(pagoda:kv_cache_usage_perc{{{M}}})", "used")],
      "Fraction of KV blocks in use; near 1 requests wait or are preempted."),
     ("Prefix-cache hit rate", "percentunit",
      [(ratio("prefix_cache_hits_total", "prefix_cache_queries_total"), "hit rate")],
      "Prompt tokens found in the prefix cache, of those looked up."),
+    ("Prompt tokens: computed / cached", "tokens/s",
+     [(f'sum(rate(pagoda:prompt_tokens_by_source_total{{{M},source="local_compute"}}[{RATE}]))',
+       "computed"),
+      (f"sum(rate(pagoda:prompt_tokens_cached_total{{{M}}}[{RATE}]))", "cached")],
+     "Requests' prompt tokens the model computed, and those the prefix cache held."),
     ("Preemptions", "short",
      [(f"sum(increase(pagoda:num_preemptions_total{{{M}}}[{RATE}]))", "preemptions")],
      "Requests evicted from the KV cache to make room (recomputed later)."),
@@ -58,6 +71,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
      [(ratio("spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total"),
        "accepted / drafted")],
      "Draft tokens accepted by the target model (speculative decoding only)."),
+    ("Generation tokens per request: asked / produced", "short",
+     [(e, "max_tokens " + p) for e, p in quantiles("request_params_max_tokens", (0.5, 0.99))]
+     + [(e, "produced " + p)
+        for e, p in quantiles("request_max_num_generation_tokens", (0.5, 0.99))],
+     "Each request's max_tokens (resolved against the context), and the most tokens one of "
+     "its n samples generated (vLLM's max generation tokens in sequence group)."),
     ("Finished requests by reason", "reqps",
      [(f"sum by(finished_reason) (rate(pagoda:request_success_total{{{M}}}[{RATE}]))",
        "{{finished_reason}}")],

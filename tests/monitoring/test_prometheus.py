@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parent / "reliability"))
 sys.path.insert(0, str(HERE))
 
 from servers import ServerProcess, free_port  # noqa: E402
-from traffic import Traffic, restart_engine_once  # noqa: E402
+from traffic import Traffic, overload_once, restart_engine_once  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -38,9 +38,11 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, str(HERE / "monitored_fake_server.py"), "--api-key", KEY,
            "--served-model-name", "smol", "--uvicorn-log-level", "warning",
+           "--max-num-seqs", "4", "--max-waiting-requests", "8",
            "--die-once-file", str(log.parent / "died")]  # fmt: skip
     s = ServerProcess(cmd, log).wait_ready(60)
     restart_engine_once(s.url, s.headers)
+    overload_once(s.url, s.headers)
     yield s
     s.stop()
 
@@ -108,6 +110,8 @@ def test_every_grafana_panel_query_returns_data_from_a_real_prometheus(server, p
         "Time to first token", "Token throughput", "Requests running / waiting",
         "KV-cache usage", "Prefix-cache hit rate", "Preemptions", "Finished requests by reason",
         "Speculative decoding acceptance rate", "Engine restarts", "GPU memory",
+        "Admission rejections", "Prompt tokens: computed / cached",
+        "Generation tokens per request: asked / produced",
     }  # fmt: skip
     with Traffic(server.url, {"Authorization": f"Bearer {KEY}"}):
         # Until Prometheus has scraped enough of the traffic that every query answers.
@@ -135,6 +139,13 @@ def test_every_grafana_panel_query_returns_data_from_a_real_prometheus(server, p
     assert reasons >= {"stop", "length", "abort", "error"}
     restarts = _query(prometheus, 'pagoda:engine_restarts_total{model_name="smol"}')
     assert [float(r["value"][1]) for r in restarts] == [1.0]
+    # A vLLM dashboard's query, renamed, selects the same series: engine="0" as vLLM's.
+    engine0 = _query(prometheus, 'pagoda:engine_restarts_total{engine="0"}')
+    assert [r["metric"] for r in engine0] == [r["metric"] for r in restarts]
+    # The burst refused at the door, by the limit it hit (no engine label, as vLLM's).
+    refused = _query(prometheus, "pagoda:admission_rejections_total > 0")
+    assert [r["metric"]["reason"] for r in refused] == ["max_num_queued_reqs"], refused
+    assert "engine" not in refused[0]["metric"]
     up = _query(prometheus, 'up{job="pagoda"}')
     assert [float(r["value"][1]) for r in up] == [1.0]
     # The model variable of the dashboard lists the served name.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -37,6 +38,16 @@ def restart_engine_once(url: str, headers: dict[str, str]) -> None:
         while c.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the engine core was not restarted"
             time.sleep(0.2)
+
+
+def overload_once(url: str, headers: dict[str, str], n: int = 24) -> None:
+    """More requests at once than the server admits (started with --max-num-seqs 4
+    --max-waiting-requests 8): some are refused at the door, a 503 that
+    admission_rejections_total counts."""
+    body = {"model": "smol", "prompt": "burst", "max_tokens": 200}
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as c, ThreadPoolExecutor(n) as ex:
+        codes = list(ex.map(lambda _: c.post("/v1/completions", json=body).status_code, range(n)))
+    assert 503 in codes and 200 in codes, codes
 
 
 class Traffic:
