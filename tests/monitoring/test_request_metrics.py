@@ -1,12 +1,14 @@
 """Per-request metrics of a real `pagoda serve` on the embedded model, read from /metrics as a
 Prometheus scrape sees them: a request dropped from the queue is queue time, not prefill; the
-prompt tokens counted are the prompts', prefix-cache hits included."""
+prompt tokens counted are the prompts', prefix-cache hits included; a request refused at the
+door for the queue bound is an admission rejection."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -78,7 +80,10 @@ def test_a_request_dropped_from_the_queue_is_queue_time_not_prefill(server):
 
 
 def test_prompt_tokens_total_counts_prefix_cache_hits(server):
-    names = ("prompt_tokens_total", "prefix_cache_hits_total", "request_prompt_tokens_sum")
+    names = ("prompt_tokens_total", "prefix_cache_hits_total", "request_prompt_tokens_sum",
+             "prompt_tokens_cached_total", "prompt_tokens_cached_by_source_total",
+             "request_prefill_kv_computed_tokens_sum", "request_num_preemptions_count",
+             "request_params_max_tokens_sum", "request_params_n_sum")  # fmt: skip
     by_source = {src: {"source": src} for src in ("local_compute", "local_cache_hit")}
     before = _metrics(server, *names)
     before_src = {k: server.metric("pagoda:prompt_tokens_by_source_total", **v)
@@ -98,3 +103,25 @@ def test_prompt_tokens_total_counts_prefix_cache_hits(server):
     assert delta["prompt_tokens_total"] == usage == delta["request_prompt_tokens_sum"], delta
     assert src["local_cache_hit"] == delta["prefix_cache_hits_total"], (src, delta)
     assert src["local_compute"] + src["local_cache_hit"] == usage, src
+    # vLLM's names for the same split: the cached tokens (the device's prefix cache is the one
+    # tier), and per request what prefill computed.
+    assert delta["prompt_tokens_cached_total"] == src["local_cache_hit"], delta
+    assert delta["prompt_tokens_cached_by_source_total"] == src["local_cache_hit"], delta
+    assert delta["request_prefill_kv_computed_tokens_sum"] == src["local_compute"], delta
+    assert delta["request_num_preemptions_count"] == 2, delta
+    assert delta["request_params_max_tokens_sum"] == 2 * 2, delta
+    assert delta["request_params_n_sum"] == 2, delta
+
+
+def test_a_request_refused_at_the_door_is_an_admission_rejection(server):
+    # One running, 4 waiting at most: of 8 at once some are refused at the door (503) and
+    # counted by reason (before: counted nowhere); a 503 for waiting past --max-queue-delay-s
+    # ends an admitted request (finish_reason "abort"), not a rejection.
+    rejected0 = server.metric("pagoda:admission_rejections_total", reason="max_num_queued_reqs")
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(lambda i: _post(server, {"prompt": f"burst {i}", "max_tokens": 40,
+                                                       "ignore_eos": True}), range(8)))  # fmt: skip
+    at_door = [r for r in answers if r.status_code == 503 and "at capacity" in r.text]
+    assert at_door and any(r.status_code == 200 for r in answers), [r.text for r in answers]
+    rejected = server.metric("pagoda:admission_rejections_total", reason="max_num_queued_reqs")
+    assert rejected - rejected0 == len(at_door), [r.text for r in answers]
