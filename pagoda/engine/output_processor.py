@@ -12,8 +12,9 @@ too slow to apply): the request's other samples end with it, and its output says
 the request's own (`client_error`). Requests that end by abort are counted too (their
 statistics reach the next step's `IterationStats`), under finish_reason "abort": a client that
 left, and a request dropped after waiting --max-queue-delay-s (its 503 ends a request the
-engine had admitted, unlike a 503 at the door, which never becomes one; vLLM counts the aborts
-its engine makes under "abort" too). A request that never left the queue has only queue time.
+engine had admitted, unlike a 503 at the door, which never becomes one and is counted by
+admission_rejections_total; vLLM counts the aborts its engine makes under "abort" too). A
+request that never left the queue has only queue time.
 """
 
 from __future__ import annotations
