@@ -133,7 +133,13 @@ class Tokenizer(HFTokenizerMixin):
                 "transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(dir)`), or "
                 "pass --tokenizer PATH, or --skip-tokenizer-init to take and return token ids only"
             )
-        backend = BackendTokenizer.from_file(tokenizer_file)
+        try:
+            backend = BackendTokenizer.from_file(tokenizer_file)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(
+                f"{tokenizer_file} is not a readable tokenizer ({e}); it may be truncated or "
+                "corrupt: download it again"
+            ) from None
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
         special = {
@@ -142,10 +148,7 @@ class Tokenizer(HFTokenizerMixin):
             )
             for role in _SPECIAL_ROLES
         }
-        chat_template = config.get("chat_template")
-        if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t["name"]: t["template"] for t in chat_template}
-            chat_template = named.get("default", next(iter(named.values()), None))
+        chat_template = _config_chat_template(config.get("chat_template"), path)
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
@@ -351,7 +354,17 @@ class Tokenizer(HFTokenizerMixin):
         import jinja2
 
         try:
-            text = _compile_template(template).render(
+            compiled = _compile_template(template)
+        except ValueError as e:
+            if chat_template is not None or not self.name_or_path:
+                raise
+            # The model's own template: say whose, and how to replace it.
+            raise ValueError(
+                f"{e} (the chat template of {self.name_or_path}: fix it, or pass another "
+                "with chat_template=... or --chat-template FILE)"
+            ) from None
+        try:
+            text = compiled.render(
                 messages=chat,
                 tools=tools,
                 documents=kwargs.pop("documents", None),
@@ -419,9 +432,33 @@ def _read_json(path: str) -> dict[str, Any]:
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def _config_chat_template(value: Any, path: str) -> str | None:
+    """tokenizer_config.json's `chat_template`: a string, or a list of {"name", "template"}
+    (the one named "default", else the first). Anything else is a ValueError naming the file:
+    rendering it would fail later, on every chat request, with a message about Jinja."""
+    if isinstance(value, list):
+        if not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and "template" in t
+            for t in value
+        ):
+            value = 0  # refused below
+        else:
+            named = {t["name"]: t["template"] for t in value}
+            value = named.get("default", next(iter(named.values()), None))
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f"{os.path.join(path, 'tokenizer_config.json')}: chat_template must be a string (or "
+            f'a list of {{"name", "template"}} strings), got {value!r:.60}'
+        )
+    return value
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -464,7 +501,7 @@ def _compile_template(template: str) -> Any:
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ValueError(f"The chat template is not valid jinja: {e}") from None
+        raise ValueError(f"The chat template is not valid jinja (line {e.lineno}): {e}") from None
 
 
 def get_tokenizer(model: str | os.PathLike[str]) -> Tokenizer:

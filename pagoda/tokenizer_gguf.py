@@ -87,14 +87,26 @@ def build_gguf_tokenizer(path_or_reader: Any) -> tuple[BackendTokenizer, dict[st
         raise ValueError(
             f"GGUF file {reader.path} has no tokenizer.ggml.tokens: pass --tokenizer DIR"
         )
+    if not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"GGUF file {reader.path}: tokenizer.ggml.tokens must be strings")
     token_types = [int(t) for t in md.get("tokenizer.ggml.token_type", ())]
     merges = md.get("tokenizer.ggml.merges")
+    if merges is not None and not all(isinstance(m, str) and " " in m for m in merges):
+        raise ValueError(
+            f"GGUF file {reader.path}: tokenizer.ggml.merges must be strings of two tokens "
+            "separated by a space"
+        )
     special = {}
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         i = md.get(f"tokenizer.ggml.{key}_token_id")
         special[f"{role}_token"] = tokens[i] if i is not None and i < len(tokens) else None
     add_bos = md.get("tokenizer.ggml.add_bos_token")
     if kind == "gpt2":
+        if not merges:  # BPE without merges encodes every text byte by byte: garbage in
+            raise ValueError(
+                f"GGUF file {reader.path} has no tokenizer.ggml.merges, which a 'gpt2' (BPE) "
+                "tokenizer needs: convert the model again, or pass --tokenizer DIR"
+            )
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         # Tokens not spelled in the byte alphabet (added tokens written as plain text) are
@@ -103,7 +115,7 @@ def build_gguf_tokenizer(path_or_reader: Any) -> tuple[BackendTokenizer, dict[st
             t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
             for i, t in enumerate(tokens)
         }
-        pairs = [tuple(m.split(" ", 1)) for m in merges or ()]
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
         bpe = models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="")
         backend = BackendTokenizer(bpe)
         split = _PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre"))

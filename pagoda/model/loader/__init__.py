@@ -46,6 +46,13 @@ def _is_gguf(model: str, load_format: str) -> bool:
     return load_format == "gguf" or (os.path.isfile(model) and model.endswith(".gguf"))
 
 
+def _gguf_files(directory: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(directory) if n.endswith(".gguf")]
+    except OSError:
+        return []
+
+
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path) as f:
@@ -86,6 +93,12 @@ def get_model_config_dict(model: str, load_format: str = "auto") -> dict[str, An
         path = model
     else:
         path = os.path.join(model, "config.json")
+        ggufs = [] if os.path.isfile(path) else sorted(_gguf_files(model))
+        if ggufs:
+            raise ValueError(
+                f"{model} is a directory without a config.json; it holds {', '.join(ggufs)}: "
+                "pass the path of the .gguf file to load"
+            )
         if not os.path.isfile(path):
             raise ValueError(
                 f"no config.json in {model}: a Hugging Face model directory needs one "

@@ -147,6 +147,8 @@ class GGUFReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            raise ValueError(f"{self.path} is a directory: pass the path of a .gguf file")
         if not os.path.isfile(self.path):
             raise ValueError(f"GGUF file {self.path} does not exist: pass the path of a .gguf file")
         file_size = os.path.getsize(self.path)
@@ -179,6 +181,8 @@ class GGUFReader:
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
+            if key in self.metadata:  # llama.cpp refuses the file too: which value holds?
+                raise ValueError(f"GGUF file {self.path} has metadata key {key} twice")
             self.metadata[key] = cur.value(cur.scalar(4))
         self.alignment = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
         if self.alignment <= 0 or self.alignment % 8:
@@ -192,7 +196,14 @@ class GGUFReader:
             infos.append((name, dims, cur.scalar(4), cur.scalar(10)))
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
+        # Where the next tensor's data must start: as llama.cpp (gguf.c), the tensors follow
+        # one another in the table's order, each padded to the alignment. A type or shape that
+        # does not match the bytes written (a hand-edited or corrupt table) moves every tensor
+        # after it, which would otherwise load as other bytes: a model giving garbage.
+        expected_offset = 0
         for name, dims, ggml_type, rel_offset in infos:
+            if name in self.tensors:
+                raise ValueError(f"GGUF file {self.path}: tensor {name} is in the table twice")
             if ggml_type not in GGML_BLOCK_SIZES:
                 raise ValueError(
                     f"GGUF file {self.path}: tensor {name} has unknown ggml type {ggml_type}"
@@ -205,13 +216,27 @@ class GGUFReader:
                     f"the {GGMLType.NAMES.get(ggml_type)} block size {block}"
                 )
             nbytes = n_elements // block * type_size
+            shape = tuple(int(d) for d in reversed(dims))
+            if rel_offset != expected_offset:
+                prev = next(reversed(self.tensors.values()), None)
+                before = (
+                    f"{prev.name} before it ({prev.type_name}, shape {list(prev.shape)}) ends"
+                    if prev is not None
+                    else "the data section starts"
+                )
+                raise ValueError(
+                    f"GGUF file {self.path}: tensor {name} starts at data offset {rel_offset}, "
+                    f"but {before} at {expected_offset}: the tensor table does not match the "
+                    "data written (a type or shape changed, or a corrupt file); convert the "
+                    "model again"
+                )
+            expected_offset += -(-nbytes // self.alignment) * self.alignment
             offset = self.data_offset + rel_offset
             if offset + nbytes > file_size:
                 raise ValueError(
                     f"GGUF file {self.path} is truncated: tensor {name} needs bytes "
                     f"[{offset}, {offset + nbytes}) but the file has {file_size}; download it again"
                 )
-            shape = tuple(int(d) for d in reversed(dims))
             self.tensors[name] = GGUFTensorInfo(name, shape, ggml_type, offset, nbytes)
 
     def raw(self, name: str) -> np.ndarray:
@@ -484,7 +509,10 @@ def iter_gguf_weights(
     config = gguf_to_hf_config(reader)
     keep_quantized = set(keep_quantized)
     for name, info in reader.tensors.items():
-        hf_name = gguf_name_to_hf(name, arch)
+        try:
+            hf_name = gguf_name_to_hf(name, arch)
+        except ValueError as e:
+            raise ValueError(f"GGUF file {reader.path}: {e}") from None
         if hf_name is None:
             continue
         # The router stays float (it is no quantized linear layer), as do stacked experts.

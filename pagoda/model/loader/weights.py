@@ -18,6 +18,8 @@ from pagoda.model.layers.linear import LinearBase, default_weight_loader
 
 # Buffers some checkpoints carry that the model recomputes.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# A quantized layer's tensors, whose shapes follow quantization_config (bits, group size).
+_QUANTIZATION_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale")
 
 
 def find_weight_files(model_dir: str) -> list[str]:
@@ -81,6 +83,27 @@ def iter_weight_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield from state.items()
 
 
+def _check_dtype(source: str, name: str, tensor: object, param: torch.Tensor) -> None:
+    """A ValueError unless `tensor` is of `param`'s kind: floating-point values for a
+    floating-point parameter, integers for an integer one (packed words, codes, g_idx). The
+    copy casts within a kind; across kinds it would turn integer codes into weights (or
+    weights into truncated integers): a model that loads and answers garbage."""
+    if not isinstance(tensor, torch.Tensor):  # GGUF blocks kept quantized: their own type
+        return
+    want_float = param.is_floating_point()
+    is_int = (
+        not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+    )
+    if tensor.is_floating_point() if want_float else is_int:
+        return
+    expected = "floating-point weights" if want_float else "integers"
+    raise ValueError(
+        f"{source}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')} where "
+        f"the model expects {expected} ({str(param.dtype).removeprefix('torch.')}); the "
+        "checkpoint does not match its config.json (quantization_config, or none)"
+    )
+
+
 class WeightLoadingState:
     """Tracks which parameters (and which shards of fused ones) a checkpoint has filled."""
 
@@ -135,10 +158,17 @@ class WeightLoadingState:
                 else:
                     loader(param, tensor, shard_id)
             except ValueError as e:
+                fields = (
+                    "quantization_config: bits / group_size"
+                    if name.endswith(_QUANTIZATION_SUFFIXES)
+                    else "hidden_size / heads / intermediate_size / vocab_size"
+                )
                 raise ValueError(
                     f"{source}: tensor {name!r}: {e}; the checkpoint does not match its "
-                    "config.json (hidden_size / heads / intermediate_size / vocab_size)"
+                    f"config.json ({fields})"
                 ) from None
+            # After the loader, whose own check (a format's) says more where it has one.
+            _check_dtype(source, name, tensor, param)
             if shard_id is None:
                 self.loaded.update(k for k in self.expected if k[0] == param_name)
             else:
