@@ -48,6 +48,8 @@ def _config_dir(tmp_path, **overrides):
         ("num_experts_per_tok", 0),
         ("moe_intermediate_size", "768"),
         ("norm_topk_prob", "true"),
+        ("quantization_config", "awq"),
+        ("quantization_config", {"bits": 4}),  # no quant_method
     ],
 )
 def test_bad_field_names_file_and_field(tmp_path, field, value) -> None:

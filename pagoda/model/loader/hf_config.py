@@ -82,6 +82,11 @@ def validate_hf_config(
         or (isinstance(eos, list) and eos and all(_is_int(t) and t >= 0 for t in eos))
     ):
         fail("eos_token_id", "must be a token id or a list of them")
+    quant = config.get("quantization_config")
+    if quant is not None and not (
+        isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)
+    ):
+        fail("quantization_config", 'must be an object naming its "quant_method"')
     sliding_window = config.get("sliding_window")
     if sliding_window is not None and not (_is_int(sliding_window) and sliding_window >= 0):
         fail("sliding_window", "must be a non-negative integer or null")
