@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ sys.path.insert(0, str(HERE))
 
 from cdp import CHROMIUM, Browser, open_page  # noqa: E402
 from servers import ServerProcess  # noqa: E402
-from traffic import Traffic, restart_engine_once  # noqa: E402
+from traffic import Traffic, overload_once, restart_engine_once  # noqa: E402
 
 KEY = "test-key"
 
@@ -30,6 +31,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, str(HERE / "monitored_fake_server.py"), "--api-key", KEY,
            "--served-model-name", "smol", "--uvicorn-log-level", "warning",
+           "--max-num-seqs", "4", "--max-waiting-requests", "8",
            "--die-once-file", str(log.parent / "died")]  # fmt: skip
     s = ServerProcess(cmd, log).wait_ready(60)
     restart_engine_once(s.url, s.headers)
@@ -54,12 +56,16 @@ def test_the_dashboard_is_behind_the_api_key_and_needs_no_internet(server):
                     "chromium; .ci/run installs it)")  # fmt: skip
 def test_every_panel_draws_in_headless_chromium(server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chromium")
+    # A burst once the page polls: admission rejections draw only while their rate is seen.
+    burst = threading.Timer(6.0, overload_once, (server.url, server.headers))
     with Traffic(server.url, server.headers):
+        burst.start()
         drawn, errors, shot = asyncio.run(_drive(server.url, tmp))
+        burst.join()
     print(f"\ndashboard screenshot: {shot}")
     assert not errors, errors
     assert all(drawn.values()), f"panels without a non-zero value: {drawn}"
-    assert len(drawn) == 12 and shot.stat().st_size > 20_000
+    assert len(drawn) == 15 and shot.stat().st_size > 20_000
 
 
 async def _drive(url: str, tmp: Path) -> tuple[dict, list[str], Path]:

@@ -32,16 +32,28 @@
       ["generation", (s) => s.rate("generation_tokens_total")]] },
     { title: "Requests running / waiting", unit: "requests", series: [
       ["running", (s) => s.value("num_requests_running")],
-      ["waiting", (s) => s.value("num_requests_waiting")]] },
+      ["waiting", (s) => s.value("num_requests_waiting")],
+      ["deferred", (s) => s.value("num_requests_waiting_by_reason", { reason: "deferred" })]] },
+    { title: "Admission rejections", unit: "req/s", series: ["max_num_queued_reqs",
+      "grammar_compile_backlog", "grammar_max_abandoned"].map((r) =>
+      [r, (s) => s.rate("admission_rejections_total", { reason: r })]) },
     { title: "KV-cache usage", unit: "%", series: [
       ["used", (s) => pct(s.value("kv_cache_usage_perc"))]] },
     { title: "Prefix-cache hit rate", unit: "%", series: [
       ["hit rate", (s) => pct(s.ratio("prefix_cache_hits_total", "prefix_cache_queries_total"))]] },
+    { title: "Prompt tokens: computed / cached", unit: "tokens/s", series: [
+      ["computed", (s) => s.rate("prompt_tokens_by_source_total", { source: "local_compute" })],
+      ["cached", (s) => s.rate("prompt_tokens_cached_total")]] },
     { title: "Preemptions", unit: "per s", series: [
       ["preemptions", (s) => s.rate("num_preemptions_total")]] },
     { title: "Speculative decoding acceptance rate", unit: "%", series: [
       ["accepted / drafted", (s) => pct(s.ratio("spec_decode_num_accepted_tokens_total",
                                                 "spec_decode_num_draft_tokens_total"))]] },
+    { title: "Generation tokens per request: asked / produced", unit: "tokens", series: [
+      ["max_tokens p50", (s) => s.quantile("request_params_max_tokens", 0.5)],
+      ["max_tokens p99", (s) => s.quantile("request_params_max_tokens", 0.99)],
+      ["produced p50", (s) => s.quantile("request_max_num_generation_tokens", 0.5)],
+      ["produced p99", (s) => s.quantile("request_max_num_generation_tokens", 0.99)]] },
     { title: "Finished requests by reason", unit: "req/s", series: ["stop", "length", "abort",
       "error"].map((r) => [r, (s) => s.rate("request_success_total", { finished_reason: r })]) },
     { title: "Engine restarts", unit: "restarts", series: [
@@ -92,7 +104,7 @@
 
   // What the panels' functions see: the newest snapshot against older ones.
   const view = {
-    value: (name) => sum(history[history.length - 1], name),
+    value: (name, match) => sum(history[history.length - 1], name, match),
     rate(name, match) {
       const now = history[history.length - 1], then = ago(RATE_WINDOW_S);
       if (!then) return null;
