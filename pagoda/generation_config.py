@@ -39,11 +39,13 @@ def check_generation_config(value: str) -> None:
         )
 
 
-def get_diff_sampling_param(model: str, generation_config: str = "auto") -> dict[str, Any]:
+def get_diff_sampling_param(
+    model: str, generation_config: str = "auto", log: bool = True
+) -> dict[str, Any]:
     """The sampling parameters the generation_config.json of `model` (a folder; "auto") or of
     the folder `generation_config` sets, under SamplingParams' names; {} for "vllm", a GGUF
     file or a folder without one. Values SamplingParams refuses are a ValueError naming the
-    file, at start-up rather than in every request."""
+    file, at start-up rather than in every request. `log`: log the parameters it found."""
     from pagoda.sampling_params import SamplingParams
 
     check_generation_config(generation_config)
@@ -69,7 +71,7 @@ def get_diff_sampling_param(model: str, generation_config: str = "auto") -> dict
         SamplingParams(**params)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e} (--generation-config vllm ignores it)") from None
-    if params:
+    if params and log:
         logger.info(
             "Default sampling parameters have been overridden by the model's Hugging Face "
             "generation config (%s): %s. If this is not intended, relaunch with "

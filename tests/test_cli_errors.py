@@ -40,6 +40,8 @@ def _config_dir(path, **overrides) -> str:
         # One embedding of 2**40 x 64 floats: refused from the config, before any allocation.
         ("model_too_big", "more than this machine's"),
         ("port_in_use", "Address already in use"),
+        # Before the model loads (it came after, and the process then never exited).
+        ("bad_generation_config", "generation_config.json: top_p must be a number in (0, 1]"),
     ],
 )
 def test_serve_user_error_is_one_line(tmp_path, case, needle) -> None:
@@ -53,12 +55,41 @@ def test_serve_user_error_is_one_line(tmp_path, case, needle) -> None:
         proc = _pagoda(
             "serve", model, "--load-format", "dummy", "--device", "cpu", "--skip-tokenizer-init"
         )
+    elif case == "bad_generation_config":
+        model = _config_dir(tmp_path / "m")
+        (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"top_p": 5}))
+        proc = _pagoda("serve", model)
     else:
         with socket.socket() as busy:
             busy.bind(("127.0.0.1", 0))
             busy.listen()
             proc = _pagoda("serve", "--port", str(busy.getsockname()[1]))
     _assert_one_error_line(proc, needle)
+
+
+def test_a_server_that_fails_to_start_shuts_its_engine_down() -> None:
+    """An error building the app after the engine started (its core process, its output
+    thread) shuts the engine down: the error was printed and the process never exited."""
+    import argparse
+
+    from pagoda.server.cli import add_server_flags, serve
+
+    class Engine:
+        shut_down, tokenizer = False, None
+
+        @property
+        def model_config(self):
+            raise ValueError("bad model folder")
+
+        def shutdown(self) -> None:
+            self.shut_down = True
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    engine = Engine()
+    with pytest.raises(ValueError, match="bad model folder"):
+        serve(engine, parser.parse_args(["--max-waiting-requests", "-1"]))
+    assert engine.shut_down
 
 
 def test_api_server_user_error_is_one_line() -> None:

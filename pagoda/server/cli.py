@@ -184,6 +184,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagoda.config import embedded_model_path
     from pagoda.engine.arg_utils import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.generation_config import get_diff_sampling_param
 
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
@@ -204,6 +205,9 @@ def run_server(args: argparse.Namespace) -> None:
     # User errors found here are one line, before the engine core starts (the checks that need
     # torch run there, with the same one-line error).
     check_listen_address(args.host, args.port)
+    # The model's generation_config.json is the server's to read (`build_app`): a bad one is
+    # refused here, before the model loads, not after.
+    get_diff_sampling_param(engine_args.model, engine_args.generation_config, log=False)
     check_engine_start(engine_args)
     engine = AsyncLLM.from_engine_args(
         engine_args,
@@ -217,14 +221,33 @@ def run_server(args: argparse.Namespace) -> None:
 def serve(engine: Any, args: argparse.Namespace, chat_template: str | None = None) -> None:
     """Serve `engine` (an `AsyncLLM`) with the server flags in `args` until SIGTERM/SIGINT, or
     until the engine is gone for good (then exit with code 1)."""
-    from pagoda.server.app import build_app
-    from pagoda.server.draining import DrainingServer, uvicorn
-    from pagoda.server.preprocess import Preprocessor
     from pagoda.utils.heap import freeze_startup_heap
 
     logging.basicConfig(  # a no-op where run_server configured it already
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
+    try:
+        server = _build_server(engine, args, chat_template)
+    except BaseException:
+        # The engine (its core process and output thread) would keep this process alive
+        # after the error: the command printed it and never exited.
+        engine.shutdown()
+        raise
+    freeze_startup_heap()  # a full collection mid-burst would stall the event loop
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if server.exit_code:
+        raise SystemExit(server.exit_code)
+
+
+def _build_server(engine: Any, args: argparse.Namespace, chat_template: str | None) -> Any:
+    """The uvicorn server of the app serving `engine` (`serve`'s flags in `args`)."""
+    from pagoda.server.app import build_app
+    from pagoda.server.draining import DrainingServer, uvicorn
+    from pagoda.server.preprocess import Preprocessor
+
     engine.max_waiting_requests = resolve_max_waiting_requests(args.max_waiting_requests, engine)
     logger.info(
         "admission: at most %s requests wait beyond the running batch (--max-waiting-requests)",
@@ -253,14 +276,7 @@ def serve(engine: Any, args: argparse.Namespace, chat_template: str | None = Non
         timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
     )
-    server = DrainingServer(config, engine, args.drain_timeout)
-    freeze_startup_heap()  # a full collection mid-burst would stall the event loop
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-    if server.exit_code:
-        raise SystemExit(server.exit_code)
+    return DrainingServer(config, engine, args.drain_timeout)
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
