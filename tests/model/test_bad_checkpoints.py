@@ -229,3 +229,18 @@ def test_a_quantization_config_not_matching_the_tensors_names_it(tmp_path, chang
     with pytest.raises(ValueError, match=r"(qweight|qzeros|scales)': shape mismatch: .* does not "
                        r"match its config.json \(quantization_config: bits / group_size\)"):  # fmt: skip
         load_model(_model_config(path), "cpu")
+
+
+@pytest.mark.parametrize("shift", [100, -1])
+def test_gptq_group_numbers_outside_the_groups_are_refused(tmp_path, shift) -> None:
+    """Past the last group: torch's IndexError (a traceback from pagoda serve); negative: read
+    from the last groups, a model answering garbage."""
+    _, path = quantized_checkpoint(tmp_path, "gptq", act_order=True)
+    file = str(path / "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name] + shift
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=rf"{name}': g_idx holds group numbers from .* outside "
+                       r"the layer's 3 groups \[0, 3\)"):  # fmt: skip
+        load_model(_model_config(path), "cpu")

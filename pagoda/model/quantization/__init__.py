@@ -390,6 +390,13 @@ class GPTQLinearMethod(_PackedUntilLoaded):
 
         def load_g_idx(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
             loaded = rank_g_idx(layer, loaded, group, local=not whole)
+            # Group numbers index the scales and zeros: one out of range failed in torch's
+            # indexing, a negative one read another group (a model answering garbage).
+            if loaded.numel() and not (0 <= int(loaded.min()) and int(loaded.max()) < groups):
+                raise ValueError(
+                    f"g_idx holds group numbers from {int(loaded.min())} to {int(loaded.max())}, "
+                    f"outside the layer's {groups} groups [0, {groups})"
+                )
             rows = (
                 range(param.shape[0]) if shard_id is None else [shard_index.get(shard_id, shard_id)]
             )
