@@ -220,13 +220,22 @@ def test_a_chat_template_that_is_no_template_is_named(tokenizer_dir, tmp_path) -
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def test_a_quantization_config_pagoda_cannot_read_names_the_model(tmp_path) -> None:
+    _, path = quantized_checkpoint(tmp_path, "awq")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["bits"] = 8
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^{path}: AWQ bits=8, .* Pagoda reads 4-bit"):
+        load_model(_model_config(path), "cpu")
+
+
 @pytest.mark.parametrize("change", [{"group_size": 64}, {"bits": 8}])
 def test_a_quantization_config_not_matching_the_tensors_names_it(tmp_path, change) -> None:
     _, path = quantized_checkpoint(tmp_path, "gptq")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"].update(change)
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"(qweight|qzeros|scales)': shape mismatch: .* does not "
+    with pytest.raises(ValueError, match=r"\.(qweight|qzeros|scales|g_idx)': .* does not "
                        r"match its config.json \(quantization_config: bits / group_size\)"):  # fmt: skip
         load_model(_model_config(path), "cpu")
 

@@ -165,9 +165,12 @@ def load_model(
     if linear_method is None:
         from pagoda.model.quantization import get_linear_method
 
-        linear_method = get_linear_method(
-            model_config.quantization, model_config.hf_config, dummy=load_format == "dummy"
-        )
+        try:
+            linear_method = get_linear_method(
+                model_config.quantization, model_config.hf_config, dummy=load_format == "dummy"
+            )
+        except ValueError as e:  # its messages name the quantization_config field, not the model
+            raise ValueError(f"{source}: {e}") from None
         if model_config.quantization == "gguf" and load_format != "dummy":
             from pagoda.model.quantization.gguf import GGUFLinearMethod, gguf_weights_stay_quantized
 
