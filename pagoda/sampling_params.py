@@ -41,6 +41,15 @@ _FLAGS = (  # SamplingParams fields that are plain switches
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
 )
+# The fields `SamplingParams.from_optional` gives their default when passed None.
+_OPTIONAL_DEFAULTS = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+)
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -192,10 +201,14 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's field for custom samplers and plugins: kept and passed along, never read by Pagoda.
+    extra_args: dict[str, Any] | None = None
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None  # as vLLM (and OpenAI clients): -1 asks for no seed, not seed -1
         self.stop = _str_list("stop", self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
@@ -213,6 +226,8 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}"
             )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._verify()
@@ -304,6 +319,23 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
                 )
+
+    @staticmethod
+    def from_optional(**kwargs: Any) -> SamplingParams:
+        """vLLM's constructor for values that may be None (a request's unset fields, a
+        generation config): n, presence_penalty, frequency_penalty, repetition_penalty,
+        temperature and top_p given as None take their defaults; logit_bias values are
+        clamped to [-100, 100] rather than refused."""
+        for name in _OPTIONAL_DEFAULTS:
+            if kwargs.get(name, 0) is None:
+                del kwargs[name]
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):
+            kwargs["logit_bias"] = {
+                k: min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) else v
+                for k, v in bias.items()
+            }
+        return SamplingParams(**kwargs)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

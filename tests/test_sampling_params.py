@@ -135,3 +135,20 @@ def test_numbers_are_normalized() -> None:
     assert p.logit_bias == {3: 1.0, 4: -2.5}
     assert p.stop == ["x"] and p.stop_token_ids == [7]
     assert p.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_seed_minus_one_means_no_seed() -> None:
+    # As vLLM (and OpenAI clients' convention): -1 is "no seed"; Pagoda seeded with -1, so
+    # every such request sampled the same tokens.
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+
+
+def test_from_optional_and_extra_args() -> None:
+    # vLLM's SamplingParams.from_optional: None takes the default, logit_bias is clamped.
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, max_tokens=5,
+                                     logit_bias={"5": 200.0})  # fmt: skip
+    assert (p.n, p.temperature, p.top_p, p.max_tokens) == (1, 1.0, 1.0, 5)
+    assert p.logit_bias == {5: 100.0}
+    assert SamplingParams(extra_args={"plugin": 1}).clone().extra_args == {"plugin": 1}
+    _refused("extra_args", extra_args=[1])
