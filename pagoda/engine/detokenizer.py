@@ -33,8 +33,11 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        # As vLLM: a stop string that ends within the first min_tokens tokens' text does not stop.
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [s for s in stop if s]
@@ -100,10 +103,15 @@ class IncrementalDetokenizer:
         new_token_ids = list(new_token_ids)
         if not new_token_ids or self.stop_reason is not None:
             return None
+        short = self.min_tokens - len(self.output_token_ids)
+        if self.stop and 0 < short < len(new_token_ids):
+            # The step crosses min_tokens: only the text of the tokens past it is searched.
+            self.update(new_token_ids[:short])
+            return self.update(new_token_ids[short:])
         self.token_ids.extend(new_token_ids)
         new_text = self._decode_next()
         self.output_text += new_text
-        if not self.stop or not new_text:
+        if not self.stop or not new_text or len(self.output_token_ids) <= self.min_tokens:
             return None
         return self._check_stop_strings(len(new_text))
 

@@ -120,6 +120,7 @@ class OutputProcessor:
                     spaces_between_special_tokens=p.spaces_between_special_tokens,
                     stop=list(p.stop or []),
                     include_stop_str_in_output=p.include_stop_str_in_output,
+                    min_tokens=p.min_tokens,
                 )
             state = SampleState(child_id, index, parent, p, detok, max_tokens=sample.max_tokens)
             if p.logprobs is not None:

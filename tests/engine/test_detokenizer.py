@@ -126,6 +126,19 @@ def test_stop_string_spanning_tokens(tok, prompt_ids) -> None:
         assert detok.get_next_output_text(finished=True, delta=False) == expected
 
 
+@pytest.mark.parametrize("step", [1, 3, 100])
+def test_stop_strings_wait_for_min_tokens(tok, prompt_ids, step: int) -> None:
+    # As vLLM: a stop string ending within the first min_tokens tokens' text does not stop
+    # (it stopped at once, so the output was shorter than min_tokens asked); one ending past
+    # them does, also when one update crosses min_tokens.
+    ids = tok.encode("the cat sat on the mat and the cat ran")
+    first = next(n for n in range(len(ids)) if "cat" in tok.decode(ids[: n + 1]))
+    detok = IncrementalDetokenizer(tok, prompt_ids, stop=["cat"], min_tokens=first + 1)
+    stops = [detok.update(ids[i : i + step]) for i in range(0, len(ids), step)]
+    assert [s for s in stops if s] == ["cat"]
+    assert detok.output_text == "the cat sat on the mat and the "
+
+
 def test_earliest_stop_string_wins(tok, prompt_ids) -> None:
     detok = IncrementalDetokenizer(tok, prompt_ids, stop=["dog", "lazy"])
     assert detok.update(tok.encode("the lazy dog")) == "lazy"
