@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda import envs
+from pagoda.inputs import PromptType, TextPrompt, TokensPrompt
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -31,10 +32,13 @@ __all__ = [
     "EngineArgs",
     "LLMEngine",
     "Logprob",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 

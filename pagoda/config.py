@@ -36,6 +36,17 @@ def embedded_model_path() -> str:
     return path
 
 
+class HFConfig(dict):
+    """A checkpoint's config.json: a dict that also reads its keys as attributes, as code
+    written for vLLM reads `model_config.hf_config.vocab_size` from transformers' config."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the model's config has no {name!r}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What model to run and how: architecture values come from the checkpoint."""
@@ -50,6 +61,17 @@ class ModelConfig:
     quantization: str | None = None
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False  # token ids in and out only (e.g. dummy-weight benchmarks)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf_config, dict) and not isinstance(self.hf_config, HFConfig):
+            object.__setattr__(self, "hf_config", HFConfig(self.hf_config))
+
+    def get_vocab_size(self) -> int:
+        """vLLM's name for `vocab_size`."""
+        return self.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return int(self.hf_config["hidden_size"])
 
     @property
     def architecture(self) -> str:

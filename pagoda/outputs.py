@@ -42,6 +42,8 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # vLLM's field, always None here (Pagoda has no LoRA): code that reads it keeps working.
+    lora_request: None = field(default=None, repr=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -64,6 +66,11 @@ class RequestOutput:
     # The error is the request's own doing, not the server's: its structured-outputs
     # constraint took too long to apply (a server answers 400, not 500).
     client_error: bool = False
+    # vLLM's fields that never apply to Pagoda (no LoRA, decoder-only models, no KV transfer),
+    # always None, so that code reading them keeps working.
+    lora_request: None = field(default=None, repr=False)
+    encoder_prompt_token_ids: None = field(default=None, repr=False)
+    kv_transfer_params: None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return (

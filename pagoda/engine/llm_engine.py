@@ -132,6 +132,14 @@ class LLMEngine:
             self.output_processor.abort_requests(parents, now)
         return parents
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's `llm.llm_engine.get_tokenizer()`)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False while a request still holds KV blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a launched step not yet processed."""
         core = self.engine_core

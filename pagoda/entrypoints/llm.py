@@ -49,6 +49,59 @@ def _refuse_unsupported(**kwargs: Any) -> None:
             raise ValueError(f"{name} is not supported: {_UNSUPPORTED_REQUEST[name]}")
 
 
+class _Tokenization:
+    """vLLM's `tokenization_kwargs` applied to one prompt: its text tokenized with or without
+    special tokens, then its ids truncated to `truncate_prompt_tokens` (or `max_length` with
+    `truncation`; -1 or no max_length: the context less one token) from `truncation_side`
+    ("left" keeps the last tokens, as vLLM's default for generation). Other keys are logged
+    and ignored, as vLLM does."""
+
+    def __init__(self, kwargs: dict[str, Any], add_special_tokens: bool) -> None:
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"tokenization_kwargs must be a dict, got {type(kwargs).__name__}")
+        kw = dict(kwargs)
+        self.add_special_tokens = kw.pop("add_special_tokens", add_special_tokens)
+        max_length = kw.pop("max_length", -1)
+        self.keep = kw.pop("truncate_prompt_tokens", None)
+        truncation = kw.pop("truncation", None)
+        if truncation in (True, "longest_first"):
+            self.keep = max_length
+        elif truncation not in (None, False, "do_not_truncate"):
+            raise ValueError(f"tokenization_kwargs truncation={truncation!r} is not supported")
+        self.side = kw.pop("truncation_side", None) or "left"
+        if self.side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {self.side!r}")
+        if self.keep is not None and (
+            isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < -1
+        ):
+            raise ValueError(f"the number of prompt tokens to keep must be >= -1, got {self.keep}")
+        if not isinstance(self.add_special_tokens, bool):
+            raise ValueError("tokenization_kwargs add_special_tokens must be true or false")
+        if kw:
+            logger.warning("tokenization_kwargs ignored (not supported): %s", sorted(kw))
+
+    def __call__(self, engine: LLMEngine, prompt: Any) -> Any:
+        text: str | None = None
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+        if text is not None:
+            ids = engine.input_processor.encode(text, add_special_tokens=self.add_special_tokens)
+        elif isinstance(prompt, dict):
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+        else:
+            ids = prompt
+        keep = engine.model_config.max_model_len - 1 if self.keep == -1 else self.keep
+        if keep is not None and isinstance(ids, (list, tuple)) and len(ids) > keep:
+            ids = ids[len(ids) - keep :] if self.side == "left" else ids[:keep]
+        out: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        if text is not None:
+            out["prompt"] = text
+        return out
+
+
 def _not_implemented(method: str, what_instead: str) -> NoReturn:
     raise NotImplementedError(f"LLM.{method}() is not implemented by Pagoda: {what_instead}")
 
@@ -82,6 +135,11 @@ class LLM:
         self._lock = threading.RLock()  # generate / chat from several threads: one at a time
         self._default_sampling_params: dict[str, Any] | None = None
 
+    @property
+    def model_config(self) -> Any:
+        """The engine's model configuration (vLLM's `llm.model_config`: max_model_len, ...)."""
+        return self.llm_engine.model_config
+
     def get_tokenizer(self):  # noqa: ANN201 - pagoda.tokenizer.Tokenizer
         """The model's tokenizer, with the methods and defaults of a transformers tokenizer
         (what vLLM returns here), apply_chat_template's included (tokenize=True,
@@ -110,20 +168,26 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
-        priority: list[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         *,
         lora_request: Any = None,
         prompt_adapter_request: Any = None,
         guided_options_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; `sampling_params` None samples with
         `get_default_sampling_params()`. `use_tqdm` is a bool or, as in vLLM, a tqdm-like
-        factory to make the progress bar with. vLLM's LoRA, prompt-adapter and guided-options
-        arguments are accepted as None only."""
+        factory to make the progress bar with. `priority` is one value for every prompt or
+        one per prompt. `tokenization_kwargs` takes vLLM's keys `add_special_tokens`,
+        `truncate_prompt_tokens`, `truncation` with `max_length`, and `truncation_side`
+        (default "left": the last tokens are kept). vLLM's LoRA, prompt-adapter,
+        guided-options and multimodal arguments are accepted as None only."""
         _refuse_unsupported(
             lora_request=lora_request,
             prompt_adapter_request=prompt_adapter_request,
             guided_options_request=guided_options_request,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -148,8 +212,13 @@ class LLM:
                 raise TypeError(
                     f"sampling_params must be SamplingParams objects, got {type(p).__name__}"
                 )
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError("priority must have one value per prompt")
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)
+        elif priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must be one value or one per prompt")
+        if tokenization_kwargs is not None:
+            tokenize = _Tokenization(tokenization_kwargs, add_special_tokens=True)
+            prompts = [tokenize(self.llm_engine, p) for p in prompts]
         with self._lock:
             return self._generate(prompts, params_list, use_tqdm, priority)
 
@@ -181,18 +250,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template and complete it (vLLM's arguments,
         in vLLM's order). `continue_final_message` (with add_generation_prompt=False) continues
         the last message instead of starting a new one. Content is rendered as a string (text
-        parts joined): chat_template_content_format "openai" is not supported."""
+        parts joined): chat_template_content_format "openai" is not supported.
+        `chat_template_kwargs` keys add_generation_prompt, continue_final_message and tools
+        win over the arguments, as in earlier vLLM releases and Pagoda's server (in vLLM
+        0.32 the arguments win, even at their defaults, so these keys are ignored there). `tokenization_kwargs` as in `generate`
+        (add_special_tokens defaults to False: the template holds the special tokens)."""
         _refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(
@@ -204,7 +279,9 @@ class LLM:
                 "messages must be a list of messages ({'role': ..., 'content': ...}) or a list "
                 f"of such conversations, got {type(messages).__name__}"
             )
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if not messages:
+            return []  # as vLLM: no conversations
+        conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict")
         kw = dict(chat_template_kwargs or {})
@@ -222,6 +299,7 @@ class LLM:
                 f"tools must be a list of tool definitions, got {type(tools).__name__}"
             )
         tok = self.llm_engine.tokenizer
+        tokenize = _Tokenization(tokenization_kwargs or {}, add_special_tokens=False)
         prompts: list[PromptType] = []
         for conv in conversations:
             text = tok.apply_chat_template(
@@ -236,9 +314,8 @@ class LLM:
             # The template already holds the special tokens (BOS etc.): do not add them twice.
             # A conversation too long for the context by its length alone is refused here,
             # before it is tokenized (and before any of the batch runs), as generate does.
-            ids = self.llm_engine.input_processor.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            prompts.append(tokenize(self.llm_engine, text))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]

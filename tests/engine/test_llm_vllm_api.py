@@ -1,6 +1,7 @@
 """`LLM` takes the calls that code written for vLLM makes: vLLM's arguments at their defaults,
 continue_final_message, a tqdm factory, reset_prefix_cache, default sampling parameters from
-generation_config.json, and a clear error for what Pagoda does not do."""
+generation_config.json, vLLM's prompt types, priority and tokenization_kwargs, the attributes
+vLLM code reads, and a clear error for what Pagoda does not do."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 from tqdm import tqdm
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, TextPrompt, TokensPrompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -129,3 +130,73 @@ def test_vllm_methods_pagoda_lacks_say_what_it_offers(llm: LLM, name, match) -> 
         NotImplementedError, match=f"LLM.{name}.. is not implemented by Pagoda: .*{match}"
     ):
         getattr(llm, name)()
+
+
+def test_vllm_prompt_types_priority_and_empty_chat(llm: LLM) -> None:
+    # `from vllm import TokensPrompt` has a Pagoda twin; priority may be one int for all
+    # prompts (vLLM 0.32; it was a TypeError), chat takes priority too, and an empty list of
+    # conversations gives no outputs, as generate([]) does.
+    ids = llm.get_tokenizer().encode("Hi there")
+    by_ids = llm.generate(TokensPrompt(prompt_token_ids=ids), GREEDY, use_tqdm=False)[0]
+    by_text = llm.generate(TextPrompt(prompt="Hi there"), GREEDY, use_tqdm=False, priority=0)
+    assert by_ids.prompt is None and by_text[0].prompt == "Hi there"
+    assert by_ids.prompt_token_ids == by_text[0].prompt_token_ids == ids
+    assert by_ids.outputs[0].token_ids == by_text[0].outputs[0].token_ids
+    assert len(llm.generate(["Hi", "Hello"], GREEDY, use_tqdm=False, priority=0)) == 2
+    assert len(llm.chat(CHAT, GREEDY, use_tqdm=False, priority=[0])) == 1
+    assert llm.chat([], GREEDY, use_tqdm=False) == []
+
+
+def test_tokenization_kwargs_truncate_the_prompt(llm: LLM) -> None:
+    # vLLM's tokenization_kwargs: truncation keeps the last max_length tokens (vLLM's left
+    # side for generation), truncate_prompt_tokens the same; chat tokenizes without special
+    # tokens (the template has them). It was a TypeError.
+    text = "The capital of France is Paris, and the capital of Spain is"
+    ids = llm.get_tokenizer().encode(text)
+    for kwargs, kept in [
+        ({"truncation": True, "max_length": 3}, ids[-3:]),
+        ({"truncate_prompt_tokens": 4}, ids[-4:]),
+        ({"truncate_prompt_tokens": 2, "truncation_side": "right"}, ids[:2]),
+        ({"add_special_tokens": True}, ids),
+    ]:
+        out = llm.generate(text, GREEDY, use_tqdm=False, tokenization_kwargs=kwargs)[0]
+        assert out.prompt == text and out.prompt_token_ids == kept, kwargs
+    ids_only = llm.generate(
+        {"prompt_token_ids": ids},
+        GREEDY,
+        use_tqdm=False,
+        tokenization_kwargs={"truncation": True, "max_length": 2},
+    )[0]
+    assert ids_only.prompt_token_ids == ids[-2:]
+    whole = llm.chat(CHAT, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    cut = llm.chat(CHAT, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 5})
+    assert cut[0].prompt_token_ids == whole[-5:]
+
+
+def test_min_tokens_holds_off_stop_strings(llm: LLM) -> None:
+    # vLLM looks for stop strings only past the first min_tokens tokens; Pagoda stopped at a
+    # stop string inside them, returning fewer tokens than min_tokens with no stop token seen.
+    prompt = "The capital of France is"
+    base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    stop = tok.decode(base[0].outputs[0].token_ids[1:2]).strip()
+    assert stop
+    early = SamplingParams(temperature=0.0, max_tokens=12, stop=[stop])
+    late = SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], min_tokens=8)
+    first, held = (llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (early, late))
+    assert first.stop_reason == stop and len(first.token_ids) < 8
+    assert len(held.token_ids) >= 8 and stop in held.text[: len(first.text) + len(stop)]
+
+
+def test_attributes_vllm_code_reads(llm: LLM) -> None:
+    # llm.model_config, llm.llm_engine.get_tokenizer(), hf_config.<key> and get_vocab_size()
+    # as vLLM has them (AttributeError before), and vLLM's always-None output fields.
+    mc = llm.model_config
+    assert mc is llm.llm_engine.model_config and mc.max_model_len == 512
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    assert mc.hf_config.vocab_size == mc.get_vocab_size() == mc.hf_config["vocab_size"]
+    assert mc.get_hidden_size() == mc.hf_config.hidden_size
+    out = llm.generate("Hi", GREEDY, use_tqdm=False)[0]
+    assert out.lora_request is None and out.encoder_prompt_token_ids is None
+    assert out.kv_transfer_params is None and out.outputs[0].lora_request is None
+    assert llm.llm_engine.reset_prefix_cache() is True
