@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import enum
 import json as _json
+import math
 import numbers
 import operator
 import re
@@ -241,7 +242,7 @@ class SamplingParams:
         self._int("n", 1, MAX_N, note=" (PAGODA_MAX_N_SEQUENCES raises the bound)")
         self._float("presence_penalty", -2.0, 2.0)
         self._float("frequency_penalty", -2.0, 2.0)
-        self._float("repetition_penalty", 0.0, 2.0, lo_open=True)
+        self._float("repetition_penalty", 0.0, math.inf, lo_open=True)  # any, as vLLM and HF
         self._float("temperature", 0.0, MAX_TEMPERATURE)
         self._float("top_p", 0.0, 1.0, lo_open=True)
         self._float("min_p", 0.0, 1.0)
@@ -294,12 +295,12 @@ class SamplingParams:
 
     def _float(self, name: str, lo: float, hi: float, lo_open: bool = False) -> None:
         value = getattr(self, name)
-        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi == math.inf else ']'}"
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"{name} must be a number in {bounds}, got {value!r:.100}")
         value = float(value)
         # NaN fails every comparison, so it is refused here too.
-        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+        if not (lo < value if lo_open else lo <= value) or not value <= hi or value == math.inf:
             raise ValueError(f"{name} must be a number in {bounds}, got {value}")
         setattr(self, name, value)
 

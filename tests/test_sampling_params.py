@@ -58,6 +58,8 @@ def test_temperature_is_a_finite_number_in_0_2(value) -> None:
 
 def test_temperature_bounds_are_accepted() -> None:
     assert SamplingParams(temperature=2).temperature == 2.0
+    # Any finite positive repetition_penalty, as vLLM and transformers take.
+    assert SamplingParams(repetition_penalty=3.5).repetition_penalty == 3.5
     assert SamplingParams(temperature=0).sampling_type_greedy
 
 
@@ -71,6 +73,7 @@ def test_temperature_bounds_are_accepted() -> None:
         ("frequency_penalty", float("-inf")),
         ("repetition_penalty", float("nan")),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("inf")),
         ("top_k", -2),
         ("top_k", 1.5),
         ("max_tokens", "16"),
