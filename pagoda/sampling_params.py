@@ -13,6 +13,10 @@ Limits beyond the obvious ranges:
 - `temperature` in [0, 2] (OpenAI's range, which vLLM enforces too): beyond it sampling is
   near-uniform noise, and a huge value rounds to infinity in float32 (NaN logits).
 - `logprobs`, `prompt_logprobs` in [0, `MAX_LOGPROBS`] (vLLM's default `max_logprobs`).
+- `bad_words`: at most `MAX_NUM_BAD_WORDS` token sequences (each word counts once or twice, see
+  `update_from_tokenizer`) of at most `MAX_BAD_WORDS_TOTAL_TOKENS` tokens in all (vLLM's
+  `VLLM_MAX_NUM_BAD_WORDS`, `VLLM_MAX_BAD_WORDS_TOTAL_TOKENS`): the sampler checks each one
+  against the request's latest tokens at every step, in Python.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ _SAMPLING_EPS = 1e-5
 MAX_N: int = envs.PAGODA_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
+MAX_NUM_BAD_WORDS = 128
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FLAGS = (  # SamplingParams fields that are plain switches
     "ignore_eos",
@@ -141,6 +147,17 @@ def _str_list(name: str, value: Any) -> list[str]:
     return list(items)
 
 
+def _bad_words(value: Any) -> list[str]:
+    """`bad_words`: None or a list of non-empty strings, duplicates dropped (as vLLM)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or any(not isinstance(s, str) for s in value):
+        raise ValueError(f"bad_words must be a list of strings, got {value!r:.200}")
+    if any(not s for s in value):
+        raise ValueError(f"bad_words cannot contain an empty string, got {value!r:.200}")
+    return list(dict.fromkeys(value))
+
+
 def _token_id_list(name: str, value: Any) -> list[int]:
     """A list of token ids (non-negative integers; the vocabulary bound is checked by the engine,
     `validate_token_ids`)."""
@@ -204,6 +221,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's field for custom samplers and plugins: kept and passed along, never read by Pagoda.
     extra_args: dict[str, Any] | None = None
+    # Words never to generate: the last token of a word's token sequence is banned whenever the
+    # tokens generated last are the ones before it (a one-token word always). The engine
+    # tokenizes them (`update_from_tokenizer`) into `bad_words_token_ids`.
+    bad_words: list[str] | None = None
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -212,6 +234,7 @@ class SamplingParams:
             self.seed = None  # as vLLM (and OpenAI clients): -1 asks for no seed, not seed -1
         self.stop = _str_list("stop", self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids or [])
+        self.bad_words = _bad_words(self.bad_words)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_id_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
@@ -308,12 +331,72 @@ class SamplingParams:
     def sampling_type_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """`bad_words` as token sequences (None until `update_from_tokenizer` has run)."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids`, as vLLM's method of this name: each
+        word (its leading whitespace stripped) as it is, and with one leading space where that
+        gives a different first token and as many tokens (a word within the text rather than at
+        its start). A word of no tokens, a token outside the vocabulary or more than the bounds
+        (module docstring) is a ValueError naming bad_words."""
+        if not self.bad_words:
+            self._bad_words_token_ids = None
+            return
+        min_num_tokens = getattr(tokenizer, "min_num_tokens", None)
+        if min_num_tokens is not None:
+            # A huge word is refused without the seconds that tokenizing it would take.
+            chars = "".join(self.bad_words)
+            if len(chars) > MAX_BAD_WORDS_TOTAL_TOKENS:
+                n = min_num_tokens(chars)
+                if n > MAX_BAD_WORDS_TOTAL_TOKENS:
+                    raise ValueError(
+                        f"bad_words make at least {n} tokens; the most is "
+                        f"{MAX_BAD_WORDS_TOTAL_TOKENS}"
+                    )
+        words: list[list[int]] = []
+        for word in self.bad_words:
+            word = word.lstrip()
+            plain = tokenizer.encode(word, add_special_tokens=False)
+            if not plain:
+                raise ValueError(
+                    f"bad_words entries must tokenize to at least one token, got {word!r:.100}"
+                )
+            words.append(plain)
+            spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        if len(words) > MAX_NUM_BAD_WORDS:
+            raise ValueError(
+                f"bad_words make {len(words)} token sequences (a word with and without a "
+                f"leading space); the most is {MAX_NUM_BAD_WORDS}"
+            )
+        total = sum(map(len, words))
+        if total > MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise ValueError(
+                f"bad_words make {total} tokens; the most is {MAX_BAD_WORDS_TOTAL_TOKENS}"
+            )
+        max_token_id = getattr(tokenizer, "max_token_id", None)
+        if max_token_id is None and getattr(tokenizer, "vocab_size", None) is not None:
+            max_token_id = tokenizer.vocab_size - 1
+        if max_token_id is not None:
+            bad = [t for w in words for t in w if not 0 <= t <= max_token_id]
+            if bad:
+                raise ValueError(
+                    f"bad_words have token ids outside the vocabulary [0, {max_token_id}]: "
+                    f"{bad[:5]}"
+                )
+        self._bad_words_token_ids = words
+
     def validate_token_ids(self, vocab_size: int) -> None:
         """Check token ids named by the user against the model's vocabulary."""
         for name, ids in (
             ("logit_bias", list((self.logit_bias or {}).keys())),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("stop_token_ids", self.stop_token_ids or []),
+            ("bad_words", [t for w in self.bad_words_token_ids or () for t in w]),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

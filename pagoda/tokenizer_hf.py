@@ -10,6 +10,7 @@ transformers' `PreTrainedTokenizerFast` returns. This module owns those methods:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
 from typing import Any
 
 from tokenizers import Encoding
@@ -138,6 +139,13 @@ class HFTokenizerMixin:
     def get_vocab(self) -> dict[str, int]:
         """Token -> id, added tokens included."""
         return self.backend.get_vocab(with_added_tokens=True)
+
+    @cached_property
+    def max_token_id(self) -> int:
+        """The largest token id, added tokens included (vLLM's tokenizers' `max_token_id`:
+        the largest id of `get_vocab()`, or of the base vocabulary's size if that is more)."""
+        base = self.backend.get_vocab_size(with_added_tokens=False) - 1
+        return max(max(self.get_vocab().values(), default=-1), base)
 
     def batch_decode(
         self,

@@ -155,3 +155,48 @@ def test_from_optional_and_extra_args() -> None:
     assert p.logit_bias == {5: 100.0}
     assert SamplingParams(extra_args={"plugin": 1}).clone().extra_args == {"plugin": 1}
     _refused("extra_args", extra_args=[1])
+
+
+@pytest.mark.parametrize("value", ["word", ["ok", 3], {"a": 1}, 5, [None]])
+def test_bad_words_must_be_a_list_of_strings(value) -> None:
+    _refused("bad_words", bad_words=value)
+
+
+def test_bad_words_refuse_an_empty_string_and_drop_duplicates() -> None:
+    _refused("bad_words", bad_words=["fine", ""])
+    assert SamplingParams(bad_words=["a", "b", "a"]).bad_words == ["a", "b"]
+    assert SamplingParams().bad_words == [] and SamplingParams().bad_words_token_ids is None
+
+
+def test_bad_words_tokenize_with_and_without_a_leading_space(tok) -> None:
+    # As vLLM's update_from_tokenizer: the word as given (leading whitespace stripped), and with
+    # one leading space where that is another first token and as many tokens.
+    p = SamplingParams(bad_words=["Paris", "  hello", "unbelievability"])
+    p.update_from_tokenizer(tok)
+    expected = []
+    for word in ("Paris", "hello", "unbelievability"):
+        plain = tok.encode(word, add_special_tokens=False)
+        spaced = tok.encode(" " + word, add_special_tokens=False)
+        expected.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            expected.append(spaced)
+    assert p.bad_words_token_ids == expected
+    assert [tok.encode(" Paris", add_special_tokens=False)] == [expected[1]]  # both forms kept
+    assert len(expected) >= 4
+    clone = p.clone()
+    assert clone.bad_words_token_ids == expected and clone == p
+
+
+@pytest.mark.parametrize(
+    "words,needle",
+    [
+        ([" "], "at least one token"),
+        ([f"w{i}" for i in range(200)], "the most is 128"),
+        (["x" * 5000], "tokens; the most is 1024"),
+    ],
+)
+def test_bad_words_refused_by_the_tokenizer_name_the_field(tok, words, needle) -> None:
+    p = SamplingParams(bad_words=words)
+    with pytest.raises(ValueError, match=needle) as e:
+        p.update_from_tokenizer(tok)
+    assert str(e.value).startswith("bad_words")

@@ -122,3 +122,9 @@ def test_apply_chat_template_defaults_are_transformers(tok, ref) -> None:
     assert tok.apply_chat_template(messages) == expected
     text = tok.decode(expected, skip_special_tokens=False)
     assert not text.endswith("<|im_start|>assistant\n")
+
+
+def test_max_token_id_is_the_largest_id_of_the_vocabulary(tok, ref) -> None:
+    # vLLM's tokenizers have it (its bad_words check reads it): the largest id of get_vocab().
+    assert tok.max_token_id == max(ref.get_vocab().values()) == 49151
+    assert tok.max_token_id == max(tok.get_vocab().values())

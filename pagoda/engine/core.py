@@ -338,14 +338,15 @@ class EngineCore:
 
 
 def _reads_history(req: Request) -> bool:
-    """Sampling parameters that read the request's generated tokens (penalties) or their count
-    (min_tokens, until reached)."""
+    """Sampling parameters that read the request's generated tokens (penalties, bad words of
+    several tokens) or their count (min_tokens, until reached)."""
     sp = req.sampling_params
     return (
         sp.presence_penalty != 0.0
         or sp.frequency_penalty != 0.0
         or sp.repetition_penalty != 1.0
         or (sp.min_tokens > 0 and req.num_output_tokens < sp.min_tokens)
+        or any(len(w) > 1 for w in sp.bad_words_token_ids or ())
     )
 
 

@@ -174,6 +174,20 @@ class InputProcessor:
             f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )
 
+    def tokenize_bad_words(self, params: SamplingParams) -> None:
+        """Fill `params.bad_words_token_ids` (`SamplingParams.update_from_tokenizer`), once per
+        request, so that the engine core and its workers get token ids only."""
+        if self.tokenizer is None:
+            # (vLLM ignores them then; a ban that silently does nothing is refused here.)
+            raise PromptValidationError(
+                "bad_words need the tokenizer: the engine runs with skip_tokenizer_init",
+                "bad_words",
+            )
+        try:
+            params.update_from_tokenizer(self.tokenizer)
+        except ValueError as e:
+            raise PromptValidationError(str(e), "bad_words") from None
+
     def process(
         self,
         request_id: str,
@@ -191,6 +205,8 @@ class InputProcessor:
                 "priority",
             )
         prompt_text, prompt_ids = self.process_prompt(prompt)
+        if params.bad_words:
+            self.tokenize_bad_words(params)
         mc = self.model_config
         max_tokens = validate_request(prompt_ids, params, mc.max_model_len, mc.vocab_size)
         if params.structured_outputs is not None:  # what needs no grammar compiler to refuse

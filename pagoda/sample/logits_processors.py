@@ -1,8 +1,8 @@
 """Batched logits processors: each one edits a float32 `[rows, vocab]` logits tensor in place.
 
-The sampler applies them in vLLM v1's order: allowed_token_ids, min_tokens, logit_bias and the
-penalties change which token is greedy; temperature, min_p, top-k and top-p only reshape the
-distribution of randomly sampled rows. None of them reads a value back to the host, so on a GPU
+The sampler applies them in vLLM v1's order: allowed_token_ids, bad_words, min_tokens, logit_bias
+and the penalties change which token is greedy; temperature, min_p, top-k and top-p only reshape
+the distribution of randomly sampled rows. None of them reads a value back to the host, so on a GPU
 they queue without a sync. Masked tokens get -inf. Top-k, top-p and min-p are done with one
 per-row threshold ("keep logits >= t"), found from one ascending sort of the values, so ties at
 the threshold are kept (as vLLM's top-k does).
@@ -25,6 +25,12 @@ def apply_allowed_token_ids(
     logits.index_fill_(0, allowed_rows, _NEG_INF)
     logits[rows, tokens] = keep
     return logits
+
+
+def apply_token_bans(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Ban the (row, token) pairs of `index` [2, N] (bad_words), whatever is left, as vLLM."""
+    # The value as a device tensor: `logits[i, j] = -inf` copies a host scalar (a host sync).
+    return logits.index_put_((index[0], index[1]), logits.new_full((1,), _NEG_INF))
 
 
 def apply_min_tokens(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.sample.bad_words import banned_tokens
 from pagoda.sampling_params import SamplingParams
 
 
@@ -81,6 +82,7 @@ class SamplingMetadata:
     # Sparse (row, token id) pairs, as [2, N] int64.
     allowed_rows: torch.Tensor | None = None  # [A] rows restricted by allowed_token_ids
     allowed_token_index: torch.Tensor | None = None  # [2, N] their allowed (row, token) pairs
+    bad_words_index: torch.Tensor | None = None  # [2, N] (row, token) pairs bad_words ban now
     logit_bias_index: torch.Tensor | None = None  # [2, N]
     logit_bias_values: torch.Tensor | None = None  # [N] float32
     min_tokens_index: torch.Tensor | None = None  # [2, N] stop tokens banned until min_tokens
@@ -101,6 +103,7 @@ class SamplingMetadata:
         return (
             self.no_penalties
             and self.allowed_token_index is None
+            and self.bad_words_index is None
             and self.logit_bias_index is None
             and self.min_tokens_index is None
         )
@@ -141,7 +144,7 @@ class SamplingMetadata:
             all_random=len(random_rows) == n,
         )
         for p in params:
-            if p.logit_bias or p.allowed_token_ids or p.min_tokens:
+            if p.logit_bias or p.allowed_token_ids or p.min_tokens or p._bad_words_token_ids:
                 p.validate_token_ids(vocab_size)
                 bad = [t for t in p.all_stop_token_ids if not 0 <= t < vocab_size]
                 if p.min_tokens and bad:
@@ -251,10 +254,14 @@ class SamplingMetadata:
         bias: list[tuple[int, int]] = []
         bias_values: list[float] = []
         banned: list[tuple[int, int]] = []
+        bad_words: list[tuple[int, int]] = []
         for i, p in enumerate(params):
             if p.allowed_token_ids:
                 allowed_rows.append(i)
                 allowed.extend((i, t) for t in set(p.allowed_token_ids))
+            if p._bad_words_token_ids:
+                bans = banned_tokens(p._bad_words_token_ids, output_token_ids[i])
+                bad_words.extend((i, t) for t in bans)
             if p.logit_bias:
                 bias.extend((i, t) for t in p.logit_bias)
                 bias_values.extend(p.logit_bias.values())
@@ -263,6 +270,8 @@ class SamplingMetadata:
         if allowed_rows:
             self.allowed_rows = to_device_tensor(allowed_rows, torch.int64, device)
             self.allowed_token_index = to_device_tensor(allowed, torch.int64, device).T
+        if bad_words:
+            self.bad_words_index = to_device_tensor(bad_words, torch.int64, device).T
         if bias:
             self.logit_bias_index = to_device_tensor(bias, torch.int64, device).T
             self.logit_bias_values = to_device_tensor(bias_values, torch.float32, device)

@@ -1,10 +1,10 @@
 """The sampler: one step's logits `[num_rows, vocab]` in, one token id (and logprobs) per row out.
 
 It follows vLLM v1's `Sampler`: logprobs come from the raw logits (log_softmax in float32, before
-any processing); then allowed_token_ids, min_tokens, logit_bias and penalties; greedy rows take
-the argmax (`greedy_argmax`: a two-stage Triton kernel on CUDA); random rows get temperature,
-min_p, top-k/top-p and are sampled with the exponential race (argmax of probs / Exponential(1)
-noise, i.e. the Gumbel-max trick), which needs no host sync. A seeded request draws its noise
+any processing); then allowed_token_ids, bad_words, min_tokens, logit_bias and penalties; greedy
+rows take the argmax (`greedy_argmax`: a two-stage Triton kernel on CUDA); random rows get
+temperature, min_p, top-k/top-p and are sampled with the exponential race (argmax of probs /
+Exponential(1) noise, i.e. the Gumbel-max trick), which needs no host sync. A seeded request draws its noise
 from its own generator, so its tokens do not depend on the rest of the batch.
 `Sampler.sample_on_device` queues all of that on the logits' device; `SamplerTensors.tolist` is
 the one place the host waits. A batch that is all greedy with nothing to process or report
@@ -107,6 +107,8 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     """Everything that can change the greedy choice, in vLLM v1's order, in place."""
     if md.allowed_token_index is not None:
         lp.apply_allowed_token_ids(logits, md.allowed_rows, md.allowed_token_index)
+    if md.bad_words_index is not None:
+        lp.apply_token_bans(logits, md.bad_words_index)
     if md.min_tokens_index is not None:
         lp.apply_min_tokens(logits, md.min_tokens_index)
     if md.logit_bias_index is not None:

@@ -1,7 +1,7 @@
 """A plain per-row sampler reference (float64, Python loops) that the batched sampler must match.
 
-It follows the order vLLM v1 uses and `pagoda.sample` documents: allowed_token_ids, min_tokens,
-logit_bias, repetition/frequency/presence penalties; then greedy argmax, or temperature, min_p,
+It follows the order vLLM v1 uses and `pagoda.sample` documents: allowed_token_ids, bad_words,
+min_tokens, logit_bias, repetition/frequency/presence penalties; then greedy argmax, or temperature, min_p,
 top-k, top-p and softmax.
 """
 
@@ -25,6 +25,8 @@ def ref_processed_logits(
     if p.allowed_token_ids:
         allowed = set(p.allowed_token_ids)
         row = [x if t in allowed else -math.inf for t, x in enumerate(row)]
+    for t in ref_bad_words_bans(p.bad_words_token_ids or [], output):
+        row[t] = -math.inf
     if len(output) < p.min_tokens:
         banned = [-math.inf if t in p.all_stop_token_ids else x for t, x in enumerate(row)]
         if any(x > -math.inf for x in banned):  # else the stop tokens are all it may take
@@ -39,6 +41,20 @@ def ref_processed_logits(
         row[t] -= p.frequency_penalty * c + p.presence_penalty
     assert len(row) == vocab
     return torch.tensor(row, dtype=torch.float64)
+
+
+def ref_bad_words_bans(words: list[list[int]], output: list[int]) -> set[int]:
+    """vLLM's `_apply_bad_words_single_batch` as written there: a word's last token is banned
+    when the output's last tokens are its prefix (a prefix longer than the output: never)."""
+    banned = set()
+    for word in words:
+        if len(word) > len(output) + 1:
+            continue
+        prefix_length = len(word) - 1
+        actual = output[-prefix_length:] if prefix_length > 0 else []
+        if actual == word[:prefix_length]:
+            banned.add(word[-1])
+    return banned
 
 
 def ref_probs(
