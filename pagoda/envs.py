@@ -266,8 +266,8 @@ VARIABLES: dict[str, EnvVar] = {
             "PAGODA_L2_PREFETCH_MB", "int", "0",
             "MiB of weights asked into the GPU's L2 cache during each layer's attention in "
             "decode steps of up to 16 rows (sm_90): o_proj's, then the first rows of "
-            "gate_up's (`pagoda/kernels/l2_prefetch.py`). 0 (the default until it is "
-            "measured on a GPU): none.",
+            "gate_up's (`pagoda/kernels/l2_prefetch.py`). 0 (default): none; on an H100 "
+            "24 slowed 4-bit decode by 3% and sped bf16 by 2%.",
             _count("PAGODA_L2_PREFETCH_MB", 0),
         ),
         EnvVar(

@@ -10,8 +10,9 @@ and those GEMMs then find their first bytes in L2. `join` ends the second stream
 the current stream (a CUDA graph captured with it must be joined before the capture ends).
 
 Only where it can pay: CUDA tensors on sm_90, at most MAX_TOKENS rows (past that the GEMMs are
-no longer bound by their weights' bytes), `PAGODA_L2_PREFETCH_MB` above 0 (0, off, by default
-until single-stream decode is timed with it on a GPU: `benchmarks/README.md`). Which bytes come first:
+no longer bound by their weights' bytes), `PAGODA_L2_PREFETCH_MB` above 0 (0, off, by default:
+it slows 4-bit decode, whose GEMVs are not bound by DRAM, and gains bf16 1-2%;
+`benchmarks/README.md`). Which bytes come first:
 a layer's weights are read by output rows, so a weight only partly asked for gives the first
 rows of each of its shards (gate and up of a merged gate_up, whose kernels read them in
 step) and, for tensors laid out [groups, N] (4-bit scales), the same columns of every row.
