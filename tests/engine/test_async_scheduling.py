@@ -1,7 +1,7 @@
 """Async scheduling (`SchedulerConfig.async_scheduling`) changes when the host works, never what
 is generated: on the embedded model (fp32, CPU, where it can be turned on to test the logic),
 outputs with it on equal outputs with it off, through stops, preemption, seeds, logprobs,
-penalties (which run synchronously) and aborts."""
+penalties and bad_words (which run synchronously) and aborts."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ PARAMS = {
         else SamplingParams(temperature=0.0, max_tokens=16, min_tokens=4)
         for i in range(len(PROMPTS))
     ],
+    # A word of several tokens reads the last tokens, so none may be in flight.
+    "bad_words (synchronous steps)": SamplingParams(
+        temperature=0.0, max_tokens=16, bad_words=["n == 0", "Paris"]
+    ),
 }
 
 

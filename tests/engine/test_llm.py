@@ -378,3 +378,36 @@ def test_int8_kv_cache_scales_keep_greedy_output_close(reference) -> None:
             top = out.outputs[0].logprobs[same]
             assert want[same] in top, (got, want)
             assert top[got[same]].logprob - top[want[same]].logprob < 0.25, (got, want)
+
+
+@pytest.mark.parametrize(
+    "prompt,word",
+    [
+        ("The capital of France is", "Paris"),  # one token: never generated
+        ("Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", "4, 5"),  # 5 banned only after "4, "
+    ],
+)
+def test_bad_words_keep_a_word_out_of_greedy_output(llm: LLM, prompt: str, word: str) -> None:
+    from pagoda.sample.bad_words import banned_tokens
+
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert word in free[0].outputs[0].text
+    params = SamplingParams(temperature=0.0, max_tokens=20, bad_words=[word])
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    ids = list(out.outputs[0].token_ids)
+    assert word not in out.outputs[0].text and len(ids) == 20
+    # Step by step, the output is the model's argmax given what came before, or, where that was
+    # a banned token, the best token not banned (the raw logprobs' order).
+    words = SamplingParams(bad_words=[word])
+    words.update_from_tokenizer(llm.get_tokenizer())
+    contexts = [{"prompt_token_ids": out.prompt_token_ids + ids[:i]} for i in range(len(ids))]
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    steps = llm.generate(contexts, one, use_tqdm=False)
+    num_banned = 0
+    for i, step in enumerate(steps):
+        banned = set(banned_tokens(words.bad_words_token_ids, ids[:i]))
+        ranked = sorted(step.outputs[0].logprobs[0].items(), key=lambda kv: kv[1].rank)
+        best = next(t for t, _ in ranked if t not in banned)
+        assert ids[i] == best, (i, ranked, banned)
+        num_banned += ranked[0][0] in banned
+    assert num_banned >= 1  # the ban did change a step

@@ -1,5 +1,5 @@
 """N-gram speculative decoding through the engine: the output is the target model's. Greedy
-outputs (with stops, max_tokens, penalties, logprobs) equal those without speculation on the
+outputs (with stops, max_tokens, penalties, bad_words, logprobs) equal those without speculation on the
 embedded model while drafts are accepted; seeded random sampling on a tiny model keeps the
 target's token distribution; the configuration is checked (vLLM's dict, the legacy arguments,
 the CLI flag) and the acceptance shows in the Prometheus counters."""
@@ -15,6 +15,7 @@ from spec_testing import tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.arg_utils import EngineArgs
+from pagoda.sample.bad_words import banned_tokens
 
 SPEC = {
     "method": "ngram",
@@ -77,6 +78,24 @@ def test_stops_penalties_and_logprobs_match(engines) -> None:
             assert lx.keys() == ly.keys()
             for t in lx:
                 assert abs(lx[t].logprob - ly[t].logprob) < 1e-3
+
+
+def test_bad_words_match(engines) -> None:
+    # Each verifying row bans after the drafts before it, as the step without drafts would:
+    # the n-gram drafts propose the banned words' tokens right after their prefixes.
+    plain, spec, tally = engines
+    words = ["4, 5", "lazy dog", "Paris", " b"]
+    params = SamplingParams(temperature=0.0, max_tokens=30, bad_words=words)
+    before = tally.accepted
+    got = _run(spec, params)
+    assert got == _run(plain, params)
+    assert got != _run(plain, SamplingParams(temperature=0.0, max_tokens=30))
+    params.update_from_tokenizer(spec.get_tokenizer())
+    for ids, _, _, _ in got:  # (" lazy dogs" is no ban's token sequence: it may come)
+        assert not any(
+            t in banned_tokens(params.bad_words_token_ids, ids[:i]) for i, t in enumerate(ids)
+        )
+    assert tally.accepted - before >= 10
 
 
 def _sample(model: str, spec: dict | None, n: int) -> tuple[list[list[int]], Tally]:
