@@ -182,6 +182,7 @@ def build_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=(
             StructuredOutputsParams(json=json_schema)

@@ -621,3 +621,52 @@ def test_stream_options_are_vllms(client):
         _error(r, 400, "stream_options")
         for opts in ({}, None):  # nothing asked of a stream: as vLLM, not an error
             assert client.post(path, json=body | {"stream_options": opts}).status_code == 200
+
+
+class _RecordingEngine(FakeEngine):
+    """The fake engine, keeping every request the core was handed."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.seen: list = []
+
+    def add_requests(self, requests) -> None:
+        self.seen.extend(requests)
+        super().add_requests(requests)
+
+
+def test_bad_words_reach_the_engine_as_token_ids_and_bad_ones_are_400():
+    # vLLM's field on completions and chat: the front end tokenizes the words (bytes here; " xy"
+    # is one token longer than "xy", so only the word as given is banned, as vLLM's rule says).
+    engine = _RecordingEngine(max_model_len=64)
+    llm = AsyncLLM(engine)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with TestClient(build_app(llm)) as client:
+            for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+                               ("/v1/chat/completions", chat)):  # fmt: skip
+                engine.seen.clear()
+                r = client.post(path, json=body | {"bad_words": ["c", "xy", "c"]})
+                assert r.status_code == 200, r.text
+                (req,) = engine.seen
+                assert req.sampling_params.bad_words == ["c", "xy"]
+                assert req.sampling_params.bad_words_token_ids == [[ord("c")], [ord("x"), ord("y")]]
+                for bad, needle in (("c", "list"), ([1], ""), (["ok", ""], "empty string"),
+                                    ([" "], "at least one token")):  # fmt: skip
+                    r = client.post(path, json=body | {"bad_words": bad})
+                    assert needle in _error(r, 400, "bad_words")
+                assert client.post(path, json=body | {"bad_words": []}).status_code == 200
+    finally:
+        llm.shutdown()
+
+
+def test_bad_words_without_a_tokenizer_are_400():
+    # vLLM skips them then; a ban that would silently do nothing is refused.
+    llm = AsyncLLM(FakeEngine(max_model_len=64, skip_tokenizer_init=True))
+    try:
+        with TestClient(build_app(llm)) as client:
+            body = {"prompt": [97, 98], "max_tokens": 2, "bad_words": ["c"]}
+            r = client.post("/v1/completions", json=body)
+            assert "tokenizer" in _error(r, 400, "bad_words")
+    finally:
+        llm.shutdown()
