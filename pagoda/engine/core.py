@@ -346,8 +346,12 @@ def _reads_history(req: Request) -> bool:
         or sp.frequency_penalty != 0.0
         or sp.repetition_penalty != 1.0
         or (sp.min_tokens > 0 and req.num_output_tokens < sp.min_tokens)
-        or any(len(w) > 1 for w in sp.bad_words_token_ids or ())
+        or (sp.bad_words_token_ids is not None and _has_long_word(sp.bad_words_token_ids))
     )
+
+
+def _has_long_word(words: list[list[int]]) -> bool:
+    return any(len(w) > 1 for w in words)
 
 
 def _add_counts(into: IterationStats, other: IterationStats) -> None:

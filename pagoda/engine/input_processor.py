@@ -176,7 +176,11 @@ class InputProcessor:
 
     def tokenize_bad_words(self, params: SamplingParams) -> None:
         """Fill `params.bad_words_token_ids` (`SamplingParams.update_from_tokenizer`), once per
-        request, so that the engine core and its workers get token ids only."""
+        request, so that the engine core and its workers get token ids only (and only those of
+        `bad_words`)."""
+        if not params.bad_words:
+            params._bad_words_token_ids = None
+            return
         if self.tokenizer is None:
             # (vLLM ignores them then; a ban that silently does nothing is refused here.)
             raise PromptValidationError(
@@ -205,8 +209,7 @@ class InputProcessor:
                 "priority",
             )
         prompt_text, prompt_ids = self.process_prompt(prompt)
-        if params.bad_words:
-            self.tokenize_bad_words(params)
+        self.tokenize_bad_words(params)
         mc = self.model_config
         max_tokens = validate_request(prompt_ids, params, mc.max_model_len, mc.vocab_size)
         if params.structured_outputs is not None:  # what needs no grammar compiler to refuse
