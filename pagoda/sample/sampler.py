@@ -4,8 +4,8 @@ It follows vLLM v1's `Sampler`: logprobs come from the raw logits (log_softmax i
 any processing); then allowed_token_ids, bad_words, min_tokens, logit_bias and penalties; greedy
 rows take the argmax (`greedy_argmax`: a two-stage Triton kernel on CUDA); random rows get
 temperature, min_p, top-k/top-p and are sampled with the exponential race (argmax of probs /
-Exponential(1) noise, i.e. the Gumbel-max trick), which needs no host sync. A seeded request draws its noise
-from its own generator, so its tokens do not depend on the rest of the batch.
+Exponential(1) noise, i.e. the Gumbel-max trick), which needs no host sync. A seeded request
+draws its noise from its own generator, so its tokens do not depend on the rest of the batch.
 `Sampler.sample_on_device` queues all of that on the logits' device; `SamplerTensors.tolist` is
 the one place the host waits. A batch that is all greedy with nothing to process or report
 takes a plain argmax of the raw logits (`is_plain_greedy`).
