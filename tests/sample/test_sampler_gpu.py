@@ -27,6 +27,9 @@ MIXED = [
     SP(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.2, logit_bias={5: 2.0}),
     # Row 4 has 5 output tokens (`_inputs`): min_tokens above that keeps stop tokens 2 and 500 banned.
     SP(temperature=1.0, allowed_token_ids=[1, 2, 3, 500], min_tokens=8, logprobs=1),
+    # Row 5's bad words (set by `_inputs`) ban its two best tokens: one word of one token, one
+    # whose prefix is the row's last output token.
+    SP(temperature=0.0),
 ]
 
 
@@ -37,6 +40,8 @@ def _inputs(n: int):
     outputs = [torch.randint(0, V, (i + 1,), generator=g).tolist() for i in range(n)]
     for p in MIXED:
         p.all_stop_token_ids = {2, 500}
+    best, second = logits[5].topk(2).indices.tolist()
+    MIXED[5]._bad_words_token_ids = [[best], [outputs[5][-1], second], [4, 4, 4]]
     return logits, prompts, outputs
 
 
@@ -63,8 +68,9 @@ def test_cuda_matches_cpu():
     md_gpu = make_md(MIXED, V, prompts, outputs, device="cuda")
     cpu = Sampler()(logits, md_cpu)
     gpu = Sampler()(logits.cuda(), md_gpu)
-    for i in (0, 3):  # greedy rows
+    for i in (0, 3, 5):  # greedy rows
         assert gpu.sampled_token_ids[i] == cpu.sampled_token_ids[i]
+    assert gpu.sampled_token_ids[5] == logits[5].topk(3).indices[2]  # the best two are banned
     lp_cpu = apply_logits_processors(logits.clone(), md_cpu)
     lp_gpu = apply_logits_processors(logits.cuda(), md_gpu)
     torch.testing.assert_close(lp_gpu.cpu(), lp_cpu)
