@@ -346,7 +346,7 @@ def _reads_history(req: Request) -> bool:
         or sp.frequency_penalty != 0.0
         or sp.repetition_penalty != 1.0
         or (sp.min_tokens > 0 and req.num_output_tokens < sp.min_tokens)
-        or (sp.bad_words_token_ids is not None and _has_long_word(sp.bad_words_token_ids))
+        or (sp._bad_words_token_ids is not None and _has_long_word(sp._bad_words_token_ids))
     )
 
 

@@ -144,7 +144,7 @@ class SamplingMetadata:
             all_random=len(random_rows) == n,
         )
         for p in params:
-            if p.logit_bias or p.allowed_token_ids or p.min_tokens or p.bad_words_token_ids:
+            if p.logit_bias or p.allowed_token_ids or p.min_tokens or p._bad_words_token_ids:
                 p.validate_token_ids(vocab_size)
                 bad = [t for t in p.all_stop_token_ids if not 0 <= t < vocab_size]
                 if p.min_tokens and bad:
@@ -259,8 +259,9 @@ class SamplingMetadata:
             if p.allowed_token_ids:
                 allowed_rows.append(i)
                 allowed.extend((i, t) for t in set(p.allowed_token_ids))
-            if p.bad_words_token_ids:
-                bans = banned_tokens(p.bad_words_token_ids, output_token_ids[i])
+            # The field, not its property: a property call per row per step costs ~6x more.
+            if p._bad_words_token_ids:
+                bans = banned_tokens(p._bad_words_token_ids, output_token_ids[i])
                 bad_words.extend((i, t) for t in bans)
             if p.logit_bias:
                 bias.extend((i, t) for t in p.logit_bias)
