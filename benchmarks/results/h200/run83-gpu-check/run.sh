@@ -13,8 +13,9 @@ O=/tmp/run83 && mkdir -p $O
 trap 'tar czf $OUT/run83.tgz -C /tmp run83' EXIT
 left() { [ $((${LIMIT:-560} - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $O/gpu.txt
-timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/worker \
-  tests/spec_decode tests/sample tests/model tests/executor -rf 2>&1 \
+T=$((${LIMIT:-560} - 130)); [ $T -gt 200 ] && T=200  # leave a server check its time
+timeout $T python -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/sample tests/worker \
+  tests/spec_decode tests/model tests/executor -rf 2>&1 \
   | grep -E "FAILED|ERROR|passed|failed" | cut -c1-400 > $O/tests.log
 tail -5 $O/tests.log
 left 100 "serve bf16" && timeout 140 python $R/serve_smoke.py 2>&1 | tee $O/smoke_bf16.txt
