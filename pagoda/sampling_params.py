@@ -230,7 +230,7 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
-        if self.seed == -1 and not isinstance(self.seed, bool):
+        if self.seed == -1:
             self.seed = None  # as vLLM (and OpenAI clients): -1 asks for no seed, not seed -1
         self.stop = _str_list("stop", self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids or [])
@@ -323,7 +323,7 @@ class SamplingParams:
             raise ValueError(f"{name} must be a number in {bounds}, got {value!r:.100}")
         value = float(value)
         # NaN fails every comparison, so it is refused here too.
-        if not (lo < value if lo_open else lo <= value) or not value <= hi or value == math.inf:
+        if not (lo < value if lo_open else lo <= value) or not math.isfinite(value) or value > hi:
             raise ValueError(f"{name} must be a number in {bounds}, got {value}")
         setattr(self, name, value)
 

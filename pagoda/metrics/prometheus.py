@@ -227,7 +227,6 @@ class PrometheusStatLogger:
             info["num_gpu_blocks"] = str(num_gpu_blocks)
         if info:
             info["engine"] = ENGINE
-        if info:
             g = Gauge(
                 PREFIX + "cache_config_info",
                 "Information of the LLMEngine CacheConfig",
