@@ -161,7 +161,7 @@ class LLM:
         """Forget every cached prompt prefix (e.g. between benchmark runs); False (nothing
         done) while a request still holds KV blocks. `device` is vLLM's and is ignored."""
         with self._lock:
-            return self.llm_engine.scheduler.reset_prefix_cache()
+            return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,
