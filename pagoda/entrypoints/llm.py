@@ -130,10 +130,14 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        self._default_sampling_params: dict[str, Any] | None = None
+        if model is not None:  # a bad generation_config.json fails here, before the model loads
+            self._default_sampling_params = get_diff_sampling_param(
+                model, self.engine_args.generation_config
+            )
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()
         self._lock = threading.RLock()  # generate / chat from several threads: one at a time
-        self._default_sampling_params: dict[str, Any] | None = None
 
     @property
     def model_config(self) -> Any:

@@ -112,6 +112,15 @@ def test_default_sampling_params_come_from_generation_config(llm: LLM, tmp_path,
     assert len(llm.chat(CHAT, use_tqdm=False)[0].outputs[0].token_ids) == 1
 
 
+def test_a_bad_generation_config_fails_before_the_model_loads(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 5}))
+    # No config.json or weights either: the generation config is read first, and named.
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p must be"):
+        LLM(model=str(tmp_path))
+    with pytest.raises(ValueError, match="no config.json in"):  # ignored: the model is next
+        LLM(model=str(tmp_path), generation_config="vllm")
+
+
 @pytest.mark.parametrize(
     "name, match",
     [
