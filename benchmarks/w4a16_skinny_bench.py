@@ -143,8 +143,9 @@ def wgmma_grid(m: int) -> list[tuple]:
 
 def wgmma_ring_grid(m: int) -> list[tuple]:
     """With --wgmma-ring: the rule's configs (K split by `split_for`) as they are and with the
-    weights through the stages (`w_ring`), then `w_ring` configs: activation tiles of 32 and
-    64 rows (up to 32 rows) or 64 and 128, the one tile of all the rows (96-224), 256 past 128
+    weights through the stages (`w_ring`), then `w_ring` configs from 9 rows (the GEMV's
+    rows: does a tile of 32 rows, part empty, beat it?): activation tiles of 32 rows (up to
+    16), 32 and 64 (up to 32) or 64 and 128, the one tile of all the rows (96-224), 256 past 128
     rows; 1, 2 or 4 warpgroups, 1 or 2 A buffers, 1-4 CTAs a SM (4 warpgroups an SM at most:
     `config_reason`), 4 stages where the CTAs' shared memory allows, else 3."""
     from pagoda.kernels.w4a16 import wgmma_config
@@ -156,14 +157,14 @@ def wgmma_ring_grid(m: int) -> list[tuple]:
         smem_bytes,
     )
 
-    if m < 17:
+    if m < 9:
         return []
     configs = []
     for n, k in SHAPES.values():
         rule = wgmma_config(m, n, k, GROUP)
         if rule is not None:
             configs += [rule, rule._replace(w_ring=1)]
-    bns = [32, 64] if m <= 32 else [64, 128]
+    bns = [32] if m <= 16 else [32, 64] if m <= 32 else [64, 128]
     fit = min((bn for bn in BN_VALUES if bn >= m), default=None)
     bns += [fit] if fit in (96, 160, 192, 224) else []
     bns += [256] if m > 128 else []

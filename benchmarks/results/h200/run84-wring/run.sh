@@ -3,9 +3,10 @@
 # one bulk copy per row and K step, issued by the warp that refills a stage, instead of DEPTH
 # K steps of weights in each lane's registers): its GPU tests (every tile shape, split K)
 # against the dequantized reference; the sweep at 64, 128 and 256 rows of the rule's configs
-# against w_ring configs (`--wgmma-ring`: families wgmma_best and wring_best per layer); whole
-# decode steps with each family's fastest configs per layer (`--step --best-from`) beside the
-# rule and bf16 cuBLAS. Steps that would not finish within LIMIT seconds (560 by default) are
+# against w_ring configs, and at 16 rows the GEMV against w_ring configs of 32-row tiles
+# (`--wgmma-ring`: families wgmma_best and wring_best per layer); whole decode steps with each
+# family's fastest configs per layer (`--step --best-from`) beside the rule and bf16 cuBLAS.
+# Steps that would not finish within LIMIT seconds (560 by default) are
 # skipped. Writes to $OUT.
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -16,7 +17,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
 timeout 170 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_w4a16_wgmma.py \
   -rf 2>&1 | grep -E "FAILED|passed|failed|rror" | cut -c1-300 > $OUT/tests.log
 tail -6 $OUT/tests.log
-left 120 sweep && timeout 220 python $B/w4a16_skinny_bench.py --m 64 128 256 --no-sweep \
+left 120 sweep && timeout 220 python $B/w4a16_skinny_bench.py --m 16 64 128 256 --no-sweep \
   --no-cuda-sweep --wgmma-ring --reps 5 --out $OUT/sweep.json > $OUT/sweep.log 2>&1
 grep -E "^(qkv|o|gate_up|down) |^ *[0-9]+ " $OUT/sweep.log | cut -c1-400
 for f in wgmma wring; do
@@ -24,6 +25,6 @@ for f in wgmma wring; do
     --out $OUT/sweep.json > $OUT/top_$f.log 2>&1
 done
 left 40 step && timeout $((LIMIT - SECONDS - 5)) python $B/w4a16_skinny_bench.py --step \
-  --m 64 128 256 --reps 5 --best-from $OUT/sweep.json > $OUT/step.log 2>&1
+  --m 16 64 128 256 --reps 5 --best-from $OUT/sweep.json > $OUT/step.log 2>&1
 tail -12 $OUT/step.log
 echo "done in $SECONDS s"
