@@ -43,26 +43,15 @@
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
 //
-// With W_RING, the weights come through shared memory instead: each stage also holds the
-// step's ROWS x 64 bytes of packed weights (one bulk copy per row, issued by the 32 lanes of
-// the warp that refills the stage, completing on the stage's mbarrier with its x tile), rows
-// of 64 bytes one after the other (a quarter warp's 16-byte reads are one 128-byte line: no
-// bank conflicts). A lane then reads its 32 bytes of a step from shared memory after the
-// stage's wait; only the scales and zero points stay DEPTH steps ahead in registers. The bytes
-// in flight are STAGES steps of the CTA's rows and cost no registers (the weights of DEPTH
-// steps took 8 DEPTH of them a thread). The first stages' weights are copied before
-// `grid_wait`.
-//
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
 // BN (activation rows of a CTA: a multiple of 32 up to 256), WG (1, 2 or 4 warpgroups), STAGES,
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
-// SPLIT (1: K split over blockIdx.z), PDL, W_RING (1: the weights through the stages).
-// WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from registers, is
-// defined before this source (`w4a16_wgmma.py` writes it for BN), as are the helpers of
-// `w4a16_device.cuh` and `wgmma_device.cuh`.
+// SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
+// instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
+// it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
@@ -70,7 +59,6 @@
 #define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
 #define STAGE_ELEMS (STAGE_BYTES / 2)
-#define W_STAGE_BYTES (ROWS * 64)     // a step's packed weights of the CTA's rows (W_RING)
 #define SUM_OUTPUTS 8  // outputs a thread of the split-K sum takes at once
 #define SUM_SPLITS 4   // splits whose loads it issues together
 
@@ -164,18 +152,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
 
   // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
-#if W_RING
-  uint4 wv[1][2];  // the step's weights, read from its stage
-#else
   uint4 wv[DEPTH][2];
-#endif
   u32 sc[DEPTH][2], zp[DEPTH][2];
   auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
     if (i < nsteps) {
-#if !W_RING
       wv_[0] = ld_weights(wrow0, policy);
       wv_[1] = ld_weights(wrow1, policy);
-#endif
       sc_[0] = ld_nc_u16(sc0);
       sc_[1] = ld_nc_u16(sc1);
       zp_[0] = ld_nc_u8(zp0);
@@ -193,44 +175,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const u32 full0 = smem_addr(full), released0 = smem_addr(released);
   auto load_x = [&](int i) {
     const int stage = i % STAGES;
-#if !W_RING
     mbar_expect_tx(full0 + 8 * stage, STAGE_BYTES);
-#endif
     bulk_load(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
               full0 + 8 * stage);
   };
-#if W_RING
-  // Step i's weights into stage i % STAGES by the 32 lanes of one warp, ROWS / 32 rows each
-  // (rows past N: row N - 1, never stored); lane 0 first counts the stage's bytes, x's too.
-  const u32 wtiles = tiles + STAGES * STAGE_BYTES;
-  auto load_w = [&](int i) {
-    const int stage = i % STAGES;
-    if (lane == 0) mbar_expect_tx(full0 + 8 * stage, STAGE_BYTES + W_STAGE_BYTES);
-    __syncwarp();
-#pragma unroll
-    for (int r = 0; r < ROWS / 32; ++r) {
-      const int row = min(n0 + lane + 32 * r, N - 1);
-      const u32* src = qweight + (long long)row * (K / 8) + 16 * (s_begin + i);
-      bulk_load(wtiles + stage * W_STAGE_BYTES + (lane + 32 * r) * 64, src, 64, full0 + 8 * stage,
-                policy);
-    }
-  };
-#endif
   // After step i's wgmmas are done in every warp, the last warp to say so refills its stage
   // with step i + STAGES.
   auto release = [&](int i) {
     __syncwarp();
-#if W_RING
-    u32 old = 0;
-    if (lane == 0) old = count_release(released0 + 4 * (i % STAGES));
-    if (__shfl_sync(0xffffffffu, old, 0) == 4 * WG - 1) {
-      if (lane == 0) released[i % STAGES] = 0;
-      if (i + STAGES < nsteps) {
-        load_w(i + STAGES);
-        if (lane == 0) load_x(i + STAGES);
-      }
-    }
-#else
     if (lane == 0) {
       const u32 counter = released0 + 4 * (i % STAGES);
       if (count_release(counter) == 4 * WG - 1) {
@@ -238,7 +190,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         if (i + STAGES < nsteps) load_x(i + STAGES);
       }
     }
-#endif
   };
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -248,15 +199,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-#if W_RING
-  if (warp == 0)
-    for (int i = 0; i < STAGES && i < nsteps; ++i) load_w(i);
-#pragma unroll
-  for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[0], sc[d], zp[d]);
-#else
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
-#endif
   grid_wait();  // xt is written by the kernel before (`tile_x`)
   launch_dependents();
   if (tid == 0)
@@ -273,16 +217,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       const int i = i0 + d;
       if (i < nsteps) {
         mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
-#if W_RING
-        const int wd = 0;
-        {
-          const u32 at = wtiles + (i % STAGES) * W_STAGE_BYTES + (16 * warp + g) * 64 + 16 * t;
-          wv[0][0] = ld_shared_v4(at);
-          wv[0][1] = ld_shared_v4(at + 8 * 64);
-        }
-#else
-        const int wd = d;
-#endif
 
         u32(&ab)[8][4] = a[d % A_BUFFERS];
 #pragma unroll
@@ -290,14 +224,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
           const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
-            const u32 word = part(wv[wd][h], w);
+            const u32 word = part(wv[d][h], w);
             ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
             ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
             ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
             ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
           }
         }
-        load_weights(i + DEPTH, wv[wd], sc[d], zp[d]);
+        load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
 
         const unsigned long long desc = swizzled_desc(tiles + (i % STAGES) * STAGE_BYTES);
         wgmma_fence();

@@ -57,8 +57,7 @@ class WgmmaConfig(NamedTuple):
     summed by the last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K
     step's weights while the step before's wgmmas run, 1 to wait for them first (fewer
     registers); ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at
-    65536 / (2 x threads)); w_ring: 1 to bring the weights through the stages (bulk copies,
-    one per row and step) instead of DEPTH steps of them in each lane's registers."""
+    65536 / (2 x threads))."""
 
     bn: int = 64
     warpgroups: int = 2
@@ -67,7 +66,6 @@ class WgmmaConfig(NamedTuple):
     split_k: int = 0
     a_buffers: int = 2
     ctas_per_sm: int = 1
-    w_ring: int = 0
 
 
 def rows_per_cta(cfg: WgmmaConfig) -> int:
@@ -76,11 +74,9 @@ def rows_per_cta(cfg: WgmmaConfig) -> int:
 
 
 def smem_bytes(cfg: WgmmaConfig) -> int:
-    """Dynamic shared memory of a CTA: `stages` x tiles of bn rows x 128 inputs (16-bit), with
-    `w_ring` the stages' packed weights too (64 bytes a row), and 1 KB to align the tiles to
-    the 128-byte swizzle's 1024-byte atoms."""
-    weights = cfg.stages * rows_per_cta(cfg) * STEP // 2 if cfg.w_ring else 0
-    return cfg.stages * cfg.bn * STEP * 2 + weights + 1024
+    """Dynamic shared memory of a CTA: `stages` x tiles of bn rows x 128 inputs (16-bit), and
+    1 KB to align them to the 128-byte swizzle's 1024-byte atoms."""
+    return cfg.stages * cfg.bn * STEP * 2 + 1024
 
 
 def config_reason(cfg: WgmmaConfig) -> str | None:
@@ -101,12 +97,8 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"{smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     if cfg.split_k < 0:
         return f"split_k {cfg.split_k} < 0"
-    if cfg.w_ring not in (0, 1):
-        return f"w_ring {cfg.w_ring} not 0 or 1"
-    if cfg.a_buffers not in (1, 2):
-        return f"a_buffers {cfg.a_buffers} not 1 or 2"
-    if cfg.ctas_per_sm not in (1, 2, 3, 4):
-        return f"ctas_per_sm {cfg.ctas_per_sm} not 1-4"
+    if cfg.a_buffers not in (1, 2) or cfg.ctas_per_sm not in (1, 2):
+        return f"a_buffers {cfg.a_buffers} / ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
     if cfg.ctas_per_sm * smem_bytes(cfg) > SMEM_LIMIT:
         return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     return None
@@ -164,7 +156,6 @@ def _compile(
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
-        "W_RING": cfg.w_ring,
     }
     source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))

@@ -45,14 +45,6 @@ TILES = [
     WgmmaConfig(bn=160, split_k=2),
     WgmmaConfig(bn=192, a_buffers=1),
     WgmmaConfig(bn=224, warpgroups=1, split_k=3),
-    # The weights through the stages (`w_ring`).
-    WgmmaConfig(w_ring=1),
-    WgmmaConfig(bn=64, warpgroups=1, stages=3, depth=4, ctas_per_sm=3, w_ring=1),
-    WgmmaConfig(bn=128, warpgroups=1, stages=3, ctas_per_sm=2, a_buffers=1, w_ring=1),
-    WgmmaConfig(bn=256, stages=3, a_buffers=1, w_ring=1),
-    WgmmaConfig(bn=64, warpgroups=4, a_buffers=1, w_ring=1),
-    WgmmaConfig(bn=160, split_k=2, w_ring=1),
-    WgmmaConfig(bn=32, warpgroups=1, stages=6, ctas_per_sm=4, a_buffers=1, w_ring=1),
 ]
 
 
@@ -111,8 +103,6 @@ def test_every_tile_shape_matches(cfg: WgmmaConfig, m: int) -> None:
         WgmmaConfig(bn=256, stages=3, a_buffers=1),
         WgmmaConfig(warpgroups=4, a_buffers=1),
         WgmmaConfig(warpgroups=1),
-        WgmmaConfig(w_ring=1),
-        WgmmaConfig(bn=256, stages=3, w_ring=1),
     ],
     ids=str,
 )
@@ -210,13 +200,6 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "shared memory" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, stages=8))
     assert "2 CTAs" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, ctas_per_sm=2))
     assert "a_buffers" in w4a16_wgmma.config_reason(WgmmaConfig(a_buffers=3))
-    assert "ctas_per_sm" in w4a16_wgmma.config_reason(WgmmaConfig(ctas_per_sm=0))
-    assert "w_ring" in w4a16_wgmma.config_reason(WgmmaConfig(w_ring=2))
-    # The stages' weights count: 4 x (16 + 8) KB + 1 KB
-    assert w4a16_wgmma.smem_bytes(WgmmaConfig(w_ring=1)) == 4 * 24 * 1024 + 1024
-    assert "shared memory" in w4a16_wgmma.config_reason(
-        WgmmaConfig(warpgroups=1, stages=4, ctas_per_sm=3, w_ring=1)
-    )
     assert w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3)) is None  # 255 registers
     assert "warpgroups" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=3))
     assert "registers" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=4, ctas_per_sm=2))
