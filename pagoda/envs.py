@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     PAGODA_GRAMMAR_MAX_ABANDONED: int
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
+    PAGODA_SERVER_DEV_MODE: bool
     CC: str | None
     OPENAI_API_KEY: str | None
 
@@ -353,6 +354,12 @@ VARIABLES: dict[str, EnvVar] = {
             "The API key `pagoda serve` requires when neither --api-key nor --api-key-file "
             "is given.",
             _text("PAGODA_API_KEY", None, lambda v: v),
+        ),
+        EnvVar(
+            "PAGODA_SERVER_DEV_MODE", "flag", "0",
+            "1: `pagoda serve` also serves POST /reset_prefix_cache, which drops the engine's "
+            "cached prompt prefixes (vLLM's VLLM_SERVER_DEV_MODE); without it the path is 404.",
+            _flag("PAGODA_SERVER_DEV_MODE", False),
         ),
         EnvVar(
             "CC", "str", "cc, else gcc",

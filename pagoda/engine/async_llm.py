@@ -12,9 +12,10 @@ GIL (`pagoda.engine.core_client`). Either way the event loop hands `add`/`abort`
 without blocking; each step's core outputs are turned into `RequestOutput`s on the thread that
 receives them, and come back with one `loop.call_soon_threadsafe` per event loop into
 per-request `asyncio.Queue`s. When the output processor finds a stop string it aborts the
-request in the core, which frees its KV blocks. This class also owns admission (a bound on
-queued requests, `EngineOverloadedError`), cancellation (a consumer that stops iterating
-aborts its request and frees its KV blocks) and graceful drain/shutdown.
+request in the core, which frees its KV blocks. `reset_prefix_cache` is a command too, which the
+core answers in a later report. This class also owns admission (a bound on queued requests,
+`EngineOverloadedError`), cancellation (a consumer that stops iterating aborts its request and
+frees its KV blocks) and graceful drain/shutdown.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -32,7 +34,7 @@ from typing import Any
 from pagoda import envs
 from pagoda.core.outputs import EngineCoreOutputs
 from pagoda.engine.core_client import ProcessCore, RemoteEngine, ThreadCore
-from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport
+from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport, ResetPrefixCache
 from pagoda.engine.input_processor import InputProcessor, PromptValidationError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -220,6 +222,10 @@ class AsyncLLM:
         # that receives the core's reports processes their outputs. Never held with _lock.
         self._op_lock = threading.Lock()
         self._aborting: dict[str, str] = {}  # sample id -> its request, aborted by abort()
+        # Commands awaiting the core's answer (`reset_prefix_cache`): call id -> the caller's
+        # loop and future. Guarded by _lock; failed with the core's error when it stops.
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         self._stopped: BaseException | None = None  # set once the core has stopped
         # Read (racily, which is fine for admission) on the loop.
         self._engine_waiting = 0
@@ -400,6 +406,29 @@ class AsyncLLM:
         if children:
             (core or self._core).send(AbortRequests(children))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix in the engine core (as `LLM.reset_prefix_cache`);
+        False (nothing done) while a request still holds KV blocks. Raises
+        EngineRestartingError while the core restarts, and what `generate` raises where it has
+        stopped (or stops before answering): EngineDeadError, or EngineDrainingError after
+        `shutdown`."""
+        if self.state == "restarting":
+            raise EngineRestartingError("the engine core is restarting after a failure: retry")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._lock:
+            if self._stopped is not None:
+                raise self._stopped
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (loop, future)
+            core = self._core
+        try:
+            core.send(ResetPrefixCache(call_id))
+            return await future
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
     async def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting requests and wait until every in-flight one has finished. After
         `timeout` seconds the rest are aborted: each caller gets EngineDrainingError (an
@@ -510,6 +539,12 @@ class AsyncLLM:
             self._report_stats()
         if aborted:
             self._end_aborted(list(aborted))
+        if report.prefix_cache_resets:
+            with self._lock:
+                calls = [(self._calls.pop(cid, None), r) for cid, r in report.prefix_cache_resets]
+            for call, result in calls:
+                if call is not None:
+                    _answer(*call, result)
         # One wake-up per event loop per step, not one per request: at a few hundred running
         # requests, per-output call_soon_threadsafe calls would cost a syscall each.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
@@ -563,11 +598,14 @@ class AsyncLLM:
                 self.dead_error = error
             self._stopped = self._stopped_error(error)
             streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
             self.state = "restarting" if restart else ("dead" if error is not None else "stopped")
         with self._op_lock:
             self.output_processor = OutputProcessor(self.engine.tokenizer)
             self._aborting.clear()
         _deliver_all(streams.values(), self._stopped)
+        for loop, future in calls.values():
+            _answer(loop, future, self._stopped)
         if restart:
             threading.Thread(target=self._restart, name="pagoda-core-restart", daemon=True).start()
         elif error is not None and not self._shutting_down:
@@ -626,6 +664,23 @@ def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, out in items:
         q.put_nowait(out)
+
+
+def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
+    """Resolve a command's `future` on its `loop` with `result` (raised if an exception)."""
+
+    def resolve() -> None:
+        if future.done():  # its caller was cancelled meanwhile
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
 
 
 def _aborted_output(request_id: str, n: int) -> RequestOutput:

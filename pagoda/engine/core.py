@@ -152,6 +152,11 @@ class EngineCore:
             self._groups.pop(rid, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False (nothing done) while a request still holds
+        KV blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def abort_expired_waiting(self, max_queue_delay_s: float, now: float) -> list[str]:
         """Abort the requests that arrived more than `max_queue_delay_s` before `now` and have
         never been scheduled, a group only when none of its members has; returns their ids."""

@@ -2,19 +2,19 @@
 
 `EngineCoreLoop` owns an `EngineCore` (`pagoda.engine.core`, or anything with its methods): it
 takes commands (`AddRequest` with the `EngineCoreRequest`s of one user request, `AbortRequests`,
-`Stop`), steps the core while it has work and hands one `CoreReport` per iteration to whoever
-listens: the core's plain outputs of the step (token ids, finish reasons, raw logprobs: no text
-and no `RequestOutput`, which the front end's output processor makes), the requests it refused,
-the ones it aborted or expired (waited longer than `max_queue_delay_s` without being scheduled),
-and the scheduler's state. A request whose structured-outputs constraint is not compiled yet
-waits off the core while a worker process compiles it (`GrammarCompilePool`, at most
-PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow constraint never stalls the others' steps;
-structured requests are refused for now (503) while too many constraints given up on as too slow
-to apply still run (PAGODA_GRAMMAR_MAX_ABANDONED). Where it runs is the caller's choice: on a
-thread it reads a queue and calls back directly; in a child process (`run_engine_core_process`,
-vLLM's EngineCoreProc) it reads and writes a pipe, so the HTTP front end's Python (tokenizing,
-detokenizing) never holds the GIL the core's step needs. Nothing here imports torch: the child
-builds the core with the factory it is given.
+`ResetPrefixCache`, `Stop`), steps the core while it has work and hands one `CoreReport` per
+iteration to whoever listens: the core's plain outputs of the step (token ids, finish reasons,
+raw logprobs: no text and no `RequestOutput`, which the front end's output processor makes), the
+requests it refused, the ones it aborted or expired (waited longer than `max_queue_delay_s`
+without being scheduled), the answers to `ResetPrefixCache`, and the scheduler's state. A
+request whose structured-outputs constraint is not compiled yet waits off the core while a worker
+process compiles it (`GrammarCompilePool`, at most PAGODA_GRAMMAR_COMPILE_TIMEOUT_S), so one slow
+constraint never stalls the others' steps; structured requests are refused for now (503) while
+too many constraints given up on as too slow to apply still run (PAGODA_GRAMMAR_MAX_ABANDONED).
+Where it runs is the caller's choice: on a thread it reads a queue and calls back directly; in a
+child process (`run_engine_core_process`, vLLM's EngineCoreProc) it reads and writes a pipe, so
+the HTTP front end's Python (tokenizing, detokenizing) never holds the GIL the core's step needs.
+Nothing here imports torch: the child builds the core with the factory it is given.
 """
 
 from __future__ import annotations
@@ -60,11 +60,20 @@ class RefuseRequest:
 
 
 @dataclass
+class ResetPrefixCache:
+    """Forget the core's cached prompt prefixes (`EngineCore.reset_prefix_cache`). The report
+    answers it in `prefix_cache_resets` with `call_id` and the result: whether it was done (not
+    while a request holds KV blocks), or the exception the core raised."""
+
+    call_id: int
+
+
+@dataclass
 class Stop:
     pass
 
 
-Command = AddRequest | AbortRequests | RefuseRequest | Stop
+Command = AddRequest | AbortRequests | RefuseRequest | ResetPrefixCache | Stop
 
 
 # ---- reports (core -> front end) ----
@@ -86,11 +95,17 @@ class CoreReport:
     iteration_stats: Any = None  # the step's IterationStats, as far as the core counts them
     preempted: list[str] = field(default_factory=list)  # ids preempted in the step
     num_preemptions_total: int = 0
+    # (a ResetPrefixCache's call_id, True if the cache was reset / False / the error raised)
+    prefix_cache_resets: list[tuple[int, bool | BaseException]] = field(default_factory=list)
 
     @property
     def has_news(self) -> bool:
         return self.stepped or bool(
-            self.add_errors or self.aborted or self.expired or self.num_adds
+            self.add_errors
+            or self.aborted
+            or self.expired
+            or self.num_adds
+            or self.prefix_cache_resets
         )
 
 
@@ -217,6 +232,13 @@ class EngineCoreLoop:
             c for c in self._compiling if not ids.intersection(r.request_id for r in c[1].requests)
         ]
 
+    def _reset_prefix_cache(self) -> bool | BaseException:
+        try:
+            return bool(self.core.reset_prefix_cache())
+        except Exception as e:  # noqa: BLE001 - the caller gets it; the core steps on
+            logger.exception("resetting the prefix cache failed")
+            return _picklable(e)
+
     def _run(self) -> None:
         core = self.core
         needs_flush = False
@@ -241,6 +263,9 @@ class EngineCoreLoop:
                     core.abort_requests(list(cmd.request_ids))
                     report.aborted.extend(cmd.request_ids)
                     needs_flush = True
+                elif isinstance(cmd, ResetPrefixCache):
+                    # After the commands before it: blocks a preceding abort freed count free.
+                    report.prefix_cache_resets.append((cmd.call_id, self._reset_prefix_cache()))
             if self._compiling:
                 self._admit_compiled(report)
             if self.max_queue_delay_s is not None and core.num_waiting_requests:

@@ -138,7 +138,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; False while a request still holds KV blocks."""
-        return self.scheduler.reset_prefix_cache()
+        return self.engine_core.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a launched step not yet processed."""

@@ -1,10 +1,11 @@
 """The FastAPI application of the OpenAI-compatible server.
 
 `build_app(engine, ...)` wires the routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /version, /tokenize, /detokenize, /metrics) to an `AsyncLLM`, maps every error to
-OpenAI's error JSON with a 4xx/5xx status (documented as such in /openapi.json), bounds the
-request body, enforces `--api-key` (all routes but /health and /metrics) and owns a per-app
-Prometheus registry fed by the engine thread; /dashboard draws /metrics in a browser.
+/health, /ping, /load, /version, /tokenize, /detokenize, /metrics, and with
+PAGODA_SERVER_DEV_MODE=1 /reset_prefix_cache) to an `AsyncLLM`, maps every error to OpenAI's
+error JSON with a 4xx/5xx status (documented as such in /openapi.json), bounds the request body,
+enforces `--api-key` (all routes but /health, /ping and /metrics) and owns a per-app Prometheus
+registry fed by the engine thread; /dashboard draws /metrics in a browser.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Awaitable
 from typing import Any
@@ -23,11 +25,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda import envs
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.generation_config import get_diff_sampling_param
 from pagoda.metrics.prometheus import PrometheusStatLogger
 from pagoda.server.dashboard import BasicAuthForDashboard, dashboard_html
-from pagoda.server.middleware import APIKeyAuth, BodySizeLimit, ErrorBoundary
+from pagoda.server.middleware import (
+    APIKeyAuth,
+    BodySizeLimit,
+    ErrorBoundary,
+    LoadCounter,
+    ServerLoad,
+)
 from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import (
     ChatCompletionRequest,
@@ -40,15 +49,19 @@ from pagoda.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.serving import APIError, ServingContext, model_json
+from pagoda.server.serving import APIError, ServingContext, exception_to_api_error, model_json
 from pagoda.server.serving_chat import create_chat_completion, render_chat_prompt
 from pagoda.server.serving_completion import create_completion
 from pagoda.server.tool_parsers import TOOL_PARSERS
 
+logger = logging.getLogger("pagoda.server")
+
 # Responses of up to this many tokens are built on the event loop; larger ones off it.
 LOOP_TOKENS = 4096
 
-UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+UNAUTHENTICATED_PATHS = ("/health", "/ping", "/metrics")
+# The requests /load counts (--enable-server-load-tracking): those that run on the engine.
+LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 # Every status a route may answer besides 200, for the OpenAPI document (clients and fuzzers
 # check responses against it).
@@ -63,6 +76,8 @@ _ERROR_STATUSES = {
         "to compile or apply: retry after the Retry-After header's seconds"
     ),
 }
+# /reset_prefix_cache's one status besides those (PAGODA_SERVER_DEV_MODE=1).
+_RESET_REFUSED = "Requests still hold KV-cache blocks: the prefix cache was left as it was"
 
 
 def _version() -> str:
@@ -127,9 +142,11 @@ def build_app(
     preprocessor: Preprocessor | None = None,
     tool_call_parser: str | None = None,
     generation_config: str = "auto",
+    enable_server_load_tracking: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine`; `generation_config` is --generation-config
-    (the defaults of the sampling fields a request leaves unset)."""
+    (the defaults of the sampling fields a request leaves unset); with
+    `enable_server_load_tracking` /load counts the requests in progress (else it answers 0)."""
     mc = engine.model_config
     model_path = getattr(mc, "model", None)
     default_sampling_params = (
@@ -166,8 +183,12 @@ def build_app(
 
     app = FastAPI(title="Pagoda OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.ctx, app.state.engine, app.state.stat_logger = ctx, engine, stat_logger
-    # Innermost first: the body limit, then the key (no body is read for a wrong key), then
-    # the boundary that turns any escaped exception into a 500.
+    app.state.server_load = server_load = LoadCounter()
+    # Innermost first: the load count (of requests that passed the others), the body limit,
+    # then the key (no body is read for a wrong key), then the boundary that turns any escaped
+    # exception into a 500.
+    if enable_server_load_tracking:
+        app.add_middleware(ServerLoad, paths=LOAD_TRACKED_PATHS, counter=server_load)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key, open_paths=UNAUTHENTICATED_PATHS)
@@ -201,6 +222,43 @@ def build_app(
             body, status = {"status": "ok", "restarts": engine.num_restarts}, 200
         headers = {"Retry-After": "5"} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.get("/ping")
+    @app.post("/ping")  # (two routes: one operation id each in /openapi.json)
+    async def ping() -> Response:
+        """SageMaker's health check (vLLM's /ping): /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the requests to /v1/completions and /v1/chat/completions being handled now,
+        counted with --enable-server-load-tracking (without it, 0)."""
+        return {"server_load": server_load.value}
+
+    if envs.PAGODA_SERVER_DEV_MODE:
+        logger.warning(
+            "PAGODA_SERVER_DEV_MODE=1: serving POST /reset_prefix_cache (not for production)"
+        )
+
+        @app.post(
+            "/reset_prefix_cache",
+            response_class=Response,
+            responses={409: {"description": _RESET_REFUSED, "model": ErrorResponse}},
+        )
+        async def reset_prefix_cache() -> Response:
+            """vLLM's development route (PAGODA_SERVER_DEV_MODE=1): forget every cached prompt
+            prefix of the engine (as `LLM.reset_prefix_cache`); 200 once done."""
+            try:
+                done = await engine.reset_prefix_cache()
+            except Exception as e:  # noqa: BLE001 - the engine's state errors: 503, 500
+                raise exception_to_api_error(e) from None
+            if not done:
+                raise APIError(
+                    "the prefix cache was not reset: running requests hold KV-cache blocks; "
+                    "retry once they have finished",
+                    409,
+                )
+            return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

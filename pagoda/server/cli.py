@@ -150,6 +150,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=60.0,
         help="on SIGTERM, seconds to let in-flight requests finish before they are cut off",
     )
+    g.add_argument(
+        "--enable-server-load-tracking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="count the requests to /v1/completions and /v1/chat/completions in progress, "
+        "which GET /load reports as server_load (without it, 0)",
+    )
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     return parser
 
@@ -266,6 +273,7 @@ def _build_server(engine: Any, args: argparse.Namespace, chat_template: str | No
         preprocessor=Preprocessor(engine.tokenizer, timeout_s=args.preprocess_timeout),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         generation_config=getattr(args, "generation_config", "auto"),
+        enable_server_load_tracking=args.enable_server_load_tracking,
     )
     config = uvicorn.Config(
         app,

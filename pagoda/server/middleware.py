@@ -1,5 +1,5 @@
-"""The server's ASGI middleware, outermost first: errors that escape a route, the request-size
-limit, and the API key.
+"""The server's ASGI middleware, outermost first: errors that escape a route, the API key, the
+request-size limit, and the count of requests in progress (/load).
 
 Each is pure ASGI (Starlette's BaseHTTPMiddleware would hide client disconnects from streaming
 responses). `ErrorBoundary` answers any exception a route lets through with an OpenAI-style
@@ -7,6 +7,7 @@ responses). `ErrorBoundary` answers any exception a route lets through with an O
 middleware, which logs the exception as unhandled and drops the keep-alive connection, never
 sees one. `BodySizeLimit` refuses a body over `--max-request-body-bytes` with 413 before the
 route reads it: by its Content-Length, or, sent in chunks, as soon as the bytes pass the limit.
+`ServerLoad` (--enable-server-load-tracking) counts the generation requests being handled.
 """
 
 from __future__ import annotations
@@ -143,3 +144,29 @@ class APIKeyAuth:
             )
             return
         await self.app(scope, receive, send)
+
+
+class LoadCounter:
+    """The requests `ServerLoad` counts as in progress: /load's `server_load`."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class ServerLoad:
+    """vLLM's --enable-server-load-tracking: a request to one of `paths` counts in `counter`
+    from when it reaches the route (past the API key and the body limit) until its response
+    has been sent, a stream's last chunk included, or it failed, or its client left."""
+
+    def __init__(self, app: Any, paths: tuple[str, ...], counter: LoadCounter) -> None:
+        self.app, self.paths, self.counter = app, paths, counter
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        self.counter.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter.value -= 1

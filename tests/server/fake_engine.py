@@ -147,6 +147,11 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> bool:
+        """As the real one: False while a request holds KV blocks (the fake caches nothing)."""
+        self._touch()
+        return self.num_used_blocks == 0
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
