@@ -59,7 +59,7 @@ logger = logging.getLogger("pagoda.server")
 # Responses of up to this many tokens are built on the event loop; larger ones off it.
 LOOP_TOKENS = 4096
 
-UNAUTHENTICATED_PATHS = ("/health", "/ping", "/metrics")
+UNAUTHENTICATED_PATHS = ("/health", "/ping", "/load", "/metrics")  # as vLLM: for balancers
 # The requests /load counts (--enable-server-load-tracking): those that run on the engine.
 LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20

@@ -71,7 +71,7 @@ def _metric(text: str, name: str) -> float:
     )
 
 
-def test_ping_answers_as_health_on_get_and_post() -> None:
+def test_ping_answers_as_health_on_get_and_post_and_needs_no_key() -> None:
     llm = AsyncLLM(FakeEngine())
     try:
         with TestClient(build_app(llm, api_key="sekret")) as c:  # open without the key
@@ -83,6 +83,7 @@ def test_ping_answers_as_health_on_get_and_post() -> None:
                     assert ping.status_code == health.status_code
                     assert ping.json() == health.json()
                     assert ping.headers.get("retry-after") == health.headers.get("retry-after")
+            assert c.get("/load").json() == {"server_load": 0}  # a balancer's poll: open too
             assert c.get("/v1/models").status_code == 401  # the rest still need it
             spec = c.get("/openapi.json", headers={"Authorization": "Bearer sekret"}).json()
             assert set(spec["paths"]["/ping"]) == {"get", "post"}
