@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.tracing import DETAILED_TRACE_MODULES, check_tracing_available
+
 # Defaults that vLLM users know.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 256
@@ -274,6 +276,49 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Request tracing, vLLM's `ObservabilityConfig`: `otlp_traces_endpoint` (OpenTelemetry's
+    OTLP collector: one "llm_request" span per finished request, `pagoda.tracing`) and
+    `collect_detailed_traces` (modules among "model", "worker", "all": the span also gets the
+    model forward time, or the engine core's execute time, of the request's steps). Refused
+    where OpenTelemetry is not installed."""
+
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        modules = self.collect_detailed_traces
+        if modules is not None:
+            bad = [m for m in modules if m not in DETAILED_TRACE_MODULES]
+            if bad or not modules:
+                raise ValueError(
+                    f"collect_detailed_traces (--collect-detailed-traces): {bad or modules} "
+                    f"not among {', '.join(DETAILED_TRACE_MODULES)}"
+                )
+            if not self.otlp_traces_endpoint:
+                raise ValueError(
+                    "collect_detailed_traces (--collect-detailed-traces) requires "
+                    "--otlp-traces-endpoint to be set"
+                )
+        if self.otlp_traces_endpoint is not None:
+            if not self.otlp_traces_endpoint.strip():
+                raise ValueError("--otlp-traces-endpoint is empty: give the collector's URL")
+            from pagoda import envs
+
+            check_tracing_available(envs.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
+
+    @property
+    def collect_model_forward_time(self) -> bool:
+        modules = self.collect_detailed_traces or ()
+        return "model" in modules or "all" in modules
+
+    @property
+    def collect_model_execute_time(self) -> bool:
+        modules = self.collect_detailed_traces or ()
+        return "worker" in modules or "all" in modules
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -281,6 +326,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     speculative_config: SpeculativeConfig | None = None
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def replace(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, **kwargs)

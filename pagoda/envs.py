@@ -1,6 +1,7 @@
 """Every environment variable Pagoda reads (its own `PAGODA_*` ones, and `CC`,
-`OPENAI_API_KEY`): one table of name, type, default and meaning (`VARIABLES`), the one parser
-of each, and the few places Pagoda writes the environment, each saying why.
+`OPENAI_API_KEY`, `OMP_WAIT_POLICY`, `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`): one table of name,
+type, default and meaning (`VARIABLES`), the one parser of each, and the few places Pagoda
+writes the environment, each saying why.
 
 A variable is read when its attribute is (`envs.PAGODA_CPU_THREADS`), not at import, so a test
 or a launcher that sets it before the use is seen. A value that does not parse is a ValueError
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     PAGODA_SERVER_DEV_MODE: bool
     CC: str | None
     OPENAI_API_KEY: str | None
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: str
 
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
@@ -129,6 +131,18 @@ def _text(
     def read() -> str | None:
         value = transform(os.environ.get(name, ""))
         return value or default
+
+    return read
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.environ.get(name, "").strip().lower()
+        if not value:
+            return default
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        return value
 
     return read
 
@@ -377,6 +391,12 @@ VARIABLES: dict[str, EnvVar] = {
             "`import pagoda` sets PASSIVE unless it or GOMP_SPINCOUNT is set. ACTIVE is faster "
             "on a machine that runs nothing else.",
             _text("OMP_WAIT_POLICY", None),
+        ),
+        EnvVar(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "str", "grpc",
+            "How --otlp-traces-endpoint's spans are sent: grpc, or http/protobuf (the endpoint "
+            "then the whole URL, e.g. http://collector:4318/v1/traces), as vLLM reads it.",
+            _choice("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc", ("grpc", "http/protobuf")),
         ),
     )
 }  # fmt: skip

@@ -101,6 +101,8 @@ class ModelRunnerOutput:
     # req_id -> per prompt position computed this step whose next token is a prompt token:
     # {token_id: (logprob, rank)}. The output processor prepends None for the first token.
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # Seconds the model's forward pass took (--collect-detailed-traces model|all), else None.
+    model_forward_time: float | None = None
 
 
 @dataclass
@@ -119,6 +121,10 @@ class EngineCoreOutput:
     # finish_reason "error": why, for the client. The engine ends a request with an error
     # only for what the request itself asked (a constraint too slow to apply).
     error: str | None = None
+    # Once finished, with --collect-detailed-traces: the seconds of the model forward passes
+    # ("model") and of the executor calls ("worker") of the steps it was in, summed.
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ from pagoda.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -282,6 +283,11 @@ class EngineArgs:
     disable_log_stats: bool = False
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
     speculative_config: dict[str, Any] | None = None
+    # Tracing (`pagoda.tracing`): the OTLP collector that gets one span per finished request,
+    # and the detailed timings it adds ("model", "worker", "all"; a list, or vLLM's older
+    # comma-separated string).
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: str | list[str] | None = None
 
     def _check_types(self) -> None:
         """`LLM(...)` keywords arrive untyped: a wrong type is a ValueError naming the field
@@ -336,6 +342,7 @@ class EngineArgs:
         self._scheduler_config(max_model_len, async_scheduling=False)
         self._parallel_config()
         self._speculative_config()
+        self._observability_config()
         return model, hf_config, max_model_len
 
     def create_engine_config(self) -> EngineConfig:
@@ -418,6 +425,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
             ),
             speculative_config=self._speculative_config(),
+            observability_config=self._observability_config(),
         )
         check_input_buffers_fit(config)
         return config
@@ -461,6 +469,24 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def _observability_config(self) -> ObservabilityConfig:
+        modules = self.collect_detailed_traces
+        if isinstance(modules, str):
+            modules = [modules]
+        if modules is not None:
+            if not isinstance(modules, (list, tuple)) or not all(
+                isinstance(m, str) for m in modules
+            ):
+                raise ValueError(
+                    "collect_detailed_traces must be a list of 'model', 'worker', 'all' (or one "
+                    f"comma-separated string), got {self.collect_detailed_traces!r:.100}"
+                )
+            modules = [m.strip() for item in modules for m in item.split(",") if m.strip()]
+        return ObservabilityConfig(
+            otlp_traces_endpoint=self.otlp_traces_endpoint,
+            collect_detailed_traces=None if modules is None else tuple(modules),
+        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -570,6 +596,24 @@ class EngineArgs:
         g.add_argument("--num-speculative-tokens", type=int, default=None)
         g.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
         g.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+        g.add_argument(
+            "--otlp-traces-endpoint",
+            type=str,
+            default=None,
+            help="send one OpenTelemetry span per finished request (llm_request, vLLM's "
+            "attributes) to this OTLP collector: host:port over gRPC, or with "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf the whole URL "
+            "(http://HOST:4318/v1/traces). Needs pip install 'pagoda[tracing]'",
+        )
+        g.add_argument(
+            "--collect-detailed-traces",
+            type=str,
+            nargs="+",
+            default=None,
+            metavar="{model,worker,all}",
+            help="with --otlp-traces-endpoint, add to each span the model forward time (model) "
+            "and the engine core's execute time (worker) of the request's steps; all: both",
+        )
         g.add_argument(
             "--speculative-max-model-len",
             type=int,

@@ -15,7 +15,9 @@ per-request `asyncio.Queue`s. When the output processor finds a stop string it a
 request in the core, which frees its KV blocks. `reset_prefix_cache` is a command too, which the
 core answers in a later report. This class also owns admission (a bound on queued requests,
 `EngineOverloadedError`), cancellation (a consumer that stops iterating aborts its request and
-frees its KV blocks) and graceful drain/shutdown.
+frees its KV blocks) and graceful drain/shutdown. With --otlp-traces-endpoint the front end
+exports one OpenTelemetry span per finished request (`pagoda.tracing`), in the trace of the
+`trace_headers` given to `generate`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.compile_pool import (  # raised by generate()
     StructuredOutputsBusyError as StructuredOutputsBusyError,
 )
+from pagoda.tracing import RequestTracer, make_request_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +248,17 @@ class AsyncLLM:
             self._core = self._start_process_core()
         self.engine = self._core.engine
         self._thread = self._core.thread  # the thread that calls back with each step's outputs
+        # --otlp-traces-endpoint: one tracer for the engine's life (restarts included).
+        config = getattr(self.engine, "config", None)
+        self.tracer: RequestTracer | None = None
+        try:
+            self.tracer = make_request_tracer(
+                getattr(config, "observability_config", None),
+                getattr(self.engine.model_config, "name", ""),
+            )
+        except BaseException:
+            self._core.shutdown(10.0)
+            raise
         self._make_processors()
         sc = getattr(getattr(self.engine, "config", None), "scheduler_config", None)
         self.max_num_seqs: int = getattr(sc, "max_num_seqs", None) or 1
@@ -266,7 +280,7 @@ class AsyncLLM:
             self.engine.tokenizer, self.engine.model_config, getattr(sc, "policy", "fcfs")
         )
         with self._op_lock:
-            self.output_processor = OutputProcessor(self.engine.tokenizer)
+            self.output_processor = OutputProcessor(self.engine.tokenizer, self.tracer)
 
     @classmethod
     def from_engine_args(
@@ -300,6 +314,10 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
+    @property
+    def is_tracing_enabled(self) -> bool:
+        return self.tracer is not None
+
     # ---- asyncio API ----
     async def generate(
         self,
@@ -307,8 +325,10 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them (DELTA unless told otherwise).
+        `trace_headers` (traceparent, tracestate) put its span in the caller's trace.
 
         Raises ValueError for a request the engine rejects; EngineOverloadedError past the
         waiting bound, EngineDrainingError while draining, EngineRestartingError while the
@@ -343,6 +363,7 @@ class AsyncLLM:
                     params,
                     requests,
                     arrival_time,
+                    trace_headers,
                 )
         except BaseException:
             with self._lock:
@@ -459,6 +480,8 @@ class AsyncLLM:
         self.draining = True
         self._shutting_down = True
         self._core.shutdown(timeout)
+        if self.tracer is not None:
+            self.tracer.shutdown()  # sends the spans not sent yet
 
     def check_admission(self, n: int, what: str = "n") -> None:
         """Raise what `generate` would for `n` more samples now: a PromptValidationError
@@ -601,7 +624,7 @@ class AsyncLLM:
             calls, self._calls = self._calls, {}
             self.state = "restarting" if restart else ("dead" if error is not None else "stopped")
         with self._op_lock:
-            self.output_processor = OutputProcessor(self.engine.tokenizer)
+            self.output_processor = OutputProcessor(self.engine.tokenizer, self.tracer)
             self._aborting.clear()
         _deliver_all(streams.values(), self._stopped)
         for loop, future in calls.values():

@@ -83,7 +83,15 @@ class EngineCore:
         # Async scheduling: the launched step whose tokens are not processed yet. Off with
         # speculation: how many drafts a step accepts decides where the next one starts.
         self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None
-        self._in_flight: tuple[SchedulerOutput, Any, IterationStats] | None = None
+        self._in_flight: tuple[SchedulerOutput, Any, IterationStats, float] | None = None
+        # --collect-detailed-traces: per unfinished request, [seconds in the executor, seconds
+        # of model forward] of the steps it was in, reported with its last output.
+        obs = config.observability_config
+        self._collect_forward = obs.collect_model_forward_time
+        self._collect_execute = obs.collect_model_execute_time
+        self._step_times: dict[str, list[float]] | None = (
+            {} if self._collect_forward or self._collect_execute else None
+        )
         self._log_cache_plan(num_blocks, time.perf_counter() - start)
         freeze_startup_heap()  # a full collection mid-run would stall the steps
 
@@ -150,6 +158,8 @@ class EngineCore:
         """Finish requests (unknown and finished ids are ignored) and free their KV blocks."""
         for rid in request_ids:
             self._groups.pop(rid, None)
+            if self._step_times is not None:
+                self._step_times.pop(rid, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def reset_prefix_cache(self) -> bool:
@@ -230,7 +240,9 @@ class EngineCore:
 
     def _launch_step(
         self, result: EngineCoreOutputs
-    ) -> tuple[SchedulerOutput, Any, IterationStats]:
+    ) -> tuple[SchedulerOutput, Any, IterationStats, float]:
+        """Schedule a step and hand it to the executor; returns it, its future, its statistics
+        and the seconds the executor's launch took."""
         if self.proposer is not None:
             self._propose_drafts()
         sched_out = self.scheduler.schedule()
@@ -258,10 +270,12 @@ class EngineCore:
             or sched_out.finished_req_ids
             or sched_out.preempted_req_ids
         ):
+            launched = time.perf_counter()
             future = self.executor.execute_model_async(sched_out)
+            launch_s = time.perf_counter() - launched
         else:
-            future = None
-        return sched_out, future, stats
+            future, launch_s = None, 0.0
+        return sched_out, future, stats, launch_s
 
     def _end_with_errors(self, errors: dict[str, str], result: EngineCoreOutputs) -> None:
         """End these requests (id -> why) with finish_reason "error". Those in the step being
@@ -273,25 +287,30 @@ class EngineCore:
             request.error = error
             self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
             self._groups.pop(rid, None)
-            result.outputs.append(
-                EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=[],
-                    finish_reason=request.get_finish_reason(),
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    error=error,
-                )
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[],
+                finish_reason=request.get_finish_reason(),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                error=error,
             )
+            self._report_step_times(out)
+            result.outputs.append(out)
 
     def _finish_step(
         self,
         sched_out: SchedulerOutput,
         future: Any,
         stats: IterationStats,
+        launch_s: float,
         result: EngineCoreOutputs,
     ) -> None:
         if future is not None:
+            waited = time.perf_counter()
             runner_out = future.get()
+            if self._step_times is not None:
+                execute_s = launch_s + time.perf_counter() - waited
+                self._add_step_times(sched_out, execute_s, runner_out.model_forward_time)
         else:
             runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         for rid, drafts in sched_out.scheduled_spec_decode_tokens.items():
@@ -305,10 +324,31 @@ class EngineCore:
         for out in outputs:
             if out.finish_reason is not None:
                 self._groups.pop(out.request_id, None)
+                self._report_step_times(out)
         result.outputs.extend(outputs)
         if result.iteration_stats is not None:  # two steps finished in one call: added up
             _add_counts(stats, result.iteration_stats)
         result.iteration_stats = stats
+
+    def _add_step_times(
+        self, sched_out: SchedulerOutput, execute_s: float, forward_s: float | None
+    ) -> None:
+        """Count one step's executor and forward seconds to each of its requests."""
+        assert self._step_times is not None
+        for rid in sched_out.num_scheduled_tokens:
+            times = self._step_times.setdefault(rid, [0.0, 0.0])
+            times[0] += execute_s
+            times[1] += forward_s or 0.0
+
+    def _report_step_times(self, out: EngineCoreOutput) -> None:
+        """Put a finished request's summed step times on its last output (detailed traces)."""
+        if self._step_times is None:
+            return
+        execute_s, forward_s = self._step_times.pop(out.request_id, (0.0, 0.0))
+        if self._collect_execute:
+            out.model_execute_time = execute_s
+        if self._collect_forward:
+            out.model_forward_time = forward_s
 
     def _propose_drafts(self) -> None:
         """Drafts for every running request past its prefill, from its known tokens; the

@@ -5,13 +5,15 @@ n > 1), hands the core `EngineCoreRequest`s (token ids and one sample's sampling
 and `step` runs one `EngineCore.step()` (schedule -> execute -> update, with async scheduling
 on CUDA) and feeds its token ids to the `OutputProcessor` (detokenizing, stop strings,
 logprobs, n > 1 fan-in, `RequestOutput`s). A stop string the output processor finds aborts
-the request in the core, which frees its KV blocks. `LLM` drives it offline; `AsyncLLM`
+the request in the core, which frees its KV blocks. With --otlp-traces-endpoint each finished
+request becomes an OpenTelemetry span (`pagoda.tracing`). `LLM` drives it offline; `AsyncLLM`
 composes the same pieces with the core on a thread or in its own process.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -23,6 +25,7 @@ from pagoda.logger import init_logger
 from pagoda.metrics.loggers import LoggingStatLogger
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tracing import make_request_tracer
 
 logger = init_logger(__name__)
 
@@ -38,7 +41,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, config.scheduler_config.policy
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.tracer = make_request_tracer(config.observability_config, self.model_config.name)
+        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
         self.last_iteration_stats = self.engine_core.last_iteration_stats
         self.stat_logger = LoggingStatLogger() if log_stats else None
 
@@ -89,7 +93,10 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
+        """Add a request; `trace_headers` (traceparent, tracestate) put its span, with
+        --otlp-traces-endpoint, in that trace."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -108,6 +115,7 @@ class LLMEngine:
             params,
             requests,
             arrival_time,
+            trace_headers,
         )
         try:
             self.engine_core.add_requests(requests)

@@ -14,13 +14,16 @@ statistics reach the next step's `IterationStats`), under finish_reason "abort":
 left, and a request dropped after waiting --max-queue-delay-s (its 503 ends a request the
 engine had admitted, unlike a 503 at the door, which never becomes one and is counted by
 admission_rejections_total; vLLM counts the aborts its engine makes under "abort" too). A
-request that never left the queue has only queue time.
+request that never left the queue has only queue time. With a `RequestTracer`
+(--otlp-traces-endpoint) each user request that ends, by abort too, becomes one "llm_request"
+span built from these timestamps (`pagoda.tracing`), in the trace its headers name.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -29,6 +32,7 @@ from pagoda.metrics.stats import FinishedRequestStats, IterationStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.tokenizer import Tokenizer
+from pagoda.tracing import RequestTracer, request_span_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,9 @@ class SampleState:
     max_tokens: int | None = None  # resolved against the context (the core request's)
     num_cached_tokens: int = 0  # its prompt tokens the prefix cache held
     num_preemptions: int = 0
+    # Detailed traces: its steps' summed model forward / executor seconds (the core's).
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,6 +84,7 @@ class ParentState:
     num_cached_tokens: int = 0
     error: str | None = None  # why it finished with "error"
     client_error: bool = False  # the request's own doing (the engine core said so)
+    trace_headers: Mapping[str, str] | None = None  # its HTTP request's traceparent / tracestate
 
     @property
     def finished(self) -> bool:
@@ -84,8 +92,9 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, tracer: RequestTracer | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tracer = tracer
         self.samples: dict[str, SampleState] = {}  # child request id -> state
         self.parents: dict[str, ParentState] = {}  # user request id -> state
         # Samples ended by abort since the last step: counted in the next step's statistics,
@@ -102,13 +111,16 @@ class OutputProcessor:
         params: SamplingParams,
         samples: list[EngineCoreRequest],
         arrival_time: float,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
-        """Track request `request_id`, whose `samples` (one core request each) go to the core.
-        Raises ValueError, tracking nothing, when one of their ids is in use."""
+        """Track request `request_id`, whose `samples` (one core request each) go to the core;
+        `trace_headers` put its span in the caller's trace. Raises ValueError, tracking
+        nothing, when one of their ids is in use."""
         clash = self.id_in_use(request_id, [s.request_id for s in samples])
         if clash is not None:
             raise ValueError(clash)
         parent = ParentState(request_id, prompt, prompt_token_ids, params, arrival_time)
+        parent.trace_headers = trace_headers
         for index, sample in enumerate(samples):
             child_id, p = sample.request_id, sample.sampling_params
             detok = None
@@ -180,6 +192,8 @@ class OutputProcessor:
                     s.finish_reason = "abort"
                     self._aborted_stats.append(self._finished_stats(s, now))
             self._aborted_parents.append(_parent_stats(parent))
+            if self.tracer is not None:
+                self._trace(parent, now)
         return children
 
     def has_unfinished_requests(self) -> bool:
@@ -258,6 +272,8 @@ class OutputProcessor:
                 n, max_gen = _parent_stats(parent)
                 stats.n_params_iter.append(n)
                 stats.max_num_generation_tokens_iter.append(max_gen)
+                if self.tracer is not None:
+                    self._trace(parent, now)
         return outputs, stopped_early
 
     def _process_one(
@@ -275,6 +291,9 @@ class OutputProcessor:
             stopped = self._append_tokens(state, out)
         if out.finish_reason is not None and state.finish_reason is None:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+        if out.finish_reason is not None:
+            state.model_forward_time = out.model_forward_time
+            state.model_execute_time = out.model_execute_time
         return stopped
 
     def _fail_request(self, parent: ParentState, error: Exception) -> None:
@@ -457,6 +476,43 @@ class OutputProcessor:
             num_preemptions=s.num_preemptions,
             max_tokens_param=s.max_tokens,
         )
+
+    def _trace(self, parent: ParentState, now: float) -> None:
+        """Emit the ended request's "llm_request" span (vLLM's `do_tracing`): one per user
+        request, its samples' tokens summed (the response's usage), its phases from the
+        earliest sample's start to the latest's last token; a detailed timing is its longest
+        sample's (they share their steps). A failure is logged: tracing never fails a request."""
+        assert self.tracer is not None
+        samples = parent.samples
+        try:
+            attributes = request_span_attributes(
+                request_id=parent.request_id,
+                model=self.tracer.model_name,
+                params=parent.params,
+                max_tokens=samples[0].max_tokens if samples else None,
+                num_prompt_tokens=len(parent.prompt_token_ids),
+                num_generation_tokens=sum(len(s.token_ids) for s in samples),
+                num_cached_tokens=parent.num_cached_tokens,
+                finish_reasons=[s.finish_reason or "abort" for s in samples],
+                arrival_time=parent.arrival_time,
+                first_scheduled_time=_earliest(s.first_scheduled_time for s in samples),
+                first_token_time=_earliest(s.first_token_time for s in samples),
+                last_token_time=_latest(s.last_token_time for s in samples),
+                finished_time=now,
+                model_forward_time=_latest(s.model_forward_time for s in samples),
+                model_execute_time=_latest(s.model_execute_time for s in samples),
+            )
+            self.tracer.emit(attributes, parent.arrival_time, now, parent.trace_headers)
+        except Exception:  # noqa: BLE001 - a span is not worth a request
+            logger.exception("tracing request %s failed", parent.request_id)
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    return min((t for t in times if t is not None), default=None)
+
+
+def _latest(times: Iterable[float | None]) -> float | None:
+    return max((t for t in times if t is not None), default=None)
 
 
 def _parent_stats(parent: ParentState) -> tuple[int, int]:

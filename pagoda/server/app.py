@@ -172,6 +172,9 @@ def build_app(
         cache_config,
         num_gpu_blocks=getattr(engine.engine, "num_blocks", None),
     )
+    tracer = getattr(engine, "tracer", None)
+    if tracer is not None:  # its spans name the model as the API does
+        tracer.model_name = names[0]
     engine.stats_hooks.append(stat_logger.record)
     engine.restart_hooks.append(stat_logger.engine_restarts.inc)
     engine.rejection_hooks.append(stat_logger.record_admission_rejection)
@@ -280,11 +283,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return _respond(await _with_cancellation(raw, create_completion(ctx, req)))
+        work = create_completion(ctx, req, ctx.trace_headers(raw.headers))
+        return _respond(await _with_cancellation(raw, work))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return _respond(await _with_cancellation(raw, create_chat_completion(ctx, req)))
+        work = create_chat_completion(ctx, req, ctx.trace_headers(raw.headers))
+        return _respond(await _with_cancellation(raw, work))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -29,6 +29,11 @@ from pagoda.sampling_params import RequestOutputKind, SamplingParams, Structured
 from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
 from pagoda.structured_output.backend_xgrammar import check_constraint
+from pagoda.tracing import (
+    contains_trace_headers,
+    extract_trace_headers,
+    log_tracing_disabled_warning,
+)
 
 
 class APIError(Exception):
@@ -105,6 +110,16 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def trace_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        """An HTTP request's trace context (traceparent, tracestate) when the engine traces
+        requests (vLLM's `_get_trace_headers`); None otherwise, with a warning once if it
+        came with one."""
+        if getattr(self.engine, "is_tracing_enabled", False):
+            return extract_trace_headers(headers)
+        if contains_trace_headers(headers):
+            log_tracing_disabled_warning()
+        return None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:

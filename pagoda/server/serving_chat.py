@@ -8,7 +8,7 @@ usage chunk), logprobs in the chat format (`logprobs: true, top_logprobs: k`), t
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from pagoda.entrypoints.chat_utils import normalize_messages
@@ -138,8 +138,11 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content=content)
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Any:
-    """Returns a ChatCompletionResponse, or an async iterator of SSE lines when streaming."""
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, trace_headers: Mapping[str, str] | None = None
+) -> Any:
+    """Returns a ChatCompletionResponse, or an async iterator of SSE lines when streaming;
+    `trace_headers` put the request's span in the caller's trace."""
     ctx.check_model(req.model)
     top_k = req.top_logprobs or 0
     if not 0 <= top_k <= 20:
@@ -187,7 +190,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     validate_prompt(ctx, prompt_ids, params, "messages", mt_field)
     request_id = req.request_id or f"chatcmpl-{random_uuid()}"
     stream = merge_async_iterators(
-        ctx.engine.generate(prompt_ids, params, request_id, req.priority)
+        ctx.engine.generate(
+            prompt_ids, params, request_id, req.priority, trace_headers=trace_headers
+        )
     )
     created = int(time.time())
     if req.stream:

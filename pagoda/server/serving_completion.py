@@ -8,7 +8,7 @@ Choice `index` is `prompt_index * n + sample_index`, as OpenAI and vLLM number t
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from pagoda.outputs import Logprob
@@ -97,8 +97,11 @@ async def _normalize_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     return prompts
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
-    """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
+async def create_completion(
+    ctx: ServingContext, req: CompletionRequest, trace_headers: Mapping[str, str] | None = None
+) -> Any:
+    """Returns a CompletionResponse, or an async iterator of SSE lines when streaming;
+    `trace_headers` put each prompt's request span in the caller's trace."""
     ctx.check_model(req.model)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
@@ -125,7 +128,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Any:
         params = base.clone()
         validate_prompt(ctx, pr.token_ids, params, "prompt")
         sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        generators.append(ctx.engine.generate(pr.token_ids, params, sub_id, req.priority))
+        generators.append(
+            ctx.engine.generate(
+                pr.token_ids, params, sub_id, req.priority, trace_headers=trace_headers
+            )
+        )
     for pr in prompts:
         if pr.text is None and req.echo and ctx.tokenizer is not None:
             pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)

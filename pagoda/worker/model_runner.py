@@ -40,6 +40,7 @@ from pagoda.worker.cuda_graphs import (
     mixed_graph_reserve_bytes,
     mixed_graph_shapes,
 )
+from pagoda.worker.forward_timer import ForwardTimer
 from pagoda.worker.input_batch import InputBuilder, StepInputs
 from pagoda.worker.kv_cache import KVCacheSpec, allocate_kv_caches, cpu_kv_cache_bytes
 from pagoda.worker.memory_plan import MemoryPlan, check_fits_one_request, plan_kv_cache_memory
@@ -109,6 +110,8 @@ class ModelRunner:
         self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # INT8 cache on a GPU: the next step sets the layers' K/V scales (see initialize_kv_cache).
         self._calibrate_kv_scales = False
+        # Detailed request traces: each step's forward pass timed (`ForwardTimer`).
+        self.time_forward = engine_config.observability_config.collect_model_forward_time
 
     def _decode_graph_sizes(self) -> list[int]:
         sc = self.scheduler_config
@@ -393,13 +396,16 @@ class ModelRunner:
         if step.placeholder_rows:
             self._fill_placeholders(step)
         graph_key = step.graph_key
+        timer = ForwardTimer(self.device) if self.time_forward else None
         if graph_key is not None:
             hidden = graphs.replay(graph_key)
         else:
             self.attn_backend.prepare(step.attn_metadata)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        if timer is not None:
+            timer.stop()
 
-        future = StepOutputFuture(output)
+        future = StepOutputFuture(output, timer)
         if step.sample_rows:
             self._sample(step, hidden, future, so)
         for rid, (rows, targets) in step.prompt_logprob_rows.items():
@@ -511,8 +517,11 @@ class StepOutputFuture:
     """One launched step's `ModelRunnerOutput`; `get()` waits for its sampled tokens (the
     step's only device-to-host wait) and fills them in."""
 
-    def __init__(self, output: ModelRunnerOutput) -> None:
+    def __init__(
+        self, output: ModelRunnerOutput, forward_timer: ForwardTimer | None = None
+    ) -> None:
         self.output = output
+        self._forward_timer = forward_timer  # read into output.model_forward_time by get()
         self._sampled: SamplerTensors | None = None
         self._md: SamplingMetadata | None = None
         self._sample_reqs: list[tuple[str, int, int, list[int], bool]] = []
@@ -537,6 +546,13 @@ class StepOutputFuture:
         return self._sampled is None or self._event is None or self._event.query()
 
     def get(self) -> ModelRunnerOutput:
+        output = self._get_sampled()
+        if self._forward_timer is not None:  # after the wait: its end event has passed
+            output.model_forward_time = self._forward_timer.seconds()
+            self._forward_timer = None
+        return output
+
+    def _get_sampled(self) -> ModelRunnerOutput:
         if self._sampled is None:
             return self.output
         if self._event is not None:
