@@ -234,6 +234,10 @@ def _weights(
     if quant in ("awq", "gptq") and device == "cuda" and bits in (4, 8):
         kept = "4-bit layers kept packed" if bits == 4 else "8-bit layers kept 8-bit"
         nbytes = est.weight_bytes(hf_config, itemsize, tp, qc)
+        experts = _expert_params(hf_config)
+        if experts:  # dequantized into the MoE kernel's dense weights (`layers/fused_moe.py`)
+            nbytes += experts // tp * (itemsize - bits / 8)
+            kept += ", MoE experts dequantized"
         if quant == "gptq" and tp > 1 and qc.get("desc_act"):
             # A rank's inputs of an act-order o_proj / down_proj hold parts of many groups:
             # dequantized there (`quantization/tp_shards.py`).
@@ -246,12 +250,24 @@ def _weights(
 
 
 def _row_parallel_params(hf_config: dict[str, Any]) -> int:
-    """The weights of the row-parallel layers (o_proj, down_proj) of all decoder layers."""
+    """The weights of the row-parallel linear layers (o_proj, down_proj; a mixture of experts'
+    o_proj only, its experts counted by `_expert_params`) of all decoder layers."""
     from pagoda.worker.memory_estimate import ModelShape
 
     shape = ModelShape.from_hf_config(hf_config)
-    per_layer = shape.num_attention_heads * shape.head_dim + shape.intermediate_size
+    per_layer = shape.num_attention_heads * shape.head_dim
+    if not _expert_params(hf_config):
+        per_layer += shape.intermediate_size
     return shape.num_layers * shape.hidden_size * per_layer
+
+
+def _expert_params(hf_config: dict[str, Any]) -> int:
+    """The weights of every MoE expert of all decoder layers (0 for a dense model), as
+    `estimated_weight_bytes` counts them (every layer sparse)."""
+    experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    inter = int(hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"])
+    layers, hidden = int(hf_config["num_hidden_layers"]), int(hf_config["hidden_size"])
+    return layers * experts * 3 * hidden * inter
 
 
 def _mapping_refused(nbytes: int) -> str | None:

@@ -127,3 +127,95 @@ def _quantize_by_g_idx(weight, bits, g_idx, sym):
         values[cols] = v
         zeros[gi], scales[gi] = z[0], s[0]
     return values, zeros, scales
+
+
+# A MoE checkpoint's linear layers: attention and dense MLPs as above, and every expert's
+# projections (Mixtral's w1 / w3 / w2; Qwen3-MoE's gate_proj / up_proj / down_proj). The
+# router (`gate`) stays dense, as AutoAWQ and GPTQModel leave it.
+MOE_LINEARS = (*LINEARS, "w1", "w2", "w3")
+_MOE_SHARED_INPUT = {**SHARED_INPUT, "w1": "mlp", "w3": "mlp"}
+
+
+def quantized_moe_checkpoint(
+    tmp_path,
+    case: str,
+    method: str,
+    bits: int = 4,
+    act_order: bool = False,
+    sym: bool = False,
+    group: int = GROUP,
+    **overrides,
+):
+    """A tiny MoE model (`model_testing.TINY_CASES[case]`: "mixtral" or "qwen3_moe") saved in
+    `method`'s format under vLLM's names (`...experts.{e}.w1.qweight`, `...experts.{e}.
+    gate_proj.qweight`), groups of `group` inputs; returns (the dense checkpoint of exactly
+    the weights the quantized one encodes, the quantized checkpoint's path). transformers
+    loads the dense one (the reference) from its per-expert tensors."""
+    from safetensors.torch import load_file
+
+    assert not sym or method == "gptq"
+    dense_dir, path = tmp_path / "dense", tmp_path / method
+    make_tiny_checkpoint(dense_dir, case, initializer_range=0.2, **overrides)
+    (weights_file,) = dense_dir.glob("*.safetensors")
+    state = load_file(str(weights_file))
+    tensors, dense = {}, {}
+    perms: dict[tuple[str, str], torch.Tensor] = {}
+    g = torch.Generator().manual_seed(7)
+    for name, w in sorted(state.items()):
+        prefix, proj = name.removesuffix(".weight"), name.split(".")[-2]
+        if proj not in MOE_LINEARS or not name.endswith(".weight"):
+            tensors[name] = dense[name] = w
+            continue
+        g_idx = torch.arange(w.shape[1], dtype=torch.int32) // group
+        if act_order:  # projections of one input share its order (see quantized_checkpoint)
+            key = (prefix.rsplit(".", 1)[0], _MOE_SHARED_INPUT.get(proj, proj))
+            if key not in perms:
+                perms[key] = torch.randperm(w.shape[1], generator=g)
+            g_idx = g_idx[perms[key]]
+        packed = _quantized_tensors(w, method, bits, group, g_idx if act_order else None, sym)
+        tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
+        dense[name] = _dequantized(packed, method, bits, group).contiguous()
+    path.mkdir()
+    cfg = json.loads((dense_dir / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config(method, bits, group, act_order, sym)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(path / "model.safetensors"))
+    # The reference: what the quantized tensors encode.
+    save_file(dense, str(weights_file), metadata={"format": "pt"})
+    return dense_dir, path
+
+
+def _quantized_tensors(weight, method, bits, group, act_order_g_idx, sym):
+    """One [N, K] weight in `method`'s tensors (GPTQ with act order: groups `act_order_g_idx`)."""
+    if act_order_g_idx is not None:
+        values, zeros, scales = _quantize_by_g_idx(weight, bits, act_order_g_idx, sym)
+        g_idx = act_order_g_idx
+    else:
+        values, zeros, scales = quantize_groups(
+            weight, bits, group, symmetric=sym, min_zero=method == "gptq"
+        )
+        g_idx = torch.arange(weight.shape[1], dtype=torch.int32) // group
+    if method == "awq":
+        return {"qweight": pack_awq(values), "qzeros": pack_awq(zeros), "scales": scales.half()}
+    return {
+        "qweight": pack_gptq_weight(values, bits),
+        "qzeros": _pack_gptq_zeros(zeros - 1, bits),
+        "scales": scales.half(),
+        "g_idx": g_idx,
+    }
+
+
+def _dequantized(packed, method, bits, group) -> torch.Tensor:
+    if method == "awq":
+        return dequantize_awq(packed["qweight"], packed["qzeros"], packed["scales"], group)
+    return dequantize_gptq(
+        packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], bits
+    )
+
+
+def _quantization_config(method, bits, group, act_order, sym) -> dict:
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                "version": "gemm"}  # fmt: skip
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+            "sym": sym}  # fmt: skip

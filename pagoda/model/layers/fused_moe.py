@@ -14,10 +14,20 @@ Under tensor parallelism each rank holds a slice of every expert's intermediate 
 all-reduce, like a row-parallel linear layer's. On CUDA with Triton the experts run as two
 grouped GEMMs (`pagoda.kernels.fused_moe`), CUDA-graph safe; elsewhere, or with `fused_ops`
 off, `moe_experts_ref`'s loop over the experts in use is the reference.
+
+AWQ / GPTQ checkpoints hold each expert's projections packed (`experts.{e}.gate_proj.qweight`
+etc.). Their experts load as per-expert linear layers (`_QuantizedExpert`: gate_up_proj, a
+column-parallel layer, and down_proj, a row-parallel one, with the checkpoint's linear method),
+so each rank reads only its shards of the packed tensors and a split that would cut a packed
+word or a group is refused by name, as for the dense layers (`quantization/tp_shards.py`).
+Once loaded they are dequantized into w13 / w2 in the model dtype and dropped
+(`FusedMoE.process_weights_after_loading`): the experts then take the dense model's memory and
+run as above.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,13 +35,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import triton_available
-from pagoda.model.layers.linear import ReplicatedLinear, copy_checked, set_weight_attrs
+from pagoda.model.layers.linear import (
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    copy_checked,
+    set_weight_attrs,
+)
 from pagoda.model.parallel import (
     divide,
     get_tp_rank,
     get_tp_size,
     tensor_model_parallel_all_reduce,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +95,27 @@ def moe_experts_ref(
     return out
 
 
+class _QuantizedExpert(nn.Module):
+    """One expert's projections as a quantized checkpoint holds them, while it loads: gate and
+    up fused (shards 0 and 1, the model's `packed_modules_mapping`) and down."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, linear_method: LinearMethodBase
+    ) -> None:
+        super().__init__()
+        inter = intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [inter, inter], linear_method=linear_method
+        )
+        self.down_proj = RowParallelLinear(inter, hidden_size, linear_method=linear_method)
+
+
 class FusedMoE(nn.Module):
-    """The experts of one layer: w13 [E, 2 * I/tp, H] and w2 [E, H, I/tp] on each rank."""
+    """The experts of one layer: w13 [E, 2 * I/tp, H] and w2 [E, H, I/tp] on each rank.
+
+    With an AWQ / GPTQ `linear_method` (one with `dequantized_weight`) the experts are
+    submodules "0".."E-1" (`_QuantizedExpert`) until `process_weights_after_loading` turns
+    them into w13 / w2."""
 
     def __init__(
         self,
@@ -85,14 +123,23 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         params_dtype: torch.dtype | None = None,
+        linear_method: LinearMethodBase | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.inter_per_rank = divide(intermediate_size, self.tp_size, "moe intermediate size")
-        dtype = params_dtype or torch.get_default_dtype()
-        inter = self.inter_per_rank
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.fused_ops = True  # the Triton grouped GEMMs on CUDA
+        self.quant_method = linear_method
+        if linear_method is not None:
+            for e in range(num_experts):
+                self.add_module(
+                    str(e), _QuantizedExpert(hidden_size, intermediate_size, linear_method)
+                )
+            return
+        dtype, inter = self.params_dtype, self.inter_per_rank
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False
         )
@@ -108,7 +155,37 @@ class FusedMoE(nn.Module):
         set_weight_attrs(
             self.w2_weight, {"weight_loader": self.weight_loader, "shard_ids": w2_shards}
         )
-        self.fused_ops = True  # the Triton grouped GEMMs on CUDA
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Quantized experts, once loaded: each expert's layers dequantized (their rank's
+        shards, `dequantized_weight`) into w13 [E, 2 * I/tp, H] and w2 [E, H, I/tp] in the
+        model dtype, then dropped, one expert at a time."""
+        method = self.quant_method
+        if method is None:
+            return
+        first = self.get_submodule("0").gate_up_proj
+        device = next(first.parameters()).device
+        inter, hidden = self.inter_per_rank, first.input_size_per_partition
+        shape13, shape2 = (self.num_experts, 2 * inter, hidden), (self.num_experts, hidden, inter)
+        w13 = torch.empty(shape13, dtype=self.params_dtype, device=device)
+        w2 = torch.empty(shape2, dtype=self.params_dtype, device=device)
+        for e in range(self.num_experts):
+            expert = self.get_submodule(str(e))
+            w13[e].copy_(method.dequantized_weight(expert.gate_up_proj))
+            w2[e].copy_(method.dequantized_weight(expert.down_proj))
+            delattr(self, str(e))
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        self.quant_method = None
+        if not getattr(method, "_told_moe_dequantized", False):
+            method._told_moe_dequantized = True  # once per model, not per layer
+            logger.info(
+                "%s MoE experts are dequantized to %s at load (the MoE kernels run dense "
+                "experts): they take the dense model's memory",
+                type(method).__name__.removesuffix("LinearMethod"),
+                str(self.params_dtype).removeprefix("torch."),
+            )
 
     def _rank_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         full = self.intermediate_size
@@ -166,7 +243,10 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         routing: str,
         renormalize: bool = True,
+        linear_method: LinearMethodBase | None = None,
     ) -> None:
+        """`linear_method`: the experts' AWQ / GPTQ method (None: dense experts); the router
+        stays dense, as quantized checkpoints keep it."""
         super().__init__()
         if routing not in ("topk_softmax", "softmax_topk"):
             raise ValueError(f"unknown MoE routing {routing!r}")
@@ -174,7 +254,9 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{num_experts}")
         self.top_k, self.routing, self.renormalize = top_k, routing, renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.experts = FusedMoE(
+            num_experts, hidden_size, intermediate_size, linear_method=linear_method
+        )
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, E] logits -> (weights [T, top_k] float32, expert ids [T, top_k])."""

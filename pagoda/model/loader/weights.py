@@ -181,9 +181,20 @@ class WeightLoadingState:
                 f" and {len(missing) - 6} more" if len(missing) > 6 else ""
             )
             raise ValueError(f"{source}: the checkpoint lacks tensors the model needs: {shown}")
-        for module in self.model.modules():
-            if isinstance(module, LinearBase):
-                module.linear_method.process_weights_after_loading(module)
+        process_weights_after_loading(self.model)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Once every tensor is in: first the modules that rework their own weights (a MoE layer's
+    quantized experts, dequantized into its stacked weights and their per-expert layers
+    dropped: `FusedMoE`), then every remaining linear layer's method (repack, dequantize)."""
+    for module in list(model.modules()):
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None and not isinstance(module, LinearBase):
+            hook()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.linear_method.process_weights_after_loading(module)
 
 
 @torch.no_grad()
@@ -216,4 +227,4 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             init = getattr(module.linear_method, "init_dummy_weights", None)
             if init is not None:
                 init(module)
-            module.linear_method.process_weights_after_loading(module)
+    process_weights_after_loading(model)

@@ -11,7 +11,10 @@ block (`pagoda.model.layers.fused_moe`), as Hugging Face reads their configs:
 Checkpoint expert tensors come per expert (`block_sparse_moe.experts.{e}.w1/w3/w2`, `mlp.experts.
 {e}.gate_proj/up_proj/down_proj`; a GGUF file's stacked `ffn_*_exps` are yielded so) or fused
 over experts (transformers 5's `mlp.experts.gate_up_proj` / `down_proj`);
-`map_checkpoint_name` sends each to its stacked parameter.
+`map_checkpoint_name` sends each to its stacked parameter. An AWQ / GPTQ checkpoint's packed
+expert tensors (`...experts.{e}.w1.qweight`, vLLM's names) go to that expert's linear layers
+while loading (`mlp.experts.{e}.gate_up_proj` / `down_proj`), which are then dequantized into
+the stacked parameters (`pagoda.model.layers.fused_moe`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,14 @@ _PER_EXPERT = re.compile(
     r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
+_PER_EXPERT_PACKED = re.compile(
+    r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(qweight|qzeros|scales|g_idx)$"
+)
 _FUSED_EXPERTS = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 _SHARDS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2",
            "down_proj": "w2"}  # fmt: skip
+_PACKED_SHARDS = {"w1": 0, "w3": 1, "w2": None}  # gate_up_proj's shards; down_proj has none
 
 
 def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
@@ -58,15 +66,19 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     ) -> nn.Module:
         if not is_moe_layer(cfg, layer_idx):
             return LlamaMLP(cfg, linear_method)
+        from pagoda.model.quantization import AWQLinearMethod, GPTQLinearMethod
         from pagoda.model.quantization.gguf import GGUFLinearMethod
 
-        # GGUF experts come dequantized (`iter_gguf_weights`); other formats' would not load.
-        if linear_method is not None and not isinstance(
+        experts_method = None  # dense experts: unquantized, or a GGUF file's (dequantized)
+        if isinstance(linear_method, (AWQLinearMethod, GPTQLinearMethod)):
+            experts_method = linear_method  # packed per expert, dequantized after loading
+        elif linear_method is not None and not isinstance(
             linear_method, (UnquantizedLinearMethod, GGUFLinearMethod)
         ):
             raise ValueError(
-                f"{type(linear_method).__name__} does not cover MoE experts yet: serve this "
-                "mixture-of-experts model unquantized (no --quantization)"
+                f"model.layers.{layer_idx}.mlp.experts: {type(linear_method).__name__} does not "
+                "cover mixture-of-experts experts (AWQ, GPTQ and GGUF checkpoints do): serve "
+                "this model from one of those, or unquantized"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
@@ -77,6 +89,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             intermediate_size=moe_intermediate_size(cfg),
             routing=self.routing,
             renormalize=bool(cfg.get("norm_topk_prob", False)),  # as transformers reads it
+            linear_method=experts_method,
         )
 
 
@@ -93,6 +106,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         """(parameter name, shard id) for an expert or router tensor, None for the others."""
+        m = _PER_EXPERT_PACKED.match(name)
+        if m:  # an expert layer's own tensor, its gate / up as shard 0 / 1 of gate_up_proj
+            prefix, expert, proj, tensor = m.groups()
+            shard = _SHARDS[proj]
+            layer = "down_proj" if shard == "w2" else "gate_up_proj"
+            return f"{prefix}.mlp.experts.{expert}.{layer}.{tensor}", _PACKED_SHARDS[shard]
         m = _PER_EXPERT.match(name)
         if m:
             prefix, expert, proj = m.groups()

@@ -24,7 +24,9 @@ once every tensor is in, each layer is repacked or dequantized, on its device, o
 the layers kept quantized are `packed_methods.py`'s. With tensor parallelism each rank loads
 only its shards of the packed tensors (`tp_shards.py`: outputs of column-parallel layers, inputs
 and their groups of row-parallel ones) and the above runs on them, on the rank's device; a GPTQ
-act-order row-parallel shard (its inputs parts of many groups) is dequantized.
+act-order row-parallel shard (its inputs parts of many groups) is dequantized. A mixture of
+experts' expert layers load the same way, each rank its shards, and are then dequantized into
+the model's stacked expert weights (`pagoda.model.layers.fused_moe`).
 
 8-bit weights and activations (INT8 W8A8 and FP8, compressed-tensors checkpoints, or FP8 made
 at load from a dense checkpoint with `quantization="fp8"`) are `w8a8.py`'s; `--load-format
@@ -140,7 +142,11 @@ def get_linear_method(
             f"quantization={quantization!r} but the checkpoint's config.json has no "
             f"quantization_config with quant_method {quantization!r}"
         )
-    return AWQLinearMethod(qc) if quantization == "awq" else GPTQLinearMethod(qc)
+    if quantization == "awq":
+        from pagoda.model.quantization.skipped_modules import drop_router_exclusions
+
+        return AWQLinearMethod(drop_router_exclusions(qc, hf_config))
+    return GPTQLinearMethod(qc)
 
 
 def w4a16_enabled(device: torch.device) -> bool:
@@ -191,6 +197,11 @@ class _PackedUntilLoaded(LinearMethodBase):
 
     def _dense(self, layer: nn.Module) -> torch.Tensor:
         raise NotImplementedError
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The loaded layer's dense [N, K] float32 weight, from its checkpoint tensors (this
+        rank's shards); what MoE experts are stored as (`FusedMoE`)."""
+        return self._dense(layer)
 
     def _w4(self, layer: nn.Module) -> W4Weight | None:
         """The layer in the W4A16 kernel's layout, or None where it has none."""
