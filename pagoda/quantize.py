@@ -10,7 +10,8 @@ heavy (torch, the tokenizer) is imported until the command runs.
 A flag value that cannot make a checkpoint (a group size, sample count or window length below
 one, an output path that is a file, a missing model or calibration file, a calibration file
 without text, a flag of another method) ends the command with one `error: ...` line naming the
-flag and exit code 2, before the model is loaded (`_settings`).
+flag and exit code 2, before the model is loaded (`_settings`); so does a mixture-of-experts
+model, whose experts the quantizers do not cover.
 """
 
 from __future__ import annotations
@@ -174,6 +175,21 @@ def _check_output(output: str, model: str) -> None:
         )
 
 
+def _check_not_moe(hf_config: dict[str, Any], method: str) -> None:
+    """ValueError for a mixture of experts: the quantizers calibrate and write the linear
+    layers only, not the experts (nor would they leave the router dense)."""
+    from pagoda.model.models.moe import moe_num_experts
+
+    if moe_num_experts(hf_config):
+        arch = (hf_config.get("architectures") or ["this model"])[0]
+        raise ValueError(
+            f"pagoda quantize --method {method} does not quantize mixture-of-experts models "
+            f"({arch}, {moe_num_experts(hf_config)} experts a layer) yet: quantize it with "
+            "AutoAWQ or GPTQModel (Pagoda serves their AWQ / GPTQ checkpoints), or serve it "
+            "unquantized"
+        )
+
+
 def _read_calibration_file(path: str) -> str:
     """The text of --calibration-file `path`; ValueError, naming the flag, where there is none."""
     if not path:
@@ -217,6 +233,7 @@ def _settings(args: argparse.Namespace) -> _Settings:
     model = embedded_model_path() if args.model is None else args.model
     _check_output(args.output, model)
     hf_config = get_model_config_dict(model)  # a directory without config.json etc. refused
+    _check_not_moe(hf_config, method)
     if args.calibration_file is not None:
         text = _read_calibration_file(args.calibration_file)
         source = f"--calibration-file {args.calibration_file!r}"

@@ -122,6 +122,19 @@ def test_output_that_is_the_model_directory_is_refused(tmp_path, capsys, calls, 
     assert not calls
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "w8a8"])
+def test_a_mixture_of_experts_is_refused(tmp_path, capsys, calls, model, method) -> None:
+    """The quantizers cover linear layers only: a MoE's experts would be written under
+    Pagoda's stacked names and its router quantized, a checkpoint nothing loads."""
+    config = tmp_path / "model" / "config.json"
+    arch = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4}
+    config.write_text(json.dumps({**TINY_CONFIG, **arch, "num_experts_per_tok": 2}))
+    line = _error(capsys, [model, "-o", str(tmp_path / "q"), "--method", method], "experts")
+    assert f"--method {method} does not quantize mixture-of-experts models" in line
+    assert "(MixtralForCausalLM, 4 experts a layer)" in line
+    assert not calls and not (tmp_path / "q").exists()
+
+
 def test_a_missing_model_is_named(tmp_path, capsys, calls) -> None:
     missing = str(tmp_path / "MISSING.gguf")
     line = _error(capsys, [missing, "-o", str(tmp_path / "q")], f"model {missing!r} not found")
