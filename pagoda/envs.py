@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     PAGODA_MAX_N_SEQUENCES: int
     PAGODA_API_KEY: str | None
     PAGODA_SERVER_DEV_MODE: bool
+    PAGODA_RESPONSES_STORE_SIZE: int
     CC: str | None
     OPENAI_API_KEY: str | None
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: str
@@ -374,6 +375,12 @@ VARIABLES: dict[str, EnvVar] = {
             "1: `pagoda serve` also serves POST /reset_prefix_cache, which drops the engine's "
             "cached prompt prefixes (vLLM's VLLM_SERVER_DEV_MODE); without it the path is 404.",
             _flag("PAGODA_SERVER_DEV_MODE", False),
+        ),
+        EnvVar(
+            "PAGODA_RESPONSES_STORE_SIZE", "int", "1000",
+            "How many responses of /v1/responses `pagoda serve` keeps in memory for GET "
+            "/v1/responses/{id} and previous_response_id (the oldest goes first; 0 keeps none).",
+            _count("PAGODA_RESPONSES_STORE_SIZE", 1000),
         ),
         EnvVar(
             "CC", "str", "cc, else gcc",

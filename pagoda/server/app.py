@@ -1,11 +1,11 @@
 """The FastAPI application of the OpenAI-compatible server.
 
-`build_app(engine, ...)` wires the routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /ping, /load, /version, /tokenize, /detokenize, /metrics, and with
-PAGODA_SERVER_DEV_MODE=1 /reset_prefix_cache) to an `AsyncLLM`, maps every error to OpenAI's
-error JSON with a 4xx/5xx status (documented as such in /openapi.json), bounds the request body,
-enforces `--api-key` (all routes but /health, /ping and /metrics) and owns a per-app Prometheus
-registry fed by the engine thread; /dashboard draws /metrics in a browser.
+`build_app(engine, ...)` wires the routes (/v1/completions, /v1/chat/completions, /v1/responses
+with its GET and cancel, /v1/models, /health, /ping, /load, /version, /tokenize, /detokenize,
+/metrics, and with PAGODA_SERVER_DEV_MODE=1 /reset_prefix_cache) to an `AsyncLLM`, maps every
+error to OpenAI's error JSON with a 4xx/5xx status (documented as such in /openapi.json), bounds
+the request body, enforces `--api-key` (all routes but /health, /ping and /metrics) and owns a
+per-app Prometheus registry fed by the engine thread; /dashboard draws /metrics in a browser.
 """
 
 from __future__ import annotations
@@ -49,9 +49,16 @@ from pagoda.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.server.protocol_responses import ResponsesRequest, ResponsesResponse
 from pagoda.server.serving import APIError, ServingContext, exception_to_api_error, model_json
 from pagoda.server.serving_chat import create_chat_completion, render_chat_prompt
 from pagoda.server.serving_completion import create_completion
+from pagoda.server.serving_responses import (
+    ResponsesStore,
+    cancel_response,
+    create_response,
+    retrieve_response,
+)
 from pagoda.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagoda.server")
@@ -61,14 +68,14 @@ LOOP_TOKENS = 4096
 
 UNAUTHENTICATED_PATHS = ("/health", "/ping", "/load", "/metrics")  # as vLLM: for balancers
 # The requests /load counts (--enable-server-load-tracking): those that run on the engine.
-LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions")
+LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 # Every status a route may answer besides 200, for the OpenAPI document (clients and fuzzers
 # check responses against it).
 _ERROR_STATUSES = {
     400: "The request is malformed or a field is out of range (`param` names it)",
     401: "Missing or wrong API key",
-    404: "The model named in the request is not served here",
+    404: "The model named in the request is not served here, or the response id is unknown",
     413: "The request body is larger than --max-request-body-bytes",
     500: "The engine failed while serving the request",
     503: (
@@ -76,6 +83,17 @@ _ERROR_STATUSES = {
         "to compile or apply: retry after the Retry-After header's seconds"
     ),
 }
+# A 200 of /v1/responses with `stream`: OpenAI's typed server-sent events.
+_EVENT_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The response (JSON), or with stream its events (server-sent events)",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}  # fmt: skip
+# What GET /v1/responses/{id} and its cancel answer besides 200, 500 and 503.
+_RESPONSE_ID_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "The response cannot be streamed again or cancelled (no background "
+          "responses run here)", "model": ErrorResponse},
+    404: {"description": "No stored response has this id", "model": ErrorResponse},
+}  # fmt: skip
 # /reset_prefix_cache's one status besides those (PAGODA_SERVER_DEV_MODE=1).
 _RESET_REFUSED = "Requests still hold KV-cache blocks: the prefix cache was left as it was"
 
@@ -187,6 +205,7 @@ def build_app(
     app = FastAPI(title="Pagoda OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.ctx, app.state.engine, app.state.stat_logger = ctx, engine, stat_logger
     app.state.server_load = server_load = LoadCounter()
+    app.state.responses_store = responses_store = ResponsesStore(envs.PAGODA_RESPONSES_STORE_SIZE)
     # Innermost first: the load count (of requests that passed the others), the body limit,
     # then the key (no body is read for a wrong key), then the boundary that turns any escaped
     # exception into a 500.
@@ -234,8 +253,8 @@ def build_app(
 
     @app.get("/load")
     async def load() -> dict[str, int]:
-        """vLLM's: the requests to /v1/completions and /v1/chat/completions being handled now,
-        counted with --enable-server-load-tracking (without it, 0)."""
+        """vLLM's: the requests to /v1/completions, /v1/chat/completions and /v1/responses
+        being handled now, counted with --enable-server-load-tracking (without it, 0)."""
         return {"server_load": server_load.value}
 
     if envs.PAGODA_SERVER_DEV_MODE:
@@ -290,6 +309,26 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         work = create_chat_completion(ctx, req, ctx.trace_headers(raw.headers))
         return _respond(await _with_cancellation(raw, work))
+
+    @app.post("/v1/responses", responses=_EVENT_STREAM)
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API for text (`pagoda.server.serving_responses`)."""
+        work = create_response(ctx, responses_store, req, ctx.trace_headers(raw.headers))
+        return _respond(await _with_cancellation(raw, work))
+
+    @app.get("/v1/responses/{response_id}", responses=_RESPONSE_ID_ERRORS)
+    async def get_response(response_id: str, stream: bool = False) -> ResponsesResponse:
+        """A stored response (`store` true, among the last PAGODA_RESPONSES_STORE_SIZE)."""
+        if stream:
+            raise APIError("stream: only background responses stream again; none run here",
+                           400, "stream")  # fmt: skip
+        return retrieve_response(responses_store, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_RESPONSE_ID_ERRORS)
+    async def cancel(response_id: str) -> ResponsesResponse:
+        """vLLM's: only background responses can be cancelled, and none run here: 404 for an
+        unknown id, else 400."""
+        return cancel_response(responses_store, response_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
