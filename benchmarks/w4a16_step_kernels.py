@@ -4,9 +4,11 @@
 replayed under the torch profiler; per row count, each kernel's time a step (summed over its
 launches), its launches, and the step's wall time against the sum of its kernels (the rest:
 launch gaps and waits between dependent kernels). bf16 cuBLAS on dense weights of the same
-shapes is profiled the same way for comparison.
+shapes is profiled the same way for comparison. With programmatic dependent launch (PDL, the
+default) a kernel starts before the one before it ends and waits inside its own interval, so
+the kernels' times overlap and their sum exceeds the wall time: `--pdl 0` for a breakdown.
 
-    python benchmarks/w4a16_step_kernels.py --m 1 16 64 128 256
+    python benchmarks/w4a16_step_kernels.py --m 1 16 64 128 256 [--pdl 0]
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 128, 256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", help="write the tables to this JSON file")
+    ap.add_argument("--pdl", choices=("0", "1"), help="PAGODA_PDL for the step's kernels")
     args = ap.parse_args()
+    if args.pdl is not None:
+        os.environ["PAGODA_PDL"] = args.pdl
 
     import torch
     from w4a16_skinny_bench import _step_fns, _step_layers
