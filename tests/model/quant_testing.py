@@ -148,14 +148,15 @@ def quantized_moe_checkpoint(
 ):
     """A tiny MoE model (`model_testing.TINY_CASES[case]`: "mixtral" or "qwen3_moe") saved in
     `method`'s format under vLLM's names (`...experts.{e}.w1.qweight`, `...experts.{e}.
-    gate_proj.qweight`), groups of `group` inputs; returns (the dense checkpoint of exactly
-    the weights the quantized one encodes, the quantized checkpoint's path). transformers
-    loads the dense one (the reference) from its per-expert tensors."""
+    gate_proj.qweight`), groups of `group` inputs, its config's `overrides` (initializer_range
+    0.2 unless given); returns (the dense checkpoint of exactly the weights the quantized one
+    encodes, the quantized checkpoint's path). transformers loads the dense one (the
+    reference) from its per-expert tensors."""
     from safetensors.torch import load_file
 
     assert not sym or method == "gptq"
     dense_dir, path = tmp_path / "dense", tmp_path / method
-    make_tiny_checkpoint(dense_dir, case, initializer_range=0.2, **overrides)
+    make_tiny_checkpoint(dense_dir, case, **{"initializer_range": 0.2, **overrides})
     (weights_file,) = dense_dir.glob("*.safetensors")
     state = load_file(str(weights_file))
     tensors, dense = {}, {}

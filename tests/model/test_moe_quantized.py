@@ -74,7 +74,8 @@ def test_rank_experts_are_the_dense_checkpoints_slices(tmp_path, monkeypatch, fa
 @pytest.mark.parametrize("family,case", [("mixtral", "awq"), ("qwen3_moe", "gptq4-act-order")])
 def test_logits_match_transformers_on_the_dequantized_weights(tmp_path, family, case):
     """The default CPU path (layers whose groups are whole 32-input blocks kept as GGUF blocks;
-    here groups of 16: dequantized), against transformers' forward."""
+    here groups of 16: dequantized, the experts layer by layer), against transformers'
+    forward."""
     import transformers
 
     method, bits, act_order, sym = CASES[case]
@@ -111,9 +112,10 @@ def test_expert_groups_split_between_ranks_are_refused_by_name(tmp_path, method)
     _load(path, method)  # one rank holds whole groups
 
 
-def test_mixtral_awq_router_left_out_by_autoawq_loads(tmp_path):
+def test_mixtral_awq_router_left_out_by_autoawq_loads(tmp_path, monkeypatch):
     """AutoAWQ writes modules_to_not_convert ["gate"] for Mixtral: its router, dense anyway.
     Qwen3-MoE's "gate" would also leave out every gate_proj (AutoAWQ matches substrings)."""
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the experts stacked, to compare
     dense, path = quantized_moe_checkpoint(tmp_path, "mixtral", "awq", group=GROUP)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"]["modules_to_not_convert"] = ["gate"]
@@ -139,15 +141,22 @@ def test_formats_without_expert_support_are_refused_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_dummy_weights_of_a_quantized_moe_run(tmp_path, method):
-    """--load-format dummy --quantization X: random packed experts, dequantized as a real
-    checkpoint's."""
+def test_dummy_weights_of_a_quantized_moe_run(tmp_path, monkeypatch, method):
+    """--load-format dummy --quantization X: random packed experts, processed as a real
+    checkpoint's: kept as GGUF blocks on a CPU, dequantized with PAGODA_CPU_QUANTIZED=0."""
     make_tiny_checkpoint(tmp_path, "qwen3_moe", mlp_only_layers=[])
-    model = _load(tmp_path / "config.json", method, load_format="dummy")
-    (experts, *_) = _experts(model)
-    assert experts.w13_weight.shape == (8, 64, 64) and experts.w2_weight.shape == (8, 64, 32)
-    runner = PagedRunner(model, dict(model.config), num_blocks=16)
-    assert torch.isfinite(runner.step(list(range(3, 12)), 0)).all()
+    for blocks in (True, False):
+        monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "1" if blocks else "0")
+        model = _load(tmp_path / "config.json", method, load_format="dummy")
+        (experts, *_) = _experts(model)
+        if blocks:
+            down = experts.get_submodule("7").down_proj
+            assert (down.gguf_weight.n, down.gguf_weight.k) == (64, 32)
+        else:
+            assert experts.w13_weight.shape == (8, 64, 64)
+            assert experts.w2_weight.shape == (8, 64, 32)
+        runner = PagedRunner(model, dict(model.config), num_blocks=16)
+        assert torch.isfinite(runner.step(list(range(3, 12)), 0)).all()
 
 
 def test_plan_counts_quantized_experts_dequantized() -> None:

@@ -15,14 +15,20 @@ all-reduce, like a row-parallel linear layer's. On CUDA with Triton the experts 
 grouped GEMMs (`pagoda.kernels.fused_moe`), CUDA-graph safe; elsewhere, or with `fused_ops`
 off, `moe_experts_ref`'s loop over the experts in use is the reference.
 
-AWQ / GPTQ checkpoints hold each expert's projections packed (`experts.{e}.gate_proj.qweight`
-etc.). Their experts load as per-expert linear layers (`_QuantizedExpert`: gate_up_proj, a
-column-parallel layer, and down_proj, a row-parallel one, with the checkpoint's linear method),
-so each rank reads only its shards of the packed tensors and a split that would cut a packed
-word or a group is refused by name, as for the dense layers (`quantization/tp_shards.py`).
-Once loaded they are dequantized into w13 / w2 in the model dtype and dropped
-(`FusedMoE.process_weights_after_loading`): the experts then take the dense model's memory and
-run as above.
+Quantized experts load as per-expert linear layers (`_QuantizedExpert`: gate_up_proj, a
+column-parallel layer, and down_proj, a row-parallel one, with the checkpoint's linear method):
+AWQ / GPTQ checkpoints' packed tensors (`experts.{e}.gate_proj.qweight` etc.) and a GGUF file's
+stacked experts kept in their blocks (`ffn_*_exps`, yielded one expert at a time). Each rank
+reads only its shards, as for the dense layers: a split that would cut a packed word or an AWQ /
+GPTQ group is refused by name (`quantization/tp_shards.py`), a GGUF down_proj whose rank inputs
+are not whole blocks is dequantized. Once loaded (`FusedMoE.process_weights_after_loading`):
+- on a CPU where the dense layers stay quantized (a GGUF file's blocks kept; AWQ / GPTQ with
+  `cpu_blocks_enabled`), the per-expert layers stay: each becomes what its dense counterpart
+  would (GGUF blocks, or a dense layer where it has no exact block form) and the experts run
+  as the loop above, each expert's tokens through its gate_up and down layers in the quantized
+  CPU GEMM (`_experts_by_layer`): the experts keep the quantized size;
+- elsewhere (CUDA, `PAGODA_CPU_QUANTIZED=0`, float16) AWQ / GPTQ experts are dequantized into
+  w13 / w2 in the model dtype and their layers dropped: the dense model's memory, run as above.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import triton_available
 from pagoda.model.layers.linear import (
     LinearMethodBase,
@@ -96,8 +103,8 @@ def moe_experts_ref(
 
 
 class _QuantizedExpert(nn.Module):
-    """One expert's projections as a quantized checkpoint holds them, while it loads: gate and
-    up fused (shards 0 and 1, the model's `packed_modules_mapping`) and down."""
+    """One expert's projections as a quantized checkpoint holds them: gate and up fused (shards
+    0 and 1, the model's `packed_modules_mapping`) and down."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, linear_method: LinearMethodBase
@@ -110,12 +117,21 @@ class _QuantizedExpert(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden_size, linear_method=linear_method)
 
 
+def _silu_and_mul(x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """silu(gate) * up of [T, 2 * I] (`SiluAndMul`'s C op on a CPU where `fused`)."""
+    if fused and cpu_ops.elementwise_supported(x):
+        return cpu_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class FusedMoE(nn.Module):
     """The experts of one layer: w13 [E, 2 * I/tp, H] and w2 [E, H, I/tp] on each rank.
 
-    With an AWQ / GPTQ `linear_method` (one with `dequantized_weight`) the experts are
-    submodules "0".."E-1" (`_QuantizedExpert`) until `process_weights_after_loading` turns
-    them into w13 / w2."""
+    With a quantized `linear_method` (AWQ, GPTQ, GGUF) the experts are submodules "0".."E-1"
+    (`_QuantizedExpert`) instead, each holding this rank's shards; `process_weights_after_
+    loading` keeps them (`expert_layers`, run by `_experts_by_layer`) or turns them into
+    w13 / w2 (see the module)."""
 
     def __init__(
         self,
@@ -131,8 +147,9 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.inter_per_rank = divide(intermediate_size, self.tp_size, "moe intermediate size")
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.fused_ops = True  # the Triton grouped GEMMs on CUDA
+        self.fused_ops = True  # the Triton grouped GEMMs on CUDA, the C SiLU-and-mul on a CPU
         self.quant_method = linear_method
+        self.expert_layers = linear_method is not None
         if linear_method is not None:
             for e in range(num_experts):
                 self.add_module(
@@ -156,16 +173,30 @@ class FusedMoE(nn.Module):
             self.w2_weight, {"weight_loader": self.weight_loader, "shard_ids": w2_shards}
         )
 
+    def _keeps_expert_layers(self, method: LinearMethodBase, device: torch.device) -> bool:
+        """Whether loaded expert layers stay (each then processed by its own method, as a dense
+        layer of the checkpoint is) rather than being dequantized into w13 / w2."""
+        from pagoda.model.quantization.cpu_blocks import cpu_blocks_enabled
+        from pagoda.model.quantization.gguf import GGUFLinearMethod
+
+        if isinstance(method, GGUFLinearMethod):
+            return True  # a GGUF file's blocks are kept only where they run (`load_model`)
+        return cpu_blocks_enabled(device, self.params_dtype)
+
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Quantized experts, once loaded: each expert's layers dequantized (their rank's
-        shards, `dequantized_weight`) into w13 [E, 2 * I/tp, H] and w2 [E, H, I/tp] in the
-        model dtype, then dropped, one expert at a time."""
+        """Quantized experts, once loaded: kept as their layers where the quantized CPU GEMM
+        runs them (their linear methods then process them), else each expert's layers
+        dequantized (their rank's shards, `dequantized_weight`) into w13 [E, 2 * I/tp, H] and
+        w2 [E, H, I/tp] in the model dtype and dropped, one expert at a time."""
         method = self.quant_method
         if method is None:
             return
+        self.quant_method = None
         first = self.get_submodule("0").gate_up_proj
         device = next(first.parameters()).device
+        if self._keeps_expert_layers(method, device):
+            return
         inter, hidden = self.inter_per_rank, first.input_size_per_partition
         shape13, shape2 = (self.num_experts, 2 * inter, hidden), (self.num_experts, hidden, inter)
         w13 = torch.empty(shape13, dtype=self.params_dtype, device=device)
@@ -177,12 +208,12 @@ class FusedMoE(nn.Module):
             delattr(self, str(e))
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
-        self.quant_method = None
+        self.expert_layers = False
         if not getattr(method, "_told_moe_dequantized", False):
             method._told_moe_dequantized = True  # once per model, not per layer
             logger.info(
-                "%s MoE experts are dequantized to %s at load (the MoE kernels run dense "
-                "experts): they take the dense model's memory",
+                "%s MoE experts are dequantized to %s at load (they stay quantized only in "
+                "the quantized CPU GEMM): they take the dense model's memory",
                 type(method).__name__.removesuffix("LinearMethod"),
                 str(self.params_dtype).removeprefix("torch."),
             )
@@ -223,12 +254,49 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """[T, H] and the routing [T, top_k] -> this rank's partial sum [T, H]."""
+        if self.expert_layers:
+            return self._experts_by_layer(hidden_states, topk_weights, topk_ids)
         w13, w2 = self.w13_weight, self.w2_weight
         if self.fused_ops and hidden_states.is_cuda and triton_available():
             from pagoda.kernels.fused_moe import fused_experts
 
             return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids)
         return moe_experts_ref(hidden_states, w13, w2, topk_weights, topk_ids)
+
+    def _experts_by_layer(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """`moe_experts_ref`'s loop over the per-expert layers: the (token, slot) pairs sorted
+        by expert once, each expert in use runs its tokens' rows through its layers' methods
+        (the quantized CPU GEMM for GGUF blocks), and the weighted outputs are summed per
+        token at the end, in float32. down_proj's partial sums are not reduced here: the
+        block all-reduces the sum of the experts once."""
+        num_tokens, top_k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // top_k  # [T * top_k] the token of each pair, in expert order
+        f32 = dict(dtype=torch.float32, device=hidden_states.device)
+        ys = torch.empty(flat.shape[0], hidden_states.shape[1], **f32)  # in expert order
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            x = hidden_states
+            if num_tokens > 1:
+                x = hidden_states.index_select(0, tokens[start:end])
+            expert = self.get_submodule(str(e))
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            h = _silu_and_mul(gate_up.linear_method.apply(gate_up, x), self.fused_ops)
+            ys[start:end] = down.linear_method.apply(down, h)
+            start = end
+        ys.mul_(topk_weights.reshape(-1)[order, None])
+        if num_tokens == 1:  # one token: every pair is its own
+            return ys.sum(0, keepdim=True).to(hidden_states.dtype)
+        # A token picks an expert once; index_add_ sums its top_k rows.
+        out = torch.zeros(hidden_states.shape, **f32)
+        return out.index_add_(0, tokens, ys).to(hidden_states.dtype)
 
 
 class SparseMoeBlock(nn.Module):
@@ -245,8 +313,8 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool = True,
         linear_method: LinearMethodBase | None = None,
     ) -> None:
-        """`linear_method`: the experts' AWQ / GPTQ method (None: dense experts); the router
-        stays dense, as quantized checkpoints keep it."""
+        """`linear_method`: the experts' AWQ / GPTQ / GGUF method (None: dense experts); the
+        router stays dense, as quantized checkpoints keep it."""
         super().__init__()
         if routing not in ("topk_softmax", "softmax_topk"):
             raise ValueError(f"unknown MoE routing {routing!r}")

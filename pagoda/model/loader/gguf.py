@@ -499,7 +499,9 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, Any]]:
     """Yield (HF parameter name, float32 torch.Tensor) for every weight of the file; matrices
     of a ggml type in `keep_quantized` come as their blocks instead, a
-    `pagoda.kernels.cpu.quant.QuantWeight` (rows un-permuted like the dense ones)."""
+    `pagoda.kernels.cpu.quant.QuantWeight` (rows un-permuted like the dense ones). A MoE
+    layer's stacked experts (`ffn_*_exps`, [E, rows, cols]) come one expert at a time, as
+    `...mlp.experts.{e}.gate_proj.weight` etc., blocks or float alike."""
     import torch
 
     reader = (
@@ -515,11 +517,13 @@ def iter_gguf_weights(
             raise ValueError(f"GGUF file {reader.path}: {e}") from None
         if hf_name is None:
             continue
-        # The router stays float (it is no quantized linear layer), as do stacked experts.
-        blocks = (info.ggml_type in keep_quantized and len(info.shape) == 2
+        # The router stays float (it is no quantized linear layer).
+        blocks = (info.ggml_type in keep_quantized and len(info.shape) in (2, 3)
                   and ".ffn_gate_inp." not in name)  # fmt: skip
-        if blocks:  # [rows, bytes per row]: a row permutation keeps the blocks whole
-            weight = np.array(reader.raw(name)).reshape(info.shape[0], -1)
+        if blocks:  # [(experts,) rows, bytes per row]: a row permutation keeps blocks whole
+            weight = reader.raw(name).reshape(*info.shape[:-1], -1)  # the memory map's bytes
+            if len(info.shape) == 2:
+                weight = np.array(weight)
         else:
             weight = reader.dequantize(name)
             if offset := norm_offset(arch, name):
@@ -527,13 +531,18 @@ def iter_gguf_weights(
         if arch in _PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             n_head = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             weight = reverse_permute_qk(weight, n_head)
-        if "{}" in hf_name:  # stacked experts: one tensor per expert
+        if "{}" in hf_name:  # stacked experts: one tensor per expert (blocks: read from the map)
             for expert, w in enumerate(weight):
-                yield hf_name.format(expert), torch.from_numpy(np.ascontiguousarray(w))
+                tensor = torch.from_numpy(np.array(w) if blocks else np.ascontiguousarray(w))
+                yield hf_name.format(expert), _blocks(tensor, info) if blocks else tensor
             continue
         tensor = torch.from_numpy(np.ascontiguousarray(weight))
-        if blocks:
-            from pagoda.kernels.cpu.quant import QuantWeight
+        yield hf_name, _blocks(tensor, info) if blocks else tensor
 
-            tensor = QuantWeight(tensor, info.ggml_type, *info.shape)
-        yield hf_name, tensor
+
+def _blocks(data: Any, info: GGUFTensorInfo) -> Any:
+    """`data` [rows, bytes per row], a 2-D tensor's or one expert's of a stacked one, as the
+    `QuantWeight` of its rows."""
+    from pagoda.kernels.cpu.quant import QuantWeight
+
+    return QuantWeight(data, info.ggml_type, *info.shape[-2:])

@@ -186,8 +186,9 @@ class WeightLoadingState:
 
 def process_weights_after_loading(model: nn.Module) -> None:
     """Once every tensor is in: first the modules that rework their own weights (a MoE layer's
-    quantized experts, dequantized into its stacked weights and their per-expert layers
-    dropped: `FusedMoE`), then every remaining linear layer's method (repack, dequantize)."""
+    quantized experts, where they do not stay per-expert layers dequantized into its stacked
+    weights and those layers dropped: `FusedMoE`), then every remaining linear layer's method
+    (repack, dequantize, GGUF blocks)."""
     for module in list(model.modules()):
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None and not isinstance(module, LinearBase):

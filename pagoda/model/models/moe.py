@@ -11,10 +11,11 @@ block (`pagoda.model.layers.fused_moe`), as Hugging Face reads their configs:
 Checkpoint expert tensors come per expert (`block_sparse_moe.experts.{e}.w1/w3/w2`, `mlp.experts.
 {e}.gate_proj/up_proj/down_proj`; a GGUF file's stacked `ffn_*_exps` are yielded so) or fused
 over experts (transformers 5's `mlp.experts.gate_up_proj` / `down_proj`);
-`map_checkpoint_name` sends each to its stacked parameter. An AWQ / GPTQ checkpoint's packed
-expert tensors (`...experts.{e}.w1.qweight`, vLLM's names) go to that expert's linear layers
-while loading (`mlp.experts.{e}.gate_up_proj` / `down_proj`), which are then dequantized into
-the stacked parameters (`pagoda.model.layers.fused_moe`).
+`map_checkpoint_name` sends each to its stacked parameter. Quantized experts (an AWQ / GPTQ
+checkpoint's packed tensors, `...experts.{e}.w1.qweight` in vLLM's names; a GGUF file's blocks
+where they stay quantized) go to that expert's own linear layers instead
+(`mlp.experts.{e}.gate_up_proj` / `down_proj`), which either run as they are or are dequantized
+into the stacked parameters once loaded (`pagoda.model.layers.fused_moe` says where).
 """
 
 from __future__ import annotations
@@ -24,22 +25,18 @@ from typing import Any
 
 from torch import nn
 
-from pagoda.model.layers.fused_moe import SparseMoeBlock
+from pagoda.model.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagoda.model.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 from pagoda.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _PER_EXPERT = re.compile(
     r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
-)
-_PER_EXPERT_PACKED = re.compile(
-    r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(qweight|qzeros|scales|g_idx)$"
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|qweight|qzeros|scales|g_idx)$"
 )
 _FUSED_EXPERTS = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 _SHARDS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2",
            "down_proj": "w2"}  # fmt: skip
-_PACKED_SHARDS = {"w1": 0, "w3": 1, "w2": None}  # gate_up_proj's shards; down_proj has none
+_LAYER_SHARDS = {"w1": 0, "w3": 1, "w2": None}  # gate_up_proj's shards; down_proj has none
 
 
 def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
@@ -69,12 +66,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         from pagoda.model.quantization import AWQLinearMethod, GPTQLinearMethod
         from pagoda.model.quantization.gguf import GGUFLinearMethod
 
-        experts_method = None  # dense experts: unquantized, or a GGUF file's (dequantized)
-        if isinstance(linear_method, (AWQLinearMethod, GPTQLinearMethod)):
-            experts_method = linear_method  # packed per expert, dequantized after loading
-        elif linear_method is not None and not isinstance(
-            linear_method, (UnquantizedLinearMethod, GGUFLinearMethod)
-        ):
+        experts_method = None  # stacked dense experts: unquantized, or a dequantized GGUF's
+        if isinstance(linear_method, (AWQLinearMethod, GPTQLinearMethod, GGUFLinearMethod)):
+            experts_method = linear_method  # per-expert layers (`FusedMoE`)
+        elif linear_method is not None and not isinstance(linear_method, UnquantizedLinearMethod):
             raise ValueError(
                 f"model.layers.{layer_idx}.mlp.experts: {type(linear_method).__name__} does not "
                 "cover mixture-of-experts experts (AWQ, GPTQ and GGUF checkpoints do): serve "
@@ -100,22 +95,27 @@ class MixtralDecoderLayer(MoeDecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = MixtralDecoderLayer
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Whether the experts load into per-expert layers (quantized) or the stacked weights.
+        self.expert_layers = any(
+            isinstance(m, FusedMoE) and m.quant_method is not None for m in self.modules()
+        )
+
     @classmethod
     def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
         return {"qkv_bias": False, "o_bias": False, "qk_norm": False}
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         """(parameter name, shard id) for an expert or router tensor, None for the others."""
-        m = _PER_EXPERT_PACKED.match(name)
-        if m:  # an expert layer's own tensor, its gate / up as shard 0 / 1 of gate_up_proj
-            prefix, expert, proj, tensor = m.groups()
-            shard = _SHARDS[proj]
-            layer = "down_proj" if shard == "w2" else "gate_up_proj"
-            return f"{prefix}.mlp.experts.{expert}.{layer}.{tensor}", _PACKED_SHARDS[shard]
         m = _PER_EXPERT.match(name)
         if m:
-            prefix, expert, proj = m.groups()
+            prefix, expert, proj, tensor = m.groups()
             shard = _SHARDS[proj]
+            if tensor != "weight" or self.expert_layers:
+                # that expert's own layer's tensor, gate / up as shard 0 / 1 of gate_up_proj
+                layer = "down_proj" if shard == "w2" else "gate_up_proj"
+                return f"{prefix}.mlp.experts.{expert}.{layer}.{tensor}", _LAYER_SHARDS[shard]
             param = "w2_weight" if shard == "w2" else "w13_weight"
             return f"{prefix}.mlp.experts.{param}", (int(expert), shard)
         m = _FUSED_EXPERTS.match(name)

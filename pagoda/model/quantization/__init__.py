@@ -25,8 +25,9 @@ the layers kept quantized are `packed_methods.py`'s. With tensor parallelism eac
 only its shards of the packed tensors (`tp_shards.py`: outputs of column-parallel layers, inputs
 and their groups of row-parallel ones) and the above runs on them, on the rank's device; a GPTQ
 act-order row-parallel shard (its inputs parts of many groups) is dequantized. A mixture of
-experts' expert layers load the same way, each rank its shards, and are then dequantized into
-the model's stacked expert weights (`pagoda.model.layers.fused_moe`).
+experts' expert layers load the same way, each rank its shards; on a CPU they then become GGUF
+blocks as above, elsewhere they are dequantized into the model's stacked expert weights
+(`pagoda.model.layers.fused_moe`).
 
 8-bit weights and activations (INT8 W8A8 and FP8, compressed-tensors checkpoints, or FP8 made
 at load from a dense checkpoint with `quantization="fp8"`) are `w8a8.py`'s; `--load-format

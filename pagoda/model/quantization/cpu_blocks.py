@@ -71,7 +71,11 @@ def _fp16_exact(values: torch.Tensor) -> torch.Tensor | None:
 def _as_blocks(ggml_type: int, n: int, k: int, *fields: torch.Tensor) -> QuantWeight:
     """GGUF rows of `ggml_type` whose blocks hold `fields` side by side, each [n, k / 32, ...]
     in any dtype (fp16 scales [n, k / 32], byte codes [n, k / 32, bytes]), taken as bytes."""
-    parts = [f.contiguous().view(torch.uint8).reshape(n, k // BLOCK, -1) for f in fields]
+    # Flattened first: a [n, 1] field (one block a row) may be "contiguous" with a last
+    # stride other than 1, which a view as bytes refuses.
+    parts = [
+        f.contiguous().reshape(-1).view(torch.uint8).reshape(n, k // BLOCK, -1) for f in fields
+    ]
     return QuantWeight(torch.cat(parts, dim=-1).reshape(n, -1), ggml_type, n, k)
 
 

@@ -12,7 +12,9 @@ model dtype at load, as before. One log line says which.
 Kept quantized, each linear layer holds its GGUF blocks (`GGUFLinearMethod`): the loader yields
 `QuantWeight`s (rows un-permuted for Q/K like the dense path), fused layers (qkv, gate_up)
 concatenate their shards' rows, Q4_0 / Q4_1 / Q8_0 are repacked into the kernel's x8 layout
-(the same bytes), and `pagoda.kernels.cpu.quant.quant_linear` runs the product. The token
+(the same bytes), and `pagoda.kernels.cpu.quant.quant_linear` runs the product. A mixture of
+experts' stacked experts become such layers too, a gate_up and a down layer per expert
+(`pagoda.model.layers.fused_moe`), each running its tokens' rows. The token
 embedding keeps its blocks too (`VocabParallelEmbedding`): a lookup dequantizes only the rows
 it reads, and the tied LM head multiplies the same blocks. With a layer's `fused_ops` off (the
 reference path) the weight is dequantized and F.linear runs. Tensor parallelism shards the

@@ -1,0 +1,114 @@
+"""Tiny mixtures of experts for the MoE tests: `write_moe_gguf` writes a transformers Mixtral /
+Qwen3-MoE as llama.cpp lays it out (the router `ffn_gate_inp`, each projection's experts
+stacked in one `ffn_*_exps` tensor), float32 or quantized with the gguf package; `experts_of`,
+`held_bytes` and `greedy` read a loaded Pagoda model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from model_testing import PagedRunner
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order for the llama architecture (LlamaModel.permute)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> None:
+    """The model's GGUF file; with `expert_type` (a ggml type name: Q4_0, Q4_1, Q8_0) its stacked
+    experts in that type and every other matrix but the router in Q8_0, as llama.cpp's
+    quantized files hold them (else float32 throughout)."""
+    import gguf
+
+    c = hf.config
+    w = gguf.GGUFWriter(path, arch)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    experts = getattr(c, "num_local_experts", None) or c.num_experts
+    for key, value in {
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": head_dim,
+        "expert_count": experts,
+        "expert_used_count": c.num_experts_per_tok,
+        "expert_feed_forward_length": getattr(c, "moe_intermediate_size", c.intermediate_size),
+        "vocab_size": c.vocab_size,
+    }.items():
+        w.add_uint32(f"{arch}.{key}", int(value))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+    qt = gguf.GGMLQuantizationType
+
+    def add(name: str, t: np.ndarray, ggml_type: str | None) -> None:
+        if ggml_type is None or t.ndim < 2 or ".ffn_gate_inp." in name:
+            w.add_tensor(name, np.ascontiguousarray(t))
+        else:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(t), qt[ggml_type])
+            w.add_tensor(name, blocks, raw_dtype=qt[ggml_type])
+
+    dense = "Q8_0" if expert_type else None
+    for name, t in hf.state_dict().items():
+        t = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            add("token_embd.weight", t, dense)
+        elif name == "model.norm.weight":
+            add("output_norm.weight", t, None)
+        elif name == "lm_head.weight":
+            add("output.weight", t, dense)
+        else:
+            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+            module = rest.rsplit(".", 1)[0]
+            if rest.endswith("experts.gate_up_proj"):
+                gate, up = np.split(t, 2, axis=1)
+                add(f"blk.{layer}.ffn_gate_exps.weight", gate, expert_type)
+                add(f"blk.{layer}.ffn_up_exps.weight", up, expert_type)
+                continue
+            if rest.endswith("experts.down_proj"):
+                add(f"blk.{layer}.ffn_down_exps.weight", t, expert_type)
+                continue
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
+                t = _permute(t, heads)
+            add(f"blk.{layer}.{names[module]}.weight", t, dense)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The `FusedMoE` of each sparse layer."""
+    return [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """The bytes of the module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def greedy(
+    model: torch.nn.Module, cfg: dict[str, Any], prompt: list[int], steps: int = 8
+) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's logits [len(prompt), V] and the `steps` greedy tokens after it."""
+    runner = PagedRunner(model, cfg, num_blocks=32)
+    tokens = list(prompt)
+    prompt_logits = logits = runner.step(tokens, 0)
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = runner.step(tokens[-1:], len(tokens) - 1)
+    return prompt_logits, tokens[len(prompt) :]
