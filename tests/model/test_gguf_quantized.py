@@ -145,3 +145,91 @@ def test_embedded_model_greedy_tokens_match_the_dequantized_model():
     assert quantized.lm_head.weight.quant.type_name == "Q8_0"  # the tied embedding's blocks
     for prompt in PROMPTS:
         assert _greedy(quantized, cfg, prompt) == _greedy(dense, cfg, prompt)
+
+
+def _write_llama_gguf(hf, path: str, types: dict[str, str]) -> None:
+    """The tiny Llama's GGUF file: each matrix in `types`' ggml type (by GGUF name, else
+    `types["default"]`), norms in F32; Q/K rows in llama.cpp's order."""
+    import gguf
+    from moe_testing import _permute
+
+    c, arch, qt = hf.config, "llama", gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in {
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": c.hidden_size // c.num_attention_heads,
+        "vocab_size": c.vocab_size,
+    }.items():
+        w.add_uint32(f"{arch}.{key}", int(value))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}  # fmt: skip
+    for name, t in hf.state_dict().items():
+        t = t.float().numpy()
+        parts = name.split(".")
+        module = ".".join(parts[3:-1]) if parts[1] == "layers" else parts[-2]
+        if module in ("self_attn.q_proj", "self_attn.k_proj"):
+            t = _permute(t, c.num_attention_heads if "q_" in module else c.num_key_value_heads)
+        blk = f"blk.{parts[2]}." if parts[1] == "layers" else ""
+        key = f"{blk}{names[module]}.weight"
+        ty = types.get(key, types["default"]) if t.ndim == 2 else "F32"
+        t = np.ascontiguousarray(t)
+        if ty == "F32":
+            w.add_tensor(key, t)
+        elif ty == "F16":
+            w.add_tensor(key, t.astype(np.float16))
+        else:
+            w.add_tensor(key, gguf.quants.quantize(t, qt[ty]), raw_dtype=qt[ty])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_float_tensors_in_a_quantized_file_keep_their_layers_dense(tmp_path, monkeypatch):
+    """llama.cpp leaves some matrices F16 / F32 / BF16 in a quantized file: those layers (a
+    fused one with one float shard included) run dense, the others stay Q8_0 blocks."""
+    pytest.importorskip("gguf")
+    from model_testing import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama_untied_linear_rope")
+    path = str(tmp_path / "mixed.gguf")
+    _write_llama_gguf(
+        hf,
+        path,
+        {
+            "default": "Q8_0",
+            "blk.0.attn_k.weight": "F16",  # one shard of the fused qkv
+            "blk.0.attn_output.weight": "F16",
+            "blk.1.ffn_down.weight": "F32",
+            "blk.1.attn_q.weight": "BF16",
+        },
+    )
+    cfg = get_model_config_dict(path)
+    assert cfg["quantization_config"] == {"quant_method": "gguf"}
+    mc = dict(model=path, hf_config=cfg, dtype="float32", max_model_len=64, quantization="gguf")
+    model = load_model(ModelConfig(**mc))
+    layers = model.model.layers
+    for dense in (
+        layers[0].self_attn.qkv_proj,
+        layers[0].self_attn.o_proj,
+        layers[1].mlp.down_proj,
+    ):
+        assert dense.weight.dtype is torch.float32 and dense.weight.shape[1] > 0
+    assert layers[0].mlp.gate_up_proj.gguf_weight.type_name == "Q8_0"
+    monkeypatch.setenv("PAGODA_GGUF_QUANTIZED", "0")
+    reference = load_model(ModelConfig(**mc))
+    tokens = list(range(5, 30))
+    got = PagedRunner(model, cfg, num_blocks=16).step(tokens, 0)
+    want = PagedRunner(reference, cfg, num_blocks=16).step(tokens, 0)
+    # the int8 rounding of activations in the Q8_0 layers (tests/model/test_moe_cpu_quantized.py)
+    assert (got - want).abs().max().item() / want.abs().max().item() < 1.5e-2

@@ -90,6 +90,8 @@ def _check_dtype(source: str, name: str, tensor: object, param: torch.Tensor) ->
     weights into truncated integers): a model that loads and answers garbage."""
     if not isinstance(tensor, torch.Tensor):  # GGUF blocks kept quantized: their own type
         return
+    if tensor.is_floating_point() and getattr(param, "takes_float", False):
+        return  # a GGUF blocks parameter given a float tensor: its layer is kept dense
     want_float = param.is_floating_point()
     is_int = (
         not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool

@@ -135,7 +135,11 @@ class GGUFLinearMethod(LinearMethodBase):
                 )
             layer.gguf_shards[shard_id] = loaded
 
-        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1, "weight_loader": load})
+        # A GGUF's F32/F16/BF16 tensors arrive as float tensors: this layer goes dense.
+        set_weight_attrs(
+            weight,
+            {"output_dim": 0, "input_dim": 1, "weight_loader": load, "takes_float": True},
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shards = [layer.gguf_shards[key] for key in sorted(layer.gguf_shards, key=_shard_order)]
