@@ -1,7 +1,8 @@
 """Tiny mixtures of experts for the MoE tests: `write_moe_gguf` writes a transformers Mixtral /
 Qwen3-MoE as llama.cpp lays it out (the router `ffn_gate_inp`, each projection's experts
 stacked in one `ffn_*_exps` tensor), float32 or quantized with the gguf package; `experts_of`,
-`held_bytes` and `greedy` read a loaded Pagoda model."""
+`held_bytes` and `greedy` read a loaded Pagoda model; `generate_tp` runs a checkpoint through
+the engine at a tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -21,6 +22,32 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def add_hparams(w: Any, c: Any, arch: str, head_dim: int, extra: dict[str, int]) -> None:
+    """The transformers config `c`'s hyperparameters as `arch`'s GGUF keys (and `extra`'s)."""
+    for key, value in {
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": head_dim,
+        **extra,
+        "vocab_size": c.vocab_size,
+    }.items():
+        w.add_uint32(f"{arch}.{key}", int(value))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+
+
+def finish_gguf(w: Any) -> None:
+    """Write the GGUF writer's header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> None:
     """The model's GGUF file; with `expert_type` (a ggml type name: Q4_0, Q4_1, Q8_0) its stacked
     experts in that type and every other matrix but the router in Q8_0, as llama.cpp's
@@ -31,22 +58,11 @@ def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> 
     w = gguf.GGUFWriter(path, arch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     experts = getattr(c, "num_local_experts", None) or c.num_experts
-    for key, value in {
-        "context_length": c.max_position_embeddings,
-        "embedding_length": c.hidden_size,
-        "block_count": c.num_hidden_layers,
-        "feed_forward_length": c.intermediate_size,
-        "attention.head_count": c.num_attention_heads,
-        "attention.head_count_kv": c.num_key_value_heads,
-        "attention.key_length": head_dim,
+    add_hparams(w, c, arch, head_dim, {
         "expert_count": experts,
         "expert_used_count": c.num_experts_per_tok,
         "expert_feed_forward_length": getattr(c, "moe_intermediate_size", c.intermediate_size),
-        "vocab_size": c.vocab_size,
-    }.items():
-        w.add_uint32(f"{arch}.{key}", int(value))
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    })  # fmt: skip
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -85,10 +101,7 @@ def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> 
                 heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
                 t = _permute(t, heads)
             add(f"blk.{layer}.{names[module]}.weight", t, dense)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -112,3 +125,24 @@ def greedy(
         tokens.append(int(logits[-1].argmax()))
         logits = runner.step(tokens[-1:], len(tokens) - 1)
     return prompt_logits, tokens[len(prompt) :]
+
+
+ENGINE_PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
+]
+
+
+def generate_tp(path, tp: int) -> list[list[int]]:
+    """ENGINE_PROMPTS' 12 greedy tokens each from the checkpoint at `path` served by `LLM` with
+    `tp` tensor-parallel ranks (worker processes past 1)."""
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(str(path), tensor_parallel_size=tp, dtype="float32", kv_cache_dtype="float32",
+              skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=16,
+              num_gpu_blocks_override=32)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outputs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.llm_engine.executor.shutdown()

@@ -151,23 +151,11 @@ def _write_llama_gguf(hf, path: str, types: dict[str, str]) -> None:
     """The tiny Llama's GGUF file: each matrix in `types`' ggml type (by GGUF name, else
     `types["default"]`), norms in F32; Q/K rows in llama.cpp's order."""
     import gguf
-    from moe_testing import _permute
+    from moe_testing import _permute, add_hparams, finish_gguf
 
     c, arch, qt = hf.config, "llama", gguf.GGMLQuantizationType
     w = gguf.GGUFWriter(path, arch)
-    for key, value in {
-        "context_length": c.max_position_embeddings,
-        "embedding_length": c.hidden_size,
-        "block_count": c.num_hidden_layers,
-        "feed_forward_length": c.intermediate_size,
-        "attention.head_count": c.num_attention_heads,
-        "attention.head_count_kv": c.num_key_value_heads,
-        "attention.key_length": c.hidden_size // c.num_attention_heads,
-        "vocab_size": c.vocab_size,
-    }.items():
-        w.add_uint32(f"{arch}.{key}", int(value))
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    add_hparams(w, c, arch, c.hidden_size // c.num_attention_heads, {})
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -189,10 +177,7 @@ def _write_llama_gguf(hf, path: str, types: dict[str, str]) -> None:
             w.add_tensor(key, t.astype(np.float16))
         else:
             w.add_tensor(key, gguf.quants.quantize(t, qt[ty]), raw_dtype=qt[ty])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_float_tensors_in_a_quantized_file_keep_their_layers_dense(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from model_testing import make_tiny_checkpoint
-from moe_testing import experts_of, greedy, held_bytes, write_moe_gguf
+from moe_testing import experts_of, generate_tp, greedy, held_bytes, write_moe_gguf
 from quant_testing import quantized_moe_checkpoint
 
 from pagoda.config import ModelConfig
@@ -278,24 +278,6 @@ def test_awq_gptq_ranks_hold_slices_of_each_experts_blocks(tmp_path, family, cas
 
 # ---- the engine: two worker processes -------------------------------------------------------
 
-ENGINE_PROMPTS = [
-    {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
-]
-
-
-def _generate(path, tp: int) -> list[list[int]]:
-    from pagoda import LLM, SamplingParams
-
-    llm = LLM(str(path), tensor_parallel_size=tp, dtype="float32", kv_cache_dtype="float32",
-              skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=16,
-              num_gpu_blocks_override=32)  # fmt: skip
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        outputs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-    finally:
-        llm.llm_engine.executor.shutdown()
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -311,4 +293,4 @@ def test_tp2_engine_with_quantized_experts_gives_one_ranks_greedy_tokens(tmp_pat
         path = _gguf(tmp_path, family, "Q4_0", **TP2_SIZES[family])
     else:
         path, _ = _checkpoint(tmp_path, family, case, **TP2_SIZES[family])
-    assert _generate(path, 2) == _generate(path, 1)
+    assert generate_tp(path, 2) == generate_tp(path, 1)

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from model_testing import PagedRunner, make_tiny_checkpoint
+from moe_testing import generate_tp
 from quant_testing import quantized_moe_checkpoint
 
 from pagoda.config import ModelConfig
@@ -179,23 +180,6 @@ def test_plan_counts_quantized_experts_dequantized() -> None:
 
 # ---- the engine: two worker processes -------------------------------------------------------
 
-PROMPTS = [
-    {"prompt_token_ids": [(7 * i + 3 * j) % 128 for j in range(5 + 4 * i)]} for i in range(4)
-]
-
-
-def _generate(path, tp: int) -> list[list[int]]:
-    from pagoda import LLM, SamplingParams
-
-    llm = LLM(str(path), tensor_parallel_size=tp, dtype="float32", kv_cache_dtype="float32",
-              skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=16,
-              num_gpu_blocks_override=32)  # fmt: skip
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        llm.llm_engine.executor.shutdown()
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -206,9 +190,9 @@ def test_tp2_greedy_tokens_equal_one_rank_and_the_dense_model(tmp_path, family, 
     dense, quantized = quantized_moe_checkpoint(
         tmp_path, family, method, bits, act_order, sym, group=GROUP
     )
-    want = _generate(dense, 1)
-    assert _generate(quantized, 1) == want
-    assert _generate(quantized, 2) == want
+    want = generate_tp(dense, 1)
+    assert generate_tp(quantized, 1) == want
+    assert generate_tp(quantized, 2) == want
 
 
 @pytest.mark.slow
