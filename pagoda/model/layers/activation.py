@@ -27,10 +27,18 @@ class SiluAndMul(nn.Module):
         """silu(gate) * up; with `quant_dtype` (the 8-bit layer after asks for it,
         `LinearBase.input_quantization`) quantized per token as the kernel writes it (on a CPU
         the torch reference, then the reference row quantization)."""
-        if self.fused_ops:
-            if x.is_cuda or quant_dtype is not None:
-                return silu_and_mul(x, quant_dtype)
-            if cpu_ops.elementwise_supported(x):
-                return cpu_ops.silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        if self.fused_ops and quant_dtype is not None:
+            return silu_and_mul(x, quant_dtype)
+        return swiglu(x, self.fused_ops)
+
+
+def swiglu(x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """silu(gate) * up of x [.., 2 * d]: where `fused`, the kernel of x's device (Triton on
+    CUDA, the C op on a CPU where it supports x), else the torch reference."""
+    if fused:
+        if x.is_cuda:
+            return silu_and_mul(x)
+        if cpu_ops.elementwise_supported(x):
+            return cpu_ops.silu_and_mul(x)
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

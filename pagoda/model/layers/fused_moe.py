@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import cpu as cpu_ops
 from pagoda.kernels import triton_available
+from pagoda.model.layers.activation import swiglu
 from pagoda.model.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -115,14 +115,6 @@ class _QuantizedExpert(nn.Module):
             hidden_size, [inter, inter], linear_method=linear_method
         )
         self.down_proj = RowParallelLinear(inter, hidden_size, linear_method=linear_method)
-
-
-def _silu_and_mul(x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """silu(gate) * up of [T, 2 * I] (`SiluAndMul`'s C op on a CPU where `fused`)."""
-    if fused and cpu_ops.elementwise_supported(x):
-        return cpu_ops.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class FusedMoE(nn.Module):
@@ -288,7 +280,7 @@ class FusedMoE(nn.Module):
                 x = hidden_states.index_select(0, tokens[start:end])
             expert = self.get_submodule(str(e))
             gate_up, down = expert.gate_up_proj, expert.down_proj
-            h = _silu_and_mul(gate_up.linear_method.apply(gate_up, x), self.fused_ops)
+            h = swiglu(gate_up.linear_method.apply(gate_up, x), self.fused_ops)
             ys[start:end] = down.linear_method.apply(down, h)
             start = end
         ys.mul_(topk_weights.reshape(-1)[order, None])
