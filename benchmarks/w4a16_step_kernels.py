@@ -24,9 +24,13 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def profile_graph(fn, reps: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """(wall ms a replay, {kernel name: (us a replay, launches a replay)}) of `fn` captured in
-    a CUDA graph."""
+def profile_graph(
+    fn, reps: int, layers: int
+) -> tuple[float, dict[str, tuple[float, int]], list[tuple[str, float]]]:
+    """(wall ms a replay, {kernel name: (us a replay, launches a replay)}, [(kernel name, us)]
+    for each kernel of one layer in launch order, averaged over the layers and replays) of
+    `fn` captured in a CUDA graph; the last is empty where a replay's kernels do not split
+    into `layers` equal sequences."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,14 +52,27 @@ def profile_graph(fn, reps: int) -> tuple[float, dict[str, tuple[float, int]]]:
             graph.replay()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    timeline = []
     for event in prof.events():
         if event.device_type.name != "CUDA":
             continue
         name = event.name.split("(")[0][:60]
         us = getattr(event, "device_time_total", None)
-        totals[name][0] += us if us is not None else event.cuda_time_total
+        us = us if us is not None else event.cuda_time_total
+        totals[name][0] += us
         totals[name][1] += 1
-    return wall_ms, {k: (v[0] / reps, v[1] // reps) for k, v in totals.items()}
+        timeline.append((event.time_range.start, name, us))
+    timeline.sort()
+    per_layer: list[tuple[str, float]] = []
+    if timeline and len(timeline) % (reps * layers) == 0:
+        n = len(timeline) // (reps * layers)
+        names = [name for _, name, _ in timeline[:n]]
+        if all(timeline[i][1] == names[i % n] for i in range(len(timeline))):
+            per_layer = [
+                (names[j], sum(us for _, _, us in timeline[j::n]) / (reps * layers))
+                for j in range(n)
+            ]
+    return wall_ms, {k: (v[0] / reps, v[1] // reps) for k, v in totals.items()}, per_layer
 
 
 def main() -> None:
@@ -69,7 +86,7 @@ def main() -> None:
         os.environ["PAGODA_PDL"] = args.pdl
 
     import torch
-    from w4a16_skinny_bench import _step_fns, _step_layers
+    from w4a16_skinny_bench import LAYERS, _step_fns, _step_layers
 
     from pagoda.kernels.skinny_gemm import prepare
 
@@ -80,14 +97,24 @@ def main() -> None:
     for m in args.m:
         _, w4_step, dense_step = _step_fns(m, gen, packed, dense)
         for what, fn in (("w4a16", w4_step), ("bf16", dense_step)):
-            wall_ms, kernels = profile_graph(fn, args.reps)
+            wall_ms, kernels, per_layer = profile_graph(fn, args.reps, LAYERS)
             busy_ms = sum(us for us, _ in kernels.values()) / 1e3
             print(f"\n{what} M={m}: {wall_ms:.3f} ms a step, kernels {busy_ms:.3f} ms busy")
             for name, (us, launches) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
                 each = us / max(launches, 1)
                 print(f"  {us / 1e3:8.3f} ms {launches:5d} x {each:7.2f} us  {name}")
+            print("  a layer, in launch order (qkv, o, gate_up, down):")
+            for name, us in per_layer:
+                print(f"    {us:7.2f} us  {name}")
             results.append(
-                {"m": m, "what": what, "wall_ms": wall_ms, "busy_ms": busy_ms, "kernels": kernels}
+                {
+                    "m": m,
+                    "what": what,
+                    "wall_ms": wall_ms,
+                    "busy_ms": busy_ms,
+                    "kernels": kernels,
+                    "per_layer": per_layer,
+                }
             )
     if args.out:
         with open(args.out, "w") as f:
