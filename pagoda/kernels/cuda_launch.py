@@ -20,6 +20,48 @@ def libcuda() -> Any:
     return torch.cuda._utils._get_gpu_runtime_library()
 
 
+# CUtensorMap's enums (cuda.h).
+TMAP_UINT8, TMAP_UINT16 = 0, 1
+TMAP_SWIZZLE_NONE, TMAP_SWIZZLE_128B = 0, 3
+_L2_PROMOTION_256B = 3
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_map(
+    ptr: int,
+    dtype: int,
+    dims: tuple[int, ...],
+    strides: tuple[int, ...],
+    box: tuple[int, ...],
+    swizzle: int,
+) -> ctypes.Array:
+    """The CUtensorMap (128 bytes, 64-byte aligned) of the tiled tensor at `ptr`: `dims`
+    innermost first, `strides` in bytes between the outer dimensions' elements, read in
+    boxes of `box`, elements past the edges read as zero. Cached: it depends on nothing
+    else."""
+    buf = ctypes.create_string_buffer(128 + 64)
+    desc = (ctypes.c_uint64 * 16).from_address((ctypes.addressof(buf) + 63) & ~63)
+    desc._keep = buf  # type: ignore[attr-defined]  # the memory `desc` lives in
+    rank = len(dims)
+    err = libcuda().cuTensorMapEncodeTiled(
+        ctypes.byref(desc),
+        dtype,
+        ctypes.c_uint32(rank),
+        ctypes.c_void_p(ptr),
+        (ctypes.c_uint64 * rank)(*dims),
+        (ctypes.c_uint64 * max(rank - 1, 1))(*strides),
+        (ctypes.c_uint32 * rank)(*box),
+        (ctypes.c_uint32 * rank)(*([1] * rank)),
+        0,  # no interleave
+        swizzle,
+        _L2_PROMOTION_256B,
+        0,  # out-of-bounds elements read as zero
+    )
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {err}")
+    return desc
+
+
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 

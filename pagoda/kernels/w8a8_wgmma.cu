@@ -61,19 +61,6 @@ static_assert(X_SLICE % 8 == 0 && W_SLICE % 8 == 0, "slices of whole 1024-byte s
 static_assert(CONSUMERS * 64 * OUT_ROW_BYTES <= STAGES * STAGE_BYTES,
               "the output tiles reuse the pipeline's shared memory");
 
-struct __align__(64) TensorMap {
-  unsigned long long opaque[16];
-};
-
-// Box (k, row) of `map` into shared `dst`, completing on `bar`.
-__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(row), "r"(bar)
-      : "memory");
-}
-
 // The same into shared `dst` of every CTA of the cluster in `mask` (by rank), completing on the
 // `bar` at the same offset in each.
 __device__ __forceinline__ void tma_multicast(u32 dst, const TensorMap* map, int k, int row,
@@ -116,10 +103,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const int steps = (K + BK - 1) / BK;
   const u32 full0 = smem_addr(full), empty0 = smem_addr(empty);
   if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&x_map))
-                 : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&w_map))
-                 : "memory");
+    prefetch_tensor_map(&x_map);
+    prefetch_tensor_map(&w_map);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, 4 * CONSUMERS * CLUSTER);

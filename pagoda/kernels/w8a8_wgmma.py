@@ -220,35 +220,14 @@ def _compile(int8: bool, bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> An
 
 _KERNELS = cuda_launch.KernelCache(_compile)
 
-# CUtensorMap's enums (cuda.h).
-_UINT8, _SWIZZLE_128B, _L2_PROMOTION_256B = 0, 3, 3
 
-
-@functools.lru_cache(maxsize=1024)
 def tensor_map(ptr: int, rows: int, k: int, row_stride: int, box_rows: int) -> ctypes.Array:
-    """The CUtensorMap (128 bytes, 64-byte aligned) of an 8-bit [rows, k] matrix at `ptr` with
-    `row_stride` bytes between rows, read in boxes of 128 inputs x `box_rows` rows into the
-    128-byte swizzle, zero past its edges. Cached: it depends on nothing else."""
-    buf = ctypes.create_string_buffer(128 + 64)
-    desc = (ctypes.c_uint64 * 16).from_address((ctypes.addressof(buf) + 63) & ~63)
-    desc._keep = buf  # type: ignore[attr-defined]  # the memory `desc` lives in
-    err = cuda_launch.libcuda().cuTensorMapEncodeTiled(
-        ctypes.byref(desc),
-        _UINT8,
-        ctypes.c_uint32(2),
-        ctypes.c_void_p(ptr),
-        (ctypes.c_uint64 * 2)(k, rows),
-        (ctypes.c_uint64 * 1)(row_stride),
-        (ctypes.c_uint32 * 2)(STEP, box_rows),
-        (ctypes.c_uint32 * 2)(1, 1),
-        0,  # no interleave
-        _SWIZZLE_128B,
-        _L2_PROMOTION_256B,
-        0,  # out-of-bounds elements read as zero
-    )
-    if err != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {err}")
-    return desc
+    """The CUtensorMap of an 8-bit [rows, k] matrix at `ptr` with `row_stride` bytes between
+    rows, read in boxes of 128 inputs x `box_rows` rows into the 128-byte swizzle."""
+    return cuda_launch.tensor_map(
+        ptr, cuda_launch.TMAP_UINT8, (k, rows), (row_stride,), (STEP, box_rows),
+        cuda_launch.TMAP_SWIZZLE_128B,
+    )  # fmt: skip
 
 
 def _round_up(v: int, multiple: int) -> int:

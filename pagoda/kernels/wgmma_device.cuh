@@ -23,3 +23,22 @@ __device__ __forceinline__ unsigned long long swizzled_desc(u32 tile) {
   return (unsigned long long)((tile & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
          (1ull << 62);
 }
+
+// A CUtensorMap (`cuda_launch.tensor_map`), passed as a __grid_constant__ parameter.
+struct __align__(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// Box (k, row) of `map` into shared `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map))
+               : "memory");
+}
