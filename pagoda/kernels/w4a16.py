@@ -734,11 +734,6 @@ def _run_wgmma(x, qweight, scales, zeros, group_size, bias, perm, cfg, explicit:
     config)."""
     reason = w4a16_wgmma.unsupported_reason(x, qweight, scales, bias, group_size)
     reason = reason or w4a16_wgmma.config_reason(cfg)
-    if reason is None and (why := w4a16_wgmma.layout_reason(cfg, qweight, scales, zeros)):
-        if explicit:
-            reason = why
-        else:  # the rule's config with the weights through registers
-            cfg = cfg._replace(w_stages=0)
     y = None
     if reason is None:
         y = w4a16_wgmma.w4a16_wgmma(

@@ -69,26 +69,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
 }
 
-__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
-  uint4 r;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(addr));
-  return r;
-}
-
-__device__ __forceinline__ u32 ld_shared_u16(u32 addr) {
-  unsigned short r;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(r) : "r"(addr));
-  return r;
-}
-
-__device__ __forceinline__ u32 ld_shared_u8(u32 addr) {
-  unsigned short r;
-  asm volatile("ld.shared.u8 %0, [%1];" : "=h"(r) : "r"(addr));
-  return r;
-}
-
 // mbarriers and bulk copies (the TMA unit without a tensor map; sm_90), on shared-memory
 // addresses (`smem_addr`).
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {

@@ -43,26 +43,13 @@
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
 //
-// With W_TMA, the weights come through shared memory instead, by the TMA unit with tensor maps
-// (`w_map`: qweight as bytes [N, K/2]; `s_map`, `z_map`: scales and zeros [K/G, N]): each
-// warpgroup has its own ring of W_STAGES stages, a stage one K step of its 64 rows (one box of
-// 64 rows x 64 bytes, rows one after the other: a quarter warp's 16-byte reads are one
-// 128-byte line, no bank conflicts) with their scales and zero points, all on the stage's
-// mbarrier. A warp reads its lanes' 32 bytes, scales and zero points of a step into registers
-// and counts itself done with the stage at once; the last of the warpgroup's 4 warps to do so
-// asks for the step W_STAGES on into it. So the bytes in flight are W_STAGES steps of the
-// CTA's rows, costing shared memory instead of registers, one copy per warpgroup and step
-// (bulk copies of one row each were slower: `benchmarks/README.md`). A warpgroup's first
-// W_STAGES steps are asked for before `grid_wait`. Rows past N read as zeros (never stored).
-//
 // Compile-time constants (-D): BF16 (0: fp16 x, bias and y), SCALES_BF16 (0: fp16 scales),
 // BN (activation rows of a CTA: a multiple of 32 up to 256), WG (1, 2 or 4 warpgroups), STAGES,
 // DEPTH (K steps of weights in flight per lane: 2 or 4), A_BUFFERS (2: a step's A fragments
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
-// SPLIT (1: K split over blockIdx.z), PDL, W_TMA (1: the weights through shared memory by
-// tensor maps), W_STAGES (their stages a warpgroup). WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
+// SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
 // instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
 // it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
@@ -72,9 +59,6 @@
 #define HALF_BYTES (BN * 128)          // one 64-input half of a step's x tile
 #define STAGE_BYTES (2 * HALF_BYTES)  // a step's x tile
 #define STAGE_ELEMS (STAGE_BYTES / 2)
-#define W_BYTES (64 * 64)            // a warpgroup's K step of packed weights (W_TMA)
-#define W_STAGE_BYTES (W_BYTES + 256)  // with 64 scales (128 bytes) and zero points (64, padded)
-#define W_TX (W_BYTES + 128 + 64)      // the bytes a weight stage's copies bring
 #define SUM_OUTPUTS 8  // outputs a thread of the split-K sum takes at once
 #define SUM_SPLITS 4   // splits whose loads it issues together
 
@@ -134,12 +118,7 @@ __device__ __forceinline__ u32 count_release(u32 counter) {
 // @WGMMA@
 
 extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
-    pagoda_w4a16_wgmma(
-#if W_TMA
-        const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap s_map,
-        const __grid_constant__ TensorMap z_map,
-#endif
-        u16* __restrict__ y, const u16* __restrict__ xt,
+    pagoda_w4a16_wgmma(u16* __restrict__ y, const u16* __restrict__ xt,
                        const u32* __restrict__ qweight, const u16* __restrict__ scales,
                        const u8* __restrict__ zeros, const u16* __restrict__ bias,
                        float* __restrict__ partial, int* __restrict__ counters, int M, int N,
@@ -150,14 +129,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 #endif
   __shared__ __align__(8) unsigned long long full[STAGES];  // a stage's x tile has landed
   __shared__ u32 released[STAGES];                           // warps done with a stage
-#if W_TMA
-  __shared__ __align__(8) unsigned long long wfull[WG * W_STAGES];  // a weight stage has landed
-  __shared__ u32 wreleased[WG * W_STAGES];  // warps done with it, counted on (mod 4)
-#endif
   const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2;  // this warp's warpgroup
   const int m0 = blockIdx.x * BN, n0 = blockIdx.y * ROWS;
   const int steps = K / STEP;
   const int s_begin = blockIdx.z * steps_per_split;
@@ -178,13 +152,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
 
   // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
-#if W_TMA
-  uint4 wv[1][2];  // the step's weights, scales and zero points, read from its stage
-  u32 sc[1][2], zp[1][2];
-#else
   uint4 wv[DEPTH][2];
   u32 sc[DEPTH][2], zp[DEPTH][2];
-#endif
   auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
     if (i < nsteps) {
       wv_[0] = ld_weights(wrow0, policy);
@@ -210,31 +179,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     bulk_load(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
               full0 + 8 * stage);
   };
-#if W_TMA
-  // Step i's weights, scales and zero points of this warpgroup into its stage i % W_STAGES:
-  // three copies by one thread.
-  const u32 wtiles = tiles + STAGES * STAGE_BYTES;
-  const u32 wfull0 = smem_addr(wfull), wreleased0 = smem_addr(wreleased);
-  auto load_w = [&](int i) {
-    const int st = wg * W_STAGES + i % W_STAGES, j = s_begin + i;
-    const u32 bar = wfull0 + 8 * st, dst = wtiles + st * W_STAGE_BYTES;
-    const int row = n0 + 64 * wg, group = j / group_steps;
-    mbar_expect_tx(bar, W_TX);
-    tma_load(dst, &w_map, 64 * j, row, bar);
-    tma_load(dst + W_BYTES, &s_map, row, group, bar);
-    tma_load(dst + W_BYTES + 128, &z_map, row, group, bar);
-  };
-  // Once a warp has read step i's weights, its lane 0 counts it done with the stage; the
-  // warpgroup's fourth asks for step i + W_STAGES.
-  auto w_release = [&](int i) {
-    __syncwarp();
-    if (lane == 0) {
-      const int st = wg * W_STAGES + i % W_STAGES;
-      if ((count_release(wreleased0 + 4 * st) & 3) == 3 && i + W_STAGES < nsteps)
-        load_w(i + W_STAGES);
-    }
-  };
-#endif
   // After step i's wgmmas are done in every warp, the last warp to say so refills its stage
   // with step i + STAGES.
   auto release = [&](int i) {
@@ -252,26 +196,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       mbar_init(full0 + 8 * s, 1);
       released[s] = 0;
     }
-#if W_TMA
-    for (int s = 0; s < WG * W_STAGES; ++s) {
-      mbar_init(wfull0 + 8 * s, 1);
-      wreleased[s] = 0;
-    }
-#endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-#if W_TMA
-  if ((tid & 127) == 0) {
-    prefetch_tensor_map(&w_map);
-    prefetch_tensor_map(&s_map);
-    prefetch_tensor_map(&z_map);
-    for (int i = 0; i < W_STAGES && i < nsteps; ++i) load_w(i);
-  }
-#else
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
-#endif
   grid_wait();  // xt is written by the kernel before (`tile_x`)
   launch_dependents();
   if (tid == 0)
@@ -287,41 +216,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     for (int d = 0; d < DEPTH; ++d) {
       const int i = i0 + d;
       if (i < nsteps) {
-#if W_TMA
-        const int wd = 0;
-        {
-          const int st = wg * W_STAGES + i % W_STAGES, r = 16 * (warp & 3) + g;
-          const u32 at = wtiles + st * W_STAGE_BYTES;
-          mbar_wait(wfull0 + 8 * st, (i / W_STAGES) & 1);
-          wv[0][0] = ld_shared_v4(at + r * 64 + 16 * t);
-          wv[0][1] = ld_shared_v4(at + (r + 8) * 64 + 16 * t);
-          sc[0][0] = ld_shared_u16(at + W_BYTES + 2 * r);
-          sc[0][1] = ld_shared_u16(at + W_BYTES + 2 * (r + 8));
-          zp[0][0] = ld_shared_u8(at + W_BYTES + 128 + r);
-          zp[0][1] = ld_shared_u8(at + W_BYTES + 128 + r + 8);
-          w_release(i);
-        }
-#else
-        const int wd = d;
-#endif
         mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
 
         u32(&ab)[8][4] = a[d % A_BUFFERS];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const u32 zoff = MAGIC | (zp[wd][h] * 0x10001u), s2 = scale2(sc[wd][h]);
+          const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
-            const u32 word = part(wv[wd][h], w);
+            const u32 word = part(wv[d][h], w);
             ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
             ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
             ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
             ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
           }
         }
-#if !W_TMA
         load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
-#endif
 
         const unsigned long long desc = swizzled_desc(tiles + (i % STAGES) * STAGE_BYTES);
         wgmma_fence();

@@ -27,7 +27,6 @@ instructions a warp, half of them the unpacking (`w4a16.wgmma_config` says where
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,9 +57,7 @@ class WgmmaConfig(NamedTuple):
     summed by the last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K
     step's weights while the step before's wgmmas run, 1 to wait for them first (fewer
     registers); ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at
-    65536 / (2 x threads)); w_stages: 0 for the weights loaded `depth` steps ahead into
-    registers, else the stages of each warpgroup's ring in shared memory that the TMA unit
-    fills with them (tensor maps; `depth` then only sets the loop's unrolling)."""
+    65536 / (2 x threads))."""
 
     bn: int = 64
     warpgroups: int = 2
@@ -69,7 +66,6 @@ class WgmmaConfig(NamedTuple):
     split_k: int = 0
     a_buffers: int = 2
     ctas_per_sm: int = 1
-    w_stages: int = 0
 
 
 def rows_per_cta(cfg: WgmmaConfig) -> int:
@@ -77,20 +73,10 @@ def rows_per_cta(cfg: WgmmaConfig) -> int:
     return 64 * cfg.warpgroups
 
 
-W_STAGE_BYTES = 64 * 64 + 256  # a warpgroup's K step of weights, scales and zero points
-
-
 def smem_bytes(cfg: WgmmaConfig) -> int:
-    """Dynamic shared memory of a CTA: `stages` x tiles of bn rows x 128 inputs (16-bit), the
-    weight stages of its warpgroups, and 1 KB to align them to the 128-byte swizzle's
-    1024-byte atoms."""
-    w_ring = cfg.warpgroups * cfg.w_stages * W_STAGE_BYTES
-    return cfg.stages * cfg.bn * STEP * 2 + w_ring + 1024
-
-
-def static_smem_bytes(cfg: WgmmaConfig) -> int:
-    """A bound on the kernel's static shared memory: its mbarriers and counters."""
-    return 16 * (cfg.stages + cfg.warpgroups * cfg.w_stages) + 16
+    """Dynamic shared memory of a CTA: `stages` x tiles of bn rows x 128 inputs (16-bit), and
+    1 KB to align them to the 128-byte swizzle's 1024-byte atoms."""
+    return cfg.stages * cfg.bn * STEP * 2 + 1024
 
 
 def config_reason(cfg: WgmmaConfig) -> str | None:
@@ -107,15 +93,13 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"depth {cfg.depth} not 2 or 4"
     if cfg.stages < 3:
         return f"stages {cfg.stages} < 3"
-    if smem_bytes(cfg) + static_smem_bytes(cfg) > SMEM_LIMIT:
+    if smem_bytes(cfg) > SMEM_LIMIT:
         return f"{smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     if cfg.split_k < 0:
         return f"split_k {cfg.split_k} < 0"
-    if cfg.w_stages and not 2 <= cfg.w_stages <= 32:
-        return f"w_stages {cfg.w_stages} not 0 or 2-32"
     if cfg.a_buffers not in (1, 2) or cfg.ctas_per_sm not in (1, 2):
         return f"a_buffers {cfg.a_buffers} / ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
-    if cfg.ctas_per_sm * (smem_bytes(cfg) + static_smem_bytes(cfg)) > SMEM_LIMIT:
+    if cfg.ctas_per_sm * smem_bytes(cfg) > SMEM_LIMIT:
         return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     return None
 
@@ -136,38 +120,6 @@ def unsupported_reason(
     if w4a16_gemv._capability(x.device.index or 0) != (9, 0):
         return "wgmma needs sm_90"
     return w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size, max_m=None)
-
-
-def layout_reason(
-    cfg: WgmmaConfig, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-) -> str | None:
-    """Why the weights cannot take `cfg`'s tensor maps (`w_stages`), or None: TMA needs
-    contiguous tensors at 16-byte aligned addresses with rows a multiple of 16 bytes apart."""
-    if not cfg.w_stages:
-        return None
-    n = qweight.shape[0]
-    if n % 16:
-        return f"{n} outputs: zero-point rows not a multiple of 16 bytes"
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return f"{name} not contiguous at a 16-byte aligned address"
-    return None
-
-
-def weight_maps(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-) -> list[ctypes.Array]:
-    """The kernel's tensor maps with `w_stages`: qweight as bytes [N, K/2] in boxes of 64
-    bytes x 64 rows, scales and zeros [groups, N] in boxes of 64 x 1 (none swizzled)."""
-    n, words = qweight.shape
-    groups = scales.shape[0]
-    tm = cuda_launch.tensor_map
-    u8, u16, plain = cuda_launch.TMAP_UINT8, cuda_launch.TMAP_UINT16, cuda_launch.TMAP_SWIZZLE_NONE
-    return [
-        tm(qweight.data_ptr(), u8, (4 * words, n), (4 * words,), (64, 64), plain),
-        tm(scales.data_ptr(), u16, (n, groups), (2 * n,), (64, 1), plain),
-        tm(zeros.data_ptr(), u8, (n, groups), (n,), (64, 1), plain),
-    ]
 
 
 def _wgmma_function(bn: int, bf16: bool) -> str:
@@ -204,8 +156,6 @@ def _compile(
         "HAS_BIAS": int(has_bias),
         "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
-        "W_TMA": int(cfg.w_stages > 0),
-        "W_STAGES": max(cfg.w_stages, 1),
     }
     source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
     source += _SOURCE.read_text().replace("// @WGMMA@", _wgmma_function(cfg.bn, bf16))
@@ -360,8 +310,7 @@ def w4a16_wgmma(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (-(-m // cfg.bn), -(-n // rows_per_cta(cfg)), split)
     counters, partials = split_k_buffers(y, grid[0] * grid[1], split)
-    maps = weight_maps(qweight, scales, zeros) if cfg.w_stages else []
-    args = maps + [
+    args = [
         y, xt, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
         m, n, k, min(group_size, k), y.stride(0), steps_per_split,
     ]  # fmt: skip
