@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pagoda.cli import build_parser, main
+from pagoda.utils.cpu_build import compiler_available
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PLANS = json.loads((ROOT / "benchmarks/results/h200/plan/engine_memory_plans.json").read_text())
@@ -151,10 +152,27 @@ def test_plan_errors_are_one_line(capsys):
     assert _plan("--quantization", "gguf").quantization == "gguf"
 
 
-def test_plan_reads_the_config_without_torch():
+@pytest.mark.parametrize("flags", [["--gpu-memory-gib", "80"], ["--device", "cpu", "-q", "awq"]])
+def test_plan_reads_the_config_without_torch(flags):
     code = ("import sys; from pagoda.cli import main; "
-            "rc = main(['plan', 'llama-3-8b', '--gpu-memory-gib', '80', '--json']); "
+            f"rc = main(['plan', 'llama-3-8b', *{flags!r}, '--json']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["num_blocks"] > 0
+
+
+@pytest.mark.skipif(not compiler_available(), reason="no C compiler: the layers are dequantized")
+def test_a_4bit_checkpoint_on_a_cpu_plans_its_gguf_blocks():
+    """AWQ / GPTQ layers on a CPU become GGUF blocks at load (`cpu_blocks`; the loader's bytes:
+    tests/model/test_plan_cpu_quantized.py): 20 bytes (Q4_1) or 18 (GPTQ's symmetric Q4_0)
+    per 32 weights, not the dequantized bf16 weights' 64."""
+    dense = _plan("llama-3-8b", "--device", "cpu", "--dtype", "bfloat16")
+    awq = _plan("llama-3-8b", "--device", "cpu", "--dtype", "bfloat16", "-q", "awq")
+    gptq = _plan("llama-3-8b", "--device", "cpu", "--dtype", "bfloat16", "-q", "gptq")
+    assert awq.weights_note == "awq 4-bit layers as Q4_1 GGUF blocks"
+    assert gptq.weights_note == "gptq 4-bit layers as Q4_0 GGUF blocks"
+    embeddings = 2 * 128256 * 4096 * 2  # untied, bf16
+    linear = (dense.weights_bytes - embeddings) // 2
+    assert awq.weights_bytes == embeddings + linear * 20 // 32
+    assert gptq.weights_bytes == embeddings + linear * 18 // 32

@@ -6,7 +6,9 @@ memory with `memory_plan.plan_kv_cache_memory`; on a CPU the KV cache takes a fi
 
 - weights: the dense parameter count (`estimated_weight_bytes`) in the model's dtype; a 4-bit
   AWQ/GPTQ checkpoint on CUDA keeps its linear layers at K*N/2 bytes plus a float16 scale and
-  a uint8 zero per group (`W4Weight`); a GGUF file kept quantized on a CPU, its blocks;
+  a uint8 zero per group (`W4Weight`); an 8-bit one (W8A8, FP8) a byte per weight and a
+  float32 scale per output; a GGUF file kept quantized on a CPU, its blocks, and AWQ / GPTQ /
+  W8A8 / FP8 layers on a CPU the GGUF blocks they become at load (`cpu_blocks_weight_bytes`);
 - activations of the profiling forward: three float32 [rows, vocab] copies of the logits (the
   logits, the softmax and their sum stand in for the sampler; rows = min(max_num_seqs,
   max_num_batched_tokens)) and per token a hidden row and an MLP row;
@@ -101,6 +103,91 @@ def weight_bytes(
             packed = linear + linear * 4 // group
         total = packed + shape.embedding_params * itemsize
     return total // tp
+
+
+# Bytes of 32 weights in the GGUF blocks AWQ / GPTQ / W8A8 / FP8 layers become on a CPU
+# (`pagoda.model.quantization.cpu_blocks`): the codes, an fp16 scale and Q4_1's fp16 min.
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class LinearLayers:
+    """`count` linear layers of one shape in the model, one rank's shard [n, k] of each."""
+
+    name: str  # the layer's (experts' "experts.gate_up_proj", "experts.down_proj")
+    count: int
+    n: int
+    k: int
+    row_parallel: bool  # inputs split across ranks (o_proj, down_proj)
+
+
+def linear_layers(cfg: Mapping[str, Any], tp: int = 1) -> list[LinearLayers]:
+    """The linear layers of all decoder layers as a rank holds them: q/k/v and gate/up fused;
+    in a mixture of experts' sparse layers (Qwen3-MoE's rule, `models/moe.is_moe_layer`) the
+    router (replicated) and every expert's gate_up / down instead of the dense MLP."""
+    shape = ModelShape.from_hf_config(cfg)
+    layers, hidden, head_dim = shape.num_layers, shape.hidden_size, shape.head_dim
+    q = shape.num_attention_heads * head_dim
+    qkv = q // tp + 2 * shape.kv_heads_per_rank(tp) * head_dim
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    dense_only, step = cfg.get("mlp_only_layers") or [], int(cfg.get("decoder_sparse_step") or 1)
+    sparse = (
+        sum(i not in dense_only and (i + 1) % step == 0 for i in range(layers)) if experts else 0
+    )
+    inter = shape.intermediate_size // tp
+    moe_inter = int(cfg.get("moe_intermediate_size") or shape.intermediate_size) // tp
+    out = [
+        LinearLayers("qkv_proj", layers, qkv, hidden, False),
+        LinearLayers("o_proj", layers, hidden, q // tp, True),
+        LinearLayers("gate_up_proj", layers - sparse, 2 * inter, hidden, False),
+        LinearLayers("down_proj", layers - sparse, hidden, inter, True),
+        LinearLayers("router", sparse, experts, hidden, False),
+        LinearLayers("experts.gate_up_proj", sparse * experts, 2 * moe_inter, hidden, False),
+        LinearLayers("experts.down_proj", sparse * experts, hidden, moe_inter, True),
+    ]
+    return [layer for layer in out if layer.count]
+
+
+def cpu_blocks_weight_bytes(
+    cfg: Mapping[str, Any], itemsize: int, tp: int, block: str, group_size: int | None = None,
+    act_order: bool = False, w8a8: bool = False,
+) -> tuple[int, list[str]]:  # fmt: skip
+    """One rank's weights on a CPU where the quantized linear layers become GGUF `block`s at
+    load (`cpu_blocks`): each layer's blocks, the embeddings and the router in `itemsize`
+    bytes, and the names of the layers without a block form: inputs (or AWQ / GPTQ groups of
+    `group_size`, -1 or 0 a row) not whole 32-input blocks, or a GPTQ act-order row-parallel
+    shard with tp > 1 (`tp_shards`). Those stay dense in `itemsize` bytes, or with `w8a8`
+    8-bit as `int8_weight_bytes` counts them. Act order adds the int64 input permutation of
+    each layer of more than one group."""
+    shape = ModelShape.from_hf_config(cfg)
+    total = shape.embedding_params * itemsize // tp
+    dense: list[str] = []
+    for layer in linear_layers(cfg, tp):
+        group = layer.k if group_size is None or group_size <= 0 else group_size
+        if layer.name == "router":  # checkpoints keep it dense
+            nbytes = layer.n * layer.k * itemsize
+        elif layer.k % _BLOCK or group % _BLOCK or act_order and layer.row_parallel and tp > 1:
+            nbytes = layer.n * layer.k + 4 * layer.n if w8a8 else layer.n * layer.k * itemsize
+            dense.append(layer.name)
+        else:
+            nbytes = layer.n * layer.k // _BLOCK * GGUF_BLOCK_BYTES[block]
+            nbytes += 8 * layer.k if act_order and layer.k > group else 0  # one group: none
+        total += layer.count * nbytes
+    return total, dense
+
+
+def int8_weight_bytes(cfg: Mapping[str, Any], itemsize: int, tp: int = 1) -> int:
+    """One rank's weights with its linear layers 8-bit (int8 W8A8 or FP8 `W8A8LinearMethod`:
+    weight [N, K] a byte each, weight_scale [N] float32), the embeddings and the LM head in
+    `itemsize` bytes."""
+    shape = ModelShape.from_hf_config(cfg)
+    total = shape.embedding_params * itemsize // tp
+    for layer in linear_layers(cfg, tp):
+        dense = layer.name == "router"
+        nbytes = layer.n * layer.k * itemsize if dense else layer.n * layer.k + 4 * layer.n
+        total += layer.count * nbytes
+    return total
 
 
 def gguf_weight_bytes(path: str, keep_quantized: bool) -> int:

@@ -1,5 +1,5 @@
 """Tiny Llama checkpoints quantized into AWQ's and GPTQ's formats, with the transformers model
-on exactly the weights they encode (the reference)."""
+on exactly the weights they encode (the reference), and into compressed-tensors' FP8."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 
 import torch
 from model_testing import make_tiny_checkpoint
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from pagoda.kernels.scaled_mm import quantize_weight
 from pagoda.model.quantization.formats import (
     dequantize_awq,
     dequantize_gptq,
@@ -220,3 +221,44 @@ def _quantization_config(method, bits, group, act_order, sym) -> dict:
                 "version": "gemm"}  # fmt: skip
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
             "sym": sym}  # fmt: skip
+
+
+def fp8_checkpoint(tmp_path, strategy: str, static_input: bool, vllm_format: bool = False) -> None:
+    """A compressed-tensors float-quantized checkpoint (as llm-compressor's FP8 / FP8_DYNAMIC
+    schemes write them) made from a tiny dense one."""
+    make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name]
+        if strategy == "channel":
+            w_q, scale = quantize_weight(w, torch.float8_e4m3fn)
+        else:
+            scale = (w.abs().amax() / 448.0).reshape(1)
+            w_q = (w / scale).to(torch.float8_e4m3fn)
+        tensors[name] = w_q
+        tensors[name + "_scale"] = scale.to(torch.bfloat16)
+        if static_input:
+            tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    args = {"num_bits": 8, "type": "float", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**args, "strategy": strategy, "dynamic": False},
+                "input_activations": {
+                    **args,
+                    "strategy": "tensor" if static_input else "token",
+                    "dynamic": not static_input,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    if vllm_format:  # AutoFP8's layout: per-tensor scales, quant_method fp8
+        scheme = "static" if static_input else "dynamic"
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
+    (tmp_path / "config.json").write_text(json.dumps(config))

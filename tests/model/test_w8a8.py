@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from model_testing import TINY_CONFIG, PagedRunner, make_tiny_checkpoint
+from quant_testing import fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pagoda.config import ModelConfig
@@ -216,47 +217,6 @@ def test_8bit_layers_ask_for_quantized_input_on_cuda_unless_turned_off(monkeypat
     assert method.input_quantization(layer) is None
 
 
-def _fp8_checkpoint(tmp_path, strategy: str, static_input: bool, vllm_format: bool = False) -> None:
-    """A compressed-tensors float-quantized checkpoint (as llm-compressor's FP8 / FP8_DYNAMIC
-    schemes write them) made from a tiny dense one."""
-    make_tiny_checkpoint(tmp_path, "llama_gqa_tied_llama3_rope")
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        w = tensors[name]
-        if strategy == "channel":
-            w_q, scale = quantize_weight(w, torch.float8_e4m3fn)
-        else:
-            scale = (w.abs().amax() / 448.0).reshape(1)
-            w_q = (w / scale).to(torch.float8_e4m3fn)
-        tensors[name] = w_q
-        tensors[name + "_scale"] = scale.to(torch.bfloat16)
-        if static_input:
-            tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    config = json.loads((tmp_path / "config.json").read_text())
-    args = {"num_bits": 8, "type": "float", "symmetric": True}
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {**args, "strategy": strategy, "dynamic": False},
-                "input_activations": {
-                    **args,
-                    "strategy": "tensor" if static_input else "token",
-                    "dynamic": not static_input,
-                },
-            }
-        },
-        "ignore": ["lm_head"],
-    }
-    if vllm_format:  # AutoFP8's layout: per-tensor scales, quant_method fp8
-        scheme = "static" if static_input else "dynamic"
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     ("strategy", "static_input", "vllm_format"),
     [("channel", False, False), ("tensor", True, False), ("tensor", True, True)],
@@ -265,7 +225,7 @@ def test_compressed_tensors_fp8_checkpoints_load(
     tmp_path, monkeypatch, strategy, static_input, vllm_format
 ):
     monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")  # the e4m3 weights and scales as loaded
-    _fp8_checkpoint(tmp_path / "c", strategy, static_input, vllm_format)
+    fp8_checkpoint(tmp_path / "c", strategy, static_input, vllm_format)
     make_tiny_checkpoint(tmp_path / "d", "llama_gqa_tied_llama3_rope")
     seqs = _sequences(2, 32)
     dense, cfg = _load(tmp_path / "d")
