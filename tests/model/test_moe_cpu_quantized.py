@@ -6,7 +6,8 @@ logits are those of the same model with its experts dequantized within the int8 
 activations per 32 inputs (1.5e-2 of their range, the bound of tests/model/test_cpu_blocks.py),
 with the same greedy tokens; each tensor-parallel rank holds its slices of every expert's
 blocks; `PAGODA_GGUF_QUANTIZED=0` / `PAGODA_CPU_QUANTIZED=0` dequantize the experts into the
-stacked weights, as before.
+stacked weights, as before. A quantized GGUF file's F16 / BF16 / F32 experts load as dense
+per-expert layers beside the blocks.
 
 Ranks are loaded in-process (set_tensor_parallel without a process group); the engine with two
 worker processes is the slow tests' at the end."""
@@ -17,7 +18,14 @@ import numpy as np
 import pytest
 import torch
 from model_testing import make_tiny_checkpoint
-from moe_testing import experts_of, generate_tp, greedy, held_bytes, write_moe_gguf
+from moe_testing import (
+    ENGINE_PROMPTS,
+    experts_of,
+    generate_tp,
+    greedy,
+    held_bytes,
+    write_moe_gguf,
+)
 from quant_testing import quantized_moe_checkpoint
 
 from pagoda.config import ModelConfig
@@ -142,6 +150,46 @@ def test_gguf_ranks_hold_slices_of_each_experts_blocks(tmp_path, family):
         part = experts_of(_load(half, "gguf", 1, 2))[0].get_submodule("0").down_proj
         assert isinstance(part.linear_method, UnquantizedLinearMethod)  # dequantized
         torch.testing.assert_close(part.weight, dequantize_weight(full.gguf_weight)[:, 16:])
+
+
+# Expert sizes that are not whole 32-input blocks: float experts have no blocks to divide.
+ODD_SIZES = {"mixtral": {"intermediate_size": 80}, "qwen3_moe": {"moe_intermediate_size": 48}}
+
+
+@pytest.mark.parametrize("expert_type", ["F16", "BF16", "F32"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_float_experts_run_dense_beside_the_blocks(tmp_path, monkeypatch, family, expert_type):
+    """A quantized GGUF file whose stacked experts are F16 / BF16 / F32 (every other matrix
+    Q8_0, kept in its blocks): each expert's layers hold the file's values in float32 and run
+    dense, the logits are those of the file dequantized at load (its experts stacked) within
+    the int8 rounding of the Q8_0 layers' activations, with the same greedy tokens, and the
+    engine's greedy tokens are the model's own, step by step. (The engine's prompts are not
+    compared with the dequantized file's: on one of them this tiny model's top two logits lie
+    1e-3 apart, within the int8 rounding, with Q8_0 experts as with float ones.)"""
+    path = _gguf(tmp_path, family, expert_type, **ODD_SIZES[family])
+    cfg = get_model_config_dict(path)
+    model = _load(path, "gguf")
+    assert model.model.layers[0].self_attn.qkv_proj.gguf_weight.type_name == "Q8_0"
+    with monkeypatch.context() as m:
+        m.setenv("PAGODA_GGUF_QUANTIZED", "0")
+        dense = _load(path, "gguf")
+    _assert_stacked(dense)
+    for kept, stacked in zip(experts_of(model), experts_of(dense), strict=True):
+        assert not hasattr(kept, "w13_weight")
+        for i in range(kept.num_experts):
+            layer = kept.get_submodule(str(i))
+            for proj in (layer.gate_up_proj, layer.down_proj):
+                assert isinstance(proj.linear_method, UnquantizedLinearMethod)
+            assert torch.equal(layer.gate_up_proj.weight, stacked.w13_weight[i])
+            assert torch.equal(layer.down_proj.weight, stacked.w2_weight[i])
+    logits, tokens = greedy(model, cfg, PROMPT)
+    want, want_tokens = greedy(dense, cfg, PROMPT)
+    assert _relative_error(logits, want) < INT8_ROUNDING
+    assert tokens == want_tokens
+    prompts = [p["prompt_token_ids"] for p in ENGINE_PROMPTS]
+    assert generate_tp(path, 1) == [greedy(model, cfg, p, steps=12)[1] for p in prompts]
+    model.set_fused_ops(False)  # the Q8_0 layers' blocks dequantized, F.linear
+    torch.testing.assert_close(greedy(model, cfg, PROMPT)[0], want)
 
 
 def _random_blocks(ggml_type: int, n: int, k: int, gen: np.random.Generator) -> QuantWeight:
