@@ -45,8 +45,9 @@
 // each tile's part a segment of the loop above (the stages and their mbarrier phases carry on
 // from one segment to the next). A tile one CTA runs whole is stored to y; a tile shared by
 // several CTAs has each of them store its fp32 partial to its own slot (slot 0 for the tile of
-// its first unit, 1 for its last: the tiles in between are whole) and the last to arrive sum
-// them in CTA order. So every SM gets the same number of K steps however many tiles a layer
+// its first unit, 1 for its last: the tiles in between are whole; kept in L2 ahead of the
+// streamed weights) and the last to arrive sum them in CTA order. A CTA runs the head of its
+// last tile first, so that shared tiles are summed early, while the CTAs still multiply. So every SM gets the same number of K steps however many tiles a layer
 // has: no second round of CTAs part empty, no CTAs too few to fill the GPU.
 //
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
@@ -138,6 +139,11 @@ __device__ __forceinline__ long long first_unit(long long units, int c, int ctas
 __device__ __forceinline__ int cta_of_unit(long long units, long long u, int ctas) {
   return (int)(((u + 1) * ctas + units - 1) / units) - 1;
 }
+
+__device__ __forceinline__ void st_keep(float* p, float v, unsigned long long policy) {
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(p), "f"(v), "l"(policy)
+               : "memory");
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
@@ -159,6 +165,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const int group_steps = G / STEP;
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#if STREAM_K
+  unsigned long long keep;  // partial tiles: kept in L2 before the streamed weights
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
+#endif
   const u32 full0 = smem_addr(full), released0 = smem_addr(released);
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -303,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         for (int i = 0; i < 4; ++i) {
           const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
 #if STREAM_K  // the whole tile: rows past M or N are summed, never stored
-          mine[(m - m0) * ROWS + n - n0] = acc[4 * c + i];
+          st_keep(mine + (m - m0) * ROWS + n - n0, acc[4 * c + i], keep);
 #else
           if (n < N && m < M)
             partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
@@ -387,22 +397,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   };
 
 #if STREAM_K
-  long long u = first_unit(units, blockIdx.x, ctas);
+  // A CTA's last tile, where it runs only the head of it, goes first: so both parts of a
+  // shared tile are done early (the next CTA runs its tail first) and summed while the CTAs
+  // are still busy with whole tiles, not all at the end. Units [from[r], to[r]) in turn.
+  const long long u0 = first_unit(units, blockIdx.x, ctas);
   const long long u_end = first_unit(units, blockIdx.x + 1, ctas);
+  const long long last_start = max(u0, (u_end - 1) / steps * steps);
+  const bool head_first = last_start > u0 && u_end - last_start < steps;
+  const long long from[2] = {head_first ? last_start : u0, u0};
+  const long long to[2] = {u_end, head_first ? last_start : u0};
   int base = 0;
-  while (u < u_end) {
-    const long long tile = u / steps;
-    const int s_begin = (int)(u % steps);
-    const int nsteps = (int)min((long long)(steps - s_begin), u_end - u);
-    const int first_cta = cta_of_unit(units, tile * steps, ctas);
-    const int arrivals = cta_of_unit(units, tile * steps + steps - 1, ctas) - first_cta + 1;
-    const bool whole = arrivals == 1;
-    segment((int)(tile % tiles_m), (int)(tile / tiles_m), s_begin, nsteps, base, tile, whole,
-            arrivals, first_cta);
-    u += nsteps;
-    base += nsteps;
-    __syncthreads();  // every warp done with the stages (and `last_split`) before the next
-  }
+  for (int r = 0; r < 2; ++r)
+    for (long long u = from[r]; u < to[r];) {
+      const long long tile = u / steps;
+      const int s_begin = (int)(u % steps);
+      const int nsteps = (int)min((long long)(steps - s_begin), to[r] - u);
+      const int first_cta = cta_of_unit(units, tile * steps, ctas);
+      const int arrivals = cta_of_unit(units, tile * steps + steps - 1, ctas) - first_cta + 1;
+      segment((int)(tile % tiles_m), (int)(tile / tiles_m), s_begin, nsteps, base, tile,
+              arrivals == 1, arrivals, first_cta);
+      u += nsteps;
+      base += nsteps;
+      __syncthreads();  // every warp done with the stages (and `last_split`) before the next
+    }
 #else
   const int s_begin = blockIdx.z * steps_per_split;
   segment(blockIdx.x, blockIdx.y, s_begin, min(steps, s_begin + steps_per_split) - s_begin, 0,
