@@ -141,51 +141,6 @@ def wgmma_grid(m: int) -> list[tuple]:
     return [tuple(c) for c in configs if config_reason(c) is None]
 
 
-def wgmma_stream_k_grid(m: int) -> list[tuple]:
-    """With --wgmma-stream-k: the rule's configs (K split by `split_for`), then Stream-K
-    configs (`stream_k`: a grid of 1-3 CTAs an SM sharing the tiles' K steps): the rule's
-    tiles so, and tiles of 64 and 128 activation rows (32 and 64 up to 32 rows), the one tile
-    of all the rows (96-224), 256 past 128 rows; 1, 2 or 4 warpgroups, 1 or 2 A buffers, as
-    many CTAs an SM as registers and shared memory allow (up to 3); 4 stages where they fit,
-    else 3."""
-    from pagoda.kernels.w4a16 import wgmma_config
-    from pagoda.kernels.w4a16_wgmma import (
-        BN_VALUES,
-        SMEM_LIMIT,
-        WgmmaConfig,
-        config_reason,
-        smem_bytes,
-    )
-
-    if m < 17:
-        return []
-    configs = []
-    for n, k in SHAPES.values():
-        rule = wgmma_config(m, n, k, GROUP)
-        if rule is not None:
-            configs += [rule] + [rule._replace(split_k=0, stream_k=c) for c in (1, 2, 3)]
-    bns = [32, 64] if m <= 32 else [64, 128]
-    fit = min((bn for bn in BN_VALUES if bn >= m), default=None)
-    bns += [fit] if fit in (96, 160, 192, 224) else []
-    bns += [256] if m > 128 else []
-    for bn, wg, ab, cps in itertools.product(bns, (1, 2, 4), (1, 2), (1, 2, 3)):
-        cfg = WgmmaConfig(bn, wg, 4, 2, 0, ab, min(cps, 2), cps)
-        if cps * smem_bytes(cfg) > SMEM_LIMIT:
-            cfg = cfg._replace(stages=3)
-        if cps * smem_bytes(cfg) <= SMEM_LIMIT and wg * cps <= 4:
-            configs.append(cfg)
-    configs = list(dict.fromkeys(configs))
-    return [tuple(c) for c in configs if config_reason(c) is None]
-
-
-def wgmma_family(cfg: tuple) -> str:
-    """The wgmma kernel's configs as two families: a Stream-K grid ("streamk") or one of the
-    output tiles ("wgmma")."""
-    from pagoda.kernels.w4a16_wgmma import WgmmaConfig
-
-    return "streamk" if WgmmaConfig(*cfg).stream_k else "wgmma"
-
-
 def few_row_mode(cfg: tuple) -> str:
     """The Triton few-row kernel's configs as two families: the many-row modes ("wide": x in
     planar order) and the rest ("skinny")."""
@@ -308,12 +263,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-cuda-sweep", action="store_true", help="no sweep of the CUDA kernel")
     ap.add_argument("--no-wgmma-sweep", action="store_true", help="no sweep of the wgmma kernel")
     ap.add_argument(
-        "--wgmma-stream-k",
-        action="store_true",
-        help="the wgmma sweep: the rule's configs and Stream-K ones (stream_k), timed as two "
-        "families (wgmma_best, streamk_best)",
-    )
-    ap.add_argument(
         "--gemv-ring",
         action="store_true",
         help="the CUDA sweep: the ring's stages, x_early, min_warps and splits at the rule's "
@@ -328,8 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--best-from",
         metavar="JSON",
-        help="with --step: also time the fastest wgmma configs per layer of each family "
-        "(wgmma_best, streamk_best) in this sweep's JSON as steps",
+        help="with --step: also time the fastest wgmma configs per layer (wgmma_best) in this "
+        "sweep's JSON as a step",
     )
     ap.add_argument(
         "--gemv-variants",
@@ -346,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="no timing: from the JSON of --out, the N fastest configs of --family per (shape, "
         "M) with cuBLAS's and the default's times",
     )
-    ap.add_argument("--family", default="wgmma", help="with --top: wgmma, streamk or cuda")
+    ap.add_argument("--family", default="wgmma", help="with --top: wgmma or cuda")
     args = ap.parse_args(argv)
     if args.top:
         with open(args.out) as f:
@@ -392,8 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Each config's variant for every row count, compiled by NVRTC on threads.
     jobs = {(m_tiles(m), c): (m, c) for m, g in gemv_grids.items() for c in g}
     t_build = time.perf_counter()
-    wgmma_sweep = wgmma_stream_k_grid if args.wgmma_stream_k else wgmma_grid
-    wgmma_grids = {m: [] if args.no_wgmma_sweep else wgmma_sweep(m) for m in m_values}
+    wgmma_grids = {m: [] if args.no_wgmma_sweep else wgmma_grid(m) for m in m_values}
     wgmma_jobs = sorted({c for g in wgmma_grids.values() for c in g})
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         failed = [j for j, e in zip(jobs.values(), pool.map(_build_gemv, jobs.values())) if e]
@@ -479,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
                     row["variant"] = f"{kind}_best"
 
             sweep_family("cuda", gemv_grids[m], GemvConfig)
-            sweep_family(wgmma_family, wgmma_grids[m], WgmmaConfig)
+            sweep_family("wgmma", wgmma_grids[m], WgmmaConfig)
             sweep_family(few_row_mode, grids[name, m], SkinnyConfig)
             line = f"{name:8s} M={m:5d} " + "  ".join(
                 f"{r['variant']} {r['us']:7.1f} us {r['tbps']:5.2f} TB/s"
@@ -487,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in rows
                 if r["shape"] == name
                 and r["m"] == m
-                and r["variant"] not in ("skinny", "wide", "cuda", "wgmma", "streamk")
+                and r["variant"] not in ("skinny", "wide", "cuda", "wgmma")
             )
             print(line + f"  err {chosen_row['max_err']:.2g}", flush=True)
             if args.out:  # what is done so far, in case the run is cut short
@@ -505,7 +453,6 @@ def main(argv: list[str] | None = None) -> dict:
         "wide_best",
         "cuda_best",
         "wgmma_best",
-        "streamk_best",
     )
     print(f"\nms per decode step ({len(shapes)} GEMMs x {LAYERS} layers):")
     print(f"{'M':>5s} " + " ".join(f"{v:>14s}" for v in variants))
@@ -583,8 +530,8 @@ def step_main(m_values, reps: int, out: str | None, best_from: str | None = None
     in the model), for `w4a16_linear`'s default with PAGODA_PDL=1 and =0, the rule without
     the bulk ring (the register kernel up to 8 rows, then the Triton kernels), the wgmma
     kernel with 64- and 128-row activation tiles (from 17 rows), and bf16 cuBLAS on dense
-    weights of the same shapes. With `best_from` (a sweep's JSON), also each family's fastest
-    wgmma configs of that sweep per layer and row count (wgmma_best, streamk_best) as steps."""
+    weights of the same shapes. With `best_from` (a sweep's JSON), also that sweep's fastest
+    wgmma configs per layer and row count (wgmma_best) as a step."""
     import torch
 
     from pagoda.kernels.skinny_gemm import prepare
@@ -656,9 +603,8 @@ def step_main(m_values, reps: int, out: str | None, best_from: str | None = None
 
 
 def best_configs(path: str | None, m: int) -> dict[str, dict]:
-    """{family: {shape: WgmmaConfig}}: the fastest wgmma configs of each family (wgmma_best,
-    streamk_best) at `m` rows in the sweep JSON at `path`, where it timed every shape (none
-    without a path)."""
+    """{"wgmma_best": {shape: WgmmaConfig}}: the fastest wgmma configs at `m` rows in the
+    sweep JSON at `path`, where it timed every shape (none without a path)."""
     from pagoda.kernels.w4a16_wgmma import WgmmaConfig
 
     if path is None:
@@ -666,7 +612,7 @@ def best_configs(path: str | None, m: int) -> dict[str, dict]:
     with open(path) as f:
         rows = json.load(f)["rows"]
     found = {}
-    for family in ("wgmma_best", "streamk_best"):
+    for family in ("wgmma_best",):
         picked = {
             r["shape"]: WgmmaConfig(*r["config"])
             for r in rows

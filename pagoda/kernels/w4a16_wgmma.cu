@@ -40,16 +40,6 @@
 // accumulators are dead by then: no spills at 256 rows), stores y and resets the counter (as
 // `skinny_gemm.store_tile` does).
 //
-// With STREAM_K, the grid is the CTAs that fit the GPU at once instead (Stream-K): the work is
-// U = tiles x K steps units, CTA c runs units [U c / G, U (c + 1) / G) of G, tile after tile,
-// each tile's part a segment of the loop above (the stages and their mbarrier phases carry on
-// from one segment to the next). A tile one CTA runs whole is stored to y; a tile shared by
-// several CTAs has each of them store its fp32 partial to its own slot (slot 0 for the tile of
-// its first unit, 1 for its last: the tiles in between are whole; kept in L2 ahead of the
-// streamed weights) and the last to arrive sum them in CTA order. A CTA runs the head of its
-// last tile first, so that shared tiles are summed early, while the CTAs still multiply. So every SM gets the same number of K steps however many tiles a layer
-// has: no second round of CTAs part empty, no CTAs too few to fill the GPU.
-//
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
 //
@@ -59,10 +49,9 @@
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
-// SPLIT (1: K split over blockIdx.z), STREAM_K (1: the grid of CTAs above), PDL.
-// WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from registers, is
-// defined before this source (`w4a16_wgmma.py` writes it for BN), as are the helpers of
-// `w4a16_device.cuh` and `wgmma_device.cuh`.
+// SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
+// instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
+// it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
@@ -128,24 +117,6 @@ __device__ __forceinline__ u32 count_release(u32 counter) {
 
 // @WGMMA@
 
-#if STREAM_K
-// Stream-K: CTA c of G runs units [U c / G, U (c + 1) / G) of the U = tiles x K steps, tile by
-// tile (M tiles inner: consecutive tiles share their weights); a tile's first CTA is the one
-// whose units hold its first step, its last the one that holds its last step.
-__device__ __forceinline__ long long first_unit(long long units, int c, int ctas) {
-  return units * c / ctas;
-}
-// The CTA whose units hold unit u: the largest c with first_unit(c) <= u.
-__device__ __forceinline__ int cta_of_unit(long long units, long long u, int ctas) {
-  return (int)(((u + 1) * ctas + units - 1) / units) - 1;
-}
-
-__device__ __forceinline__ void st_keep(float* p, float v, unsigned long long policy) {
-  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(p), "f"(v), "l"(policy)
-               : "memory");
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     pagoda_w4a16_wgmma(u16* __restrict__ y, const u16* __restrict__ xt,
                        const u32* __restrict__ qweight, const u16* __restrict__ scales,
@@ -153,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
                        float* __restrict__ partial, int* __restrict__ counters, int M, int N,
                        int K, int G, int stride_y, int steps_per_split) {
   extern __shared__ unsigned char smem_raw[];  // STAGES x tiles, 1024-aligned below
-#if SPLIT || STREAM_K
+#if SPLIT
   __shared__ int last_split;
 #endif
   __shared__ __align__(8) unsigned long long full[STAGES];  // a stage's x tile has landed
@@ -161,15 +132,65 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.x * BN, n0 = blockIdx.y * ROWS;
   const int steps = K / STEP;
-  const int group_steps = G / STEP;
+  const int s_begin = blockIdx.z * steps_per_split;
+  const int nsteps = min(steps, s_begin + steps_per_split) - s_begin;
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#if STREAM_K
-  unsigned long long keep;  // partial tiles: kept in L2 before the streamed weights
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
-#endif
+
+  // This lane's weight rows (past N: row N - 1, never stored), their scales and zeros.
+  const int row0 = min(n0 + 16 * warp + g, N - 1), row1 = min(n0 + 16 * warp + g + 8, N - 1);
+  const uint4* wrow0 =
+      reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t + 4 * s_begin;
+  const uint4* wrow1 =
+      reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t + 4 * s_begin;
+  const int group_steps = G / STEP;
+  int group_left = group_steps - s_begin % group_steps;  // K steps left in the current group
+  const long long group_off = (long long)(s_begin / group_steps) * N;
+  const u16 *sc0 = scales + group_off + row0, *sc1 = scales + group_off + row1;
+  const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
+
+  // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
+  uint4 wv[DEPTH][2];
+  u32 sc[DEPTH][2], zp[DEPTH][2];
+  auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
+    if (i < nsteps) {
+      wv_[0] = ld_weights(wrow0, policy);
+      wv_[1] = ld_weights(wrow1, policy);
+      sc_[0] = ld_nc_u16(sc0);
+      sc_[1] = ld_nc_u16(sc1);
+      zp_[0] = ld_nc_u8(zp0);
+      zp_[1] = ld_nc_u8(zp1);
+      wrow0 += 4;
+      wrow1 += 4;
+      if (--group_left == 0) {
+        group_left = group_steps;
+        sc0 += N, sc1 += N, zp0 += N, zp1 += N;
+      }
+    }
+  };
+  // Step i's x tile into stage i % STAGES: one bulk copy by one thread.
+  const u16* xsrc = xt + ((long long)blockIdx.x * steps + s_begin) * STAGE_ELEMS;
   const u32 full0 = smem_addr(full), released0 = smem_addr(released);
+  auto load_x = [&](int i) {
+    const int stage = i % STAGES;
+    mbar_expect_tx(full0 + 8 * stage, STAGE_BYTES);
+    bulk_load(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
+              full0 + 8 * stage);
+  };
+  // After step i's wgmmas are done in every warp, the last warp to say so refills its stage
+  // with step i + STAGES.
+  auto release = [&](int i) {
+    __syncwarp();
+    if (lane == 0) {
+      const u32 counter = released0 + 4 * (i % STAGES);
+      if (count_release(counter) == 4 * WG - 1) {
+        released[i % STAGES] = 0;
+        if (i + STAGES < nsteps) load_x(i + STAGES);
+      }
+    }
+  };
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
@@ -178,251 +199,129 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
+  grid_wait();  // xt is written by the kernel before (`tile_x`)
+  launch_dependents();
+  if (tid == 0)
+    for (int i = 0; i < STAGES && i < nsteps; ++i) load_x(i);
 
-#if STREAM_K
-  const int tiles_m = (M + BN - 1) / BN;
-  const long long units = (long long)tiles_m * ((N + ROWS - 1) / ROWS) * steps;
-  const int ctas = gridDim.x;
-  // Where CTA c keeps its partial of `tile`: slot 0 for the tile of its first unit, else 1
-  // (a CTA's middle tiles are whole; only its first and last can be partial).
-  auto slot_offset = [&](int c, long long tile_) {
-    const int slot = first_unit(units, c, ctas) / steps == tile_ ? 0 : 1;
-    return ((long long)c * 2 + slot) * (BN * ROWS);
-  };
-#endif
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  u32 a[A_BUFFERS][8][4];
 
-  // One segment: K steps [s_begin, s_begin + nsteps) of the tile of activation rows
-  // [BN mt, +BN) and weight rows [ROWS nt, +ROWS); `base` K steps went through the stages
-  // before it (stage and mbarrier phase of its step i: those of step base + i). `whole`: the
-  // segment is the tile's whole K (stored straight to y), else its partial sum goes to `part`
-  // and `arrive(tile)` says whether this CTA is the last of the tile's segments to arrive.
-  auto segment = [&](int mt, int nt, int s_begin, int nsteps, int base, long long tile,
-                     bool whole, int arrivals, int first_cta) {
-    const int m0 = mt * BN, n0 = nt * ROWS;
-    // This lane's weight rows (past N: row N - 1, never stored), their scales and zeros.
-    const int row0 = min(n0 + 16 * warp + g, N - 1), row1 = min(n0 + 16 * warp + g + 8, N - 1);
-    const uint4* wrow0 =
-        reinterpret_cast<const uint4*>(qweight + (long long)row0 * (K / 8)) + t + 4 * s_begin;
-    const uint4* wrow1 =
-        reinterpret_cast<const uint4*>(qweight + (long long)row1 * (K / 8)) + t + 4 * s_begin;
-    int group_left = group_steps - s_begin % group_steps;  // K steps left in the current group
-    const long long group_off = (long long)(s_begin / group_steps) * N;
-    const u16 *sc0 = scales + group_off + row0, *sc1 = scales + group_off + row1;
-    const u8 *zp0 = zeros + group_off + row0, *zp1 = zeros + group_off + row1;
-
-    // Called for i = 0, 1, 2, ... in turn: each call moves the rows' pointers one K step on.
-    uint4 wv[DEPTH][2];
-    u32 sc[DEPTH][2], zp[DEPTH][2];
-    auto load_weights = [&](int i, uint4(&wv_)[2], u32(&sc_)[2], u32(&zp_)[2]) {
+  for (int i0 = 0; i0 < nsteps; i0 += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int i = i0 + d;
       if (i < nsteps) {
-        wv_[0] = ld_weights(wrow0, policy);
-        wv_[1] = ld_weights(wrow1, policy);
-        sc_[0] = ld_nc_u16(sc0);
-        sc_[1] = ld_nc_u16(sc1);
-        zp_[0] = ld_nc_u8(zp0);
-        zp_[1] = ld_nc_u8(zp1);
-        wrow0 += 4;
-        wrow1 += 4;
-        if (--group_left == 0) {
-          group_left = group_steps;
-          sc0 += N, sc1 += N, zp0 += N, zp1 += N;
-        }
-      }
-    };
-    // Step i's x tile into stage (base + i) % STAGES: one bulk copy by one thread.
-    const u16* xsrc = xt + ((long long)mt * steps + s_begin) * STAGE_ELEMS;
-    auto load_x = [&](int i) {
-      const int stage = (base + i) % STAGES;
-      mbar_expect_tx(full0 + 8 * stage, STAGE_BYTES);
-      bulk_load(tiles + stage * STAGE_BYTES, xsrc + (long long)i * STAGE_ELEMS, STAGE_BYTES,
-                full0 + 8 * stage);
-    };
-    // After step i's wgmmas are done in every warp, the last warp to say so refills its stage
-    // with step i + STAGES.
-    auto release = [&](int i) {
-      __syncwarp();
-      if (lane == 0) {
-        const int stage = (base + i) % STAGES;
-        if (count_release(released0 + 4 * stage) == 4 * WG - 1) {
-          released[stage] = 0;
-          if (i + STAGES < nsteps) load_x(i + STAGES);
-        }
-      }
-    };
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) load_weights(d, wv[d], sc[d], zp[d]);
-    grid_wait();  // xt is written by the kernel before (`tile_x`)
-    launch_dependents();
-    if (tid == 0)
-      for (int i = 0; i < STAGES && i < nsteps; ++i) load_x(i);
+        mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
 
-    float acc[BN / 2];
+        u32(&ab)[8][4] = a[d % A_BUFFERS];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    u32 a[A_BUFFERS][8][4];
-
-    for (int i0 = 0; i0 < nsteps; i0 += DEPTH) {
+        for (int h = 0; h < 2; ++h) {
+          const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
 #pragma unroll
-      for (int d = 0; d < DEPTH; ++d) {
-        const int i = i0 + d;
-        if (i < nsteps) {
-          mbar_wait(full0 + 8 * ((base + i) % STAGES), ((base + i) / STAGES) & 1);
-
-          u32(&ab)[8][4] = a[d % A_BUFFERS];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const u32 zoff = MAGIC | (zp[d][h] * 0x10001u), s2 = scale2(sc[d][h]);
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-              const u32 word = part(wv[d][h], w);
-              ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
-              ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
-              ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
-              ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
-            }
+          for (int w = 0; w < 4; ++w) {
+            const u32 word = part(wv[d][h], w);
+            ab[2 * w][h] = weight_pair<0>(word, zoff, s2);
+            ab[2 * w][2 + h] = weight_pair<1>(word, zoff, s2);
+            ab[2 * w + 1][h] = weight_pair<2>(word, zoff, s2);
+            ab[2 * w + 1][2 + h] = weight_pair<3>(word, zoff, s2);
           }
-          load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
-
-          const unsigned long long desc =
-              swizzled_desc(tiles + ((base + i) % STAGES) * STAGE_BYTES);
-          wgmma_fence();
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], desc + B_CHUNK(j));
-          wgmma_commit();
-          wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
-          if (i >= A_BUFFERS - 1) release(i - (A_BUFFERS - 1));  // its wgmmas are done
         }
+        load_weights(i + DEPTH, wv[d], sc[d], zp[d]);
+
+        const unsigned long long desc = swizzled_desc(tiles + (i % STAGES) * STAGE_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          WGMMA(acc, ab[j][0], ab[j][1], ab[j][2], ab[j][3], desc + B_CHUNK(j));
+        wgmma_commit();
+        wgmma_wait<A_BUFFERS - 1>();  // with one buffer its wgmmas end before it is rewritten
+        if (i >= A_BUFFERS - 1) release(i - (A_BUFFERS - 1));  // its wgmmas are done
       }
     }
-    wgmma_wait<0>();
+  }
+  wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // after the wait
+  for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // read after the wait
 
-    // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
-#if SPLIT || STREAM_K
-    if (!whole) {
-#if STREAM_K
-      float* mine = partial + slot_offset(blockIdx.x, tile);
-#else
-      const long long split_size = (long long)M * N;
-#endif
+  // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
+#if SPLIT
+  const long long split_size = (long long)M * N;
 #pragma unroll
-      for (int c = 0; c < BN / 8; ++c)
+  for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
-#if STREAM_K  // the whole tile: rows past M or N are summed, never stored
-          st_keep(mine + (m - m0) * ROWS + n - n0, acc[4 * c + i], keep);
-#else
-          if (n < N && m < M)
-            partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
-#endif
-        }
-      __threadfence();
-      __syncthreads();
-      int* counter = counters + tile;
-      if (tid == 0) last_split = atomicAdd(counter, 1) == arrivals - 1;
-      __syncthreads();
-      if (!last_split) return;
-      __threadfence();
-      // The last to arrive sums the tile's partials in order (the same bits every call),
-      // SUM_OUTPUTS outputs a thread at a time (consecutive threads, consecutive outputs), the
-      // loads of up to SUM_SPLITS partials of all of them in flight together. Summed one output
-      // at a time, a thread waited a load latency per partial and output (64 for down at 256
-      // rows: 4 warpgroups, 2 splits).
-      for (int base_idx = tid; base_idx < BN * ROWS; base_idx += THREADS * SUM_OUTPUTS) {
-        long long at[SUM_OUTPUTS];
-        bool ok[SUM_OUTPUTS];
-        float v[SUM_OUTPUTS];
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+      if (n < N && m < M) partial[blockIdx.z * split_size + (long long)m * N + n] = acc[4 * c + i];
+    }
+  __threadfence();
+  __syncthreads();
+  int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
+  if (tid == 0) last_split = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+  __syncthreads();
+  if (!last_split) return;
+  __threadfence();
+  // The last CTA sums the tile's splits in split order (the same bits every call), SUM_OUTPUTS
+  // outputs a thread at a time (consecutive threads, consecutive outputs), the loads of up to
+  // SUM_SPLITS splits of all of them in flight together. Summed one output at a time, a
+  // thread waited a load latency per split and output (64 for down at 256 rows: 4 warpgroups,
+  // 2 splits).
+  for (int base = tid; base < BN * ROWS; base += THREADS * SUM_OUTPUTS) {
+    long long at[SUM_OUTPUTS];
+    bool ok[SUM_OUTPUTS];
+    float v[SUM_OUTPUTS];
 #pragma unroll
-        for (int u = 0; u < SUM_OUTPUTS; ++u) {
-          const int idx = base_idx + u * THREADS;
-          const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
-          ok[u] = idx < BN * ROWS && n < N && m < M;
-#if STREAM_K
-          at[u] = idx;
-#else
-          at[u] = (long long)m * N + n;
-#endif
-          v[u] = 0.f;
-        }
-        for (int z0 = 0; z0 < arrivals; z0 += SUM_SPLITS) {
-          float p[SUM_SPLITS][SUM_OUTPUTS];
+    for (int u = 0; u < SUM_OUTPUTS; ++u) {
+      const int idx = base + u * THREADS;
+      const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
+      ok[u] = idx < BN * ROWS && n < N && m < M;
+      at[u] = (long long)m * N + n;
+      v[u] = 0.f;
+    }
+    for (int z0 = 0; z0 < (int)gridDim.z; z0 += SUM_SPLITS) {
+      float p[SUM_SPLITS][SUM_OUTPUTS];
 #pragma unroll
-          for (int dz = 0; dz < SUM_SPLITS; ++dz) {
-#if STREAM_K
-            const float* src = partial + slot_offset(first_cta + z0 + dz, tile);
-#else
-            const float* src = partial + (z0 + dz) * split_size;
-#endif
-#pragma unroll
-            for (int u = 0; u < SUM_OUTPUTS; ++u)
-              p[dz][u] = ok[u] && z0 + dz < arrivals ? __ldcg(src + at[u]) : 0.f;
-          }
-#pragma unroll
-          for (int dz = 0; dz < SUM_SPLITS; ++dz)
-            if (z0 + dz < arrivals)
-#pragma unroll
-              for (int u = 0; u < SUM_OUTPUTS; ++u) v[u] += p[dz][u];
-        }
+      for (int dz = 0; dz < SUM_SPLITS; ++dz)
 #pragma unroll
         for (int u = 0; u < SUM_OUTPUTS; ++u)
-          if (ok[u]) {
-            const int idx = base_idx + u * THREADS;
-            const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
-#if HAS_BIAS
-            v[u] += to_f32<BF16>(bias[n]);
-#endif
-            y[(long long)m * stride_y + n] = from_f32(v[u]);
-          }
-      }
-      if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
-      return;
-    }
-#endif
+          p[dz][u] = ok[u] && z0 + dz < (int)gridDim.z
+                         ? __ldcg(partial + (z0 + dz) * split_size + at[u])
+                         : 0.f;
 #pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
+      for (int dz = 0; dz < SUM_SPLITS; ++dz)
+        if (z0 + dz < (int)gridDim.z)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
-        if (n < N && m < M) {
-          float v = acc[4 * c + i];
-#if HAS_BIAS
-          v += to_f32<BF16>(bias[n]);
-#endif
-          y[(long long)m * stride_y + n] = from_f32(v);
-        }
-      }
-  };
-
-#if STREAM_K
-  // A CTA's last tile, where it runs only the head of it, goes first: so both parts of a
-  // shared tile are done early (the next CTA runs its tail first) and summed while the CTAs
-  // are still busy with whole tiles, not all at the end. Units [from[r], to[r]) in turn.
-  const long long u0 = first_unit(units, blockIdx.x, ctas);
-  const long long u_end = first_unit(units, blockIdx.x + 1, ctas);
-  const long long last_start = max(u0, (u_end - 1) / steps * steps);
-  const bool head_first = last_start > u0 && u_end - last_start < steps;
-  const long long from[2] = {head_first ? last_start : u0, u0};
-  const long long to[2] = {u_end, head_first ? last_start : u0};
-  int base = 0;
-  for (int r = 0; r < 2; ++r)
-    for (long long u = from[r]; u < to[r];) {
-      const long long tile = u / steps;
-      const int s_begin = (int)(u % steps);
-      const int nsteps = (int)min((long long)(steps - s_begin), to[r] - u);
-      const int first_cta = cta_of_unit(units, tile * steps, ctas);
-      const int arrivals = cta_of_unit(units, tile * steps + steps - 1, ctas) - first_cta + 1;
-      segment((int)(tile % tiles_m), (int)(tile / tiles_m), s_begin, nsteps, base, tile,
-              arrivals == 1, arrivals, first_cta);
-      u += nsteps;
-      base += nsteps;
-      __syncthreads();  // every warp done with the stages (and `last_split`) before the next
+          for (int u = 0; u < SUM_OUTPUTS; ++u) v[u] += p[dz][u];
     }
+#pragma unroll
+    for (int u = 0; u < SUM_OUTPUTS; ++u)
+      if (ok[u]) {
+        const int idx = base + u * THREADS;
+        const int m = m0 + idx / ROWS, n = n0 + idx % ROWS;
+#if HAS_BIAS
+        v[u] += to_f32<BF16>(bias[n]);
+#endif
+        y[(long long)m * stride_y + n] = from_f32(v[u]);
+      }
+  }
+  if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
 #else
-  const int s_begin = blockIdx.z * steps_per_split;
-  segment(blockIdx.x, blockIdx.y, s_begin, min(steps, s_begin + steps_per_split) - s_begin, 0,
-          (long long)blockIdx.y * gridDim.x + blockIdx.x, gridDim.z == 1, (int)gridDim.z, 0);
+#pragma unroll
+  for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + 16 * warp + g + 8 * (i >> 1), m = m0 + 8 * c + 2 * t + (i & 1);
+      if (n < N && m < M) {
+        float v = acc[4 * c + i];
+#if HAS_BIAS
+        v += to_f32<BF16>(bias[n]);
+#endif
+        y[(long long)m * stride_y + n] = from_f32(v);
+      }
+    }
 #endif
 }

@@ -57,9 +57,7 @@ class WgmmaConfig(NamedTuple):
     summed by the last to arrive), 0 to take `split_for`'s choice; a_buffers: 2 to unpack a K
     step's weights while the step before's wgmmas run, 1 to wait for them first (fewer
     registers); ctas_per_sm: the launch bound's minimum CTAs per SM (2 caps registers at
-    65536 / (2 x threads)); stream_k: 0 for a grid of the output tiles (split K ways), else a
-    grid of this many CTAs an SM sharing the tiles' K steps evenly (Stream-K; `split_k` must
-    be 0)."""
+    65536 / (2 x threads))."""
 
     bn: int = 64
     warpgroups: int = 2
@@ -68,7 +66,6 @@ class WgmmaConfig(NamedTuple):
     split_k: int = 0
     a_buffers: int = 2
     ctas_per_sm: int = 1
-    stream_k: int = 0
 
 
 def rows_per_cta(cfg: WgmmaConfig) -> int:
@@ -100,8 +97,6 @@ def config_reason(cfg: WgmmaConfig) -> str | None:
         return f"{smem_bytes(cfg)} bytes of shared memory > {SMEM_LIMIT}"
     if cfg.split_k < 0:
         return f"split_k {cfg.split_k} < 0"
-    if cfg.stream_k and (cfg.stream_k > 4 or cfg.split_k):
-        return f"stream_k {cfg.stream_k}: 0-4 CTAs an SM, without split_k"
     if cfg.a_buffers not in (1, 2) or cfg.ctas_per_sm not in (1, 2):
         return f"a_buffers {cfg.a_buffers} / ctas_per_sm {cfg.ctas_per_sm} not 1 or 2"
     if cfg.ctas_per_sm * smem_bytes(cfg) > SMEM_LIMIT:
@@ -159,8 +154,7 @@ def _compile(
         "A_BUFFERS": cfg.a_buffers,
         "CTAS_PER_SM": cfg.ctas_per_sm,
         "HAS_BIAS": int(has_bias),
-        "SPLIT": int(split and not cfg.stream_k),
-        "STREAM_K": int(cfg.stream_k > 0),
+        "SPLIT": int(split),
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
     source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
@@ -184,7 +178,7 @@ def get_kernel(
         scales.dtype == torch.bfloat16,
         WgmmaConfig(*cfg)._replace(split_k=0),
         has_bias,
-        split and not cfg.stream_k,  # a Stream-K kernel splits as its grid says
+        split,
     )
     return _KERNELS.get(key)
 
@@ -301,30 +295,11 @@ def w4a16_wgmma(
     """x [M, K] @ W^T (+ bias), or None where the kernel is not built (`kernel_for(split)`
     gives it: `get_kernel` with the inputs bound); the caller has checked the inputs
     (`w4a16_linear`, `unsupported_reason`)."""
-    from pagoda.kernels.skinny_gemm import MAX_SPLIT_TILES, prepare, split_k_buffers
+    from pagoda.kernels.skinny_gemm import split_k_buffers
 
     m, k = x.shape
     n = qweight.shape[0]
     steps = k // STEP
-    tiles = -(-m // cfg.bn) * -(-n // rows_per_cta(cfg))
-    if cfg.stream_k:
-        if tiles > MAX_SPLIT_TILES:
-            raise ValueError(f"stream_k takes one counter per output tile: {tiles} tiles")
-        kernel = kernel_for(False)
-        if kernel is None:
-            return None
-        ctas = min(num_sms * cfg.stream_k, tiles * steps)
-        xt = tile_x(x, perm, cfg.bn)
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        partials = torch.empty(ctas * 2 * cfg.bn * rows_per_cta(cfg), dtype=torch.float32,
-                               device=x.device)  # fmt: skip
-        args = [
-            y, xt, qweight, scales, zeros, bias if bias is not None else x, partials,
-            prepare(x.device), m, n, k, min(group_size, k), y.stride(0), 0,
-        ]  # fmt: skip
-        cuda_launch.launch(kernel.func, (ctas, 1, 1), 128 * cfg.warpgroups, smem_bytes(cfg),
-                           args, x.device, pdl_enabled(x))  # fmt: skip
-        return y
     split = cfg.split_k or split_for(m, n, k, cfg, num_sms)
     steps_per_split = -(-steps // split)
     split = -(-steps // steps_per_split)  # no empty splits

@@ -69,12 +69,7 @@ def test_w8a8_wgmma_compiles_without_spills(monkeypatch, tmp_path, int8, cfg) ->
 
 @pytest.mark.parametrize(
     "cfg",
-    [
-        w4a16_wgmma.WgmmaConfig(),
-        w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1),
-        w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1, stream_k=1),
-        w4a16_wgmma.WgmmaConfig(bn=128, stream_k=1),
-    ],
+    [w4a16_wgmma.WgmmaConfig(), w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1)],
     ids=str,
 )
 def test_w4a16_wgmma_compiles_without_spills(monkeypatch, tmp_path, cfg) -> None:

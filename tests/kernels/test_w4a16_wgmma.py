@@ -45,11 +45,6 @@ TILES = [
     WgmmaConfig(bn=160, split_k=2),
     WgmmaConfig(bn=192, a_buffers=1),
     WgmmaConfig(bn=224, warpgroups=1, split_k=3),
-    # Stream-K: at 320 x 1920 more CTAs than K steps a tile, each tile shared by several
-    WgmmaConfig(bn=256, stages=3, a_buffers=1, stream_k=1),
-    WgmmaConfig(bn=64, a_buffers=1, ctas_per_sm=2, stream_k=2),
-    WgmmaConfig(bn=128, stream_k=1),
-    WgmmaConfig(bn=64, warpgroups=1, depth=4, stream_k=3),
 ]
 
 
@@ -147,9 +142,6 @@ def test_wgmma_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) ->
     ref = F.linear(x.float(), dense)
     _assert_close(_linear(x, w4, config=WgmmaConfig()), ref)
     _assert_close(_linear(x, w4, config=WgmmaConfig(bn=128)), ref)
-    # Stream-K: segments of several tiles a CTA, tiles shared by 2-3 CTAs
-    _assert_close(_linear(x, w4, config=WgmmaConfig(bn=256, stages=3, stream_k=1)), ref)
-    _assert_close(_linear(x, w4, config=WgmmaConfig(bn=64, warpgroups=1, stream_k=2)), ref)
     if m <= 64:
         _assert_close(_linear(x, w4, config=skinny_config(m, n, k, 128)), ref)
 
@@ -160,9 +152,6 @@ def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
     w4, _ = _weights("gptq_act_order", 512, 4096, 128)
     x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replays_exactly(lambda: _linear(x, w4, config=WgmmaConfig(split_k=4)))
-    bias = torch.randn(512, device="cuda").to(torch.bfloat16)
-    cfg = WgmmaConfig(bn=64, stream_k=1)  # 16 tiles of 32 steps over the SMs: all shared
-    assert_graph_replays_exactly(lambda: _linear(x, w4, bias, config=cfg))
 
 
 def test_k_order_is_a_permutation_of_each_step() -> None:
@@ -211,9 +200,6 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "shared memory" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, stages=8))
     assert "2 CTAs" in w4a16_wgmma.config_reason(WgmmaConfig(bn=128, ctas_per_sm=2))
     assert "a_buffers" in w4a16_wgmma.config_reason(WgmmaConfig(a_buffers=3))
-    assert w4a16_wgmma.config_reason(WgmmaConfig(stream_k=2)) is None
-    assert "stream_k" in w4a16_wgmma.config_reason(WgmmaConfig(stream_k=1, split_k=2))
-    assert "stream_k" in w4a16_wgmma.config_reason(WgmmaConfig(stream_k=5))
     assert w4a16_wgmma.config_reason(WgmmaConfig(bn=256, stages=3)) is None  # 255 registers
     assert "warpgroups" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=3))
     assert "registers" in w4a16_wgmma.config_reason(WgmmaConfig(warpgroups=4, ctas_per_sm=2))
