@@ -163,7 +163,7 @@ def test_dummy_weights_of_a_quantized_moe_run(tmp_path, monkeypatch, method):
 def test_plan_counts_quantized_experts_dequantized() -> None:
     """Qwen3-30B-A3B's shape, GPTQ 4-bit on CUDA, bf16: the attention layers packed, the
     experts at 2 bytes a weight where the plan counted half a byte."""
-    from pagoda.plan import _weights
+    from pagoda.plan_weights import estimate_weights
     from pagoda.worker.memory_estimate import weight_bytes
 
     cfg = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -173,7 +173,7 @@ def test_plan_counts_quantized_experts_dequantized() -> None:
     cfg["quantization_config"] = qc
     experts = 48 * 128 * 3 * 2048 * 768
     for tp in (1, 2):
-        nbytes, why = _weights("m", cfg, "bfloat16", 2, "cuda", "gptq", tp)
+        nbytes, why = estimate_weights("m", cfg, "bfloat16", 2, "cuda", "gptq", tp)
         assert nbytes == int(weight_bytes(cfg, 2, tp, qc) + experts // tp * 1.5), tp
         assert why == "gptq 4-bit layers kept packed, MoE experts dequantized"
 

@@ -163,7 +163,7 @@ def test_packed_outputs_split_mid_word_are_refused() -> None:
 
 
 def test_plan_counts_act_order_row_shards_dequantized() -> None:
-    from pagoda.plan import _weights
+    from pagoda.plan_weights import estimate_weights
 
     cfg = dict(
         hidden_size=4096,
@@ -174,8 +174,12 @@ def test_plan_counts_act_order_row_shards_dequantized() -> None:
         vocab_size=128256,
     )
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
-    plain, _ = _weights("m", {**cfg, "quantization_config": qc}, "bfloat16", 2, "cuda", "gptq", 2)
+    plain, _ = estimate_weights(
+        "m", {**cfg, "quantization_config": qc}, "bfloat16", 2, "cuda", "gptq", 2
+    )
     qc["desc_act"] = True
-    act, why = _weights("m", {**cfg, "quantization_config": qc}, "bfloat16", 2, "cuda", "gptq", 2)
+    act, why = estimate_weights(
+        "m", {**cfg, "quantization_config": qc}, "bfloat16", 2, "cuda", "gptq", 2
+    )
     rows = 32 * 4096 * (4096 + 14336) // 2  # o_proj and down_proj weights a rank holds
     assert act - plain == int(rows * 1.5) and "act-order o_proj / down_proj dequantized" in why

@@ -1,0 +1,144 @@
+"""The weights `pagoda plan` counts: one rank's bytes, in the form the loader gives them.
+
+The form depends on the checkpoint, the device and the build, as at load: a GGUF file keeps its
+blocks on a CPU (float32, one rank, $PAGODA_GGUF_QUANTIZED) and is dequantized elsewhere;
+AWQ / GPTQ / W8A8 / FP8 layers become GGUF blocks on a CPU (float32 or bfloat16,
+$PAGODA_CPU_QUANTIZED, a C compiler: `cpu_blocks`); W8A8 / FP8 layers otherwise stay 8-bit;
+AWQ / GPTQ layers on CUDA stay packed (4-bit) or 8-bit, their MoE experts and GPTQ's act-order
+row-parallel shards (tp > 1) dequantized; anything else is dequantized to the model's dtype.
+The byte counts are `memory_estimate`'s; this module picks among them without torch and says
+which it picked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda import envs
+from pagoda.worker import memory_estimate as est
+
+# `--quantization awq|gptq` of a config without a quantization_config (a preset): a typical
+# checkpoint's, as `pagoda.model.quantization.DUMMY_QUANTIZATION_CONFIGS` builds it.
+_DUMMY_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "awq": {"bits": 4, "group_size": 128},
+    "gptq": {"bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+}
+
+
+def estimate_weights(
+    model: str, hf_config: dict[str, Any], dtype: str, itemsize: int, device: str,
+    quant: str | None, tp: int,
+) -> tuple[int, str]:  # fmt: skip
+    """One rank's weights as the loader holds `quant` on `device`: their bytes, and a note
+    saying in what form ("GGUF blocks kept quantized", "awq 4-bit layers kept packed", ...)."""
+    if quant == "gguf":
+        keep = (device == "cpu" and dtype == "float32" and tp == 1
+                and envs.PAGODA_GGUF_QUANTIZED)  # fmt: skip
+        if keep:
+            return est.gguf_weight_bytes(model, True), "GGUF blocks kept quantized"
+        return est.weight_bytes(hf_config, itemsize, tp), f"GGUF dequantized to {dtype}"
+    qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") not in (quant, "compressed-tensors"):
+        qc = _DUMMY_QUANTIZATION_CONFIGS.get(quant, {})  # a preset: a typical checkpoint's
+    eight_bit = _eight_bit_weights(quant, qc)
+    if device == "cpu" and _cpu_blocks(dtype) and (eight_bit or quant in ("awq", "gptq")):
+        return _cpu_blocks_weights(hf_config, dtype, itemsize, quant, qc, eight_bit, tp)
+    if eight_bit:
+        where = " (the float32 reference product on a CPU)" if device == "cpu" else ""
+        return est.int8_weight_bytes(hf_config, itemsize, tp), f"{eight_bit} layers 8-bit{where}"
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if quant in ("awq", "gptq") and device == "cuda" and bits in (4, 8):
+        kept = "4-bit layers kept packed" if bits == 4 else "8-bit layers kept 8-bit"
+        nbytes = est.weight_bytes(hf_config, itemsize, tp, qc)
+        experts = _expert_params(hf_config)
+        if experts:  # dequantized into the MoE kernel's dense weights (`layers/fused_moe.py`)
+            nbytes += experts // tp * (itemsize - bits / 8)
+            kept += ", MoE experts dequantized"
+        if quant == "gptq" and tp > 1 and qc.get("desc_act"):
+            # A rank's inputs of an act-order o_proj / down_proj hold parts of many groups:
+            # dequantized there (`quantization/tp_shards.py`).
+            nbytes += _row_parallel_params(hf_config) // tp * (itemsize - bits / 8)
+            kept += ", act-order o_proj / down_proj dequantized"
+        return int(nbytes), f"{quant} {kept}"
+    if quant in ("awq", "gptq"):
+        return est.weight_bytes(hf_config, itemsize, tp), f"{quant} dequantized to {dtype}"
+    return est.weight_bytes(hf_config, itemsize, tp), dtype
+
+
+def checkpoint_accepts(quantization: str, ckpt: str, qc: dict[str, Any]) -> bool:
+    """As `pagoda.model.quantization.checkpoint_accepts`, without torch: the checkpoint's own
+    method; w8a8 / fp8 for a compressed-tensors checkpoint of that weight type; fp8 for a GGUF
+    file (dequantized, then cast at load)."""
+    if quantization == ckpt or (quantization, ckpt) == ("fp8", "gguf"):
+        return True
+    if ckpt != "compressed-tensors" or quantization not in ("w8a8", "fp8"):
+        return False
+    return _eight_bit_weights(ckpt, qc) == _eight_bit_weights(quantization, qc)
+
+
+def _cpu_blocks(dtype: str) -> bool:
+    """Whether AWQ / GPTQ / W8A8 / FP8 layers on this CPU become GGUF blocks at load, as
+    `cpu_blocks.cpu_blocks_enabled` decides (a C compiler standing in for the built kernel)."""
+    from pagoda.utils import cpu_build as build  # stdlib only: no torch here
+
+    return (dtype in ("float32", "bfloat16") and envs.PAGODA_CPU_QUANTIZED
+            and build.compiler_available())  # fmt: skip
+
+
+def _eight_bit_weights(quant: str | None, qc: dict[str, Any]) -> str | None:
+    """What 8-bit weights with per-channel scales the linear layers hold (`quantization/
+    w8a8.py`): "int8 W8A8", "FP8", or None for another format."""
+    if quant == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        types = {(g.get("weights") or {}).get("type") for g in groups.values()}
+        return "FP8" if "float" in types else "int8 W8A8"
+    return {"w8a8": "int8 W8A8", "fp8": "FP8"}.get(quant or "")
+
+
+def _cpu_blocks_weights(
+    hf_config: dict[str, Any], dtype: str, itemsize: int, quant: str | None,
+    qc: dict[str, Any], eight_bit: str | None, tp: int,
+) -> tuple[int, str]:  # fmt: skip
+    """The weights as `cpu_blocks` makes them: 4-bit AWQ / GPTQ layers Q4_1 (Q4_0 for GPTQ's
+    symmetric ones), 8-bit symmetric GPTQ and int8 W8A8 Q8_0, FP8 requantized as Q8_0, MoE
+    experts too; asymmetric 8-bit GPTQ dequantized (its codes minus the zero point span 9 bits:
+    no Q8_0 form)."""
+    experts = ", MoE experts too" if _expert_params(hf_config) else ""
+    if eight_bit:
+        how = "requantized as" if eight_bit == "FP8" else "as"
+        nbytes, dense = est.cpu_blocks_weight_bytes(hf_config, itemsize, tp, "Q8_0", w8a8=True)
+        note = f"{eight_bit} layers {how} Q8_0 GGUF blocks"
+        return nbytes, note + (f", {'/'.join(dense)} 8-bit (no block form)" if dense else "")
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    sym = quant == "gptq" and bool(qc.get("sym", False))
+    act_order = quant == "gptq" and bool(qc.get("desc_act", False))
+    if bits == 8 and not sym:
+        return (est.weight_bytes(hf_config, itemsize, tp),
+                f"{quant} 8-bit asymmetric: dequantized to {dtype} (no Q8_0 form)")  # fmt: skip
+    block = "Q8_0" if bits == 8 else "Q4_0" if sym else "Q4_1"
+    nbytes, dense = est.cpu_blocks_weight_bytes(hf_config, itemsize, tp, block, group, act_order)
+    note = f"{quant} {bits}-bit layers as {block} GGUF blocks{experts}"
+    note += ", inputs permuted (act order)" if act_order else ""
+    if dense:
+        note += f", {'/'.join(dense)} dequantized to {dtype} (no block form)"
+    return nbytes, note
+
+
+def _row_parallel_params(hf_config: dict[str, Any]) -> int:
+    """The weights of the row-parallel linear layers (o_proj, down_proj; a mixture of experts'
+    o_proj only, its experts counted by `_expert_params`) of all decoder layers."""
+    shape = est.ModelShape.from_hf_config(hf_config)
+    per_layer = shape.num_attention_heads * shape.head_dim
+    if not _expert_params(hf_config):
+        per_layer += shape.intermediate_size
+    return shape.num_layers * shape.hidden_size * per_layer
+
+
+def _expert_params(hf_config: dict[str, Any]) -> int:
+    """The weights of every MoE expert of all decoder layers (0 for a dense model), as
+    `estimated_weight_bytes` counts them (every layer sparse)."""
+    experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    inter = int(hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"])
+    layers, hidden = int(hf_config["num_hidden_layers"]), int(hf_config["hidden_size"])
+    return layers * experts * 3 * hidden * inter
