@@ -8,45 +8,45 @@ token ids. The core is not thread-safe, so exactly one thread ever calls it: the
 loop (`pagoda.engine.engine_core`). `AsyncLLM(core)` runs that loop on a thread of this
 process; `AsyncLLM.from_engine_args` (what `pagoda serve` uses) runs it in a child process, as
 vLLM's EngineCore does, so the event loop's Python and the core's never wait for each other's
-GIL (`pagoda.engine.core_client`). Either way the event loop hands `add`/`abort` commands over
-without blocking; each step's core outputs are turned into `RequestOutput`s on the thread that
-receives them, and come back with one `loop.call_soon_threadsafe` per event loop into
-per-request `asyncio.Queue`s. When the output processor finds a stop string it aborts the
-request in the core, which frees its KV blocks. `reset_prefix_cache` is a command too, which the
-core answers in a later report. This class also owns admission (a bound on queued requests,
-`EngineOverloadedError`), cancellation (a consumer that stops iterating aborts its request and
-frees its KV blocks) and graceful drain/shutdown. With --otlp-traces-endpoint the front end
-exports one OpenTelemetry span per finished request (`pagoda.tracing`), in the trace of the
-`trace_headers` given to `generate`.
+GIL (`pagoda.engine.core_client`; the server's core: `pagoda.engine.serving_engine`). Either
+way the event loop hands `add`/`abort` commands over without blocking; each step's core
+outputs are turned into `RequestOutput`s on the thread that receives them, and come back with
+one `loop.call_soon_threadsafe` per event loop into per-request `asyncio.Queue`s (that thread's
+side, and the core's failure and restart: `pagoda.engine.output_handler`). When the output
+processor finds a stop string it aborts the request in the core, which frees its KV blocks.
+`reset_prefix_cache` is a command too, which the core answers in a later report. This class
+also owns admission (a bound on queued requests, `EngineOverloadedError`; the errors a caller
+gets: `pagoda.engine.exceptions`), cancellation (a consumer that stops iterating aborts its
+request and frees its KV blocks) and graceful drain/shutdown. With --otlp-traces-endpoint the
+front end exports one OpenTelemetry span per finished request (`pagoda.tracing`), in the trace
+of the `trace_headers` given to `generate`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from pagoda import envs
-from pagoda.core.outputs import EngineCoreOutputs
-from pagoda.engine.core_client import ProcessCore, RemoteEngine, ThreadCore
-from pagoda.engine.engine_core import AbortRequests, AddRequest, CoreReport, ResetPrefixCache
-from pagoda.engine.input_processor import InputProcessor, PromptValidationError
-from pagoda.engine.output_processor import OutputProcessor
-from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
-from pagoda.structured_output.compile_pool import (  # raised by generate()
-    StructuredOutputsBusyError as StructuredOutputsBusyError,
+from pagoda.engine.core_client import ProcessCore, ThreadCore
+from pagoda.engine.engine_core import AbortRequests, AddRequest, ResetPrefixCache
+from pagoda.engine.exceptions import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    EngineRestartingError,
 )
+from pagoda.engine.input_processor import InputProcessor, PromptValidationError
+from pagoda.engine.output_handler import OutputHandler, RequestStream, deliver_all
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.serving_engine import build_serving_engine, multiprocessing_enabled
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
 from pagoda.tracing import RequestTracer, make_request_tracer
-
-logger = logging.getLogger(__name__)
 
 # Called as hook(engine) after every step, when the engine's last_scheduler_stats /
 # last_iteration_stats are fresh (on the thread that receives the step's outputs, after the
@@ -55,114 +55,7 @@ logger = logging.getLogger(__name__)
 StatsHook = Callable[[Any], None]
 
 
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (`max_waiting_requests`): retry later (HTTP 503)."""
-
-
-class EngineDrainingError(RuntimeError):
-    """The engine is shutting down and takes no new requests (HTTP 503)."""
-
-
-class EngineRestartingError(RuntimeError):
-    """The engine core failed and is being restarted: retry shortly (HTTP 503)."""
-
-
-class RequestQueueTimeoutError(RuntimeError):
-    """The request waited longer than `max_queue_delay_s` without being scheduled (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core died; this request (or every request, once no restart is left) cannot
-    be served (HTTP 500)."""
-
-
-@dataclass
-class _Stream:
-    """Where one request's outputs go."""
-
-    out: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    n: int
-
-
-def multiprocessing_enabled() -> bool:
-    """$PAGODA_ENABLE_MULTIPROCESSING=0 keeps the served engine on a thread (like vLLM's
-    VLLM_ENABLE_V1_MULTIPROCESSING)."""
-    return envs.PAGODA_ENABLE_MULTIPROCESSING
-
-
-# A server on a CPU prefills in chunks of this many tokens unless --max-num-batched-tokens says
-# otherwise (vLLM too picks its default by usage context, smaller for its server). On a small
-# CPU a 2048-token chunk is a step of ~0.6 s (SmolLM2-135M, 2 cores) in which no running request
-# gets a token, and a burst's requests see their first token 16 at a time; 512-token chunks
-# bound the step and hand first tokens out 4 at a time (32 requests of 128 tokens: median TTFT
-# 815-909 ms against 1081-1126 with 2048, the same throughput).
-SERVING_CPU_MAX_NUM_BATCHED_TOKENS = 512
-# And runs this many requests per core at once unless --max-num-seqs says otherwise. A CPU's
-# decode step grows with the batch almost as fast as the batch (2 cores, SmolLM2-135M: ~50
-# output tok/s at 8 sequences, ~100 at 64), so 256 running requests each get a token every few
-# seconds: under overload every stream crawls and none meets a latency target, where a small
-# batch keeps streams at a readable pace and load shedding (the waiting bound, 503 with
-# Retry-After) refuses the excess at once. --max-num-seqs 256 trades that for throughput.
-SERVING_CPU_SEQS_PER_CORE = 4
-
-
-def serving_engine_args(engine_args: Any) -> Any:
-    """`engine_args` with the server's CPU defaults filled in: the prefill chunk and the
-    running batch."""
-    from pagoda.engine.arg_utils import resolve_device
-
-    if resolve_device(engine_args.device) != "cpu":
-        return engine_args
-    changes: dict[str, Any] = {}
-    if engine_args.max_num_batched_tokens is None and engine_args.enable_chunked_prefill:
-        changes["max_num_batched_tokens"] = SERVING_CPU_MAX_NUM_BATCHED_TOKENS
-    if engine_args.max_num_seqs is None:
-        from pagoda.worker.model_runner import num_cpu_threads
-
-        changes["max_num_seqs"] = SERVING_CPU_SEQS_PER_CORE * num_cpu_threads()
-    return dataclasses.replace(engine_args, **changes) if changes else engine_args
-
-
-def build_serving_engine(engine_args: Any, same_process_as_frontend: bool = False) -> Any:
-    """The `EngineCore` a server runs (in the engine core process, by default)."""
-    from pagoda.cli import check_engine_start
-    from pagoda.engine.core import EngineCore
-
-    served_args = serving_engine_args(engine_args)
-    # What a server's front end (without torch) could not check: refused here in one line
-    # (architecture, weight files, memory) before anything is allocated.
-    config = check_engine_start(served_args)
-    engine = EngineCore(config if config is not None else served_args.create_engine_config())
-    if served_args is not engine_args:  # said once the engine started (a refusal is one line)
-        logger.info(
-            "serving on a CPU: prefill chunks of %s tokens (--max-num-batched-tokens), %s "
-            "requests at once (--max-num-seqs)",
-            served_args.max_num_batched_tokens or "the default",
-            served_args.max_num_seqs or "the default",
-        )
-    if same_process_as_frontend:
-        # The HTTP event loop shares this process's GIL: leave it a core at small batches. In
-        # its own process the core does better with every thread (c1 on 2 cores: TPOT 11.5 ms
-        # with 2 threads, 15.3 with 1).
-        runner = getattr(getattr(engine, "executor", None), "model_runner", None)
-        if runner is not None and hasattr(runner, "reserve_core_for_frontend"):
-            runner.reserve_core_for_frontend()
-    return engine
-
-
-def default_max_waiting_requests(max_num_seqs: int, num_kv_tokens: int, max_model_len: int) -> int:
-    """The waiting-queue bound a server uses unless told otherwise: a quarter of max_num_seqs,
-    at most as many requests as the KV cache can run at once at full length (its tokens over
-    max_model_len), at least 1. Places in the batch free up about max_num_seqs per running
-    request's lifetime, so the last admitted request starts within about a quarter of one; a
-    longer queue only makes every request in it late (on 2 cores with 8 running, 5 waiting
-    kept 0.40 of the saturation goodput under 3x overload, 2 waiting 0.86:
-    docs/reliability.md), and the rest are better answered 503 at once."""
-    return max(1, min(max_num_seqs // 4, num_kv_tokens // max(1, max_model_len)))
-
-
-class AsyncLLM:
+class AsyncLLM(OutputHandler):
     """Streams an engine core's outputs to asyncio callers; the core runs off the loop.
 
     Give either `engine`, an `EngineCore` (or an `LLMEngine`, whose core is used; the core
@@ -219,7 +112,7 @@ class AsyncLLM:
         self._idle_poll_s = idle_poll_s
         # Request id -> its stream. Added by generate() on the event loop, removed by whoever
         # ends the stream (the core's callback thread, or the consumer leaving early).
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams against _on_stopped, and the counters
         # Guards the output processor: the event loop adds and aborts requests, the thread
         # that receives the core's reports processes their outputs. Never held with _lock.
@@ -345,7 +238,7 @@ class AsyncLLM:
         )
         self.check_admission(params.n)
         loop = asyncio.get_running_loop()
-        stream = _Stream(asyncio.Queue(), loop, params.n)
+        stream = RequestStream(asyncio.Queue(), loop, params.n)
         with self._lock:
             if self._stopped is not None:
                 raise self._stopped
@@ -409,17 +302,6 @@ class AsyncLLM:
             self._core.send(AbortRequests([c for cids in children.values() for c in cids]))
         self._end_aborted([rid for rid, cids in children.items() if not cids])
 
-    def _end_aborted(self, request_ids: list[str]) -> None:
-        """Give each still-open stream of these requests its final "abort" output."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        with self._lock:
-            for rid in request_ids:
-                st = self._streams.pop(rid, None)
-                if st is not None:
-                    batches.setdefault(st.loop, []).append((st.out, _aborted_output(rid, st.n)))
-        for loop, items in batches.items():
-            _send(loop, items)
-
     def _abort_in_core(self, request_ids: list[str], core: Any = None) -> None:
         """Forget user requests in the output processor and abort their samples in the core."""
         with self._op_lock:
@@ -473,7 +355,7 @@ class AsyncLLM:
             streams, self._streams = self._streams, {}
         if streams:
             self._abort_in_core(list(streams))
-        _deliver_all(streams.values(), error)
+        deliver_all(streams.values(), error)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (unfinished requests are aborted and their callers told)."""
@@ -512,200 +394,3 @@ class AsyncLLM:
                 f"the server is at capacity ({bound} requests waiting, --max-waiting-requests):"
                 " retry later"
             )
-
-    def _stopped_error(self, error: BaseException | None) -> BaseException:
-        if error is None:
-            return EngineDrainingError("the engine shut down before this request finished")
-        return EngineDeadError(f"the engine core failed while this request was running: {error!r}")
-
-    # ---- the core's callback thread ----
-    def _on_report(self, report: CoreReport) -> None:
-        with self._lock:
-            self._num_pending_adds -= report.num_adds
-        self._engine_waiting = report.num_waiting
-        # The core's ids are the samples': the output processor knows their user requests.
-        with self._op_lock:
-            op = self.output_processor
-            refused = []
-            for cid, error in report.add_errors:
-                for rid in op.parents_of([cid]):
-                    op.discard(rid)
-                    refused.append((rid, error))
-                    if isinstance(error, StructuredOutputsBusyError) and error.reason:
-                        self._rejected(error.reason)
-            expired = op.parents_of(report.expired)
-            if expired:
-                op.abort_requests(expired)
-            aborted: dict[str, None] = {}  # requests abort() ended, now gone from the core
-            for cid in report.aborted:
-                rid = self._aborting.pop(cid, None)
-                if rid is not None:
-                    aborted[rid] = None
-            outputs: list[RequestOutput] = []
-            stopped: list[str] = []
-            if report.stepped:
-                outputs, stopped = op.process_core_outputs(
-                    EngineCoreOutputs(
-                        report.outputs,
-                        report.first_scheduled,
-                        report.iteration_stats,
-                        report.preempted,
-                    )
-                )
-        if stopped:  # a stop string (or an error) ended them here: free their KV blocks
-            self._core.send(AbortRequests(stopped))
-        if report.stepped:  # before the outputs: a caller who saw its last token sees metrics
-            if report.scheduler_stats is not None:
-                self._engine_running = report.scheduler_stats.num_running_reqs
-            if isinstance(self.engine, RemoteEngine):
-                self.engine.update(report)
-            self._report_stats()
-        if aborted:
-            self._end_aborted(list(aborted))
-        if report.prefix_cache_resets:
-            with self._lock:
-                calls = [(self._calls.pop(cid, None), r) for cid, r in report.prefix_cache_resets]
-            for call, result in calls:
-                if call is not None:
-                    _answer(*call, result)
-        # One wake-up per event loop per step, not one per request: at a few hundred running
-        # requests, per-output call_soon_threadsafe calls would cost a syscall each.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        with self._lock:
-            streams = self._streams
-            for rid, error in refused:
-                st = streams.pop(rid, None)
-                if st is not None:
-                    batches.setdefault(st.loop, []).append((st.out, error))
-            for rid in expired:
-                st = streams.pop(rid, None)
-                if st is not None:
-                    error = RequestQueueTimeoutError(
-                        f"the request waited more than {self.max_queue_delay_s:g} s without "
-                        "being scheduled (--max-queue-delay-s): retry later"
-                    )
-                    batches.setdefault(st.loop, []).append((st.out, error))
-            for out in outputs:
-                st = streams.get(out.request_id)
-                if st is None:
-                    continue  # aborted by its caller meanwhile
-                if out.finished:
-                    del streams[out.request_id]
-                batches.setdefault(st.loop, []).append((st.out, out))
-        for loop, items in batches.items():
-            _send(loop, items)
-
-    def _rejected(self, reason: str) -> None:
-        for hook in self.rejection_hooks:
-            try:
-                hook(reason)
-            except Exception:  # noqa: BLE001 - metrics must never stop admission
-                logger.exception("rejection hook failed")
-
-    def _report_stats(self) -> None:
-        for hook in self.stats_hooks:
-            try:
-                hook(self.engine)
-            except Exception:  # noqa: BLE001 - metrics must never stop generation
-                logger.exception("stats hook failed")
-
-    def _on_stopped(self, error: BaseException | None) -> None:
-        restart = (
-            error is not None
-            and not self._shutting_down
-            and self._engine_factory is not None
-            and self.num_restarts < self.max_engine_restarts
-        )
-        with self._lock:
-            if error is not None:
-                self.dead_error = error
-            self._stopped = self._stopped_error(error)
-            streams, self._streams = self._streams, {}
-            calls, self._calls = self._calls, {}
-            self.state = "restarting" if restart else ("dead" if error is not None else "stopped")
-        with self._op_lock:
-            self.output_processor = OutputProcessor(self.engine.tokenizer, self.tracer)
-            self._aborting.clear()
-        _deliver_all(streams.values(), self._stopped)
-        for loop, future in calls.values():
-            _answer(loop, future, self._stopped)
-        if restart:
-            threading.Thread(target=self._restart, name="pagoda-core-restart", daemon=True).start()
-        elif error is not None and not self._shutting_down:
-            self._fatal(error)
-
-    def _restart(self) -> None:
-        logger.error(
-            "the engine core failed (%r): restarting it (restart %d of at most %d)",
-            self.dead_error, self.num_restarts + 1, self.max_engine_restarts,
-        )  # fmt: skip
-        try:
-            core = self._start_process_core()
-        except BaseException as e:  # noqa: BLE001 - a core that cannot start is fatal
-            logger.exception("the engine core could not be restarted")
-            self.state = "dead"
-            self._fatal(e)
-            return
-        with self._lock:
-            self._core, self.engine, self._thread = core, core.engine, core.thread
-            self._make_processors()
-            self._num_pending_adds = self._engine_waiting = self._engine_running = 0
-            self._stopped = None
-            self.num_restarts += 1
-            self.state = "running"
-        if self._shutting_down:
-            core.shutdown(10.0)
-            return
-        logger.info("the engine core is running again (%d restarts)", self.num_restarts)
-        for hook in self.restart_hooks:
-            hook()
-
-    def _fatal(self, error: BaseException) -> None:
-        logger.error("the engine core has failed for good: %r", error)
-        for hook in self.fatal_hooks:
-            try:
-                hook(error)
-            except Exception:  # noqa: BLE001
-                logger.exception("fatal hook failed")
-
-
-def _deliver_all(streams: Any, item: Any) -> None:
-    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-    for st in streams:
-        batches.setdefault(st.loop, []).append((st.out, item))
-    for loop, items in batches.items():
-        _send(loop, items)
-
-
-def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
-    try:
-        loop.call_soon_threadsafe(_deliver, items)
-    except RuntimeError:  # the callers' loop is closed: nobody is listening any more
-        pass
-
-
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
-
-
-def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
-    """Resolve a command's `future` on its `loop` with `result` (raised if an exception)."""
-
-    def resolve() -> None:
-        if future.done():  # its caller was cancelled meanwhile
-            return
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-        pass
-
-
-def _aborted_output(request_id: str, n: int) -> RequestOutput:
-    samples = [CompletionOutput(i, "", [], None, None, finish_reason="abort") for i in range(n)]
-    return RequestOutput(request_id, None, [], None, samples, finished=True)

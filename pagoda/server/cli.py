@@ -308,7 +308,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
 def resolve_max_waiting_requests(flag: int | None, engine: Any) -> int | None:
     """--max-waiting-requests as AsyncLLM takes it: None (unbounded) for -1, the flag's value,
     or by default the bound `default_max_waiting_requests` derives from the KV cache."""
-    from pagoda.engine.async_llm import default_max_waiting_requests
+    from pagoda.engine.serving_engine import default_max_waiting_requests
 
     if flag == -1:
         return None

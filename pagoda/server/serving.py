@@ -546,17 +546,17 @@ def ranked_logprobs(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
 def exception_to_api_error(e: BaseException) -> APIError:
     """Map what the engine raises to the HTTP status a client should see. A 5xx names what
     failed, never the exception's internals (the server log has them)."""
-    from pagoda.engine import async_llm as a
+    from pagoda.engine import exceptions as errors
 
     if isinstance(e, APIError):
         return e
-    if isinstance(e, a.EngineOverloadedError | a.RequestQueueTimeoutError):
+    if isinstance(e, errors.EngineOverloadedError | errors.RequestQueueTimeoutError):
         return APIError(str(e), 503, headers={"Retry-After": "1"})
-    if isinstance(e, a.EngineRestartingError | a.StructuredOutputsBusyError):
+    if isinstance(e, errors.EngineRestartingError | errors.StructuredOutputsBusyError):
         return APIError(str(e), 503, headers={"Retry-After": "5"})
-    if isinstance(e, a.EngineDrainingError):
+    if isinstance(e, errors.EngineDrainingError):
         return APIError(str(e), 503, headers={"Retry-After": "5", "Connection": "close"})
-    if isinstance(e, a.EngineDeadError):
+    if isinstance(e, errors.EngineDeadError):
         return APIError(
             "the engine failed while serving this request (the server log has details)", 500
         )

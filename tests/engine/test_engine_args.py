@@ -43,7 +43,7 @@ def test_served_engine_logs_an_ignored_argument_once(tiny, warnings) -> None:
     """The engine core process checks its arguments before building the engine
     (`check_engine_start`) and builds it from the config that check made: the warning of an
     argument ignored on a CPU comes once, not once for each."""
-    from pagoda.engine.async_llm import build_serving_engine
+    from pagoda.engine.serving_engine import build_serving_engine
 
     args = EngineArgs(
         model=tiny,

@@ -231,7 +231,7 @@ def test_a_structured_request_waits_out_an_abandoned_fill_then_is_served(llm, mo
     request is refused as busy and a plain one is served; after it, structured requests are
     served again."""
     pytest.importorskip("xgrammar")
-    from pagoda.engine.async_llm import StructuredOutputsBusyError
+    from pagoda.engine.exceptions import StructuredOutputsBusyError
 
     monkeypatch.setenv("PAGODA_GRAMMAR_MAX_ABANDONED", "1")
     manager = llm.llm_engine.structured_output

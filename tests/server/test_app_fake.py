@@ -418,7 +418,7 @@ def test_a_request_compiling_its_constraint_waits_deferred_and_a_compile_backlog
     # batch); Pagoda's waits in the serving loop, off the scheduler. Refused because no compiler
     # was free in time, it is a rejection for load (503), as a full queue is.
     from pagoda.engine import engine_core
-    from pagoda.engine.async_llm import StructuredOutputsBusyError
+    from pagoda.engine.exceptions import StructuredOutputsBusyError
 
     pools: list[_HeldCompiles] = []
 

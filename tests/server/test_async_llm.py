@@ -9,12 +9,8 @@ import time
 import pytest
 from fake_engine import FakeEngine
 
-from pagoda.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    EngineDrainingError,
-    EngineOverloadedError,
-)
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.exceptions import EngineDeadError, EngineDrainingError, EngineOverloadedError
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -18,12 +18,8 @@ import time
 import pytest
 from fake_engine import FakeEngine, crashing_engine, failing_engine, misconfigured_engine
 
-from pagoda.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    EngineDrainingError,
-    EngineOverloadedError,
-)
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.exceptions import EngineDeadError, EngineDrainingError, EngineOverloadedError
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -287,7 +283,7 @@ def test_child_exits_when_the_parent_is_killed(tmp_path):
 def test_a_cpu_server_prefills_in_small_chunks_and_runs_few_requests_unless_told_otherwise():
     from pagoda.config import DEFAULT_MAX_NUM_SEQS
     from pagoda.engine.arg_utils import EngineArgs
-    from pagoda.engine.async_llm import (
+    from pagoda.engine.serving_engine import (
         SERVING_CPU_MAX_NUM_BATCHED_TOKENS,
         SERVING_CPU_SEQS_PER_CORE,
         serving_engine_args,
@@ -334,7 +330,7 @@ def test_process_core_streams_exactly_what_the_thread_core_streams():
 
 
 def test_default_waiting_bound_is_a_quarter_of_the_batch_within_the_kv_cache():
-    from pagoda.engine.async_llm import default_max_waiting_requests
+    from pagoda.engine.serving_engine import default_max_waiting_requests
 
     assert default_max_waiting_requests(8, 46592, 8192) == 2  # a 2-core CPU server
     assert default_max_waiting_requests(256, 894480, 8192) == 64  # Llama-3-8B on an H200

@@ -17,7 +17,8 @@ import time
 import pytest
 from fake_engine import structured_engine
 
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.exceptions import EngineDeadError
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 pytestmark = [

@@ -21,7 +21,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.async_llm import AsyncLLM, EngineDrainingError
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.exceptions import EngineDrainingError
 from pagoda.server.app import build_app
 from pagoda.server.cli import make_arg_parser
 
