@@ -389,7 +389,12 @@ def gemv_config(
     >= 16384 outputs, 8 for the others; 2 stages of 2 K steps per warp; the zero point on the
     product (sums by mma) for the wide layers up to 8 rows. 1.74 ms a decode step at 1 row
     against 2.04 with the register rule below, 2.40 at 16 rows against the Triton few-row
-    kernel's 2.70. The scales and zero points through the ring (`sc_ring`, where
+    kernel's 2.70. The producer asks for the CTA's scale and zero-point rows into L2 at its
+    start (`sc_prefetch`; the consumers load them a step ahead, and waited ~10% of their stall
+    samples on that load from memory): whole steps 2.0-2.6% faster at 1-16 rows on the H100
+    (1.713 / 1.724 / 1.901 / 2.136 ms against 1.758 / 1.759 / 1.946 / 2.184 at 1 / 4 / 8 / 16
+    rows, `results/h200/run94-sc-prefetch/`; a third ring stage was slower). The scales and
+    zero points through the ring (`sc_ring`, where
     GEMV_SC_RING and N allow) are off: they cut the loop's instructions a K step by 12-16%
     but made whole steps 13-20% slower on the H200 (a stage then also waits for the small
     copies of its scales and zero points); so is the ring without a producer warp
@@ -415,6 +420,7 @@ def gemv_config(
     warps = 4 if n >= SKINNY_WIDE_N else 8
     if bulk:
         stages = 2
+        sc_ring = int(bool(GEMV_SC_RING) and n % 16 == 0)
         if m > 8 and warps == 8 and -(-n // 32) > num_sms:  # 9-warp CTAs one an SM: 2 rounds
             warps, stages = 4, 3
         return GemvConfig(
@@ -425,8 +431,9 @@ def gemv_config(
             stages=stages,
             chunk=2 * warps,
             pdl=1,
-            sc_ring=int(bool(GEMV_SC_RING) and n % 16 == 0),
+            sc_ring=sc_ring,
             min_warps=GEMV_MIN_WARPS if m <= 8 else 0,
+            sc_prefetch=int(not sc_ring),
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(

@@ -42,15 +42,15 @@
 // and zero-point rows into L2 at its start), SPLITS (with BULK: a tile's K steps split among a
 // cluster of that many CTAs, grid y; sm_90), GROUP_STEPS (K steps a group: G / STEP, a
 // compile-time constant so that a step's group is a shift, not a division; 0 for one group),
-// SILU_MUL (with BULK and ROW_TILES 2, without SC_RING, SC_PREFETCH: the layer is a merged
+// SILU_MUL (with BULK and ROW_TILES 2, without SC_RING: the layer is a merged
 // gate_up projection, rows [0, N/2) gate and [N/2, N) up; a CTA's row tile 0 is 16 gate rows,
 // its row tile 1 the same 16 up rows, and y [M, N/2] is silu(gate) * up: the activation in
 // the epilogue, no gate_up output and no second kernel).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
-#if SILU_MUL && (!BULK || ROW_TILES != 2 || SC_RING || SC_PREFETCH)
-#error "SILU_MUL needs BULK, ROW_TILES 2 and neither SC_RING nor SC_PREFETCH"
+#if SILU_MUL && (!BULK || ROW_TILES != 2 || SC_RING)
+#error "SILU_MUL needs BULK, ROW_TILES 2 and no SC_RING"
 #endif
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
 #define STEP 128  // inputs per K step
@@ -430,12 +430,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // consumers' loads of them, a step ahead, wait for L2 rather than for memory: the 128-byte
 // line of each row's start (the whole row where N is a multiple of 64). Not inlined: its
 // registers stay out of the consumers' allocation.
+// With `second` > 0 (SILU_MUL) the rows at n0 + second too.
 __device__ __noinline__ void prefetch_group_rows(const u16* scales, const u8* zeros, int N,
-                                                 int n0, int grp_lo, int grp_hi, int lane) {
+                                                 int n0, int second, int grp_lo, int grp_hi,
+                                                 int lane) {
   for (int grp = grp_lo + lane; grp <= grp_hi; grp += 32) {
     const long long at = (long long)grp * N + n0;
     asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + at));
     asm volatile("prefetch.global.L2 [%0];" ::"l"(zeros + at));
+    if (second > 0) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + at + second));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(zeros + at + second));
+    }
   }
 }
 
@@ -525,7 +531,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   if (warp == WARPS) {  // the producer
 #if SC_PREFETCH && !SC_RING
     if (steps > 0)
-      prefetch_group_rows(scales, zeros, N, n0, GROUP_OF(s0), GROUP_OF(s0 + steps - 1), lane);
+      prefetch_group_rows(scales, zeros, N, n0, SILU_MUL ? RT_OFF : 0, GROUP_OF(s0),
+                          GROUP_OF(s0 + steps - 1), lane);
 #endif
     for (int c = 0; c < chunks; ++c) {
       const int st = c % STAGES;

@@ -215,8 +215,8 @@ def shape_reason(m: int, n: int, cfg: GemvConfig, silu_mul: bool = False) -> str
     if cfg.bulk and n < 16 * cfg.row_tiles:
         return f"N={n} < the {16 * cfg.row_tiles} rows of a CTA (bulk)"
     if silu_mul:
-        if not cfg.bulk or cfg.row_tiles != 2 or cfg.sc_ring or cfg.sc_prefetch:
-            return "silu_and_mul needs the bulk ring, 2 row tiles, no sc_ring or sc_prefetch"
+        if not cfg.bulk or cfg.row_tiles != 2 or cfg.sc_ring:
+            return "silu_and_mul needs the bulk ring, 2 row tiles and no sc_ring"
         if n % 2 or n < 32:
             return f"silu_and_mul needs gate and up halves of >= 16 rows, got N={n}"
     return None

@@ -150,6 +150,7 @@ def test_silu_and_mul_in_the_gemv_matches(fmt: str, m: int, half: int) -> None:
     for cfg in (  # 4 warps with sums by mma, 3 stages, K split among a cluster
         GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1),
         GemvConfig(2, 8, bulk=1, stages=3, chunk=16, splits=2),
+        GemvConfig(2, 4, bulk=1, stages=2, chunk=8, sc_prefetch=1),  # gate and up rows
     ):
         _assert_close(w4a16_silu_and_mul(*args, config=cfg), ref)
     with pytest.raises(ValueError, match="2 row tiles"):
@@ -429,6 +430,7 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert w4a16_gemv.shape_reason(1, 4096, wide, silu_mul=True) is None
     assert "2 row tiles" in w4a16_gemv.shape_reason(1, 4096, wide._replace(row_tiles=1), True)
     assert "2 row tiles" in w4a16_gemv.shape_reason(1, 4096, wide._replace(sc_ring=1), True)
+    assert w4a16_gemv.shape_reason(1, 4096, wide._replace(sc_prefetch=1), True) is None
     assert "halves of >= 16 rows" in w4a16_gemv.shape_reason(1, 33, wide, silu_mul=True)
     x_cpu = torch.randn(1, 256).to(torch.bfloat16)  # not on a GPU: no kernel, the caller's path
     qw = torch.zeros(64, 32, dtype=torch.int32)
@@ -468,8 +470,10 @@ def test_scales_through_the_ring_need_whole_16_byte_rows(monkeypatch) -> None:
     # The rule takes it (where switched on) only where N is whole 16-row units.
     from pagoda.kernels import w4a16
 
+    assert gemv_config(1, 4096, 4096, 128).sc_prefetch  # the scale rows asked into L2
     monkeypatch.setattr(w4a16, "GEMV_SC_RING", 1)
     assert gemv_config(1, 4096, 4096, 128).sc_ring
+    assert not gemv_config(1, 4096, 4096, 128).sc_prefetch  # they come through the ring
     assert not gemv_config(1, 4104, 4096, 128).sc_ring
 
 
