@@ -116,10 +116,12 @@ def test_prompt_tokens_total_counts_prefix_cache_hits(server):
 def test_a_request_refused_at_the_door_is_an_admission_rejection(server):
     # One running, 4 waiting at most: of 8 at once some are refused at the door (503) and
     # counted by reason (before: counted nowhere); a 503 for waiting past --max-queue-delay-s
-    # ends an admitted request (finish_reason "abort"), not a rejection.
+    # ends an admitted request (finish_reason "abort"), not a rejection. Each request holds its
+    # place long enough (120 tokens) that the burst's last arrive before the first ends, even
+    # on a busy machine.
     rejected0 = server.metric("pagoda:admission_rejections_total", reason="max_num_queued_reqs")
     with ThreadPoolExecutor(8) as ex:
-        answers = list(ex.map(lambda i: _post(server, {"prompt": f"burst {i}", "max_tokens": 40,
+        answers = list(ex.map(lambda i: _post(server, {"prompt": f"burst {i}", "max_tokens": 120,
                                                        "ignore_eos": True}), range(8)))  # fmt: skip
     at_door = [r for r in answers if r.status_code == 503 and "at capacity" in r.text]
     assert at_door and any(r.status_code == 200 for r in answers), [r.text for r in answers]
