@@ -423,3 +423,33 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`, `pagoda.beam_search`): `beam_width`
+    beams are kept (each step looks at 2 x beam_width candidates a beam, so beam_width <=
+    MAX_LOGPROBS / 2); `max_tokens` new tokens at most; `temperature` scales the logits the
+    candidates are drawn from (0: greedy, the usual); `length_penalty` > 1 favours longer
+    sequences; `skip_special_tokens` for the text. `include_stop_str_in_output` is vLLM's
+    and has nothing to act on (a beam stops at EOS only)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(
+                f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got {self.beam_width}"
+            )
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:  # NaN fails too
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not -1e9 < self.length_penalty < 1e9:
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from pagoda.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagoda.engine.arg_utils import EngineArgs, legacy_speculative_config
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.entrypoints.chat_utils import normalize_messages
@@ -363,12 +364,32 @@ class LLM:
         return [finished[rid] for rid in request_ids if rid in finished]
 
     # -- vLLM's other LLM methods, for what Pagoda does not do -------------------------------
-    def beam_search(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _not_implemented(
-            "beam_search",
-            "it samples (LLM.generate with SamplingParams: temperature=0 for greedy decoding, "
-            "n=... with logprobs for several candidates)",
-        )
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`pagoda.beam_search`): the `params.beam_width` best sequences of
+        each prompt (a string, token ids or a TextPrompt / TokensPrompt), each step one engine
+        call for every live beam; `concurrency_limit` prompts at a time (all by default)."""
+        _refuse_unsupported(lora_request=lora_request)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        limit = concurrency_limit or max(len(prompts), 1)
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(prompts), limit):
+            outputs += beam_search(
+                self, prompts[start : start + limit], params,
+                lambda batch, sp: self.generate(batch, sp, use_tqdm=False),
+                self.llm_engine.model_config.max_model_len,
+            )  # fmt: skip
+        return outputs
 
     def encode(self, *args: Any, **kwargs: Any) -> NoReturn:
         _not_implemented("encode", _NO_POOLING)

@@ -124,7 +124,6 @@ def test_a_bad_generation_config_fails_before_the_model_loads(tmp_path) -> None:
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("beam_search", "samples"),
         ("encode", "generative models only"),
         ("embed", "generative models only"),
         ("classify", "generative models only"),

@@ -1,0 +1,150 @@
+"""Beam search over the engine, as vLLM's `LLM.beam_search` does it: each step asks the engine
+for one token of every live beam with its 2 x beam_width most likely next tokens (the prefix
+cache makes the beam's re-sent prompt cost one token of compute), extends each beam by each
+of them, and keeps the beam_width best by cumulative log probability divided by the length to
+the power `length_penalty` (Hugging Face's score); a beam that emits EOS is finished. At the
+end the finished and live beams compete together and the best beam_width are returned, longest
+first only by score. The scores count the prompt's tokens in the length, as vLLM's do."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagoda.outputs import Logprob
+from pagoda.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.llm import LLM
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: its tokens (the prompt's first), the candidates' log probabilities at each
+    new position, their sum for the chosen tokens, and its text once returned (the whole
+    sequence decoded, prompt included, as vLLM returns it)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def get_beam_search_score(
+    tokens: list[int], cumulative_logprob: float, eos_token_id: int | None, length_penalty: float
+) -> float:
+    """cumulative_logprob / length ** length_penalty, the length without a final EOS."""
+    seq_len = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
+    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+
+
+def sort_beams_key(
+    eos_token_id: int | None, length_penalty: float
+) -> Callable[[BeamSearchSequence], float]:
+    return lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos_token_id, length_penalty)
+
+
+def _prompt_tokens(llm: LLM, prompt: Any) -> list[int]:
+    """A prompt's token ids: a string or {"prompt": str} tokenized as `generate` would, a list
+    of ids or {"prompt_token_ids": [...]} as it is."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return llm.get_tokenizer().encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+        return list(prompt)
+    raise ValueError(
+        "each beam_search prompt must be a string, a non-empty list of token ids or a "
+        f"TextPrompt / TokensPrompt dict, got {type(prompt).__name__}"
+    )
+
+
+def beam_search(
+    llm: LLM,
+    prompts: Sequence[Any],
+    params: BeamSearchParams,
+    generate: Callable[[list[dict[str, list[int]]], SamplingParams], list[Any]],
+    max_model_len: int,
+) -> list[BeamSearchOutput]:
+    """The beams of each prompt; `generate(token prompts, params)` runs one engine call. A
+    beam that fills the context ends there (finish_reason "length")."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    key = sort_beams_key(eos, params.length_penalty)
+    step_params = SamplingParams(
+        n=1,
+        max_tokens=1,
+        temperature=params.temperature,
+        logprobs=2 * params.beam_width,
+        ignore_eos=True,  # EOS is a candidate like any other; the search ends its beam
+        detokenize=False,
+    )
+    live = [[BeamSearchSequence(tokens=_prompt_tokens(llm, p))] for p in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    for i, instance in enumerate(live):
+        if len(instance[0].tokens) >= max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(instance[0].tokens)} tokens: no room for one more within "
+                f"max_model_len={max_model_len}"
+            )
+    for _ in range(params.max_tokens):
+        for i, instance in enumerate(live):  # beams at the context's end are finished
+            full = [b for b in instance if len(b.tokens) >= max_model_len]
+            for beam in full:
+                beam.finish_reason = "length"
+            done[i].extend(full)
+            live[i] = [b for b in instance if len(b.tokens) < max_model_len]
+        beams = list(itertools.chain.from_iterable(live))
+        if not beams:
+            break
+        outputs = generate([{"prompt_token_ids": b.tokens} for b in beams], step_params)
+        at = 0
+        for i, instance in enumerate(live):
+            candidates = []
+            for beam, out in zip(instance, outputs[at : at + len(instance)]):
+                step = out.outputs[0].logprobs[0]
+                for token, lp in step.items():
+                    new = BeamSearchSequence(
+                        tokens=beam.tokens + [token],
+                        logprobs=beam.logprobs + [step],
+                        cum_logprob=beam.cum_logprob + lp.logprob,
+                    )
+                    if token == eos and not params.ignore_eos:
+                        new.finish_reason, new.stop_reason = "stop", None
+                        done[i].append(new)
+                    else:
+                        candidates.append(new)
+            at += len(instance)
+            live[i] = sorted(candidates, key=key, reverse=True)[: params.beam_width]
+    results = []
+    for finished, remaining in zip(done, live):
+        for beam in remaining:
+            beam.finish_reason = "length"
+        best = sorted(finished + remaining, key=key, reverse=True)[: params.beam_width]
+        for beam in best:
+            beam.text = tokenizer.decode(
+                beam.tokens, skip_special_tokens=params.skip_special_tokens
+            )
+        results.append(BeamSearchOutput(sequences=best))
+    return results
