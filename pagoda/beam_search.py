@@ -47,7 +47,10 @@ def get_beam_search_score(
 ) -> float:
     """cumulative_logprob / length ** length_penalty, the length without a final EOS."""
     seq_len = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
-    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+    try:
+        return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+    except OverflowError:  # a huge penalty: every long sequence scores 0
+        return cumulative_logprob * 0.0
 
 
 def sort_beams_key(
@@ -76,6 +79,87 @@ def _prompt_tokens(llm: LLM, prompt: Any) -> list[int]:
     )
 
 
+class BeamSearch:
+    """The search over one batch of prompts, one step at a time: `step_prompts()` are the live
+    beams' tokens to ask the engine one token for (`step_params`), `advance()` takes each
+    one's candidates ({token: Logprob}, the engine's first position), `results()` the end.
+    `LLM.beam_search` drives it with `generate`, the server with its async engine."""
+
+    def __init__(
+        self, prompts: list[list[int]], params: BeamSearchParams, eos: int | None,
+        max_model_len: int,
+    ) -> None:  # fmt: skip
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        for i, tokens in enumerate(prompts):
+            if len(tokens) >= max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(tokens)} tokens: no room for one more within "
+                    f"max_model_len={max_model_len}"
+                )
+        self.params, self.eos, self.max_model_len = params, eos, max_model_len
+        self.prompt_lens = [len(t) for t in prompts]
+        self.key = sort_beams_key(eos, params.length_penalty)
+        self.live = [[BeamSearchSequence(tokens=list(t))] for t in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+        self.step_params = SamplingParams(
+            n=1,
+            max_tokens=1,
+            temperature=params.temperature,
+            logprobs=2 * params.beam_width,
+            ignore_eos=True,  # EOS is a candidate like any other; the search ends its beam
+            detokenize=False,
+        )
+
+    def step_prompts(self) -> list[list[int]]:
+        """The tokens of every live beam, prompt by prompt; empty when the search is over."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        for i, instance in enumerate(self.live):  # beams at the context's end are finished
+            full = [b for b in instance if len(b.tokens) >= self.max_model_len]
+            for beam in full:
+                beam.finish_reason = "length"
+            self.done[i].extend(full)
+            self.live[i] = [b for b in instance if len(b.tokens) < self.max_model_len]
+        return [b.tokens for b in itertools.chain.from_iterable(self.live)]
+
+    def advance(self, steps: list[dict[int, Logprob]]) -> None:
+        """Each live beam (in `step_prompts` order) extended by each of its candidates; the
+        beam_width best kept."""
+        self.steps += 1
+        at = 0
+        for i, instance in enumerate(self.live):
+            candidates = []
+            for beam, step in zip(instance, steps[at : at + len(instance)]):
+                for token, lp in step.items():
+                    new = BeamSearchSequence(
+                        tokens=beam.tokens + [token],
+                        logprobs=beam.logprobs + [step],
+                        cum_logprob=beam.cum_logprob + lp.logprob,
+                    )
+                    if token == self.eos and not self.params.ignore_eos:
+                        new.finish_reason = "stop"
+                        self.done[i].append(new)
+                    else:
+                        candidates.append(new)
+            at += len(instance)
+            self.live[i] = sorted(candidates, key=self.key, reverse=True)[: self.params.beam_width]
+
+    def results(self, decode: Callable[..., str]) -> list[BeamSearchOutput]:
+        """Each prompt's best beam_width sequences, best first, their text decoded (prompt
+        included)."""
+        outputs = []
+        for finished, remaining in zip(self.done, self.live):
+            for beam in remaining:
+                beam.finish_reason = "length"
+            best = sorted(finished + remaining, key=self.key, reverse=True)
+            for beam in best[: self.params.beam_width]:
+                beam.text = decode(beam.tokens, skip_special_tokens=self.params.skip_special_tokens)
+            outputs.append(BeamSearchOutput(sequences=best[: self.params.beam_width]))
+        return outputs
+
+
 def beam_search(
     llm: LLM,
     prompts: Sequence[Any],
@@ -85,66 +169,13 @@ def beam_search(
 ) -> list[BeamSearchOutput]:
     """The beams of each prompt; `generate(token prompts, params)` runs one engine call. A
     beam that fills the context ends there (finish_reason "length")."""
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     tokenizer = llm.get_tokenizer()
-    eos = tokenizer.eos_token_id
-    key = sort_beams_key(eos, params.length_penalty)
-    step_params = SamplingParams(
-        n=1,
-        max_tokens=1,
-        temperature=params.temperature,
-        logprobs=2 * params.beam_width,
-        ignore_eos=True,  # EOS is a candidate like any other; the search ends its beam
-        detokenize=False,
+    search = BeamSearch(
+        [_prompt_tokens(llm, p) for p in prompts], params, tokenizer.eos_token_id, max_model_len
     )
-    live = [[BeamSearchSequence(tokens=_prompt_tokens(llm, p))] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for i, instance in enumerate(live):
-        if len(instance[0].tokens) >= max_model_len:
-            raise ValueError(
-                f"prompt {i} has {len(instance[0].tokens)} tokens: no room for one more within "
-                f"max_model_len={max_model_len}"
-            )
-    for _ in range(params.max_tokens):
-        for i, instance in enumerate(live):  # beams at the context's end are finished
-            full = [b for b in instance if len(b.tokens) >= max_model_len]
-            for beam in full:
-                beam.finish_reason = "length"
-            done[i].extend(full)
-            live[i] = [b for b in instance if len(b.tokens) < max_model_len]
-        beams = list(itertools.chain.from_iterable(live))
-        if not beams:
-            break
-        outputs = generate([{"prompt_token_ids": b.tokens} for b in beams], step_params)
-        at = 0
-        for i, instance in enumerate(live):
-            candidates = []
-            for beam, out in zip(instance, outputs[at : at + len(instance)]):
-                step = out.outputs[0].logprobs[0]
-                for token, lp in step.items():
-                    new = BeamSearchSequence(
-                        tokens=beam.tokens + [token],
-                        logprobs=beam.logprobs + [step],
-                        cum_logprob=beam.cum_logprob + lp.logprob,
-                    )
-                    if token == eos and not params.ignore_eos:
-                        new.finish_reason, new.stop_reason = "stop", None
-                        done[i].append(new)
-                    else:
-                        candidates.append(new)
-            at += len(instance)
-            live[i] = sorted(candidates, key=key, reverse=True)[: params.beam_width]
-    results = []
-    for finished, remaining in zip(done, live):
-        for beam in remaining:
-            beam.finish_reason = "length"
-        best = sorted(finished + remaining, key=key, reverse=True)[: params.beam_width]
-        for beam in best:
-            beam.text = tokenizer.decode(
-                beam.tokens, skip_special_tokens=params.skip_special_tokens
-            )
-        results.append(BeamSearchOutput(sequences=best))
-    return results
+    while batch := search.step_prompts():
+        outputs = generate([{"prompt_token_ids": t} for t in batch], search.step_params)
+        search.advance([out.outputs[0].logprobs[0] for out in outputs])
+    return search.results(tokenizer.decode)

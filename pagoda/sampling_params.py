@@ -451,5 +451,5 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if not self.temperature >= 0.0:  # NaN fails too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not -1e9 < self.length_penalty < 1e9:
+        if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")

@@ -154,6 +154,9 @@ class _SamplingFields(RequestModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     request_id: str | None = None
+    # vLLM's beam search: `n` beams, scored by cumulative log probability / length ** penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(_SamplingFields):

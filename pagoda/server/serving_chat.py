@@ -189,25 +189,36 @@ async def create_chat_completion(
     prompt_ids = await ctx.encode_prompt(prompt, req.add_special_tokens, "messages")
     validate_prompt(ctx, prompt_ids, params, "messages", mt_field)
     request_id = req.request_id or f"chatcmpl-{random_uuid()}"
-    stream = merge_async_iterators(
-        ctx.engine.generate(
-            prompt_ids, params, request_id, req.priority, trace_headers=trace_headers
-        )
-    )
     created = int(time.time())
-    if req.stream:
+    if req.use_beam_search:  # `n` beams as the choices (`pagoda.server.beam_search`)
+        from pagoda.server.beam_search import beam_search_params, beam_search_state
+
+        if tools.mode != "none":
+            raise APIError("tools are not supported with beam search", 400, "tools")
+        bs = beam_search_params(ctx, req, params, mt_field)
+        state = await beam_search_state(
+            ctx, prompt_ids, bs, request_id, req.priority, trace_headers
+        )
+    else:
+        stream = merge_async_iterators(
+            ctx.engine.generate(
+                prompt_ids, params, request_id, req.priority, trace_headers=trace_headers
+            )
+        )
+        if req.stream:
+            try:
+                first = await first_output(stream)
+            except APIError as e:
+                raise _named_for_tools(e, req, tools) from None
+            return _stream(
+                ctx, req, len(prompt_ids), stream, first, request_id, created, top_k, tools
+            )
+        state = RequestState()
         try:
-            first = await first_output(stream)
+            await collect_outputs(stream, [state])
         except APIError as e:
             raise _named_for_tools(e, req, tools) from None
-        return _stream(ctx, req, len(prompt_ids), stream, first, request_id, created, top_k, tools)
-
     echo = _echoed(req)
-    state = RequestState()
-    try:
-        await collect_outputs(stream, [state])
-    except APIError as e:
-        raise _named_for_tools(e, req, tools) from None
     choices, num_gen = [], 0
     for j in sorted(state.choices):
         c = state.choices[j]

@@ -7,6 +7,7 @@ Choice `index` is `prompt_index * n + sample_index`, as OpenAI and vLLM number t
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -123,6 +124,8 @@ async def create_completion(
         except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
             raise exception_to_api_error(e) from None
     request_id = req.request_id or f"cmpl-{random_uuid()}"
+    if req.use_beam_search:
+        return await _beam_search(ctx, req, base, prompts, request_id, trace_headers)
     generators = []
     for i, pr in enumerate(prompts):
         params = base.clone()
@@ -149,6 +152,38 @@ async def create_completion(
     except APIError as e:
         raise name_constraint_error(e, req) from None
     return _final_response(ctx, req, prompts, states, request_id, created, model, echo_only)
+
+
+async def _beam_search(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    base: Any,
+    prompts: list[_Prompt],
+    request_id: str,
+    trace_headers: Mapping[str, str] | None,
+) -> CompletionResponse:
+    """`use_beam_search`: each prompt's `n` beams as its choices (`pagoda.server.beam_search`),
+    the prompts searched at once."""
+    from pagoda.server.beam_search import beam_search_params, beam_search_state
+
+    if req.max_tokens == 0:
+        raise APIError("beam search needs max_tokens >= 1", 400, "max_tokens")
+    searches = []
+    for i, pr in enumerate(prompts):
+        params = base.clone()
+        validate_prompt(ctx, pr.token_ids, params, "prompt")
+        bs = beam_search_params(ctx, req, params, "max_tokens")
+        sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        searches.append(
+            beam_search_state(ctx, pr.token_ids, bs, sub_id, req.priority, trace_headers)
+        )
+    for pr in prompts:
+        if pr.text is None and req.echo and ctx.tokenizer is not None:
+            pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)
+    states = list(await asyncio.gather(*searches))
+    return _final_response(
+        ctx, req, prompts, states, request_id, int(time.time()), ctx.model_name, False
+    )
 
 
 def _final_response(

@@ -146,6 +146,7 @@ def test_score_is_vllms() -> None:
     assert get_beam_search_score(seq.tokens, seq.cum_logprob, EOS, 1.0) == -2.0  # EOS not counted
     assert get_beam_search_score([1, 2], -6.0, EOS, 2.0) == -1.5
     assert get_beam_search_score([1, 2], -6.0, EOS, 0.0) == -6.0
+    assert get_beam_search_score([1, 2], -6.0, EOS, 1e300) == 0.0  # no OverflowError
 
 
 @pytest.fixture(scope="module")
