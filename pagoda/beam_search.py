@@ -3,21 +3,18 @@ for one token of every live beam with its 2 x beam_width most likely next tokens
 cache makes the beam's re-sent prompt cost one token of compute), extends each beam by each
 of them, and keeps the beam_width best by cumulative log probability divided by the length to
 the power `length_penalty` (Hugging Face's score); a beam that emits EOS is finished. At the
-end the finished and live beams compete together and the best beam_width are returned, longest
-first only by score. The scores count the prompt's tokens in the length, as vLLM's do."""
+end the finished and live beams compete together and the best beam_width are returned, best
+score first. The scores count the prompt's tokens in the length, as vLLM's do."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagoda.outputs import Logprob
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
-
-if TYPE_CHECKING:
-    from pagoda.entrypoints.llm import LLM
 
 
 @dataclass
@@ -59,26 +56,6 @@ def sort_beams_key(
     return lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos_token_id, length_penalty)
 
 
-def _prompt_tokens(llm: LLM, prompt: Any) -> list[int]:
-    """A prompt's token ids: a string or {"prompt": str} tokenized as `generate` would, a list
-    of ids or {"prompt_token_ids": [...]} as it is."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
-        elif "prompt" in prompt:
-            prompt = prompt["prompt"]
-        else:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    if isinstance(prompt, str):
-        return llm.get_tokenizer().encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
-        return list(prompt)
-    raise ValueError(
-        "each beam_search prompt must be a string, a non-empty list of token ids or a "
-        f"TextPrompt / TokensPrompt dict, got {type(prompt).__name__}"
-    )
-
-
 class BeamSearch:
     """The search over one batch of prompts, one step at a time: `step_prompts()` are the live
     beams' tokens to ask the engine one token for (`step_params`), `advance()` takes each
@@ -92,13 +69,14 @@ class BeamSearch:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         for i, tokens in enumerate(prompts):
+            if not tokens:
+                raise ValueError(f"prompt {i} is empty")
             if len(tokens) >= max_model_len:
                 raise ValueError(
                     f"prompt {i} has {len(tokens)} tokens: no room for one more within "
                     f"max_model_len={max_model_len}"
                 )
         self.params, self.eos, self.max_model_len = params, eos, max_model_len
-        self.prompt_lens = [len(t) for t in prompts]
         self.key = sort_beams_key(eos, params.length_penalty)
         self.live = [[BeamSearchSequence(tokens=list(t))] for t in prompts]
         self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
@@ -146,36 +124,35 @@ class BeamSearch:
             at += len(instance)
             self.live[i] = sorted(candidates, key=self.key, reverse=True)[: self.params.beam_width]
 
-    def results(self, decode: Callable[..., str]) -> list[BeamSearchOutput]:
-        """Each prompt's best beam_width sequences, best first, their text decoded (prompt
-        included)."""
+    def results(self) -> list[BeamSearchOutput]:
+        """Each prompt's best beam_width sequences, best first (their text not set)."""
         outputs = []
         for finished, remaining in zip(self.done, self.live):
             for beam in remaining:
                 beam.finish_reason = "length"
             best = sorted(finished + remaining, key=self.key, reverse=True)
-            for beam in best[: self.params.beam_width]:
-                beam.text = decode(beam.tokens, skip_special_tokens=self.params.skip_special_tokens)
             outputs.append(BeamSearchOutput(sequences=best[: self.params.beam_width]))
         return outputs
 
 
 def beam_search(
-    llm: LLM,
-    prompts: Sequence[Any],
+    prompts: list[list[int]],
     params: BeamSearchParams,
     generate: Callable[[list[dict[str, list[int]]], SamplingParams], list[Any]],
+    tokenizer: Any,
     max_model_len: int,
 ) -> list[BeamSearchOutput]:
-    """The beams of each prompt; `generate(token prompts, params)` runs one engine call. A
-    beam that fills the context ends there (finish_reason "length")."""
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    tokenizer = llm.get_tokenizer()
-    search = BeamSearch(
-        [_prompt_tokens(llm, p) for p in prompts], params, tokenizer.eos_token_id, max_model_len
-    )
+    """The beams of each prompt (token ids); `generate(token prompts, params)` runs one engine
+    call. A beam that fills the context ends there (finish_reason "length"). Each returned
+    sequence's text is its tokens decoded, prompt included, as vLLM returns it."""
+    search = BeamSearch(prompts, params, tokenizer.eos_token_id, max_model_len)
     while batch := search.step_prompts():
         outputs = generate([{"prompt_token_ids": t} for t in batch], search.step_params)
         search.advance([out.outputs[0].logprobs[0] for out in outputs])
-    return search.results(tokenizer.decode)
+    results = search.results()
+    for out in results:
+        for beam in out.sequences:
+            beam.text = tokenizer.decode(
+                beam.tokens, skip_special_tokens=params.skip_special_tokens
+            )
+    return results

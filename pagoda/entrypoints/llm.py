@@ -381,13 +381,14 @@ class LLM:
         prompts = list(prompts)
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
-        limit = concurrency_limit or max(len(prompts), 1)
+        ids = [self.llm_engine.input_processor.process_prompt(p)[1] for p in prompts]
+        limit = concurrency_limit or max(len(ids), 1)
         outputs: list[BeamSearchOutput] = []
-        for start in range(0, len(prompts), limit):
+        for start in range(0, len(ids), limit):
             outputs += beam_search(
-                self, prompts[start : start + limit], params,
+                ids[start : start + limit], params,
                 lambda batch, sp: self.generate(batch, sp, use_tqdm=False),
-                self.llm_engine.model_config.max_model_len,
+                self.get_tokenizer(), self.llm_engine.model_config.max_model_len,
             )  # fmt: skip
         return outputs
 

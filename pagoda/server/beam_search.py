@@ -90,7 +90,7 @@ async def beam_search_state(
     except BaseException as e:
         raise exception_to_api_error(e) from None
     state = RequestState(prompt_token_ids=list(prompt_ids))
-    for j, seq in enumerate(search.results(lambda ids, **_: "")[0].sequences):
+    for j, seq in enumerate(search.results()[0].sequences):
         ids = seq.tokens[len(prompt_ids) :]
         lps = seq.logprobs
         if seq.finish_reason == "stop" and not params.include_stop_str_in_output:

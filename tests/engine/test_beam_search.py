@@ -32,11 +32,7 @@ class _Toy:
         self.tokenizer = SimpleNamespace(
             eos_token_id=EOS,
             decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)),
-            encode=lambda text: [int(t) for t in text.split()],
         )
-
-    def get_tokenizer(self):
-        return self.tokenizer
 
     def next_logprobs(self, tokens: list[int]) -> list[float]:
         a, b = ([-1, -1] + tokens)[-2:]
@@ -81,13 +77,13 @@ def test_a_beam_that_prunes_nothing_returns_the_exhaustive_search_best(seed, len
     toy = _Toy(seed)
     prompt = [1, 2]
     wide = BeamSearchParams(beam_width=10, max_tokens=2, length_penalty=length_penalty)
-    got = beam_search(toy, [{"prompt_token_ids": prompt}], wide, toy.generate, 100)[0]
+    got = beam_search([prompt], wide, toy.generate, toy.tokenizer, 100)[0]
     want = _exhaustive(toy, prompt, 2, length_penalty)
     assert [s.tokens for s in got.sequences] == [w[0] for w in want[:10]]
     # A narrow beam over more tokens: ordered by score, no better than the exhaustive best,
     # each sequence's cumulative log probability the sum of its chosen tokens'.
     narrow = BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=length_penalty)
-    seqs = beam_search(toy, [prompt], narrow, toy.generate, 100)[0].sequences
+    seqs = beam_search([prompt], narrow, toy.generate, toy.tokenizer, 100)[0].sequences
     scores = [get_beam_search_score(s.tokens, s.cum_logprob, EOS, length_penalty) for s in seqs]
     assert len(seqs) == 3 and scores == sorted(scores, reverse=True)
     assert scores[0] <= get_beam_search_score(*_exhaustive(toy, prompt, 4, length_penalty)[0],
@@ -102,7 +98,9 @@ def test_a_beam_that_prunes_nothing_returns_the_exhaustive_search_best(seed, len
 def test_width_one_is_greedy_and_stops_at_eos() -> None:
     toy = _Toy(7)
     prompt = [0, 3]
-    got = beam_search(toy, [prompt], BeamSearchParams(1, 6), toy.generate, 100)[0].sequences
+    got = beam_search([prompt], BeamSearchParams(1, 6), toy.generate, toy.tokenizer, 100)[
+        0
+    ].sequences
     greedy = list(prompt)
     for _ in range(6):
         lps = toy.next_logprobs(greedy)
@@ -115,15 +113,17 @@ def test_width_one_is_greedy_and_stops_at_eos() -> None:
 def test_several_prompts_one_engine_call_a_step_and_beams_end_at_the_context() -> None:
     toy = _Toy(3)
     params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
-    outs = beam_search(toy, [[0], [1, 1], "2 3"], params, toy.generate, 100)
+    outs = beam_search([[0], [1, 1], [2, 3]], params, toy.generate, toy.tokenizer, 100)
     assert len(outs) == 3 and toy.calls == 4  # one call a step for all prompts' beams
     assert all(len(s.tokens) == len(p) + 4 for o, p in zip(outs, [[0], [1, 1], [2, 3]])
                for s in o.sequences)  # fmt: skip
     # ignore_eos: EOS is a token like any other
-    short = beam_search(toy, [[0, 1]], BeamSearchParams(2, 10, ignore_eos=True), toy.generate, 4)
+    short = beam_search(
+        [[0, 1]], BeamSearchParams(2, 10, ignore_eos=True), toy.generate, toy.tokenizer, 4
+    )
     assert all(len(s.tokens) == 4 and s.finish_reason == "length" for s in short[0].sequences)
     with pytest.raises(ValueError, match="no room for one more"):
-        beam_search(toy, [[0, 1, 2, 3]], params, toy.generate, 4)
+        beam_search([[0, 1, 2, 3]], params, toy.generate, toy.tokenizer, 4)
 
 
 def test_bad_params_and_prompts_are_refused() -> None:
@@ -134,11 +134,9 @@ def test_bad_params_and_prompts_are_refused() -> None:
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
     toy = _Toy(0)
     with pytest.raises(TypeError, match="BeamSearchParams"):
-        beam_search(toy, [[1]], {"beam_width": 2}, toy.generate, 100)
+        beam_search([[1]], {"beam_width": 2}, toy.generate, toy.tokenizer, 100)
     with pytest.raises(ValueError, match="prompt"):
-        beam_search(toy, [[]], BeamSearchParams(2, 2), toy.generate, 100)
-    with pytest.raises(ValueError, match="prompt"):
-        beam_search(toy, [{"text": "x"}], BeamSearchParams(2, 2), toy.generate, 100)
+        beam_search([[]], BeamSearchParams(2, 2), toy.generate, toy.tokenizer, 100)
 
 
 def test_score_is_vllms() -> None:
@@ -171,6 +169,8 @@ def test_on_the_embedded_model(llm) -> None:
     one = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=8))[0].sequences[0]
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert one.tokens == list(greedy[0].prompt_token_ids) + list(greedy[0].outputs[0].token_ids)
+    with pytest.raises(ValueError, match="prompt"):  # parsed as generate parses prompts
+        llm.beam_search([{"text": "x"}], BeamSearchParams(2, 2))
     with pytest.raises(ValueError, match="lora_request"):
         llm.beam_search([prompt], BeamSearchParams(2, 2), lora_request=object())
     two = llm.beam_search(["a", "b", "c"], BeamSearchParams(2, 2), concurrency_limit=2)
