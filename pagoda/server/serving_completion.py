@@ -136,9 +136,7 @@ async def create_completion(
                 pr.token_ids, params, sub_id, req.priority, trace_headers=trace_headers
             )
         )
-    for pr in prompts:
-        if pr.text is None and req.echo and ctx.tokenizer is not None:
-            pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)
+    await _decode_echoed(ctx, req, prompts)
 
     stream = merge_async_iterators(*generators)
     created = int(time.time())
@@ -168,22 +166,29 @@ async def _beam_search(
 
     if req.max_tokens == 0:
         raise APIError("beam search needs max_tokens >= 1", 400, "max_tokens")
-    searches = []
-    for i, pr in enumerate(prompts):
+    searches = []  # every prompt checked before any search starts
+    for pr in prompts:
         params = base.clone()
         validate_prompt(ctx, pr.token_ids, params, "prompt")
-        bs = beam_search_params(ctx, req, params, "max_tokens")
-        sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        searches.append(
-            beam_search_state(ctx, pr.token_ids, bs, sub_id, req.priority, trace_headers)
-        )
-    for pr in prompts:
-        if pr.text is None and req.echo and ctx.tokenizer is not None:
-            pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)
-    states = list(await asyncio.gather(*searches))
+        searches.append(beam_search_params(ctx, req, params, "max_tokens"))
+    await _decode_echoed(ctx, req, prompts)
+    states = list(await asyncio.gather(*(
+        beam_search_state(ctx, pr.token_ids, bs, request_id if len(prompts) == 1
+                          else f"{request_id}-{i}", req.priority, trace_headers)
+        for i, (pr, bs) in enumerate(zip(prompts, searches))
+    )))  # fmt: skip
     return _final_response(
         ctx, req, prompts, states, request_id, int(time.time()), ctx.model_name, False
     )
+
+
+async def _decode_echoed(
+    ctx: ServingContext, req: CompletionRequest, prompts: list[_Prompt]
+) -> None:
+    """With `echo`, the text of the prompts given as token ids."""
+    for pr in prompts:
+        if pr.text is None and req.echo and ctx.tokenizer is not None:
+            pr.text = await ctx.preprocessor.decode(pr.token_ids, skip_special_tokens=False)
 
 
 def _final_response(
