@@ -21,8 +21,8 @@ def libcuda() -> Any:
 
 
 # CUtensorMap's enums (cuda.h).
-TMAP_UINT8, TMAP_UINT16 = 0, 1
-TMAP_SWIZZLE_NONE, TMAP_SWIZZLE_128B = 0, 3
+TMAP_UINT8 = 0
+TMAP_SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 
 
