@@ -122,7 +122,8 @@ def detect_gpu_memory_bytes() -> int | None:
 def make_plan(args: argparse.Namespace) -> Plan:
     """The plan for `args` (see `add_plan_args`); raises ValueError for a bad value."""
     from pagoda.engine.arg_utils import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
-    from pagoda.plan_weights import checkpoint_accepts, estimate_weights
+    from pagoda.plan_weights import estimate_weights
+    from pagoda.quant_config import checkpoint_accepts
     from pagoda.worker import memory_estimate as est
 
     if args.gpu_memory_gib is not None and args.device == "cpu":
@@ -155,7 +156,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.quantization and load_format != "dummy":
         # As the engine refuses it at start (EngineArgs.create_engine_config); for a shape
         # without weights (a preset, a config.json) --quantization says what to plan.
-        if ckpt and not checkpoint_accepts(args.quantization, ckpt, qc):
+        if ckpt and not checkpoint_accepts(args.quantization, ckpt, hf_config):
             raise ValueError(f"--quantization {args.quantization} but {model} is a {ckpt!r} "
                              "checkpoint: leave out --quantization")  # fmt: skip
         if not ckpt and args.quantization == "w8a8":

@@ -15,14 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda import envs
+from pagoda.quant_config import (
+    CT,
+    DUMMY_QUANTIZATION_CONFIGS,
+    parse_compressed_tensors,
+    parse_fp8_config,
+)
 from pagoda.worker import memory_estimate as est
-
-# `--quantization awq|gptq` of a config without a quantization_config (a preset): a typical
-# checkpoint's, as `pagoda.model.quantization.DUMMY_QUANTIZATION_CONFIGS` builds it.
-_DUMMY_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
-    "awq": {"bits": 4, "group_size": 128},
-    "gptq": {"bits": 4, "group_size": 128, "desc_act": False, "sym": True},
-}
 
 
 def estimate_weights(
@@ -38,8 +37,8 @@ def estimate_weights(
             return est.gguf_weight_bytes(model, True), "GGUF blocks kept quantized"
         return est.weight_bytes(hf_config, itemsize, tp), f"GGUF dequantized to {dtype}"
     qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else None
-    if not isinstance(qc, dict) or qc.get("quant_method") not in (quant, "compressed-tensors"):
-        qc = _DUMMY_QUANTIZATION_CONFIGS.get(quant, {})  # a preset: a typical checkpoint's
+    if not isinstance(qc, dict) or qc.get("quant_method") not in (quant, CT):
+        qc = DUMMY_QUANTIZATION_CONFIGS.get(quant, {})  # a preset: a typical checkpoint's
     eight_bit = _eight_bit_weights(quant, qc)
     if device == "cpu" and _cpu_blocks(dtype) and (eight_bit or quant in ("awq", "gptq")):
         return _cpu_blocks_weights(hf_config, dtype, itemsize, quant, qc, eight_bit, tp)
@@ -65,17 +64,6 @@ def estimate_weights(
     return est.weight_bytes(hf_config, itemsize, tp), dtype
 
 
-def checkpoint_accepts(quantization: str, ckpt: str, qc: dict[str, Any]) -> bool:
-    """As `pagoda.model.quantization.checkpoint_accepts`, without torch: the checkpoint's own
-    method; w8a8 / fp8 for a compressed-tensors checkpoint of that weight type; fp8 for a GGUF
-    file (dequantized, then cast at load)."""
-    if quantization == ckpt or (quantization, ckpt) == ("fp8", "gguf"):
-        return True
-    if ckpt != "compressed-tensors" or quantization not in ("w8a8", "fp8"):
-        return False
-    return _eight_bit_weights(ckpt, qc) == _eight_bit_weights(quantization, qc)
-
-
 def _cpu_blocks(dtype: str) -> bool:
     """Whether AWQ / GPTQ / W8A8 / FP8 layers on this CPU become GGUF blocks at load, as
     `cpu_blocks.cpu_blocks_enabled` decides (a C compiler standing in for the built kernel)."""
@@ -87,12 +75,20 @@ def _cpu_blocks(dtype: str) -> bool:
 
 def _eight_bit_weights(quant: str | None, qc: dict[str, Any]) -> str | None:
     """What 8-bit weights with per-channel scales the linear layers hold (`quantization/
-    w8a8.py`): "int8 W8A8", "FP8", or None for another format."""
-    if quant == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
-        types = {(g.get("weights") or {}).get("type") for g in groups.values()}
-        return "FP8" if "float" in types else "int8 W8A8"
-    return {"w8a8": "int8 W8A8", "fp8": "FP8"}.get(quant or "")
+    w8a8.py`): "int8 W8A8", "FP8", or None for another format. A compressed-tensors or FP8
+    checkpoint's config is parsed as the loader parses it: one Pagoda cannot serve raises the
+    loader's ValueError here."""
+    if quant not in (CT, "w8a8", "fp8"):
+        return None
+    if qc.get("quant_method") == CT:
+        scheme = parse_compressed_tensors(qc)
+        if quant == CT:
+            return "FP8" if scheme.weight_type == "float" else "int8 W8A8"
+    elif qc.get("quant_method") == "fp8":
+        parse_fp8_config(qc)
+    # w8a8 / fp8 name the type: the checkpoint's (`checkpoint_accepts` refuses the other), or
+    # for a shape without weights the one to plan.
+    return "FP8" if quant == "fp8" else "int8 W8A8"
 
 
 def _cpu_blocks_weights(

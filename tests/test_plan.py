@@ -152,14 +152,73 @@ def test_plan_errors_are_one_line(capsys):
     assert _plan("--quantization", "gguf").quantization == "gguf"
 
 
-@pytest.mark.parametrize("flags", [["--gpu-memory-gib", "80"], ["--device", "cpu", "-q", "awq"]])
-def test_plan_reads_the_config_without_torch(flags):
+def _int8_group(**changes) -> dict:
+    args = {"num_bits": 8, "type": "int", "symmetric": True}
+    return {"targets": ["Linear"], "weights": {**args, "strategy": "channel"},
+            "input_activations": {**args, "strategy": "token", "dynamic": True}, **changes}  # fmt: skip
+
+
+def _ct(group: dict) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "int-quantized",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+
+
+def _quantized_config(directory: Path, qc: dict, weights: bool = False) -> Path:
+    """llama-3.2-1b's config.json with `qc` as its quantization_config, in `directory`; with
+    `weights` an empty safetensors file beside it (a checkpoint, not a shape to plan)."""
+    config = json.loads((ROOT / "benchmarks/presets/llama-3.2-1b/config.json").read_text())
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    if weights:
+        (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+@pytest.mark.parametrize("flags", [["llama-3-8b", "--gpu-memory-gib", "80"],
+                                   ["llama-3-8b", "--device", "cpu", "-q", "awq"],
+                                   ["W8A8", "--device", "cpu", "--max-model-len", "4096"]])  # fmt: skip
+def test_plan_reads_the_config_without_torch(flags, tmp_path):
+    """`pagoda plan` imports no torch, reading a compressed-tensors config (`pagoda.quant_config`)
+    included."""
+    if flags[0] == "W8A8":
+        flags = [str(_quantized_config(tmp_path, _ct(_int8_group()))), *flags[1:]]
     code = ("import sys; from pagoda.cli import main; "
-            f"rc = main(['plan', 'llama-3-8b', *{flags!r}, '--json']); "
+            f"rc = main(['plan', *{flags!r}, '--json']); "
+            "assert 'pagoda.quant_config' in sys.modules; "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["num_blocks"] > 0
+    plan = json.loads(out.stdout)
+    assert plan["num_blocks"] > 0
+    assert "int8 W8A8" in plan["weights_note"] or flags[0].startswith("llama")
+
+
+MALFORMED = {
+    "4-bit weights": _ct(_int8_group(weights={"num_bits": 4, "type": "int"})),
+    "weights only": _ct(_int8_group(input_activations=None)),
+    "no config_groups": {"quant_method": "compressed-tensors"},
+    "block-wise fp8": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+@pytest.mark.parametrize("weights", [False, True], ids=["shape", "checkpoint"])
+def test_plan_refuses_a_quantization_config_as_the_loader_does(case, weights, tmp_path, capsys):
+    """A quantization_config the loader refuses: plan stops with the loader's message, with or
+    without --quantization naming the checkpoint's 8-bit type."""
+    from pagoda.model.quantization import get_linear_method
+
+    path = _quantized_config(tmp_path, MALFORMED[case], weights)
+    hf_config = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError) as loader:
+        get_linear_method(None, hf_config, dummy=not weights)
+    assert main(["plan", str(path), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == f"error: {loader.value}\n"
+    if MALFORMED[case]["quant_method"] == "compressed-tensors":
+        with pytest.raises(ValueError) as loader:
+            get_linear_method("w8a8", hf_config, dummy=not weights)
+        assert main(["plan", str(path), "--device", "cpu", "-q", "w8a8"]) == 2
+        assert capsys.readouterr().err == f"error: {loader.value}\n"
 
 
 @pytest.mark.skipif(not compiler_available(), reason="no C compiler: the layers are dequantized")

@@ -61,6 +61,7 @@ from pagoda.model.quantization.tp_shards import (
 )
 from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, gptq_to_w4
 from pagoda.model.quantization.w8_layout import W8Weight, gptq_to_w8
+from pagoda.quant_config import CT, DUMMY_QUANTIZATION_CONFIGS, checkpoint_accepts
 
 logger = logging.getLogger(__name__)
 
@@ -68,32 +69,8 @@ logger = logging.getLogger(__name__)
 # int8, fp8 for float8 checkpoints, fp8 also for a bf16/fp16 checkpoint quantized at load):
 # `quantization/w8a8.py`.
 QUANT_METHODS = ("awq", "gptq", "gguf", "compressed-tensors", "w8a8", "fp8")
-CT = "compressed-tensors"
-
-# `--load-format dummy --quantization X`: the quantization_config a checkpoint of that format
-# would carry (random weights of its shapes, `init_dummy_weights`).
-DUMMY_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-            "version": "gemm"},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-             "sym": True, "checkpoint_format": "gptq"},
-}  # fmt: skip
-
-
-def checkpoint_accepts(quantization: str, ckpt_method: str, hf_config: dict[str, Any]) -> bool:
-    """Whether `quantization` names the checkpoint's method: itself, or for a compressed-tensors
-    checkpoint w8a8 (int weights) / fp8 (float weights); fp8 also takes a GGUF file (its
-    weights dequantized, then cast to fp8 at load, as a bf16 checkpoint's)."""
-    if quantization == ckpt_method:
-        return True
-    if quantization == "fp8" and ckpt_method == "gguf":
-        return True  # the GGUF file's weights, dequantized, cast to fp8 at load
-    if ckpt_method != CT or quantization not in ("w8a8", "fp8"):
-        return False
-    from pagoda.model.quantization.w8a8 import parse_compressed_tensors
-
-    scheme = parse_compressed_tensors(hf_config["quantization_config"])
-    return scheme.weight_type == ("int" if quantization == "w8a8" else "float")
+# DUMMY_QUANTIZATION_CONFIGS and checkpoint_accepts, public names of this package, are
+# `pagoda.quant_config`'s: torch-free, so that `pagoda plan` reads configs as the loader does.
 
 
 def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:

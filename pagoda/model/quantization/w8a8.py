@@ -10,7 +10,8 @@ scales after it. On a CPU an int8 layer becomes Q8_0 blocks of the quantized CPU
 (`cpu_blocks.int8_blocks`, exact), an FP8 one too (`cpu_blocks.fp8_blocks`, requantized), a
 GGUF layer like a GGUF file's. compressed-tensors stores, per linear layer, `<prefix>.weight`
 (int8 / fp8) and `<prefix>.weight_scale` ([N, 1] for strategy "channel", [1] for "tensor");
-the `config_groups` say which. Static activation scales (`input_scale`) are read and not used:
+the `config_groups` say which (parsed by `pagoda.quant_config`, torch-free, as `pagoda
+plan` reads them too). Static activation scales (`input_scale`) are read and not used:
 every layer quantizes its activations per token, which is at least as accurate.
 
 A checkpoint whose tensors do not match its quantization_config (a float weight where it
@@ -21,7 +22,6 @@ model on a GPU without FP8 tensor cores (compute capability below 8.9).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,118 +31,14 @@ from pagoda import envs
 from pagoda.kernels.scaled_mm import FP8_DTYPE, QuantizedRows, quantize_weight, scaled_mm
 from pagoda.model.layers.linear import LinearMethodBase, set_weight_attrs
 from pagoda.model.quantization import cpu_blocks
+from pagoda.quant_config import W8A8Scheme, parse_compressed_tensors, parse_fp8_config
 
 logger = logging.getLogger(__name__)
 
-_CT_FORMATS = {"int-quantized": "int", "float-quantized": "float", "naive-quantized": None}
 
-
-@dataclass(frozen=True)
-class W8A8Scheme:
-    """What Pagoda reads of a compressed-tensors config: 8-bit symmetric weights per channel or
-    per tensor, of `weight_type` "int" (int8) or "float" (fp8 e4m3)."""
-
-    weight_type: str  # "int" | "float"
-    weight_strategy: str  # "channel" | "tensor"
-    static_input_scale: bool  # the checkpoint has input_scale tensors (read, not used)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.int8 if self.weight_type == "int" else FP8_DTYPE
-
-
-def _check_args(args: Any, what: str) -> dict[str, Any]:
-    if not isinstance(args, dict):
-        raise ValueError(f"compressed-tensors {what} must be an object, got {args!r:.80}")
-    if int(args.get("num_bits", 0)) != 8:
-        raise ValueError(
-            f"compressed-tensors {what}.num_bits={args.get('num_bits')}: Pagoda reads 8"
-        )
-    if args.get("type") not in ("int", "float"):
-        raise ValueError(f"compressed-tensors {what}.type={args.get('type')!r}: int or float")
-    if not args.get("symmetric", True):
-        raise ValueError(f"compressed-tensors {what}: asymmetric (zero points) is not supported")
-    return args
-
-
-def parse_compressed_tensors(qc: dict[str, Any]) -> W8A8Scheme:
-    """The W8A8 scheme of a compressed-tensors quantization_config, or a ValueError naming the
-    field Pagoda cannot serve."""
-    fmt = qc.get("format", "naive-quantized")
-    if fmt not in _CT_FORMATS:
-        raise ValueError(
-            f"compressed-tensors format {fmt!r} is not supported; Pagoda reads "
-            + ", ".join(_CT_FORMATS)
-        )
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError("compressed-tensors quantization_config has no config_groups")
-    schemes = set()
-    for name, group in groups.items():
-        targets = group.get("targets", [])
-        if targets not in (["Linear"], ["re:.*"], []):
-            raise ValueError(
-                f"compressed-tensors config_groups.{name}.targets={targets}: Pagoda quantizes "
-                "every Linear alike (targets ['Linear'])"
-            )
-        w = _check_args(group.get("weights"), f"config_groups.{name}.weights")
-        if w.get("strategy") not in ("channel", "tensor") or w.get("group_size"):
-            raise ValueError(
-                f"compressed-tensors config_groups.{name}.weights.strategy="
-                f"{w.get('strategy')!r}: Pagoda reads 'channel' and 'tensor'"
-            )
-        a = group.get("input_activations")
-        if a is None:
-            raise ValueError(
-                f"compressed-tensors config_groups.{name} quantizes weights only (no "
-                "input_activations): Pagoda reads W8A8 (int8 or fp8 activations too)"
-            )
-        a = _check_args(a, f"config_groups.{name}.input_activations")
-        if a["type"] != w["type"]:
-            raise ValueError(
-                f"compressed-tensors config_groups.{name}: weights and activations differ in type"
-            )
-        dynamic = bool(a.get("dynamic", False))
-        if (
-            dynamic
-            and a.get("strategy") != "token"
-            or not dynamic
-            and a.get("strategy") != "tensor"
-        ):
-            raise ValueError(
-                f"compressed-tensors config_groups.{name}.input_activations: strategy "
-                f"{a.get('strategy')!r} with dynamic={dynamic}; Pagoda reads dynamic 'token' "
-                "or static 'tensor' activation scales"
-            )
-        schemes.add(W8A8Scheme(w["type"], w["strategy"], not dynamic))
-    if len(schemes) != 1:
-        raise ValueError(
-            "compressed-tensors config_groups with different schemes are not supported"
-        )
-    scheme = schemes.pop()
-    if _CT_FORMATS[fmt] not in (None, scheme.weight_type):
-        raise ValueError(f"compressed-tensors format {fmt!r} with {scheme.weight_type} weights")
-    ignore = [i for i in qc.get("ignore", []) if i not in ("lm_head", "re:.*lm_head")]
-    if ignore:
-        raise ValueError(
-            f"compressed-tensors ignore={ignore}: Pagoda quantizes every decoder linear "
-            "(only lm_head may be left out)"
-        )
-    return scheme
-
-
-def parse_fp8_config(qc: dict[str, Any]) -> W8A8Scheme:
-    """vLLM's own FP8 checkpoints (`quant_method: fp8`, as AutoFP8 writes them): e4m3 weights
-    with one scale per tensor, activations dynamic or with static per-tensor input_scale."""
-    if qc.get("weight_block_size"):
-        raise ValueError(
-            f"fp8 weight_block_size={qc['weight_block_size']}: block-wise FP8 is not supported "
-            "yet (per-tensor and per-channel are)"
-        )
-    scheme = qc.get("activation_scheme", "dynamic")
-    if scheme not in ("dynamic", "static"):
-        raise ValueError(f"fp8 activation_scheme={scheme!r}: dynamic or static")
-    return W8A8Scheme("float", "tensor", static_input_scale=scheme == "static")
+def _weight_dtype(scheme: W8A8Scheme) -> torch.dtype:
+    """The torch dtype of `scheme`'s weights: int8, or FP8 e4m3."""
+    return torch.int8 if scheme.weight_type == "int" else FP8_DTYPE
 
 
 def fp8_unsupported_message(capability: tuple[int, int], name: str) -> str | None:
@@ -240,7 +136,7 @@ class CompressedTensorsW8A8Method(LinearMethodBase):
         if scheme.weight_type == "float":
             check_fp8_device()
         n, k = sum(output_partition_sizes), input_size_per_partition
-        weight = nn.Parameter(torch.empty(n, k, dtype=scheme.dtype), requires_grad=False)
+        weight = nn.Parameter(torch.empty(n, k, dtype=_weight_dtype(scheme)), requires_grad=False)
         set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
         layer.register_parameter("weight", weight)
         shard_index = {"q": 0, "k": 1, "v": 2}
@@ -270,7 +166,7 @@ class CompressedTensorsW8A8Method(LinearMethodBase):
             )
             set_weight_attrs(input_scale, {"weight_loader": shard_scalars, "optional": True})
             layer.register_parameter("input_scale", input_scale)
-        expected = scheme.dtype
+        expected = _weight_dtype(scheme)
 
         def load_weight(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
             if loaded.dtype != expected:
