@@ -102,7 +102,12 @@ extern "C" __global__ void __launch_bounds__(256) plain_read(const uint4* __rest
 """
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-COLD_BYTES = 400e6  # copies cycled: each launch reads bytes not in L2
+COLD_BYTES = 400e6
+# The GEMV with chunks of (K steps, stages) in place of the rule's: whole rows (one chunk) too.
+ALTERNATES = {
+    "qkv": ((32, 1), (8, 4)), "o": ((32, 1), (8, 4)), "gate_up": ((16, 2), (32, 1)),
+    "down": ((32, 2), (56, 2), (112, 1)),
+}  # fmt: skip  # copies cycled: each launch reads bytes not in L2
 
 
 def graph_time(launches: list, reps: int = 5) -> float:
@@ -199,6 +204,16 @@ def main() -> None:
         us = graph_time([lambda lay=lay, x=x: w4a16_linear(x, *lay, GROUP) for lay in layers])
         qbytes = nbytes + (k // GROUP) * n * 3
         print(f"  gemv 1 row ({cfg}): {us:6.2f} us {qbytes / us / 1e6:5.2f} TB/s", flush=True)
+        for chunk, stages in ALTERNATES[layer]:  # bigger copies a row: the same kernel
+            alt = cfg._replace(chunk=chunk, stages=stages)
+            us = graph_time(
+                [
+                    lambda lay=lay, x=x, c=alt: w4a16_linear(x, *lay, GROUP, config=c)
+                    for lay in layers
+                ]
+            )
+            print(f"  gemv chunk {chunk} stages {stages}: {us:6.2f} us "
+                  f"{qbytes / us / 1e6:5.2f} TB/s", flush=True)  # fmt: skip
         del layers
 
 
