@@ -123,7 +123,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """The plan for `args` (see `add_plan_args`); raises ValueError for a bad value."""
     from pagoda.engine.arg_utils import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
     from pagoda.plan_weights import estimate_weights
-    from pagoda.quant_config import checkpoint_accepts
+    from pagoda.quant_config import QUANT_METHODS, checkpoint_accepts, checkpoint_quant_method
     from pagoda.worker import memory_estimate as est
 
     if args.gpu_memory_gib is not None and args.device == "cpu":
@@ -151,8 +151,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )  # fmt: skip
     model, hf_config, max_model_len = engine_args.check_model_config()
     sc = engine_args._scheduler_config(max_model_len, async_scheduling=False)  # noqa: SLF001
-    qc = hf_config.get("quantization_config")
-    ckpt = qc.get("quant_method") if isinstance(qc, dict) else None
+    ckpt = checkpoint_quant_method(hf_config)
+    if ckpt not in (None, *QUANT_METHODS) and (load_format != "dummy" or not args.quantization):
+        # As the engine refuses a checkpoint's method at start; a shape planned with
+        # --quantization plans that instead of its config's.
+        raise ValueError(f"{model}: quantization_config.quant_method {ckpt!r} is not supported "
+                         f"yet; supported: {', '.join(QUANT_METHODS)}")  # fmt: skip
     if args.quantization and load_format != "dummy":
         # As the engine refuses it at start (EngineArgs.create_engine_config); for a shape
         # without weights (a preset, a config.json) --quantization says what to plan.

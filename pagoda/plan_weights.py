@@ -7,7 +7,8 @@ $PAGODA_CPU_QUANTIZED, a C compiler: `cpu_blocks`); W8A8 / FP8 layers otherwise 
 AWQ / GPTQ layers on CUDA stay packed (4-bit) or 8-bit, their MoE experts and GPTQ's act-order
 row-parallel shards (tp > 1) dequantized; anything else is dequantized to the model's dtype.
 The byte counts are `memory_estimate`'s; this module picks among them without torch and says
-which it picked.
+which it picked. It reads the quantization_config as the loader does (`pagoda.quant_config`): one
+the loader refuses raises the loader's ValueError here.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from pagoda import envs
 from pagoda.quant_config import (
     CT,
     DUMMY_QUANTIZATION_CONFIGS,
+    PackedScheme,
+    drop_router_exclusions,
+    parse_awq_config,
     parse_compressed_tensors,
     parse_fp8_config,
+    parse_gptq_config,
 )
 from pagoda.worker import memory_estimate as est
 
@@ -40,20 +45,22 @@ def estimate_weights(
     if not isinstance(qc, dict) or qc.get("quant_method") not in (quant, CT):
         qc = DUMMY_QUANTIZATION_CONFIGS.get(quant, {})  # a preset: a typical checkpoint's
     eight_bit = _eight_bit_weights(quant, qc)
-    if device == "cpu" and _cpu_blocks(dtype) and (eight_bit or quant in ("awq", "gptq")):
-        return _cpu_blocks_weights(hf_config, dtype, itemsize, quant, qc, eight_bit, tp)
+    packed = _packed_scheme(quant, qc, hf_config)
+    if device == "cpu" and _cpu_blocks(dtype) and (eight_bit or packed):
+        return _cpu_blocks_weights(hf_config, dtype, itemsize, quant, packed, eight_bit, tp)
     if eight_bit:
         where = " (the float32 reference product on a CPU)" if device == "cpu" else ""
         return est.int8_weight_bytes(hf_config, itemsize, tp), f"{eight_bit} layers 8-bit{where}"
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    if quant in ("awq", "gptq") and device == "cuda" and bits in (4, 8):
+    if packed and device == "cuda":
+        bits = packed.bits
         kept = "4-bit layers kept packed" if bits == 4 else "8-bit layers kept 8-bit"
-        nbytes = est.weight_bytes(hf_config, itemsize, tp, qc)
+        nbytes = est.weight_bytes(hf_config, itemsize, tp,
+                                  {"bits": bits, "group_size": packed.group_size})  # fmt: skip
         experts = _expert_params(hf_config)
         if experts:  # dequantized into the MoE kernel's dense weights (`layers/fused_moe.py`)
             nbytes += experts // tp * (itemsize - bits / 8)
             kept += ", MoE experts dequantized"
-        if quant == "gptq" and tp > 1 and qc.get("desc_act"):
+        if tp > 1 and packed.desc_act:
             # A rank's inputs of an act-order o_proj / down_proj hold parts of many groups:
             # dequantized there (`quantization/tp_shards.py`).
             nbytes += _row_parallel_params(hf_config) // tp * (itemsize - bits / 8)
@@ -71,6 +78,21 @@ def _cpu_blocks(dtype: str) -> bool:
 
     return (dtype in ("float32", "bfloat16") and envs.PAGODA_CPU_QUANTIZED
             and build.compiler_available())  # fmt: skip
+
+
+def _packed_scheme(
+    quant: str | None, qc: dict[str, Any], hf_config: dict[str, Any]
+) -> PackedScheme | None:
+    """An AWQ / GPTQ config read as the loader reads it (`get_linear_method`): one it refuses
+    raises its ValueError here. None for another format; a typical checkpoint's where `qc` is
+    another method's (a shape planned with --quantization)."""
+    if quant not in ("awq", "gptq"):
+        return None
+    if qc.get("quant_method") != quant:
+        qc = DUMMY_QUANTIZATION_CONFIGS[quant]
+    if quant == "awq":
+        return parse_awq_config(drop_router_exclusions(qc, hf_config))
+    return parse_gptq_config(qc)
 
 
 def _eight_bit_weights(quant: str | None, qc: dict[str, Any]) -> str | None:
@@ -93,22 +115,19 @@ def _eight_bit_weights(quant: str | None, qc: dict[str, Any]) -> str | None:
 
 def _cpu_blocks_weights(
     hf_config: dict[str, Any], dtype: str, itemsize: int, quant: str | None,
-    qc: dict[str, Any], eight_bit: str | None, tp: int,
+    packed: PackedScheme | None, eight_bit: str | None, tp: int,
 ) -> tuple[int, str]:  # fmt: skip
     """The weights as `cpu_blocks` makes them: 4-bit AWQ / GPTQ layers Q4_1 (Q4_0 for GPTQ's
     symmetric ones), 8-bit symmetric GPTQ and int8 W8A8 Q8_0, FP8 requantized as Q8_0, MoE
     experts too; asymmetric 8-bit GPTQ dequantized (its codes minus the zero point span 9 bits:
-    no Q8_0 form)."""
+    no Q8_0 form). `packed`: the AWQ / GPTQ config's scheme (None with `eight_bit`)."""
     experts = ", MoE experts too" if _expert_params(hf_config) else ""
     if eight_bit:
         how = "requantized as" if eight_bit == "FP8" else "as"
         nbytes, dense = est.cpu_blocks_weight_bytes(hf_config, itemsize, tp, "Q8_0", w8a8=True)
         note = f"{eight_bit} layers {how} Q8_0 GGUF blocks"
         return nbytes, note + (f", {'/'.join(dense)} 8-bit (no block form)" if dense else "")
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    sym = quant == "gptq" and bool(qc.get("sym", False))
-    act_order = quant == "gptq" and bool(qc.get("desc_act", False))
+    bits, group, sym, act_order = packed.bits, packed.group_size, packed.sym, packed.desc_act
     if bits == 8 and not sym:
         return (est.weight_bytes(hf_config, itemsize, tp),
                 f"{quant} 8-bit asymmetric: dequantized to {dtype} (no Q8_0 form)")  # fmt: skip

@@ -1,6 +1,6 @@
-"""A checkpoint's `quantization_config`, read without torch: which `--quantization` a checkpoint
-takes, the config a typical AWQ / GPTQ checkpoint carries, and the 8-bit schemes of
-compressed-tensors and vLLM FP8 checkpoints.
+"""A checkpoint's `quantization_config`, read without torch: its method and which
+`--quantization` it takes, the config a typical AWQ / GPTQ checkpoint carries, the AWQ / GPTQ
+configs Pagoda reads, and the 8-bit schemes of compressed-tensors and vLLM FP8 checkpoints.
 
 The loader (`pagoda.model.quantization`, which re-exports these) and `pagoda plan` (torch-free)
 read configs through this one module, so that both accept and refuse the same ones with the
@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 CT = "compressed-tensors"
+# The quant_methods Pagoda reads. gguf: `quantization/gguf.py`, decided at load;
+# compressed-tensors (and its aliases w8a8 for int8, fp8 for float8 checkpoints, fp8 also for a
+# bf16/fp16 checkpoint quantized at load): `quantization/w8a8.py`.
+QUANT_METHODS = ("awq", "gptq", "gguf", CT, "w8a8", "fp8")
 
 # `--load-format dummy --quantization X` (and `pagoda plan` of a shape without weights): the
 # quantization_config a checkpoint of that format would carry.
@@ -26,6 +30,12 @@ DUMMY_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
 
 # compressed-tensors `format` -> the weight type it implies (None: either).
 _CT_FORMATS = {"int-quantized": "int", "float-quantized": "float", "naive-quantized": None}
+
+
+def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, or None."""
+    qc = hf_config.get("quantization_config")
+    return None if not isinstance(qc, dict) else qc.get("quant_method")
 
 
 @dataclass(frozen=True)
@@ -147,11 +157,110 @@ def parse_fp8_config(qc: dict[str, Any]) -> W8A8Scheme:
     return W8A8Scheme("float", "tensor", static_input_scale=scheme == "static")
 
 
+@dataclass(frozen=True)
+class PackedScheme:
+    """What Pagoda reads of an AWQ / GPTQ config: `bits`-bit weights with a scale and a zero
+    point per `group_size` inputs (-1 or 0: one group a row)."""
+
+    bits: int
+    group_size: int
+    sym: bool = False  # GPTQ: every zero point 2**(bits - 1)
+    desc_act: bool = False  # GPTQ act order: g_idx gives each input's group
+
+
+def parse_awq_config(qc: dict[str, Any]) -> PackedScheme:
+    """An AutoAWQ config (4-bit, GEMM version, zero points), or a ValueError naming what Pagoda
+    cannot serve. modules_to_not_convert is refused: `drop_router_exclusions` first clears the
+    entries that name only layers Pagoda keeps dense."""
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    version = str(qc.get("version", "gemm")).lower()
+    if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+        raise ValueError(
+            f"AWQ bits={bits}, version={version!r}, zero_point={qc.get('zero_point')}: "
+            "Pagoda reads 4-bit GEMM-version AWQ checkpoints with zero points"
+        )
+    if qc.get("modules_to_not_convert"):
+        raise ValueError("AWQ modules_to_not_convert is not supported yet")
+    return PackedScheme(bits, int(qc.get("group_size", qc.get("q_group_size", 128))))
+
+
+def parse_gptq_config(qc: dict[str, Any]) -> PackedScheme:
+    """An AutoGPTQ config (4 or 8 bits, the 'gptq' checkpoint format), or a ValueError naming
+    what Pagoda cannot serve."""
+    bits = int(qc.get("bits", 4))
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if bits not in (4, 8) or fmt != "gptq":
+        raise ValueError(
+            f"GPTQ bits={bits}, checkpoint_format={fmt!r}: Pagoda reads 4- and 8-bit "
+            "checkpoints in the 'gptq' format"
+        )
+    return PackedScheme(bits, int(qc.get("group_size", 128)), sym=bool(qc.get("sym", False)),
+                        desc_act=bool(qc.get("desc_act", False)))  # fmt: skip
+
+
+# AWQ's `modules_to_not_convert`: the layers an AutoAWQ checkpoint left unquantized, each entry a
+# substring of their names within a decoder layer (AutoAWQ's rule; vLLM matches it against the
+# full names). AutoAWQ writes ["gate"] for mixtures of experts (Mixtral, Qwen2-MoE): the router,
+# which Pagoda keeps dense in every checkpoint. A config whose entries name only such layers is
+# read as one without them; one that names a layer Pagoda loads quantized is refused, naming the
+# entry and the layer (its tensors would be dense where the model expects packed ones).
+_ATTENTION = tuple(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _layer_names(hf_config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(the quantized linear layers of a decoder layer, its layers that are dense in every
+    checkpoint), by their checkpoint names within the layer (lm_head outside any)."""
+    # The experts of a layer, as `pagoda.model.models.moe.moe_num_experts` counts them (that
+    # module imports torch).
+    experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    arch = (hf_config.get("architectures") or [""])[0]
+    quantized = list(_ATTENTION)
+    if arch == "MixtralForCausalLM":
+        quantized += [f"block_sparse_moe.experts.{e}.{w}" for e in range(experts)
+                      for w in ("w1", "w2", "w3")]  # fmt: skip
+        return quantized, ["block_sparse_moe.gate", "lm_head"]
+    quantized += [f"mlp.{p}" for p in _MLP]
+    if experts:
+        quantized += [f"mlp.experts.{e}.{p}" for e in range(experts) for p in _MLP]
+        return quantized, ["mlp.gate", "lm_head"]
+    return quantized, ["lm_head"]
+
+
+def drop_router_exclusions(qc: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
+    """`qc` without its modules_to_not_convert where every entry names only layers Pagoda keeps
+    dense (a MoE router, lm_head); ValueError naming the entry otherwise."""
+    entries = qc.get("modules_to_not_convert")
+    if not entries:
+        return qc
+    quantized, dense = _layer_names(hf_config)
+    for entry in entries:
+        hit = next((name for name in quantized if entry in name), None)
+        if hit is not None or not any(entry in name for name in dense):
+            what = (
+                f"leaves out {hit} (a substring of its name)"
+                if hit
+                else "names no layer Pagoda keeps unquantized"
+            )
+            raise ValueError(
+                f"AWQ modules_to_not_convert entry {entry!r} {what}: Pagoda reads AWQ "
+                "checkpoints whose every attention and MLP (or expert) projection is quantized; "
+                "only the MoE router (gate) and lm_head may be left out"
+            )
+    return {**qc, "modules_to_not_convert": None}
+
+
 __all__ = [
     "CT",
     "DUMMY_QUANTIZATION_CONFIGS",
+    "QUANT_METHODS",
+    "PackedScheme",
     "W8A8Scheme",
     "checkpoint_accepts",
+    "checkpoint_quant_method",
+    "drop_router_exclusions",
+    "parse_awq_config",
     "parse_compressed_tensors",
     "parse_fp8_config",
+    "parse_gptq_config",
 ]

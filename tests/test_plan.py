@@ -174,23 +174,47 @@ def _quantized_config(directory: Path, qc: dict, weights: bool = False) -> Path:
     return directory
 
 
+def _awq(**changes) -> dict:
+    return {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm", **changes}  # fmt: skip
+
+
+def _gptq(**changes) -> dict:
+    return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+            "sym": True, "checkpoint_format": "gptq", **changes}  # fmt: skip
+
+
+# Configs the loader reads (an AWQ one whose modules_to_not_convert names only lm_head, dense in
+# every checkpoint), and the `pagoda.quant_config` function that reads each in `pagoda plan`.
+READABLE = {
+    "W8A8": (_ct(_int8_group()), "parse_compressed_tensors", "int8 W8A8"),
+    "AWQ": (_awq(modules_to_not_convert=["lm_head"]), "parse_awq_config", "awq"),
+    "GPTQ": (_gptq(bits=8, desc_act=True), "parse_gptq_config", "gptq"),
+}
+
+
 @pytest.mark.parametrize("flags", [["llama-3-8b", "--gpu-memory-gib", "80"],
                                    ["llama-3-8b", "--device", "cpu", "-q", "awq"],
-                                   ["W8A8", "--device", "cpu", "--max-model-len", "4096"]])  # fmt: skip
+                                   *[[name, "--device", "cpu", "--max-model-len", "4096"]
+                                     for name in READABLE]])  # fmt: skip
 def test_plan_reads_the_config_without_torch(flags, tmp_path):
-    """`pagoda plan` imports no torch, reading a compressed-tensors config (`pagoda.quant_config`)
-    included."""
-    if flags[0] == "W8A8":
-        flags = [str(_quantized_config(tmp_path, _ct(_int8_group()))), *flags[1:]]
-    code = ("import sys; from pagoda.cli import main; "
+    """`pagoda plan` imports no torch, reading a compressed-tensors, AWQ or GPTQ config with
+    `pagoda.quant_config`'s parsers included (each one's call recorded)."""
+    qc, parser, note = READABLE.get(flags[0], (None, "checkpoint_quant_method", ""))
+    if qc is not None:
+        flags = [str(_quantized_config(tmp_path, qc)), *flags[1:]]
+    code = ("import sys; import pagoda.quant_config as q; called = set(); "
+            f"f = getattr(q, {parser!r}); "
+            f"setattr(q, {parser!r}, lambda *a, **k: called.add(1) or f(*a, **k)); "
+            "from pagoda.cli import main; "
             f"rc = main(['plan', *{flags!r}, '--json']); "
-            "assert 'pagoda.quant_config' in sys.modules; "
+            f"assert called, '{parser} not called'; "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["num_blocks"] > 0
-    assert "int8 W8A8" in plan["weights_note"] or flags[0].startswith("llama")
+    assert plan["weights_note"].startswith(note)  # "int8 W8A8 ...", "awq ...", "gptq ..."
 
 
 MALFORMED = {
@@ -219,6 +243,46 @@ def test_plan_refuses_a_quantization_config_as_the_loader_does(case, weights, tm
             get_linear_method("w8a8", hf_config, dummy=not weights)
         assert main(["plan", str(path), "--device", "cpu", "-q", "w8a8"]) == 2
         assert capsys.readouterr().err == f"error: {loader.value}\n"
+
+
+PACKED_MALFORMED = {
+    "AWQ 3-bit": _awq(bits=3),
+    "AWQ GEMV": _awq(version="gemv"),
+    "AWQ without zero points": _awq(zero_point=False),
+    "AWQ leaving out gate_proj": _awq(modules_to_not_convert=["gate"]),
+    "GPTQ 3-bit": _gptq(bits=3),
+    "GPTQ v2 format": _gptq(checkpoint_format="gptq_v2"),
+}
+
+
+@pytest.mark.parametrize("case", PACKED_MALFORMED)
+@pytest.mark.parametrize("weights", [False, True], ids=["shape", "checkpoint"])
+def test_plan_refuses_an_awq_or_gptq_config_as_the_loader_does(case, weights, tmp_path, capsys):
+    """An AWQ / GPTQ quantization_config the loader refuses: plan stops with the loader's
+    message, with or without --quantization naming the checkpoint's method."""
+    from pagoda.model.quantization import get_linear_method
+
+    qc = PACKED_MALFORMED[case]
+    path = _quantized_config(tmp_path, qc, weights)
+    hf_config = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError) as loader:
+        get_linear_method(qc["quant_method"], hf_config, dummy=not weights)
+    for flags in ([], ["-q", qc["quant_method"]]):
+        assert main(["plan", str(path), "--device", "cpu", *flags]) == 2
+        assert capsys.readouterr().err == f"error: {loader.value}\n"
+
+
+def test_plan_refuses_a_quant_method_the_engine_does_not_read(tmp_path, capsys):
+    from pagoda.engine.arg_utils import EngineArgs
+
+    path = _quantized_config(tmp_path, {"quant_method": "bitsandbytes"}, weights=True)
+    with pytest.raises(ValueError) as engine:
+        EngineArgs(model=str(path)).create_engine_config()
+    assert "'bitsandbytes' is not supported yet" in str(engine.value)
+    assert main(["plan", str(path), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == f"error: {engine.value}\n"
+    # A shape planned with --quantization plans that format instead of its config's.
+    assert _plan(str(path / "config.json"), "--device", "cpu", "-q", "awq").quantization == "awq"
 
 
 @pytest.mark.skipif(not compiler_available(), reason="no C compiler: the layers are dequantized")

@@ -61,22 +61,22 @@ from pagoda.model.quantization.tp_shards import (
 )
 from pagoda.model.quantization.w4_layout import W4Weight, awq_to_w4, gptq_to_w4
 from pagoda.model.quantization.w8_layout import W8Weight, gptq_to_w8
-from pagoda.quant_config import CT, DUMMY_QUANTIZATION_CONFIGS, checkpoint_accepts
+from pagoda.quant_config import (
+    CT,
+    DUMMY_QUANTIZATION_CONFIGS,
+    QUANT_METHODS,
+    checkpoint_accepts,
+    checkpoint_quant_method,
+    drop_router_exclusions,
+    parse_awq_config,
+    parse_gptq_config,
+)
 
 logger = logging.getLogger(__name__)
 
-# gguf: `quantization/gguf.py`, decided at load; compressed-tensors (and its aliases w8a8 for
-# int8, fp8 for float8 checkpoints, fp8 also for a bf16/fp16 checkpoint quantized at load):
-# `quantization/w8a8.py`.
-QUANT_METHODS = ("awq", "gptq", "gguf", "compressed-tensors", "w8a8", "fp8")
-# DUMMY_QUANTIZATION_CONFIGS and checkpoint_accepts, public names of this package, are
-# `pagoda.quant_config`'s: torch-free, so that `pagoda plan` reads configs as the loader does.
-
-
-def checkpoint_quant_method(hf_config: dict[str, Any]) -> str | None:
-    """The checkpoint's `quantization_config.quant_method`, or None."""
-    qc = hf_config.get("quantization_config")
-    return None if not isinstance(qc, dict) else qc.get("quant_method")
+# QUANT_METHODS, DUMMY_QUANTIZATION_CONFIGS, checkpoint_accepts and checkpoint_quant_method,
+# public names of this package, are `pagoda.quant_config`'s, as are the AWQ / GPTQ config
+# checks: torch-free, so that `pagoda plan` reads configs as the loader does.
 
 
 def get_linear_method(
@@ -121,8 +121,6 @@ def get_linear_method(
             f"quantization_config with quant_method {quantization!r}"
         )
     if quantization == "awq":
-        from pagoda.model.quantization.skipped_modules import drop_router_exclusions
-
         return AWQLinearMethod(drop_router_exclusions(qc, hf_config))
     return GPTQLinearMethod(qc)
 
@@ -273,16 +271,8 @@ class AWQLinearMethod(_PackedUntilLoaded):
     """AutoAWQ's GEMM layout, 4-bit, zero points: kept packed on CUDA (the W4A16 kernel)."""
 
     def __init__(self, qc: dict[str, Any]) -> None:
-        bits = int(qc.get("bits", qc.get("w_bit", 4)))
-        version = str(qc.get("version", "gemm")).lower()
-        if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
-            raise ValueError(
-                f"AWQ bits={bits}, version={version!r}, zero_point={qc.get('zero_point')}: "
-                "Pagoda reads 4-bit GEMM-version AWQ checkpoints with zero points"
-            )
-        if qc.get("modules_to_not_convert"):
-            raise ValueError("AWQ modules_to_not_convert is not supported yet")
-        super().__init__(bits, int(qc.get("group_size", qc.get("q_group_size", 128))))
+        scheme = parse_awq_config(qc)
+        super().__init__(scheme.bits, scheme.group_size)
 
     def create_weights(
         self,
@@ -321,16 +311,9 @@ class GPTQLinearMethod(_PackedUntilLoaded):
     act-order ones with their inputs sorted by group when all shards share one g_idx."""
 
     def __init__(self, qc: dict[str, Any]) -> None:
-        bits = int(qc.get("bits", 4))
-        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-        if bits not in (4, 8) or fmt != "gptq":
-            raise ValueError(
-                f"GPTQ bits={bits}, checkpoint_format={fmt!r}: Pagoda reads 4- and 8-bit "
-                "checkpoints in the 'gptq' format"
-            )
-        super().__init__(bits, int(qc.get("group_size", 128)))
-        self.sym = bool(qc.get("sym", False))
-        self.desc_act = bool(qc.get("desc_act", False))
+        scheme = parse_gptq_config(qc)
+        super().__init__(scheme.bits, scheme.group_size)
+        self.sym, self.desc_act = scheme.sym, scheme.desc_act
 
     def init_dummy_weights(self, layer: nn.Module) -> None:
         """After `init_dummy_weights`' random bits: symmetric zeros where the config says sym
