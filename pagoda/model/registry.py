@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
     "Phi3ForCausalLM": (_LLAMA, "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": (_MOE, "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": (_LLAMA, "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": (_MOE, "Qwen3MoeForCausalLM"),
 }

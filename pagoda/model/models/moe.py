@@ -1,13 +1,20 @@
-"""Mixture-of-experts decoders: Mixtral (Jiang et al. 2024, arXiv:2401.04088) and Qwen3-MoE
-(Qwen3 technical report, arXiv:2505.09388).
+"""Mixture-of-experts decoders: Mixtral (Jiang et al. 2024, arXiv:2401.04088), Qwen2-MoE
+(Qwen1.5-MoE, Qwen2 technical report, arXiv:2407.10671) and Qwen3-MoE (Qwen3 technical report,
+arXiv:2505.09388).
 
-Both are Llama blocks (`llama.py`: attention, norms, residual order) whose MLP is a sparse MoE
+All are Llama blocks (`llama.py`: attention, norms, residual order) whose MLP is a sparse MoE
 block (`pagoda.model.layers.fused_moe`), as Hugging Face reads their configs:
 - Mixtral: `num_local_experts` experts of `intermediate_size`, top `num_experts_per_tok`,
   weights a softmax over the chosen logits; the config's sliding window on every layer;
 - Qwen3-MoE: `num_experts` experts of `moe_intermediate_size`, top `num_experts_per_tok` of a
   softmax over all experts, renormalized when `norm_topk_prob`; q/k RMSNorm; a dense MLP of
-  `intermediate_size` on the layers in `mlp_only_layers` and those off `decoder_sparse_step`.
+  `intermediate_size` on the layers in `mlp_only_layers` and those off `decoder_sparse_step`;
+- Qwen2-MoE: Qwen3-MoE's routing and dense layers, with Qwen2's attention (q/k/v biases unless
+  `qkv_bias` is false, no q/k norm) and a shared expert on every sparse layer: a dense SwiGLU
+  MLP of `shared_expert_intermediate_size` (`mlp.shared_expert`) that every token goes
+  through, scaled by sigmoid(`mlp.shared_expert_gate`(x)) and added to the routed experts' sum
+  (`SharedExpertMoeBlock`). The shared expert is a dense layer of the checkpoint's linear
+  method (quantized in AWQ / GPTQ checkpoints), its gate a replicated one that stays dense.
 Checkpoint expert tensors come per expert (`block_sparse_moe.experts.{e}.w1/w3/w2`, `mlp.experts.
 {e}.gate_proj/up_proj/down_proj`; a GGUF file's stacked `ffn_*_exps` are yielded so) or fused
 over experts (transformers 5's `mlp.experts.gate_up_proj` / `down_proj`);
@@ -23,10 +30,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagoda.model.layers.fused_moe import FusedMoE, SparseMoeBlock
-from pagoda.model.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagoda.model.layers.linear import LinearMethodBase, ReplicatedLinear, UnquantizedLinearMethod
 from pagoda.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _PER_EXPERT = re.compile(
@@ -40,7 +48,8 @@ _LAYER_SHARDS = {"w1": 0, "w3": 1, "w2": None}  # gate_up_proj's shards; down_pr
 
 
 def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
-    """Qwen3-MoE's rule (Mixtral's configs have neither field: every layer is sparse)."""
+    """Qwen2-MoE's and Qwen3-MoE's rule (Mixtral's configs have neither field: every layer is
+    sparse)."""
     if layer_idx in (cfg.get("mlp_only_layers") or []):
         return False
     step = int(cfg.get("decoder_sparse_step") or 1)
@@ -77,14 +86,26 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-        return SparseMoeBlock(
+        return self.sparse_block(cfg, linear_method, experts_method)
+
+    def sparse_block(
+        self,
+        cfg: dict[str, Any],
+        linear_method: LinearMethodBase | None,
+        experts_method: LinearMethodBase | None,
+    ) -> SparseMoeBlock:
+        """A sparse layer's block; `experts_method` is the experts' (None: stacked dense)."""
+        return SparseMoeBlock(**self.block_args(cfg), linear_method=experts_method)
+
+    def block_args(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """`SparseMoeBlock`'s sizes and routing from the config."""
+        return dict(
             num_experts=moe_num_experts(cfg),
             top_k=int(cfg["num_experts_per_tok"]),
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=moe_intermediate_size(cfg),
             routing=self.routing,
             renormalize=bool(cfg.get("norm_topk_prob", False)),  # as transformers reads it
-            linear_method=experts_method,
         )
 
 
@@ -135,3 +156,69 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
     def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
         bias = bool(cfg.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen2-MoE's sparse block: the routed experts plus `shared_expert`, a dense MLP that every
+    token goes through, scaled per token by sigmoid(`shared_expert_gate`(x)).
+
+    Under tensor parallelism both halves are all-reduced on their own (the routed experts by
+    `SparseMoeBlock`, the shared expert by its row-parallel down_proj): two all-reduces a layer,
+    where one would do if down_proj could leave its partial sum unreduced (`RowParallelLinear`
+    always reduces)."""
+
+    def __init__(self, shared_expert: LlamaMLP, **block_args: Any) -> None:
+        super().__init__(**block_args)
+        self.shared_expert = shared_expert
+        # One output: replicated and dense, as quantized checkpoints keep it (like the router).
+        self.shared_expert_gate = ReplicatedLinear(int(block_args["hidden_size"]), 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(hidden_states)
+        shared = self.shared_expert(hidden_states)
+        scale = torch.sigmoid(self.shared_expert_gate(hidden_states))
+        return routed + scale * shared
+
+
+class Qwen2MoeDecoderLayer(MoeDecoderLayer):
+    def sparse_block(
+        self,
+        cfg: dict[str, Any],
+        linear_method: LinearMethodBase | None,
+        experts_method: LinearMethodBase | None,
+    ) -> SparseMoeBlock:
+        size = cfg.get("shared_expert_intermediate_size")
+        if not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+            raise ValueError(
+                f"shared_expert_intermediate_size must be a positive integer, got {size!r:.100}"
+            )
+        # transformers' Qwen2MoeMLP: gate / up / down without bias, of the shared expert's size
+        shared_cfg = {**cfg, "intermediate_size": size, "mlp_bias": False}
+        shared = LlamaMLP(shared_cfg, linear_method)
+        return SharedExpertMoeBlock(shared, **self.block_args(cfg), linear_method=experts_method)
+
+
+class Qwen2MoeForCausalLM(MixtralForCausalLM):
+    decoder_layer_cls = Qwen2MoeDecoderLayer
+
+    def __init__(self, hf_config: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        layer_types = hf_config.get("layer_types")
+        listed = isinstance(layer_types, list) and len(layer_types) == int(
+            hf_config["num_hidden_layers"]
+        )
+        if hf_config.get("use_sliding_window") and hf_config.get("sliding_window") and not listed:
+            # transformers 5 slides the even layers below max_window_layers (and writes them out
+            # as layer_types); the shared reading of a config without the list
+            # (`layer_sliding_windows`) is Qwen2's, the layers from max_window_layers on.
+            raise ValueError(
+                "Qwen2-MoE config with use_sliding_window but no layer_types: which layers "
+                "slide depends on the transformers version; list them in layer_types "
+                '("sliding_attention" / "full_attention" per layer) or set use_sliding_window '
+                "false"
+            )
+        super().__init__(hf_config, *args, **kwargs)
+
+    @classmethod
+    def flags(cls, cfg: dict[str, Any]) -> dict[str, bool]:
+        # `qkv_bias` is transformers 5's field; the released configs lack it (biases on).
+        return {"qkv_bias": bool(cfg.get("qkv_bias", True)), "o_bias": False, "qk_norm": False}

@@ -1,0 +1,216 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B) against `transformers`: q/k/v biases, routed experts
+with norm_topk_prob false (the released configs) and true, the shared expert and its sigmoid
+gate, dense layers (mlp_only_layers, decoder_sparse_step) and per-layer sliding windows from
+layer_types.
+
+End to end through `LLM` with batching, chunked prefill and prefix caching on, as
+test_model_families.py checks the other families (its prompts and reference): greedy tokens
+equal transformers' and each token's log-probability within 1e-3. Also: both expert layouts
+load, two gloo ranks against one, GPTQ / AWQ checkpoints (shared expert quantized, its gate and
+the router dense), and a config whose sliding layers are ambiguous is refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from model_testing import TINY_CASES, PagedRunner, make_tiny_checkpoint
+from quant_testing import quantized_moe_checkpoint
+from test_model_families import MAX_TOKENS, _hf_reference, _prompts
+from test_moe import _save_fused, _worker
+
+from pagoda.config import ModelConfig
+from pagoda.model.loader import get_model_config_dict, load_model
+from pagoda.model.loader.hf_config import layer_sliding_windows
+
+# 8 experts of 32, top 4 (Qwen1.5-MoE-A2.7B's 60 experts pick 4), a shared expert of 64;
+# layer 1 a dense MLP of intermediate_size 96.
+_CASE = (
+    "Qwen2MoeConfig",
+    "Qwen2MoeForCausalLM",
+    dict(
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
+)
+CONFIGS = {
+    "released": {},
+    "norm_topk_prob": dict(norm_topk_prob=True),
+    # layer 0 dense by the step; a window of 16 on layer 0 only (transformers 5's rule: even
+    # layers below max_window_layers), written out as layer_types; no q/k/v biases.
+    "sparse_step_sliding_no_bias": dict(
+        mlp_only_layers=[],
+        decoder_sparse_step=2,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
+        qkv_bias=False,
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def _qwen2_moe_case(monkeypatch):
+    """`make_tiny_checkpoint(path, "qwen2_moe")` (and the quantized checkpoints built on it)."""
+    monkeypatch.setitem(TINY_CASES, "qwen2_moe", _CASE)
+
+
+def _load(path, quantization: str | None = None) -> torch.nn.Module:
+    cfg = get_model_config_dict(str(path))
+    mc = ModelConfig(model=str(path), hf_config=cfg, dtype="float32", max_model_len=64,
+                     quantization=quantization)  # fmt: skip
+    return load_model(mc)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_engine_matches_transformers(tmp_path, config):
+    from pagoda import LLM, SamplingParams
+
+    hf = make_tiny_checkpoint(tmp_path, "qwen2_moe", **CONFIGS[config])
+    prompts = _prompts(hf.config.vocab_size)
+    llm = LLM(
+        str(tmp_path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,  # batches of several requests, the rest waiting
+        max_num_batched_tokens=48,  # 100-token prompts prefilled in chunks
+        block_size=8,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=8 << 20,
+    )
+    windows = layer_sliding_windows(get_model_config_dict(str(tmp_path)))
+    assert windows == ([16, None] if "sliding" in config else [None, None])
+    layers = llm.llm_engine.executor.model_runner.model.model.layers
+    sparse = [hasattr(layer.mlp, "shared_expert") for layer in layers]
+    assert sparse == ([False, True] if "sparse_step" in config else [True, False])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    first = llm.generate(inputs, params, use_tqdm=False)
+    second = llm.generate(inputs, params, use_tqdm=False)  # prefix-cache hits
+    for prompt, a, b in zip(prompts, first, second):
+        ref_tokens, ref_logprobs = _hf_reference(hf, prompt)
+        tokens = a.outputs[0].token_ids
+        assert tokens == ref_tokens
+        assert b.outputs[0].token_ids == ref_tokens
+        for i, (tok, lp) in enumerate(zip(tokens, a.outputs[0].logprobs)):
+            want = ref_logprobs[len(prompt) - 1 + i, tok].item()
+            assert abs(lp[tok].logprob - want) < 1e-3, (i, lp[tok].logprob, want)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_experts_and_shared_expert_load_from_both_layouts(tmp_path, layout):
+    hf = make_tiny_checkpoint(tmp_path, "qwen2_moe")
+    if layout == "fused":
+        _save_fused(hf, tmp_path)
+    block, want = _load(tmp_path).model.layers[0].mlp, hf.model.layers[0].mlp
+    assert torch.equal(block.experts.w13_weight, want.experts.gate_up_proj)
+    assert torch.equal(block.experts.w2_weight, want.experts.down_proj)
+    assert torch.equal(block.gate.weight, want.gate.weight)
+    shared = want.shared_expert
+    gate_up = torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+    assert torch.equal(block.shared_expert.gate_up_proj.weight, gate_up)
+    assert torch.equal(block.shared_expert.down_proj.weight, shared.down_proj.weight)
+    assert torch.equal(block.shared_expert_gate.weight, want.shared_expert_gate.weight)
+
+
+def test_two_rank_forward_matches_one_rank(tmp_path):
+    """Each rank a slice of every expert and of the shared expert, its gate whole."""
+    make_tiny_checkpoint(tmp_path, "qwen2_moe")
+    model = _load(tmp_path)
+    runner = PagedRunner(model, dict(model.config), num_blocks=32)
+    prompt = list(range(3, 20))
+    ref = torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
+    result = os.path.join(tmp_path, "tp.pt")
+    mp.spawn(_worker, args=(str(tmp_path), str(tmp_path / "init"), result), nprocs=2)
+    assert (torch.load(result) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("method,act_order", [("gptq", True), ("awq", False)])
+def test_quantized_checkpoint_logits_match_transformers(tmp_path, method, act_order):
+    """Experts, shared expert, dense MLP and attention packed (groups of 16); the router and
+    the shared expert's gate dense. Against transformers on the weights the checkpoint
+    encodes."""
+    import transformers
+
+    dense, path = quantized_moe_checkpoint(tmp_path, "qwen2_moe", method, 4, act_order, group=16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32)
+    model = _load(path, method)
+    runner = PagedRunner(model, dict(model.config), num_blocks=32)
+    prompt = [(5 * j + 3) % 128 for j in range(17)]
+    got = torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
+    with torch.no_grad():
+        want = hf(torch.tensor([[*prompt, 7]])).logits[0].float()
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_quantized_shared_expert_rank_shards(tmp_path, monkeypatch):
+    """GPTQ with act order at tp=2, loaded in-process per rank and dequantized at load: each
+    rank's shared expert (and experts) exactly the dense checkpoint's slices, its gate whole."""
+    from safetensors import safe_open
+
+    from pagoda.model.parallel import set_tensor_parallel
+
+    monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")
+    dense, path = quantized_moe_checkpoint(tmp_path, "qwen2_moe", "gptq", 4, True, group=16)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.shared_expert.down_proj.qweight" in names
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in names
+    for rank in range(2):
+        set_tensor_parallel(rank, 2)
+        try:
+            got, want = _load(path, "gptq").model.layers[0].mlp, _load(dense).model.layers[0].mlp
+        finally:
+            set_tensor_parallel(0, 1)
+        assert got.shared_expert.down_proj.weight.shape == (64, 32)
+        for name in ("gate_up_proj", "down_proj"):
+            g, w = getattr(got.shared_expert, name), getattr(want.shared_expert, name)
+            assert torch.equal(g.weight, w.weight), (rank, name)
+        assert torch.equal(got.shared_expert_gate.weight, want.shared_expert_gate.weight)
+        assert torch.equal(got.experts.w2_weight, want.experts.w2_weight)
+
+
+def test_sliding_window_without_layer_types_is_refused(tmp_path):
+    import json
+
+    make_tiny_checkpoint(tmp_path, "qwen2_moe", use_sliding_window=True, sliding_window=16)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="use_sliding_window but no layer_types"):
+        _load(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_matches_transformers_eager_and_in_cuda_graphs(tmp_path):
+    """The fused Triton experts and the shared expert through the engine in float32, eager and
+    in CUDA graphs: the same greedy tokens as transformers' forward on the CPU."""
+    from pagoda import LLM, SamplingParams
+
+    hf = make_tiny_checkpoint(tmp_path, "qwen2_moe")
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(5)]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            tokens = list(p)
+            for _ in range(8):
+                tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+            want.append(tokens[len(p) :])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager,
+                  max_model_len=128, max_num_seqs=8, max_num_batched_tokens=256,
+                  gpu_memory_utilization=0.3)  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, eager
+        del llm
+        torch.cuda.empty_cache()
