@@ -8,15 +8,19 @@ from torch import nn
 
 _LLAMA = "pagoda.model.models.llama"
 _GEMMA = "pagoda.model.models.gemma"
+_GRANITE = "pagoda.model.models.granite"
 _MOE = "pagoda.model.models.moe"
+_OLMO2 = "pagoda.model.models.olmo2"
 
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": (_GEMMA, "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": (_GEMMA, "Gemma3ForCausalLM"),
+    "GraniteForCausalLM": (_GRANITE, "GraniteForCausalLM"),
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
+    "Olmo2ForCausalLM": (_OLMO2, "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": (_LLAMA, "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": (_MOE, "Qwen2MoeForCausalLM"),

@@ -272,9 +272,11 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "granite": ("GraniteForCausalLM", "granite"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
 }
 # llama.cpp's converter interleaves the rotary halves of Q/K rows for these (LlamaModel.permute).
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+_PERMUTED_QK_ARCHS = ("llama", "mistral", "granite")
 _FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 # The types pagoda.kernels.cpu.quant multiplies in their blocks (quantization="gguf").
 QUANT_KERNEL_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,

@@ -1,7 +1,9 @@
-"""GGUF architectures laid out differently from Llama: Gemma 2, Gemma 3 (text) and Phi-3.
+"""GGUF architectures laid out differently from Llama: Gemma 2, Gemma 3 (text), Phi-3, Granite
+and OLMo 2.
 
 What llama.cpp's `convert_hf_to_gguf.py` writes for them, and how it maps back to the Hugging
-Face config fields and parameters that `gemma.py` and `llama.py`'s `Phi3ForCausalLM` read:
+Face config fields and parameters that `gemma.py`, `granite.py`, `olmo2.py` and `llama.py`'s
+`Phi3ForCausalLM` read:
 - Gemma 2/3: every `*norm.weight` is stored as 1 + weight (Gemma's RMSNorm scales by
   1 + weight, ggml's by the weight), so `norm_offset` gives the 1 to subtract; four norms a
   block (`post_attention_norm`, `ffn_norm` = pre-feed-forward, `post_ffw_norm`); no
@@ -13,7 +15,13 @@ Face config fields and parameters that `gemma.py` and `llama.py`'s `Phi3ForCausa
   hard-codes both), global ones with `rope.freq_base` and the file's rope scaling;
 - Phi-3: `attn_qkv` and `ffn_up` (gate and up) fused as HF stores them; partial rotary from
   `rope.dimension_count`; LongRoPE's factors as the tensors `rope_factors_long/short` and its
-  attention factor as `rope.scaling.attn_factor`; `sliding_window` 0 for none (Phi-4).
+  attention factor as `rope.scaling.attn_factor`; `sliding_window` 0 for none (Phi-4);
+- Granite: Llama's tensors (Q/K rows permuted by the converter as Llama's, undone in gguf.py)
+  and its multipliers as `embedding_scale`, `residual_scale`, `attention.scale` and
+  `logit_scale`; llama.cpp reads an absent (or zero) one as no scaling, and so no attention
+  scale as head_dim ** -0.5;
+- OLMo 2: no pre-norms; `post_attention_norm` and `post_ffw_norm` after the sublayers, q/k norms
+  over the whole projections as HF stores them (the converter permutes nothing).
 """
 
 from __future__ import annotations
@@ -33,6 +41,17 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "gemma2": _GEMMA_NAMES,
     "gemma3": _GEMMA_NAMES,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "olmo2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Granite's GGUF keys -> its config.json fields.
+_GRANITE_SCALES = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
 }
 # Tensors read into the config rather than loaded as parameters.
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -61,6 +80,11 @@ def arch_config(
         return _gemma_config(arch, config, get)
     if arch == "phi3":
         return _phi3_config(config, get, read_tensor, tensor_names)
+    if arch == "granite":
+        out = {field: _number(get, key, arch) or 1.0 for key, field in _GRANITE_SCALES.items()}
+        if not get("attention.scale"):
+            out["attention_multiplier"] = config["head_dim"] ** -0.5
+        return out
     return {}
 
 
