@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda import envs
+from pagoda.model.loader.hf_config import num_experts, shared_expert_size, sparse_layers
 from pagoda.quant_config import (
     CT,
     DUMMY_QUANTIZATION_CONFIGS,
@@ -141,19 +142,20 @@ def _cpu_blocks_weights(
 
 
 def _row_parallel_params(hf_config: dict[str, Any]) -> int:
-    """The weights of the row-parallel linear layers (o_proj, down_proj; a mixture of experts'
-    o_proj only, its experts counted by `_expert_params`) of all decoder layers."""
+    """The weights of the row-parallel linear layers of all decoder layers: o_proj, the dense
+    MLPs' down_proj and Qwen2-MoE's shared experts' (the routed experts' are counted by
+    `_expert_params`)."""
     shape = est.ModelShape.from_hf_config(hf_config)
-    per_layer = shape.num_attention_heads * shape.head_dim
-    if not _expert_params(hf_config):
-        per_layer += shape.intermediate_size
-    return shape.num_layers * shape.hidden_size * per_layer
+    sparse = sparse_layers(hf_config)
+    inputs = shape.num_layers * shape.num_attention_heads * shape.head_dim
+    inputs += (len(sparse) - sum(sparse)) * shape.intermediate_size
+    inputs += sum(sparse) * shared_expert_size(hf_config)
+    return shape.hidden_size * inputs
 
 
 def _expert_params(hf_config: dict[str, Any]) -> int:
-    """The weights of every MoE expert of all decoder layers (0 for a dense model), as
-    `estimated_weight_bytes` counts them (every layer sparse)."""
-    experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    """The weights of every routed MoE expert of the sparse layers (`sparse_layers`; 0 for a
+    dense model)."""
     inter = int(hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"])
-    layers, hidden = int(hf_config["num_hidden_layers"]), int(hf_config["hidden_size"])
-    return layers * experts * 3 * hidden * inter
+    experts, hidden = num_experts(hf_config), int(hf_config["hidden_size"])
+    return sum(sparse_layers(hf_config)) * experts * 3 * hidden * inter

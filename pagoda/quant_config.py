@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.model.loader.hf_config import num_experts, shared_expert_size, sparse_layers
+
 CT = "compressed-tensors"
 # The quant_methods Pagoda reads. gguf: `quantization/gguf.py`, decided at load;
 # compressed-tensors (and its aliases w8a8 for int8, fp8 for float8 checkpoints, fp8 also for a
@@ -200,8 +202,11 @@ def parse_gptq_config(qc: dict[str, Any]) -> PackedScheme:
 
 # AWQ's `modules_to_not_convert`: the layers an AutoAWQ checkpoint left unquantized, each entry a
 # substring of their names within a decoder layer (AutoAWQ's rule; vLLM matches it against the
-# full names). AutoAWQ writes ["gate"] for mixtures of experts (Mixtral, Qwen2-MoE): the router,
-# which Pagoda keeps dense in every checkpoint. A config whose entries name only such layers is
+# full names). AutoAWQ writes ["gate"] for mixtures of experts: for Mixtral that names only the
+# router, which Pagoda keeps dense in every checkpoint; for Qwen2-MoE and Qwen3-MoE it also
+# names every expert's (and dense MLP's) gate_proj, which AutoAWQ then leaves unquantized too.
+# Qwen2-MoE's shared_expert_gate is dense in every checkpoint as well; its shared expert's
+# projections are quantized like the experts'. A config whose entries name only dense layers is
 # read as one without them; one that names a layer Pagoda loads quantized is refused, naming the
 # entry and the layer (its tensors would be dense where the model expects packed ones).
 _ATTENTION = tuple(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -209,27 +214,31 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _layer_names(hf_config: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(the quantized linear layers of a decoder layer, its layers that are dense in every
-    checkpoint), by their checkpoint names within the layer (lm_head outside any)."""
-    # The experts of a layer, as `pagoda.model.models.moe.moe_num_experts` counts them (that
-    # module imports torch).
-    experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    """(the quantized linear layers of the decoder layers, the layers that are dense in every
+    checkpoint), by their checkpoint names within a layer (lm_head outside any)."""
+    experts = num_experts(hf_config)
     arch = (hf_config.get("architectures") or [""])[0]
     quantized = list(_ATTENTION)
     if arch == "MixtralForCausalLM":
         quantized += [f"block_sparse_moe.experts.{e}.{w}" for e in range(experts)
                       for w in ("w1", "w2", "w3")]  # fmt: skip
         return quantized, ["block_sparse_moe.gate", "lm_head"]
-    quantized += [f"mlp.{p}" for p in _MLP]
-    if experts:
-        quantized += [f"mlp.experts.{e}.{p}" for e in range(experts) for p in _MLP]
-        return quantized, ["mlp.gate", "lm_head"]
-    return quantized, ["lm_head"]
+    if not experts:
+        return quantized + [f"mlp.{p}" for p in _MLP], ["lm_head"]
+    if not all(sparse_layers(hf_config)):  # a dense MLP on some layers
+        quantized += [f"mlp.{p}" for p in _MLP]
+    quantized += [f"mlp.experts.{e}.{p}" for e in range(experts) for p in _MLP]
+    dense = ["mlp.gate", "lm_head"]
+    if shared_expert_size(hf_config):
+        quantized += [f"mlp.shared_expert.{p}" for p in _MLP]
+        dense.append("mlp.shared_expert_gate")
+    return quantized, dense
 
 
 def drop_router_exclusions(qc: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
     """`qc` without its modules_to_not_convert where every entry names only layers Pagoda keeps
-    dense (a MoE router, lm_head); ValueError naming the entry otherwise."""
+    dense (a MoE router, Qwen2-MoE's shared_expert_gate, lm_head); ValueError naming the entry
+    otherwise."""
     entries = qc.get("modules_to_not_convert")
     if not entries:
         return qc
@@ -245,7 +254,7 @@ def drop_router_exclusions(qc: dict[str, Any], hf_config: dict[str, Any]) -> dic
             raise ValueError(
                 f"AWQ modules_to_not_convert entry {entry!r} {what}: Pagoda reads AWQ "
                 "checkpoints whose every attention and MLP (or expert) projection is quantized; "
-                "only the MoE router (gate) and lm_head may be left out"
+                "only the MoE router (gate), shared_expert_gate and lm_head may be left out"
             )
     return {**qc, "modules_to_not_convert": None}
 

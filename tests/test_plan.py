@@ -296,6 +296,7 @@ def test_a_4bit_checkpoint_on_a_cpu_plans_its_gguf_blocks():
     assert awq.weights_note == "awq 4-bit layers as Q4_1 GGUF blocks"
     assert gptq.weights_note == "gptq 4-bit layers as Q4_0 GGUF blocks"
     embeddings = 2 * 128256 * 4096 * 2  # untied, bf16
-    linear = (dense.weights_bytes - embeddings) // 2
-    assert awq.weights_bytes == embeddings + linear * 20 // 32
-    assert gptq.weights_bytes == embeddings + linear * 18 // 32
+    norms = (2 * 32 + 1) * 4096 * 2  # two a layer and the final one, bf16
+    linear = (dense.weights_bytes - embeddings - norms) // 2
+    assert awq.weights_bytes == embeddings + norms + linear * 20 // 32
+    assert gptq.weights_bytes == embeddings + norms + linear * 18 // 32

@@ -4,11 +4,13 @@ At start-up on a GPU the engine measures four things (`pagoda.worker.profiling`)
 memory with `memory_plan.plan_kv_cache_memory`; on a CPU the KV cache takes a fixed budget.
 `pagoda plan` runs the same split with estimates of what the engine would measure:
 
-- weights: the dense parameter count (`estimated_weight_bytes`) in the model's dtype; a 4-bit
-  AWQ/GPTQ checkpoint on CUDA keeps its linear layers at K*N/2 bytes plus a float16 scale and
-  a uint8 zero per group (`W4Weight`); an 8-bit one (W8A8, FP8) a byte per weight and a
-  float32 scale per output; a GGUF file kept quantized on a CPU, its blocks, and AWQ / GPTQ /
-  W8A8 / FP8 layers on a CPU the GGUF blocks they become at load (`cpu_blocks_weight_bytes`);
+- weights: the parameter count (`weight_params`) in the model's dtype; a 4-bit AWQ/GPTQ
+  checkpoint on CUDA keeps its linear layers at K*N/2 bytes plus a float16 scale and a uint8
+  zero per group (`W4Weight`); an 8-bit one (W8A8, FP8) a byte per weight and a float32 scale
+  per output; a GGUF file kept quantized on a CPU, its blocks, and AWQ / GPTQ / W8A8 / FP8
+  layers on a CPU the GGUF blocks they become at load (`cpu_blocks_weight_bytes`). The
+  embeddings, biases, norms, MoE routers and Qwen2-MoE's shared_expert_gate stay in the
+  model's dtype in every form;
 - activations of the profiling forward: three float32 [rows, vocab] copies of the logits (the
   logits, the softmax and their sum stand in for the sampler; rows = min(max_num_seqs,
   max_num_batched_tokens)) and per token a hidden row and an MLP row;
@@ -28,7 +30,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.model.loader.hf_config import estimated_weight_bytes
+from pagoda.model.loader.hf_config import (
+    num_experts,
+    shared_expert_size,
+    sparse_layers,
+    tied_word_embeddings,
+    weight_params,
+)
 from pagoda.worker.graph_buckets import (
     TP_PER_GRAPH_BYTES,
     cuda_graph_capture_sizes,
@@ -72,7 +80,7 @@ class ModelShape:
             num_attention_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+            tie_word_embeddings=tied_word_embeddings(cfg),
         )
 
     def kv_heads_per_rank(self, tp: int) -> int:
@@ -89,19 +97,19 @@ def weight_bytes(
 ) -> int:
     """One rank's weights: dense in `itemsize` bytes, or with `quant` ({"bits": 4 or 8,
     "group_size": g}: AWQ/GPTQ kept 4-bit, GPTQ kept 8-bit on CUDA) the linear layers packed."""
-    shape = ModelShape.from_hf_config(cfg)
-    total = estimated_weight_bytes(cfg, itemsize)
+    params = weight_params(cfg)
+    total = params.total * itemsize
     bits = None if quant is None else int(quant.get("bits", 4))
     if bits in (4, 8):
-        linear = estimated_weight_bytes(cfg, 1) - shape.embedding_params
+        linear = params.linear
         group = int(quant.get("group_size") or 128)
         if group <= 0:  # -1: one group per input row
-            group = shape.hidden_size
+            group = int(cfg["hidden_size"])
         if bits == 4:  # nibbles, float16 scale + uint8 zero
             packed = linear // 2 + linear * 3 // group
         else:  # bytes, float16 scale + int16 zero (none for symmetric weights: an upper bound)
             packed = linear + linear * 4 // group
-        total = packed + shape.embedding_params * itemsize
+        total = packed + (params.total - linear) * itemsize
     return total // tp
 
 
@@ -120,31 +128,35 @@ class LinearLayers:
     n: int
     k: int
     row_parallel: bool  # inputs split across ranks (o_proj, down_proj)
+    dense: bool = False  # replicated and dense in every checkpoint (a router, shared_expert_gate)
 
 
 def linear_layers(cfg: Mapping[str, Any], tp: int = 1) -> list[LinearLayers]:
     """The linear layers of all decoder layers as a rank holds them: q/k/v and gate/up fused;
-    in a mixture of experts' sparse layers (Qwen3-MoE's rule, `models/moe.is_moe_layer`) the
-    router (replicated) and every expert's gate_up / down instead of the dense MLP."""
+    in a mixture of experts' sparse layers (`sparse_layers`) the router (replicated, dense) and
+    every expert's gate_up / down instead of the dense MLP, and Qwen2-MoE's shared expert (a
+    dense MLP of the checkpoint's format) with its gate (replicated, dense)."""
     shape = ModelShape.from_hf_config(cfg)
     layers, hidden, head_dim = shape.num_layers, shape.hidden_size, shape.head_dim
     q = shape.num_attention_heads * head_dim
     qkv = q // tp + 2 * shape.kv_heads_per_rank(tp) * head_dim
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    dense_only, step = cfg.get("mlp_only_layers") or [], int(cfg.get("decoder_sparse_step") or 1)
-    sparse = (
-        sum(i not in dense_only and (i + 1) % step == 0 for i in range(layers)) if experts else 0
-    )
+    experts = num_experts(cfg)
+    sparse = sum(sparse_layers(cfg))
     inter = shape.intermediate_size // tp
     moe_inter = int(cfg.get("moe_intermediate_size") or shape.intermediate_size) // tp
+    shared = shared_expert_size(cfg) // tp
+    shared_layers = sparse if shared else 0
     out = [
         LinearLayers("qkv_proj", layers, qkv, hidden, False),
         LinearLayers("o_proj", layers, hidden, q // tp, True),
         LinearLayers("gate_up_proj", layers - sparse, 2 * inter, hidden, False),
         LinearLayers("down_proj", layers - sparse, hidden, inter, True),
-        LinearLayers("router", sparse, experts, hidden, False),
+        LinearLayers("router", sparse, experts, hidden, False, dense=True),
         LinearLayers("experts.gate_up_proj", sparse * experts, 2 * moe_inter, hidden, False),
         LinearLayers("experts.down_proj", sparse * experts, hidden, moe_inter, True),
+        LinearLayers("shared_expert.gate_up_proj", shared_layers, 2 * shared, hidden, False),
+        LinearLayers("shared_expert.down_proj", shared_layers, hidden, shared, True),
+        LinearLayers("shared_expert_gate", shared_layers, 1, hidden, False, dense=True),
     ]
     return [layer for layer in out if layer.count]
 
@@ -154,18 +166,18 @@ def cpu_blocks_weight_bytes(
     act_order: bool = False, w8a8: bool = False,
 ) -> tuple[int, list[str]]:  # fmt: skip
     """One rank's weights on a CPU where the quantized linear layers become GGUF `block`s at
-    load (`cpu_blocks`): each layer's blocks, the embeddings and the router in `itemsize`
-    bytes, and the names of the layers without a block form: inputs (or AWQ / GPTQ groups of
-    `group_size`, -1 or 0 a row) not whole 32-input blocks, or a GPTQ act-order row-parallel
-    shard with tp > 1 (`tp_shards`). Those stay dense in `itemsize` bytes, or with `w8a8`
-    8-bit as `int8_weight_bytes` counts them. Act order adds the int64 input permutation of
-    each layer of more than one group."""
-    shape = ModelShape.from_hf_config(cfg)
-    total = shape.embedding_params * itemsize // tp
+    load (`cpu_blocks`): each layer's blocks; the embeddings, biases, norms and the dense
+    layers (routers, shared_expert_gate) in `itemsize` bytes; and the names of the layers
+    without a block form: inputs (or AWQ / GPTQ groups of `group_size`, -1 or 0 a row) not
+    whole 32-input blocks, or a GPTQ act-order row-parallel shard with tp > 1 (`tp_shards`).
+    Those stay dense in `itemsize` bytes, or with `w8a8` 8-bit as `int8_weight_bytes` counts
+    them. Act order adds the int64 input permutation of each layer of more than one group."""
+    params = weight_params(cfg)
+    total = (params.embeddings + params.vectors) * itemsize // tp
     dense: list[str] = []
     for layer in linear_layers(cfg, tp):
         group = layer.k if group_size is None or group_size <= 0 else group_size
-        if layer.name == "router":  # checkpoints keep it dense
+        if layer.dense:  # checkpoints keep it dense
             nbytes = layer.n * layer.k * itemsize
         elif layer.k % _BLOCK or group % _BLOCK or act_order and layer.row_parallel and tp > 1:
             nbytes = layer.n * layer.k + 4 * layer.n if w8a8 else layer.n * layer.k * itemsize
@@ -179,13 +191,13 @@ def cpu_blocks_weight_bytes(
 
 def int8_weight_bytes(cfg: Mapping[str, Any], itemsize: int, tp: int = 1) -> int:
     """One rank's weights with its linear layers 8-bit (int8 W8A8 or FP8 `W8A8LinearMethod`:
-    weight [N, K] a byte each, weight_scale [N] float32), the embeddings and the LM head in
-    `itemsize` bytes."""
-    shape = ModelShape.from_hf_config(cfg)
-    total = shape.embedding_params * itemsize // tp
+    weight [N, K] a byte each, weight_scale [N] float32); the embeddings, the LM head, biases,
+    norms and the dense layers (routers, shared_expert_gate) in `itemsize` bytes."""
+    params = weight_params(cfg)
+    total = (params.embeddings + params.vectors) * itemsize // tp
     for layer in linear_layers(cfg, tp):
-        dense = layer.name == "router"
-        nbytes = layer.n * layer.k * itemsize if dense else layer.n * layer.k + 4 * layer.n
+        dense = layer.n * layer.k * itemsize
+        nbytes = dense if layer.dense else layer.n * layer.k + 4 * layer.n
         total += layer.count * nbytes
     return total
 

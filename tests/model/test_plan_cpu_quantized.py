@@ -1,14 +1,15 @@
 """`pagoda plan` on a CPU for AWQ, GPTQ, W8A8 and FP8 checkpoints against what the loader makes
 of them (`quantization/cpu_blocks.py`): the GGUF block type the plan names is the loaded linear
 layers' (or none where they are dequantized / 8-bit), and the plan's weights are the loaded
-model's to the byte, the norms and the rotary cache aside (the plan leaves them out) and dense
-layers at their logical size (the packed GEMM pads their rows)."""
+model's to the byte, the rotary cache aside (the plan leaves it out) and dense layers at their
+logical size (the packed GEMM pads their rows)."""
 
 from __future__ import annotations
 
 import pytest
-from model_testing import make_tiny_checkpoint
+from model_testing import TINY_CASES, make_tiny_checkpoint
 from quant_testing import fp8_checkpoint, quantized_checkpoint, quantized_moe_checkpoint
+from test_family_qwen2_moe import _CASE as QWEN2_MOE_CASE
 
 from pagoda.cli import build_parser
 from pagoda.config import ModelConfig
@@ -20,6 +21,12 @@ from pagoda.model.quantization.smoothquant import quantize_model_w8a8
 pytestmark = pytest.mark.skipif(
     not quant.quant_kernel_available(), reason="the quantized CPU kernel does not build here"
 )
+
+
+@pytest.fixture(autouse=True)
+def _qwen2_moe_case(monkeypatch):
+    """`quantized_moe_checkpoint(path, "qwen2_moe", ...)`: a dense layer, a shared expert."""
+    monkeypatch.setitem(TINY_CASES, "qwen2_moe", QWEN2_MOE_CASE)
 
 
 def _w8a8(tmp_path):
@@ -54,6 +61,8 @@ CASES = {
         None,
         "Q4_1",
     ),
+    # the shared expert's blocks, its gate and the router dense, the q/k/v biases
+    "qwen2-moe-awq": (lambda p: quantized_moe_checkpoint(p, "qwen2_moe", "awq")[1], None, "Q4_1"),
     "w8a8": (_w8a8, None, "Q8_0"),
     "fp8-compressed-tensors": (
         lambda p: fp8_checkpoint(p, "channel", static_input=False) or p,
@@ -83,11 +92,13 @@ def _loaded(path, plan):
     model = load_model(mc, "cpu")
     total, types, seen = 0, set(), set()
     for name, module in model.named_modules():
-        if "norm" in name or "rotary_emb" in name:
+        if "rotary_emb" in name:
             continue
         if isinstance(getattr(module, "linear_method", None), UnquantizedLinearMethod):
             n, k = module.output_size_per_partition, module.input_size_per_partition
             total += n * k * module.weight.element_size()
+            bias = module.bias
+            total += 0 if bias is None else bias.numel() * bias.element_size()
             continue
         if getattr(module, "gguf_weight", None) is not None:
             types.add(module.gguf_weight.type_name)
@@ -112,7 +123,7 @@ def test_plan_on_a_cpu_names_the_blocks_and_bytes_the_loader_makes(tmp_path, cas
     assert plan.weights_bytes == nbytes
 
 
-@pytest.mark.parametrize("case", ["awq", "gptq4-act-order", "w8a8", "fp8-at-load"])
+@pytest.mark.parametrize("case", ["awq", "gptq4-act-order", "qwen2-moe-awq", "w8a8", "fp8-at-load"])
 def test_plan_follows_pagoda_cpu_quantized_0(tmp_path, monkeypatch, case) -> None:
     """PAGODA_CPU_QUANTIZED=0: AWQ / GPTQ dequantized at load, W8A8 / FP8 8-bit layers."""
     monkeypatch.setenv("PAGODA_CPU_QUANTIZED", "0")

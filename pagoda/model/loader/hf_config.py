@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 _REQUIRED_COUNTS = (
@@ -105,24 +106,121 @@ def validate_hf_config(
             fail(field, "needs a positive integer as original_max_position_embeddings")
 
 
+def _architecture(config: Mapping[str, Any]) -> str:
+    """config.json's `architectures[0]` (Llama's where it lists none, as `ModelConfig` reads it)."""
+    return (config.get("architectures") or ["LlamaForCausalLM"])[0]
+
+
+def tied_word_embeddings(config: Mapping[str, Any]) -> bool:
+    """Whether the LM head is the token embedding: `tie_word_embeddings`, which Gemma's models
+    default to true and the others to false (as each model class reads it)."""
+    tied = config.get("tie_word_embeddings")
+    return _architecture(config).startswith("Gemma") if tied is None else bool(tied)
+
+
+def num_experts(config: Mapping[str, Any]) -> int:
+    """The experts of a mixture of experts' sparse layer (Mixtral's `num_local_experts`, Qwen's
+    `num_experts`), 0 for a dense model."""
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
+def sparse_layers(config: Mapping[str, Any]) -> list[bool]:
+    """Which decoder layers are mixture-of-experts ones, by the rule of
+    `pagoda.model.models.moe.is_moe_layer` (that module imports torch): a layer not in
+    `mlp_only_layers` whose index + 1 is a multiple of `decoder_sparse_step` (Qwen2-MoE,
+    Qwen3-MoE; Mixtral's configs have neither field, so every layer); none of a dense model's."""
+    layers = int(config["num_hidden_layers"])
+    if not num_experts(config):
+        return [False] * layers
+    dense_only = config.get("mlp_only_layers") or []
+    step = int(config.get("decoder_sparse_step") or 1)
+    return [i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+
+
+def shared_expert_size(config: Mapping[str, Any]) -> int:
+    """The intermediate size of the dense shared expert on each sparse layer (Qwen2-MoE's
+    `shared_expert_intermediate_size`), 0 for a family without one."""
+    if _architecture(config) != "Qwen2MoeForCausalLM":
+        return 0
+    return int(config.get("shared_expert_intermediate_size") or 0)
+
+
+@dataclass(frozen=True)
+class WeightParams:
+    """The parameters of a (checked) config's model as Pagoda builds it, by kind: the linear
+    layers that AWQ / GPTQ / W8A8 / FP8 checkpoints quantize, and those every checkpoint keeps
+    in the model's dtype."""
+
+    embeddings: int  # the token embeddings, and the LM head unless tied
+    linear: int  # q/k/v/o, dense MLPs, routed experts and Qwen2-MoE's shared experts
+    replicated: int  # MoE routers (`mlp.gate`) and Qwen2-MoE's `shared_expert_gate`
+    vectors: int  # biases and norm weights
+
+    @property
+    def total(self) -> int:
+        return self.embeddings + self.linear + self.replicated + self.vectors
+
+
+def _attention_biases(config: Mapping[str, Any], arch: str) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) as the model classes' `flags` read them."""
+    if arch == "Qwen2ForCausalLM":
+        return True, False
+    if arch == "Qwen2MoeForCausalLM":  # transformers 5's `qkv_bias`; released configs lack it
+        return bool(config.get("qkv_bias", True)), False
+    if arch in ("MixtralForCausalLM", "Phi3ForCausalLM"):
+        return False, False
+    bias = bool(config.get("attention_bias", False))  # Llama, Gemma, Qwen3(-MoE), Granite, OLMo2
+    return bias, bias
+
+
+def weight_params(config: Mapping[str, Any]) -> WeightParams:
+    """The parameter counts of the model Pagoda builds from a (checked) config, one rank's at
+    tensor_parallel_size 1: per decoder layer q/k/v/o (with biases where the family has them),
+    the norms (per head for Qwen3's and Gemma 3's q/k norms, over the whole projections for
+    OLMo 2's; four a layer for Gemma), and the MLP: a dense gated one of `intermediate_size`
+    (with `mlp_bias`), or on a mixture of experts' sparse layers (`sparse_layers`) the router
+    and every expert's gated MLP (`moe_intermediate_size`), plus Qwen2-MoE's shared expert
+    and its one-output gate; then the embeddings, the LM head unless tied and the final norm."""
+    arch = _architecture(config)
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    gemma = arch.startswith("Gemma")
+    qkv_bias, o_bias = _attention_biases(config, arch)
+
+    attention = hidden * (q + 2 * kv) + q * hidden
+    vectors = (q + 2 * kv if qkv_bias else 0) + (hidden if o_bias else 0)
+    if arch == "Olmo2ForCausalLM":  # post-attention and post-MLP norms, q/k norms over all heads
+        vectors += 2 * hidden + q + kv
+    elif gemma:  # before and after attention and the MLP; Gemma 3's per-head q/k norms
+        vectors += 4 * hidden + (2 * head_dim if arch == "Gemma3ForCausalLM" else 0)
+    else:  # input and post-attention norms; Qwen3's per-head q/k norms
+        vectors += 2 * hidden + (2 * head_dim if arch.startswith("Qwen3") else 0)
+    layers = int(config["num_hidden_layers"])
+    linear, replicated, vectors = layers * attention, 0, layers * vectors
+
+    inter = int(config["intermediate_size"])
+    experts = num_experts(config)
+    moe_inter = int(config.get("moe_intermediate_size") or inter)
+    shared = shared_expert_size(config)
+    mlp_bias = not gemma and bool(config.get("mlp_bias", False))
+    for sparse in sparse_layers(config):
+        if sparse:
+            linear += experts * 3 * hidden * moe_inter + 3 * hidden * shared
+            replicated += experts * hidden + (hidden if shared else 0)
+        else:
+            linear += 3 * hidden * inter
+            vectors += 2 * inter + hidden if mlp_bias else 0
+    embeddings = vocab * hidden * (1 if tied_word_embeddings(config) else 2)
+    return WeightParams(embeddings, linear, replicated, vectors + hidden)
+
+
 def estimated_weight_bytes(config: Mapping[str, Any], bytes_per_param: int) -> int:
-    """The dense weights' size of a (checked) Llama-family config: embeddings, the LM head
-    unless tied, and per layer q/k/v/o and the gated MLP, or for a mixture of experts (Mixtral's
-    `num_local_experts`, Qwen3-MoE's `num_experts`) the router and every expert's gated MLP
-    (norms are negligible; Qwen3-MoE's dense `mlp_only_layers` are counted as sparse)."""
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    per_layer = hidden * (2 * heads + 2 * kv_heads) * head_dim
-    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-    if experts:
-        inter = config.get("moe_intermediate_size") or config["intermediate_size"]
-        per_layer += experts * (3 * hidden * inter + hidden)
-    else:
-        per_layer += 3 * hidden * config["intermediate_size"]
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    return (embeddings + config["num_hidden_layers"] * per_layer) * bytes_per_param
+    """The size of a (checked) config's model with every parameter `bytes_per_param` bytes
+    (`weight_params`): the dense weights Pagoda holds for it, the rotary tables aside."""
+    return weight_params(config).total * bytes_per_param
 
 
 def layer_sliding_windows(config: Mapping[str, Any]) -> list[int | None]:
