@@ -11,7 +11,8 @@ A flag value that cannot make a checkpoint (a group size, sample count or window
 one, an output path that is a file, a missing model or calibration file, a calibration file
 without text, a flag of another method) ends the command with one `error: ...` line naming the
 flag and exit code 2, before the model is loaded (`_settings`); so does a mixture-of-experts
-model, whose experts the quantizers do not cover.
+model, whose experts the quantizers do not cover, and for AWQ and W8A8 a model whose decoder
+layers have no norm before q/k/v or gate/up to fold the input scales into (OLMo 2's post-norms).
 """
 
 from __future__ import annotations
@@ -234,6 +235,10 @@ def _settings(args: argparse.Namespace) -> _Settings:
     _check_output(args.output, model)
     hf_config = get_model_config_dict(model)  # a directory without config.json etc. refused
     _check_not_moe(hf_config, method)
+    if method in ("awq", "w8a8"):
+        from pagoda.model.quantization.awq import check_config_scales_fold
+
+        check_config_scales_fold(hf_config, method)
     if args.calibration_file is not None:
         text = _read_calibration_file(args.calibration_file)
         source = f"--calibration-file {args.calibration_file!r}"

@@ -25,6 +25,12 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.fused_ops = True  # use the fused kernel on CUDA / the C op on CPU
 
+    def divide_output_(self, scales: torch.Tensor) -> None:
+        """Divide the norm's output by `scales` [hidden] per channel from now on, in place (AWQ
+        and SmoothQuant fold their input scales into the norm before a linear)."""
+        with torch.no_grad():
+            self.weight.div_(scales)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 whatever the model dtype, as Hugging Face computes them.
         input_dtype = x.dtype

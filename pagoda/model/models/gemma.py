@@ -36,7 +36,7 @@ from pagoda.model.layers.linear import (
 from pagoda.model.layers.rotary_embedding import get_rope
 from pagoda.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.loader.hf_config import layer_sliding_windows
-from pagoda.model.models.llama import LlamaForCausalLM
+from pagoda.model.models.llama import LlamaForCausalLM, ResidualStream
 
 
 class GemmaRMSNorm(nn.Module):
@@ -46,6 +46,12 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
         self.eps = eps
+
+    def divide_output_(self, scales: torch.Tensor) -> None:
+        """Divide the norm's output by `scales` [hidden] per channel from now on, in place: the
+        factor (1 + weight) becomes (1 + weight) / scales."""
+        with torch.no_grad():
+            self.weight.copy_((1.0 + self.weight.float()) / scales - 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -63,9 +69,13 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, linear_method)
         self.down_proj = RowParallelLinear(inter, hidden, False, linear_method)
 
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * up of gate_up_proj's outputs [.., 2 * d] (GeGLU, tanh approximation)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def _layer_rope_config(cfg: dict[str, Any], local: bool, gemma3: bool) -> dict[str, Any]:
@@ -147,6 +157,12 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
+    # As `LlamaDecoderLayer.norm_before`: the MLP reads pre_feedforward_layernorm's output.
+    norm_before: dict[str, str] = {
+        "self_attn.qkv_proj": "input_layernorm",
+        "mlp.gate_up_proj": "pre_feedforward_layernorm",
+    }
+
     def __init__(
         self,
         cfg: dict[str, Any],
@@ -195,6 +211,24 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
 
+    def embed(self, input_ids: torch.Tensor) -> ResidualStream:
+        """The residual stream entering the first decoder layer: (scaled embeddings,)."""
+        h = self.embed_tokens(input_ids)
+        # The normalizer is rounded to the model dtype first, as Hugging Face does.
+        return (h * torch.tensor(self.embed_scale, dtype=h.dtype),)
+
+    def run_layer(
+        self,
+        layer: nn.Module,
+        positions: torch.Tensor,
+        stream: ResidualStream,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> ResidualStream:
+        """One decoder layer on the residual stream (hidden_states,): the call `forward` makes
+        of each layer, and the one the quantizers' layer-wise calibration makes."""
+        return (layer(positions, stream[0], kv_cache, attn_metadata),)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -202,18 +236,18 @@ class GemmaModel(nn.Module):
         kv_caches: list[torch.Tensor] | None,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        # The normalizer is rounded to the model dtype first, as Hugging Face does.
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        stream = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(positions, h, kv_caches[i] if kv_caches else None, attn_metadata)
-        return self.norm(h)
+            kv_cache = kv_caches[i] if kv_caches else None
+            stream = self.run_layer(layer, positions, stream, kv_cache, attn_metadata)
+        return self.norm(stream[0])
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2; `compute_logits`, backends and fused-op switches come from the Llama class."""
 
     gemma3 = False
+    decoder_layer_cls = GemmaDecoderLayer  # built by GemmaModel
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ from pagoda.kernels import l2_prefetch
 from pagoda.kernels.l2_prefetch import WeightPrefetch
 from pagoda.kernels.linear import lm_head_logits, silu_and_mul_linear
 from pagoda.kernels.scaled_mm import QuantizedRows
-from pagoda.model.layers.activation import SiluAndMul
+from pagoda.model.layers.activation import SiluAndMul, swiglu
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import (
@@ -41,6 +41,10 @@ from pagoda.model.models.llama_cpu_decoder import CpuDecoder
 from pagoda.model.models.llama_ggml import GgmlNumerics
 
 logger = logging.getLogger(__name__)
+
+# The residual stream between decoder layers as a model's `run_layer` passes it on: Llama's
+# (hidden_states, residual), Gemma's (hidden_states,).
+ResidualStream = tuple[torch.Tensor | None, ...]
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
@@ -80,6 +84,10 @@ class LlamaMLP(nn.Module):
     def input_quantization(self) -> torch.dtype | None:
         """The dtype gate_up_proj takes its input quantized to (`LinearBase`'s)."""
         return self.gate_up_proj.input_quantization()
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up_proj's outputs [.., 2 * d], the torch reference."""
+        return swiglu(gate_up, fused=False)
 
 
 class LlamaAttention(nn.Module):
@@ -153,6 +161,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # linear -> the norm whose output is its input: AWQ and SmoothQuant fold the scales they
+    # divide that input by into the norm (`RMSNorm.divide_output_`).
+    norm_before: dict[str, str] = {
+        "self_attn.qkv_proj": "input_layernorm",
+        "mlp.gate_up_proj": "post_attention_layernorm",
+    }
+
     def __init__(
         self,
         cfg: dict[str, Any],
@@ -227,6 +242,23 @@ class LlamaModel(nn.Module):
         self.fused_ops = True
         self.ggml_numerics: GgmlNumerics | None = None  # llama.cpp's arithmetic (llama_ggml.py)
 
+    def embed(self, input_ids: torch.Tensor) -> ResidualStream:
+        """The residual stream entering the first decoder layer: (embeddings, no residual)."""
+        return self.embed_tokens(input_ids), None
+
+    def run_layer(
+        self,
+        layer: nn.Module,
+        positions: torch.Tensor,
+        stream: ResidualStream,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> ResidualStream:
+        """One decoder layer on the residual stream (hidden_states, residual), whose sum is the
+        stream (the residual None before the first layer): the call `forward` makes of each
+        layer, and the one the quantizers' layer-wise calibration makes."""
+        return layer(positions, stream[0], stream[1], kv_cache, attn_metadata)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -240,12 +272,11 @@ class LlamaModel(nn.Module):
             out = self.cpu_decoder.forward(self, input_ids, positions, kv_caches, attn_metadata)
             if out is not None:
                 return out
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        stream = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
+            stream = self.run_layer(layer, positions, stream, kv_cache, attn_metadata)
+        hidden_states, residual = stream
         l2_prefetch.join(hidden_states)  # the layers' weight prefetches, issued on a side stream
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

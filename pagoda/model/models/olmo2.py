@@ -116,6 +116,10 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
+    # No norm before qkv_proj nor gate_up_proj: both read the residual stream itself, which
+    # every later layer reads too, so AWQ's and SmoothQuant's input scales fold nowhere.
+    norm_before: dict[str, str] = {}
+
     def __init__(
         self,
         cfg: dict[str, Any],

@@ -5,11 +5,12 @@ vLLM load.
 Activation-aware scaling: the input channels that carry large activations matter most, so
 before round-to-nearest each linear group (the projections that share one input: q/k/v,
 o, gate/up, down) has its weight columns multiplied by s = mean|x|^alpha (normalized by
-sqrt(max(s) min(s))) and its input divided by s, which the preceding op absorbs (the RMSNorm's
-weight, v_proj's or up_proj's output rows): the full-precision model computes the same
-function, and the salient channels are quantized with finer steps. alpha comes from a grid of
-20 values in [0, 1) by the group's output error on the calibration inputs (alpha = 0 is plain
-round-to-nearest, so the search never does worse than it there); the search also tries
+sqrt(max(s) min(s))) and its input divided by s, which the preceding op absorbs (the norm
+before q/k/v or gate/up, named by the decoder layer's `norm_before`; v_proj's or up_proj's
+output rows): the full-precision model computes the same function, and the salient channels
+are quantized with finer steps. alpha comes from a grid of 20 values in [0, 1) by the group's
+output error on the calibration inputs (alpha = 0 is plain round-to-nearest, so the search
+never does worse than it there); the search also tries
 AutoAWQ's duo scaling, s = mean|x|^alpha / mean(|w| / group max)^(1 - alpha), and scores
 gate/up's scales on the MLP's output, as AutoAWQ does. Then, per output row and
 group of inputs, a clipping search shrinks the range [-m, m] (m = max|w|, ratios 1 down to
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +47,47 @@ GRID = 20  # alpha in {0, 1/20, ..., 19/20}; clip ratios 1 - i/20 for i < 10
 BLOCK_SEARCH_TOKENS = 1024  # calibration tokens of gate/up's MLP-scored scale search
 # The linears of a decoder layer (Pagoda's fused modules) and the op before each one.
 GROUPS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# The linears whose input scales fold into the norm before them (the layer's `norm_before`).
+NORM_FOLDED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+_METHOD_NAMES = {"awq": "AWQ", "w8a8": "SmoothQuant W8A8"}
+
+
+def check_scales_fold(layer_cls: type, architecture: str, method: str) -> None:
+    """ValueError, naming the method (`awq` or `w8a8`), the architecture and why, where the
+    decoder layers of `layer_cls` have no norm before a linear of NORM_FOLDED: the scales that
+    divide its input would have nowhere to go."""
+    norms = getattr(layer_cls, "norm_before", {})
+    missing = [name.rsplit(".", 1)[-1] for name in NORM_FOLDED if name not in norms]
+    if missing:
+        raise ValueError(
+            f"pagoda quantize --method {method}: {_METHOD_NAMES.get(method, method)} cannot "
+            f"quantize {architecture}: it divides the inputs of {' and '.join(missing)} by "
+            "per-channel scales folded into the norm before them, and "
+            f"{architecture}'s decoder layers have no norm before {' and '.join(missing)} "
+            "(they read the residual stream itself, which every later layer reads too); "
+            "quantize it with --method gptq"
+        )
+
+
+def check_config_scales_fold(hf_config: dict[str, Any], method: str) -> None:
+    """`check_scales_fold` for the model of `hf_config` (config.json), before it is loaded."""
+    from pagoda.model.registry import get_model_class
+
+    architecture = (hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    layer_cls = get_model_class(architecture).decoder_layer_cls
+    check_scales_fold(layer_cls, architecture, method)
+
+
+def check_model_scales_fold(model: nn.Module, method: str) -> nn.ModuleList:
+    """The decoder layers of a loaded model, each of which passed `check_scales_fold`."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{method}: {type(model).__name__} has no decoder layers (model.layers)")
+    config = getattr(model, "config", None) or {}
+    architecture = (config.get("architectures") or [type(model).__name__])[0]
+    for layer_cls in {type(layer) for layer in layers}:
+        check_scales_fold(layer_cls, architecture, method)
+    return layers
 
 
 @dataclass
@@ -182,18 +225,18 @@ def search_scale(
 
 
 def mlp_output(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """gate_up's outputs -> the MLP's output: gate_up's bias, SiLU-and-mul, the full-precision
-    down projection (whose bias cancels in the search's differences)."""
+    """gate_up's outputs -> the MLP's output: gate_up's bias, the MLP's activation-and-mul
+    (`act_and_mul`: SwiGLU, Gemma's GeGLU), the full-precision down projection (whose bias
+    cancels in the search's differences)."""
     mlp = layer.mlp
     w_down = mlp.down_proj.weight.detach().float().clone()
     bias = mlp.gate_up_proj.bias
     b = None if bias is None else bias.detach().float().clone()
-    inter = w_down.shape[1]
 
     def f(h: torch.Tensor) -> torch.Tensor:
         if b is not None:
             h = h + b
-        return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w_down.t()
+        return mlp.act_and_mul(h) @ w_down.t()
 
     return f
 
@@ -250,15 +293,18 @@ def _o_proj_foldable(layer: nn.Module) -> bool:
 
 
 def fold_scales(layer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
-    """Fold AWQ scales into a Llama-style decoder layer in place, leaving its function
-    unchanged: a linear's input columns are multiplied by s and the op before it divides its
-    output by s. `scales` maps GROUPS entries to [K] scales ("self_attn.o_proj" only where
-    `_o_proj_foldable`)."""
+    """Fold AWQ scales into a decoder layer in place, leaving its function unchanged: a
+    linear's input columns are multiplied by s and the op before it divides its output by s
+    (q/k/v's and gate/up's: the norm the layer's `norm_before` names). `scales` maps GROUPS
+    entries to [K] scales ("self_attn.o_proj" only where `_o_proj_foldable`)."""
     attn, mlp = layer.self_attn, layer.mlp
+    for name in NORM_FOLDED:
+        if name in scales and name not in getattr(layer, "norm_before", {}):
+            raise ValueError(f"{type(layer).__name__} has no norm before {name} to fold into")
     with torch.no_grad():
         if "self_attn.qkv_proj" in scales:
             s = scales["self_attn.qkv_proj"]
-            layer.input_layernorm.weight.div_(s)
+            layer.get_submodule(layer.norm_before["self_attn.qkv_proj"]).divide_output_(s)
             attn.qkv_proj.weight.mul_(s)
         if "self_attn.o_proj" in scales:
             if not _o_proj_foldable(layer):
@@ -271,12 +317,12 @@ def fold_scales(layer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
             attn.o_proj.weight.mul_(s)
         if "mlp.gate_up_proj" in scales:
             s = scales["mlp.gate_up_proj"]
-            layer.post_attention_layernorm.weight.div_(s)
+            layer.get_submodule(layer.norm_before["mlp.gate_up_proj"]).divide_output_(s)
             mlp.gate_up_proj.weight.mul_(s)
         if "mlp.down_proj" in scales:
             s = scales["mlp.down_proj"]
             inter = mlp.down_proj.input_size_per_partition
-            up_rows = slice(inter, 2 * inter)  # SiLU(gate) * up: only up is linear in s
+            up_rows = slice(inter, 2 * inter)  # act(gate) * up: only up is linear in s
             mlp.gate_up_proj.weight[up_rows].div_(s[:, None])
             if mlp.gate_up_proj.bias is not None:
                 mlp.gate_up_proj.bias[up_rows].div_(s)
@@ -381,7 +427,7 @@ def awq_quantize(
     clip: bool = True,
     max_tokens: int = 4096,
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[float, float]]]:
-    """AWQ of a loaded Llama-style Pagoda model (float32, CPU) in place, decoder layer by
+    """AWQ of a loaded Pagoda decoder model (float32, CPU) in place, decoder layer by
     decoder layer; its linears end up holding their dequantized weights and its norms the
     folded scales. Returns the checkpoint's tensors (AutoAWQ GEMM names and layout, float16,
     tied embeddings once) and per linear module the relative output error on the calibration
@@ -389,11 +435,7 @@ def awq_quantize(
     the cache's shape from the layers.)"""
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not all(
-        hasattr(layer, "input_layernorm") and hasattr(layer, "mlp") for layer in layers
-    ):
-        raise ValueError(f"AWQ here supports Llama-style decoders, not {type(model).__name__}")
+    layers = check_model_scales_fold(model, "awq")
     errors: dict[str, tuple[float, float]] = {}
     tensors: dict[str, torch.Tensor] = {}
     for layer in layers:
@@ -430,12 +472,15 @@ def quantize_model_awq(
     clip: bool = True,
     max_tokens: int = 4096,
 ) -> dict[str, tuple[float, float]]:
-    """AWQ-quantize the Llama-style `model_path` (HF dir or .gguf) on the calibration token
+    """AWQ-quantize the decoder model `model_path` (HF dir or .gguf) on the calibration token
     `sequences` (`awq_quantize`) and write an AutoAWQ GEMM checkpoint to `output_dir`
     (config.json with its quantization_config, model.safetensors). Returns per linear module
     the relative output error on the calibration inputs of AWQ and of round-to-nearest."""
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit (AutoAWQ GEMM), got bits={bits}")
+    from pagoda.model.loader import get_model_config_dict
+
+    check_config_scales_fold(get_model_config_dict(model_path), "awq")  # before the load
     model, hf_config = load_calibration_model(model_path, sequences)
     tensors, errors = awq_quantize(model, sequences, bits, group_size, clip, max_tokens)
     quantization_config = {

@@ -6,10 +6,11 @@ quantization cannot hold alongside the small ones; weights do not. Smoothing mov
 into the weights: per input channel j of each group of linears that read one input,
 s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) (alpha = 0.5 by default, max|W_j| over the stacked
 rows of the group), the input divided by s and the weight columns multiplied by s. The division
-is folded into the op before: the RMSNorm weight for q/k/v and gate/up; v_proj's output rows for
-o_proj (exact only without GQA, where o_proj reads v's outputs directly; skipped otherwise);
-up_proj's output rows for down_proj (SiLU(gate) * up is linear in up). The full-precision model
-computes the same function. Then every linear is quantized per output channel, symmetric int8
+is folded into the op before: the norm before q/k/v and gate/up (the decoder layer's
+`norm_before`; a model without one there is refused, `check_scales_fold`); v_proj's output
+rows for o_proj (exact only without GQA, where o_proj reads v's outputs directly; skipped
+otherwise); up_proj's output rows for down_proj (act(gate) * up is linear in up). The
+full-precision model computes the same function. Then every linear is quantized per output channel, symmetric int8
 (round to nearest); at run time activations are quantized per token, symmetric, dynamically
 (`pagoda.kernels.scaled_mm`). Decoder layers are calibrated in order, each on the activations
 of the model whose earlier layers are smoothed and quantized (`LayerwiseCalibration`).
@@ -30,6 +31,8 @@ from pagoda.model.quantization.awq import (
     _calibration_inputs,
     _o_proj_foldable,
     _subsample,
+    check_config_scales_fold,
+    check_model_scales_fold,
     fold_scales,
 )
 from pagoda.model.quantization.calibration import LayerwiseCalibration
@@ -137,18 +140,17 @@ def smoothquant_layer(
 def quantize_model_w8a8(
     model_path: str, output_dir: str, sequences: list[list[int]], alpha: float = 0.5
 ) -> dict[str, tuple[float, float]]:
-    """SmoothQuant W8A8 of the Llama-style `model_path` (HF dir or .gguf) on the calibration
+    """SmoothQuant W8A8 of the decoder model `model_path` (HF dir or .gguf) on the calibration
     token `sequences`, written to `output_dir` as a compressed-tensors int-quantized checkpoint
     (config.json, model.safetensors, the source's tokenizer). Returns per linear module the
     relative output error of W8A8 with and without smoothing on the calibration inputs."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"--smoothing-alpha must be in [0, 1], got {alpha}")
+    from pagoda.model.loader import get_model_config_dict
+
+    check_config_scales_fold(get_model_config_dict(model_path), "w8a8")  # before the load
     model, hf_config = load_calibration_model(model_path, sequences)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not all(hasattr(layer, "input_layernorm") for layer in layers):
-        raise ValueError(
-            f"SmoothQuant here supports Llama-style decoders, not {type(model).__name__}"
-        )
+    layers = check_model_scales_fold(model, "w8a8")
     calib = LayerwiseCalibration(model, sequences)
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, tuple[float, float]] = {}
