@@ -176,21 +176,6 @@ def _check_output(output: str, model: str) -> None:
         )
 
 
-def _check_not_moe(hf_config: dict[str, Any], method: str) -> None:
-    """ValueError for a mixture of experts: the quantizers calibrate and write the linear
-    layers only, not the experts (nor would they leave the router dense)."""
-    from pagoda.model.models.moe import moe_num_experts
-
-    if moe_num_experts(hf_config):
-        arch = (hf_config.get("architectures") or ["this model"])[0]
-        raise ValueError(
-            f"pagoda quantize --method {method} does not quantize mixture-of-experts models "
-            f"({arch}, {moe_num_experts(hf_config)} experts a layer) yet: quantize it with "
-            "AutoAWQ or GPTQModel (Pagoda serves their AWQ / GPTQ checkpoints), or serve it "
-            "unquantized"
-        )
-
-
 def _read_calibration_file(path: str) -> str:
     """The text of --calibration-file `path`; ValueError, naming the flag, where there is none."""
     if not path:
@@ -220,6 +205,7 @@ def _settings(args: argparse.Namespace) -> _Settings:
     for a value that cannot make a checkpoint. Loads no model, only its config and tokenizer."""
     from pagoda.config import embedded_model_path
     from pagoda.model.loader import get_model_config_dict
+    from pagoda.model.quantization.checkpoint import check_not_moe
     from pagoda.model.quantization.gptq import BUILTIN_CALIBRATION, calibration_sequences
     from pagoda.tokenizer import get_tokenizer
 
@@ -234,7 +220,7 @@ def _settings(args: argparse.Namespace) -> _Settings:
     model = embedded_model_path() if args.model is None else args.model
     _check_output(args.output, model)
     hf_config = get_model_config_dict(model)  # a directory without config.json etc. refused
-    _check_not_moe(hf_config, method)
+    check_not_moe(hf_config, method)
     if method in ("awq", "w8a8"):
         from pagoda.model.quantization.awq import check_config_scales_fold
 

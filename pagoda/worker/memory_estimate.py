@@ -87,10 +87,6 @@ class ModelShape:
         """As the QKV layer splits them: divided among ranks, or replicated (1 a rank)."""
         return 1 if tp >= self.num_kv_heads else self.num_kv_heads // tp
 
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-
 
 def weight_bytes(
     cfg: Mapping[str, Any], itemsize: int, tp: int = 1, quant: Mapping[str, Any] | None = None

@@ -26,7 +26,7 @@ from test_family_granite_olmo2 import CASES as GRANITE_OLMO2
 import pagoda.tokenizer
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
-from pagoda.model.quantization import awq, smoothquant
+from pagoda.model.quantization import awq, gptq, smoothquant
 from pagoda.model.quantization.awq import GROUPS, _calibration_inputs, fake_quantize, fold_scales
 from pagoda.model.quantization.calibration import LayerwiseCalibration
 from pagoda.model.quantization.gptq import rtn
@@ -205,6 +205,28 @@ def test_olmo2_is_refused_before_its_model_is_loaded(tmp_path, monkeypatch, dens
     path, _ = dense("olmo2")
     quantize = {"awq": awq.quantize_model_awq, "w8a8": smoothquant.quantize_model_w8a8}[method]
     with pytest.raises(ValueError, match="Olmo2ForCausalLM's decoder layers have no norm before"):
+        quantize(str(path), str(tmp_path / "q"), [[1, 2, 3]])
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "w8a8"])
+def test_a_mixture_of_experts_is_refused_by_the_library_calls_before_its_load(
+    tmp_path, monkeypatch, dense, method
+):
+    """The library calls refuse a MoE model as `pagoda quantize` does, naming the method and the
+    experts, with no weights loaded (`checkpoint.load_calibration_model` checks first)."""
+    import pagoda.model.loader as loader
+
+    def load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loader, "load_model", load)
+    path, _ = dense("mixtral")
+    quantize = {"gptq": gptq.quantize_model, "awq": awq.quantize_model_awq,
+                "w8a8": smoothquant.quantize_model_w8a8}[method]  # fmt: skip
+    with pytest.raises(
+        ValueError, match=rf"--method {method} does not quantize mixture-of-experts"
+    ):
         quantize(str(path), str(tmp_path / "q"), [[1, 2, 3]])
     assert not (tmp_path / "q").exists()
 

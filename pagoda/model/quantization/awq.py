@@ -481,7 +481,7 @@ def quantize_model_awq(
     from pagoda.model.loader import get_model_config_dict
 
     check_config_scales_fold(get_model_config_dict(model_path), "awq")  # before the load
-    model, hf_config = load_calibration_model(model_path, sequences)
+    model, hf_config = load_calibration_model(model_path, sequences, "awq")
     tensors, errors = awq_quantize(model, sequences, bits, group_size, clip, max_tokens)
     quantization_config = {
         "quant_method": "awq",

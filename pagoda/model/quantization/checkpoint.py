@@ -19,14 +19,31 @@ from pagoda import envs
 T = TypeVar("T")
 
 
+def check_not_moe(hf_config: dict[str, Any], method: str) -> None:
+    """ValueError for a mixture of experts: the quantizers calibrate and write the linear
+    layers only, not the experts (nor would they leave the router dense)."""
+    from pagoda.model.models.moe import moe_num_experts
+
+    if moe_num_experts(hf_config):
+        arch = (hf_config.get("architectures") or ["this model"])[0]
+        raise ValueError(
+            f"pagoda quantize --method {method} does not quantize mixture-of-experts models "
+            f"({arch}, {moe_num_experts(hf_config)} experts a layer) yet: quantize it with "
+            "AutoAWQ or GPTQModel (Pagoda serves their AWQ / GPTQ checkpoints), or serve it "
+            "unquantized"
+        )
+
+
 def load_calibration_model(
-    model_path: str, sequences: list[list[int]]
+    model_path: str, sequences: list[list[int]], method: str
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """(`model_path` loaded in float32 on the CPU, its HF config), long enough for `sequences`."""
+    """(`model_path` loaded in float32 on the CPU, its HF config), long enough for `sequences`;
+    a mixture of experts refused first (`check_not_moe`, naming `method`)."""
     from pagoda.config import ModelConfig
     from pagoda.model.loader import get_model_config_dict, load_model
 
     hf_config = get_model_config_dict(model_path)
+    check_not_moe(hf_config, method)
     mc = ModelConfig(
         model=model_path,
         hf_config=hf_config,

@@ -204,11 +204,11 @@ def quantize_model(
     from pagoda.model.layers.linear import LinearBase
     from pagoda.model.quantization.calibration import LayerwiseCalibration
 
-    model, hf_config = load_calibration_model(model_path, sequences)
-    tensors: dict[str, torch.Tensor] = {}
-    errors: dict[str, tuple[float, float]] = {}
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
+    model, hf_config = load_calibration_model(model_path, sequences, method)
+    tensors: dict[str, torch.Tensor] = {}
+    errors: dict[str, tuple[float, float]] = {}
     # Decoder layer by decoder layer: each one's Hessians come from its inputs in the model
     # whose earlier layers are quantized already (the paper's sequential GPTQ), so its rounding
     # is compensated on the activations the quantized model will feed it. The calibration

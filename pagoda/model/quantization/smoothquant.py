@@ -149,7 +149,7 @@ def quantize_model_w8a8(
     from pagoda.model.loader import get_model_config_dict
 
     check_config_scales_fold(get_model_config_dict(model_path), "w8a8")  # before the load
-    model, hf_config = load_calibration_model(model_path, sequences)
+    model, hf_config = load_calibration_model(model_path, sequences, "w8a8")
     layers = check_model_scales_fold(model, "w8a8")
     calib = LayerwiseCalibration(model, sequences)
     tensors: dict[str, torch.Tensor] = {}
