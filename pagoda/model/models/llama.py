@@ -135,6 +135,18 @@ class LlamaAttention(nn.Module):
         # Set by the decoder layer: what to ask into L2 once qkv_proj has run (`l2_prefetch`).
         self.l2_prefetch: WeightPrefetch | None = None
 
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [tokens, heads, head_dim] of qkv_proj's output, q and k normed per head
+        where the model has q/k norms."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -145,13 +157,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # hidden_states may come quantized (QuantizedRows)
         if self.l2_prefetch is not None:  # the next weights into L2 while the attention runs
             self.l2_prefetch(qkv)
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.split_qkv(qkv)
         if self.fused_ops:  # RoPE in place; on the Triton backend with the cache write
             out = self.attn(q, k, v, kv_cache, attn_metadata, self.rotary_emb, positions)
         else:  # the reference: torch RoPE, then the backend's separate cache write

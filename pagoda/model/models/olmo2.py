@@ -91,28 +91,15 @@ class Olmo2Attention(LlamaAttention):
         h = xf * torch.rsqrt(sum_sq / (x.shape[-1] * self.tp_size) + norm.variance_epsilon)
         return norm.weight * h.to(x.dtype)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor | None,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        if self.l2_prefetch is not None:  # the next weights into L2 while the attention runs
-            self.l2_prefetch(qkv)
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [tokens, heads, head_dim] of qkv_proj's output, q and k normed over the
+        whole projections."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self._norm_qk(q, k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.fused_ops:  # RoPE in place; on the Triton backend with the cache write
-            out = self.attn(q, k, v, kv_cache, attn_metadata, self.rotary_emb, positions)
-        else:  # the reference: torch RoPE, then the backend's separate cache write
-            q, k = self.rotary_emb(positions, q, k)
-            out = self.attn(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out)
+        return q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim)
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
