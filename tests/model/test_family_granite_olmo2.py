@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from model_testing import PagedRunner, make_tiny_checkpoint
-from test_model_families import MAX_TOKENS, _hf_reference, _prompts
+from test_model_families import _prompts, assert_matches_transformers, engine
 
 from pagoda.config import ModelConfig
 from pagoda.kernels.cpu import decoder as cdec
@@ -63,7 +63,6 @@ def _load(path, **kw):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_matches_transformers(tmp_path, monkeypatch, tiny, case):
-    from pagoda import LLM, SamplingParams
 
     stack_calls = []
     run = cdec.CpuDecoderStack.run
@@ -75,29 +74,8 @@ def test_engine_matches_transformers(tmp_path, monkeypatch, tiny, case):
     monkeypatch.setattr(cdec.CpuDecoderStack, "run", counting_run)
     hf = tiny(tmp_path, case)
     prompts = _prompts(hf.config.vocab_size)
-    llm = LLM(
-        str(tmp_path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,  # batches of several requests, the rest waiting
-        max_num_batched_tokens=48,  # 100-token prompts prefilled in chunks
-        block_size=8,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=8 << 20,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    first = llm.generate(inputs, params, use_tqdm=False)
-    second = llm.generate(inputs, params, use_tqdm=False)  # prefix-cache hits
-    for prompt, a, b in zip(prompts, first, second):
-        ref_tokens, ref_logprobs = _hf_reference(hf, prompt)
-        tokens = a.outputs[0].token_ids
-        assert tokens == ref_tokens
-        assert b.outputs[0].token_ids == ref_tokens
-        for i, (tok, lp) in enumerate(zip(tokens, a.outputs[0].logprobs)):
-            want = ref_logprobs[len(prompt) - 1 + i, tok].item()
-            assert abs(lp[tok].logprob - want) < 1e-3, (i, lp[tok].logprob, want)
+    llm = engine(tmp_path)
+    assert_matches_transformers(llm, hf, prompts)
     assert stack_calls == []  # layer by layer: the C stack runs plain Llama layers only
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from model_testing import TINY_CASES, PagedRunner, make_tiny_checkpoint
 from quant_testing import quantized_moe_checkpoint
-from test_model_families import MAX_TOKENS, _hf_reference, _prompts
+from test_model_families import _prompts, assert_matches_transformers, engine
 from test_moe import _save_fused, _worker
 
 from pagoda.config import ModelConfig
@@ -71,38 +71,16 @@ def _load(path, quantization: str | None = None) -> torch.nn.Module:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_engine_matches_transformers(tmp_path, config):
-    from pagoda import LLM, SamplingParams
 
     hf = make_tiny_checkpoint(tmp_path, "qwen2_moe", **CONFIGS[config])
     prompts = _prompts(hf.config.vocab_size)
-    llm = LLM(
-        str(tmp_path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,  # batches of several requests, the rest waiting
-        max_num_batched_tokens=48,  # 100-token prompts prefilled in chunks
-        block_size=8,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=8 << 20,
-    )
+    llm = engine(tmp_path)
     windows = layer_sliding_windows(get_model_config_dict(str(tmp_path)))
     assert windows == ([16, None] if "sliding" in config else [None, None])
     layers = llm.llm_engine.executor.model_runner.model.model.layers
     sparse = [hasattr(layer.mlp, "shared_expert") for layer in layers]
     assert sparse == ([False, True] if "sparse_step" in config else [True, False])
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    first = llm.generate(inputs, params, use_tqdm=False)
-    second = llm.generate(inputs, params, use_tqdm=False)  # prefix-cache hits
-    for prompt, a, b in zip(prompts, first, second):
-        ref_tokens, ref_logprobs = _hf_reference(hf, prompt)
-        tokens = a.outputs[0].token_ids
-        assert tokens == ref_tokens
-        assert b.outputs[0].token_ids == ref_tokens
-        for i, (tok, lp) in enumerate(zip(tokens, a.outputs[0].logprobs)):
-            want = ref_logprobs[len(prompt) - 1 + i, tok].item()
-            assert abs(lp[tok].logprob - want) < 1e-3, (i, lp[tok].logprob, want)
+    assert_matches_transformers(llm, hf, prompts)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])

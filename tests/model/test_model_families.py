@@ -52,7 +52,6 @@ def _hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     "case", ["mistral_sliding_window", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 )
 def test_engine_matches_transformers(tmp_path, case):
-    from pagoda import LLM, SamplingParams
 
     hf = (
         make_tiny_checkpoint(tmp_path, case, sliding_window=16)
@@ -61,25 +60,41 @@ def test_engine_matches_transformers(tmp_path, case):
     )
     vocab = hf.config.vocab_size
     prompts = _prompts(vocab)
-    llm = LLM(
-        str(tmp_path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,  # batches of several requests, the rest waiting
-        max_num_batched_tokens=48,  # 100-token prompts prefilled in chunks
-        block_size=8,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=8 << 20,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm = engine(tmp_path)
     windows = layer_sliding_windows(get_model_config_dict(str(tmp_path)))
     kv = llm.llm_engine.scheduler.kv_cache_manager
     # Blocks behind the window are freed only where every layer has one.
     assert kv.sliding_window == (windows[0] if all(windows) else None)
+    assert_matches_transformers(llm, hf, prompts)
+
+
+def engine(path):
+    """An `LLM` on the checkpoint at `path` that batches several requests (the rest waiting),
+    prefills the 100-token prompts in chunks and caches prefixes."""
+    from pagoda import LLM
+
+    return LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+        block_size=8,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=8 << 20,
+    )
+
+
+def assert_matches_transformers(llm, hf, prompts: list[list[int]]) -> None:
+    """Two rounds of greedy `prompts` (the second from the prefix cache) give transformers'
+    tokens, the first with each token's logprob within 1e-3 of transformers'."""
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
     first = llm.generate(inputs, params, use_tqdm=False)
-    second = llm.generate(inputs, params, use_tqdm=False)
+    second = llm.generate(inputs, params, use_tqdm=False)  # prefix-cache hits
     for prompt, a, b in zip(prompts, first, second):
         ref_tokens, ref_logprobs = _hf_reference(hf, prompt)
         tokens = a.outputs[0].token_ids
