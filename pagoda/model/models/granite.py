@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from pagoda.attention.backend import AttentionBackend
-from pagoda.attention.metadata import AttentionMetadata
 from pagoda.model.layers.linear import LinearMethodBase
 from pagoda.model.layers.vocab_embedding import VocabParallelEmbedding
 from pagoda.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -58,27 +57,8 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         self.residual_multiplier = config_scalar(cfg, "residual_multiplier")
         self.self_attn.attn.scale = config_scalar(cfg, "attention_multiplier")
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Llama's layer (norms fused with the residual add, quantizing for 8-bit layers) with
-        # each sublayer's output scaled before it joins the residual stream.
-        quant = self.self_attn.qkv_proj.input_quantization()
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states, quant_dtype=quant)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual, quant)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states = hidden_states * self.residual_multiplier
-        quant = self.mlp.input_quantization()
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, quant)
-        return self.mlp(hidden_states) * self.residual_multiplier, residual
+    def sublayer_output(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.residual_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

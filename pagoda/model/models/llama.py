@@ -221,9 +221,15 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual, quant)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states = self.sublayer_output(hidden_states)
         quant = self.mlp.input_quantization() if isinstance(self.mlp, LlamaMLP) else None
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, quant)
-        return self.mlp(hidden_states), residual
+        return self.sublayer_output(self.mlp(hidden_states)), residual
+
+    def sublayer_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention's or the MLP's output as it joins the residual stream (Granite
+        scales it)."""
+        return x
 
 
 class LlamaModel(nn.Module):
