@@ -1,6 +1,7 @@
 """Tiny mixtures of experts for the MoE tests: `write_moe_gguf` writes a transformers Mixtral /
-Qwen3-MoE as llama.cpp lays it out (the router `ffn_gate_inp`, each projection's experts
-stacked in one `ffn_*_exps` tensor), float32 or quantized with the gguf package; `experts_of`,
+Qwen2-MoE / Qwen3-MoE as llama.cpp lays it out (the router `ffn_gate_inp`, each projection's
+experts stacked in one `ffn_*_exps` tensor, Qwen2-MoE's shared expert `ffn_*_shexp` and its
+gate `ffn_gate_inp_shexp`), float32 or quantized with the gguf package; `experts_of`,
 `held_bytes` and `greedy` read a loaded Pagoda model; `generate_tp` runs a checkpoint through
 the engine at a tensor-parallel size."""
 
@@ -48,30 +49,40 @@ def finish_gguf(w: Any) -> None:
     w.close()
 
 
-def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> None:
+def write_moe_gguf(
+    hf, path: str, arch: str, expert_type: str | None = None, shared_gate_1d: bool = False
+) -> None:
     """The model's GGUF file; with `expert_type` (a ggml type name: Q4_0, Q4_1, Q8_0) its stacked
-    experts in that type and every other matrix but the router in Q8_0, as llama.cpp's
-    quantized files hold them (else float32 throughout)."""
+    experts in that type and every other matrix but the router and the shared expert's gate in
+    Q8_0, as llama.cpp's quantized files hold them (else float32 throughout). Qwen2-MoE's
+    shared expert gate is [1, hidden] as today's converter writes it, or with `shared_gate_1d`
+    [hidden], as older ones (which squeezed every tensor) wrote it."""
     import gguf
 
     c = hf.config
     w = gguf.GGUFWriter(path, arch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     experts = getattr(c, "num_local_experts", None) or c.num_experts
+    shared = getattr(c, "shared_expert_intermediate_size", None)
     add_hparams(w, c, arch, head_dim, {
         "expert_count": experts,
         "expert_used_count": c.num_experts_per_tok,
         "expert_feed_forward_length": getattr(c, "moe_intermediate_size", c.intermediate_size),
+        **({"expert_shared_feed_forward_length": shared} if shared else {}),
     })  # fmt: skip
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+             "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp"}  # fmt: skip
     qt = gguf.GGMLQuantizationType
 
     def add(name: str, t: np.ndarray, ggml_type: str | None) -> None:
-        if ggml_type is None or t.ndim < 2 or ".ffn_gate_inp." in name:
+        # llama-quantize leaves the router and the one-row shared expert gate (1-D to ggml)
+        if ggml_type is None or t.ndim < 2 or ".ffn_gate_inp" in name:
             w.add_tensor(name, np.ascontiguousarray(t))
         else:
             blocks = gguf.quants.quantize(np.ascontiguousarray(t), qt[ggml_type])
@@ -88,7 +99,7 @@ def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> 
             add("output.weight", t, dense)
         else:
             layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
-            module = rest.rsplit(".", 1)[0]
+            module, suffix = rest.rsplit(".", 1)  # weight, or bias (Qwen2-MoE's q/k/v)
             if rest.endswith("experts.gate_up_proj"):
                 gate, up = np.split(t, 2, axis=1)
                 add(f"blk.{layer}.ffn_gate_exps.weight", gate, expert_type)
@@ -97,10 +108,12 @@ def write_moe_gguf(hf, path: str, arch: str, expert_type: str | None = None) -> 
             if rest.endswith("experts.down_proj"):
                 add(f"blk.{layer}.ffn_down_exps.weight", t, expert_type)
                 continue
+            if module == "mlp.shared_expert_gate" and shared_gate_1d:
+                t = t.reshape(-1)
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
                 t = _permute(t, heads)
-            add(f"blk.{layer}.{names[module]}.weight", t, dense)
+            add(f"blk.{layer}.{names[module]}.{suffix}", t, dense)
     finish_gguf(w)
 
 

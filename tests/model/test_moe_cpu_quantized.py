@@ -7,7 +7,8 @@ activations per 32 inputs (1.5e-2 of their range, the bound of tests/model/test_
 with the same greedy tokens; each tensor-parallel rank holds its slices of every expert's
 blocks; `PAGODA_GGUF_QUANTIZED=0` / `PAGODA_CPU_QUANTIZED=0` dequantize the experts into the
 stacked weights, as before. A quantized GGUF file's F16 / BF16 / F32 experts load as dense
-per-expert layers beside the blocks.
+per-expert layers beside the blocks. The GGUF cases include Qwen2-MoE (`qwen2moe`), whose
+shared expert stays in its Q8_0 blocks like a dense MLP and its gate in float32.
 
 Ranks are loaded in-process (set_tensor_parallel without a process group); the engine with two
 worker processes is the slow tests' at the end."""
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_testing import make_tiny_checkpoint
+from model_testing import TINY_CASES, make_tiny_checkpoint
 from moe_testing import (
     ENGINE_PROMPTS,
     experts_of,
@@ -27,6 +28,7 @@ from moe_testing import (
     write_moe_gguf,
 )
 from quant_testing import quantized_moe_checkpoint
+from test_family_qwen2_moe import _CASE as QWEN2_MOE_CASE
 
 from pagoda.config import ModelConfig
 from pagoda.kernels.cpu import quant
@@ -46,11 +48,20 @@ pytestmark = pytest.mark.skipif(
 PROMPT = [(5 * j + 3) % 128 for j in range(11)]
 INT8_ROUNDING = 1.5e-2  # of the logits' range
 FAMILIES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}  # -> the GGUF architecture
+GGUF_FAMILIES = {**FAMILIES, "qwen2_moe": "qwen2moe"}
 # Sizes whose rank shards are whole 32-input blocks at tp=2: Mixtral's experts of 128 (64 a
-# rank), Qwen3-MoE's of 64 (32 a rank) and its dense MLP of 128.
+# rank), Qwen3-MoE's of 64 (32 a rank) and its dense MLP of 128, Qwen2-MoE's experts of 64
+# and its shared expert of 64.
 TP2_SIZES = {"mixtral": {"intermediate_size": 128},
-             "qwen3_moe": {"intermediate_size": 128, "moe_intermediate_size": 64}}  # fmt: skip
+             "qwen3_moe": {"intermediate_size": 128, "moe_intermediate_size": 64},
+             "qwen2_moe": {"moe_intermediate_size": 64}}  # fmt: skip
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # of 32 weights
+
+
+@pytest.fixture(autouse=True)
+def _qwen2_moe_case(monkeypatch):
+    """`make_tiny_checkpoint(path, "qwen2_moe")`: experts of 32, a shared expert of 64."""
+    monkeypatch.setitem(TINY_CASES, "qwen2_moe", QWEN2_MOE_CASE)
 
 
 def _load(path, quantization: str, rank: int = 0, tp: int = 1):
@@ -78,11 +89,12 @@ def _assert_stacked(model) -> None:
 
 
 def _gguf(tmp_path, family: str, expert_type: str, **overrides) -> str:
-    """A tiny MoE GGUF, experts in `expert_type`, every layer sparse (llama.cpp's qwen3moe)."""
-    sparse = {"mlp_only_layers": []} if family == "qwen3_moe" else {}
+    """A tiny MoE GGUF, experts in `expert_type`, every layer sparse (llama.cpp's qwen2moe /
+    qwen3moe)."""
+    sparse = {"mlp_only_layers": []} if family != "mixtral" else {}
     hf = make_tiny_checkpoint(tmp_path, family, **sparse, **overrides)
     path = str(tmp_path / f"{family}-{expert_type}.gguf")
-    write_moe_gguf(hf, path, FAMILIES[family], expert_type)
+    write_moe_gguf(hf, path, GGUF_FAMILIES[family], expert_type)
     return path
 
 
@@ -90,8 +102,17 @@ def _file_expert_bytes(path: str) -> int:
     return sum(t.nbytes for n, t in GGUFReader(path).tensors.items() if "_exps." in n)
 
 
+def _assert_shared_expert_blocks(model) -> None:
+    """Qwen2-MoE's shared expert in the file's Q8_0 blocks, its one-output gate float32."""
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "shared_expert"):
+            for proj in (layer.mlp.shared_expert.gate_up_proj, layer.mlp.shared_expert.down_proj):
+                assert proj.gguf_weight.type_name == "Q8_0"
+            assert layer.mlp.shared_expert_gate.weight.dtype is torch.float32
+
+
 @pytest.mark.parametrize("expert_type", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
 def test_gguf_experts_stay_in_their_blocks_and_compute_the_dequantized_experts(
     tmp_path, monkeypatch, family, expert_type
 ):
@@ -106,6 +127,7 @@ def test_gguf_experts_stay_in_their_blocks_and_compute_the_dequantized_experts(
             assert layer.gate_up_proj.gguf_weight.type_name == expert_type
             assert layer.down_proj.gguf_weight.type_name == expert_type
     assert sum(held_bytes(e) for e in experts) == _file_expert_bytes(path)
+    _assert_shared_expert_blocks(model)
 
     # The reference: the experts' products on the dequantized blocks (F.linear, as the
     # stacked float experts run), every other layer as it is.
@@ -126,11 +148,11 @@ def test_gguf_experts_stay_in_their_blocks_and_compute_the_dequantized_experts(
     torch.testing.assert_close(greedy(model, cfg, PROMPT)[0], greedy(dense, cfg, PROMPT)[0])
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
 def test_gguf_ranks_hold_slices_of_each_experts_blocks(tmp_path, family):
     whole = _gguf(tmp_path / "whole", family, "Q4_1", **TP2_SIZES[family])
-    # Qwen3-MoE's experts of 32: a rank's 16 inputs of down_proj are half a block.
-    half = _gguf(tmp_path / "half", family, "Q8_0") if family == "qwen3_moe" else None
+    # Qwen2/3-MoE's experts of 32: a rank's 16 inputs of down_proj are half a block.
+    half = _gguf(tmp_path / "half", family, "Q8_0") if family != "mixtral" else None
     one = experts_of(_load(whole, "gguf"))
     ranks = [experts_of(_load(whole, "gguf", r, 2)) for r in range(2)]
     for r, rank in enumerate(ranks):
@@ -153,11 +175,12 @@ def test_gguf_ranks_hold_slices_of_each_experts_blocks(tmp_path, family):
 
 
 # Expert sizes that are not whole 32-input blocks: float experts have no blocks to divide.
-ODD_SIZES = {"mixtral": {"intermediate_size": 80}, "qwen3_moe": {"moe_intermediate_size": 48}}
+ODD_SIZES = {"mixtral": {"intermediate_size": 80}, "qwen3_moe": {"moe_intermediate_size": 48},
+             "qwen2_moe": {"moe_intermediate_size": 48}}  # fmt: skip
 
 
 @pytest.mark.parametrize("expert_type", ["F16", "BF16", "F32"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
 def test_gguf_float_experts_run_dense_beside_the_blocks(tmp_path, monkeypatch, family, expert_type):
     """A quantized GGUF file whose stacked experts are F16 / BF16 / F32 (every other matrix
     Q8_0, kept in its blocks): each expert's layers hold the file's values in float32 and run
@@ -330,7 +353,13 @@ def test_awq_gptq_ranks_hold_slices_of_each_experts_blocks(tmp_path, family, cas
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family,case",
-    [("qwen3_moe", "gguf"), ("mixtral", "gguf"), ("mixtral", "awq"), ("qwen3_moe", "gptq4")],
+    [
+        ("qwen3_moe", "gguf"),
+        ("mixtral", "gguf"),
+        ("qwen2_moe", "gguf"),
+        ("mixtral", "awq"),
+        ("qwen3_moe", "gptq4"),
+    ],
 )
 def test_tp2_engine_with_quantized_experts_gives_one_ranks_greedy_tokens(tmp_path, family, case):
     """Each worker holds its slices of the expert blocks (sizes of whole blocks a rank). Not

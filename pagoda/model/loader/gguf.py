@@ -268,6 +268,7 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
@@ -275,6 +276,8 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "granite": ("GraniteForCausalLM", "granite"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
 }
+# Mixtures of experts by architecture (Mixtral is `llama` with an expert_count).
+_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 # llama.cpp's converter interleaves the rotary halves of Q/K rows for these (LlamaModel.permute).
 _PERMUTED_QK_ARCHS = ("llama", "mistral", "granite")
 _FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -387,7 +390,10 @@ def gguf_to_hf_config(
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
-    for key in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
+    required = ("embedding_length", "block_count", "attention.head_count", "feed_forward_length")
+    if arch in _MOE_ARCHS:
+        required += ("expert_count", "expert_used_count")
+    for key in required:
         if get(key) is None:
             raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
     num_heads = _one_value(get("attention.head_count"), f"{arch}.attention.head_count")
@@ -412,7 +418,7 @@ def gguf_to_hf_config(
         tie = "output.weight" not in names
         attention_bias = "blk.0.attn_q.bias" in names
     else:
-        tie, attention_bias = True, arch == "qwen2"
+        tie, attention_bias = True, arch in ("qwen2", "qwen2moe")
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -453,11 +459,21 @@ def gguf_to_hf_config(
         if arch == "llama":
             config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                           num_local_experts=experts)  # fmt: skip
-        else:  # llama.cpp renormalizes Qwen3-MoE's top-k weights (norm_topk_prob)
-            config.update(num_experts=experts, norm_topk_prob=True)
+        else:  # experts on every layer; llama.cpp renormalizes Qwen3-MoE's top-k weights only
+            config.update(num_experts=experts, norm_topk_prob=arch == "qwen3moe")
+            # llama.cpp's sizes where a key is absent: feed_forward_length / expert_used_count
+            # for the experts, feed_forward_length for Qwen2-MoE's shared expert
             config["moe_intermediate_size"] = _int(
-                get("expert_feed_forward_length"), f"{arch}.expert_feed_forward_length"
+                get("expert_feed_forward_length")
+                or config["intermediate_size"] // max(config["num_experts_per_tok"], 1),
+                f"{arch}.expert_feed_forward_length",
             )
+        if arch == "qwen2moe":  # the shared expert and its gate (gguf_archs), q/k/v biases
+            config["shared_expert_intermediate_size"] = _int(
+                get("expert_shared_feed_forward_length") or config["intermediate_size"],
+                f"{arch}.expert_shared_feed_forward_length",
+            )
+            config["qkv_bias"] = attention_bias
     if get("attention.sliding_window"):
         config["sliding_window"] = _int(
             get("attention.sliding_window"), f"{arch}.attention.sliding_window"
@@ -519,9 +535,9 @@ def iter_gguf_weights(
             raise ValueError(f"GGUF file {reader.path}: {e}") from None
         if hf_name is None:
             continue
-        # The router stays float (it is no quantized linear layer).
+        # The router and Qwen2-MoE's shared expert gate (`ffn_gate_inp_shexp`) stay float.
         blocks = (info.ggml_type in keep_quantized and len(info.shape) in (2, 3)
-                  and ".ffn_gate_inp." not in name)  # fmt: skip
+                  and ".ffn_gate_inp" not in name)  # fmt: skip
         if blocks:  # [(experts,) rows, bytes per row]: a row permutation keeps blocks whole
             weight = reader.raw(name).reshape(*info.shape[:-1], -1)  # the memory map's bytes
             if len(info.shape) == 2:
@@ -530,6 +546,8 @@ def iter_gguf_weights(
             weight = reader.dequantize(name)
             if offset := norm_offset(arch, name):
                 weight = weight + np.float32(offset)
+            if ".ffn_gate_inp_shexp." in name:  # [hidden] from older converters: HF's [1, hidden]
+                weight = weight.reshape(1, -1)
         if arch in _PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             n_head = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             weight = reverse_permute_qk(weight, n_head)

@@ -1,5 +1,5 @@
-"""GGUF architectures laid out differently from Llama: Gemma 2, Gemma 3 (text), Phi-3, Granite
-and OLMo 2.
+"""GGUF architectures laid out differently from Llama: Gemma 2, Gemma 3 (text), Phi-3, Granite,
+OLMo 2 and Qwen2-MoE's shared expert.
 
 What llama.cpp's `convert_hf_to_gguf.py` writes for them, and how it maps back to the Hugging
 Face config fields and parameters that `gemma.py`, `granite.py`, `olmo2.py` and `llama.py`'s
@@ -21,7 +21,12 @@ Face config fields and parameters that `gemma.py`, `granite.py`, `olmo2.py` and 
   `logit_scale`; llama.cpp reads an absent (or zero) one as no scaling, and so no attention
   scale as head_dim ** -0.5;
 - OLMo 2: no pre-norms; `post_attention_norm` and `post_ffw_norm` after the sublayers, q/k norms
-  over the whole projections as HF stores them (the converter permutes nothing).
+  over the whole projections as HF stores them (the converter permutes nothing);
+- Qwen2-MoE: beside the routed experts (gguf.py, as Qwen3-MoE's, but top-k weights not
+  renormalized) the shared expert `ffn_{gate,up,down}_shexp` of
+  `expert_shared_feed_forward_length` (llama.cpp: `feed_forward_length` where absent) and its
+  one-output sigmoid gate `ffn_gate_inp_shexp`, [1, hidden] as HF stores it or [hidden] from
+  older converters (reshaped in gguf.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "gemma2": _GEMMA_NAMES,
     "gemma3": _GEMMA_NAMES,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen2moe": {
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
     "olmo2": {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
