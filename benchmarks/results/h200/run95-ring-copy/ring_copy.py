@@ -86,7 +86,9 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32)
     if (acc == 0x12345678u) out[0] = acc;
   }
 }
+"""
 
+PLAIN_SOURCE = r"""
 // A plain streaming read: each thread 16-byte loads, grid-stride.
 extern "C" __global__ void __launch_bounds__(256) plain_read(const uint4* __restrict__ w,
                                                              u32* out, int n16) {
@@ -161,7 +163,7 @@ def main() -> None:
     prepare("cuda")
     print(torch.cuda.get_device_name(), flush=True)
     out = torch.zeros(4, dtype=torch.int32, device="cuda")
-    plain = cuda_launch.build(HEADER + SOURCE, "plain_read", dict(BF16=1, PDL=0), "plain", 0)
+    plain = cuda_launch.build(HEADER + PLAIN_SOURCE, "plain_read", dict(BF16=1, PDL=0), "plain", 0)
     variants = [  # (mode, rows, chunk bytes, stages, warps, read)
         (0, 32, 512, 2, 4, 1), (0, 32, 512, 2, 4, 0), (1, 32, 512, 2, 4, 1),
         (2, 32, 512, 2, 4, 1), (0, 32, 512, 4, 4, 1), (2, 32, 512, 4, 4, 1),
