@@ -111,6 +111,36 @@ def test_two_rank_forward_matches_one_rank(tmp_path):
     assert (torch.load(result) - ref).abs().max().item() < 1e-4
 
 
+def test_sparse_block_all_reduces_once_at_two_ranks(tmp_path, monkeypatch):
+    """The routed experts' and the shared expert's partial sums are added on each rank and
+    all-reduced once (the shared expert's down_proj reducing on its own made two). Each rank's
+    block in-process, the all-reduce counted and left the identity: the ranks' outputs sum to
+    the one-rank block's."""
+    import torch.distributed as dist
+
+    from pagoda.model.parallel import set_tensor_parallel
+
+    make_tiny_checkpoint(tmp_path, "qwen2_moe")
+    block = _load(tmp_path).model.layers[0].mlp
+    x = torch.randn(5, block.gate.weight.shape[1])
+    with torch.no_grad():
+        want = block(x)
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *args, **kwargs: calls.append(t.shape))
+    got = torch.zeros_like(want)
+    for rank in range(2):
+        set_tensor_parallel(rank, 2)
+        try:
+            block = _load(tmp_path).model.layers[0].mlp
+            calls.clear()
+            with torch.no_grad():
+                got += block(x)
+        finally:
+            set_tensor_parallel(0, 1)
+        assert calls == [want.shape], rank
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method,act_order", [("gptq", True), ("awq", False)])
 def test_quantized_checkpoint_logits_match_transformers(tmp_path, method, act_order):
     """Experts, shared expert, dense MLP and attention packed (groups of 16); the router and

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from model_testing import PagedRunner, make_tiny_checkpoint
 
 from pagoda.config import ModelConfig
+from pagoda.model.layers.linear import RowParallelLinear
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.parallel import set_tensor_parallel
 
@@ -115,3 +116,26 @@ def test_two_rank_forward_matches_one_rank(tmp_path):
     result = os.path.join(tmp_path, "tp.pt")
     mp.spawn(_worker, args=(str(tmp_path), str(tmp_path / "init"), result), nprocs=2)
     assert (torch.load(result) - ref).abs().max().item() < 1e-4
+
+
+def test_row_parallel_partial_sums_carry_the_bias_once(monkeypatch):
+    """`reduce_results=False`: no all-reduce, each rank's partial product, the bias on rank 0
+    only; the ranks' outputs sum to the whole layer's."""
+    import torch.distributed as dist
+
+    def no_all_reduce(*args, **kwargs):
+        raise AssertionError("reduce_results=False all-reduced")
+
+    monkeypatch.setattr(dist, "all_reduce", no_all_reduce)
+    w, b, x = torch.randn(6, 8), torch.randn(6), torch.randn(3, 8)
+    parts = []
+    for rank in range(2):
+        set_tensor_parallel(rank, 2)
+        try:
+            layer = RowParallelLinear(8, 6, bias=True, reduce_results=False)
+        finally:
+            set_tensor_parallel(0, 1)
+        layer.weight_loader(layer.weight, w)
+        layer.weight_loader(layer.bias, b)
+        parts.append(layer(x[:, 4 * rank : 4 * (rank + 1)]))
+    torch.testing.assert_close(parts[0] + parts[1], torch.nn.functional.linear(x, w, b))

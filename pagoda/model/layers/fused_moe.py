@@ -114,7 +114,10 @@ class _QuantizedExpert(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [inter, inter], linear_method=linear_method
         )
-        self.down_proj = RowParallelLinear(inter, hidden_size, linear_method=linear_method)
+        # Run through its method by `FusedMoE._experts_by_layer`: the block reduces the sum.
+        self.down_proj = RowParallelLinear(
+            inter, hidden_size, linear_method=linear_method, reduce_results=False
+        )
 
 
 class FusedMoE(nn.Module):
@@ -293,7 +296,8 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) + experts, with the family's routing rule; the output is
-    all-reduced across tensor-parallel ranks."""
+    all-reduced across tensor-parallel ranks, or left this rank's partial sum with
+    `reduce_results=False` (vLLM's flag) for a subclass that adds its own partial sums first."""
 
     def __init__(
         self,
@@ -304,6 +308,7 @@ class SparseMoeBlock(nn.Module):
         routing: str,
         renormalize: bool = True,
         linear_method: LinearMethodBase | None = None,
+        reduce_results: bool = True,
     ) -> None:
         """`linear_method`: the experts' AWQ / GPTQ / GGUF method (None: dense experts); the
         router stays dense, as quantized checkpoints keep it."""
@@ -313,6 +318,7 @@ class SparseMoeBlock(nn.Module):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{num_experts}")
         self.top_k, self.routing, self.renormalize = top_k, routing, renormalize
+        self.reduce_results = reduce_results
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(
             num_experts, hidden_size, intermediate_size, linear_method=linear_method
@@ -335,4 +341,4 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.select_experts(self.gate(hidden_states))
         out = self.experts(hidden_states, topk_weights, topk_ids)
-        return tensor_model_parallel_all_reduce(out)
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out

@@ -336,7 +336,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Inputs split across ranks; the partial products are summed (all-reduce), then the bias."""
+    """Inputs split across ranks; the partial products are summed (all-reduce), then the bias.
+
+    With `reduce_results=False` (vLLM's flag) the output is this rank's partial sum, the bias
+    added on rank 0 only, for a caller that sums it with other partial sums and all-reduces
+    once (Qwen2-MoE's shared expert and routed experts, `SharedExpertMoeBlock`)."""
 
     def __init__(
         self,
@@ -345,8 +349,10 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         linear_method: LinearMethodBase | None = None,
         params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
     ) -> None:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.reduce_results = reduce_results
         in_part = divide(input_size, self.tp_size, "linear input size")
         super().__init__(in_part, [output_size], bias, linear_method, params_dtype)
 
@@ -364,5 +370,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self.linear_method.apply(self, x, self.bias)
+        if not self.reduce_results:  # a partial sum, the bias counted once across the ranks
+            return self.linear_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         out = tensor_model_parallel_all_reduce(self.linear_method.apply(self, x))
         return out if self.bias is None else out + self.bias

@@ -52,14 +52,23 @@ def _head_dim(cfg: dict[str, Any]) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], linear_method: LinearMethodBase | None) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        linear_method: LinearMethodBase | None,
+        reduce_results: bool = True,
+    ) -> None:
+        """`reduce_results=False`: down_proj's partial sum is returned unreduced under tensor
+        parallelism, for a caller that all-reduces it (`RowParallelLinear`)."""
         super().__init__()
         hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
         bias = bool(cfg.get("mlp_bias", False))
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, linear_method)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, linear_method)
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias, linear_method, reduce_results=reduce_results
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:

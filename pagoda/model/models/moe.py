@@ -36,6 +36,7 @@ from torch import nn
 from pagoda.model.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagoda.model.layers.linear import LinearMethodBase, ReplicatedLinear, UnquantizedLinearMethod
 from pagoda.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagoda.model.parallel import tensor_model_parallel_all_reduce
 
 _PER_EXPERT = re.compile(
     r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -162,22 +163,27 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     """Qwen2-MoE's sparse block: the routed experts plus `shared_expert`, a dense MLP that every
     token goes through, scaled per token by sigmoid(`shared_expert_gate`(x)).
 
-    Under tensor parallelism both halves are all-reduced on their own (the routed experts by
-    `SparseMoeBlock`, the shared expert by its row-parallel down_proj): two all-reduces a layer,
-    where one would do if down_proj could leave its partial sum unreduced (`RowParallelLinear`
-    always reduces)."""
+    Under tensor parallelism one all-reduce a layer covers both halves, as in vLLM: the routed
+    experts and the shared expert's row-parallel down_proj leave their partial sums unreduced
+    (`reduce_results=False`) and the block reduces routed + scale * shared once. The scale
+    comes from the replicated input, the same on every rank, so scale * allreduce(shared) =
+    allreduce(scale * shared)."""
 
     def __init__(self, shared_expert: LlamaMLP, **block_args: Any) -> None:
-        super().__init__(**block_args)
+        super().__init__(**block_args, reduce_results=False)
+        if shared_expert.down_proj.reduce_results:
+            # reduced twice it would count the shared expert tp times
+            raise ValueError("the shared expert's down_proj must leave its sum unreduced")
         self.shared_expert = shared_expert
         # One output: replicated and dense, as quantized checkpoints keep it (like the router).
         self.shared_expert_gate = ReplicatedLinear(int(block_args["hidden_size"]), 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Both this rank's partial sums under tensor parallelism, unreduced.
         routed = super().forward(hidden_states)
         shared = self.shared_expert(hidden_states)
         scale = torch.sigmoid(self.shared_expert_gate(hidden_states))
-        return routed + scale * shared
+        return tensor_model_parallel_all_reduce(routed + scale * shared)
 
 
 class Qwen2MoeDecoderLayer(MoeDecoderLayer):
@@ -194,7 +200,7 @@ class Qwen2MoeDecoderLayer(MoeDecoderLayer):
             )
         # transformers' Qwen2MoeMLP: gate / up / down without bias, of the shared expert's size
         shared_cfg = {**cfg, "intermediate_size": size, "mlp_bias": False}
-        shared = LlamaMLP(shared_cfg, linear_method)
+        shared = LlamaMLP(shared_cfg, linear_method, reduce_results=False)
         return SharedExpertMoeBlock(shared, **self.block_args(cfg), linear_method=experts_method)
 
 
