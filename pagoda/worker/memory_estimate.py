@@ -11,17 +11,23 @@ memory with `memory_plan.plan_kv_cache_memory`; on a CPU the KV cache takes a fi
   layers on a CPU the GGUF blocks they become at load (`cpu_blocks_weight_bytes`). The
   embeddings, biases, norms, MoE routers and Qwen2-MoE's shared_expert_gate stay in the
   model's dtype in every form;
-- activations of the profiling forward: three float32 [rows, vocab] copies of the logits (the
-  logits, the softmax and their sum stand in for the sampler; rows = min(max_num_seqs,
-  max_num_batched_tokens)) and per token a hidden row and an MLP row;
+- activations of the profiling forward: the larger of its two phases, plus what it allocates
+  besides them (the cuBLAS workspace, the step's inputs). The sampler's: three float32
+  [rows, vocab] copies of the logits (the logits, the softmax and their sum stand in for it;
+  rows = min(max_num_seqs, max_num_batched_tokens)) beside the final hidden states. The
+  forward's: per token the MLP block of the worst decoder layer (`mlp_block_bytes`: a dense
+  MLP's gate_up, activation and output rows; a sparse layer's top_k experts' rows of each, as
+  the fused-MoE kernel allocates them, and Qwen2-MoE's shared expert) beside 4 hidden rows;
 - CUDA graphs: the reserve the engine computes from its buckets (`graph_buckets`), with the
-  forward peak of the largest decode and mixed bucket estimated per token from the MLP's
-  3 x intermediate + 4 x hidden elements;
+  forward peak of the largest decode and mixed bucket estimated per token from the MLP block
+  and 3 hidden rows (x 1.1);
 - the CUDA context, a constant.
 
 Fitted to the plans the engine logged on an H200 for Llama-3-8B (bf16, FP8 KV, AWQ, batches of
-2048 and 8192 tokens), Llama-3.2-1B and Qwen2.5-7B (benchmarks/results/h200/plan): each term
-within 45 MiB of the measurement, the KV cache within 0.2%.
+2048 and 8192 tokens), Llama-3.2-1B and Qwen2.5-7B (benchmarks/results/h200/plan): the
+activations within 2 MiB of the measurement (the sampler's phase the larger at 2048 tokens, the
+forward's at 8192), the other terms within 45 MiB, the KV cache within 0.2%. Mixtures of experts
+were not measured: their MLP block is counted from the allocations of `fused_experts`.
 """
 
 from __future__ import annotations
@@ -52,7 +58,14 @@ DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CONTEXT_BYTES = 685 * MiB
 # The profiling forward keeps this many float32 copies of the sampled rows' logits.
 _LOGITS_COPIES = 3
-# A graph bucket's forward peak per token, in elements of (3 x intermediate + 4 x hidden).
+# Allocated by the profiling forward beside its activations: cuBLAS's workspace (32 MiB on an
+# H200) and the step's inputs; 33-34 MiB measured with every model.
+_FORWARD_FIXED_BYTES = 34 * MiB
+# Hidden rows live per token beside the MLP block at the forward's peak (the residual, the
+# MLP's normed input and, fitted to Llama-3-8B's 8192-token forward, 2 more), and in a graph
+# bucket's forward, whose peak per token is (MLP block + 3 hidden rows) x 1.1.
+_FORWARD_HIDDEN_ROWS = 4
+_GRAPH_HIDDEN_ROWS = 3
 _GRAPH_PEAK_PER_TOKEN = 1.1
 
 
@@ -215,17 +228,53 @@ def gguf_weight_bytes(path: str, keep_quantized: bool) -> int:
     return total
 
 
+def mlp_block_bytes(cfg: Mapping[str, Any], itemsize: int, tp: int = 1) -> int:
+    """Per token, the most that one decoder layer's MLP block holds at once on CUDA (its output
+    included), over the layers the model has: a forward's peak is its worst layer's.
+
+    - A dense MLP (`LlamaMLP`): gate_up [T, 2 * intermediate], the activation [T, intermediate]
+      and down_proj's output [T, hidden].
+    - A sparse layer (`SparseMoeBlock`, `fused_experts`): per (token, expert) pair, top_k a
+      token, a gate_up row [2 * moe_intermediate], the activation's [moe_intermediate] and the
+      down GEMM's [hidden], all live until their sum [T, hidden] is made; the routing weights
+      (float32) and expert ids (int32) [T, top_k] and the sorted pair ids (int32, a pair each;
+      their padding, experts x (BLOCK_M - 1) a layer, left out). The router's logits [T, E] are
+      freed before the experts run.
+    - Qwen2-MoE's shared expert, after the routed experts: their sum [T, hidden] beside a dense
+      MLP of shared_expert_intermediate_size.
+    The experts of quantized checkpoints run dequantized on CUDA, as above.
+    """
+    shape = ModelShape.from_hf_config(cfg)
+    hidden = shape.hidden_size * itemsize
+    sparse = sparse_layers(cfg)
+
+    def dense_mlp(inter: int) -> int:
+        return 3 * inter // tp * itemsize + hidden
+
+    blocks = [dense_mlp(shape.intermediate_size)] if not all(sparse) else []
+    if any(sparse):
+        top_k = int(cfg["num_experts_per_tok"])
+        moe_inter = int(cfg.get("moe_intermediate_size") or shape.intermediate_size) // tp
+        pairs = top_k * (3 * moe_inter * itemsize + hidden + 4 + 4 + 4)
+        blocks.append(pairs + hidden)
+        if shared_expert_size(cfg):
+            blocks.append(hidden + dense_mlp(shared_expert_size(cfg)))
+    return max(blocks)
+
+
 def activation_bytes(
     cfg: Mapping[str, Any], itemsize: int, max_num_batched_tokens: int, max_num_seqs: int,
     tp: int = 1,
 ) -> int:  # fmt: skip
-    """Peak of the engine's profiling forward beyond the weights (`profile_peak_memory`)."""
+    """Peak of the engine's profiling forward beyond the weights (`profile_peak_memory`): the
+    forward's worst layer or the sampler's logits, whichever is larger."""
     shape = ModelShape.from_hf_config(cfg)
     tokens = max_num_batched_tokens
     rows = min(max_num_seqs, tokens)
-    logits = _LOGITS_COPIES * 4 * rows * shape.vocab_size
-    per_token = (shape.hidden_size + shape.intermediate_size // tp) * itemsize
-    return logits + tokens * per_token
+    hidden = shape.hidden_size * itemsize
+    sampler = _LOGITS_COPIES * 4 * rows * shape.vocab_size + tokens * hidden
+    forward = tokens * (mlp_block_bytes(cfg, itemsize, tp) + _FORWARD_HIDDEN_ROWS * hidden)
+    return _FORWARD_FIXED_BYTES + max(sampler, forward)
 
 
 def cuda_graph_bytes(
@@ -239,12 +288,12 @@ def cuda_graph_bytes(
     max_len = -(-max_model_len // block_size) * block_size
     shapes = mixed_graph_shapes(max_num_seqs, min(max_num_batched_tokens, max_len))
     row_bytes = shape.hidden_size * itemsize
-    per_token = _GRAPH_PEAK_PER_TOKEN * (3 * shape.intermediate_size // tp + 4 * shape.hidden_size)
-    peak = int(per_token * itemsize * max(sizes, default=0))
+    per_token = _GRAPH_PEAK_PER_TOKEN * (mlp_block_bytes(cfg, itemsize, tp)
+                                         + _GRAPH_HIDDEN_ROWS * row_bytes)  # fmt: skip
+    peak = int(per_token * max(sizes, default=0))
     total = decode_graph_reserve_bytes(peak, sizes, row_bytes)
     if shapes:
-        total += mixed_graph_reserve_bytes(int(per_token * itemsize * shapes[-1][0]), shapes,
-                                           row_bytes)  # fmt: skip
+        total += mixed_graph_reserve_bytes(int(per_token * shapes[-1][0]), shapes, row_bytes)
     if total and tp > 1:
         total += (len(sizes) + len(shapes)) * TP_PER_GRAPH_BYTES
     return total
