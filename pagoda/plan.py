@@ -123,7 +123,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """The plan for `args` (see `add_plan_args`); raises ValueError for a bad value."""
     from pagoda.engine.arg_utils import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
     from pagoda.plan_weights import estimate_weights
-    from pagoda.quant_config import QUANT_METHODS, checkpoint_accepts, checkpoint_quant_method
+    from pagoda.quant_config import (
+        QUANT_METHODS,
+        checkpoint_accepts,
+        checkpoint_quant_method,
+        linear_method_refusal,
+    )
     from pagoda.worker import memory_estimate as est
 
     if args.gpu_memory_gib is not None and args.device == "cpu":
@@ -167,6 +172,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--quantization w8a8 but {model} has no compressed-tensors "
                              "quantization_config: make one with `pagoda quantize --method "
                              "w8a8`, or plan --quantization fp8 (quantized at load)")  # fmt: skip
+    elif args.quantization and ckpt in QUANT_METHODS:
+        # A shape without weights, loaded as the engine's --load-format dummy loads it: the
+        # loader refuses a config of another method (awq over gptq, gptq over awq, awq / gptq
+        # over compressed-tensors or fp8, fp8 over an int8 compressed-tensors config) and
+        # takes fp8 / w8a8 over an AWQ / GPTQ one (quantized at load).
+        refusal = linear_method_refusal(args.quantization, hf_config, dummy=True)
+        if refusal is not None:
+            raise ValueError(refusal)
     quant = args.quantization or ckpt
     dtype = resolve_dtype(args.dtype, hf_config, device, quant)
     tp = args.tensor_parallel_size

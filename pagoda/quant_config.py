@@ -65,6 +65,35 @@ def checkpoint_accepts(quantization: str, ckpt_method: str, hf_config: dict[str,
     return scheme.weight_type == ("int" if quantization == "w8a8" else "float")
 
 
+def linear_method_refusal(
+    quantization: str | None, hf_config: dict[str, Any], dummy: bool = False
+) -> str | None:
+    """Why the loader (`get_linear_method`) refuses `quantization` for this config, or None
+    where it loads it. A compressed-tensors or vLLM FP8 config loads as itself (fp8 or w8a8
+    over it, as the engine's `checkpoint_accepts` has let through: a compressed-tensors one
+    only of that 8-bit type); fp8 also quantizes a dense checkpoint at load, and with `dummy`
+    (random weights, `pagoda plan` of a shape) w8a8 too. awq / gptq need the config of that
+    method, or with `dummy` none (a typical checkpoint's). A compressed-tensors config Pagoda
+    cannot serve raises `parse_compressed_tensors`' ValueError."""
+    ckpt = checkpoint_quant_method(hf_config)
+    if quantization is None and ckpt in (CT, "fp8"):
+        quantization = ckpt  # nothing else can hold its int8 / fp8 tensors
+    if quantization in (CT, "w8a8", "fp8"):
+        if ckpt == CT and not checkpoint_accepts(quantization, CT, hf_config):
+            return (f"quantization={quantization!r} but the checkpoint's compressed-tensors "
+                    "weights are of the other 8-bit type")  # fmt: skip
+        if ckpt in (CT, "fp8") or quantization == "fp8" or dummy:
+            return None
+        return (f"quantization={quantization!r} but the checkpoint's config.json has no "
+                "compressed-tensors quantization_config: make one with `pagoda quantize "
+                "--method w8a8`, or use --quantization fp8 to quantize a bf16/fp16 checkpoint "
+                "at load")  # fmt: skip
+    if quantization in ("awq", "gptq") and ckpt != quantization and not (dummy and ckpt is None):
+        return (f"quantization={quantization!r} but the checkpoint's config.json has no "
+                f"quantization_config with quant_method {quantization!r}")  # fmt: skip
+    return None
+
+
 def _check_args(args: Any, what: str) -> dict[str, Any]:
     if not isinstance(args, dict):
         raise ValueError(f"compressed-tensors {what} must be an object, got {args!r:.80}")
@@ -268,6 +297,7 @@ __all__ = [
     "checkpoint_accepts",
     "checkpoint_quant_method",
     "drop_router_exclusions",
+    "linear_method_refusal",
     "parse_awq_config",
     "parse_compressed_tensors",
     "parse_fp8_config",

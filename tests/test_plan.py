@@ -285,6 +285,48 @@ def test_plan_refuses_a_quant_method_the_engine_does_not_read(tmp_path, capsys):
     assert _plan(str(path / "config.json"), "--device", "cpu", "-q", "awq").quantization == "awq"
 
 
+_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+# --quantization over a checkpoint config of another method -> whether the loader takes it with
+# dummy weights: fp8 / w8a8 over a 4-bit config (quantized at load) and w8a8 over vLLM's FP8.
+MISMATCHED = {
+    "awq over GPTQ": (_gptq(), "awq", False),
+    "gptq over AWQ": (_awq(), "gptq", False),
+    "awq over W8A8": (_ct(_int8_group()), "awq", False),
+    "fp8 over W8A8": (_ct(_int8_group()), "fp8", False),
+    "gptq over FP8": (_FP8, "gptq", False),
+    "fp8 over GPTQ": (_gptq(), "fp8", True),
+    "w8a8 over AWQ": (_awq(), "w8a8", True),
+    "w8a8 over FP8": (_FP8, "w8a8", True),
+}
+
+
+@pytest.mark.parametrize("case", MISMATCHED)
+def test_plan_of_a_config_without_weights_refuses_another_method_as_the_loader(
+    case, tmp_path, capsys
+):
+    """A checkpoint directory with its config.json but no weights, planned with --quantization
+    of another method: plan stops with the loader's message where the loader (with dummy
+    weights, as plan loads none) refuses it, and plans that method where the loader takes it.
+    `pagoda plan -q awq` of a GPTQ config planned AWQ."""
+    from pagoda.model.quantization import get_linear_method
+
+    qc, quant, taken = MISMATCHED[case]
+    path = _quantized_config(tmp_path, qc)
+    hf_config = json.loads((path / "config.json").read_text())
+    if taken:
+        assert get_linear_method(quant, hf_config, dummy=True) is not None
+        assert _plan(str(path), "--device", "cpu", "-q", quant).quantization == quant
+    else:
+        with pytest.raises(ValueError) as loader:
+            get_linear_method(quant, hf_config, dummy=True)
+        assert main(["plan", str(path), "--device", "cpu", "-q", quant]) == 2
+        assert capsys.readouterr().err == f"error: {loader.value}\n"
+    # With its weights the engine refuses every mismatch at start (`checkpoint_accepts`).
+    path = _quantized_config(tmp_path / "weights", qc, weights=True)
+    assert main(["plan", str(path), "--device", "cpu", "-q", quant]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --quantization {quant} but ")
+
+
 @pytest.mark.skipif(not compiler_available(), reason="no C compiler: the layers are dequantized")
 def test_a_4bit_checkpoint_on_a_cpu_plans_its_gguf_blocks():
     """AWQ / GPTQ layers on a CPU become GGUF blocks at load (`cpu_blocks`; the loader's bytes:

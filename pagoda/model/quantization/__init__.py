@@ -68,6 +68,7 @@ from pagoda.quant_config import (
     checkpoint_accepts,
     checkpoint_quant_method,
     drop_router_exclusions,
+    linear_method_refusal,
     parse_awq_config,
     parse_gptq_config,
 )
@@ -86,40 +87,24 @@ def get_linear_method(
     "fp8"; None: the default). "gguf" is `load_model`'s to decide
     (`pagoda.model.quantization.gguf`). With `dummy` (random weights) and a config without a
     quantization_config, the method of a typical checkpoint of that format."""
+    refusal = linear_method_refusal(quantization, hf_config, dummy)
+    if refusal is not None:  # `pagoda plan` refuses with the same words
+        raise ValueError(refusal)
     qc = hf_config.get("quantization_config")
-    ckpt = qc.get("quant_method") if isinstance(qc, dict) else None
+    ckpt = checkpoint_quant_method(hf_config)
     if quantization is None and ckpt in (CT, "fp8"):
         quantization = ckpt  # nothing else can hold its int8 / fp8 tensors
     if quantization in (CT, "w8a8", "fp8"):
         from pagoda.model.quantization.w8a8 import CompressedTensorsW8A8Method, OnlineW8A8Method
 
-        if ckpt == "fp8":  # vLLM's FP8 checkpoint format (per-tensor scales)
+        if ckpt in (CT, "fp8"):  # compressed-tensors, or vLLM's FP8 format (per-tensor scales)
             return CompressedTensorsW8A8Method(qc)
-        if ckpt == CT:
-            if not checkpoint_accepts(quantization, CT, hf_config):
-                raise ValueError(
-                    f"quantization={quantization!r} but the checkpoint's "
-                    "compressed-tensors weights are of the other 8-bit type"
-                )
-            return CompressedTensorsW8A8Method(qc)
-        if quantization == "fp8":  # a bf16/fp16 checkpoint, quantized per channel at load
-            return OnlineW8A8Method(torch.float8_e4m3fn)
-        if dummy:
-            return OnlineW8A8Method(torch.int8)
-        raise ValueError(
-            f"quantization={quantization!r} but the checkpoint's config.json has no "
-            "compressed-tensors quantization_config: make one with `pagoda quantize --method "
-            "w8a8`, or use --quantization fp8 to quantize a bf16/fp16 checkpoint at load"
-        )
+        # fp8: a bf16/fp16 checkpoint quantized per channel at load; w8a8: dummy weights
+        return OnlineW8A8Method(torch.float8_e4m3fn if quantization == "fp8" else torch.int8)
     if quantization not in ("awq", "gptq"):
         return None
     if dummy and ckpt is None:
         qc = DUMMY_QUANTIZATION_CONFIGS[quantization]
-    if not isinstance(qc, dict) or qc.get("quant_method") != quantization:
-        raise ValueError(
-            f"quantization={quantization!r} but the checkpoint's config.json has no "
-            f"quantization_config with quant_method {quantization!r}"
-        )
     if quantization == "awq":
         return AWQLinearMethod(drop_router_exclusions(qc, hf_config))
     return GPTQLinearMethod(qc)
