@@ -3,6 +3,9 @@
 # quantized checkpoints among them the Qwen2-MoE / Granite / OLMo 2 families, executor) on the
 # tree it runs on; then, on an H200, single-stream AWQ decode with the scale prefetch.
 cd "$(dirname "$0")/../../../.." || exit 1
+# the wheels of benchmarks/gpu_wheelhouse.sh, carried as .whl (the GGUF tests import gguf)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt)
 echo "$gpu"
