@@ -646,7 +646,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
             zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
 #endif
           }
-        if (s % CHUNK >= CHUNK - WARPS) {  // this warp's last step of the chunk: done with it
+        // This warp's last step of the chunk (of a full chunk: one of its last WARPS steps; of
+        // the last, cut short: its last step of all): done with it.
+        if (s % CHUNK >= CHUNK - WARPS || s + WARPS >= steps) {
           __syncwarp();
 #if PRODUCER
           if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
@@ -688,6 +690,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
 #endif
       }
+#if PERSISTENT
+      // A last chunk of fewer steps than warps: the warps with none of its steps release it
+      // too, so that the producer may refill its stage with the next tile's chunk.
+      const int last_steps = steps - (chunks - 1) * CHUNK;
+      if (last_steps < WARPS && warp >= last_steps && lane == 0)
+        mbar_arrive(smem_addr(&empty[(q0 + chunks - 1) % STAGES]));
+#endif
       write_partial(red[warp], acc, lane);
 #if PERSISTENT  // the consumers alone: sum the tile's partials, store, free `red`
       asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
