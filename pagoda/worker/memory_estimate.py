@@ -40,7 +40,6 @@ from pagoda.model.loader.hf_config import (
     num_experts,
     shared_expert_size,
     sparse_layers,
-    tied_word_embeddings,
     weight_params,
 )
 from pagoda.worker.graph_buckets import (
@@ -80,7 +79,6 @@ class ModelShape:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
-    tie_word_embeddings: bool
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -93,7 +91,6 @@ class ModelShape:
             num_attention_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            tie_word_embeddings=tied_word_embeddings(cfg),
         )
 
     def kv_heads_per_rank(self, tp: int) -> int:
