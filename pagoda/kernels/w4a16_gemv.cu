@@ -692,10 +692,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       }
 #if PERSISTENT
       // A last chunk of fewer steps than warps: the warps with none of its steps release it
-      // too, so that the producer may refill its stage with the next tile's chunk.
+      // too, so that the producer may refill its stage with the next tile's chunk; once it has
+      // landed, as the others do, or the arrival would count towards the stage's use before.
       const int last_steps = steps - (chunks - 1) * CHUNK;
-      if (last_steps < WARPS && warp >= last_steps && lane == 0)
-        mbar_arrive(smem_addr(&empty[(q0 + chunks - 1) % STAGES]));
+      if (last_steps < WARPS && warp >= last_steps) {
+        const int q = q0 + chunks - 1, st = q % STAGES;
+        mbar_wait(smem_addr(&full[st]), (q / STAGES) & 1);
+        if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
+      }
 #endif
       write_partial(red[warp], acc, lane);
 #if PERSISTENT  // the consumers alone: sum the tile's partials, store, free `red`
