@@ -263,13 +263,14 @@ def test_k_split_among_a_cluster_matches(
 @pytest.mark.parametrize("cfg", PERSISTENT, ids=str)
 @pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
 @pytest.mark.parametrize("m", [1, 9])
-def test_ctas_taking_tiles_in_turn_match(cfg: GemvConfig, fmt: str, m: int) -> None:
-    # Enough rows that each CTA takes 2-3 tiles, the last tile clamped to end at N; K of 15
-    # steps (the ring's chunks counted on across a CTA's tiles, its last chunk cut short).
+@pytest.mark.parametrize("k", [1920, 2176])
+def test_ctas_taking_tiles_in_turn_match(cfg: GemvConfig, fmt: str, m: int, k: int) -> None:
+    # Enough rows that each CTA takes 2-3 tiles, the last tile clamped to end at N; K of 15 and
+    # 17 steps (the ring's chunks counted on across a CTA's tiles, its last chunk cut short, to
+    # one step with 17: warps with no step of it, which release it too).
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the bulk ring needs sm_90")
     ctas = cfg.persistent * torch.cuda.get_device_properties(0).multi_processor_count
-    k = 1920
     n = 16 * cfg.row_tiles * (2 * ctas + 1) + 16
     w4, dense = _weights(fmt, n, k, 128, seed=m)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
