@@ -4,7 +4,9 @@
 `make_tiny_checkpoint(path, "qwen3")` saves a two-layer model (safetensors + config.json) whose
 norms and biases are perturbed away from HF's 1/0 initialisation, and returns the HF model as
 the numerical reference. `PagedRunner` drives a model one sequence at a time through a paged KV
-cache with shuffled blocks, without the model runner. `Tally` stands in for an engine's stat
+cache with shuffled blocks, without the model runner; `assert_two_ranks_match_one(path)` runs a
+checkpoint's forward at tensor parallelism 2 (two processes over gloo) against one rank. `Tally`
+stands in for an engine's stat
 logger and sums its speculative-decoding counts. Needs `transformers` (a test dependency).
 """
 
@@ -198,3 +200,51 @@ class Tally:
         self.drafts += it.num_drafts
         self.draft_tokens += it.num_draft_tokens
         self.accepted += it.num_accepted_tokens
+
+
+def load_float32(path: Any) -> Any:
+    """The checkpoint at `path` loaded by Pagoda in float32 (64 positions)."""
+    from pagoda.config import ModelConfig
+    from pagoda.model.loader import get_model_config_dict, load_model
+
+    cfg = get_model_config_dict(str(path))
+    return load_model(
+        ModelConfig(model=str(path), hf_config=cfg, dtype="float32", max_model_len=64)
+    )
+
+
+def _prefill_and_decode(model: Any, cfg: dict[str, Any]) -> torch.Tensor:
+    runner = PagedRunner(model, cfg, num_blocks=32)
+    prompt = list(range(3, 20))
+    return torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
+
+
+def _two_rank_worker(rank: int, path: str, init_file: str, result_file: str) -> None:
+    import torch.distributed as dist
+
+    from pagoda.model.parallel import set_tensor_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    set_tensor_parallel(rank, 2)
+    model = load_float32(path)
+    cfg = dict(model.config)
+    cfg["num_key_value_heads"] = model.model.layers[0].self_attn.num_kv_heads
+    logits = _prefill_and_decode(model, cfg)
+    if rank == 0:
+        torch.save(logits, result_file)
+    dist.destroy_process_group()
+
+
+def assert_two_ranks_match_one(path: Any) -> None:
+    """A prefill and a decode step of the checkpoint at `path`: the logits of two tensor-parallel
+    ranks (processes over gloo, each loading its shards) within 1e-4 of one rank's."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    model = load_float32(path)
+    ref = _prefill_and_decode(model, dict(model.config))
+    result = os.path.join(path, "tp.pt")
+    mp.spawn(_two_rank_worker, args=(str(path), os.path.join(path, "init"), result), nprocs=2)
+    assert (torch.load(result) - ref).abs().max().item() < 1e-4

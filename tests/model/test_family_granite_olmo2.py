@@ -13,14 +13,11 @@ them (Granite's Q/K rows permuted, its multipliers as GGUF keys), give transform
 
 from __future__ import annotations
 
-import os
-
 import model_testing
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_testing import PagedRunner, make_tiny_checkpoint
+from model_testing import PagedRunner, assert_two_ranks_match_one, make_tiny_checkpoint
 from test_model_families import _prompts, assert_matches_transformers, engine
 
 from pagoda.config import ModelConfig
@@ -124,16 +121,8 @@ def test_olmo2_norm_weights_are_sharded_with_the_heads(tmp_path, tiny, num_kv_he
 
 @pytest.mark.parametrize("case,num_kv_heads", [("olmo2", 2), ("olmo2", 1), ("granite_tied", 2)])
 def test_two_rank_forward_matches_one_rank(tmp_path, tiny, case, num_kv_heads):
-    from test_tensor_parallel import _worker
-
     tiny(tmp_path, case, num_key_value_heads=num_kv_heads)
-    model = _load(tmp_path)
-    runner = PagedRunner(model, dict(model.config), num_blocks=32)
-    prompt = list(range(3, 20))
-    ref = torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
-    result = os.path.join(tmp_path, "tp.pt")
-    mp.spawn(_worker, args=(str(tmp_path), str(tmp_path / "init"), result), nprocs=2)
-    assert (torch.load(result) - ref).abs().max().item() < 1e-4
+    assert_two_ranks_match_one(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["granite_tied", "olmo2"])

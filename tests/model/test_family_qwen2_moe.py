@@ -12,15 +12,12 @@ the router dense), and a config whose sliding layers are ambiguous is refused.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_testing import TINY_CASES, PagedRunner, make_tiny_checkpoint
+from model_testing import TINY_CASES, PagedRunner, assert_two_ranks_match_one, make_tiny_checkpoint
 from quant_testing import quantized_moe_checkpoint
 from test_model_families import _prompts, assert_matches_transformers, engine
-from test_moe import _save_fused, _worker
+from test_moe import _save_fused
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
@@ -102,13 +99,7 @@ def test_experts_and_shared_expert_load_from_both_layouts(tmp_path, layout):
 def test_two_rank_forward_matches_one_rank(tmp_path):
     """Each rank a slice of every expert and of the shared expert, its gate whole."""
     make_tiny_checkpoint(tmp_path, "qwen2_moe")
-    model = _load(tmp_path)
-    runner = PagedRunner(model, dict(model.config), num_blocks=32)
-    prompt = list(range(3, 20))
-    ref = torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
-    result = os.path.join(tmp_path, "tp.pt")
-    mp.spawn(_worker, args=(str(tmp_path), str(tmp_path / "init"), result), nprocs=2)
-    assert (torch.load(result) - ref).abs().max().item() < 1e-4
+    assert_two_ranks_match_one(tmp_path)
 
 
 def test_sparse_block_all_reduces_once_at_two_ranks(tmp_path, monkeypatch):

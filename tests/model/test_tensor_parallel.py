@@ -6,24 +6,13 @@ pass is checked with two gloo processes whose logits must equal the single-proce
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_testing import PagedRunner, make_tiny_checkpoint
+from model_testing import assert_two_ranks_match_one, make_tiny_checkpoint
+from model_testing import load_float32 as _load
 
-from pagoda.config import ModelConfig
 from pagoda.model.layers.linear import RowParallelLinear
-from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.parallel import set_tensor_parallel
-
-
-def _load(path):
-    cfg = get_model_config_dict(str(path))
-    return load_model(
-        ModelConfig(model=str(path), hf_config=cfg, dtype="float32", max_model_len=64)
-    )
 
 
 @pytest.mark.parametrize("case", ["qwen2", "llama_mqa_attention_bias"])
@@ -90,32 +79,9 @@ def test_fused_checkpoint_tensors_are_split_per_rank(tmp_path, num_kv_heads):
         set_tensor_parallel(0, 1)
 
 
-def _worker(rank: int, path: str, init_file: str, result_file: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    set_tensor_parallel(rank, 2)
-    model = _load(path)
-    cfg = dict(model.config)
-    cfg["num_key_value_heads"] = model.model.layers[0].self_attn.num_kv_heads
-    runner = PagedRunner(model, cfg, num_blocks=32)
-    prompt = list(range(3, 20))
-    logits = [runner.step(prompt, 0), runner.step([7], len(prompt))]
-    if rank == 0:
-        torch.save(torch.cat(logits), result_file)
-    dist.destroy_process_group()
-
-
 def test_two_rank_forward_matches_one_rank(tmp_path):
     make_tiny_checkpoint(tmp_path, "qwen3")
-    model = _load(tmp_path)
-    runner = PagedRunner(model, dict(model.config), num_blocks=32)
-    prompt = list(range(3, 20))
-    ref = torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
-    result = os.path.join(tmp_path, "tp.pt")
-    mp.spawn(_worker, args=(str(tmp_path), str(tmp_path / "init"), result), nprocs=2)
-    assert (torch.load(result) - ref).abs().max().item() < 1e-4
+    assert_two_ranks_match_one(tmp_path)
 
 
 def test_row_parallel_partial_sums_carry_the_bias_once(monkeypatch):
