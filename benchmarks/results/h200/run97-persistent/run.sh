@@ -1,7 +1,8 @@
 #!/bin/bash
 # The W4A16 GEMV with CTAs that take tiles in turn (GemvConfig.persistent, CTAs an SM): its GPU
-# tests, then whole decode steps at 1 and 16 rows with the rule's configs as they are and
-# with persistent=2 and 3 set in each, and 2 with a third stage (w4a16_skinny_bench.py --step --gemv-variants).
+# tests, then whole decode steps at 1 and 16 rows with the rule's configs as they are, with
+# persistent=2 and 3 set in each, and 2 with a third stage (w4a16_skinny_bench.py --step
+# --gemv-variants).
 cd "$(dirname "$0")/../../../.." || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
