@@ -157,8 +157,13 @@ class SchedulerConfig:
     # Schedule and launch step N+1 before step N's sampled tokens reach the host, so the
     # host's work overlaps the device's (`EngineCore.step`). The engine turns it on for CUDA.
     async_scheduling: bool = False
+    # Streaming: new tokens batched into each streamed output (vLLM's --stream-interval; a
+    # request's `SamplingParams.stream_interval` may raise it). 1: every step's tokens at once.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

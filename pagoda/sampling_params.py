@@ -225,6 +225,11 @@ class SamplingParams:
     # tokens generated last are the ones before it (a one-token word always). The engine
     # tokenizes them (`update_from_tokenizer`) into `bad_words_token_ids`.
     bad_words: list[str] | None = None
+    # Streaming (output_kind DELTA or CUMULATIVE, as AsyncLLM and the server's streams): how many
+    # new tokens to batch into each `RequestOutput` (vLLM's). The first and the final outputs
+    # go out at once; the engine's --stream-interval raises a smaller value to its own. Batched
+    # DELTA chunks concatenate to the unbatched stream. No effect on FINAL_ONLY (LLM.generate).
+    stream_interval: int | None = None
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -276,6 +281,7 @@ class SamplingParams:
         self._int("seed", _INT64_MIN, _INT64_MAX, optional=True, bounds="a signed 64-bit")
         self._int("max_tokens", 1, None, optional=True)
         self._int("min_tokens", 0, None)
+        self._int("stream_interval", 1, None, optional=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"

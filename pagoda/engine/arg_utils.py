@@ -273,6 +273,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    stream_interval: int = 1
     # Execution
     enforce_eager: bool = False
     # None: on where it helps (a CUDA device), off on a CPU (nothing to overlap with).
@@ -457,6 +458,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             async_scheduling=async_scheduling,
+            stream_interval=self.stream_interval,
         )
 
     def _parallel_config(self) -> ParallelConfig:
@@ -550,6 +552,13 @@ class EngineArgs:
             default=d.long_prefill_token_threshold,
             help="with chunked prefill, compute a longer prompt at most this many tokens per "
             "step, so running decodes keep their inter-token latency (0: off)",
+        )
+        g.add_argument(
+            "--stream-interval",
+            type=int,
+            default=d.stream_interval,
+            help="streaming: new tokens batched into each streamed chunk (the first and last "
+            "go at once); a request's stream_interval may raise it (1: every token)",
         )
         g.add_argument(
             "--scheduling-policy",

@@ -42,7 +42,6 @@ from pagoda.engine.exceptions import (
 )
 from pagoda.engine.input_processor import InputProcessor, PromptValidationError
 from pagoda.engine.output_handler import OutputHandler, RequestStream, deliver_all
-from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.serving_engine import build_serving_engine, multiprocessing_enabled
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -173,7 +172,7 @@ class AsyncLLM(OutputHandler):
             self.engine.tokenizer, self.engine.model_config, getattr(sc, "policy", "fcfs")
         )
         with self._op_lock:
-            self.output_processor = OutputProcessor(self.engine.tokenizer, self.tracer)
+            self.output_processor = self._new_output_processor()
 
     @classmethod
     def from_engine_args(

@@ -42,7 +42,9 @@ class LLMEngine:
             self.tokenizer, self.model_config, config.scheduler_config.policy
         )
         self.tracer = make_request_tracer(config.observability_config, self.model_config.name)
-        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.tracer, config.scheduler_config.stream_interval
+        )
         self.last_iteration_stats = self.engine_core.last_iteration_stats
         self.stat_logger = LoggingStatLogger() if log_stats else None
 

@@ -164,7 +164,7 @@ class OutputHandler:
             calls, self._calls = self._calls, {}
             self.state = "restarting" if restart else ("dead" if error is not None else "stopped")
         with self._op_lock:
-            self.output_processor = OutputProcessor(self.engine.tokenizer, self.tracer)
+            self.output_processor = self._new_output_processor()
             self._aborting.clear()
         deliver_all(streams.values(), self._stopped)
         for loop, future in calls.values():
@@ -173,6 +173,11 @@ class OutputHandler:
             threading.Thread(target=self._restart, name="pagoda-core-restart", daemon=True).start()
         elif error is not None and not self._shutting_down:
             self._fatal(error)
+
+    def _new_output_processor(self) -> OutputProcessor:
+        sc = getattr(getattr(self.engine, "config", None), "scheduler_config", None)
+        interval = getattr(sc, "stream_interval", 1)
+        return OutputProcessor(self.engine.tokenizer, self.tracer, interval)
 
     def _stopped_error(self, error: BaseException | None) -> BaseException:
         if error is None:

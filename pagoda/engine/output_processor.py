@@ -3,7 +3,10 @@ ids, raw logprobs, finish reasons) become user-facing `RequestOutput`s.
 
 Owns, per request: incremental detokenization and stop strings, logprobs (with decoded
 tokens), the cumulative logprob, the fan-in of n > 1 samples into one `RequestOutput`, the
-CUMULATIVE / DELTA / FINAL_ONLY output kinds, and the per-request timing behind the metrics.
+CUMULATIVE / DELTA / FINAL_ONLY output kinds, the stream interval (a streamed request's output
+goes out once a sample has that many new tokens, and always at its first token and its end:
+DELTA chunks then hold the tokens and text of the steps skipped), and the per-request timing
+behind the metrics.
 
 A failure while processing one request's output (detokenizing, a stop string, a logprob)
 finishes that request alone, with finish_reason "error" and the error in its output; the
@@ -57,6 +60,8 @@ class SampleState:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     final_sent: bool = False  # DELTA: the finished sample was reported
+    num_emitted_tokens: int = 0  # its tokens when an output last went out (stream interval)
+    emitted_finished: bool = False  # an output went out since it finished
     max_tokens: int | None = None  # resolved against the context (the core request's)
     num_cached_tokens: int = 0  # its prompt tokens the prefix cache held
     num_preemptions: int = 0
@@ -79,6 +84,7 @@ class ParentState:
     params: SamplingParams
     arrival_time: float
     samples: list[SampleState] = field(default_factory=list)
+    stream_interval: int = 1
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
@@ -92,9 +98,15 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, tracer: RequestTracer | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        tracer: RequestTracer | None = None,
+        stream_interval: int = 1,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tracer = tracer
+        self.stream_interval = stream_interval  # the engine's; a request's may raise it
         self.samples: dict[str, SampleState] = {}  # child request id -> state
         self.parents: dict[str, ParentState] = {}  # user request id -> state
         # Samples ended by abort since the last step: counted in the next step's statistics,
@@ -121,6 +133,7 @@ class OutputProcessor:
             raise ValueError(clash)
         parent = ParentState(request_id, prompt, prompt_token_ids, params, arrival_time)
         parent.trace_headers = trace_headers
+        parent.stream_interval = max(params.stream_interval or 1, self.stream_interval)
         for index, sample in enumerate(samples):
             child_id, p = sample.request_id, sample.sampling_params
             detok = None
@@ -409,6 +422,10 @@ class OutputProcessor:
         kind = parent.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
             return None
+        if parent.stream_interval > 1 and not parent.finished and not _interval_due(parent):
+            return None
+        for s in parent.samples:
+            s.num_emitted_tokens, s.emitted_finished = len(s.token_ids), s.finished
         delta = kind == RequestOutputKind.DELTA
         if delta:
             samples = [
@@ -513,6 +530,17 @@ def _earliest(times: Iterable[float | None]) -> float | None:
 
 def _latest(times: Iterable[float | None]) -> float | None:
     return max((t for t in times if t is not None), default=None)
+
+
+def _interval_due(parent: ParentState) -> bool:
+    """Whether a streamed request's output goes out now (vLLM's rule, per sample): a sample's
+    first tokens, its end, or `stream_interval` new tokens since the last output."""
+    return any(
+        (s.finished and not s.emitted_finished)
+        or (s.num_emitted_tokens == 0 and s.token_ids)
+        or len(s.token_ids) - s.num_emitted_tokens >= parent.stream_interval
+        for s in parent.samples
+    )
 
 
 def _parent_stats(parent: ParentState) -> tuple[int, int]:

@@ -198,6 +198,7 @@ def build_sampling_params(
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
+        stream_interval=req.stream_interval,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=(
             StructuredOutputsParams(json=json_schema)

@@ -121,11 +121,25 @@ def test_legacy_speculative_flags_on_the_command_line(warnings) -> None:
         ("max_num_seqs", 0, "max_num_seqs must be positive"),
         ("speculative_config", "ngram", "speculative_config must be a dict"),
         ("speculative_config", {"num_speculative_tokens": "5"}, "must be an integer"),
+        ("stream_interval", 0, "stream_interval must be >= 1"),
+        ("stream_interval", "4", "stream_interval must be an integer"),
     ],
 )
 def test_bad_engine_argument_names_itself(tiny, field, value, match) -> None:
     with pytest.raises(ValueError, match=match):
         _config(tiny, **{field: value})
+
+
+def test_stream_interval_flag_reaches_the_scheduler_config(tiny) -> None:
+    from pagoda.entrypoints.openai.api_server import make_arg_parser
+
+    for args in (
+        build_parser().parse_args(["serve", "--stream-interval", "4"]),
+        make_arg_parser().parse_args(["--stream-interval", "4"]),
+    ):
+        assert EngineArgs.from_cli_args(args).stream_interval == 4
+    assert _config(tiny, stream_interval=4).scheduler_config.stream_interval == 4
+    assert _config(tiny).scheduler_config.stream_interval == 1
 
 
 def test_max_waiting_requests_is_a_server_flag_only() -> None:

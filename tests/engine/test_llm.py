@@ -182,6 +182,51 @@ def test_delta_outputs_concatenate_to_final(llm: LLM) -> None:
     assert "".join(pieces) == final.text and tokens == final.token_ids
 
 
+def test_stream_interval_batches_deltas_into_the_same_stream(llm: LLM) -> None:
+    engine = llm.llm_engine
+
+    def stream(kind: RequestOutputKind, interval: int | None) -> list[tuple[str, list[int]]]:
+        params = SamplingParams(
+            temperature=0, max_tokens=11, ignore_eos=True, output_kind=kind,
+            stream_interval=interval,
+        )  # fmt: skip
+        engine.add_request(f"si-{kind.name}-{interval}", PROMPTS[1], params)
+        chunks = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                chunks.append((o.outputs[0].text, list(o.outputs[0].token_ids)))
+        return chunks
+
+    one = stream(RequestOutputKind.DELTA, None)
+    four = stream(RequestOutputKind.DELTA, 4)
+    assert [len(t) for _, t in one] == [1] * 11
+    # The first token at once, then every 4 tokens, the last (2 tokens) at the end.
+    assert [len(t) for _, t in four] == [1, 4, 4, 2]
+    assert "".join(s for s, _ in four) == "".join(s for s, _ in one)
+    assert sum((t for _, t in four), []) == sum((t for _, t in one), [])
+    cumulative = stream(RequestOutputKind.CUMULATIVE, 4)
+    assert [len(t) for _, t in cumulative] == [1, 5, 9, 11]
+    assert cumulative[-1][0] == "".join(s for s, _ in one)
+    # LLM.generate (final outputs only) is unaffected.
+    params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, stream_interval=4)
+    final = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    assert final.token_ids == sum((t for _, t in one), [])
+
+
+def test_stream_interval_is_raised_to_the_engines() -> None:
+    from pagoda.core.outputs import EngineCoreRequest
+    from pagoda.engine.output_processor import OutputProcessor
+
+    params = SamplingParams(stream_interval=2)
+    core = [EngineCoreRequest("r", [1, 2], params, 0.0, None, 16)]
+    op = OutputProcessor(None, stream_interval=5)
+    op.add_request("r", None, [1, 2], params, core, 0.0)
+    assert op.parents["r"].stream_interval == 5
+    op = OutputProcessor(None, stream_interval=1)
+    op.add_request("r", None, [1, 2], params, core, 0.0)
+    assert op.parents["r"].stream_interval == 2
+
+
 def test_abort_frees_everything(llm: LLM) -> None:
     engine = llm.llm_engine
     engine.add_request("to-abort", PROMPTS[0], SamplingParams(max_tokens=50))

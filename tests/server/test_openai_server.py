@@ -156,6 +156,17 @@ def test_streaming_matches_non_streaming(client):
     assert text == chat.choices[0].message.content
 
 
+def test_stream_interval_batches_chunks_of_the_same_text(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    chunks = [c for c in client.completions.create(**kw, stream=True,
+                                                    extra_body={"stream_interval": 3}) if c.choices]  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == full
+    assert len(chunks) == 3  # the first token, then 3 and 3
+    with pytest.raises(openai.BadRequestError, match="stream_interval"):
+        client.completions.create(**kw, stream=True, extra_body={"stream_interval": 0})
+
+
 def test_n_samples_and_seed(client):
     kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=6, temperature=1.0)
     a = client.completions.create(**kw, n=2, seed=1234)
