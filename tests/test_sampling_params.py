@@ -106,6 +106,9 @@ def test_temperature_bounds_are_accepted() -> None:
         ("detokenize", None),
         ("skip_special_tokens", [1]),
         ("include_stop_str_in_output", "false"),
+        ("stream_interval", 0),
+        ("stream_interval", 2.0),
+        ("stream_interval", True),
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value) -> None:
