@@ -230,6 +230,10 @@ class SamplingParams:
     # go out at once; the engine's --stream-interval raises a smaller value to its own. Batched
     # DELTA chunks concatenate to the unbatched stream. No effect on FINAL_ONLY (LLM.generate).
     stream_interval: int | None = None
+    # True: the request reuses no cached prefix blocks (its own blocks still enter the prefix
+    # cache). None becomes vLLM's default, True when prompt_logprobs are asked for (they need
+    # every prompt position computed: with them the cache is never read, whatever this says).
+    skip_reading_prefix_cache: bool | None = None
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -290,7 +294,9 @@ class SamplingParams:
             if getattr(self, name) is True:  # vLLM reads True as 1
                 setattr(self, name, 1)
             self._int(name, 0, MAX_LOGPROBS, optional=True)
-        for name in _FLAGS:  # "no" would otherwise count as true
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+        for name in (*_FLAGS, "skip_reading_prefix_cache"):  # "no" would otherwise be true
             value = getattr(self, name)
             if isinstance(value, str) or value is None or value not in (True, False):
                 raise ValueError(f"{name} must be true or false, got {value!r:.100}")

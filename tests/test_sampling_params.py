@@ -109,6 +109,7 @@ def test_temperature_bounds_are_accepted() -> None:
         ("stream_interval", 0),
         ("stream_interval", 2.0),
         ("stream_interval", True),
+        ("skip_reading_prefix_cache", "no"),
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value) -> None:
@@ -141,6 +142,14 @@ def test_numbers_are_normalized() -> None:
     assert p.logit_bias == {3: 1.0, 4: -2.5}
     assert p.stop == ["x"] and p.stop_token_ids == [7]
     assert p.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_skip_reading_prefix_cache_defaults_as_vllm() -> None:
+    assert SamplingParams().skip_reading_prefix_cache is False
+    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
+    assert SamplingParams(skip_reading_prefix_cache=True).skip_reading_prefix_cache is True
+    p = SamplingParams(prompt_logprobs=1, skip_reading_prefix_cache=False)
+    assert p.skip_reading_prefix_cache is False
 
 
 def test_seed_minus_one_means_no_seed() -> None:

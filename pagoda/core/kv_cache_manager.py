@@ -64,8 +64,14 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------
 
     def _use_prefix_cache(self, request: Request) -> bool:
-        # Prompt logprobs need every prompt position computed, so such requests never hit.
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need every prompt position computed, so such requests never hit; nor
+        # do those that ask not to (skip_reading_prefix_cache). Both still write their blocks.
+        params = request.sampling_params
+        return (
+            self.enable_caching
+            and not params.skip_reading_prefix_cache
+            and params.prompt_logprobs is None
+        )
 
     @staticmethod
     def _first_block_extra_keys(request: Request) -> tuple | None:

@@ -99,6 +99,22 @@ def test_prefix_hit_reuses_500_tokens(llm: LLM) -> None:
     assert tok is not None
 
 
+def test_skip_reading_prefix_cache_gets_no_hit_but_writes_its_blocks(llm: LLM) -> None:
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    prompt = {"prompt_token_ids": list(range(3000, 3300))}  # 300 tokens, new to the cache
+    skip = SamplingParams(temperature=0, max_tokens=8, skip_reading_prefix_cache=True)
+    first = llm.generate(prompt, skip, use_tqdm=False)[0]
+    hits = kv.prefix_cache_hits
+    second = llm.generate(prompt, skip, use_tqdm=False)[0]  # cached now, but not read
+    assert first.num_cached_tokens == second.num_cached_tokens == 0
+    assert kv.prefix_cache_hits == hits
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    # Its blocks were written: a request that reads the cache hits them.
+    third = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert third.num_cached_tokens >= 288 and kv.prefix_cache_hits - hits >= 288
+    assert third.outputs[0].token_ids[:8] == first.outputs[0].token_ids
+
+
 def test_prefix_cache_hit_does_not_change_greedy_outputs(llm: LLM, reference) -> None:
     again = _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))  # prompts now cached
     assert again == reference
