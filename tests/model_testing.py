@@ -122,6 +122,20 @@ TINY_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # 8 experts of 32, top 4 (Qwen1.5-MoE-A2.7B's 60 experts pick 4), a shared expert of 64;
+    # layer 1 a dense MLP of intermediate_size 96.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }
 

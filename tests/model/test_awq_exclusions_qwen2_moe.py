@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from model_testing import TINY_CASES
 from quant_testing import quantized_moe_checkpoint
-from test_family_qwen2_moe import _CASE as QWEN2_MOE_CASE
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
@@ -71,10 +69,9 @@ def test_qwen3_moe_reads_gate_as_qwen2_moe_does_and_has_no_shared_expert_gate() 
 
 
 @pytest.fixture
-def awq_checkpoint(tmp_path, monkeypatch):
+def awq_checkpoint(tmp_path):
     """A tiny Qwen2-MoE AWQ checkpoint (layer 1 dense; the shared expert's projections packed,
     its gate and the router dense) and a writer of its entries."""
-    monkeypatch.setitem(TINY_CASES, "qwen2_moe", QWEN2_MOE_CASE)
     _, path = quantized_moe_checkpoint(tmp_path, "qwen2_moe", "awq")
 
     def with_entries(entries: list[str]):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_testing import TINY_CASES, PagedRunner, assert_two_ranks_match_one, make_tiny_checkpoint
+from model_testing import assert_two_ranks_match_one, make_tiny_checkpoint
 from quant_testing import quantized_moe_checkpoint
 from test_model_families import _prompts, assert_matches_transformers, engine
 from test_moe import _save_fused
@@ -23,20 +23,6 @@ from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
 from pagoda.model.loader.hf_config import layer_sliding_windows
 
-# 8 experts of 32, top 4 (Qwen1.5-MoE-A2.7B's 60 experts pick 4), a shared expert of 64;
-# layer 1 a dense MLP of intermediate_size 96.
-_CASE = (
-    "Qwen2MoeConfig",
-    "Qwen2MoeForCausalLM",
-    dict(
-        num_experts=8,
-        num_experts_per_tok=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        norm_topk_prob=False,
-        mlp_only_layers=[1],
-    ),
-)
 CONFIGS = {
     "released": {},
     "norm_topk_prob": dict(norm_topk_prob=True),
@@ -51,12 +37,6 @@ CONFIGS = {
         qkv_bias=False,
     ),
 }
-
-
-@pytest.fixture(autouse=True)
-def _qwen2_moe_case(monkeypatch):
-    """`make_tiny_checkpoint(path, "qwen2_moe")` (and the quantized checkpoints built on it)."""
-    monkeypatch.setitem(TINY_CASES, "qwen2_moe", _CASE)
 
 
 def _load(path, quantization: str | None = None) -> torch.nn.Module:
@@ -132,24 +112,6 @@ def test_sparse_block_all_reduces_once_at_two_ranks(tmp_path, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method,act_order", [("gptq", True), ("awq", False)])
-def test_quantized_checkpoint_logits_match_transformers(tmp_path, method, act_order):
-    """Experts, shared expert, dense MLP and attention packed (groups of 16); the router and
-    the shared expert's gate dense. Against transformers on the weights the checkpoint
-    encodes."""
-    import transformers
-
-    dense, path = quantized_moe_checkpoint(tmp_path, "qwen2_moe", method, 4, act_order, group=16)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32)
-    model = _load(path, method)
-    runner = PagedRunner(model, dict(model.config), num_blocks=32)
-    prompt = [(5 * j + 3) % 128 for j in range(17)]
-    got = torch.cat([runner.step(prompt, 0), runner.step([7], len(prompt))])
-    with torch.no_grad():
-        want = hf(torch.tensor([[*prompt, 7]])).logits[0].float()
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-
-
 def test_quantized_shared_expert_rank_shards(tmp_path, monkeypatch):
     """GPTQ with act order at tp=2, loaded in-process per rank and dequantized at load: each
     rank's shared expert (and experts) exactly the dense checkpoint's slices, its gate whole."""
@@ -186,30 +148,3 @@ def test_sliding_window_without_layer_types_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="use_sliding_window but no layer_types"):
         _load(tmp_path)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_engine_matches_transformers_eager_and_in_cuda_graphs(tmp_path):
-    """The fused Triton experts and the shared expert through the engine in float32, eager and
-    in CUDA graphs: the same greedy tokens as transformers' forward on the CPU."""
-    from pagoda import LLM, SamplingParams
-
-    hf = make_tiny_checkpoint(tmp_path, "qwen2_moe")
-    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(5)]
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            tokens = list(p)
-            for _ in range(8):
-                tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-            want.append(tokens[len(p) :])
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for eager in (True, False):
-        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager,
-                  max_model_len=128, max_num_seqs=8, max_num_batched_tokens=256,
-                  gpu_memory_utilization=0.3)  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, eager
-        del llm
-        torch.cuda.empty_cache()

@@ -115,10 +115,10 @@ def test_moe_two_rank_forward_matches_one_rank(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_moe_gpu_engine_matches_transformers_eager_and_in_cuda_graphs(tmp_path, case):
-    """The fused Triton MoE through the engine in float32, eager and in CUDA graphs: the same
-    greedy tokens as transformers' forward on the CPU."""
+    """The fused Triton MoE (with Qwen2-MoE's shared expert) through the engine in float32,
+    eager and in CUDA graphs: the same greedy tokens as transformers' forward on the CPU."""
     from pagoda import LLM, SamplingParams
 
     hf = make_tiny_checkpoint(tmp_path, case)

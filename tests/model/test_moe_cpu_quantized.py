@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_testing import TINY_CASES, make_tiny_checkpoint
+from model_testing import make_tiny_checkpoint
 from moe_testing import (
     ENGINE_PROMPTS,
     experts_of,
@@ -28,7 +28,6 @@ from moe_testing import (
     write_moe_gguf,
 )
 from quant_testing import quantized_moe_checkpoint
-from test_family_qwen2_moe import _CASE as QWEN2_MOE_CASE
 
 from pagoda.config import ModelConfig
 from pagoda.kernels.cpu import quant
@@ -56,12 +55,6 @@ TP2_SIZES = {"mixtral": {"intermediate_size": 128},
              "qwen3_moe": {"intermediate_size": 128, "moe_intermediate_size": 64},
              "qwen2_moe": {"moe_intermediate_size": 64}}  # fmt: skip
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # of 32 weights
-
-
-@pytest.fixture(autouse=True)
-def _qwen2_moe_case(monkeypatch):
-    """`make_tiny_checkpoint(path, "qwen2_moe")`: experts of 32, a shared expert of 64."""
-    monkeypatch.setitem(TINY_CASES, "qwen2_moe", QWEN2_MOE_CASE)
 
 
 def _load(path, quantization: str, rank: int = 0, tp: int = 1):

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_testing import TINY_CASES, PagedRunner, make_tiny_checkpoint
+from model_testing import PagedRunner, make_tiny_checkpoint
 from moe_testing import write_moe_gguf
-from test_family_qwen2_moe import _CASE as QWEN2_MOE_CASE
 
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model_config_dict, load_model
@@ -25,13 +24,6 @@ pytest.importorskip("gguf")
 # The config fields a MoE file's metadata gives back, where the family has them.
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                "norm_topk_prob")  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _qwen2_moe_case(monkeypatch):
-    """`make_tiny_checkpoint(path, "qwen2_moe")`: 8 experts of 32, top 4, norm_topk_prob false,
-    a shared expert of 64."""
-    monkeypatch.setitem(TINY_CASES, "qwen2_moe", QWEN2_MOE_CASE)
 
 
 def _sparse_everywhere(case: str) -> dict:

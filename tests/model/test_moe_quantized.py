@@ -72,11 +72,16 @@ def test_rank_experts_are_the_dense_checkpoints_slices(tmp_path, monkeypatch, fa
             assert torch.equal(g.self_attn.o_proj.weight, w.self_attn.o_proj.weight)
 
 
-@pytest.mark.parametrize("family,case", [("mixtral", "awq"), ("qwen3_moe", "gptq4-act-order")])
+@pytest.mark.parametrize(
+    "family,case",
+    [("mixtral", "awq"), ("qwen3_moe", "gptq4-act-order"), ("qwen2_moe", "awq"),
+     ("qwen2_moe", "gptq4-act-order")],
+)  # fmt: skip
 def test_logits_match_transformers_on_the_dequantized_weights(tmp_path, family, case):
     """The default CPU path (layers whose groups are whole 32-input blocks kept as GGUF blocks;
     here groups of 16: dequantized, the experts layer by layer), against transformers'
-    forward."""
+    forward. Qwen2-MoE: experts, shared expert, dense MLP and attention packed; the router and
+    the shared expert's gate dense."""
     import transformers
 
     method, bits, act_order, sym = CASES[case]

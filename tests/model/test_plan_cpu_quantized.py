@@ -7,9 +7,8 @@ logical size (the packed GEMM pads their rows)."""
 from __future__ import annotations
 
 import pytest
-from model_testing import TINY_CASES, make_tiny_checkpoint
+from model_testing import make_tiny_checkpoint
 from quant_testing import fp8_checkpoint, quantized_checkpoint, quantized_moe_checkpoint
-from test_family_qwen2_moe import _CASE as QWEN2_MOE_CASE
 
 from pagoda.cli import build_parser
 from pagoda.config import ModelConfig
@@ -21,12 +20,6 @@ from pagoda.model.quantization.smoothquant import quantize_model_w8a8
 pytestmark = pytest.mark.skipif(
     not quant.quant_kernel_available(), reason="the quantized CPU kernel does not build here"
 )
-
-
-@pytest.fixture(autouse=True)
-def _qwen2_moe_case(monkeypatch):
-    """`quantized_moe_checkpoint(path, "qwen2_moe", ...)`: a dense layer, a shared expert."""
-    monkeypatch.setitem(TINY_CASES, "qwen2_moe", QWEN2_MOE_CASE)
 
 
 def _w8a8(tmp_path):
