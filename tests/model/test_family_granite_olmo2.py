@@ -147,6 +147,7 @@ def _write_gguf(hf, path: str, arch: str) -> None:
     """`hf` as llama.cpp's converter writes it: the metadata of its set_gguf_parameters, Granite's
     Q/K rows permuted (LlamaModel.permute), no output tensor for a tied head."""
     gguf = pytest.importorskip("gguf")
+    from moe_testing import _permute, finish_gguf
     from test_gguf_archs import _LAYER_NAMES
 
     c = hf.config
@@ -184,12 +185,9 @@ def _write_gguf(hf, path: str, arch: str) -> None:
         layer, module = name.split(".")[2], name.split(".", 3)[3].rsplit(".", 1)[0]
         if arch == "granite" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
-            t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
+            t = _permute(t, heads)
         w.add_tensor(f"blk.{layer}.{names[module]}.weight", np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("case", list(CASES))
