@@ -16,7 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda import envs
-from pagoda.model.loader.hf_config import num_experts, shared_expert_size, sparse_layers
+from pagoda.model.loader.hf_config import (
+    expert_intermediate_size,
+    num_experts,
+    shared_expert_size,
+    sparse_layers,
+)
 from pagoda.quant_config import (
     CT,
     DUMMY_QUANTIZATION_CONFIGS,
@@ -156,6 +161,6 @@ def _row_parallel_params(hf_config: dict[str, Any]) -> int:
 def _expert_params(hf_config: dict[str, Any]) -> int:
     """The weights of every routed MoE expert of the sparse layers (`sparse_layers`; 0 for a
     dense model)."""
-    inter = int(hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"])
+    inter = expert_intermediate_size(hf_config)
     experts, hidden = num_experts(hf_config), int(hf_config["hidden_size"])
     return sum(sparse_layers(hf_config)) * experts * 3 * hidden * inter

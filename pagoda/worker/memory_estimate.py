@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.model.loader.hf_config import (
+    expert_intermediate_size,
     num_experts,
     shared_expert_size,
     sparse_layers,
@@ -149,7 +150,7 @@ def linear_layers(cfg: Mapping[str, Any], tp: int = 1) -> list[LinearLayers]:
     experts = num_experts(cfg)
     sparse = sum(sparse_layers(cfg))
     inter = shape.intermediate_size // tp
-    moe_inter = int(cfg.get("moe_intermediate_size") or shape.intermediate_size) // tp
+    moe_inter = expert_intermediate_size(cfg) // tp
     shared = shared_expert_size(cfg) // tp
     shared_layers = sparse if shared else 0
     out = [
@@ -251,7 +252,7 @@ def mlp_block_bytes(cfg: Mapping[str, Any], itemsize: int, tp: int = 1) -> int:
     blocks = [dense_mlp(shape.intermediate_size)] if not all(sparse) else []
     if any(sparse):
         top_k = int(cfg["num_experts_per_tok"])
-        moe_inter = int(cfg.get("moe_intermediate_size") or shape.intermediate_size) // tp
+        moe_inter = expert_intermediate_size(cfg) // tp
         pairs = top_k * (3 * moe_inter * itemsize + hidden + 4 + 4 + 4)
         blocks.append(pairs + hidden)
         if shared_expert_size(cfg):

@@ -124,6 +124,12 @@ def num_experts(config: Mapping[str, Any]) -> int:
     return int(config.get("num_local_experts") or config.get("num_experts") or 0)
 
 
+def expert_intermediate_size(config: Mapping[str, Any]) -> int:
+    """An expert's intermediate size: Qwen's `moe_intermediate_size`, Mixtral's experts of the
+    config's `intermediate_size`."""
+    return int(config.get("moe_intermediate_size") or config["intermediate_size"])
+
+
 def sparse_layers(config: Mapping[str, Any]) -> list[bool]:
     """Which decoder layers are mixture-of-experts ones, by the rule of
     `pagoda.model.models.moe.is_moe_layer` (that module imports torch): a layer not in
@@ -203,7 +209,7 @@ def weight_params(config: Mapping[str, Any]) -> WeightParams:
 
     inter = int(config["intermediate_size"])
     experts = num_experts(config)
-    moe_inter = int(config.get("moe_intermediate_size") or inter)
+    moe_inter = expert_intermediate_size(config)
     shared = shared_expert_size(config)
     mlp_bias = not gemma and bool(config.get("mlp_bias", False))
     for sparse in sparse_layers(config):

@@ -35,6 +35,7 @@ from torch import nn
 
 from pagoda.model.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagoda.model.layers.linear import LinearMethodBase, ReplicatedLinear, UnquantizedLinearMethod
+from pagoda.model.loader.hf_config import expert_intermediate_size, num_experts
 from pagoda.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagoda.model.parallel import tensor_model_parallel_all_reduce
 
@@ -54,15 +55,7 @@ def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
     if layer_idx in (cfg.get("mlp_only_layers") or []):
         return False
     step = int(cfg.get("decoder_sparse_step") or 1)
-    return moe_num_experts(cfg) > 0 and (layer_idx + 1) % step == 0
-
-
-def moe_num_experts(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-
-
-def moe_intermediate_size(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    return num_experts(cfg) > 0 and (layer_idx + 1) % step == 0
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
@@ -101,10 +94,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     def block_args(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """`SparseMoeBlock`'s sizes and routing from the config."""
         return dict(
-            num_experts=moe_num_experts(cfg),
+            num_experts=num_experts(cfg),
             top_k=int(cfg["num_experts_per_tok"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=moe_intermediate_size(cfg),
+            intermediate_size=expert_intermediate_size(cfg),
             routing=self.routing,
             renormalize=bool(cfg.get("norm_topk_prob", False)),  # as transformers reads it
         )

@@ -22,13 +22,13 @@ T = TypeVar("T")
 def check_not_moe(hf_config: dict[str, Any], method: str) -> None:
     """ValueError for a mixture of experts: the quantizers calibrate and write the linear
     layers only, not the experts (nor would they leave the router dense)."""
-    from pagoda.model.models.moe import moe_num_experts
+    from pagoda.model.loader.hf_config import num_experts
 
-    if moe_num_experts(hf_config):
+    if num_experts(hf_config):
         arch = (hf_config.get("architectures") or ["this model"])[0]
         raise ValueError(
             f"pagoda quantize --method {method} does not quantize mixture-of-experts models "
-            f"({arch}, {moe_num_experts(hf_config)} experts a layer) yet: quantize it with "
+            f"({arch}, {num_experts(hf_config)} experts a layer) yet: quantize it with "
             "AutoAWQ or GPTQModel (Pagoda serves their AWQ / GPTQ checkpoints), or serve it "
             "unquantized"
         )
