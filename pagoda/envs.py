@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     PAGODA_GGUF_QUANTIZED: bool
     PAGODA_CPU_QUANTIZED: bool
     PAGODA_CUDA_DECODE: bool
+    PAGODA_CUDA_DECODE_MERGE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
     PAGODA_PDL: bool
@@ -250,6 +251,12 @@ VARIABLES: dict[str, EnvVar] = {
             "PAGODA_CUDA_DECODE", "flag", "1",
             "0: decode attention on CUDA takes the Triton kernel instead of the CUDA one.",
             _flag("PAGODA_CUDA_DECODE", True),
+        ),
+        EnvVar(
+            "PAGODA_CUDA_DECODE_MERGE", "flag", "1",
+            "1: in a split-KV decode step the CUDA decode kernel merges a request's key "
+            "segments itself (the last of its CTAs to finish); 0: a merge kernel of its own.",
+            _flag("PAGODA_CUDA_DECODE_MERGE", True),
         ),
         EnvVar(
             "PAGODA_W4A16", "flag", "1",

@@ -122,6 +122,42 @@ def test_cuda_graph_replays_new_lengths(cache_dtype) -> None:
     torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
+def test_in_kernel_segment_merge_matches_the_merge_kernel(monkeypatch, cache_dtype) -> None:
+    # Split steps merge their segments in the kernel (the last CTA of a request and KV head)
+    # or in `_reduce_segments_kernel`: the same sums in the same order, within rounding. Over
+    # replays of a CUDA graph with new lengths, every replay's counters start at zero.
+    batch = _batch(4, 8, 16, cache_dtype, torch.bfloat16, contexts=[900] * 6)
+    md = batch.metadata()
+    scales = (torch.tensor([0.05], device="cuda"), torch.tensor([0.02], device="cuda"))
+    ref_scales = (0.05, 0.02) if cache_dtype.itemsize == 1 else (1, 1)
+    outs = {}
+    for merge in ("1", "0"):
+        monkeypatch.setenv("PAGODA_CUDA_DECODE_MERGE", merge)
+        out = outs[merge] = torch.full_like(batch.q, float("nan"))
+
+        def step(out=out):
+            unified_attention(batch.q, batch.kv_cache, out, md, 128**-0.5, *scales, split_kv=True)
+
+        step()  # compiles and allocates the counters outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for lens in ([1, 17, 300, 512, 899, 901], [901, 16, 15, 2, 640, 33], [5] * 6):
+            batch.seq_lens.copy_(torch.tensor(lens, device="cuda"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = batch.reference(128**-0.5, *ref_scales)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
+        batch.seq_lens.copy_(torch.tensor([900] * 6, device="cuda"))
+    assert paged_decode._ARRIVALS  # the first pass merged in the kernel
+    assert not paged_decode._ARRIVALS[batch.q.device].any()
+    assert (outs["1"].float() - outs["0"].float()).abs().max() <= 1e-2
+
+
 def test_unsupported_steps_keep_the_triton_kernel() -> None:
     batch = make_paged_batch([1, 1], [5, 9], 8, 2, 128, 16)
     md = batch.metadata()
@@ -156,6 +192,7 @@ def test_launch_passes_the_grid_cta_shape_and_byte_strides(monkeypatch) -> None:
     (args,) = calls
     assert args[:8] == ("handle", 2, 3, 4, 128, 1, 1, 49152)  # grid (KV heads, requests, segs)
     params = args[9]
-    strides = [ctypes.c_int.from_address(params[i]).value for i in range(18, 21)]
+    strides = [ctypes.c_int.from_address(params[i]).value for i in range(19, 22)]
     assert strides == [s * 4 for s in batch.kv_cache.stride()[1:4]]  # bytes of float32
-    assert ctypes.c_double.from_address(params[12]).value == 0.1
+    assert ctypes.c_void_p.from_address(params[12]).value is None  # no in-kernel merge
+    assert ctypes.c_double.from_address(params[13]).value == 0.1

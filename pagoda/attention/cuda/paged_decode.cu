@@ -9,6 +9,10 @@
 // waited on memory latency, as the Triton kernel does). The block table comes in 32 entries
 // at a time, one per lane, and each chunk's block is shuffled out of them.
 //
+// With several key segments a CTA writes its partials (unnormalized out, max, sum) instead of
+// the output; given `segm_arrivals` (one zeroed counter per request and KV head) the last CTA
+// of a request and KV head to finish merges them, else `_reduce_segments_kernel` does.
+//
 // Rows of the m16 tiles are the query heads of the KV head's group (G <= 8; rows 8-15 are
 // zero), and the operands are laid out so that no lane needs another lane's bytes:
 //   * Q K^T: the reduction runs over head dims, and which dim a k-slot of the mma holds is
@@ -90,6 +94,15 @@ __device__ __forceinline__ u16 f32_to_out(float x) {
   return r;
 }
 
+// 8 consecutive output dims o[i] * inv as one 16-byte store.
+__device__ __forceinline__ void store_out(u16* dst, const float (&o)[8], float inv) {
+  u32 packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    packed[i] = (u32)f32_to_out(o[2 * i] * inv) | ((u32)f32_to_out(o[2 * i + 1] * inv) << 16);
+  *(uint4*)dst = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 // D (rows g, g+8) += A (a1 = a3 = 0: rows 8-15 empty) * B. z2, z3 carry the empty rows.
 __device__ __forceinline__ void mma(float& d0, float& d1, float& z2, float& z3, u32 a0, u32 a2,
                                     u32 b0, u32 b1) {
@@ -137,9 +150,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
                         const unsigned char* v_cache, const int* block_tables,
                         const int* seq_lens, const int* query_start_loc, const float* k_scale,
                         const float* v_scale, float* segm_out, float* segm_max, float* segm_sum,
-                        double qk_scale_d, int num_heads, int stride_q_tok, int stride_q_head,
-                        int stride_o_tok, int stride_o_head, int stride_c_blk, int stride_c_slot,
-                        int stride_c_head, int stride_bt) {
+                        int* segm_arrivals, double qk_scale_d, int num_heads, int stride_q_tok,
+                        int stride_q_head, int stride_o_tok, int stride_o_head,
+                        int stride_c_blk, int stride_c_slot, int stride_c_head, int stride_bt) {
 #if __CUDA_ARCH__ >= 900
   // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV, the segment
   // reduce) may start now; it waits for this one's end before reading the output. This one,
@@ -356,17 +369,46 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 8; ++i) segm_out[r * HEAD + d0 + i] = o[i] * vs;
     } else {
-      const float inv = l_all > 0.f ? vs / l_all : 0.f;
-      u32 packed[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        packed[i] = (u32)f32_to_out(o[2 * i] * inv) | ((u32)f32_to_out(o[2 * i + 1] * inv) << 16);
-      uint4 o4;
-      o4.x = packed[0];
-      o4.y = packed[1];
-      o4.z = packed[2];
-      o4.w = packed[3];
-      *(uint4*)(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0) = o4;
+      store_out(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0, o,
+                l_all > 0.f ? vs / l_all : 0.f);
     }
+  }
+  if (nsegm == 1 || segm_arrivals == nullptr) return;  // `_reduce_segments_kernel` merges
+
+  // The segments' merge in the kernel: the CTA whose partials land last for this (request, KV
+  // head) merges all of them (the reduction of CUDA's threadFenceReduction sample). Each CTA
+  // makes its partials visible device-wide, then counts its arrival; the last one resets the
+  // count for the next launch (every segment has arrived) and reads the partials from L2. The
+  // flag that says "last" takes the merge area's first word once every thread is past it.
+  int* sm_last = (int*)smem;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* arrivals = segm_arrivals + req * gridDim.x + kv_head;
+    *sm_last = atomicAdd(arrivals, 1) == nsegm - 1;
+    if (*sm_last) *arrivals = 0;
+  }
+  __syncthreads();
+  if (!*sm_last) return;
+  __threadfence();
+  for (int slice = threadIdx.x; slice < G * (HEAD / 8); slice += WARPS * 32) {
+    const int row = slice / (HEAD / 8), d0 = (slice % (HEAD / 8)) * 8;
+    const int head = kv_head * G + row;
+    const long long r0 = ((long long)tok * num_heads + head) * nsegm;
+    float m_all = NEG_INF;
+    for (int s = 0; s < nsegm; ++s) m_all = fmaxf(m_all, __ldcg(segm_max + r0 + s));
+    float denom = 0.f, o[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = 0.f;
+    for (int s = 0; s < nsegm; ++s) {
+      const float e = exp2f(__ldcg(segm_max + r0 + s) - m_all);  // empty segments (-inf): 0
+      denom += __ldcg(segm_sum + r0 + s) * e;
+      const float4* po = (const float4*)(segm_out + (r0 + s) * HEAD + d0);
+      const float4 a = __ldcg(po), b = __ldcg(po + 1);
+      o[0] += a.x * e, o[1] += a.y * e, o[2] += a.z * e, o[3] += a.w * e;
+      o[4] += b.x * e, o[5] += b.y * e, o[6] += b.z * e, o[7] += b.w * e;
+    }
+    store_out(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0, o,
+              1.f / denom);  // denom > 0: a row sees its own key in some segment
   }
 }

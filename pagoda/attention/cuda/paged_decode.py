@@ -158,6 +158,27 @@ def get_kernel(
     return _KERNELS.get(key)
 
 
+# Arrival counters of the in-kernel segment merge: one per (request, KV head) of a split step.
+# One buffer a device, allocated once and never replaced (captured CUDA graphs keep its
+# address); the kernel leaves every counter at zero when it ends.
+_MAX_ARRIVALS = 1 << 16
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def segment_arrivals(device: torch.device, num_reqs: int, num_kv_heads: int) -> torch.Tensor | None:
+    """The zeroed counters for the kernel to merge a split step's segments itself, or None
+    (`PAGODA_CUDA_DECODE_MERGE=0`, more pairs than the buffer holds, or its first allocation
+    would fall inside a CUDA graph capture): then `_reduce_segments_kernel` merges them."""
+    if not envs.PAGODA_CUDA_DECODE_MERGE or num_reqs * num_kv_heads > _MAX_ARRIVALS:
+        return None
+    buf = _ARRIVALS.get(device)
+    if buf is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _ARRIVALS[device] = torch.zeros(_MAX_ARRIVALS, dtype=torch.int32, device=device)
+    return buf
+
+
 def paged_decode(
     kernel: DecodeKernel,
     q: torch.Tensor,
@@ -169,11 +190,13 @@ def paged_decode(
     v_scale: torch.Tensor,
     num_segments: int,
     segm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    arrivals: torch.Tensor | None = None,
 ) -> None:
     """Launch `kernel` (from `get_kernel`) for a decode step. With `num_segments` > 1 it
-    writes the partials `segm` = (out, max, sum) for `_reduce_segments_kernel` instead of
-    `out`. `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are
-    one-element float32 tensors."""
+    writes the partials `segm` = (out, max, sum), which it merges into `out` itself given
+    `arrivals` (from `segment_arrivals`), else leaves for `_reduce_segments_kernel`.
+    `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are one-element
+    float32 tensors."""
     num_reqs = attn_metadata.seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[3]
     segm_out, segm_max, segm_sum = segm if segm is not None else (out, out, out)
@@ -190,6 +213,7 @@ def paged_decode(
         segm_out,
         segm_max,
         segm_sum,
+        arrivals if segm is not None else None,
         float(qk_scale_log2),
         q.shape[1],
         q.stride(0),

@@ -412,12 +412,16 @@ def unified_attention(
             raise ValueError("the CUDA decode kernel has no sliding window or soft cap")
         cuda_decode_kernel = False
     kernel = _cuda_decode_kernel(cuda_decode_kernel, q, kv_cache, out, attn_metadata)
+    arrivals = None  # the CUDA kernel's in-kernel merge of the segments
     if kernel is not None:
         ks, vs = (k_scale_t, v_scale_t) if quant else (_ones(dev), _ones(dev))
+        if split_kv:
+            arrivals = cuda_decode.segment_arrivals(dev, num_reqs, num_kv_heads)
         cuda_decode.paged_decode(
             kernel, q, kv_cache, out, attn_metadata, scale * 1.4426950408889634, ks, vs,
             num_segments,
             (segm_out, segm_max, segm_sum) if split_kv else None,
+            arrivals,
         )  # fmt: skip
     else:
         dummy = k_scale_t if k_scale_t is not None else seq_lens
@@ -476,7 +480,7 @@ def unified_attention(
             USE_SOFT_CAP=soft_cap is not None,
             **{k: v for k, v in launch.items() if v is not None},
         )
-    if split_kv:
+    if split_kv and arrivals is None:
         _reduce_segments_kernel[(num_actual, num_heads)](
             out,
             segm_out,
