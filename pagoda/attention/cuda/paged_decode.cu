@@ -395,18 +395,39 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     const int row = slice / (HEAD / 8), d0 = (slice % (HEAD / 8)) * 8;
     const int head = kv_head * G + row;
     const long long r0 = ((long long)tok * num_heads + head) * nsegm;
+    // nsegm is not a compile-time constant: the loads go in unrolled batches, each batch's
+    // issued together, so that the merge waits on L2 a few times rather than once a segment.
     float m_all = NEG_INF;
-    for (int s = 0; s < nsegm; ++s) m_all = fmaxf(m_all, __ldcg(segm_max + r0 + s));
+    for (int s0 = 0; s0 < nsegm; s0 += 16) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (s0 + j < nsegm) m_all = fmaxf(m_all, __ldcg(segm_max + r0 + s0 + j));
+    }
     float denom = 0.f, o[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) o[i] = 0.f;
-    for (int s = 0; s < nsegm; ++s) {
-      const float e = exp2f(__ldcg(segm_max + r0 + s) - m_all);  // empty segments (-inf): 0
-      denom += __ldcg(segm_sum + r0 + s) * e;
-      const float4* po = (const float4*)(segm_out + (r0 + s) * HEAD + d0);
-      const float4 a = __ldcg(po), b = __ldcg(po + 1);
-      o[0] += a.x * e, o[1] += a.y * e, o[2] += a.z * e, o[3] += a.w * e;
-      o[4] += b.x * e, o[5] += b.y * e, o[6] += b.z * e, o[7] += b.w * e;
+    for (int s0 = 0; s0 < nsegm; s0 += 8) {
+      float ms[8], ls[8];
+      float4 a[8], b[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        ms[j] = NEG_INF, ls[j] = 0.f;
+        a[j] = b[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (s0 + j < nsegm) {
+          const long long r = r0 + s0 + j;
+          ms[j] = __ldcg(segm_max + r);
+          ls[j] = __ldcg(segm_sum + r);
+          a[j] = __ldcg((const float4*)(segm_out + r * HEAD + d0));
+          b[j] = __ldcg((const float4*)(segm_out + r * HEAD + d0 + 4));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float e = exp2f(ms[j] - m_all);  // empty segments (-inf) and those past nsegm: 0
+        denom += ls[j] * e;
+        o[0] += a[j].x * e, o[1] += a[j].y * e, o[2] += a[j].z * e, o[3] += a[j].w * e;
+        o[4] += b[j].x * e, o[5] += b[j].y * e, o[6] += b[j].z * e, o[7] += b[j].w * e;
+      }
     }
     store_out(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0, o,
               1.f / denom);  // denom > 0: a row sees its own key in some segment
