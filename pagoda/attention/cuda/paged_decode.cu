@@ -32,7 +32,15 @@
 //
 // Compile-time constants (-D): G (queries per KV head, 1..8), WARPS, BLOCK_SIZE (a multiple
 // of 16), E5M2 (0: e4m3), Q_BF16 (0: fp16 q and out), STAGES (>= 2, buffers per warp),
-// KV16 (1: the cache holds q's dtype).
+// KV16 (1: the cache holds q's dtype), ROPE (1: q and this step's key are not rotated yet and
+// the key and value not cached: see below).
+//
+// With ROPE the kernel also does what `rotary_embedding_and_cache` would before it (GPT-NeoX
+// RoPE over all 128 dims from cos_sin [max_position, 128] = cat(cos, sin), in float32, each
+// result rounded to q's dtype): every CTA rotates its q heads in registers (dim d pairs with
+// d + 64, which lane t ^ 2 holds), and the CTA whose segment holds the request's last key
+// rotates that key and writes it and the value to the cache at slot_mapping[token]
+// (quantized by the layer's scales over an FP8 cache) before any of its warps reads keys.
 // Dynamic shared memory: WARPS * STAGES * CHUNK_BYTES (4096, or 8192 with KV16).
 
 #define HEAD 128
@@ -94,6 +102,60 @@ __device__ __forceinline__ u16 f32_to_out(float x) {
   return r;
 }
 
+// The two model-dtype values of a word as floats (low half first).
+__device__ __forceinline__ float2 unpack_model(u32 w) {
+#if Q_BF16
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+#else
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)w));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(w >> 16)));
+  return make_float2(lo, hi);
+#endif
+}
+
+__device__ __forceinline__ u32 pack_model(float lo, float hi) {
+#if Q_BF16
+  return pack_bf16x2(lo, hi);
+#else
+  return pack_f16x2(lo, hi);
+#endif
+}
+
+// RoPE of a word's two dims: x * cos - partner * sin in the first half of the head, x * cos +
+// partner * sin in the second, rounded to the model's dtype.
+__device__ __forceinline__ u32 rotate_word(u32 x, u32 partner, float2 c, float2 s, bool first) {
+  const float2 a = unpack_model(x), b = unpack_model(partner);
+  const float sg = first ? -1.f : 1.f;
+  return pack_model(a.x * c.x + sg * (b.x * s.x), a.y * c.y + sg * (b.y * s.y));
+}
+
+// Two values as the cache's bytes (low byte first): x / scale rounded to the FP8 format, with
+// the format's largest finite value past its range (`reshape_and_cache`'s clamp).
+__device__ __forceinline__ u32 to_fp8x2(float lo, float hi, float scale) {
+  float ql, qh;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(ql) : "f"(lo), "f"(scale));
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(qh) : "f"(hi), "f"(scale));
+  u16 r;
+#if E5M2
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(qh), "f"(ql));
+#else
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(qh), "f"(ql));
+#endif
+  return r;
+}
+
+// Four model-dtype values (two words) into the cache at `dst`: as they are in a 16-bit cache,
+// quantized by `scale` in an FP8 one.
+__device__ __forceinline__ void store_cache4(unsigned char* dst, u32 w0, u32 w1, float scale) {
+#if KV16
+  *(uint2*)dst = make_uint2(w0, w1);
+#else
+  const float2 a = unpack_model(w0), b = unpack_model(w1);
+  *(u32*)dst = to_fp8x2(a.x, a.y, scale) | (to_fp8x2(b.x, b.y, scale) << 16);
+#endif
+}
+
 // 8 consecutive output dims o[i] * inv as one 16-byte store.
 __device__ __forceinline__ void store_out(u16* dst, const float (&o)[8], float inv) {
   u32 packed[4];
@@ -152,7 +214,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
                         const float* v_scale, float* segm_out, float* segm_max, float* segm_sum,
                         int* segm_arrivals, double qk_scale_d, int num_heads, int stride_q_tok,
                         int stride_q_head, int stride_o_tok, int stride_o_head,
-                        int stride_c_blk, int stride_c_slot, int stride_c_head, int stride_bt) {
+                        int stride_c_blk, int stride_c_slot, int stride_c_head, int stride_bt,
+                        const long long* positions, const float* cos_sin, const u16* new_k,
+                        const u16* new_v, const long long* slot_mapping, int stride_k_tok,
+                        int stride_v_tok) {
 #if __CUDA_ARCH__ >= 900
   // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV, the segment
   // reduce) may start now; it waits for this one's end before reading the output. This one,
@@ -174,22 +239,66 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   const int c_hi = min(c_lo + per_segm, num_chunks);
   const float qk_scale = (float)qk_scale_d * k_scale[0];  // log2 domain, K's scale folded in
 
-  // Q's A fragments: a0 = dims 32t + 4kb + {0, 1}, a2 = + {2, 3} of query head g.
-  u32 qa0[NKB], qa2[NKB];
+  // Q's A fragments: a0 = dims 32t + 4kb + {0, 1}, a2 = + {2, 3} of query head g. Word j of
+  // the lane's 64 bytes holds dims 32t + 2j, + 1.
+  u32 qa0[NKB], qa2[NKB], qw[16];
   if (g < G) {
     const uint4* qp = (const uint4*)(q + (long long)tok * stride_q_tok +
                                      (long long)(kv_head * G + g) * stride_q_head + 32 * t);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // 8 model-dtype values = 2 k-blocks per load
+    for (int i = 0; i < 4; ++i) {
       const uint4 w = qp[i];
-      qa0[2 * i] = q_pair_operand(w.x);
-      qa2[2 * i] = q_pair_operand(w.y);
-      qa0[2 * i + 1] = q_pair_operand(w.z);
-      qa2[2 * i + 1] = q_pair_operand(w.w);
+      qw[4 * i] = w.x, qw[4 * i + 1] = w.y, qw[4 * i + 2] = w.z, qw[4 * i + 3] = w.w;
     }
   } else {
 #pragma unroll
-    for (int kb = 0; kb < NKB; ++kb) qa0[kb] = qa2[kb] = 0u;
+    for (int j = 0; j < 16; ++j) qw[j] = 0u;
+  }
+#if ROPE
+  const float* cs = cos_sin + positions[tok] * 128;
+  {
+    const float* c = cs + 32 * (t & 1);  // dims 32t + 2j, + 1 take cos/sin 32(t & 1) + 2j, + 1
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const u32 partner = __shfl_xor_sync(0xffffffffu, qw[j], 2);  // dims +- 64: lane t ^ 2
+      const float2 cj = *(const float2*)(c + 2 * j), sj = *(const float2*)(c + 64 + 2 * j);
+      qw[j] = rotate_word(qw[j], partner, cj, sj, t < 2);
+    }
+  }
+  // The CTA whose segment holds the last key writes it and its value first: lanes 0-15 of
+  // warp 0 rotate dims [4l, 4l + 4) with [64 + 4l, 68 + 4l), every lane copies 4 value dims.
+  if (segm == (num_chunks - 1) / per_segm && warp == 0) {
+    const long long slot = slot_mapping[tok];
+    if (slot >= 0) {
+      unsigned char* kdst = (unsigned char*)k_cache + (slot / BLOCK_SIZE) * stride_c_blk +
+                            (slot % BLOCK_SIZE) * stride_c_slot + (long long)kv_head * stride_c_head;
+      unsigned char* vdst = kdst + (v_cache - k_cache);
+      constexpr int EB = KV16 ? 2 : 1;  // bytes of a cached value
+      if (lane < 16) {
+        const u16* kp = new_k + (long long)tok * stride_k_tok + kv_head * HEAD + 4 * lane;
+        const uint2 x1 = *(const uint2*)kp, x2 = *(const uint2*)(kp + 64);
+        const float4 c = *(const float4*)(cs + 4 * lane), sn = *(const float4*)(cs + 64 + 4 * lane);
+        const float2 c0 = make_float2(c.x, c.y), c1 = make_float2(c.z, c.w);
+        const float2 s0 = make_float2(sn.x, sn.y), s1 = make_float2(sn.z, sn.w);
+        const float ks = k_scale[0];
+        store_cache4(kdst + EB * 4 * lane, rotate_word(x1.x, x2.x, c0, s0, true),
+                     rotate_word(x1.y, x2.y, c1, s1, true), ks);
+        store_cache4(kdst + EB * (64 + 4 * lane), rotate_word(x2.x, x1.x, c0, s0, false),
+                     rotate_word(x2.y, x1.y, c1, s1, false), ks);
+      }
+      const uint2 v = *(const uint2*)(new_v + (long long)tok * stride_v_tok + kv_head * HEAD +
+                                      4 * lane);
+      store_cache4(vdst + EB * 4 * lane, v.x, v.y, v_scale[0]);
+    }
+  }
+  __syncthreads();  // the key and value are in the cache before any warp's copies read them
+#endif
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // 8 model-dtype values = 2 k-blocks per load
+    qa0[2 * i] = q_pair_operand(qw[4 * i]);
+    qa2[2 * i] = q_pair_operand(qw[4 * i + 1]);
+    qa0[2 * i + 1] = q_pair_operand(qw[4 * i + 2]);
+    qa2[2 * i + 1] = q_pair_operand(qw[4 * i + 3]);
   }
 
   float acc[NNT][2];  // [j][0]: dim 32t + j, [j][1]: dim 32t + 16 + j of head g

@@ -94,6 +94,35 @@ def unsupported_reason(
     return None
 
 
+def rope_unsupported_reason(rope_write: Any, q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    """Why the kernel cannot do this step's RoPE and cache write itself (`rope_write`, a
+    `RopeAndCacheWrite`), or None when it can: GPT-NeoX RoPE over all 128 dims from a float32
+    [max_position, 128] cos_sin cache, int64 positions and slots, keys and values of q's dtype
+    with heads contiguous in a row."""
+    if not envs.PAGODA_CUDA_DECODE_ROPE:
+        return "PAGODA_CUDA_DECODE_ROPE=0"
+    w = rope_write
+    cs = w.cos_sin_cache
+    if cs.dtype != torch.float32 or cs.dim() != 2 or cs.shape[1] != HEAD_SIZE:
+        return f"cos_sin_cache {cs.dtype} {tuple(cs.shape)} (rotary over all {HEAD_SIZE} dims)"
+    if cs.stride() != (HEAD_SIZE, 1) or cs.data_ptr() % 16:
+        return "cos_sin_cache is not contiguous and 16-byte aligned"
+    for name, t in (("positions", w.positions), ("slot_mapping", w.slot_mapping)):
+        if t.dtype != torch.int64 or t.dim() != 1 or t.stride(0) != 1:
+            return f"{name} is not a contiguous int64 vector"
+    num_kv_heads = kv_cache.shape[3]
+    for name, t in (("key", w.key), ("value", w.value)):
+        if t.dtype != q.dtype or t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, HEAD_SIZE):
+            return f"{name} {t.dtype} {tuple(t.shape)}"
+        if t.stride(2) != 1 or t.stride(1) != HEAD_SIZE or t.stride(0) % 4 or t.data_ptr() % 8:
+            return f"{name} rows are not 8-byte aligned with contiguous heads"
+        if t.stride(0) > _INT32_MAX or t.shape[0] < q.shape[0]:
+            return f"{name} stride or rows"
+    if w.positions.shape[0] < q.shape[0] or w.slot_mapping.shape[0] < w.num_actual_tokens:
+        return "positions or slot_mapping shorter than the step"
+    return None
+
+
 def cache_kind(cache_dtype: torch.dtype) -> str:
     """ "e4m3" / "e5m2" for an FP8 cache, "16bit" for one of q's dtype."""
     return _FP8.get(cache_dtype, "16bit")
@@ -105,7 +134,10 @@ def smem_bytes(warps: int, stages: int, cache: str) -> int:
     return warps * stages * (8192 if cache == "16bit" else 4096)
 
 
-def _source(group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int):
+def _source(
+    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int,
+    rope: bool = False,
+) -> str:  # fmt: skip
     defines = {
         "G": group,
         "BLOCK_SIZE": block_size,
@@ -114,6 +146,7 @@ def _source(group: int, block_size: int, cache: str, q_bf16: bool, warps: int, s
         "Q_BF16": int(q_bf16),
         "WARPS": warps,
         "STAGES": stages,
+        "ROPE": int(rope),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + _SOURCE.read_text()
@@ -129,10 +162,10 @@ class DecodeKernel:
 
 
 def _compile(
-    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int
+    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int, rope: bool
 ) -> DecodeKernel | None:
     """The compiled kernel, or None (logged once) where NVRTC cannot build it."""
-    src = _source(group, block_size, cache, q_bf16, warps, stages)
+    src = _source(group, block_size, cache, q_bf16, warps, stages, rope)
     smem = smem_bytes(warps, stages, cache)
     try:
         func = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
@@ -148,13 +181,15 @@ _KERNELS = cuda_launch.KernelCache(_compile)
 
 def get_kernel(
     group: int, block_size: int, cache: str, q_bf16: bool, warps: int | None = None,
-    stages: int | None = None,
+    stages: int | None = None, rope: bool = False,
 ) -> DecodeKernel | None:  # fmt: skip
     """The kernel for this shape (`cache` from `cache_kind`; warps and stages default to
     `_LAUNCH`'s), or None. Never compiles while a CUDA graph is being captured (loading a
     module is not a stream operation): the caller falls back to Triton then."""
     default_warps, default_stages = _LAUNCH[cache]
-    key = (group, block_size, cache, q_bf16, warps or default_warps, stages or default_stages)
+    key = (
+        group, block_size, cache, q_bf16, warps or default_warps, stages or default_stages, rope
+    )  # fmt: skip
     return _KERNELS.get(key)
 
 
@@ -191,12 +226,14 @@ def paged_decode(
     num_segments: int,
     segm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     arrivals: torch.Tensor | None = None,
+    rope_write: Any = None,
 ) -> None:
     """Launch `kernel` (from `get_kernel`) for a decode step. With `num_segments` > 1 it
     writes the partials `segm` = (out, max, sum), which it merges into `out` itself given
     `arrivals` (from `segment_arrivals`), else leaves for `_reduce_segments_kernel`.
     `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are one-element
-    float32 tensors."""
+    float32 tensors. A kernel built with `rope` takes `rope_write` (a `RopeAndCacheWrite` that
+    `rope_unsupported_reason` accepts): q and the step's keys not rotated, nor cached yet."""
     num_reqs = attn_metadata.seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[3]
     segm_out, segm_max, segm_sum = segm if segm is not None else (out, out, out)
@@ -225,6 +262,12 @@ def paged_decode(
         kv_cache.stride(3) * kv_cache.element_size(),
         attn_metadata.block_tables.stride(0),
     ]
+    w = rope_write
+    if w is None:
+        args += [None] * 5 + [0, 0]
+    else:
+        args += [w.positions, w.cos_sin_cache, w.key, w.value, w.slot_mapping]
+        args += [w.key.stride(0), w.value.stride(0)]
     grid = (num_kv_heads, num_reqs, num_segments)
     cuda_launch.launch(
         kernel.func.func, grid, kernel.threads, kernel.smem, args, q.device, pdl_enabled(q)
