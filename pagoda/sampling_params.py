@@ -13,6 +13,8 @@ Limits beyond the obvious ranges:
 - `temperature` in [0, 2] (OpenAI's range, which vLLM enforces too): beyond it sampling is
   near-uniform noise, and a huge value rounds to infinity in float32 (NaN logits).
 - `logprobs`, `prompt_logprobs` in [0, `MAX_LOGPROBS`] (vLLM's default `max_logprobs`).
+- `logprob_token_ids`: at most `MAX_LOGPROB_TOKEN_IDS` (128, vLLM's) ids, each in the
+  vocabulary; with `logprobs` set too, `logprobs` must equal their number (as vLLM).
 - `bad_words`: at most `MAX_NUM_BAD_WORDS` token sequences (each word counts once or twice, see
   `update_from_tokenizer`) of at most `MAX_BAD_WORDS_TOTAL_TOKENS` tokens in all (vLLM's
   `VLLM_MAX_NUM_BAD_WORDS`, `VLLM_MAX_BAD_WORDS_TOTAL_TOKENS`): the sampler checks each one
@@ -37,6 +39,7 @@ from pagoda import envs
 _SAMPLING_EPS = 1e-5
 MAX_N: int = envs.PAGODA_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128
 MAX_TEMPERATURE = 2.0
 MAX_NUM_BAD_WORDS = 128
 MAX_BAD_WORDS_TOTAL_TOKENS = 1024
@@ -234,6 +237,11 @@ class SamplingParams:
     # cache). None becomes vLLM's default, True when prompt_logprobs are asked for (they need
     # every prompt position computed: with them the cache is never read, whatever this says).
     skip_reading_prefix_cache: bool | None = None
+    # Logprobs of exactly these token ids at each generated position, besides the sampled
+    # token's (vLLM's; e.g. the labels of a classification prompt): each position's dict holds
+    # the sampled token and these, in place of the top-`logprobs` tokens. `logprobs` may be
+    # left unset (`num_logprobs` is then their number).
+    logprob_token_ids: list[int] | None = None
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -250,6 +258,14 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.logit_bias:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.logprob_token_ids is not None:
+            ids = _token_id_list("logprob_token_ids", self.logprob_token_ids)
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(
+                    f"logprob_token_ids has {len(ids)} token ids; the most is "
+                    f"{MAX_LOGPROB_TOKEN_IDS}"
+                )
+            self.logprob_token_ids = ids or None  # as vLLM, an empty list asks for nothing
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(
@@ -294,6 +310,12 @@ class SamplingParams:
             if getattr(self, name) is True:  # vLLM reads True as 1
                 setattr(self, name, 1)
             self._int(name, 0, MAX_LOGPROBS, optional=True)
+        ids = self.logprob_token_ids
+        if ids and self.logprobs is not None and self.logprobs != len(ids):
+            raise ValueError(
+                f"logprob_token_ids has {len(ids)} token ids but logprobs is {self.logprobs}: "
+                "when both are set, logprobs must equal len(logprob_token_ids) (as vLLM)"
+            )
         if self.skip_reading_prefix_cache is None:
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         for name in (*_FLAGS, "skip_reading_prefix_cache"):  # "no" would otherwise be true
@@ -342,6 +364,14 @@ class SamplingParams:
     @property
     def sampling_type_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many logprobs besides the sampled token's each generated position reports, None
+        when it reports none (vLLM's): `logprobs`, else the number of `logprob_token_ids`."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:
@@ -408,6 +438,7 @@ class SamplingParams:
             ("logit_bias", list((self.logit_bias or {}).keys())),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("stop_token_ids", self.stop_token_ids or []),
+            ("logprob_token_ids", self.logprob_token_ids or []),
             ("bad_words", [t for w in self.bad_words_token_ids or () for t in w]),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]

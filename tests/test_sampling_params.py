@@ -10,7 +10,12 @@ import pytest
 from model_testing import TINY_CONFIG
 
 from pagoda import LLM, SamplingParams
-from pagoda.sampling_params import MAX_LOGPROBS, MAX_N, RequestOutputKind
+from pagoda.sampling_params import (
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_LOGPROBS,
+    MAX_N,
+    RequestOutputKind,
+)
 
 
 def _refused(field: str, **kwargs) -> str:
@@ -110,6 +115,11 @@ def test_temperature_bounds_are_accepted() -> None:
         ("stream_interval", 2.0),
         ("stream_interval", True),
         ("skip_reading_prefix_cache", "no"),
+        ("logprob_token_ids", [-1]),
+        ("logprob_token_ids", [1.0]),
+        ("logprob_token_ids", [True]),
+        ("logprob_token_ids", "12"),
+        ("logprob_token_ids", list(range(129))),  # MAX_LOGPROB_TOKEN_IDS is 128
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value) -> None:
@@ -142,6 +152,29 @@ def test_numbers_are_normalized() -> None:
     assert p.logit_bias == {3: 1.0, 4: -2.5}
     assert p.stop == ["x"] and p.stop_token_ids == [7]
     assert p.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_logprob_token_ids_set_num_logprobs_as_vllm() -> None:
+    ids = list(range(MAX_LOGPROB_TOKEN_IDS))
+    p = SamplingParams(logprob_token_ids=ids)
+    assert p.logprobs is None and p.num_logprobs == MAX_LOGPROB_TOKEN_IDS
+    assert SamplingParams(logprob_token_ids=(5, 7)).logprob_token_ids == [5, 7]
+    assert SamplingParams(logprobs=2, logprob_token_ids=[5, 7]).num_logprobs == 2
+    assert SamplingParams(logprobs=3).num_logprobs == 3 and SamplingParams().num_logprobs is None
+    empty = SamplingParams(logprob_token_ids=[])  # asks for nothing, as vLLM's num_logprobs
+    assert empty.logprob_token_ids is None and empty.num_logprobs is None
+    # Both set: logprobs must be their number (vLLM's rule).
+    assert "logprobs must equal" in _refused(
+        "logprob_token_ids", logprobs=1, logprob_token_ids=[5, 7]
+    )
+
+
+def test_logprob_token_ids_outside_the_vocabulary_are_refused() -> None:
+    p = SamplingParams(logprob_token_ids=[0, 99])
+    p.validate_token_ids(100)
+    p = SamplingParams(logprob_token_ids=[0, 100, 7])
+    with pytest.raises(ValueError, match=r"^logprob_token_ids .*\[0, 100\).*\[100\]"):
+        p.validate_token_ids(100)
 
 
 def test_skip_reading_prefix_cache_defaults_as_vllm() -> None:

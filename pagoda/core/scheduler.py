@@ -379,7 +379,7 @@ class Scheduler:
                 request.first_token_time = now
 
             new_logprobs = None
-            if request.sampling_params.logprobs is not None and rid in all_logprobs:
+            if request.sampling_params.num_logprobs is not None and rid in all_logprobs:
                 new_logprobs = all_logprobs[rid][: len(new_token_ids)]
             new_prompt_logprobs = _unreported_prompt_logprobs(
                 request, scheduler_output.num_computed_tokens.get(rid), all_prompt_logprobs.get(rid)

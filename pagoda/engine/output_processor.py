@@ -148,7 +148,7 @@ class OutputProcessor:
                     min_tokens=p.min_tokens,
                 )
             state = SampleState(child_id, index, parent, p, detok, max_tokens=sample.max_tokens)
-            if p.logprobs is not None:
+            if p.num_logprobs is not None:
                 state.logprobs, state.cumulative_logprob = [], 0.0
             parent.samples.append(state)
             self.samples[child_id] = state

@@ -91,7 +91,12 @@ class SamplingMetadata:
     num_logprobs: list[int | None] = field(default_factory=list)  # per batch row
     logprob_rows: list[int] = field(default_factory=list)  # batch rows with logprobs set
     logprob_rows_tensor: torch.Tensor | None = None  # [L] int64; None: every row
-    max_num_logprobs: int | None = None
+    max_num_logprobs: int | None = None  # the top-k width (rows with logprob_token_ids: 0)
+    # logprob_token_ids: batch row -> its ids (rows ascending), for the rows that set them; they
+    # report these ids in place of a top-k.
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprob_token_id_rows: torch.Tensor | None = None  # [T] int64 indices into the L rows
+    logprob_token_ids_tensor: torch.Tensor | None = None  # [T, max ids] int64, padded with 0
 
     @property
     def no_penalties(self) -> bool:
@@ -144,7 +149,13 @@ class SamplingMetadata:
             all_random=len(random_rows) == n,
         )
         for p in params:
-            if p.logit_bias or p.allowed_token_ids or p.min_tokens or p._bad_words_token_ids:
+            if (
+                p.logit_bias
+                or p.allowed_token_ids
+                or p.min_tokens
+                or p._bad_words_token_ids
+                or p.logprob_token_ids
+            ):
                 p.validate_token_ids(vocab_size)
                 bad = [t for t in p.all_stop_token_ids if not 0 <= t < vocab_size]
                 if p.min_tokens and bad:
@@ -158,12 +169,28 @@ class SamplingMetadata:
         md._set_penalties(params, prompt_token_ids, output_token_ids, device)
         md._set_sparse_processors(params, output_token_ids, device)
 
-        md.num_logprobs = [p.logprobs for p in params]
+        md.num_logprobs = [p.num_logprobs for p in params]
         md.logprob_rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
         if md.logprob_rows:
-            md.max_num_logprobs = max(params[i].logprobs or 0 for i in md.logprob_rows)
+            md.logprob_token_ids = {
+                i: params[i].logprob_token_ids
+                for i in md.logprob_rows
+                if params[i].logprob_token_ids
+            }
+            md.max_num_logprobs = max(
+                0 if i in md.logprob_token_ids else params[i].logprobs or 0 for i in md.logprob_rows
+            )
             md.logprob_rows_tensor = _rows_or_none(md.logprob_rows, n, device)
+            if md.logprob_token_ids:
+                md._set_logprob_token_ids(device)
         return md
+
+    def _set_logprob_token_ids(self, device: torch.device) -> None:
+        position = {row: j for j, row in enumerate(self.logprob_rows)}
+        rows = [position[row] for row in self.logprob_token_ids]
+        self.logprob_token_id_rows = _rows_or_none(rows, len(self.logprob_rows), device)
+        ids = _pad_token_ids(list(self.logprob_token_ids.values()), 0)
+        self.logprob_token_ids_tensor = to_device_tensor(ids, torch.int64, device)
 
     def _set_random_sampling(
         self,

@@ -1,7 +1,8 @@
 """The sampler: one step's logits `[num_rows, vocab]` in, one token id (and logprobs) per row out.
 
 It follows vLLM v1's `Sampler`: logprobs come from the raw logits (log_softmax in float32, before
-any processing); then allowed_token_ids, bad_words, min_tokens, logit_bias and penalties; greedy
+any processing: the sampled token's, then the top-k or a request's own `logprob_token_ids`);
+then allowed_token_ids, bad_words, min_tokens, logit_bias and penalties; greedy
 rows take the argmax (`greedy_argmax`: a two-stage Triton kernel on CUDA); random rows get
 temperature, min_p, top-k/top-p and are sampled with the exponential race (argmax of probs /
 Exponential(1) noise, i.e. the Gumbel-max trick), which needs no host sync. A seeded request
@@ -37,7 +38,7 @@ LogprobsDict = dict[int, tuple[float, int]]
 @dataclass
 class SamplerOutput:
     sampled_token_ids: list[int]  # one per row
-    logprobs: list[LogprobsDict | None]  # per row; None when the row's params.logprobs is None
+    logprobs: list[LogprobsDict | None]  # per row; None when the row's params.num_logprobs is None
 
 
 @dataclass
@@ -49,6 +50,9 @@ class SamplerTensors:
     logprob_token_ids: torch.Tensor | None = None  # [L, 1 + K] int64
     logprobs: torch.Tensor | None = None  # [L, 1 + K] float32
     sampled_token_ranks: torch.Tensor | None = None  # [L] int64
+    # Over the rows of md.logprob_token_ids: the logprobs and ranks of their token ids.
+    token_id_logprobs: torch.Tensor | None = None  # [T, max ids] float32
+    token_id_ranks: torch.Tensor | None = None  # [T, max ids] int64
 
     def to_host_async(self) -> SamplerTensors:
         """Copies of the tensors in pinned host memory, queued without waiting: read them after
@@ -67,6 +71,8 @@ class SamplerTensors:
             logprob_token_ids=host(self.logprob_token_ids),
             logprobs=host(self.logprobs),
             sampled_token_ranks=host(self.sampled_token_ranks),
+            token_id_logprobs=host(self.token_id_logprobs),
+            token_id_ranks=host(self.token_id_ranks),
         )
 
     def tolist(self, md: SamplingMetadata) -> SamplerOutput:
@@ -76,8 +82,17 @@ class SamplerTensors:
             ids = self.logprob_token_ids.tolist()
             values = self.logprobs.tolist()
             ranks = self.sampled_token_ranks.tolist()
+            custom = md.logprob_token_ids
             for j, row in enumerate(md.logprob_rows):
-                logprobs[row] = _logprobs_dict(ids[j], values[j], ranks[j], md.num_logprobs[row])
+                k = 0 if row in custom else md.num_logprobs[row]
+                logprobs[row] = _logprobs_dict(ids[j], values[j], ranks[j], k)
+            if self.token_id_logprobs is not None:
+                # After the sampled token, as vLLM orders them (it keeps its place if listed).
+                id_values, id_ranks = self.token_id_logprobs.tolist(), self.token_id_ranks.tolist()
+                for t, (row, token_ids) in enumerate(custom.items()):
+                    entry = logprobs[row]
+                    for c, token_id in enumerate(token_ids):
+                        entry[token_id] = (id_values[t][c], id_ranks[t][c])
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
@@ -184,6 +199,18 @@ def gather_logprobs(
     return ids, values, ranks
 
 
+def gather_token_id_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [rows, n] of `token_ids` [rows, n] in `logprobs` [rows, vocab], and their 1-based
+    ranks counted as `gather_logprobs` counts the sampled token's (the tokens whose logprob is
+    >= theirs), found by binary search in each row sorted once."""
+    values = logprobs.gather(1, token_ids)
+    ascending = logprobs.sort(dim=-1).values
+    ranks = logprobs.shape[1] - torch.searchsorted(ascending, values, side="left")
+    return values, ranks
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1): the first maximal index of each row of [rows, vocab]. On CUDA the
     two-stage Triton kernel (`pagoda.kernels.argmax`; torch reduces a row with one thread block,
@@ -248,6 +275,12 @@ class Sampler:
             out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = gather_logprobs(
                 raw_logprobs, rows_sampled, md.max_num_logprobs
             )
+            if md.logprob_token_ids_tensor is not None:
+                rows = md.logprob_token_id_rows
+                lp = raw_logprobs if rows is None else raw_logprobs[rows]
+                out.token_id_logprobs, out.token_id_ranks = gather_token_id_logprobs(
+                    lp, md.logprob_token_ids_tensor
+                )
         return out
 
 

@@ -148,6 +148,9 @@ class _SamplingFields(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = Field(default_factory=list)
     stream_interval: int | None = None  # tokens per streamed chunk (first and last at once)
+    # Logprobs of exactly these token ids at each generated position, besides the sampled
+    # token's, in place of the top ones; they need `logprobs` set (as vLLM).
+    logprob_token_ids: list[int] | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # vLLM's bound: a signed 64-bit int
     # Structured outputs: OpenAI's response_format ({"type": "json_object"} or
     # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's

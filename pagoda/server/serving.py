@@ -199,6 +199,7 @@ def build_sampling_params(
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         stream_interval=req.stream_interval,
+        logprob_token_ids=req.logprob_token_ids or None,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=(
             StructuredOutputsParams(json=json_schema)
@@ -290,6 +291,23 @@ def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
     except ValueError as e:
         raise name_constraint_error(APIError(str(e), 400), req) from None
     return so
+
+
+def check_logprob_token_ids(req: Any, logprobs_set: bool, logprobs_hint: str) -> None:
+    """vLLM's refusals of `logprob_token_ids` a request cannot use: without `logprobs` set
+    (`logprobs_hint`: how the request sets it) and with beam search."""
+    if not req.logprob_token_ids:
+        return
+    if req.use_beam_search:
+        raise APIError(
+            "`logprob_token_ids` is not supported with beam search.", 400, "logprob_token_ids"
+        )
+    if not logprobs_set:
+        raise APIError(
+            f"when using `logprob_token_ids`, `logprobs` must be {logprobs_hint}.",
+            400,
+            "logprob_token_ids",
+        )
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -32,6 +32,7 @@ from pagoda.server.serving import (
     RequestState,
     ServingContext,
     build_sampling_params,
+    check_logprob_token_ids,
     collect_outputs,
     first_output,
     merge_async_iterators,
@@ -114,15 +115,21 @@ async def render_chat_prompt(
 
 
 def chat_logprobs(
-    tokenizer: Any, token_ids: list[int], step_logprobs: list[dict[int, Logprob]], top_k: int
+    tokenizer: Any,
+    token_ids: list[int],
+    step_logprobs: list[dict[int, Logprob]],
+    top_k: int | None,
 ) -> ChatCompletionLogProbs:
+    """`top_k` candidates a position, best first; None: every one the engine returned, in its
+    order (the sampled token, then the request's logprob_token_ids, as vLLM)."""
     content = []
     for i, tid in enumerate(token_ids):
         step = step_logprobs[i] if i < len(step_logprobs) and step_logprobs[i] else {}
         lp = step.get(tid)
         tok = token_str(tokenizer, tid, lp)
         top = []
-        for t, p in ranked_logprobs(step)[:top_k]:
+        candidates = list(step.items()) if top_k is None else ranked_logprobs(step)[:top_k]
+        for t, p in candidates:
             s = token_str(tokenizer, t, p)
             top.append(
                 ChatTopLogprob(token=s, logprob=safe_logprob(p.logprob), bytes=list(s.encode()))
@@ -149,6 +156,9 @@ async def create_chat_completion(
         raise APIError(f"top_logprobs must be in [0, 20], got {top_k}", 400, "top_logprobs")
     if top_k and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
+    check_logprob_token_ids(req, bool(req.logprobs), "set to true")
+    # Each position's candidates: the top_logprobs best, or all the logprob_token_ids.
+    shown = None if req.logprob_token_ids else top_k
     if req.max_completion_tokens is not None:
         max_tokens, mt_field = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -168,7 +178,7 @@ async def create_chat_completion(
     params = build_sampling_params(
         req,
         max_tokens,
-        top_k if req.logprobs else None,
+        top_k if req.logprobs and not req.logprob_token_ids else None,
         req.prompt_logprobs,
         tools.schema,
         mt_field,
@@ -211,7 +221,7 @@ async def create_chat_completion(
             except APIError as e:
                 raise _named_for_tools(e, req, tools) from None
             return _stream(
-                ctx, req, len(prompt_ids), stream, first, request_id, created, top_k, tools
+                ctx, req, len(prompt_ids), stream, first, request_id, created, shown, tools
             )
         state = RequestState()
         try:
@@ -224,7 +234,7 @@ async def create_chat_completion(
         c = state.choices[j]
         num_gen += len(c.token_ids)
         logprobs = (
-            chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, top_k) if req.logprobs else None
+            chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, shown) if req.logprobs else None
         )
         content: str | None = "".join(c.text)
         calls, finish_reason = None, c.finish_reason
@@ -341,7 +351,7 @@ def _stream(
     first: tuple[int, Any] | None,
     request_id: str,
     created: int,
-    top_k: int,
+    top_k: int | None,
     tools: ToolChoice,
 ) -> AsyncIterator[str]:
     model = ctx.model_name

@@ -26,6 +26,7 @@ from pagoda.server.serving import (
     RequestState,
     ServingContext,
     build_sampling_params,
+    check_logprob_token_ids,
     collect_outputs,
     exception_to_api_error,
     first_output,
@@ -107,13 +108,21 @@ async def create_completion(
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     echo_only = bool(req.echo) and req.max_tokens == 0
+    if req.logprob_token_ids and echo_only:
+        raise APIError(
+            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+            "no output tokens are generated.",
+            400,
+            "logprob_token_ids",
+        )
+    check_logprob_token_ids(req, req.logprobs is not None, "set")
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:
         prompt_logprobs = req.logprobs
     base = build_sampling_params(
         req,
         1 if echo_only else req.max_tokens,
-        req.logprobs,
+        None if req.logprob_token_ids else req.logprobs,
         prompt_logprobs,
         defaults=ctx.default_sampling_params,
     )

@@ -485,7 +485,7 @@ class ModelRunner:
                 lo,
                 hi,
                 spec[req.req_id] if hi - lo > 1 else [],
-                req.sampling_params.logprobs is not None,
+                req.sampling_params.num_logprobs is not None,
             )
             for req, lo, hi in step.sample_reqs
         ]

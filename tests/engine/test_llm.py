@@ -179,6 +179,48 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
         assert tok in lp and lp[tok].logprob <= 0.0
 
 
+def test_logprob_token_ids_are_log_softmax_of_the_models_logits(llm: LLM) -> None:
+    import torch
+
+    runner = llm.llm_engine.executor.model_runner
+    compute = runner.model.compute_logits
+    recorded: list[torch.Tensor] = []  # each step's logits, as the model computed them
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        recorded.append(logits.clone())
+        return logits
+
+    ids = [0, 28, 216, 5000, 49151]  # <|endoftext|>, ",", " ", " properly", the vocab's last
+    params = SamplingParams(temperature=0, max_tokens=5, logprob_token_ids=ids)
+    runner.model.compute_logits = record
+    try:
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        del runner.model.compute_logits
+    assert params.logprobs is None  # num_logprobs comes from the ids, as vLLM
+    assert len(out.logprobs) == len(out.token_ids) == len(recorded) == 5
+    tokenizer = llm.get_tokenizer()
+    for token, step, logits in zip(out.token_ids, out.logprobs, recorded):
+        want = torch.log_softmax(logits[-1].double(), dim=-1)
+        as_engine = torch.log_softmax(logits[-1].float(), dim=-1)  # the ranks' float32 ties
+        assert list(step) == list(dict.fromkeys([token, *ids]))  # the sampled token, the ids
+        for t, lp in step.items():
+            assert lp.logprob == pytest.approx(want[t].item(), abs=1e-4)
+            assert lp.rank == int((as_engine >= as_engine[t]).sum())
+            assert lp.decoded_token == tokenizer.decode([t], skip_special_tokens=False)
+    assert out.cumulative_logprob == pytest.approx(
+        sum(step[t].logprob for t, step in zip(out.token_ids, out.logprobs))
+    )
+
+
+def test_logprob_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
+    bad = SamplingParams(max_tokens=2, logprob_token_ids=[5, 49152])  # the vocab has 49152
+    with pytest.raises(ValueError, match=r"^logprob_token_ids .*49152"):
+        llm.generate([PROMPTS[0]], bad, use_tqdm=False)
+    assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_chat_applies_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "Say hello."}], GREEDY, use_tqdm=False)[0]
     assert "<|im_start|>user" in out.prompt and out.prompt.rstrip().endswith("assistant")

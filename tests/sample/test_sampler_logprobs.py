@@ -78,3 +78,26 @@ def test_prompt_logprobs_match_log_softmax():
 def test_prompt_logprobs_bad_lengths_raise():
     with pytest.raises(ValueError, match="target_token_ids"):
         compute_prompt_logprobs(torch.zeros(3, V), [1, 2], 1)
+
+
+def test_logprob_token_ids_report_those_ids_in_place_of_the_top_k():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, V, generator=g) * 3
+    params = [
+        SP(temperature=0.0, logprob_token_ids=[5, 199, 0, 42]),
+        SP(temperature=1.0, logprobs=3),  # a top-k row beside them
+        SP(temperature=0.8, logprob_token_ids=[17], repetition_penalty=1.3),
+        SP(temperature=0.0),  # no logprobs
+        SP(temperature=0.0, logprobs=2, logprob_token_ids=[9, 9]),  # a repeated id: one entry
+    ]
+    out = Sampler()(logits, make_md(params, V, outputs=[[1, 17]] * 5))
+    assert out.logprobs[3] is None
+    _assert_logprobs_equal(out.logprobs[1], _expected(logits[1], out.sampled_token_ids[1], 3))
+    for i in (0, 2, 4):
+        token = out.sampled_token_ids[i]
+        ids = params[i].logprob_token_ids
+        want = _expected(logits[i], token, 0)  # the sampled token's logprob and rank
+        everything = _expected(logits[i], token, V)
+        want.update({t: everything[t] for t in ids})  # raw logprobs and true ranks of the ids
+        _assert_logprobs_equal(out.logprobs[i], want)
+        assert list(out.logprobs[i]) == list(dict.fromkeys([token, *ids]))  # vLLM's order

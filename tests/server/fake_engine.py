@@ -182,9 +182,13 @@ class FakeEngine:
             return ord("a") + (len(r.prompt_ids) + len(r.token_ids)) % 26
         return ord("a") + r.rng.randrange(26)
 
-    def _logprobs(self, tok: int, k: int) -> dict[int, tuple[float, int]]:
+    def _logprobs(self, tok: int, p: SamplingParams) -> dict[int, tuple[float, int]]:
         d = {tok: (-0.5, 1)}
-        for j in range(k):
+        if p.logprob_token_ids:  # the sampled token, then exactly these
+            for j, t in enumerate(p.logprob_token_ids):
+                d.setdefault(t, (-3.0 - j, 10 + j))
+            return d
+        for j in range(p.logprobs):
             alt = ord("A") + (tok + j) % 26
             d.setdefault(alt, (-2.0 - j, j + 2))
         return d
@@ -217,7 +221,7 @@ class FakeEngine:
                 EngineCoreOutput(
                     r.request_id,
                     [tok],
-                    [self._logprobs(tok, p.logprobs)] if p.logprobs is not None else None,
+                    [self._logprobs(tok, p)] if p.num_logprobs is not None else None,
                     prompt_lps,
                     finish,
                 )

@@ -670,3 +670,60 @@ def test_bad_words_without_a_tokenizer_are_400():
             assert "tokenizer" in _error(r, 400, "bad_words")
     finally:
         llm.shutdown()
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_logprob_token_ids_are_each_positions_candidates_on_completions_and_chat(client):
+    ids = [ord("X"), ord("Y")]  # greedy picks lowercase letters
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "temperature": 0,
+                                             "logprobs": 0, "logprob_token_ids": ids})  # fmt: skip
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["d", "e"] and lp["token_logprobs"] == [-0.5, -0.5]
+    assert lp["top_logprobs"] == [{"d": -0.5, "X": -3.0, "Y": -4.0},
+                                  {"e": -0.5, "X": -3.0, "Y": -4.0}]  # fmt: skip
+    # Chat: the ids take the place of top_logprobs (vLLM), in the engine's order.
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json=_CHAT | {
+            "max_completion_tokens": 2, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+            "logprob_token_ids": ids, "stream": stream})  # fmt: skip
+        assert r.status_code == 200, r.text
+        if stream:
+            content = [t for e in _sse(r) for c in e["choices"] if c.get("logprobs")
+                       for t in c["logprobs"]["content"]]  # fmt: skip
+        else:
+            content = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 2
+        for c in content:
+            top = [(t["token"], t["logprob"]) for t in c["top_logprobs"]]
+            assert top == [(c["token"], -0.5), ("X", -3.0), ("Y", -4.0)]
+
+
+@pytest.mark.parametrize(
+    "route,body,needle",
+    [
+        ("/v1/completions", {"logprob_token_ids": [1]}, "`logprobs` must be set."),
+        ("/v1/chat/completions", {"logprob_token_ids": [1]}, "`logprobs` must be set to true"),
+        (
+            "/v1/chat/completions",
+            {"logprobs": True, "logprob_token_ids": [1], "use_beam_search": True, "n": 2},
+            "beam search",
+        ),
+        (
+            "/v1/completions",
+            {"logprobs": 1, "logprob_token_ids": [1], "echo": True, "max_tokens": 0},
+            "no output tokens",
+        ),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [7, 258]}, "[0, 258): [258]"),
+        ("/v1/chat/completions", {"logprobs": True, "logprob_token_ids": [1000]}, "[1000]"),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": list(range(129))}, "128"),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [-1]}, "non-negative"),
+    ],
+)
+def test_bad_logprob_token_ids_are_400_naming_the_field(client, route, body, needle):
+    base = {"prompt": "ab"} if route == "/v1/completions" else _CHAT
+    r = client.post(route, json=base | {"max_tokens": 2} | body)
+    assert needle in _error(r, 400, "logprob_token_ids")
+    assert client.post(route, json=base | {"max_tokens": 2}).status_code == 200  # still serving

@@ -238,6 +238,28 @@ def test_metrics_move(server, client):
     assert server.metric("pagoda:request_success_total") >= 1
 
 
+def test_logprob_token_ids_are_each_positions_candidates(client):
+    ids = [28, 216]  # "," and " " in SmolLM2's vocabulary
+    r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=4,
+                                  temperature=0, logprobs=0,
+                                  extra_body={"logprob_token_ids": ids})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert set(top) == {token, ",", " "} and top[token] == value
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, logprobs=True,
+                                       extra_body={"logprob_token_ids": ids})  # fmt: skip
+    for t in c.choices[0].logprobs.content:
+        assert [x.token for x in t.top_logprobs] == list(dict.fromkeys([t.token, ",", " "]))
+    # Ids outside the vocabulary are a 400 naming the field; the server goes on.
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
+                                  extra_body={"logprob_token_ids": [49152]})  # fmt: skip
+    assert ei.value.body["param"] == "logprob_token_ids"
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+
+
 async def _stream_some(
     url: str,
     n_chunks: int | None,
