@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 from pagoda import envs
 from pagoda.inputs import PromptType, TextPrompt, TokensPrompt
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagoda.sampling_params import (
+    RepetitionDetectionParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # Before anything imports torch (libgomp reads it when loaded); the imports above do not.
 envs.set_openmp_wait_policy()
@@ -33,6 +38,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "PromptType",
+    "RepetitionDetectionParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -40,8 +40,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # "stop" | "length" | "abort" | "error" | "repetition" (repetition_detection) | None while
+    # running
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it ("repetition_detected" for a repetition).
+    stop_reason: int | str | None = None
     # vLLM's field, always None here (Pagoda has no LoRA): code that reads it keeps working.
     lora_request: None = field(default=None, repr=False)
 

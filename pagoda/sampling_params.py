@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda import envs
+from pagoda.repetition_detection import RepetitionDetectionParams
 
 _SAMPLING_EPS = 1e-5
 MAX_N: int = envs.PAGODA_MAX_N_SEQUENCES
@@ -242,6 +243,9 @@ class SamplingParams:
     # the sampled token and these, in place of the top-`logprobs` tokens. `logprobs` may be
     # left unset (`num_logprobs` is then their number).
     logprob_token_ids: list[int] | None = None
+    # End the request early when its output starts repeating an n-gram (vLLM's; finish_reason
+    # "repetition"): `pagoda.repetition_detection`. A dict is taken as its fields.
+    repetition_detection: RepetitionDetectionParams | None = None
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -266,6 +270,17 @@ class SamplingParams:
                     f"{MAX_LOGPROB_TOKEN_IDS}"
                 )
             self.logprob_token_ids = ids or None  # as vLLM, an empty list asks for nothing
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = RepetitionDetectionParams.from_dict(
+                self.repetition_detection
+            )
+        elif self.repetition_detection is not None and not isinstance(
+            self.repetition_detection, RepetitionDetectionParams
+        ):
+            raise ValueError(
+                "repetition_detection must be a RepetitionDetectionParams, got "
+                f"{type(self.repetition_detection).__name__}"
+            )
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(

@@ -120,6 +120,9 @@ def test_temperature_bounds_are_accepted() -> None:
         ("logprob_token_ids", [True]),
         ("logprob_token_ids", "12"),
         ("logprob_token_ids", list(range(129))),  # MAX_LOGPROB_TOKEN_IDS is 128
+        ("repetition_detection", 3),
+        ("repetition_detection", {"max_pattern_size": 2, "min_count": 3, "size": 1}),
+        ("repetition_detection", {"max_pattern_size": "2", "min_count": 3}),
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value) -> None:
@@ -175,6 +178,19 @@ def test_logprob_token_ids_outside_the_vocabulary_are_refused() -> None:
     p = SamplingParams(logprob_token_ids=[0, 100, 7])
     with pytest.raises(ValueError, match=r"^logprob_token_ids .*\[0, 100\).*\[100\]"):
         p.validate_token_ids(100)
+
+
+def test_repetition_detection_from_a_dict_or_params() -> None:
+    from pagoda import RepetitionDetectionParams
+
+    p = SamplingParams(repetition_detection={"max_pattern_size": 4, "min_count": 3})
+    assert p.repetition_detection == RepetitionDetectionParams(4, 0, 3)
+    same = RepetitionDetectionParams(max_pattern_size=4, min_count=3)
+    assert SamplingParams(repetition_detection=same).repetition_detection is same
+    assert SamplingParams().repetition_detection is None
+    # vLLM's message, whatever way it is given.
+    with pytest.raises(ValueError, match="^min_count must be >= 2 to detect"):
+        SamplingParams(repetition_detection={"max_pattern_size": 4})
 
 
 def test_skip_reading_prefix_cache_defaults_as_vllm() -> None:

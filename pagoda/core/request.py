@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6  # the engine ended it (`Request.error` says why)
+    FINISHED_REPETITION = 7  # its output repeats (SamplingParams.repetition_detection)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -38,6 +39,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "repetition",  # vLLM's FinishReason.REPETITION
 }
 
 

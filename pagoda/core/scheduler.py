@@ -43,6 +43,7 @@ from pagoda.core.request_queue import (
     create_request_queue,
 )
 from pagoda.metrics.stats import SchedulerStats
+from pagoda.repetition_detection import REPETITION_STOP_REASON, check_sequence_repetition
 
 __all__ = ["FCFSRequestQueue", "PriorityRequestQueue", "Scheduler"]
 
@@ -416,7 +417,8 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status after `token_id` was appended; True if the request stops.
 
-        A stop token wins over the length cap when both apply to the same token.
+        A stop token wins over the length cap when both apply to the same token, and the length
+        cap over a repetition (vLLM's order); none but the cap stops a request before min_tokens.
         """
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
@@ -432,6 +434,15 @@ class Scheduler:
             or request.num_tokens >= self.max_model_len
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        repetition = params.repetition_detection
+        if (
+            repetition is not None
+            and request.num_output_tokens >= params.min_tokens
+            and check_sequence_repetition(request.output_token_ids, repetition)
+        ):
+            request.status = RequestStatus.FINISHED_REPETITION
+            request.stop_reason = REPETITION_STOP_REASON
             return True
         return False
 

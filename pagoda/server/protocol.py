@@ -151,6 +151,9 @@ class _SamplingFields(RequestModel):
     # Logprobs of exactly these token ids at each generated position, besides the sampled
     # token's, in place of the top ones; they need `logprobs` set (as vLLM).
     logprob_token_ids: list[int] | None = None
+    # {max_pattern_size, min_pattern_size, min_count}: stop an output that repeats an n-gram
+    # (finish_reason "repetition"); `pagoda.repetition_detection`.
+    repetition_detection: dict[str, Any] | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # vLLM's bound: a signed 64-bit int
     # Structured outputs: OpenAI's response_format ({"type": "json_object"} or
     # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's

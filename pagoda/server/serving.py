@@ -25,7 +25,12 @@ from pagoda.engine.input_processor import (
 )
 from pagoda.logger import init_logger
 from pagoda.outputs import Logprob, RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagoda.sampling_params import (
+    RepetitionDetectionParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagoda.server.preprocess import Preprocessor
 from pagoda.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
 from pagoda.structured_output.backend_xgrammar import check_constraint
@@ -175,6 +180,12 @@ def build_sampling_params(
             raise APIError(
                 "stream_options can only be given when stream is true", 400, "stream_options"
             )
+    repetition = req.repetition_detection
+    if repetition is not None:
+        try:
+            repetition = RepetitionDetectionParams.from_dict(repetition)
+        except (TypeError, ValueError) as e:
+            raise APIError(str(e), 400, "repetition_detection") from None
     kw: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=_or(req.presence_penalty, 0.0),
@@ -200,6 +211,7 @@ def build_sampling_params(
         bad_words=req.bad_words,
         stream_interval=req.stream_interval,
         logprob_token_ids=req.logprob_token_ids or None,
+        repetition_detection=repetition,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=(
             StructuredOutputsParams(json=json_schema)

@@ -221,6 +221,28 @@ def test_logprob_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
     assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_repeating_output_stops_with_finish_reason_repetition(llm: LLM) -> None:
+    from pagoda import RepetitionDetectionParams
+    from pagoda.repetition_detection import check_sequence_repetition
+
+    prompt = "Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"  # greedy goes on counting, 15 a round
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    free = free[0].outputs[0]
+    rd = RepetitionDetectionParams(max_pattern_size=16, min_count=2)
+    first = next(n for n in range(61) if check_sequence_repetition(free.token_ids[:n], rd))
+    assert free.finish_reason == "length" and first <= 45
+    params = SamplingParams(temperature=0, max_tokens=60, repetition_detection=rd)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("repetition", "repetition_detected")
+    assert out.token_ids == free.token_ids[:first] and free.text.startswith(out.text)
+    # Not before min_tokens; then at once (the output repeats from there on).
+    params = SamplingParams(
+        temperature=0, max_tokens=60, min_tokens=first + 7, repetition_detection=rd
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "repetition" and out.token_ids == free.token_ids[: first + 7]
+
+
 def test_chat_applies_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "Say hello."}], GREEDY, use_tqdm=False)[0]
     assert "<|im_start|>user" in out.prompt and out.prompt.rstrip().endswith("assistant")

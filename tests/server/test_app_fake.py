@@ -13,7 +13,7 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from pagoda import SamplingParams, StructuredOutputsParams
+from pagoda import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.server.app import build_app
 
@@ -727,3 +727,41 @@ def test_bad_logprob_token_ids_are_400_naming_the_field(client, route, body, nee
     r = client.post(route, json=base | {"max_tokens": 2} | body)
     assert needle in _error(r, 400, "logprob_token_ids")
     assert client.post(route, json=base | {"max_tokens": 2}).status_code == 200  # still serving
+
+
+@pytest.mark.parametrize(
+    "rd,needle",
+    [
+        (
+            {"max_pattern_size": 3, "min_count": 1},
+            "min_count must be >= 2 to detect repetitive patterns in engine output.",
+        ),
+        (
+            {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 2},
+            "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <=",
+        ),
+        ({"max_pattern": 3}, "repetition_detection has no field 'max_pattern'"),
+        ({"max_pattern_size": "x", "min_count": 2}, "max_pattern_size must be an integer"),
+    ],
+)
+def test_bad_repetition_detection_is_400_with_vllms_message(client, rd, needle):
+    for route, base in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", _CHAT)):
+        r = client.post(route, json=base | {"max_tokens": 2, "repetition_detection": rd})
+        assert needle in _error(r, 400, "repetition_detection")
+
+
+def test_repetition_detection_reaches_the_engine():
+    engine = _RecordingEngine(max_model_len=64)
+    llm = AsyncLLM(engine)
+    rd = {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3}
+    try:
+        with TestClient(build_app(llm)) as client:
+            for route, base in (("/v1/completions", {"prompt": "ab"}),
+                                ("/v1/chat/completions", _CHAT)):  # fmt: skip
+                engine.seen.clear()
+                r = client.post(route, json=base | {"max_tokens": 2, "repetition_detection": rd})
+                assert r.status_code == 200, r.text
+                (req,) = engine.seen
+                assert req.sampling_params.repetition_detection == RepetitionDetectionParams(**rd)
+    finally:
+        llm.shutdown()

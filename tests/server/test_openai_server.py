@@ -260,6 +260,28 @@ def test_logprob_token_ids_are_each_positions_candidates(client):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
 
 
+def test_repetition_detection_stops_a_repeating_output(server, client):
+    # Greedy counting repeats "3, 4, 5, 1, 2," (15 tokens): stopped after two rounds.
+    repeats0 = server.metric("pagoda:request_success_total", finished_reason="repetition")
+    rd = {"max_pattern_size": 16, "min_count": 2}
+    r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
+                                  max_tokens=60, temperature=0,
+                                  extra_body={"repetition_detection": rd})  # fmt: skip
+    choice = r.choices[0]
+    assert (choice.finish_reason, choice.stop_reason) == ("repetition", "repetition_detected")
+    assert r.usage.completion_tokens == 30
+    assert server.metric("pagoda:request_success_total", finished_reason="repetition") == (
+        repeats0 + 1
+    )
+    # vLLM's message for bad values, as a 400 naming the field; the server goes on.
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                  extra_body={"repetition_detection": {"max_pattern_size": 2}})  # fmt: skip
+    assert ei.value.body["param"] == "repetition_detection"
+    assert ei.value.body["message"].startswith("min_count must be >= 2")
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+
+
 async def _stream_some(
     url: str,
     n_chunks: int | None,
