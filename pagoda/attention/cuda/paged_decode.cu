@@ -222,8 +222,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV, the segment
   // reduce) may start now; it waits for this one's end before reading the output. This one,
   // itself launched as a dependent where PDL is on (`pdl_enabled`), waits for the kernel
-  // before it (the RoPE + cache write) before reading or writing anything. Both are no-ops in
-  // a plain launch.
+  // before it (the RoPE + cache write, or with ROPE the qkv projection) before reading or
+  // writing anything. Both are no-ops in a plain launch.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
