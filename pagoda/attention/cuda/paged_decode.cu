@@ -238,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   const int c_lo = segm * per_segm;
   const int c_hi = min(c_lo + per_segm, num_chunks);
   const float qk_scale = (float)qk_scale_d * k_scale[0];  // log2 domain, K's scale folded in
+  const long long head_off = (long long)kv_head * stride_c_head;
 
   // Q's A fragments: a0 = dims 32t + 4kb + {0, 1}, a2 = + {2, 3} of query head g. Word j of
   // the lane's 64 bytes holds dims 32t + 2j, + 1.
@@ -271,13 +272,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     const long long slot = slot_mapping[tok];
     if (slot >= 0) {
       unsigned char* kdst = (unsigned char*)k_cache + (slot / BLOCK_SIZE) * stride_c_blk +
-                            (slot % BLOCK_SIZE) * stride_c_slot + (long long)kv_head * stride_c_head;
+                            (slot % BLOCK_SIZE) * stride_c_slot + head_off;
       unsigned char* vdst = kdst + (v_cache - k_cache);
       constexpr int EB = KV16 ? 2 : 1;  // bytes of a cached value
       if (lane < 16) {
         const u16* kp = new_k + (long long)tok * stride_k_tok + kv_head * HEAD + 4 * lane;
         const uint2 x1 = *(const uint2*)kp, x2 = *(const uint2*)(kp + 64);
-        const float4 c = *(const float4*)(cs + 4 * lane), sn = *(const float4*)(cs + 64 + 4 * lane);
+        const float4 c = *(const float4*)(cs + 4 * lane);
+        const float4 sn = *(const float4*)(cs + 64 + 4 * lane);
         const float2 c0 = make_float2(c.x, c.y), c1 = make_float2(c.z, c.w);
         const float2 s0 = make_float2(sn.x, sn.y), s1 = make_float2(sn.z, sn.w);
         const float ks = k_scale[0];
@@ -308,7 +310,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   float m_i = NEG_INF, l_i = 0.f;  // l_i: this lane's share of row g's sum
 
   const int* bt_row = block_tables + (long long)req * stride_bt;
-  const long long head_off = (long long)kv_head * stride_c_head;
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* ring = smem + warp * (STAGES * CHUNK_BYTES);
   const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
