@@ -254,17 +254,17 @@ VARIABLES: dict[str, EnvVar] = {
             _flag("PAGODA_CUDA_DECODE", True),
         ),
         EnvVar(
-            "PAGODA_CUDA_DECODE_MERGE", "flag", "1",
+            "PAGODA_CUDA_DECODE_MERGE", "flag", "0",
             "1: in a split-KV decode step the CUDA decode kernel merges a request's key "
             "segments itself (the last of its CTAs to finish); 0: a merge kernel of its own.",
-            _flag("PAGODA_CUDA_DECODE_MERGE", True),
+            _flag("PAGODA_CUDA_DECODE_MERGE", False),
         ),
         EnvVar(
-            "PAGODA_CUDA_DECODE_ROPE", "flag", "1",
+            "PAGODA_CUDA_DECODE_ROPE", "flag", "0",
             "1: in a decode step the CUDA decode kernel takes, it also rotates q and the new "
             "keys (RoPE) and writes the keys and values to the cache; 0: the RoPE + cache write "
             "kernel runs before it.",
-            _flag("PAGODA_CUDA_DECODE_ROPE", True),
+            _flag("PAGODA_CUDA_DECODE_ROPE", False),
         ),
         EnvVar(
             "PAGODA_W4A16", "flag", "1",

@@ -184,10 +184,13 @@ def _rope_inputs(batch, dtype, seed=1):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, "q"], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_rope_and_cache_write_in_the_kernel(group, kv_heads, split, cache_dtype, dtype) -> None:
+def test_rope_and_cache_write_in_the_kernel(
+    monkeypatch, group, kv_heads, split, cache_dtype, dtype
+) -> None:
     # The kernel rotates q and the step's key itself and writes the key and value to the
     # cache: the same cache (within a rounding step of the rotation's float32 order) and
     # output as `rotary_embedding_and_cache` followed by the kernel, q and k left unrotated.
+    monkeypatch.setenv("PAGODA_CUDA_DECODE_ROPE", "1")
     cache_dtype = dtype if cache_dtype == "q" else cache_dtype
     contexts = [0, 14, 15, 31, 299, 1023]
     batch = _batch(group, kv_heads, 16, cache_dtype, dtype, contexts=contexts)

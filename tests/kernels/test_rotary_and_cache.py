@@ -282,6 +282,7 @@ def test_gpu_forward_with_rope_replays_in_a_cuda_graph(monkeypatch, cuda_decode)
     # equal the separate kernels exactly; the CUDA decode kernel rotates and writes the keys
     # itself, leaving q and k as they were, with its own float32 rounding order.
     monkeypatch.setenv("PAGODA_CUDA_DECODE", cuda_decode)
+    monkeypatch.setenv("PAGODA_CUDA_DECODE_ROPE", cuda_decode)
     h, kvh, d = 32, 8, 128
     batch = make_paged_batch(
         [1] * 8, [300 + 50 * i for i in range(8)], h, kvh, d, dtype=torch.bfloat16, device="cuda"
