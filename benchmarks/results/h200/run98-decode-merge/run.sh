@@ -20,7 +20,7 @@ b() {  # b MERGE ROPE
   echo "b awq merge=$1 rope=$2: $(grep -E '^b Pagoda decode tok/s' $log | tr -s ' ')"
 }
 if ! grep -q failed $OUT/98/tests.log; then b 1 1; b 0 0; fi
-left 200 "run 97" && OUT=$OUT/97 STEP_S=$((LIMIT - SECONDS - 110)) \
+left 300 "run 97" && OUT=$OUT/97 STEP_S=$((LIMIT - SECONDS - 220)) \
   bash benchmarks/results/h200/run97-persistent/run.sh
 grep -q failed $OUT/98/tests.log || b 1 0
 echo "done in $SECONDS s"
