@@ -136,7 +136,7 @@ def test_every_grafana_panel_query_returns_data_from_a_real_prometheus(server, p
             _sensible(title, legend, [float(r["value"][1]) for r in result])
             if title == "Finished requests by reason":
                 reasons = {r["metric"]["finished_reason"] for r in result}
-    assert reasons >= {"stop", "length", "abort", "error"}
+    assert reasons >= {"stop", "length", "abort", "error", "repetition"}
     restarts = _query(prometheus, 'pagoda:engine_restarts_total{model_name="smol"}')
     assert [float(r["value"][1]) for r in restarts] == [1.0]
     # A vLLM dashboard's query, renamed, selects the same series: engine="0" as vLLM's.

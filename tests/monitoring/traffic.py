@@ -1,5 +1,6 @@
 """Requests that move every panel of the dashboards: completions and chat, streamed or not,
-one that fails (finish_reason "error" on the fake engine), streams dropped mid-way (abort)."""
+one that fails (finish_reason "error" on the fake engine), one that repeats itself
+(finish_reason "repetition"), streams dropped mid-way (abort)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 FAIL_PROMPT = "please FAIL here"  # the fake engine ends it with finish_reason "error"
+SAY_ABAB = "SAY:abababababab|"  # the fake engine's greedy output for it
 
 
 def one_round(url: str, headers: dict[str, str], rng: random.Random) -> None:
@@ -23,6 +25,9 @@ def one_round(url: str, headers: dict[str, str], rng: random.Random) -> None:
         c.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 8,
                                              "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         c.post("/v1/completions", json={**body, "prompt": FAIL_PROMPT})
+        repeats = {"max_pattern_size": 2, "min_count": 3}  # "ababab": finish_reason "repetition"
+        c.post("/v1/completions", json={**body, "prompt": SAY_ABAB, "temperature": 0,
+                                        "repetition_detection": repeats})  # fmt: skip
         with c.stream("POST", "/v1/completions",
                       json={**body, "max_tokens": 200, "stream": True}) as r:  # fmt: skip
             for _ in r.iter_lines():

@@ -19,6 +19,7 @@ import jinja2
 from pagoda.config import DEFAULT_MAX_NUM_SEQS, CacheConfig
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagoda.metrics.stats import IterationStats, SchedulerStats
+from pagoda.repetition_detection import check_sequence_repetition
 from pagoda.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
@@ -213,6 +214,9 @@ class FakeEngine:
             tok = self._next_token(r)
             r.token_ids.append(tok)
             finish = "length" if len(r.token_ids) >= r.max_tokens else None
+            repeats = p.repetition_detection
+            if finish is None and repeats and check_sequence_repetition(r.token_ids, repeats):
+                finish = "repetition"
             finish = "stop" if tok == EOS or tok in (p.stop_token_ids or ()) else finish
             prompt_lps = None
             if p.prompt_logprobs is not None and r.request_id in new:
