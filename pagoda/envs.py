@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     PAGODA_GGUF_QUANTIZED: bool
     PAGODA_CPU_QUANTIZED: bool
     PAGODA_CUDA_DECODE: bool
-    PAGODA_CUDA_DECODE_MERGE: bool
-    PAGODA_CUDA_DECODE_ROPE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
     PAGODA_PDL: bool
@@ -252,19 +250,6 @@ VARIABLES: dict[str, EnvVar] = {
             "PAGODA_CUDA_DECODE", "flag", "1",
             "0: decode attention on CUDA takes the Triton kernel instead of the CUDA one.",
             _flag("PAGODA_CUDA_DECODE", True),
-        ),
-        EnvVar(
-            "PAGODA_CUDA_DECODE_MERGE", "flag", "0",
-            "1: in a split-KV decode step the CUDA decode kernel merges a request's key "
-            "segments itself (the last of its CTAs to finish); 0: a merge kernel of its own.",
-            _flag("PAGODA_CUDA_DECODE_MERGE", False),
-        ),
-        EnvVar(
-            "PAGODA_CUDA_DECODE_ROPE", "flag", "0",
-            "1: in a decode step the CUDA decode kernel takes, it also rotates q and the new "
-            "keys (RoPE) and writes the keys and values to the cache; 0: the RoPE + cache write "
-            "kernel runs before it.",
-            _flag("PAGODA_CUDA_DECODE_ROPE", False),
         ),
         EnvVar(
             "PAGODA_W4A16", "flag", "1",

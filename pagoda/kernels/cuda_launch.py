@@ -91,18 +91,16 @@ def launch(
     cluster: tuple[int, int, int] | None = None,
 ) -> None:
     """Launch `func` (a CUfunction) on `device`'s current stream with `args`: tensors as
-    pointers (None as a null one), floats as doubles, ints as 32-bit, ctypes arrays as their
-    bytes (a tensor map; the kernel's parameters are declared to match). With `pdl`, as a
-    programmatic dependent of the kernel before it in the stream (cuLaunchKernelEx with
-    programmatic stream serialization; a programmatic edge in a CUDA graph capture): it may start before that
+    pointers, floats as doubles, ints as 32-bit, ctypes arrays as their bytes (a tensor map;
+    the kernel's parameters are declared to match). With `pdl`, as a programmatic dependent
+    of the kernel before it in the stream (cuLaunchKernelEx with programmatic stream
+    serialization; a programmatic edge in a CUDA graph capture): it may start before that
     kernel ends and must wait for it
     (griddepcontrol.wait) before touching memory that kernel reads or writes. With `cluster`,
     in thread-block clusters of those dimensions (sm_90; they divide `grid`)."""
     cargs = [
         ctypes.c_void_p(a.data_ptr())
         if isinstance(a, torch.Tensor)
-        else ctypes.c_void_p(None)
-        if a is None
         else a
         if isinstance(a, ctypes.Array)
         else ctypes.c_double(a)

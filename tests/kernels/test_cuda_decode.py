@@ -18,10 +18,6 @@ enable_interpreter_without_cuda()
 pytest.importorskip("triton")
 
 from pagoda.attention.cuda import paged_decode  # noqa: E402
-from pagoda.attention.triton.reshape_and_cache import (  # noqa: E402
-    RopeAndCacheWrite,
-    rotary_embedding_and_cache,
-)
 from pagoda.attention.triton.unified_attention import unified_attention  # noqa: E402
 from pagoda.kernels import cuda_launch  # noqa: E402
 
@@ -126,107 +122,6 @@ def test_cuda_graph_replays_new_lengths(cache_dtype) -> None:
     torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
-def test_in_kernel_segment_merge_matches_the_merge_kernel(monkeypatch, cache_dtype) -> None:
-    # Split steps merge their segments in the kernel (the last CTA of a request and KV head)
-    # or in `_reduce_segments_kernel`: the same sums in the same order, within rounding. Over
-    # replays of a CUDA graph with new lengths, every replay's counters start at zero.
-    batch = _batch(4, 8, 16, cache_dtype, torch.bfloat16, contexts=[900] * 6)
-    md = batch.metadata()
-    scales = (torch.tensor([0.05], device="cuda"), torch.tensor([0.02], device="cuda"))
-    ref_scales = (0.05, 0.02) if cache_dtype.itemsize == 1 else (1, 1)
-    outs = {}
-    for merge in ("1", "0"):
-        monkeypatch.setenv("PAGODA_CUDA_DECODE_MERGE", merge)
-        out = outs[merge] = torch.full_like(batch.q, float("nan"))
-
-        def step(out=out):
-            unified_attention(batch.q, batch.kv_cache, out, md, 128**-0.5, *scales, split_kv=True)
-
-        step()  # compiles and allocates the counters outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for lens in ([1, 17, 300, 512, 899, 901], [901, 16, 15, 2, 640, 33], [5] * 6):
-            batch.seq_lens.copy_(torch.tensor(lens, device="cuda"))
-            graph.replay()
-            torch.cuda.synchronize()
-            ref = batch.reference(128**-0.5, *ref_scales)
-            assert not out.isnan().any()
-            torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
-        batch.seq_lens.copy_(torch.tensor([900] * 6, device="cuda"))
-    assert paged_decode._ARRIVALS  # the first pass merged in the kernel
-    assert not paged_decode._ARRIVALS[batch.q.device].any()
-    assert (outs["1"].float() - outs["0"].float()).abs().max() <= 1e-2
-
-
-def _rope_inputs(batch, dtype, seed=1):
-    """This step's unrotated q, k and v (column slices of one qkv tensor, as the model makes
-    them), positions and a Llama-3-like float32 cos_sin cache."""
-    n, heads, d = batch.q.shape
-    kv_heads = batch.kv_cache.shape[3]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen, device="cuda").to(dtype)
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
-    q, k, v = q.view(n, heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
-    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
-    positions = torch.tensor(batch.context_lens, dtype=torch.int64, device="cuda")
-    return qkv, (q, k, v), positions, cos_sin
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("group,kv_heads", [(4, 8), (8, 1), (3, 2)])
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, "q"], ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_rope_and_cache_write_in_the_kernel(
-    monkeypatch, group, kv_heads, split, cache_dtype, dtype
-) -> None:
-    # The kernel rotates q and the step's key itself and writes the key and value to the
-    # cache: the same cache (within a rounding step of the rotation's float32 order) and
-    # output as `rotary_embedding_and_cache` followed by the kernel, q and k left unrotated.
-    monkeypatch.setenv("PAGODA_CUDA_DECODE_ROPE", "1")
-    cache_dtype = dtype if cache_dtype == "q" else cache_dtype
-    contexts = [0, 14, 15, 31, 299, 1023]
-    batch = _batch(group, kv_heads, 16, cache_dtype, dtype, contexts=contexts)
-    qkv, (q, k, v), positions, cos_sin = _rope_inputs(batch, dtype)
-    n = q.shape[0]
-    scales = (0.05, 0.02) if cache_dtype.itemsize == 1 else (1.0, 1.0)
-    ks, vs = (torch.tensor([s], device="cuda") for s in scales)
-    md = batch.metadata()
-    orig, ref_qkv, ref_cache = qkv.clone(), qkv.clone(), batch.kv_cache.clone()
-    before = batch.kv_cache.float().nan_to_num()
-    widths = [t.shape[1] * 128 for t in (q, k, v)]
-    rq, rk, rv = (x.view(n, -1, 128) for x in ref_qkv.split(widths, -1))
-    slots = batch.slot_mapping
-    rotary_embedding_and_cache(positions, rq, rk, rv, cos_sin, ref_cache, slots, n, ks, vs)
-    ref = torch.empty_like(q)
-    unified_attention(
-        rq, ref_cache, ref, md, 128**-0.5, ks, vs, split_kv=split, cuda_decode_kernel=True
-    )
-
-    write = RopeAndCacheWrite(positions, cos_sin, k, v, slots, n)
-    assert paged_decode.rope_unsupported_reason(write, q, batch.kv_cache) is None
-    out = torch.full_like(q, float("nan"))
-    unified_attention(
-        q, batch.kv_cache, out, md, 128**-0.5, ks, vs, split_kv=split, cuda_decode_kernel=True,
-        rope_write=write,
-    )  # fmt: skip
-    torch.cuda.synchronize()
-    assert torch.equal(qkv, orig)
-    got, want = batch.kv_cache.float().nan_to_num(), ref_cache.float().nan_to_num()
-    assert not torch.equal(got, before)  # the step's keys and values were written
-    assert (got != want).float().mean() < 0.01  # the rotation's rounding flips a few values
-    step = {torch.float8_e4m3fn: 0.13, torch.float8_e5m2: 0.26}.get(cache_dtype, 1e-2)
-    torch.testing.assert_close(got, want, atol=1e-2, rtol=step)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL, rtol=RTOL)
-
-
 def test_unsupported_steps_keep_the_triton_kernel() -> None:
     batch = make_paged_batch([1, 1], [5, 9], 8, 2, 128, 16)
     md = batch.metadata()
@@ -261,7 +156,6 @@ def test_launch_passes_the_grid_cta_shape_and_byte_strides(monkeypatch) -> None:
     (args,) = calls
     assert args[:8] == ("handle", 2, 3, 4, 128, 1, 1, 49152)  # grid (KV heads, requests, segs)
     params = args[9]
-    strides = [ctypes.c_int.from_address(params[i]).value for i in range(19, 22)]
+    strides = [ctypes.c_int.from_address(params[i]).value for i in range(18, 21)]
     assert strides == [s * 4 for s in batch.kv_cache.stride()[1:4]]  # bytes of float32
-    assert ctypes.c_void_p.from_address(params[12]).value is None  # no in-kernel merge
-    assert ctypes.c_double.from_address(params[13]).value == 0.1
+    assert ctypes.c_double.from_address(params[12]).value == 0.1

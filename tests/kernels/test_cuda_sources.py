@@ -102,15 +102,14 @@ def test_w4a16_gemv_rule_configs_compile_without_spills(tmp_path, m, silu_mul, p
     assert "0 bytes spill stores" in log, log
 
 
-@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("cache", ["e4m3", "e5m2", "16bit"])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_paged_decode_compiles_without_spills(tmp_path, cache, group, rope) -> None:
-    """The decode attention kernel at the launch shapes `_LAUNCH` gives each cache kind, with
-    and without the step's RoPE and cache write, bf16 and fp16 q."""
+def test_paged_decode_compiles_without_spills(tmp_path, cache, group) -> None:
+    """The decode attention kernel at the launch shapes `_LAUNCH` gives each cache kind, bf16
+    and fp16 q."""
     from pagoda.attention.cuda import paged_decode
 
     warps, stages = paged_decode._LAUNCH[cache]
-    source = paged_decode._source(group, 16, cache, group != 8, warps, stages, rope)
+    source = paged_decode._source(group, 16, cache, group != 8, warps, stages)
     log = _nvcc(tmp_path, source, {})
     assert "0 bytes spill stores" in log, log

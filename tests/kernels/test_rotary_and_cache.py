@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 from pagoda.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from pagoda.attention.triton import backend as triton_backend  # noqa: E402
-from pagoda.attention.triton import reshape_and_cache as reshape_and_cache_module  # noqa: E402
 from pagoda.attention.triton.backend import TritonAttentionBackend  # noqa: E402
 from pagoda.attention.triton.reshape_and_cache import (  # noqa: E402
     reshape_and_cache,
@@ -196,12 +195,10 @@ def _spy(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
 
 
 def test_attention_layer_rope_and_cache_write_in_one_kernel(monkeypatch) -> None:
-    separate = _spy(monkeypatch, triton_backend, ("reshape_and_cache",))
-    fused = _spy(monkeypatch, reshape_and_cache_module, ("rotary_embedding_and_cache",))
+    calls = _spy(monkeypatch, triton_backend, ("reshape_and_cache", "rotary_embedding_and_cache"))
     out, cache, ref, ref_cache = _layer_fused_and_reference(TritonAttentionBackend())
-    # The reference ran the separate write; the fused path ran the one kernel only (a mixed
-    # step: `unified_attention` runs it before the attention kernel).
-    assert separate == ["reshape_and_cache"] and fused == ["rotary_embedding_and_cache"]
+    # The reference ran the separate write; the fused path ran the one kernel only.
+    assert calls == ["reshape_and_cache", "rotary_embedding_and_cache"]
     assert out.shape == (ref.shape[0], 8 * 32)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=1e-5)
@@ -276,13 +273,7 @@ def test_gpu_fused_equals_separate_kernels_at_llama8b_shapes(cache_dtype: torch.
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cuda_decode", ["0", "1"])
-def test_gpu_forward_with_rope_replays_in_a_cuda_graph(monkeypatch, cuda_decode) -> None:
-    # A decode step: the Triton kernels (PAGODA_CUDA_DECODE=0) rotate q and k in place and
-    # equal the separate kernels exactly; the CUDA decode kernel rotates and writes the keys
-    # itself, leaving q and k as they were, with its own float32 rounding order.
-    monkeypatch.setenv("PAGODA_CUDA_DECODE", cuda_decode)
-    monkeypatch.setenv("PAGODA_CUDA_DECODE_ROPE", cuda_decode)
+def test_gpu_forward_with_rope_replays_in_a_cuda_graph() -> None:
     h, kvh, d = 32, 8, 128
     batch = make_paged_batch(
         [1] * 8, [300 + 50 * i for i in range(8)], h, kvh, d, dtype=torch.bfloat16, device="cuda"
@@ -310,15 +301,9 @@ def test_gpu_forward_with_rope_replays_in_a_cuda_graph(monkeypatch, cuda_decode)
     rotary_embedding_triton(positions, rq, rk, cs, d)
     ref = backend.forward(layer, rq, rk, v, ref_cache, md, d**-0.5)
     torch.cuda.synchronize()
-    assert batch.kv_cache[:, blk, off].any()
-    if cuda_decode == "0":
-        assert torch.equal(batch.kv_cache, ref_cache)
-        assert torch.equal(q, rq) and torch.equal(k, rk)
-        torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    else:
-        assert torch.equal(q, q_in) and torch.equal(k, k_in)
-        torch.testing.assert_close(batch.kv_cache, ref_cache, atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert torch.equal(batch.kv_cache, ref_cache) and batch.kv_cache[:, blk, off].any()
+    assert torch.equal(q, rq) and torch.equal(k, rk)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["llama_gqa_tied_llama3_rope", "qwen3"])

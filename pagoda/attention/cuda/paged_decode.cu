@@ -9,10 +9,6 @@
 // waited on memory latency, as the Triton kernel does). The block table comes in 32 entries
 // at a time, one per lane, and each chunk's block is shuffled out of them.
 //
-// With several key segments a CTA writes its partials (unnormalized out, max, sum) instead of
-// the output; given `segm_arrivals` (one zeroed counter per request and KV head) the last CTA
-// of a request and KV head to finish merges them, else `_reduce_segments_kernel` does.
-//
 // Rows of the m16 tiles are the query heads of the KV head's group (G <= 8; rows 8-15 are
 // zero), and the operands are laid out so that no lane needs another lane's bytes:
 //   * Q K^T: the reduction runs over head dims, and which dim a k-slot of the mma holds is
@@ -32,15 +28,7 @@
 //
 // Compile-time constants (-D): G (queries per KV head, 1..8), WARPS, BLOCK_SIZE (a multiple
 // of 16), E5M2 (0: e4m3), Q_BF16 (0: fp16 q and out), STAGES (>= 2, buffers per warp),
-// KV16 (1: the cache holds q's dtype), ROPE (1: q and this step's key are not rotated yet and
-// the key and value not cached: see below).
-//
-// With ROPE the kernel also does what `rotary_embedding_and_cache` would before it (GPT-NeoX
-// RoPE over all 128 dims from cos_sin [max_position, 128] = cat(cos, sin), in float32, each
-// result rounded to q's dtype): every CTA rotates its q heads in registers (dim d pairs with
-// d + 64, which lane t ^ 2 holds), and the CTA whose segment holds the request's last key
-// rotates that key and writes it and the value to the cache at slot_mapping[token]
-// (quantized by the layer's scales over an FP8 cache) before any of its warps reads keys.
+// KV16 (1: the cache holds q's dtype).
 // Dynamic shared memory: WARPS * STAGES * CHUNK_BYTES (4096, or 8192 with KV16).
 
 #define HEAD 128
@@ -102,69 +90,6 @@ __device__ __forceinline__ u16 f32_to_out(float x) {
   return r;
 }
 
-// The two model-dtype values of a word as floats (low half first).
-__device__ __forceinline__ float2 unpack_model(u32 w) {
-#if Q_BF16
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-#else
-  float lo, hi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)w));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(w >> 16)));
-  return make_float2(lo, hi);
-#endif
-}
-
-__device__ __forceinline__ u32 pack_model(float lo, float hi) {
-#if Q_BF16
-  return pack_bf16x2(lo, hi);
-#else
-  return pack_f16x2(lo, hi);
-#endif
-}
-
-// RoPE of a word's two dims: x * cos - partner * sin in the first half of the head, x * cos +
-// partner * sin in the second, rounded to the model's dtype.
-__device__ __forceinline__ u32 rotate_word(u32 x, u32 partner, float2 c, float2 s, bool first) {
-  const float2 a = unpack_model(x), b = unpack_model(partner);
-  const float sg = first ? -1.f : 1.f;
-  return pack_model(a.x * c.x + sg * (b.x * s.x), a.y * c.y + sg * (b.y * s.y));
-}
-
-// Two values as the cache's bytes (low byte first): x / scale rounded to the FP8 format, with
-// the format's largest finite value past its range (`reshape_and_cache`'s clamp).
-__device__ __forceinline__ u32 to_fp8x2(float lo, float hi, float scale) {
-  float ql, qh;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(ql) : "f"(lo), "f"(scale));
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(qh) : "f"(hi), "f"(scale));
-  u16 r;
-#if E5M2
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(qh), "f"(ql));
-#else
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(qh), "f"(ql));
-#endif
-  return r;
-}
-
-// Four model-dtype values (two words) into the cache at `dst`: as they are in a 16-bit cache,
-// quantized by `scale` in an FP8 one.
-__device__ __forceinline__ void store_cache4(unsigned char* dst, u32 w0, u32 w1, float scale) {
-#if KV16
-  *(uint2*)dst = make_uint2(w0, w1);
-#else
-  const float2 a = unpack_model(w0), b = unpack_model(w1);
-  *(u32*)dst = to_fp8x2(a.x, a.y, scale) | (to_fp8x2(b.x, b.y, scale) << 16);
-#endif
-}
-
-// 8 consecutive output dims o[i] * inv as one 16-byte store.
-__device__ __forceinline__ void store_out(u16* dst, const float (&o)[8], float inv) {
-  u32 packed[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    packed[i] = (u32)f32_to_out(o[2 * i] * inv) | ((u32)f32_to_out(o[2 * i + 1] * inv) << 16);
-  *(uint4*)dst = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-}
-
 // D (rows g, g+8) += A (a1 = a3 = 0: rows 8-15 empty) * B. z2, z3 carry the empty rows.
 __device__ __forceinline__ void mma(float& d0, float& d1, float& z2, float& z3, u32 a0, u32 a2,
                                     u32 b0, u32 b1) {
@@ -212,18 +137,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
                         const unsigned char* v_cache, const int* block_tables,
                         const int* seq_lens, const int* query_start_loc, const float* k_scale,
                         const float* v_scale, float* segm_out, float* segm_max, float* segm_sum,
-                        int* segm_arrivals, double qk_scale_d, int num_heads, int stride_q_tok,
-                        int stride_q_head, int stride_o_tok, int stride_o_head,
-                        int stride_c_blk, int stride_c_slot, int stride_c_head, int stride_bt,
-                        const long long* positions, const float* cos_sin, const u16* new_k,
-                        const u16* new_v, const long long* slot_mapping, int stride_k_tok,
-                        int stride_v_tok) {
+                        double qk_scale_d, int num_heads, int stride_q_tok, int stride_q_head,
+                        int stride_o_tok, int stride_o_head, int stride_c_blk, int stride_c_slot,
+                        int stride_c_head, int stride_bt) {
 #if __CUDA_ARCH__ >= 900
   // A kernel launched as its programmatic dependent (the o_proj W4A16 GEMV, the segment
   // reduce) may start now; it waits for this one's end before reading the output. This one,
   // itself launched as a dependent where PDL is on (`pdl_enabled`), waits for the kernel
-  // before it (the RoPE + cache write, or with ROPE the qkv projection) before reading or
-  // writing anything. Both are no-ops in a plain launch.
+  // before it (the RoPE + cache write) before reading or writing anything. Both are no-ops in
+  // a plain launch.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -238,69 +160,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   const int c_lo = segm * per_segm;
   const int c_hi = min(c_lo + per_segm, num_chunks);
   const float qk_scale = (float)qk_scale_d * k_scale[0];  // log2 domain, K's scale folded in
-  const long long head_off = (long long)kv_head * stride_c_head;
 
-  // Q's A fragments: a0 = dims 32t + 4kb + {0, 1}, a2 = + {2, 3} of query head g. Word j of
-  // the lane's 64 bytes holds dims 32t + 2j, + 1.
-  u32 qa0[NKB], qa2[NKB], qw[16];
+  // Q's A fragments: a0 = dims 32t + 4kb + {0, 1}, a2 = + {2, 3} of query head g.
+  u32 qa0[NKB], qa2[NKB];
   if (g < G) {
     const uint4* qp = (const uint4*)(q + (long long)tok * stride_q_tok +
                                      (long long)(kv_head * G + g) * stride_q_head + 32 * t);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i) {  // 8 model-dtype values = 2 k-blocks per load
       const uint4 w = qp[i];
-      qw[4 * i] = w.x, qw[4 * i + 1] = w.y, qw[4 * i + 2] = w.z, qw[4 * i + 3] = w.w;
+      qa0[2 * i] = q_pair_operand(w.x);
+      qa2[2 * i] = q_pair_operand(w.y);
+      qa0[2 * i + 1] = q_pair_operand(w.z);
+      qa2[2 * i + 1] = q_pair_operand(w.w);
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) qw[j] = 0u;
-  }
-#if ROPE
-  const float* cs = cos_sin + positions[tok] * 128;
-  {
-    const float* c = cs + 32 * (t & 1);  // dims 32t + 2j, + 1 take cos/sin 32(t & 1) + 2j, + 1
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const u32 partner = __shfl_xor_sync(0xffffffffu, qw[j], 2);  // dims +- 64: lane t ^ 2
-      const float2 cj = *(const float2*)(c + 2 * j), sj = *(const float2*)(c + 64 + 2 * j);
-      qw[j] = rotate_word(qw[j], partner, cj, sj, t < 2);
-    }
-  }
-  // The CTA whose segment holds the last key writes it and its value first: lanes 0-15 of
-  // warp 0 rotate dims [4l, 4l + 4) with [64 + 4l, 68 + 4l), every lane copies 4 value dims.
-  if (segm == (num_chunks - 1) / per_segm && warp == 0) {
-    const long long slot = slot_mapping[tok];
-    if (slot >= 0) {
-      unsigned char* kdst = (unsigned char*)k_cache + (slot / BLOCK_SIZE) * stride_c_blk +
-                            (slot % BLOCK_SIZE) * stride_c_slot + head_off;
-      unsigned char* vdst = kdst + (v_cache - k_cache);
-      constexpr int EB = KV16 ? 2 : 1;  // bytes of a cached value
-      if (lane < 16) {
-        const u16* kp = new_k + (long long)tok * stride_k_tok + kv_head * HEAD + 4 * lane;
-        const uint2 x1 = *(const uint2*)kp, x2 = *(const uint2*)(kp + 64);
-        const float4 c = *(const float4*)(cs + 4 * lane);
-        const float4 sn = *(const float4*)(cs + 64 + 4 * lane);
-        const float2 c0 = make_float2(c.x, c.y), c1 = make_float2(c.z, c.w);
-        const float2 s0 = make_float2(sn.x, sn.y), s1 = make_float2(sn.z, sn.w);
-        const float ks = k_scale[0];
-        store_cache4(kdst + EB * 4 * lane, rotate_word(x1.x, x2.x, c0, s0, true),
-                     rotate_word(x1.y, x2.y, c1, s1, true), ks);
-        store_cache4(kdst + EB * (64 + 4 * lane), rotate_word(x2.x, x1.x, c0, s0, false),
-                     rotate_word(x2.y, x1.y, c1, s1, false), ks);
-      }
-      const uint2 v = *(const uint2*)(new_v + (long long)tok * stride_v_tok + kv_head * HEAD +
-                                      4 * lane);
-      store_cache4(vdst + EB * 4 * lane, v.x, v.y, v_scale[0]);
-    }
-  }
-  __syncthreads();  // the key and value are in the cache before any warp's copies read them
-#endif
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // 8 model-dtype values = 2 k-blocks per load
-    qa0[2 * i] = q_pair_operand(qw[4 * i]);
-    qa2[2 * i] = q_pair_operand(qw[4 * i + 1]);
-    qa0[2 * i + 1] = q_pair_operand(qw[4 * i + 2]);
-    qa2[2 * i + 1] = q_pair_operand(qw[4 * i + 3]);
+    for (int kb = 0; kb < NKB; ++kb) qa0[kb] = qa2[kb] = 0u;
   }
 
   float acc[NNT][2];  // [j][0]: dim 32t + j, [j][1]: dim 32t + 16 + j of head g
@@ -310,6 +186,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   float m_i = NEG_INF, l_i = 0.f;  // l_i: this lane's share of row g's sum
 
   const int* bt_row = block_tables + (long long)req * stride_bt;
+  const long long head_off = (long long)kv_head * stride_c_head;
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* ring = smem + warp * (STAGES * CHUNK_BYTES);
   const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
@@ -479,67 +356,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 8; ++i) segm_out[r * HEAD + d0 + i] = o[i] * vs;
     } else {
-      store_out(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0, o,
-                l_all > 0.f ? vs / l_all : 0.f);
+      const float inv = l_all > 0.f ? vs / l_all : 0.f;
+      u32 packed[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        packed[i] = (u32)f32_to_out(o[2 * i] * inv) | ((u32)f32_to_out(o[2 * i + 1] * inv) << 16);
+      uint4 o4;
+      o4.x = packed[0];
+      o4.y = packed[1];
+      o4.z = packed[2];
+      o4.w = packed[3];
+      *(uint4*)(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0) = o4;
     }
-  }
-  if (nsegm == 1 || segm_arrivals == nullptr) return;  // `_reduce_segments_kernel` merges
-
-  // The segments' merge in the kernel: the CTA whose partials land last for this (request, KV
-  // head) merges all of them (the reduction of CUDA's threadFenceReduction sample). Each CTA
-  // makes its partials visible device-wide, then counts its arrival; the last one resets the
-  // count for the next launch (every segment has arrived) and reads the partials from L2. The
-  // flag that says "last" takes the merge area's first word once every thread is past it.
-  int* sm_last = (int*)smem;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* arrivals = segm_arrivals + req * gridDim.x + kv_head;
-    *sm_last = atomicAdd(arrivals, 1) == nsegm - 1;
-    if (*sm_last) *arrivals = 0;
-  }
-  __syncthreads();
-  if (!*sm_last) return;
-  __threadfence();
-  for (int slice = threadIdx.x; slice < G * (HEAD / 8); slice += WARPS * 32) {
-    const int row = slice / (HEAD / 8), d0 = (slice % (HEAD / 8)) * 8;
-    const int head = kv_head * G + row;
-    const long long r0 = ((long long)tok * num_heads + head) * nsegm;
-    // nsegm is not a compile-time constant: the loads go in unrolled batches, each batch's
-    // issued together, so that the merge waits on L2 a few times rather than once a segment.
-    float m_all = NEG_INF;
-    for (int s0 = 0; s0 < nsegm; s0 += 16) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        if (s0 + j < nsegm) m_all = fmaxf(m_all, __ldcg(segm_max + r0 + s0 + j));
-    }
-    float denom = 0.f, o[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = 0.f;
-    for (int s0 = 0; s0 < nsegm; s0 += 8) {
-      float ms[8], ls[8];
-      float4 a[8], b[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        ms[j] = NEG_INF, ls[j] = 0.f;
-        a[j] = b[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (s0 + j < nsegm) {
-          const long long r = r0 + s0 + j;
-          ms[j] = __ldcg(segm_max + r);
-          ls[j] = __ldcg(segm_sum + r);
-          a[j] = __ldcg((const float4*)(segm_out + r * HEAD + d0));
-          b[j] = __ldcg((const float4*)(segm_out + r * HEAD + d0 + 4));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float e = exp2f(ms[j] - m_all);  // empty segments (-inf) and those past nsegm: 0
-        denom += ls[j] * e;
-        o[0] += a[j].x * e, o[1] += a[j].y * e, o[2] += a[j].z * e, o[3] += a[j].w * e;
-        o[4] += b[j].x * e, o[5] += b[j].y * e, o[6] += b[j].z * e, o[7] += b[j].w * e;
-      }
-    }
-    store_out(out + (long long)tok * stride_o_tok + (long long)head * stride_o_head + d0, o,
-              1.f / denom);  // denom > 0: a row sees its own key in some segment
   }
 }

@@ -94,35 +94,6 @@ def unsupported_reason(
     return None
 
 
-def rope_unsupported_reason(rope_write: Any, q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
-    """Why the kernel cannot do this step's RoPE and cache write itself (`rope_write`, a
-    `RopeAndCacheWrite`), or None when it can: GPT-NeoX RoPE over all 128 dims from a float32
-    [max_position, 128] cos_sin cache, int64 positions and slots, keys and values of q's dtype
-    with heads contiguous in a row."""
-    if not envs.PAGODA_CUDA_DECODE_ROPE:
-        return "PAGODA_CUDA_DECODE_ROPE=0"
-    w = rope_write
-    cs = w.cos_sin_cache
-    if cs.dtype != torch.float32 or cs.dim() != 2 or cs.shape[1] != HEAD_SIZE:
-        return f"cos_sin_cache {cs.dtype} {tuple(cs.shape)} (rotary over all {HEAD_SIZE} dims)"
-    if cs.stride() != (HEAD_SIZE, 1) or cs.data_ptr() % 16:
-        return "cos_sin_cache is not contiguous and 16-byte aligned"
-    for name, t in (("positions", w.positions), ("slot_mapping", w.slot_mapping)):
-        if t.dtype != torch.int64 or t.dim() != 1 or t.stride(0) != 1:
-            return f"{name} is not a contiguous int64 vector"
-    num_kv_heads = kv_cache.shape[3]
-    for name, t in (("key", w.key), ("value", w.value)):
-        if t.dtype != q.dtype or t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, HEAD_SIZE):
-            return f"{name} {t.dtype} {tuple(t.shape)}"
-        if t.stride(2) != 1 or t.stride(1) != HEAD_SIZE or t.stride(0) % 4 or t.data_ptr() % 8:
-            return f"{name} rows are not 8-byte aligned with contiguous heads"
-        if t.stride(0) > _INT32_MAX or t.shape[0] < q.shape[0]:
-            return f"{name} stride or rows"
-    if w.positions.shape[0] < q.shape[0] or w.slot_mapping.shape[0] < w.num_actual_tokens:
-        return "positions or slot_mapping shorter than the step"
-    return None
-
-
 def cache_kind(cache_dtype: torch.dtype) -> str:
     """ "e4m3" / "e5m2" for an FP8 cache, "16bit" for one of q's dtype."""
     return _FP8.get(cache_dtype, "16bit")
@@ -134,10 +105,7 @@ def smem_bytes(warps: int, stages: int, cache: str) -> int:
     return warps * stages * (8192 if cache == "16bit" else 4096)
 
 
-def _source(
-    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int,
-    rope: bool = False,
-) -> str:  # fmt: skip
+def _source(group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int):
     defines = {
         "G": group,
         "BLOCK_SIZE": block_size,
@@ -146,7 +114,6 @@ def _source(
         "Q_BF16": int(q_bf16),
         "WARPS": warps,
         "STAGES": stages,
-        "ROPE": int(rope),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + _SOURCE.read_text()
@@ -162,10 +129,10 @@ class DecodeKernel:
 
 
 def _compile(
-    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int, rope: bool
+    group: int, block_size: int, cache: str, q_bf16: bool, warps: int, stages: int
 ) -> DecodeKernel | None:
     """The compiled kernel, or None (logged once) where NVRTC cannot build it."""
-    src = _source(group, block_size, cache, q_bf16, warps, stages, rope)
+    src = _source(group, block_size, cache, q_bf16, warps, stages)
     smem = smem_bytes(warps, stages, cache)
     try:
         func = torch.cuda._compile_kernel(src, _KERNEL_NAME, nvcc_options=["--use_fast_math"])
@@ -181,37 +148,14 @@ _KERNELS = cuda_launch.KernelCache(_compile)
 
 def get_kernel(
     group: int, block_size: int, cache: str, q_bf16: bool, warps: int | None = None,
-    stages: int | None = None, rope: bool = False,
+    stages: int | None = None,
 ) -> DecodeKernel | None:  # fmt: skip
     """The kernel for this shape (`cache` from `cache_kind`; warps and stages default to
     `_LAUNCH`'s), or None. Never compiles while a CUDA graph is being captured (loading a
     module is not a stream operation): the caller falls back to Triton then."""
     default_warps, default_stages = _LAUNCH[cache]
-    key = (
-        group, block_size, cache, q_bf16, warps or default_warps, stages or default_stages, rope
-    )  # fmt: skip
+    key = (group, block_size, cache, q_bf16, warps or default_warps, stages or default_stages)
     return _KERNELS.get(key)
-
-
-# Arrival counters of the in-kernel segment merge: one per (request, KV head) of a split step.
-# One buffer a device, allocated once and never replaced (captured CUDA graphs keep its
-# address); the kernel leaves every counter at zero when it ends.
-_MAX_ARRIVALS = 1 << 16
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def segment_arrivals(device: torch.device, num_reqs: int, num_kv_heads: int) -> torch.Tensor | None:
-    """The zeroed counters for the kernel to merge a split step's segments itself, or None
-    (`PAGODA_CUDA_DECODE_MERGE=0`, more pairs than the buffer holds, or its first allocation
-    would fall inside a CUDA graph capture): then `_reduce_segments_kernel` merges them."""
-    if not envs.PAGODA_CUDA_DECODE_MERGE or num_reqs * num_kv_heads > _MAX_ARRIVALS:
-        return None
-    buf = _ARRIVALS.get(device)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _ARRIVALS[device] = torch.zeros(_MAX_ARRIVALS, dtype=torch.int32, device=device)
-    return buf
 
 
 def paged_decode(
@@ -225,15 +169,11 @@ def paged_decode(
     v_scale: torch.Tensor,
     num_segments: int,
     segm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    arrivals: torch.Tensor | None = None,
-    rope_write: Any = None,
 ) -> None:
     """Launch `kernel` (from `get_kernel`) for a decode step. With `num_segments` > 1 it
-    writes the partials `segm` = (out, max, sum), which it merges into `out` itself given
-    `arrivals` (from `segment_arrivals`), else leaves for `_reduce_segments_kernel`.
-    `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are one-element
-    float32 tensors. A kernel built with `rope` takes `rope_write` (a `RopeAndCacheWrite` that
-    `rope_unsupported_reason` accepts): q and the step's keys not rotated, nor cached yet."""
+    writes the partials `segm` = (out, max, sum) for `_reduce_segments_kernel` instead of
+    `out`. `qk_scale_log2` is the softmax scale times log2(e); `k_scale`/`v_scale` are
+    one-element float32 tensors."""
     num_reqs = attn_metadata.seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[3]
     segm_out, segm_max, segm_sum = segm if segm is not None else (out, out, out)
@@ -250,7 +190,6 @@ def paged_decode(
         segm_out,
         segm_max,
         segm_sum,
-        arrivals if segm is not None else None,
         float(qk_scale_log2),
         q.shape[1],
         q.stride(0),
@@ -262,12 +201,6 @@ def paged_decode(
         kv_cache.stride(3) * kv_cache.element_size(),
         attn_metadata.block_tables.stride(0),
     ]
-    w = rope_write
-    if w is None:
-        args += [None] * 5 + [0, 0]
-    else:
-        args += [w.positions, w.cos_sin_cache, w.key, w.value, w.slot_mapping]
-        args += [w.key.stride(0), w.value.stride(0)]
     grid = (num_kv_heads, num_reqs, num_segments)
     cuda_launch.launch(
         kernel.func.func, grid, kernel.threads, kernel.smem, args, q.device, pdl_enabled(q)

@@ -4,8 +4,7 @@ Per layer and step it runs two kernels: `reshape_and_cache` (this step's k/v int
 cache, quantizing for an FP8/INT8 cache) and `unified_attention` (one launch for the whole
 mixed prefill/decode batch, with the split-KV path for small decode batches); given unrotated
 q and k (`forward_with_rope`), RoPE and the cache write are one kernel instead,
-`rotary_embedding_and_cache`, or happen in the CUDA decode kernel itself where it takes a
-decode step (`unified_attention`'s `rope_write`). Nothing here synchronizes with the device or reads device values
+`rotary_embedding_and_cache`. Nothing here synchronizes with the device or reads device values
 on the host, so a decode step can be captured in a CUDA graph. Without a cache (memory profiling) the step's own k/v are viewed as
 a cache of block size 1 and the same kernel runs.
 """
@@ -25,8 +24,8 @@ from pagoda.attention.backend import (
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.triton.common import QUANT_NONE, cache_quant_mode
 from pagoda.attention.triton.reshape_and_cache import (
-    RopeAndCacheWrite,
     reshape_and_cache,
+    rotary_embedding_and_cache,
 )
 from pagoda.attention.triton.unified_attention import unified_attention
 
@@ -101,12 +100,13 @@ class TritonAttentionBackend(AttentionBackend):
         if cache_quant_mode(kv_cache.dtype) != QUANT_NONE:
             k_scale = self._scale(getattr(layer, "k_scale", 1.0), q.device)
             v_scale = self._scale(getattr(layer, "v_scale", 1.0), q.device)
-        rope_write = None
         if rope is None:
             reshape_and_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n], k_scale, v_scale)
-        else:  # RoPE and the cache write in the decode kernel, or in one kernel before it
+        else:
             positions, cos_sin_cache = rope
-            rope_write = RopeAndCacheWrite(positions, cos_sin_cache, k, v, md.slot_mapping, n)
+            rotary_embedding_and_cache(
+                positions, q, k, v, cos_sin_cache, kv_cache, md.slot_mapping, n, k_scale, v_scale
+            )
         return unified_attention(
             q,
             kv_cache,
@@ -117,7 +117,6 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale,
             sliding_window=sliding_window_of(layer),
             soft_cap=soft_cap_of(layer),
-            rope_write=rope_write,
         )
 
     @staticmethod

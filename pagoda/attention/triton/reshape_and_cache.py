@@ -15,8 +15,6 @@ dtype first, as the separate kernels would) and v with the same quantization, so
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -334,29 +332,3 @@ def rotary_embedding_and_cache(
         launch_pdl=pdl_enabled(qh),
         **args,
     )
-
-
-class RopeAndCacheWrite(NamedTuple):
-    """A step's RoPE and cache write, handed to `unified_attention` to do (`rope_write`): q and
-    `key` not rotated yet, rows [0, num_actual_tokens) of `key` and `value` not in the cache.
-    The CUDA decode kernel does both itself where it takes the step; otherwise `run`."""
-
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    slot_mapping: torch.Tensor
-    num_actual_tokens: int
-
-    def run(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        k_scale: torch.Tensor | float | None,
-        v_scale: torch.Tensor | float | None,
-    ) -> None:
-        """`rotary_embedding_and_cache` of this write (q and key rotated in place)."""
-        rotary_embedding_and_cache(
-            self.positions, q, self.key, self.value, self.cos_sin_cache, kv_cache,
-            self.slot_mapping, self.num_actual_tokens, k_scale, v_scale,
-        )  # fmt: skip

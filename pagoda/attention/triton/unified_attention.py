@@ -26,7 +26,6 @@ import triton.language as tl
 from pagoda.attention.cuda import paged_decode as cuda_decode
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.triton.common import cache_quant_mode, scale_tensor
-from pagoda.attention.triton.reshape_and_cache import RopeAndCacheWrite
 from pagoda.kernels import pdl_enabled
 from pagoda.kernels.triton_pdl import dependent_start
 
@@ -289,10 +288,8 @@ def _cuda_decode_kernel(
     kv_cache: torch.Tensor,
     out: torch.Tensor,
     md: AttentionMetadata,
-    rope: bool = False,
 ):
-    """The compiled CUDA decode kernel this step takes (see `unified_attention`), or None;
-    with `rope`, the one that also does the step's RoPE and cache write."""
+    """The compiled CUDA decode kernel this step takes (see `unified_attention`), or None."""
     if choice is False:
         return None
     reason = cuda_decode.unsupported_reason(q, kv_cache, out, md)
@@ -300,9 +297,7 @@ def _cuda_decode_kernel(
     if reason is None:
         group = q.shape[1] // kv_cache.shape[3]
         cache = cuda_decode.cache_kind(kv_cache.dtype)
-        kernel = cuda_decode.get_kernel(
-            group, kv_cache.shape[2], cache, q.dtype == torch.bfloat16, rope=rope
-        )
+        kernel = cuda_decode.get_kernel(group, kv_cache.shape[2], cache, q.dtype == torch.bfloat16)
         reason = "the kernel did not compile" if kernel is None else None
     if choice and kernel is None:
         raise ValueError(f"the CUDA decode kernel cannot take this step: {reason}")
@@ -340,10 +335,8 @@ def unified_attention(
     cuda_decode_kernel: bool | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    rope_write: RopeAndCacheWrite | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q over the paged cache (which already holds this step's K/V, unless
-    `rope_write` says otherwise).
+    """Causal attention of q over the paged cache (which already holds this step's K/V).
 
     q, out: [num_tokens, num_heads, head_size] (last dim contiguous); kv_cache:
     [2, num_blocks, block_size, num_kv_heads, head_size]; `attn_metadata` gives the batch
@@ -356,10 +349,7 @@ def unified_attention(
     always (True: an error where it cannot) or never (False; also whenever `sliding_window` or
     `soft_cap` is set, which it does not implement). `sliding_window`: a query at position p
     sees keys (p - window, p] only; `soft_cap`: scores s become cap * tanh(s / cap) before the
-    softmax. `rope_write`: q and this step's keys are not rotated yet and the keys and values
-    not cached; the CUDA decode kernel does both where it takes the step (q and the keys are
-    then left unrotated: the caller must not read them after), else `rope_write.run` first.
-    Returns `out`.
+    softmax. Returns `out`.
     """
     query_start_loc = attn_metadata.query_start_loc
     seq_lens = attn_metadata.seq_lens
@@ -377,8 +367,6 @@ def unified_attention(
         raise ValueError("q, out and kv_cache need a contiguous last (head_size) dimension")
     num_reqs = seq_lens.shape[0]
     if num_actual == 0 or num_reqs == 0:
-        if rope_write is not None:
-            rope_write.run(q, kv_cache, k_scale, v_scale)
         return out
     group = num_heads // num_kv_heads
     if block_m is None:
@@ -424,28 +412,12 @@ def unified_attention(
             raise ValueError("the CUDA decode kernel has no sliding window or soft cap")
         cuda_decode_kernel = False
     kernel = _cuda_decode_kernel(cuda_decode_kernel, q, kv_cache, out, attn_metadata)
-    if rope_write is not None:
-        fused = None
-        if (
-            kernel is not None
-            and cuda_decode.rope_unsupported_reason(rope_write, q, kv_cache) is None
-        ):
-            fused = _cuda_decode_kernel(cuda_decode_kernel, q, kv_cache, out, attn_metadata, True)
-        if fused is None:
-            rope_write.run(q, kv_cache, k_scale_t, v_scale_t)
-            rope_write = None
-        else:
-            kernel = fused
-    arrivals = None  # the CUDA kernel's in-kernel merge of the segments
     if kernel is not None:
         ks, vs = (k_scale_t, v_scale_t) if quant else (_ones(dev), _ones(dev))
-        if split_kv:
-            arrivals = cuda_decode.segment_arrivals(dev, num_reqs, num_kv_heads)
         cuda_decode.paged_decode(
             kernel, q, kv_cache, out, attn_metadata, scale * 1.4426950408889634, ks, vs,
             num_segments,
             (segm_out, segm_max, segm_sum) if split_kv else None,
-            arrivals, rope_write,
         )  # fmt: skip
     else:
         dummy = k_scale_t if k_scale_t is not None else seq_lens
@@ -504,7 +476,7 @@ def unified_attention(
             USE_SOFT_CAP=soft_cap is not None,
             **{k: v for k, v in launch.items() if v is not None},
         )
-    if split_kv and arrivals is None:
+    if split_kv:
         _reduce_segments_kernel[(num_actual, num_heads)](
             out,
             segm_out,
