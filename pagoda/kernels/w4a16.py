@@ -405,7 +405,6 @@ def gemv_config(
     scales and zero points sit at fixed offsets. Past 8 rows (two B tiles) a 9-warp CTA's
     registers hold it to one an SM, so a layer of more 32-row tiles than SMs takes 4 warps
     and 3 stages instead, two an SM in one round (qkv at 16 rows: 9.1 vs 11.5 us on the H100).
-    CTAs that take tiles in turn (`persistent`) are off: they have not been timed on a GPU.
 
     Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
     2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of

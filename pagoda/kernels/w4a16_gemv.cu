@@ -45,17 +45,12 @@
 // SILU_MUL (with BULK and ROW_TILES 2, without SC_RING: the layer is a merged
 // gate_up projection, rows [0, N/2) gate and [N/2, N) up; a CTA's row tile 0 is 16 gate rows,
 // its row tile 1 the same 16 up rows, and y [M, N/2] is silu(gate) * up: the activation in
-// the epilogue, no gate_up output and no second kernel), PERSISTENT (with BULK, PRODUCER and
-// SPLITS 1: a CTA takes tiles blockIdx.x, + gridDim.x, ... in turn, its producer streaming
-// the next tile's chunks into the ring while the consumers finish one and store its sums).
+// the epilogue, no gate_up output and no second kernel).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
 #if SILU_MUL && (!BULK || ROW_TILES != 2 || SC_RING)
 #error "SILU_MUL needs BULK, ROW_TILES 2 and no SC_RING"
-#endif
-#if PERSISTENT && (!BULK || !PRODUCER || SPLITS > 1)
-#error "PERSISTENT needs BULK, PRODUCER and SPLITS 1"
 #endif
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
 #define STEP 128  // inputs per K step
@@ -426,11 +421,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // more CTAs an SM): warp 0 fills the first STAGES chunks, and the consumer that releases a
 // stage last (a shared counter a stage, counted modulo WARPS) refills it with the chunk
 // STAGES on, its 32 lanes issuing the copies the producer's would have.
-// With PERSISTENT a CTA loops over tiles (a grid of fewer CTAs than tiles, each SM's share
-// resident at once): the ring's chunks are counted across its tiles, so the producer fills
-// the next tile's first stages while the consumers end one; after a tile the consumers alone
-// (named barrier 1, the producer never waits there) sum their partials and store them. No CTA
-// starts cold past the first wave and no SM idles in a last, partial wave of CTAs.
 #define PITCH (CHUNK * 64 + 64)
 #define SC_OFFSET (ROWS * PITCH)                   // a stage's scales: [CHUNK][ROWS] 16-bit
 #define ZP_OFFSET (SC_OFFSET + CHUNK * ROWS * 2)  // its zero points: [CHUNK][ROWS] u8
@@ -482,14 +472,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   // points of a lane are at fixed offsets from one address. Row tile rt's rows start RT_OFF
   // rows after the one before (with SILU_MUL: gate rows n0.., up rows N/2 + n0..).
 #if SILU_MUL
-  const int ntiles = (N / 2 + 15) / 16, RT_OFF = N / 2;
-  auto tile_n0 = [&](int tile) { return min(tile * 16, N / 2 - 16); };
+  const int n0 = min(blockIdx.x * 16, N / 2 - 16), RT_OFF = N / 2;
 #else
-  const int ntiles = (N + ROWS - 1) / ROWS, RT_OFF = 16;
-  auto tile_n0 = [&](int tile) { return min(tile * ROWS, N - ROWS); };
+  const int n0 = min(blockIdx.x * ROWS, N - ROWS), RT_OFF = 16;
 #endif
-  int n0 = tile_n0(blockIdx.x);  // this tile's first row (with PERSISTENT: the current tile's)
-  (void)ntiles;
 #if SPLITS > 1  // this CTA's K steps: [s0, s0 + steps) of split blockIdx.y (none past K)
   const int per_split = (K / STEP + SPLITS - 1) / SPLITS, s0 = blockIdx.y * per_split;
   const int steps = max(0, min(per_split, K / STEP - s0));
@@ -511,13 +497,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   }
   __syncthreads();
 
-  // Chunk c of the tile at n0 into stage q % STAGES (q: the chunk's count in the CTA's ring,
-  // c but with PERSISTENT), by a whole warp: lane r < ROWS copies row r of the CTA's tiles,
-  // and with SC_RING lane i < the chunk's steps its step i's scales and zeros.
-  auto fill = [&](int c, int q) {
+  // Chunk c into stage c % STAGES, by a whole warp: lane r < ROWS copies row r of the CTA's
+  // tiles, and with SC_RING lane i < the chunk's steps its step i's scales and zeros.
+  auto fill = [&](int c) {
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    const int st = q % STAGES;
+    const int st = c % STAGES;
     const int nsteps = min(CHUNK, steps - c * CHUNK), bytes = nsteps * 64;
 #if SC_RING
     if (lane == 0) mbar_expect_tx(smem_addr(&full[st]), ROWS * bytes + nsteps * ROWS * 3);
@@ -544,41 +529,43 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 
 #if PRODUCER
   if (warp == WARPS) {  // the producer
-#if PERSISTENT
-    for (int tile = blockIdx.x, q0 = 0; tile < ntiles; tile += gridDim.x, q0 += chunks) {
-      n0 = tile_n0(tile);
-#else
-    {
-      const int q0 = 0;
-#endif
 #if SC_PREFETCH && !SC_RING
-      if (steps > 0)
-        prefetch_group_rows(scales, zeros, N, n0, SILU_MUL ? RT_OFF : 0, GROUP_OF(s0),
-                            GROUP_OF(s0 + steps - 1), lane);
+    if (steps > 0)
+      prefetch_group_rows(scales, zeros, N, n0, SILU_MUL ? RT_OFF : 0, GROUP_OF(s0),
+                          GROUP_OF(s0 + steps - 1), lane);
 #endif
-      for (int c = 0; c < chunks; ++c) {
-        const int q = q0 + c, st = q % STAGES;
-        if (q >= STAGES) mbar_wait(smem_addr(&empty[st]), ((q / STAGES) - 1) & 1);
-        fill(c, q);
-      }
+    for (int c = 0; c < chunks; ++c) {
+      const int st = c % STAGES;
+      if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);
+      fill(c);
     }
     grid_wait();  // before its share of the stores of y
   } else {
 #else
   if (warp == 0)
-    for (int c = 0; c < min(STAGES, chunks); ++c) fill(c, c);
+    for (int c = 0; c < min(STAGES, chunks); ++c) fill(c);
   {
 #endif
     const u16* xrow[M_TILES];
     bool xok[M_TILES];
     x_rows(xrow, xok, x, M, stride_x, g);
+    float acc[ROW_TILES][M_TILES][4];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
 
     // Step s's x (with X_EARLY; else each word's x at its turn in the step: 16 * M_TILES
     // registers fewer) and without SC_RING its scales and zero points, loaded a step ahead.
+    u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
 #if !X_EARLY
     typedef int XRegs;  // no x registers
+    XRegs xv = 0;
 #else
     typedef uint4 XRegs[4][M_TILES];
+    XRegs xv;
 #endif
     auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
 #if !SC_RING
@@ -601,116 +588,76 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
-#if PERSISTENT
-    for (int tile = blockIdx.x, q0 = 0; tile < ntiles; tile += gridDim.x, q0 += chunks) {
-      n0 = tile_n0(tile);
-#else
-    {
-      const int q0 = 0;
-#endif
-      float acc[ROW_TILES][M_TILES][4];
+    // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
+    // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
+    // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
+    // with a loop body twice as long, on an H100.)
+    if (warp < steps) load_step(warp, sc, zp, xv);
+    for (int s = warp; s < steps; s += WARPS) {
+      const int c = s / CHUNK, st = c % STAGES;
+      u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
+      XRegs nxv;
+      if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
+      if (s % CHUNK < WARPS) mbar_wait(smem_addr(&full[st]), (c / STAGES) & 1);  // its first
+      uint4 wv[ROW_TILES][2];
 #pragma unroll
       for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
-      u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
-#if !X_EARLY
-      XRegs xv = 0;
-#else
-      XRegs xv;
-#endif
-      // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
-      // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
-      // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
-      // with a loop body twice as long, on an H100.)
-      if (warp < steps) load_step(warp, sc, zp, xv);
-      for (int s = warp; s < steps; s += WARPS) {
-        const int c = s / CHUNK, q = q0 + c, st = q % STAGES;
-        u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
-        XRegs nxv;
-        if (s + WARPS < steps) load_step(s + WARPS, nsc, nzp, nxv);
-        if (s % CHUNK < WARPS) mbar_wait(smem_addr(&full[st]), (q / STAGES) & 1);  // its first
-        uint4 wv[ROW_TILES][2];
-#pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * rt + 8 * h + g;
-            wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + r * PITCH + (s % CHUNK) * 64 +
-                                                        16 * t);
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * rt + 8 * h + g;
+          wv[rt][h] = *reinterpret_cast<const uint4*>(ring[st] + r * PITCH + (s % CHUNK) * 64 +
+                                                      16 * t);
 #if SC_RING
-            sc[rt][h] = *reinterpret_cast<const u16*>(ring[st] + SC_OFFSET +
-                                                      ((s % CHUNK) * ROWS + r) * 2);
-            zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
-#endif
-          }
-        // This warp's last step of the chunk (of a full chunk: one of its last WARPS steps; of
-        // the last, cut short: its last step of all): done with it.
-        if (s % CHUNK >= CHUNK - WARPS || s + WARPS >= steps) {
-          __syncwarp();
-#if PRODUCER
-          if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
-#else
-          // The last of the WARPS to release it refills it. The count's release orders this
-          // warp's reads of the stage before it, its acquire the others' before the copies.
-          u32 done = 0;
-          if (lane == 0)
-            asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;"
-                         : "=r"(done)
-                         : "r"(smem_addr(&released[st]))
-                         : "memory");
-          if (__shfl_sync(0xffffffffu, done, 0) % WARPS == WARPS - 1 && c + STAGES < chunks) {
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            fill(c + STAGES, c + STAGES);
-          }
+          sc[rt][h] = *reinterpret_cast<const u16*>(ring[st] + SC_OFFSET +
+                                                    ((s % CHUNK) * ROWS + r) * 2);
+          zp[rt][h] = ring[st][ZP_OFFSET + (s % CHUNK) * ROWS + r];
 #endif
         }
-#if X_EARLY
-        step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
+      if (s % CHUNK >= CHUNK - WARPS) {  // this warp's last step of the chunk: done with it
+        __syncwarp();
+#if PRODUCER
+        if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
 #else
-        step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) {
-          return load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[mt]);
-        });
+        // The last of the WARPS to release it refills it. The count's release orders this
+        // warp's reads of the stage before it, its acquire the others' before the copies.
+        u32 done = 0;
+        if (lane == 0)
+          asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;"
+                       : "=r"(done)
+                       : "r"(smem_addr(&released[st]))
+                       : "memory");
+        if (__shfl_sync(0xffffffffu, done, 0) % WARPS == WARPS - 1 && c + STAGES < chunks) {
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          fill(c + STAGES);
+        }
+#endif
+      }
+#if X_EARLY
+      step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
+#else
+      step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) {
+        return load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[mt]);
+      });
 #endif
 #if !SC_RING
 #pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt)
+      for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            sc[rt][h] = nsc[rt][h];
-            zp[rt][h] = nzp[rt][h];
-          }
+        for (int h = 0; h < 2; ++h) {
+          sc[rt][h] = nsc[rt][h];
+          zp[rt][h] = nzp[rt][h];
+        }
 #endif
 #if X_EARLY
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
+      for (int w = 0; w < 4; ++w)
 #pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
-#endif
-      }
-#if PERSISTENT
-      // A last chunk of fewer steps than warps: the warps with none of its steps release it
-      // too, so that the producer may refill its stage with the next tile's chunk; once it has
-      // landed, as the others do, or the arrival would count towards the stage's use before.
-      const int last_steps = steps - (chunks - 1) * CHUNK;
-      if (last_steps < WARPS && warp >= last_steps) {
-        const int q = q0 + chunks - 1, st = q % STAGES;
-        mbar_wait(smem_addr(&full[st]), (q / STAGES) & 1);
-        if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
-      }
-#endif
-      write_partial(red[warp], acc, lane);
-#if PERSISTENT  // the consumers alone: sum the tile's partials, store, free `red`
-      asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
-      reduce_store(red, y, bias, n0, M, N, stride_y, WARPS * 32);
-      asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
+        for (int mt = 0; mt < M_TILES; ++mt) xv[w][mt] = nxv[w][mt];
 #endif
     }
+    write_partial(red[warp], acc, lane);
   }
-#if PERSISTENT
-#elif SPLITS > 1
+#if SPLITS > 1
   cluster_sync();  // every split's partial tiles written (release / acquire across the cluster)
   if (blockIdx.y == 0) reduce_store(red, y, bias, n0, M, N, stride_y, THREADS);
   cluster_sync();  // the other splits' shared memory kept until rank 0 has read it

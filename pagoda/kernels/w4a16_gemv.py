@@ -68,9 +68,7 @@ class GemvConfig(NamedTuple):
     CTA's scale and zero-point rows into L2 at its start; splits (with bulk): the K steps of a
     tile split among a thread-block cluster of that many CTAs (up to 8), whose partial tiles
     one sums through distributed shared memory: more CTAs, each shorter, for layers with fewer
-    tiles than the SMs hold; persistent (with bulk and the producer warp, splits 1): > 0 to
-    launch that many CTAs an SM (fewer where the layer has fewer tiles), each taking tiles in
-    turn with its ring running on from one tile to the next, instead of a CTA a tile."""
+    tiles than the SMs hold."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -87,7 +85,6 @@ class GemvConfig(NamedTuple):
     min_warps: int = 0
     sc_prefetch: int = 0
     splits: int = 1
-    persistent: int = 0
 
 
 def enabled() -> bool:
@@ -167,17 +164,8 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.cache
-def _num_sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
     """Why `cfg` cannot run on `device`, or None."""
-    if cfg.persistent and (not cfg.bulk or not cfg.producer or cfg.splits != 1):
-        return "persistent needs the bulk ring's producer warp and splits 1"
-    if not 0 <= cfg.persistent <= 8:
-        return f"persistent={cfg.persistent}: 0-8 CTAs an SM"
     if cfg.bulk and not bulk_capable(device):
         return "bulk copies need sm_90"
     if cfg.sc_ring and not cfg.bulk:
@@ -264,7 +252,6 @@ def defines(
         "MIN_WARPS": cfg.min_warps,
         "SC_PREFETCH": cfg.sc_prefetch,
         "SPLITS": cfg.splits,
-        "PERSISTENT": int(cfg.persistent > 0),
         "GROUP_STEPS": group_steps,
         "SILU_MUL": int(silu_mul),
         "HAS_PERM": int(has_perm),
@@ -353,8 +340,6 @@ def w4a16_gemv(
         bias if bias is not None else x, m, n, k, x.stride(0), y.stride(0),
     ]  # fmt: skip
     tiles = -(-n // 2 // 16) if silu_mul else -(-n // (16 * cfg.row_tiles))
-    if cfg.persistent:
-        tiles = min(tiles, cfg.persistent * _num_sms(x.device.index or 0))
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cluster = (1, cfg.splits, 1) if cfg.splits > 1 else None
     cuda_launch.launch(

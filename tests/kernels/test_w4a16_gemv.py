@@ -73,13 +73,6 @@ NO_PRODUCER = [
     GemvConfig(1, 8, bulk=1, stages=3, chunk=8, producer=0),
     GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, producer=0),
 ]
-# CTAs that take tiles in turn (persistent, CTAs an SM): one and two row tiles, 4 or 8 warps,
-# sums by mma, the scale rows prefetched or through the ring, 2-3 stages.
-PERSISTENT = [
-    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_prefetch=1, persistent=1),
-    GemvConfig(1, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_prefetch=1, persistent=2),
-    GemvConfig(2, 8, x_early=0, bulk=1, stages=3, chunk=16, sc_ring=1, persistent=1),
-]
 
 
 def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
@@ -260,33 +253,6 @@ def test_k_split_among_a_cluster_matches(
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", PERSISTENT, ids=str)
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-@pytest.mark.parametrize("m", [1, 9])
-@pytest.mark.parametrize("k", [1920, 2176])
-def test_ctas_taking_tiles_in_turn_match(cfg: GemvConfig, fmt: str, m: int, k: int) -> None:
-    # Enough rows that each CTA takes 2-3 tiles, the last tile clamped to end at N; K of 15 and
-    # 17 steps (the ring's chunks counted on across a CTA's tiles, its last chunk cut short, to
-    # one step with 17: warps with no step of it, which release it too).
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the bulk ring needs sm_90")
-    ctas = cfg.persistent * torch.cuda.get_device_properties(0).multi_processor_count
-    n = 16 * cfg.row_tiles * (2 * ctas + 1) + 16
-    w4, dense = _weights(fmt, n, k, 128, seed=m)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    _assert_close(_linear(x, w4, bias, cfg), F.linear(x.float(), dense, bias.float()))
-    if cfg.row_tiles == 2 and not cfg.sc_ring:  # silu(gate) * up, 16 gate + 16 up rows a tile
-        half = 16 * (2 * ctas + 1) + 8
-        w4, dense = _weights(fmt, 2 * half, k, 128, seed=m + 1)
-        ref = F.linear(x.float(), dense)
-        ref = F.silu(ref[:, :half]) * ref[:, half:]
-        args = (x, w4.qweight, w4.scales, w4.zeros, w4.group_size, None, w4.perm)
-        _assert_close(w4a16_silu_and_mul(*args, config=cfg), ref)
-
-
-@gpu
-@pytest.mark.gpu
 def test_ring_without_producer_fits_four_ctas_an_sm() -> None:
     """Without the producer warp a 4-warp CTA keeps to 128 registers and asks for the shared
     memory of as many CTAs as those allow (`cuda_launch.fit_shared_carveout`): 4 an SM, where
@@ -358,7 +324,7 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [GemvConfig(pdl=1), *LAUNCHES[-2:], SC_RING[0], NO_PRODUCER[3], SPLITS[0], PERSISTENT[0]],
+    [GemvConfig(pdl=1), *LAUNCHES[-2:], SC_RING[0], NO_PRODUCER[3], SPLITS[0]],
     ids=str,
 )
 def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
@@ -452,12 +418,6 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert "2-8 with the bulk ring" in w4a16_gemv.config_reason(
         GemvConfig(splits=2), torch.device("cpu")
     )
-    ring = GemvConfig(bulk=1, chunk=8)
-    for cfg in (GemvConfig(persistent=2), ring._replace(persistent=1, splits=2),
-                ring._replace(persistent=1, producer=0)):  # fmt: skip
-        assert "persistent needs the bulk ring's producer warp" in w4a16_gemv.config_reason(
-            cfg, torch.device("cpu")
-        )
     # Shapes a config cannot take: 64 rows of 2 row tiles x 8 warps (64 KiB of partial tiles),
     # and with the ring fewer weight rows than a CTA's.
     wide = GemvConfig(2, 8, bulk=1, stages=2, chunk=16)
