@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -69,6 +71,11 @@ class RequestOutput:
     # The error is the request's own doing, not the server's: its structured-outputs
     # constraint took too long to apply (a server answers 400, not 500).
     client_error: bool = False
+    # The logprobs of SamplingParams.prompt_logprob_token_ids (vLLM's), float32
+    # [prompt_len - 1 - prompt_logprob_start, num_ids]: row i scores its ids as predictions of
+    # prompt token prompt_logprob_start + i + 1, -inf at the -1 padding. None until every row
+    # is scored (the whole prompt computed), and unless asked for.
+    prompt_token_id_logprobs: np.ndarray | None = field(default=None, repr=False)
     # vLLM's fields that never apply to Pagoda (no LoRA, decoder-only models, no KV transfer),
     # always None, so that code reading them keeps working.
     lora_request: None = field(default=None, repr=False)

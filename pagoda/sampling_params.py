@@ -15,6 +15,9 @@ Limits beyond the obvious ranges:
 - `logprobs`, `prompt_logprobs` in [0, `MAX_LOGPROBS`] (vLLM's default `max_logprobs`).
 - `logprob_token_ids`: at most `MAX_LOGPROB_TOKEN_IDS` (128, vLLM's) ids, each in the
   vocabulary; with `logprobs` set too, `logprobs` must equal their number (as vLLM).
+- `prompt_logprob_token_ids`: a non-empty [num_rows, num_ids] integer array (or nested lists,
+  padded with -1) of at most `MAX_LOGPROBS` ids a row, each in the vocabulary or -1; the engine
+  checks `num_rows` against the prompt (`validate_request`).
 - `bad_words`: at most `MAX_NUM_BAD_WORDS` token sequences (each word counts once or twice, see
   `update_from_tokenizer`) of at most `MAX_BAD_WORDS_TOTAL_TOKENS` tokens in all (vLLM's
   `VLLM_MAX_NUM_BAD_WORDS`, `VLLM_MAX_BAD_WORDS_TOTAL_TOKENS`): the sampler checks each one
@@ -33,6 +36,8 @@ import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from pagoda import envs
 from pagoda.repetition_detection import RepetitionDetectionParams
@@ -172,6 +177,51 @@ def _token_id_list(name: str, value: Any) -> list[int]:
     return [int(t) for t in value]
 
 
+def _prompt_logprob_token_ids(value: Any) -> np.ndarray:
+    """`prompt_logprob_token_ids` as a C-contiguous int32 [num_rows, num_ids] array: nested
+    lists are padded with -1 to their longest row. The checks are vLLM's (shape, at most
+    MAX_LOGPROBS ids a row, integer ids >= -1); the vocabulary bound is `validate_token_ids`'."""
+    name = "prompt_logprob_token_ids"
+    shape: tuple[int, ...] = ()
+    if isinstance(value, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in value):
+        shape = (len(value), max(map(len, value), default=0))
+    elif isinstance(value, np.ndarray) and value.dtype.kind in "iu":
+        shape = value.shape
+    if len(shape) != 2 or 0 in shape:
+        got = getattr(value, "shape", None) or f"{value!r:.100}"
+        raise ValueError(
+            f"{name} must be a non-empty integer array of shape [num_rows, num_ids], got {got}"
+        )
+    if shape[1] > MAX_LOGPROBS:
+        raise ValueError(
+            f"{name} has {shape[1]} token ids a row; the most is {MAX_LOGPROBS} (max_logprobs)"
+        )
+    if isinstance(value, np.ndarray):
+        ids = value.astype(np.int64)
+    else:
+        ids = np.full(shape, -1, dtype=np.int64)
+        for i, row in enumerate(value):
+            if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in row):
+                raise ValueError(f"{name} must contain integer token ids, got {row!r:.100}")
+            try:
+                ids[i, : len(row)] = row
+            except OverflowError:
+                raise ValueError(f"{name} has a token id out of range in {row!r:.100}") from None
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < -1:
+        raise ValueError(f"{name} must hold token ids, -1 padding a row; got {lo}")
+    if hi > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} has token ids outside any vocabulary: {hi}")
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def _in_vocab_candidates(ids: np.ndarray | None) -> list[int]:
+    """The distinct non-padding ids of `prompt_logprob_token_ids` (for the vocabulary check)."""
+    if ids is None:
+        return []
+    return [int(t) for t in np.unique(ids) if t != -1]
+
+
 _DECIMAL = re.compile(r"-?[0-9]+")
 
 
@@ -246,6 +296,15 @@ class SamplingParams:
     # End the request early when its output starts repeating an n-gram (vLLM's; finish_reason
     # "repetition"): `pagoda.repetition_detection`. A dict is taken as its fields.
     repetition_detection: RepetitionDetectionParams | None = None
+    # Score fixed token ids at prompt positions (vLLM's; e.g. the labels of each example of a
+    # few-shot prompt): row i of this [num_rows, num_ids] int array (or nested lists, -1
+    # padding a short row) holds ids scored as predictions of prompt token
+    # prompt_logprob_start + i + 1, so num_rows = prompt_len - 1 - prompt_logprob_start.
+    # Their logprobs come back once in `RequestOutput.prompt_token_id_logprobs`, a float32
+    # array of the same shape, -inf at the padding. Independent of `prompt_logprobs`.
+    prompt_logprob_token_ids: np.ndarray | list[list[int]] | None = None
+    # The first prompt row (position) that `prompt_logprob_token_ids` scores; None: row 0.
+    prompt_logprob_start: int | None = None
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -270,6 +329,12 @@ class SamplingParams:
                     f"{MAX_LOGPROB_TOKEN_IDS}"
                 )
             self.logprob_token_ids = ids or None  # as vLLM, an empty list asks for nothing
+        if self.prompt_logprob_token_ids is not None:
+            self.prompt_logprob_token_ids = _prompt_logprob_token_ids(self.prompt_logprob_token_ids)
+        elif self.prompt_logprob_start is not None:
+            raise ValueError(
+                "prompt_logprob_start requires prompt_logprob_token_ids (the ids to score)"
+            )
         if isinstance(self.repetition_detection, dict):
             self.repetition_detection = RepetitionDetectionParams.from_dict(
                 self.repetition_detection
@@ -317,6 +382,7 @@ class SamplingParams:
         self._int("max_tokens", 1, None, optional=True)
         self._int("min_tokens", 0, None)
         self._int("stream_interval", 1, None, optional=True)
+        self._int("prompt_logprob_start", 0, None, optional=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
@@ -332,7 +398,9 @@ class SamplingParams:
                 "when both are set, logprobs must equal len(logprob_token_ids) (as vLLM)"
             )
         if self.skip_reading_prefix_cache is None:
-            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+            self.skip_reading_prefix_cache = (
+                self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
+            )
         for name in (*_FLAGS, "skip_reading_prefix_cache"):  # "no" would otherwise be true
             value = getattr(self, name)
             if isinstance(value, str) or value is None or value not in (True, False):
@@ -454,12 +522,14 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("stop_token_ids", self.stop_token_ids or []),
             ("logprob_token_ids", self.logprob_token_ids or []),
+            ("prompt_logprob_token_ids", _in_vocab_candidates(self.prompt_logprob_token_ids)),
             ("bad_words", [t for w in self.bad_words_token_ids or () for t in w]),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
+                pad = " (-1 pads a row)" if name == "prompt_logprob_token_ids" else ""
                 raise ValueError(
-                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+                    f"{name} has token ids outside the vocabulary [0, {vocab_size}){pad}: {bad[:5]}"
                 )
 
     @staticmethod

@@ -261,3 +261,48 @@ def test_bad_words_refused_by_the_tokenizer_name_the_field(tok, words, needle) -
     with pytest.raises(ValueError, match=needle) as e:
         p.update_from_tokenizer(tok)
     assert str(e.value).startswith("bad_words")
+
+
+def test_prompt_logprob_token_ids_are_padded_to_an_int32_array() -> None:
+    p = SamplingParams(prompt_logprob_token_ids=[[5, 7], [9]], prompt_logprob_start=3)
+    assert p.prompt_logprob_token_ids.dtype == np.int32
+    assert p.prompt_logprob_token_ids.tolist() == [[5, 7], [9, -1]]
+    assert p.prompt_logprob_start == 3
+    assert p.skip_reading_prefix_cache is True  # vLLM's default with them, as prompt_logprobs
+    q = SamplingParams(prompt_logprob_token_ids=np.array([[1, 2]], dtype=np.int64))
+    assert q.prompt_logprob_token_ids.dtype == np.int32 and q.prompt_logprob_start is None
+    assert q.clone().prompt_logprob_token_ids.tolist() == [[1, 2]]
+
+
+_IDS = "^prompt_logprob_token_ids "
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt_logprob_token_ids": []}, _IDS + "must be a non-empty integer array of shape"),
+        ({"prompt_logprob_token_ids": [[]]}, _IDS + "must be a non-empty integer array"),
+        ({"prompt_logprob_token_ids": [1, 2]}, _IDS + "must be a non-empty integer array"),
+        ({"prompt_logprob_token_ids": np.zeros((2, 2), np.float32)}, _IDS + "must be a non-empty"),
+        ({"prompt_logprob_token_ids": [[1.5]]}, _IDS + "must contain integer token ids"),
+        ({"prompt_logprob_token_ids": [[True]]}, _IDS + "must contain integer token ids"),
+        ({"prompt_logprob_token_ids": [[-2]]}, _IDS + "must hold token ids, -1 padding a row"),
+        ({"prompt_logprob_token_ids": [[1] * 21]}, _IDS + "has 21 token ids a row; the most is 20"),
+        ({"prompt_logprob_token_ids": [[2**40]]}, _IDS + "has token ids outside any vocabulary"),
+        (
+            {"prompt_logprob_token_ids": [[1]], "prompt_logprob_start": -1},
+            "^prompt_logprob_start must be an integer >= 0",
+        ),
+        ({"prompt_logprob_start": 2}, "^prompt_logprob_start requires prompt_logprob_token_ids"),
+    ],
+)
+def test_bad_prompt_logprob_token_ids_raise_naming_the_field(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_logprob_token_ids_outside_the_vocabulary_are_refused() -> None:
+    p = SamplingParams(prompt_logprob_token_ids=[[5, -1], [100, 3]])
+    with pytest.raises(ValueError, match=r"^prompt_logprob_token_ids .*\[100\]"):
+        p.validate_token_ids(100)
+    p.validate_token_ids(101)

@@ -64,13 +64,15 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------
 
     def _use_prefix_cache(self, request: Request) -> bool:
-        # Prompt logprobs need every prompt position computed, so such requests never hit; nor
-        # do those that ask not to (skip_reading_prefix_cache). Both still write their blocks.
+        # Prompt logprobs (top-k or of fixed ids) need their prompt positions computed, so such
+        # requests never hit; nor do those that ask not to (skip_reading_prefix_cache). All
+        # still write their blocks.
         params = request.sampling_params
         return (
             self.enable_caching
             and not params.skip_reading_prefix_cache
             and params.prompt_logprobs is None
+            and params.prompt_logprob_token_ids is None
         )
 
     @staticmethod

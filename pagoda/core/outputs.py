@@ -101,6 +101,10 @@ class ModelRunnerOutput:
     # req_id -> per prompt position computed this step whose next token is a prompt token:
     # {token_id: (logprob, rank)}. The output processor prepends None for the first token.
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # req_id -> the rows of its prompt_logprob_token_ids scored this step, in order from row
+    # max(prompt_logprob_start, the step's first position) - prompt_logprob_start: per row the
+    # logprob of each id ([num_rows][num_ids]; -inf for the -1 padding).
+    prompt_token_id_logprobs: dict[str, list[list[float]]] = field(default_factory=dict)
     # Seconds the model's forward pass took (--collect-detailed-traces model|all), else None.
     model_forward_time: float | None = None
 
@@ -115,6 +119,9 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     # Prompt logprobs computed this step (a chunk of the prompt); None unless asked for.
     new_prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    # Rows of prompt_logprob_token_ids scored this step, not reported before (each row once);
+    # None unless asked for.
+    new_prompt_token_id_logprobs: list[list[float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0

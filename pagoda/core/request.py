@@ -79,6 +79,8 @@ class Request:
         self.num_preemptions = 0
         # Prompt positions whose prompt logprobs went out (a recompute does not repeat them).
         self.num_prompt_logprobs_reported = 0
+        # The same for the rows of prompt_logprob_token_ids.
+        self.num_prompt_token_id_rows_reported = 0
         # Speculative decoding: draft tokens to verify this step (appended after all_token_ids).
         self.spec_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by a step still in flight (scheduled, not yet

@@ -342,6 +342,7 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         all_logprobs = model_runner_output.logprobs
         all_prompt_logprobs = model_runner_output.prompt_logprobs
+        all_prompt_token_id_logprobs = model_runner_output.prompt_token_id_logprobs
         outputs: list[EngineCoreOutput] = []
         now = time.time()
         scheduled = self._step_requests.pop(scheduler_output, None)
@@ -385,19 +386,25 @@ class Scheduler:
             new_prompt_logprobs = _unreported_prompt_logprobs(
                 request, scheduler_output.num_computed_tokens.get(rid), all_prompt_logprobs.get(rid)
             )
+            new_prompt_token_id_logprobs = _unreported_prompt_token_id_rows(
+                request,
+                scheduler_output.num_computed_tokens.get(rid),
+                all_prompt_token_id_logprobs.get(rid),
+            )
             finished = request.is_finished()
             if finished:
                 # Preempted while its last token was in flight: it waits (async scheduling).
                 queue = self.running if request in self.running else self.waiting
                 queue.remove(request)
                 self._free_request(request)
-            if new_token_ids or new_prompt_logprobs or finished:
+            if new_token_ids or new_prompt_logprobs or new_prompt_token_id_logprobs or finished:
                 outputs.append(
                     EngineCoreOutput(
                         request_id=rid,
                         new_token_ids=new_token_ids,
                         new_logprobs=new_logprobs,
                         new_prompt_logprobs=new_prompt_logprobs,
+                        new_prompt_token_id_logprobs=new_prompt_token_id_logprobs,
                         finish_reason=request.get_finish_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -482,3 +489,16 @@ def _unreported_prompt_logprobs(
     done = request.num_prompt_logprobs_reported
     request.num_prompt_logprobs_reported = max(done, start + len(chunk))
     return chunk[done - start :] if done > start else chunk
+
+
+def _unreported_prompt_token_id_rows(
+    request: Request, start: int | None, rows: list | None
+) -> list | None:
+    """`_unreported_prompt_logprobs` for the rows of prompt_logprob_token_ids: a step starting
+    at prompt position `start` scored rows from max(start, prompt_logprob_start) on."""
+    if not rows or start is None:
+        return rows
+    first = max(start - (request.sampling_params.prompt_logprob_start or 0), 0)
+    done = request.num_prompt_token_id_rows_reported
+    request.num_prompt_token_id_rows_reported = max(done, first + len(rows))
+    return rows[done - first :] if done > first else rows

@@ -75,6 +75,7 @@ def validate_request(
         params.validate_token_ids(vocab_size)
     except ValueError as e:
         raise PromptValidationError(str(e), str(e).split(" ", 1)[0]) from None
+    check_prompt_logprob_rows(params, n)
     room = max_model_len - n
     field_name = strict_max_tokens_field
     if params.min_tokens > room and field_name is not None:
@@ -93,6 +94,28 @@ def validate_request(
             field_name,
         )
     return min(room, params.max_tokens)
+
+
+def check_prompt_logprob_rows(params: SamplingParams, prompt_len: int) -> None:
+    """`prompt_logprob_token_ids` must have a row for each prompt position from
+    `prompt_logprob_start` to the last but one (the last predicts the first generated token)."""
+    rows = params.prompt_logprob_token_ids
+    if rows is None:
+        return
+    start = params.prompt_logprob_start or 0
+    if 2 <= prompt_len <= start + 1:
+        raise PromptValidationError(
+            f"prompt_logprob_start must be at most {prompt_len - 2} for this prompt of "
+            f"{prompt_len} tokens (the last row it can score), got {start}",
+            "prompt_logprob_start",
+        )
+    num_rows = max(prompt_len - 1 - start, 0)
+    if len(rows) != num_rows:
+        raise PromptValidationError(
+            f"prompt_logprob_token_ids has {len(rows)} rows, but the prompt has {num_rows} "
+            "scored rows (prompt_len - 1 - prompt_logprob_start)",
+            "prompt_logprob_token_ids",
+        )
 
 
 def check_prompt_text(tokenizer: Any, text: str, max_model_len: int) -> None:

@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats
@@ -87,6 +89,10 @@ class ParentState:
     stream_interval: int = 1
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # prompt_logprob_token_ids: the rows scored so far, then (all in) their array.
+    prompt_token_id_rows: list[list[float]] | None = None
+    prompt_token_id_logprobs: np.ndarray | None = None
+    prompt_token_id_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # why it finished with "error"
     client_error: bool = False  # the request's own doing (the engine core said so)
@@ -154,6 +160,8 @@ class OutputProcessor:
             self.samples[child_id] = state
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
+        if params.prompt_logprob_token_ids is not None:
+            parent.prompt_token_id_rows = []
         self.parents[request_id] = parent
 
     def id_in_use(self, request_id: str, child_ids: list[str]) -> str | None:
@@ -298,6 +306,13 @@ class OutputProcessor:
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
             parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
+        rows = parent.prompt_token_id_rows
+        # Each of n samples scores the same prompt: the first one's rows are the request's.
+        if out.new_prompt_token_id_logprobs and rows is not None and state.index == 0:
+            rows.extend(out.new_prompt_token_id_logprobs)
+            if len(rows) == len(parent.params.prompt_logprob_token_ids):
+                parent.prompt_token_id_logprobs = np.array(rows, dtype=np.float32)
+                parent.prompt_token_id_rows = None
         stopped = False
         if out.new_token_ids:
             self._record_timing(state, out, now, stats)
@@ -443,6 +458,13 @@ class OutputProcessor:
                 prompt_logprobs = None
             elif prompt_logprobs is not None and samples:
                 parent.prompt_logprobs_sent = True
+        # As vLLM: the array once all its rows are in; a DELTA stream has it once.
+        token_id_logprobs = parent.prompt_token_id_logprobs
+        if delta:
+            if parent.prompt_token_id_logprobs_sent:
+                token_id_logprobs = None
+            elif token_id_logprobs is not None and samples:
+                parent.prompt_token_id_logprobs_sent = True
         first = parent.samples[0]
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,
@@ -459,6 +481,7 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
+            prompt_token_id_logprobs=token_id_logprobs,
             outputs=[self._completion(s, delta) for s in samples],
             finished=parent.finished,
             metrics=metrics,

@@ -100,6 +100,16 @@ class TensorParallelModelRunner(ModelRunner):
             self.model.compute_logits(hidden.index_select(0, chunk))
         return []
 
+    def _prompt_token_id_logprobs(
+        self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], first: int
+    ) -> list[list[float]]:
+        if self.tp_rank == 0:
+            return super()._prompt_token_id_logprobs(step, hidden, rid, rows, first)
+        for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):  # the same collectives as rank 0
+            chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
+            self.model.compute_logits(hidden.index_select(0, chunk))
+        return []
+
 
 class TensorParallelWorker:
     """Rank `rank` of `world_size`: its process group, its shard of the model and KV cache, and

@@ -1,7 +1,13 @@
 """Sampling: turn a step's logits into token ids and logprobs (see `pagoda.sample.sampler`)."""
 
 from pagoda.sample.metadata import SamplingMetadata
-from pagoda.sample.sampler import Sampler, SamplerOutput, SamplerTensors, compute_prompt_logprobs
+from pagoda.sample.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplerTensors,
+    compute_prompt_logprobs,
+    compute_prompt_token_id_logprobs,
+)
 
 __all__ = [
     "Sampler",
@@ -9,4 +15,5 @@ __all__ = [
     "SamplerTensors",
     "SamplingMetadata",
     "compute_prompt_logprobs",
+    "compute_prompt_token_id_logprobs",
 ]

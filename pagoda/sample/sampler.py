@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.kernels import triton_available
@@ -29,6 +30,7 @@ __all__ = [
     "SamplerTensors",
     "SamplingMetadata",
     "compute_prompt_logprobs",
+    "compute_prompt_token_id_logprobs",
 ]
 
 # {token_id: (logprob, rank)}: the top-k tokens plus the chosen one; rank is 1-based.
@@ -282,6 +284,17 @@ class Sampler:
                     lp, md.logprob_token_ids_tensor
                 )
         return out
+
+
+def compute_prompt_token_id_logprobs(
+    logits: torch.Tensor, token_ids: np.ndarray
+) -> list[list[float]]:
+    """Per row of `logits` [N, vocab]: the logprobs of that row's `token_ids` [N, num_ids]
+    (vLLM's raw logprobs: log_softmax of the model's logits), -inf where an id is -1 (padding)."""
+    ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(logits.device)
+    pad = ids < 0
+    values = compute_logprobs(logits).gather(1, ids.clamp_min(0))
+    return values.masked_fill_(pad, float("-inf")).tolist()
 
 
 def compute_prompt_logprobs(

@@ -52,6 +52,9 @@ class StepInputs:
     logits_indices: torch.Tensor | None = None
     # request -> (rows, target token ids) for prompt logprobs.
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # request -> (rows, index of their first row in prompt_logprob_token_ids) for the prompt
+    # positions whose fixed token ids it scores.
+    prompt_token_id_rows: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     # (row, request id) of the inputs whose token the previous step is still sampling (async
     # scheduling): the runner fills them from that step's sampled ids on the device.
     placeholder_rows: list[tuple[int, str]] = field(default_factory=list)
@@ -398,6 +401,14 @@ class InputBuilder:
                     out.prompt_logprob_rows[rid] = (
                         list(range(lo, lo + stop - start)),
                         req.prompt_token_ids[start + 1 : stop + 1],
+                    )
+            if req.sampling_params.prompt_logprob_token_ids is not None:
+                first = max(start, req.sampling_params.prompt_logprob_start or 0)
+                stop = min(end, len(req.prompt_token_ids) - 1)  # the last predicts an output
+                if stop > first:
+                    out.prompt_token_id_rows[rid] = (
+                        list(range(lo + first - start, lo + stop - start)),
+                        first - (req.sampling_params.prompt_logprob_start or 0),
                     )
 
         # Per-token values, vectorised: request index, position and cache slot of every token.

@@ -30,6 +30,7 @@ from pagoda.sample.sampler import (
     SamplerTensors,
     SamplingMetadata,
     compute_prompt_logprobs,
+    compute_prompt_token_id_logprobs,
 )
 from pagoda.utils import cpu_kernels
 from pagoda.utils.cpu_build import usable_cores
@@ -410,6 +411,10 @@ class ModelRunner:
             self._sample(step, hidden, future, so)
         for rid, (rows, targets) in step.prompt_logprob_rows.items():
             output.prompt_logprobs[rid] = self._prompt_logprobs(step, hidden, rid, rows, targets)
+        for rid, (rows, first) in step.prompt_token_id_rows.items():
+            output.prompt_token_id_logprobs[rid] = self._prompt_token_id_logprobs(
+                step, hidden, rid, rows, first
+            )
         return future
 
     def _fill_placeholders(self, step: StepInputs) -> None:
@@ -510,6 +515,20 @@ class ModelRunner:
             chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, chunk))
             result += compute_prompt_logprobs(logits, targets[i : i + _PROMPT_LOGPROBS_CHUNK], k)
+        return result
+
+    def _prompt_token_id_logprobs(
+        self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], first: int
+    ) -> list[list[float]]:
+        """The logprobs of rows first, first + 1, ... of the request's prompt_logprob_token_ids,
+        at the hidden states `rows`."""
+        req = next(r for r in step.requests if r.req_id == rid)
+        ids = req.sampling_params.prompt_logprob_token_ids[first : first + len(rows)]
+        result: list[list[float]] = []
+        for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):
+            chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, chunk))
+            result += compute_prompt_token_id_logprobs(logits, ids[i : i + _PROMPT_LOGPROBS_CHUNK])
         return result
 
 
