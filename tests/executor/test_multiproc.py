@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 from model_testing import Tally, make_tiny_checkpoint
@@ -81,6 +82,18 @@ def test_tp2_greedy_matches_one_process_with_logprobs(tp1, tp2) -> None:
         ):
             assert x.keys() == y.keys()
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def test_tp2_prompt_logprob_token_ids_match_one_process(tp1, tp2) -> None:
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    ids = [[1, 2, -1], [3, 4, 5]] * 17  # rows 2 .. 35 of the 37-token prompt
+    params = SamplingParams(
+        temperature=0, max_tokens=2, prompt_logprob_token_ids=ids, prompt_logprob_start=2
+    )
+    ref, got = (llm.generate(prompt, params, use_tqdm=False)[0] for llm in (tp1, tp2))
+    assert got.prompt_token_id_logprobs.shape == (34, 3)
+    np.testing.assert_allclose(got.prompt_token_id_logprobs, ref.prompt_token_id_logprobs,
+                               atol=1e-4)  # fmt: skip
 
 
 def test_tp2_seeded_sampling_and_penalties_match_one_process(tp1, tp2) -> None:
