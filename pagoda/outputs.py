@@ -1,8 +1,11 @@
-"""What a request returns: `RequestOutput` with one `CompletionOutput` per sample (vLLM's fields)."""
+"""What a request returns: `RequestOutput` with one `CompletionOutput` per sample (vLLM's fields),
+and the logprobs containers (`Logprob` dicts per position, or `FlatLogprobs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, MutableSequence
 from dataclasses import dataclass, field
+from typing import Any, overload
 
 import numpy as np
 
@@ -16,10 +19,115 @@ class Logprob:
     decoded_token: str | None = None
 
 
+LogprobsOnePosition = dict[int, Logprob]
+
+
+@dataclass
+class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
+    """vLLM's flat logprobs (`SamplingParams.flat_logprobs`): every position's entries in a few
+    flat lists instead of a dict of `Logprob`s each, so a long output makes a constant number of
+    objects for the garbage collector, not one per position and rank. Position i holds entries
+    start_indices[i] up to end_indices[i]. It reads as a list of per-position dicts (indexing
+    gives a fresh dict, {} for a position appended as None; a slice gives a `FlatLogprobs`) and
+    grows by `append` / `extend`; it cannot be changed in place."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def append(self, logprobs_one_position: LogprobsOnePosition | None) -> None:
+        """Add the next position's logprobs (None: a position without any)."""
+        self.start_indices.append(len(self.logprobs))
+        for token_id, lp in (logprobs_one_position or {}).items():
+            self.token_ids.append(token_id)
+            self.logprobs.append(lp.logprob)
+            self.ranks.append(lp.rank)
+            self.decoded_tokens.append(lp.decoded_token)
+        self.end_indices.append(len(self.logprobs))
+
+    def append_fast(
+        self,
+        token_ids: Iterable[int],
+        logprobs: Iterable[float],
+        ranks: Iterable[int | None],
+        decoded_tokens: Iterable[str | None],
+    ) -> None:
+        """`append` without building the position's dict first."""
+        self.start_indices.append(len(self.logprobs))
+        for token_id, lp, rank, text in zip(token_ids, logprobs, ranks, decoded_tokens):
+            self.token_ids.append(token_id)
+            self.logprobs.append(lp)
+            self.ranks.append(rank)
+            self.decoded_tokens.append(text)
+        self.end_indices.append(len(self.logprobs))
+
+    def extend(self, logprobs_multi_positions: Iterable[LogprobsOnePosition | None]) -> None:
+        for logprobs_one_position in logprobs_multi_positions:
+            self.append(logprobs_one_position)
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    @overload
+    def __getitem__(self, index: int) -> LogprobsOnePosition: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> FlatLogprobs: ...
+
+    def __getitem__(self, index: int | slice) -> LogprobsOnePosition | FlatLogprobs:
+        if isinstance(index, int):
+            return {
+                self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
+                for i in range(self.start_indices[index], self.end_indices[index])
+            }
+        if isinstance(index, slice):
+            starts, ends = self.start_indices[index], self.end_indices[index]
+            if not starts:
+                return FlatLogprobs()
+            lo, hi = starts[0], ends[-1]  # a step other than 1 is vLLM's: not supported
+            return FlatLogprobs(
+                start_indices=[i - lo for i in starts],
+                end_indices=[i - lo for i in ends],
+                token_ids=self.token_ids[lo:hi],
+                logprobs=self.logprobs[lo:hi],
+                ranks=self.ranks[lo:hi],
+                decoded_tokens=self.decoded_tokens[lo:hi],
+            )
+        raise TypeError(f"Invalid index type: {type(index)}")
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError("Cannot set logprobs in FlatLogprobs")
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError("Cannot delete logprobs from FlatLogprobs")
+
+    def insert(self, index: int, value: LogprobsOnePosition | None) -> None:
+        raise TypeError("Cannot insert logprobs to FlatLogprobs")
+
+    def __iter__(self) -> Iterator[LogprobsOnePosition]:
+        for i in range(len(self.start_indices)):
+            yield self[i]
+
+
 # One entry per position: {token_id: Logprob} holding the top-k tokens plus the chosen one.
-SampleLogprobs = list[dict[int, Logprob]]
-# Same for the prompt; the first prompt token has no logprob (None).
-PromptLogprobs = list[dict[int, Logprob] | None]
+SampleLogprobs = FlatLogprobs | list[LogprobsOnePosition]
+# Same for the prompt; the first prompt token has no logprob (None; {} in a FlatLogprobs).
+PromptLogprobs = FlatLogprobs | list[LogprobsOnePosition | None]
+
+
+def create_prompt_logprobs(flat_logprobs: bool) -> PromptLogprobs:
+    """An empty container of a request's prompt logprobs, holding the first position's None."""
+    logprobs: PromptLogprobs = FlatLogprobs() if flat_logprobs else []
+    logprobs.append(None)
+    return logprobs
+
+
+def create_sample_logprobs(flat_logprobs: bool) -> SampleLogprobs:
+    """An empty container of a sample's logprobs."""
+    return FlatLogprobs() if flat_logprobs else []
 
 
 @dataclass

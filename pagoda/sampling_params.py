@@ -56,6 +56,7 @@ _FLAGS = (  # SamplingParams fields that are plain switches
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
+    "flat_logprobs",
 )
 # The fields `SamplingParams.from_optional` gives their default when passed None.
 _OPTIONAL_DEFAULTS = (
@@ -305,6 +306,10 @@ class SamplingParams:
     prompt_logprob_token_ids: np.ndarray | list[list[int]] | None = None
     # The first prompt row (position) that `prompt_logprob_token_ids` scores; None: row 0.
     prompt_logprob_start: int | None = None
+    # Return logprobs and prompt_logprobs as `FlatLogprobs` (vLLM's; a few flat lists for the
+    # whole request, far less garbage-collector work than a dict per position) in place of
+    # lists of dicts. Offline only, as in vLLM.
+    flat_logprobs: bool = False
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled in by the engine: the tokenizer's eos id(s) plus stop_token_ids, used for min_tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

@@ -34,7 +34,16 @@ import numpy as np
 from pagoda.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats
-from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    create_prompt_logprobs,
+    create_sample_logprobs,
+)
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.tokenizer import Tokenizer
 from pagoda.tracing import RequestTracer, request_span_attributes
@@ -52,7 +61,7 @@ class SampleState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -87,7 +96,7 @@ class ParentState:
     arrival_time: float
     samples: list[SampleState] = field(default_factory=list)
     stream_interval: int = 1
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
     # prompt_logprob_token_ids: the rows scored so far, then (all in) their array.
     prompt_token_id_rows: list[list[float]] | None = None
@@ -155,11 +164,12 @@ class OutputProcessor:
                 )
             state = SampleState(child_id, index, parent, p, detok, max_tokens=sample.max_tokens)
             if p.num_logprobs is not None:
-                state.logprobs, state.cumulative_logprob = [], 0.0
+                state.logprobs = create_sample_logprobs(p.flat_logprobs)
+                state.cumulative_logprob = 0.0
             parent.samples.append(state)
             self.samples[child_id] = state
         if params.prompt_logprobs is not None:
-            parent.prompt_logprobs = [None]
+            parent.prompt_logprobs = create_prompt_logprobs(params.flat_logprobs)
         if params.prompt_logprob_token_ids is not None:
             parent.prompt_token_id_rows = []
         self.parents[request_id] = parent
@@ -392,8 +402,8 @@ class OutputProcessor:
                 # Tokens after the one completing the stop string are dropped, and the string
                 # is the reason even where the core ended the request on this token (its
                 # length cap, or a stop token kept in the text), as in vLLM.
-                if s.logprobs is not None:
-                    del s.logprobs[len(s.token_ids) :]
+                if s.logprobs is not None:  # (a slice: FlatLogprobs cannot delete)
+                    s.logprobs = s.logprobs[: len(s.token_ids)]
                 del new_ids[i + 1 :]
                 s.finish_reason, s.stop_reason = "stop", stop_str
                 return out.finish_reason is None  # the core still runs it: abort it there
@@ -422,7 +432,7 @@ class OutputProcessor:
             s.num_sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
         else:
             token_ids = list(s.token_ids)
-            logprobs = list(s.logprobs) if s.logprobs is not None else None
+            logprobs = s.logprobs[:] if s.logprobs is not None else None  # a copy
         return CompletionOutput(
             index=s.index,
             text=text,
