@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.utils.fields import dataclass_from_request
+
 REPETITION_STOP_REASON = "repetition_detected"
 
 
@@ -32,21 +34,8 @@ class RepetitionDetectionParams:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> RepetitionDetectionParams:
-        """From a request's `repetition_detection` object: a ValueError naming a key that is no
-        field (and the fields there are), not Python's message about keyword arguments."""
-        if not isinstance(fields, dict):
-            raise ValueError(
-                "repetition_detection must be an object with max_pattern_size, "
-                f"min_pattern_size and min_count, got {fields!r:.100}"
-            )
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in fields if k not in known]
-        if unknown:
-            raise ValueError(
-                f"repetition_detection has no field {', '.join(map(repr, unknown))} "
-                f"(its fields: {', '.join(known)})"
-            )
-        return cls(**fields)
+        """From a request's `repetition_detection` object (`dataclass_from_request`)."""
+        return dataclass_from_request(cls, fields, "repetition_detection")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -27,7 +27,6 @@ Limits beyond the obvious ranges:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import enum
 import json as _json
 import math
@@ -41,6 +40,7 @@ import numpy as np
 
 from pagoda import envs
 from pagoda.repetition_detection import RepetitionDetectionParams
+from pagoda.utils.fields import dataclass_from_request
 
 _SAMPLING_EPS = 1e-5
 MAX_N: int = envs.PAGODA_MAX_N_SEQUENCES
@@ -88,16 +88,8 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
-        """From a request's `structured_outputs` object: a ValueError naming a key that is no
-        field (and the fields there are), not Python's message about keyword arguments."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in fields if k not in known]
-        if unknown:
-            raise ValueError(
-                f"structured_outputs has no field {', '.join(map(repr, unknown))} "
-                f"(its fields: {', '.join(known)})"
-            )
-        return cls(**fields)
+        """From a request's `structured_outputs` object (`dataclass_from_request`)."""
+        return dataclass_from_request(cls, fields, "structured_outputs")
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
