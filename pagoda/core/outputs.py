@@ -119,9 +119,6 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     # Prompt logprobs computed this step (a chunk of the prompt); None unless asked for.
     new_prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
-    # Rows of prompt_logprob_token_ids scored this step, not reported before (each row once);
-    # None unless asked for.
-    new_prompt_token_id_logprobs: list[list[float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
@@ -132,6 +129,9 @@ class EngineCoreOutput:
     # ("model") and of the executor calls ("worker") of the steps it was in, summed.
     model_forward_time: float | None = None
     model_execute_time: float | None = None
+    # Rows of prompt_logprob_token_ids scored this step, not reported before (each row once);
+    # None unless asked for. (Last: the fields before it are also given by position.)
+    new_prompt_token_id_logprobs: list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:
