@@ -314,11 +314,12 @@ class OutputProcessor:
         parent = state.parent
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-        if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+        # Each of n samples scores the same prompt: the first one's scores are the request's.
+        first = state.index == 0
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None and first:
             parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
         rows = parent.prompt_token_id_rows
-        # Each of n samples scores the same prompt: the first one's rows are the request's.
-        if out.new_prompt_token_id_logprobs and rows is not None and state.index == 0:
+        if out.new_prompt_token_id_logprobs and rows is not None and first:
             rows.extend(out.new_prompt_token_id_logprobs)
             if len(rows) == len(parent.params.prompt_logprob_token_ids):
                 parent.prompt_token_id_logprobs = np.array(rows, dtype=np.float32)

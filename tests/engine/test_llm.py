@@ -179,6 +179,20 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
         assert tok in lp and lp[tok].logprob <= 0.0
 
 
+def test_prompt_logprobs_once_with_several_samples(llm: LLM) -> None:
+    # n samples of one prompt each score it: the output has the prompt's logprobs once.
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    one = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert len(out.outputs) == 2
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert [
+        None if d is None else {t: lp.logprob for t, lp in d.items()} for d in out.prompt_logprobs
+    ] == [
+        None if d is None else {t: lp.logprob for t, lp in d.items()} for d in one.prompt_logprobs
+    ]
+
+
 def test_logprob_token_ids_are_log_softmax_of_the_models_logits(llm: LLM) -> None:
     import torch
 
