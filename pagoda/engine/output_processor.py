@@ -463,19 +463,9 @@ class OutputProcessor:
                 s.final_sent = s.finished
         else:
             samples = parent.samples
-        prompt_logprobs = parent.prompt_logprobs
-        if delta:
-            if parent.prompt_logprobs_sent:
-                prompt_logprobs = None
-            elif prompt_logprobs is not None and samples:
-                parent.prompt_logprobs_sent = True
+        prompt_logprobs = _sent_once(parent, "prompt_logprobs", delta, bool(samples))
         # As vLLM: the array once all its rows are in; a DELTA stream has it once.
-        token_id_logprobs = parent.prompt_token_id_logprobs
-        if delta:
-            if parent.prompt_token_id_logprobs_sent:
-                token_id_logprobs = None
-            elif token_id_logprobs is not None and samples:
-                parent.prompt_token_id_logprobs_sent = True
+        token_id_logprobs = _sent_once(parent, "prompt_token_id_logprobs", delta, bool(samples))
         first = parent.samples[0]
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,
@@ -575,6 +565,19 @@ def _interval_due(parent: ParentState) -> bool:
         or len(s.token_ids) - s.num_emitted_tokens >= parent.stream_interval
         for s in parent.samples
     )
+
+
+def _sent_once(parent: ParentState, name: str, delta: bool, with_samples: bool) -> object:
+    """The parent's prompt-level output `name`; a DELTA stream carries it once, in the first
+    output with samples once it is there (`<name>_sent` records that)."""
+    value = getattr(parent, name)
+    if not delta:
+        return value
+    if getattr(parent, name + "_sent"):
+        return None
+    if value is not None and with_samples:
+        setattr(parent, name + "_sent", True)
+    return value
 
 
 def _parent_stats(parent: ParentState) -> tuple[int, int]:
