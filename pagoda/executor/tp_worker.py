@@ -18,6 +18,7 @@ device (async scheduling), receive them by a broadcast from rank 0.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,21 +91,11 @@ class TensorParallelModelRunner(ModelRunner):
             rows = {req.req_id: lo for req, lo, hi in step.sample_reqs if hi - lo == 1}
             self._prev_sampled = (ids, rows)
 
-    def _prompt_logprobs(
-        self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], targets: list[int]
-    ) -> list[dict[int, tuple[float, int]]]:
+    def _score_prompt_rows(
+        self, hidden: torch.Tensor, rows: list[int], score: Callable[[torch.Tensor, int], list]
+    ) -> list:
         if self.tp_rank == 0:
-            return super()._prompt_logprobs(step, hidden, rid, rows, targets)
-        for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):  # the same collectives as rank 0
-            chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
-            self.model.compute_logits(hidden.index_select(0, chunk))
-        return []
-
-    def _prompt_token_id_logprobs(
-        self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], first: int
-    ) -> list[list[float]]:
-        if self.tp_rank == 0:
-            return super()._prompt_token_id_logprobs(step, hidden, rid, rows, first)
+            return super()._score_prompt_rows(hidden, rows, score)
         for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):  # the same collectives as rank 0
             chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
             self.model.compute_logits(hidden.index_select(0, chunk))

@@ -16,6 +16,7 @@ gpu_memory_utilization and the rest goes to KV blocks (`memory_plan`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -510,12 +511,13 @@ class ModelRunner:
     ) -> list[dict[int, tuple[float, int]]]:
         req = next(r for r in step.requests if r.req_id == rid)
         k = req.sampling_params.prompt_logprobs or 0
-        result: list[dict[int, tuple[float, int]]] = []
-        for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):
-            chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, chunk))
-            result += compute_prompt_logprobs(logits, targets[i : i + _PROMPT_LOGPROBS_CHUNK], k)
-        return result
+        return self._score_prompt_rows(
+            hidden,
+            rows,
+            lambda logits, i: compute_prompt_logprobs(
+                logits, targets[i : i + _PROMPT_LOGPROBS_CHUNK], k
+            ),
+        )
 
     def _prompt_token_id_logprobs(
         self, step: StepInputs, hidden: torch.Tensor, rid: str, rows: list[int], first: int
@@ -524,11 +526,23 @@ class ModelRunner:
         at the hidden states `rows`."""
         req = next(r for r in step.requests if r.req_id == rid)
         ids = req.sampling_params.prompt_logprob_token_ids[first : first + len(rows)]
-        result: list[list[float]] = []
+        return self._score_prompt_rows(
+            hidden,
+            rows,
+            lambda logits, i: compute_prompt_token_id_logprobs(
+                logits, ids[i : i + _PROMPT_LOGPROBS_CHUNK]
+            ),
+        )
+
+    def _score_prompt_rows(
+        self, hidden: torch.Tensor, rows: list[int], score: Callable[[torch.Tensor, int], list]
+    ) -> list:
+        """`score(logits, i)` of the logits of the hidden states `rows`, taken
+        `_PROMPT_LOGPROBS_CHUNK` at a time (i: the chunk's first index in `rows`), concatenated."""
+        result: list = []
         for i in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):
             chunk = torch.tensor(rows[i : i + _PROMPT_LOGPROBS_CHUNK], device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, chunk))
-            result += compute_prompt_token_id_logprobs(logits, ids[i : i + _PROMPT_LOGPROBS_CHUNK])
+            result += score(self.model.compute_logits(hidden.index_select(0, chunk)), i)
         return result
 
 
