@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     PAGODA_L2_PREFETCH_MB: int
     PAGODA_W8A8_FUSED_QUANT: bool
     PAGODA_W8A8_CUDA: bool
+    PAGODA_W8A8_SPLIT_K: bool
     PAGODA_FP8_FAST_ACCUM: bool
     PAGODA_W8A16: bool
     PAGODA_ENABLE_MULTIPROCESSING: bool
@@ -298,6 +299,12 @@ VARIABLES: dict[str, EnvVar] = {
             "0: 8-bit layers on sm_90 take the Triton GEMM (int8) or cuBLASLt (FP8) where the "
             "rule would take the CUDA wgmma kernel (int8 from 65 rows, FP8 at 65-128).",
             _flag("PAGODA_W8A8_CUDA", True),
+        ),
+        EnvVar(
+            "PAGODA_W8A8_SPLIT_K", "flag", "1",
+            "0: the CUDA W8A8 kernel's rule never splits K among a cluster of CTAs (where a "
+            "layer's tiles fill at most half the SMs it splits them in two).",
+            _flag("PAGODA_W8A8_SPLIT_K", True),
         ),
         EnvVar(
             "PAGODA_FP8_FAST_ACCUM", "flag", "1",

@@ -454,8 +454,8 @@ def choose_w8a8_config(
     `SCALED_MM` (fp8 from 65 rows: cuBLASLt's fp8 GEMM was faster there on the H200), or with
     `wgmma` (sm_90, `w8a8_wgmma.available`) from 65 rows the CUDA kernel's
     (`w8a8_wgmma.choose_config` for `num_sms` SMs): int8 at every such row count (faster than
-    every Triton tile there), fp8 up to `w8a8_wgmma.FP8_MAX_ROWS` (faster than cuBLASLt there,
-    slower past it). A fixed
+    every Triton tile there), fp8 where `w8a8_wgmma.fp8_takes_kernel` says (up to
+    `w8a8_wgmma.FP8_MAX_ROWS`, and past it the layers whose tiles are few). A fixed
     rule (deterministic, nothing measured at run time, so CUDA graphs capture it), fitted to
     `benchmarks/w8a8_bench.py --sweep` on the Llama-3-8B shapes (within 5% of the best config
     per shape at every row count):
@@ -481,8 +481,10 @@ def choose_w8a8_config(
         stages = (3 if bm >= 64 else 4) if wide else 6
         split = 2 if k >= 2 * n else 1
         return W8A8Config(bm, bn, bk, 1, stages, 4, True, split)
-    if wgmma and (dtype == torch.int8 or m <= w8a8_wgmma.FP8_MAX_ROWS):
-        return w8a8_wgmma.choose_config(m, n, k, num_sms)
+    if wgmma:
+        cfg = w8a8_wgmma.choose_config(m, n, k, num_sms)
+        if dtype == torch.int8 or w8a8_wgmma.fp8_takes_kernel(m, cfg):
+            return cfg
     if dtype != torch.int8:
         return SCALED_MM
     many = range(_MIN_PROGRAMS, 1 << 31)

@@ -32,13 +32,23 @@
 // CTA of the cluster. The cluster synchronizes after the barriers are initialized (a peer's
 // copy may land first) and before any CTA exits (a peer may still arrive on its barriers).
 //
+// K split among a cluster (CK > 1, sm_90): the CK CTAs of a cluster (grid z, ranks 0..CK-1)
+// take consecutive ranges of the tile's K steps, for layers whose tiles are too few to fill the
+// SMs (a deep layer at a few hundred rows: down at 256 rows has 64 tiles of 128 x 128). Each
+// ends with its accumulators in registers; ranks 1.. write theirs into their own shared memory
+// (the pipeline's, free once their wgmmas end), and after a barrier across the cluster rank 0
+// adds them to its own in rank order, read through distributed shared memory (no global
+// workspace, no second kernel; int32 sums are exact, float ones added in a fixed order), then
+// runs the epilogue alone. Not combined with the multicast clusters (CM = CN = 1).
+//
 // Epilogue: each consumer scales its accumulators, (acc * xs[m]) * ws[n] (+ bias[n]), writes
 // them as 16-bit pairs into its 64 x BN tile in shared memory (the pipeline's, free once every
 // consumer is past its last wgmma; rows padded 16 bytes so that a warp's pairs hit 32 banks),
 // then stores the tile row by row in 16-byte pieces (N a multiple of 8).
 //
 // Compile-time constants (-D): INT8, BF16, BM (64 or 128), BN (64, 128 or 256), STAGES,
-// HAS_BIAS, PDL, CTAS_PER_SM, CM and CN (the cluster's CTAs along x and y: 1, 2 or 4).
+// HAS_BIAS, PDL, CTAS_PER_SM, CM and CN (the cluster's CTAs along x and y: 1, 2 or 4), CK
+// (the K split, 1, 2 or 4; with CM = CN = 1).
 // WGMMA(acc, desc_a, desc_b), the m64nBNk32 instruction, is defined before this source
 // (`w8a8_wgmma.py` writes it for BN and the operands' type), as are the helpers of
 // `w4a16_device.cuh` (mbarriers, bulk copies, clusters) and `wgmma_device.cuh`.
@@ -54,12 +64,18 @@ typedef float acc_t;
 #define OUT_ROW_BYTES (2 * BN + 16)  // a row of a consumer's output tile in shared memory
 #define A_BYTES (BM * BK)
 #define STAGE_BYTES ((BM + BN) * BK)
-#define CLUSTER (CM * CN)
+#define SHARE (CM * CN)         // CTAs of a cluster sharing tiles by multicast
+#define CLUSTER (CM * CN * CK)  // CTAs of a cluster
+#if CK > 1 && SHARE > 1
+#error "a K split is not combined with multicast clusters"
+#endif
 #define X_SLICE (BM / CN)  // x rows a CTA copies for its cluster column
 #define W_SLICE (BN / CM)  // weight rows a CTA copies for its cluster row
 static_assert(X_SLICE % 8 == 0 && W_SLICE % 8 == 0, "slices of whole 1024-byte swizzle atoms");
 static_assert(CONSUMERS * 64 * OUT_ROW_BYTES <= STAGES * STAGE_BYTES,
               "the output tiles reuse the pipeline's shared memory");
+static_assert(CK == 1 || (BN / 2) * 128 * CONSUMERS * 4 <= STAGES * STAGE_BYTES,
+              "a K split's partial accumulators reuse the pipeline's shared memory");
 
 // The same into shared `dst` of every CTA of the cluster in `mask` (by rank), completing on the
 // `bar` at the same offset in each.
@@ -100,18 +116,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   const u32 tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-  const int steps = (K + BK - 1) / BK;
+#if CK > 1  // this CTA's K steps: [s0, s0 + steps) of rank blockIdx.z's range (none past K)
+  const int all_steps = (K + BK - 1) / BK, per_rank = (all_steps + CK - 1) / CK;
+  const int s0 = blockIdx.z * per_rank, steps = max(0, min(per_rank, all_steps - s0));
+#else
+  const int s0 = 0, steps = (K + BK - 1) / BK;
+#endif
   const u32 full0 = smem_addr(full), empty0 = smem_addr(empty);
   if (tid == 0) {
     prefetch_tensor_map(&x_map);
     prefetch_tensor_map(&w_map);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 4 * CONSUMERS * CLUSTER);
+      mbar_init(empty0 + 8 * s, 4 * CONSUMERS * SHARE);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-#if CLUSTER > 1
+#if SHARE > 1
   cluster_sync();  // every CTA's barriers initialized before any copy lands on them
 #else
   __syncthreads();
@@ -127,17 +148,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       for (int r = 0; r < CN; ++r) x_mask |= (u16)(1u << (rx + CM * r));
       auto load_w = [&](u32 stage, int i, u32 bar) {
         if (CM > 1)
-          tma_multicast(stage + A_BYTES + rx * W_SLICE * BK, &w_map, i * BK, n0 + rx * W_SLICE,
-                        bar, w_mask);
+          tma_multicast(stage + A_BYTES + rx * W_SLICE * BK, &w_map, (s0 + i) * BK,
+                        n0 + rx * W_SLICE, bar, w_mask);
         else
-          tma_load(stage + A_BYTES, &w_map, i * BK, n0, bar);
+          tma_load(stage + A_BYTES, &w_map, (s0 + i) * BK, n0, bar);
       };
       auto load_x = [&](u32 stage, int i, u32 bar) {
         if (CN > 1)
-          tma_multicast(stage + ry * X_SLICE * BK, &x_map, i * BK, m0 + ry * X_SLICE, bar,
-                        x_mask);
+          tma_multicast(stage + ry * X_SLICE * BK, &x_map, (s0 + i) * BK, m0 + ry * X_SLICE,
+                        bar, x_mask);
         else
-          tma_load(stage, &x_map, i * BK, m0, bar);
+          tma_load(stage, &x_map, (s0 + i) * BK, m0, bar);
       };
       // The weights never change: the first stages' weight tiles load before the kernel
       // before this one (which writes x and its scales) has ended.
@@ -158,7 +179,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         load_x(stage, i, bar);
       }
     }
-#if CLUSTER > 1
+#if CK > 1
+    __syncwarp();
+    cluster_sync();  // the consumers' two barriers across the cluster (below)
+    cluster_sync();
+#elif CLUSTER > 1
     __syncwarp();
     cluster_sync();  // no CTA exits while a peer may still arrive on its barriers
 #endif
@@ -192,8 +217,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
     wgmma_wait<1>();  // the step before's wgmmas are done: its stage is free
     if (i > 0) {
       __syncwarp();
-#if CLUSTER > 1
-      if (lane < CLUSTER) mbar_arrive_at(empty0 + 8 * ((i - 1) % STAGES), lane);
+#if SHARE > 1
+      if (lane < SHARE) mbar_arrive_at(empty0 + 8 * ((i - 1) % STAGES), lane);
 #else
       if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
 #endif
@@ -210,6 +235,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 
   // acc[4j + e]: x row 16 wq + g + 8 (e / 2) of the warpgroup's 64, weight row 8j + 2t + e % 2.
   asm volatile("bar.sync 1, %0;" ::"n"(128 * CONSUMERS) : "memory");  // every wgmma has ended
+#if CK > 1
+  {
+    // Partial j of consumer thread tid at word j * 128 * CONSUMERS + tid: a warp's 32 words of
+    // each j are consecutive (no bank conflicts either side).
+    acc_t* part = reinterpret_cast<acc_t*>(smem_raw + (tiles - smem_addr(smem_raw)));
+    if (blockIdx.z > 0) {
+#pragma unroll
+      for (int j = 0; j < BN / 2; ++j) part[j * 128 * CONSUMERS + tid] = acc[j];
+    }
+    cluster_sync();  // the partials written (release) and visible to rank 0 (acquire)
+    if (blockIdx.z == 0) {
+      for (int r = 1; r < CK; ++r) {
+        const u32 peer = cluster_addr(smem_addr(part + tid), r);
+#pragma unroll
+        for (int j = 0; j < BN / 2; ++j) {
+          acc_t v;
+#if INT8
+          asm volatile("ld.shared::cluster.s32 %0, [%1];"
+                       : "=r"(v)
+                       : "r"(peer + 4u * (j * 128 * CONSUMERS))
+                       : "memory");
+#else
+          asm volatile("ld.shared::cluster.f32 %0, [%1];"
+                       : "=f"(v)
+                       : "r"(peer + 4u * (j * 128 * CONSUMERS))
+                       : "memory");
+#endif
+          acc[j] += v;
+        }
+      }
+    }
+    cluster_sync();  // rank 0 has read them: the peers may exit
+    if (blockIdx.z > 0) return;
+  }
+#endif
   const int g = lane >> 2, t = lane & 3;
   const int row0 = 16 * wq + g;
   const int r0 = m0 + 64 * c + row0, r1 = r0 + 8;
@@ -238,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
       *reinterpret_cast<uint4*>(y + (long long)m * stride_y + n) =
           *reinterpret_cast<const uint4*>(out + row * OUT_ROW_BYTES + 2 * col);
   }
-#if CLUSTER > 1
+#if SHARE > 1
   __syncwarp();
   cluster_sync();
 #endif

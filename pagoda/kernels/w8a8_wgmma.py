@@ -42,7 +42,9 @@ class WgmmaW8A8Config(NamedTuple):
     64, 128 or 256); stages: K steps of both tiles in shared memory; ctas_per_sm: the launch
     bound's minimum CTAs an SM (2: registers capped at 65536 / (2 x threads)); cm, cn: a
     thread-block cluster of cm x cn CTAs (1, 2 or 4 each), the cm CTAs along M sharing their
-    weight tile and the cn along N their x tile, each copied once from L2 and multicast."""
+    weight tile and the cn along N their x tile, each copied once from L2 and multicast; ck:
+    the tile's K steps split among a cluster of ck CTAs (1, 2 or 4; without cm or cn), rank 0
+    adding the others' partial sums from their shared memory."""
 
     bm: int = 128
     bn: int = 128
@@ -50,6 +52,7 @@ class WgmmaW8A8Config(NamedTuple):
     ctas_per_sm: int = 1
     cm: int = 1
     cn: int = 1
+    ck: int = 1
 
     @property
     def name(self) -> str:
@@ -58,6 +61,7 @@ class WgmmaW8A8Config(NamedTuple):
             + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "")
             + (f"_m{self.cm}" if self.cm > 1 else "")
             + (f"_n{self.cn}" if self.cn > 1 else "")
+            + (f"_k{self.ck}" if self.ck > 1 else "")
         )
 
 
@@ -81,6 +85,12 @@ def config_reason(cfg: WgmmaW8A8Config) -> str | None:
         return "two CTAs an SM leave 113 registers a thread, fewer than 256 columns need"
     if cfg.cm not in (1, 2, 4) or cfg.cn not in (1, 2, 4) or cfg.cm * cfg.cn > 8:
         return f"cluster {cfg.cm} x {cfg.cn}: 1, 2 or 4 CTAs each way, at most 8"
+    if cfg.ck not in (1, 2, 4):
+        return f"K split {cfg.ck} not 1, 2 or 4"
+    if cfg.ck > 1 and cfg.cm * cfg.cn > 1:
+        return "a K split is not combined with a multicast cluster"
+    if cfg.ck > 1 and cfg.bn * (cfg.bm // 64) * 256 > cfg.stages * (cfg.bm + cfg.bn) * STEP:
+        return f"a K split's partial sums need more than {cfg.stages} stages' shared memory"
     if cfg.ctas_per_sm * (smem_bytes(cfg) + CTA_SMEM_EXTRA) > SM_SMEM:
         return f"{cfg.ctas_per_sm} CTAs of {smem_bytes(cfg)} bytes of shared memory > {SM_SMEM}"
     return None
@@ -130,8 +140,18 @@ def unsupported_reason(
 
 # fp8 products up to this many rows take the kernel (on the H100 at 128 rows qkv 14.7 us against
 # cuBLASLt's 16.2, o 12.4 / 16.2, gate_up 50.7 / 59.0, down 37.5 / 44.5); past it cuBLASLt's
-# fp8 GEMM (gate_up at 256 rows 60.3 against 62.9, down 45.3 / 47.5).
+# fp8 GEMM (gate_up at 256 rows 55.4 against 58.9, qkv 15.1 / 15.8) but where the kernel's
+# tiles are the ones cuBLASLt's leave SMs idle on (`fp8_takes_kernel`).
 FP8_MAX_ROWS = 128
+
+
+def fp8_takes_kernel(m: int, cfg: WgmmaW8A8Config) -> bool:
+    """Whether an fp8 product of m rows takes the kernel with `choose_config`'s `cfg` rather
+    than cuBLASLt's fp8 GEMM: up to `FP8_MAX_ROWS`, and past it where the rule splits K or
+    takes two CTAs an SM, for layers whose tiles are few (H100, `results/h200/run99-w8a8-split/`:
+    at 256 rows down 33.4 us split against cuBLASLt's 37.9, o 12.2 against 13.6; at 512 rows,
+    where neither holds, cuBLASLt's won or tied every layer)."""
+    return m <= FP8_MAX_ROWS or cfg.ck > 1 or cfg.ctas_per_sm == 2
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config:
@@ -157,7 +177,28 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config
       4.80 against 5.13 (H100, `results/h200/run73-w8a8-cluster-rule/`; per layer, in
       `run72-w8a8-cluster/`, gate_up 61.3 against 66.3 us at 192 rows, qkv 19.9 against
       20.2); elsewhere clusters were no faster (1-3% slower at 256 rows) or much slower (four
-      CTAs, or 64-row tiles)."""
+      CTAs, or 64-row tiles);
+    - where tiles of one CTA an SM fill at most half the SMs and each K range keeps at least 8
+      steps, K split in two among a cluster (`ck`; `PAGODA_W8A8_SPLIT_K=0` never): down at
+      256 rows, 64 tiles of 128 x 128 for 132 SMs, 33.2 against 40.9 us (int8; 36.2-37.2
+      against 40.6 at 192 rows); where two CTAs an SM already fill them (64 x 64 tiles at up
+      to 128 rows) the split was slower (o at 128 rows 11.6 against 9.4 us; H100,
+      `results/h200/run99-w8a8-split/`)."""
+    cfg = _tiles(m, n, k, num_sms)
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+    if (
+        envs.PAGODA_W8A8_SPLIT_K
+        and cfg.cm * cfg.cn == 1
+        and cfg.ctas_per_sm == 1
+        and 2 * tiles <= num_sms
+        and k >= 16 * STEP
+    ):
+        return cfg._replace(ck=2)
+    return cfg
+
+
+def _tiles(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config:
+    """The rule's tile and cluster before any K split."""
     if m <= 128:
         return WgmmaW8A8Config(128, 128, 6) if n >= 16384 else WgmmaW8A8Config(64, 64, 6, 2)
 
@@ -210,6 +251,7 @@ def _compile(int8: bool, bf16: bool, cfg: WgmmaW8A8Config, has_bias: bool) -> An
         "HAS_BIAS": int(has_bias),
         "CM": cfg.cm,
         "CN": cfg.cn,
+        "CK": cfg.ck,
         "PDL": 1,  # griddepcontrol is a no-op in a launch without the attribute
     }
     source = _HEADER.read_text() + _WGMMA_HEADER.read_text()
@@ -263,9 +305,9 @@ def w8a8_wgmma(
         x_map, w_map, y, x_scale, w_scale, bias if bias is not None else y, m, n, k, y.stride(0),
     ]  # fmt: skip
     # Whole clusters: CTAs past M or N read zeros and store nothing.
-    grid = (_round_up(-(-m // cfg.bm), cfg.cm), _round_up(-(-n // cfg.bn), cfg.cn), 1)
+    grid = (_round_up(-(-m // cfg.bm), cfg.cm), _round_up(-(-n // cfg.bn), cfg.cn), cfg.ck)
     threads = 128 * (cfg.bm // 64) + 32  # the consumer warpgroups and the producer warp
-    cluster = (cfg.cm, cfg.cn, 1) if cfg.cm * cfg.cn > 1 else None
+    cluster = (cfg.cm, cfg.cn, cfg.ck) if cfg.cm * cfg.cn * cfg.ck > 1 else None
     cuda_launch.launch(kernel.func, grid, threads, smem_bytes(cfg), args, x_q.device,
                        pdl_enabled(x_q), cluster)  # fmt: skip
     return y

@@ -56,6 +56,9 @@ W8A8 = [
         w8a8_wgmma.WgmmaW8A8Config(128, 256, 4),
         w8a8_wgmma.WgmmaW8A8Config(128, 128, 4, cm=2),
         w8a8_wgmma.WgmmaW8A8Config(64, 64, 6, 2, cm=2, cn=2),
+        w8a8_wgmma.WgmmaW8A8Config(128, 128, 6, ck=2),
+        w8a8_wgmma.WgmmaW8A8Config(128, 256, 4, ck=4),
+        w8a8_wgmma.WgmmaW8A8Config(64, 64, 6, 2, ck=2),
     )
 ]
 

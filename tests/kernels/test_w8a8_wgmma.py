@@ -24,6 +24,10 @@ TILES = [W(128, 128, 4), W(128, 256, 4), W(64, 128, 6), W(64, 256, 4), W(64, 64,
 # problems below also give clusters with CTAs wholly past M or N.
 CLUSTERS = [W(128, 128, 4, cm=2), W(128, 256, 4, cm=2), W(64, 64, 6, 2, cm=2, cn=2),
             W(64, 128, 4, 2, cn=2), W(128, 64, 4, cm=4), W(64, 64, 6, cm=2, cn=4)]  # fmt: skip
+# K split among a cluster: with K = 128 (one step) rank 1.. take none, with K = 288 (three)
+# a split of four leaves rank 3 none.
+SPLITS = [W(128, 128, 6, ck=2), W(128, 128, 4, ck=4), W(64, 64, 6, 2, ck=2),
+          W(128, 256, 4, ck=2), W(64, 128, 4, 2, ck=4)]  # fmt: skip
 
 
 def _problem(m: int, n: int, k: int, seed: int = 0, bias_dtype=None):
@@ -48,7 +52,7 @@ def _exact(a, xs, b, ws, bias, dtype):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("cfg", TILES + CLUSTERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", TILES + CLUSTERS + SPLITS, ids=lambda c: c.name)
 @pytest.mark.parametrize(
     "m,n,k,dtype",
     [
@@ -71,7 +75,14 @@ def test_every_tile_gives_the_integer_product_scaled(cfg, m, n, k, dtype) -> Non
 @sm90
 @pytest.mark.parametrize(
     "cfg",
-    [W(128, 128, 4), W(128, 256, 4), W(64, 64, 6, 2), W(128, 128, 4, cm=2, cn=2)],
+    [
+        W(128, 128, 4),
+        W(128, 256, 4),
+        W(64, 64, 6, 2),
+        W(128, 128, 4, cm=2, cn=2),
+        W(128, 128, 6, ck=2),
+        W(64, 64, 6, 2, ck=4),
+    ],
     ids=lambda c: c.name,
 )
 @pytest.mark.parametrize("m,n,k", [(1, 72, 128), (300, 1000, 14336), (256, 4096, 4096)])
@@ -107,6 +118,11 @@ def test_the_rule_agrees_with_the_triton_gemm_and_replays_in_a_graph(m) -> None:
     assert torch.equal(y, y_triton)  # no bias: two rounded products, the same bits
     _, out = assert_graph_replays_exactly(lambda: scaled_mm_cuda(x, w_q, w_scale, None, config=W()))
     assert torch.equal(out, y)
+    split = W(128, 128, 6, ck=2)
+    _, out = assert_graph_replays_exactly(
+        lambda: scaled_mm_cuda(x, w_q, w_scale, None, config=split)
+    )
+    assert torch.equal(out, y)  # int32 partial sums: exact in any split
 
 
 def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
@@ -120,6 +136,11 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert "cluster 4 x 4" in w8a8_wgmma.config_reason(W(128, 128, 4, cm=4, cn=4))
     assert w8a8_wgmma.config_reason(W(64, 64, 6, cm=2, cn=4)) is None  # 16-row x slices
     assert W(64, 64, 6, 2, cm=2, cn=4).name == "wgmma64x64_s6_c2_m2_n4"
+    assert "K split 3" in w8a8_wgmma.config_reason(W(128, 128, 4, ck=3))
+    assert "multicast" in w8a8_wgmma.config_reason(W(128, 128, 4, cm=2, ck=2))
+    assert "partial sums" in w8a8_wgmma.config_reason(W(128, 256, 2, ck=2))
+    assert w8a8_wgmma.config_reason(W(128, 256, 3, ck=4)) is None
+    assert W(128, 128, 6, ck=2).name == "wgmma128x128_s6_k2"
     x = torch.zeros(4, 64, dtype=torch.int8)
     assert w8a8_wgmma.unsupported_reason(x, x, torch.bfloat16, None) == "not a CUDA tensor"
     assert w8a8_wgmma.smem_bytes(W(128, 128, 4)) == 4 * 256 * 128 + 1024
@@ -135,7 +156,7 @@ def test_the_rule_takes_the_tiles_that_won_per_layer() -> None:
     # Runs 67 and 69 (H100, results/h200/run67-w8a8-wgmma/2-smem-epilogue/time.log,
     # run69-w8a8-split/split_check.log): the best tile per Llama-3-8B layer and row count, or
     # one within 4% of it.
-    from pagoda.kernels.w8a8_wgmma import choose_config
+    from pagoda.kernels.w8a8_wgmma import _tiles as choose_config  # before any K split
 
     qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
     won = {
@@ -156,6 +177,22 @@ def test_the_rule_takes_the_tiles_that_won_per_layer() -> None:
         assert w8a8_wgmma.config_reason(cfg) is None
 
 
+def test_the_rule_splits_k_where_the_tiles_fill_at_most_half_the_sms(monkeypatch) -> None:
+    from pagoda.kernels.w8a8_wgmma import choose_config
+
+    down, qkv, gate_up = (4096, 14336), (6144, 4096), (28672, 4096)
+    assert choose_config(256, *down) == W(128, 128, 6, ck=2)  # 64 tiles for 132 SMs
+    assert choose_config(192, *down) == W(128, 128, 6, ck=2)
+    assert choose_config(128, *down) == W(64, 64, 6, 2)  # two CTAs an SM: slower split
+    assert choose_config(256, *qkv) == W(128, 128, 4)  # 96 tiles: two of each overflow
+    assert choose_config(256, *gate_up) == W(128, 256, 4)
+    assert choose_config(192, *qkv) == W(128, 128, 4, cm=2, cn=2)  # no split in a multicast
+    assert choose_config(256, 1024, 2048) == W(128, 128, 6, ck=2)  # 16 K steps
+    assert choose_config(256, 512, 1024) == W(128, 128, 6)  # 8 K steps: too few to split
+    monkeypatch.setenv("PAGODA_W8A8_SPLIT_K", "0")
+    assert choose_config(256, *down) == W(128, 128, 6)
+
+
 def test_the_w8a8_rule_takes_the_cuda_kernel_from_65_rows_fp8_to_128() -> None:
     from pagoda.kernels.scaled_mm import FP8_DTYPE
     from pagoda.kernels.scaled_mm_triton import (
@@ -168,7 +205,12 @@ def test_the_w8a8_rule_takes_the_cuda_kernel_from_65_rows_fp8_to_128() -> None:
     assert isinstance(choose_w8a8_config(64, 4096, 4096, wgmma=True), W8A8Config)
     assert isinstance(choose_w8a8_config(65, 4096, 4096, wgmma=True), W)
     assert isinstance(choose_w8a8_config(256, 4096, 4096), W8A8Config)
-    assert choose_w8a8_config(256, 4096, 4096, FP8_DTYPE, wgmma=True) == SCALED_MM
+    assert choose_w8a8_config(256, 6144, 4096, FP8_DTYPE, wgmma=True) == SCALED_MM
+    # Past 128 rows fp8 keeps the kernel where its tiles are few: o's two CTAs an SM, down's
+    # K split.
+    assert choose_w8a8_config(256, 4096, 4096, FP8_DTYPE, wgmma=True) == W(64, 64, 6, 2)
+    assert choose_w8a8_config(256, 4096, 14336, FP8_DTYPE, wgmma=True) == W(128, 128, 6, ck=2)
+    assert choose_w8a8_config(512, 4096, 14336, FP8_DTYPE, wgmma=True) == SCALED_MM
     assert isinstance(choose_w8a8_config(128, 4096, 4096, FP8_DTYPE, wgmma=True), W)
     assert choose_w8a8_config(128, 4096, 4096, FP8_DTYPE) == SCALED_MM
     cands = w8a8_config_candidates(256, 4096, 4096, wgmma=True)
