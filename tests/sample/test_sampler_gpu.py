@@ -105,3 +105,39 @@ def test_cuda_seeded_request_is_independent_of_batch():
 
     alone = run([seeded], 0)
     assert run([SP(temperature=1.0), SP(temperature=0.0), seeded], 2) == alone
+
+
+def test_cuda_logprob_token_ids_match_cpu_without_host_sync():
+    """Rows asking for `logprob_token_ids` beside top-k rows: the device path (a sort of those
+    rows for true ranks) gives the CPU's ids, values and ranks, and waits for nothing before
+    `.tolist()`."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, V, generator=g) * 3
+    params = [
+        SP(temperature=0.0, logprob_token_ids=[5, 999, 0, 42]),
+        SP(temperature=0.0, logprobs=3),
+        SP(temperature=0.0, logprob_token_ids=[17], repetition_penalty=1.3),
+        SP(temperature=0.0),
+        SP(temperature=0.0, logprobs=2, logprob_token_ids=[9, 9]),
+    ]
+    outputs = [[1, 17]] * len(params)
+    cpu = Sampler()(logits, make_md(params, V, outputs=outputs))
+    dev = torch.device("cuda")
+    x = logits.to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = make_md(params, V, outputs=outputs, device="cuda")
+        tensors = Sampler().sample_on_device(x, md)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    gpu = tensors.tolist(md)
+    assert gpu.sampled_token_ids == cpu.sampled_token_ids
+    for row_cpu, row_gpu in zip(cpu.logprobs, gpu.logprobs):
+        if row_cpu is None:
+            assert row_gpu is None
+            continue
+        assert list(row_gpu) == list(row_cpu)
+        for t, (value, rank) in row_cpu.items():
+            assert row_gpu[t][1] == rank
+            assert row_gpu[t][0] == pytest.approx(value, abs=1e-4)
