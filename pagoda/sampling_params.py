@@ -240,7 +240,7 @@ def _logit_bias(bias: Any) -> dict[int, float]:
     return out
 
 
-@dataclass
+@dataclass(eq=False)  # __eq__ below: a field may hold a numpy array
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -548,6 +548,24 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, as the dataclass's own would, with an array field
+        (`prompt_logprob_token_ids`) equal where its values are."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        for name in self.__dataclass_fields__:
+            a, b = getattr(self, name), getattr(other, name)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+                    return False
+                if a.shape != b.shape or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # mutable, as the dataclass's eq=True leaves it
 
 
 @dataclass

@@ -272,6 +272,11 @@ def test_prompt_logprob_token_ids_are_padded_to_an_int32_array() -> None:
     q = SamplingParams(prompt_logprob_token_ids=np.array([[1, 2]], dtype=np.int64))
     assert q.prompt_logprob_token_ids.dtype == np.int32 and q.prompt_logprob_start is None
     assert q.clone().prompt_logprob_token_ids.tolist() == [[1, 2]]
+    # Equality compares the arrays' values (the dataclass's own == raised on them).
+    assert q == SamplingParams(prompt_logprob_token_ids=[[1, 2]]) and q.clone() == q
+    assert q != SamplingParams(prompt_logprob_token_ids=[[1, 3]])
+    assert q != SamplingParams(prompt_logprob_token_ids=[[1, 2, -1]])
+    assert q != SamplingParams() and SamplingParams(seed=1) != SamplingParams(seed=2)
 
 
 _IDS = "^prompt_logprob_token_ids "
