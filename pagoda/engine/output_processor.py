@@ -36,6 +36,7 @@ from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats
 from pagoda.outputs import (
     CompletionOutput,
+    FlatLogprobs,
     Logprob,
     PromptLogprobs,
     RequestMetrics,
@@ -317,7 +318,7 @@ class OutputProcessor:
         # Each of n samples scores the same prompt: the first one's scores are the request's.
         first = state.index == 0
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None and first:
-            parent.prompt_logprobs.extend(self._to_logprobs(out.new_prompt_logprobs))
+            self._add_logprobs(parent.prompt_logprobs, out.new_prompt_logprobs)
         rows = parent.prompt_token_id_rows
         if out.new_prompt_token_id_logprobs and rows is not None and first:
             rows.extend(out.new_prompt_token_id_logprobs)
@@ -382,10 +383,11 @@ class OutputProcessor:
         """Add new tokens; True when a stop string ended the sample."""
         new_ids = out.new_token_ids
         if out.new_logprobs is not None and s.logprobs is not None:
-            for tok, entry in zip(new_ids, out.new_logprobs):
-                s.logprobs.append(self._to_logprob_dict(entry))
-                if tok in entry and s.cumulative_logprob is not None:
-                    s.cumulative_logprob += entry[tok][0]
+            self._add_logprobs(s.logprobs, out.new_logprobs)
+            if s.cumulative_logprob is not None:
+                for tok, entry in zip(new_ids, out.new_logprobs):
+                    if tok in entry:
+                        s.cumulative_logprob += entry[tok][0]
         if s.detokenizer is None:
             s.token_ids.extend(new_ids)
             return False
@@ -419,8 +421,23 @@ class OutputProcessor:
             for tok, (lp, rank) in entry.items()
         }
 
-    def _to_logprobs(self, entries: list[dict[int, tuple[float, int]]]) -> list[dict[int, Logprob]]:
-        return [self._to_logprob_dict(e) for e in entries]
+    def _add_logprobs(
+        self,
+        logprobs: SampleLogprobs | PromptLogprobs,
+        entries: list[dict[int, tuple[float, int]]],
+    ) -> None:
+        """Positions' {token: (logprob, rank)} onto a request's logprobs: straight into a
+        `FlatLogprobs`'s lists (no dict of `Logprob`s a position), else as those dicts."""
+        if not isinstance(logprobs, FlatLogprobs):
+            logprobs.extend(self._to_logprob_dict(e) for e in entries)
+            return
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for e in entries:
+            values = e.values()
+            texts = (
+                [decode([t], skip_special_tokens=False) for t in e] if decode else [None] * len(e)
+            )
+            logprobs.append_fast(e, [v[0] for v in values], [v[1] for v in values], texts)
 
     def _completion(self, s: SampleState, delta: bool) -> CompletionOutput:
         text = ""
