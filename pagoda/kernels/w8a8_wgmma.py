@@ -149,11 +149,14 @@ FP8_MAX_ROWS = 128
 
 def fp8_takes_kernel(m: int, cfg: WgmmaW8A8Config) -> bool:
     """Whether an fp8 product of m rows takes the kernel with `choose_config`'s `cfg` rather
-    than cuBLASLt's fp8 GEMM: up to `FP8_MAX_ROWS`, and past it where the rule splits K or
-    takes two CTAs an SM, for layers whose tiles are few (H100, `results/h200/run99-w8a8-split/`:
-    at 256 rows down 33.4 us split against cuBLASLt's 37.9, o 12.2 against 13.6; at 512 rows,
-    where neither holds, cuBLASLt's won or tied every layer)."""
-    return m <= FP8_MAX_ROWS or cfg.ck > 1 or cfg.ctas_per_sm == 2
+    than cuBLASLt's fp8 GEMM: up to `FP8_MAX_ROWS`, and past it for layers whose tiles are few:
+    where the rule takes two CTAs an SM (o to 256 rows: 12.2 us against cuBLASLt's 13.6 at 256,
+    H100, `results/h200/run99-w8a8-split/`) or splits K past 192 rows (down at 193-256 rows:
+    33.4 against 37.9 at 256). With the second 128-row tile at most half full, at 129-192 rows,
+    cuBLASLt's fp8 GEMM in the split down's place made the step faster (fp8 at 160 / 192 rows
+    3.93 / 3.86 ms against 4.07 / 3.94, `run100-w8a8-split-rule/`); at 512 rows, where neither
+    holds, it won or tied every layer."""
+    return m <= FP8_MAX_ROWS or cfg.ctas_per_sm == 2 or (cfg.ck > 1 and m > 192)
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaW8A8Config:

@@ -210,6 +210,8 @@ def test_the_w8a8_rule_takes_the_cuda_kernel_from_65_rows_fp8_to_128() -> None:
     # K split.
     assert choose_w8a8_config(256, 4096, 4096, FP8_DTYPE, wgmma=True) == W(64, 64, 6, 2)
     assert choose_w8a8_config(256, 4096, 14336, FP8_DTYPE, wgmma=True) == W(128, 128, 6, ck=2)
+    assert choose_w8a8_config(192, 4096, 14336, FP8_DTYPE, wgmma=True) == SCALED_MM  # part empty
+    assert choose_w8a8_config(192, 4096, 14336, wgmma=True) == W(128, 128, 6, ck=2)  # int8
     assert choose_w8a8_config(512, 4096, 14336, FP8_DTYPE, wgmma=True) == SCALED_MM
     assert isinstance(choose_w8a8_config(128, 4096, 4096, FP8_DTYPE, wgmma=True), W)
     assert choose_w8a8_config(128, 4096, 4096, FP8_DTYPE) == SCALED_MM
