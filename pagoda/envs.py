@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     PAGODA_CUDA_DECODE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
+    PAGODA_W4A16_CLUSTER_SPLIT: bool
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
     PAGODA_L2_PREFETCH_MB: int
@@ -263,6 +264,13 @@ VARIABLES: dict[str, EnvVar] = {
             "0: packed 4-bit layers on CUDA take the Triton kernels instead of the CUDA ones "
             "(the GEMV at few rows, the wgmma kernel on sm_90).",
             _flag("PAGODA_W4A16_CUDA", True),
+        ),
+        EnvVar(
+            "PAGODA_W4A16_CLUSTER_SPLIT", "flag", "1",
+            "0: the CUDA W4A16 wgmma kernel sums a layer's K splits through global memory (a "
+            "partial tile a split, the last CTA to arrive adding them) instead of among the "
+            "CTAs of a thread-block cluster.",
+            _flag("PAGODA_W4A16_CLUSTER_SPLIT", True),
         ),
         EnvVar(
             "PAGODA_PDL", "flag", "1",

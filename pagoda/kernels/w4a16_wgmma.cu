@@ -34,11 +34,16 @@
 //
 // A CTA covers activation rows [BN * blockIdx.x, +BN), weight rows [64 * WG * blockIdx.y,
 // +64 * WG) and K steps [steps_per_split * blockIdx.z, +steps_per_split). With more than one
-// split, each CTA stores its fp32 tile to partial[split, m, n] and counts its arrival on the
-// tile's counter; the last to arrive sums the splits in order (the same bits every call) with
-// its threads over consecutive outputs, 8 a thread with their loads in flight together (its
-// accumulators are dead by then: no spills at 256 rows), stores y and resets the counter (as
-// `skinny_gemm.store_tile` does).
+// split (SPLIT 1), each CTA stores its fp32 tile to partial[split, m, n] and counts its
+// arrival on the tile's counter; the last to arrive sums the splits in order (the same bits
+// every call) with its threads over consecutive outputs, 8 a thread with their loads in flight
+// together (its accumulators are dead by then: no spills at 256 rows), stores y and resets the
+// counter (as `skinny_gemm.store_tile` does). With SPLIT 2 a tile's splits are the CTAs of a
+// thread-block cluster (grid z, at most 8): splits 1.. leave their accumulators in their own
+// shared memory (the stages', free once every warp's wgmmas have ended), and after a barrier
+// across the cluster split 0 adds them to its own in split order through distributed shared
+// memory (the same sums in the same order as SPLIT 1: the same bits) and stores y alone; no
+// round trip through global memory, no counter.
 //
 // A CTA loads its first DEPTH steps of weights before `grid_wait` (a programmatic dependent of
 // the x tiling kernel where PDL is on).
@@ -49,9 +54,10 @@
 // are unpacked while the step before's wgmmas run; 1: fewer registers, the step's wgmmas end
 // before the next unpacking, other warpgroups keep the tensor cores busy), CTAS_PER_SM (the
 // launch bound's minimum: 2 caps the registers at 128 a thread for 256 threads), HAS_BIAS,
-// SPLIT (1: K split over blockIdx.z), PDL. WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16
-// instruction with A from registers, is defined before this source (`w4a16_wgmma.py` writes
-// it for BN), as are the helpers of `w4a16_device.cuh` and `wgmma_device.cuh`.
+// SPLIT (1: K split over blockIdx.z, partials through global memory; 2: over a cluster), PDL.
+// WGMMA(acc, a0, a1, a2, a3, desc), the m64nBNk16 instruction with A from registers, is
+// defined before this source (`w4a16_wgmma.py` writes it for BN), as are the helpers of
+// `w4a16_device.cuh` and `wgmma_device.cuh`.
 
 #define STEP 128
 #define ROWS (64 * WG)
@@ -124,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
                        float* __restrict__ partial, int* __restrict__ counters, int M, int N,
                        int K, int G, int stride_y, int steps_per_split) {
   extern __shared__ unsigned char smem_raw[];  // STAGES x tiles, 1024-aligned below
-#if SPLIT
+#if SPLIT == 1
   __shared__ int last_split;
 #endif
   __shared__ __align__(8) unsigned long long full[STAGES];  // a stage's x tile has landed
@@ -249,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // read after the wait
 
   // acc[4c + i]: weight row 16 warp + g + 8 (i / 2), activation row 8c + 2t + i % 2.
-#if SPLIT
+#if SPLIT == 1
   const long long split_size = (long long)M * N;
 #pragma unroll
   for (int c = 0; c < BN / 8; ++c)
@@ -310,6 +316,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   }
   if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
 #else
+#if SPLIT == 2
+  {
+    __syncthreads();  // every warp's wgmmas have ended: the stages are free
+    // Accumulator j of thread tid at word j * THREADS + tid (a warp's 32 words consecutive).
+    float* part = reinterpret_cast<float*>(smem_raw + (tiles - smem_addr(smem_raw)));
+    if (blockIdx.z > 0) {
+#pragma unroll
+      for (int j = 0; j < BN / 2; ++j) part[j * THREADS + tid] = acc[j];
+    }
+    cluster_sync();  // the partials written (release) and visible to split 0 (acquire)
+    if (blockIdx.z == 0) {
+      for (int r = 1; r < (int)gridDim.z; ++r) {
+        const u32 peer = cluster_addr(smem_addr(part + tid), r);
+#pragma unroll
+        for (int j = 0; j < BN / 2; ++j) {
+          float v;
+          asm volatile("ld.shared::cluster.f32 %0, [%1];"
+                       : "=f"(v)
+                       : "r"(peer + 4u * (j * THREADS))
+                       : "memory");
+          acc[j] += v;
+        }
+      }
+    }
+    cluster_sync();  // split 0 has read them: the others may exit
+    if (blockIdx.z > 0) return;
+  }
+#endif
 #pragma unroll
   for (int c = 0; c < BN / 8; ++c)
 #pragma unroll

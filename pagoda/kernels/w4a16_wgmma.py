@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import envs
 from pagoda.kernels import cuda_launch, pdl_enabled, w4a16_gemv
 from pagoda.kernels.triton_pdl import dependent_start
 
@@ -139,11 +140,28 @@ def _wgmma_function(bn: int, bf16: bool) -> str:
     )
 
 
+# `SPLIT` of the kernel: K not split, split with partials through global memory, split among
+# the CTAs of a thread-block cluster (partials through distributed shared memory).
+SPLIT_NONE, SPLIT_GLOBAL, SPLIT_CLUSTER = 0, 1, 2
+MAX_CLUSTER = 8  # CTAs of a cluster without the non-portable size attribute
+
+
+def split_mode(cfg: WgmmaConfig, split: int) -> int:
+    """How a tile's `split` K ranges are summed: among a cluster where `split` fits one
+    (`MAX_CLUSTER`) and the stages' shared memory holds a CTA's accumulators (warpgroups <=
+    stages), unless PAGODA_W4A16_CLUSTER_SPLIT=0; else through global memory."""
+    if split <= 1:
+        return SPLIT_NONE
+    if envs.PAGODA_W4A16_CLUSTER_SPLIT and split <= MAX_CLUSTER and cfg.warpgroups <= cfg.stages:
+        return SPLIT_CLUSTER
+    return SPLIT_GLOBAL
+
+
 def _compile(
-    bf16: bool, scales_bf16: bool, cfg: WgmmaConfig, has_bias: bool, split: bool
+    bf16: bool, scales_bf16: bool, cfg: WgmmaConfig, has_bias: bool, split: int
 ) -> Any | None:
     """The compiled kernel (torch's _CudaKernel), or None (logged once) where NVRTC cannot
-    build it."""
+    build it. `split`: a `split_mode`."""
     defines = {
         "BF16": int(bf16),
         "SCALES_BF16": int(scales_bf16),
@@ -167,10 +185,10 @@ _KERNELS = cuda_launch.KernelCache(_compile)
 
 
 def get_kernel(
-    x: torch.Tensor, scales: torch.Tensor, cfg: WgmmaConfig, has_bias: bool, split: bool
+    x: torch.Tensor, scales: torch.Tensor, cfg: WgmmaConfig, has_bias: bool, split: int
 ) -> Any | None:
-    """The kernel for these inputs, or None. Never compiles during CUDA-graph capture (the
-    eager warm-up before a capture builds what the capture needs)."""
+    """The kernel for these inputs and `split_mode` `split`, or None. Never compiles during
+    CUDA-graph capture (the eager warm-up before a capture builds what the capture needs)."""
     if config_reason(cfg) is not None:
         return None
     key = (
@@ -292,8 +310,8 @@ def w4a16_wgmma(
     cfg: WgmmaConfig,
     num_sms: int,
 ) -> torch.Tensor | None:
-    """x [M, K] @ W^T (+ bias), or None where the kernel is not built (`kernel_for(split)`
-    gives it: `get_kernel` with the inputs bound); the caller has checked the inputs
+    """x [M, K] @ W^T (+ bias), or None where the kernel is not built (`kernel_for(mode)`
+    gives it for a `split_mode`: `get_kernel` with the inputs bound); the caller has checked the inputs
     (`w4a16_linear`, `unsupported_reason`)."""
     from pagoda.kernels.skinny_gemm import split_k_buffers
 
@@ -303,17 +321,21 @@ def w4a16_wgmma(
     split = cfg.split_k or split_for(m, n, k, cfg, num_sms)
     steps_per_split = -(-steps // split)
     split = -(-steps // steps_per_split)  # no empty splits
-    kernel = kernel_for(split > 1)
+    mode = split_mode(cfg, split)
+    kernel = kernel_for(mode)
     if kernel is None:
         return None
     xt = tile_x(x, perm, cfg.bn)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (-(-m // cfg.bn), -(-n // rows_per_cta(cfg)), split)
-    counters, partials = split_k_buffers(y, grid[0] * grid[1], split)
+    counters, partials = split_k_buffers(y, grid[0] * grid[1], split if mode == SPLIT_GLOBAL else 1)
     args = [
         y, xt, qweight, scales, zeros, bias if bias is not None else x, partials, counters,
         m, n, k, min(group_size, k), y.stride(0), steps_per_split,
     ]  # fmt: skip
     block = 128 * cfg.warpgroups
-    cuda_launch.launch(kernel.func, grid, block, smem_bytes(cfg), args, x.device, pdl_enabled(x))
+    cluster = (1, 1, split) if mode == SPLIT_CLUSTER else None
+    cuda_launch.launch(
+        kernel.func, grid, block, smem_bytes(cfg), args, x.device, pdl_enabled(x), cluster
+    )
     return y

@@ -71,13 +71,19 @@ def test_w8a8_wgmma_compiles_without_spills(monkeypatch, tmp_path, int8, cfg) ->
 
 
 @pytest.mark.parametrize(
-    "cfg",
-    [w4a16_wgmma.WgmmaConfig(), w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1)],
+    "cfg,split",
+    [
+        (w4a16_wgmma.WgmmaConfig(), w4a16_wgmma.SPLIT_GLOBAL),
+        (w4a16_wgmma.WgmmaConfig(bn=256, stages=3, a_buffers=1), w4a16_wgmma.SPLIT_GLOBAL),
+        (w4a16_wgmma.WgmmaConfig(ctas_per_sm=2, a_buffers=1), w4a16_wgmma.SPLIT_CLUSTER),
+        (w4a16_wgmma.WgmmaConfig(bn=192), w4a16_wgmma.SPLIT_CLUSTER),
+        (w4a16_wgmma.WgmmaConfig(warpgroups=4, a_buffers=1), w4a16_wgmma.SPLIT_CLUSTER),
+    ],
     ids=str,
 )
-def test_w4a16_wgmma_compiles_without_spills(monkeypatch, tmp_path, cfg) -> None:
+def test_w4a16_wgmma_compiles_without_spills(monkeypatch, tmp_path, cfg, split) -> None:
     source, defines = _captured(
-        monkeypatch, lambda: w4a16_wgmma._compile(True, True, cfg, False, True)
+        monkeypatch, lambda: w4a16_wgmma._compile(True, True, cfg, False, split)
     )
     log = _nvcc(tmp_path, source, defines)
     assert "0 bytes spill stores" in log, log

@@ -119,6 +119,31 @@ def test_split_k_sums_every_split(split_k: int, cfg: WgmmaConfig) -> None:
 
 @sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize(
+    "cfg",
+    [WgmmaConfig(ctas_per_sm=2, a_buffers=1), WgmmaConfig(bn=192), WgmmaConfig(warpgroups=4)],
+    ids=str,
+)
+def test_a_split_summed_in_a_cluster_gives_the_global_sums_bits(
+    split_k: int, cfg: WgmmaConfig, monkeypatch
+) -> None:
+    # The same partial sums added in the same order, through distributed shared memory or
+    # through global memory.
+    n, k = 320, 4096
+    w4, dense = _weights("awq", n, k, 128)
+    x = torch.randn(150, k, device="cuda").to(torch.bfloat16)
+    cfg = cfg._replace(split_k=split_k)
+    assert w4a16_wgmma.split_mode(cfg, split_k) == w4a16_wgmma.SPLIT_CLUSTER
+    cluster = _linear(x, w4, config=cfg)
+    _assert_close(cluster, F.linear(x.float(), dense))
+    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "0")
+    assert w4a16_wgmma.split_mode(cfg, split_k) == w4a16_wgmma.SPLIT_GLOBAL
+    assert torch.equal(_linear(x, w4, config=cfg), cluster)
+
+
+@sm90
+@pytest.mark.gpu
 def test_bf16_scales_and_larger_groups() -> None:
     for group in (256, 1024):
         w4, dense = _weights("gptq", 192, 1024, group)
@@ -152,6 +177,7 @@ def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
     w4, _ = _weights("gptq_act_order", 512, 4096, 128)
     x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replays_exactly(lambda: _linear(x, w4, config=WgmmaConfig(split_k=4)))
+    assert_graph_replays_exactly(lambda: _linear(x, w4, config=WgmmaConfig(split_k=16)))  # global
 
 
 def test_k_order_is_a_permutation_of_each_step() -> None:
@@ -215,6 +241,18 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
     assert reason is not None
     with pytest.raises(ValueError, match="wgmma kernel cannot run"):
         w4a16_linear(x, qweight, scales, zeros, 128, config=WgmmaConfig())
+
+
+def test_split_mode_takes_a_cluster_where_one_holds_the_split(monkeypatch) -> None:
+    mode = w4a16_wgmma.split_mode
+    assert mode(WgmmaConfig(), 1) == w4a16_wgmma.SPLIT_NONE
+    assert mode(WgmmaConfig(), 8) == w4a16_wgmma.SPLIT_CLUSTER
+    assert mode(WgmmaConfig(), 9) == w4a16_wgmma.SPLIT_GLOBAL  # past the portable 8 CTAs
+    # 4 warpgroups' accumulators need 4 stages' shared memory
+    assert mode(WgmmaConfig(warpgroups=4, stages=3), 2) == w4a16_wgmma.SPLIT_GLOBAL
+    assert mode(WgmmaConfig(warpgroups=4, stages=4), 2) == w4a16_wgmma.SPLIT_CLUSTER
+    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "0")
+    assert mode(WgmmaConfig(), 2) == w4a16_wgmma.SPLIT_GLOBAL
 
 
 def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
