@@ -266,11 +266,11 @@ VARIABLES: dict[str, EnvVar] = {
             _flag("PAGODA_W4A16_CUDA", True),
         ),
         EnvVar(
-            "PAGODA_W4A16_CLUSTER_SPLIT", "flag", "1",
-            "0: the CUDA W4A16 wgmma kernel sums a layer's K splits through global memory (a "
-            "partial tile a split, the last CTA to arrive adding them) instead of among the "
-            "CTAs of a thread-block cluster.",
-            _flag("PAGODA_W4A16_CLUSTER_SPLIT", True),
+            "PAGODA_W4A16_CLUSTER_SPLIT", "flag", "0",
+            "1: the CUDA W4A16 wgmma kernel sums a layer's K splits among the CTAs of a "
+            "thread-block cluster (distributed shared memory) instead of through global memory "
+            "(a partial tile a split, the last CTA to arrive adding them); not yet timed on a GPU.",
+            _flag("PAGODA_W4A16_CLUSTER_SPLIT", False),
         ),
         EnvVar(
             "PAGODA_PDL", "flag", "1",

@@ -149,7 +149,7 @@ MAX_CLUSTER = 8  # CTAs of a cluster without the non-portable size attribute
 def split_mode(cfg: WgmmaConfig, split: int) -> int:
     """How a tile's `split` K ranges are summed: among a cluster where `split` fits one
     (`MAX_CLUSTER`) and the stages' shared memory holds a CTA's accumulators (warpgroups <=
-    stages), unless PAGODA_W4A16_CLUSTER_SPLIT=0; else through global memory."""
+    stages), with PAGODA_W4A16_CLUSTER_SPLIT=1; else through global memory."""
     if split <= 1:
         return SPLIT_NONE
     if envs.PAGODA_W4A16_CLUSTER_SPLIT and split <= MAX_CLUSTER and cfg.warpgroups <= cfg.stages:
