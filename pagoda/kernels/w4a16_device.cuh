@@ -131,6 +131,43 @@ __device__ __forceinline__ u32 cluster_addr(u32 addr, u32 rank) {
   return remote;
 }
 
+__device__ __forceinline__ void ld_cluster_to(int& v, u32 addr) {
+  asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void ld_cluster_to(float& v, u32 addr) {
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+}
+
+// A tile's K split among the `ranks` CTAs of a cluster (the W8A8 and W4A16 wgmma kernels):
+// each of the THREADS threads holds N accumulators; ranks 1.. leave theirs in their own shared
+// memory at `part` (accumulator j of thread tid at word j * THREADS + tid: a warp's 32 words
+// consecutive, no bank conflicts), and after a barrier across the cluster (release / acquire)
+// rank 0 adds them to its own in rank order, read through distributed shared memory; a second
+// barrier keeps the others' shared memory until it has. Every thread of every CTA of the
+// cluster calls it. True for rank 0, which goes on to the epilogue alone.
+template <int THREADS_, int N, typename T>
+__device__ __forceinline__ bool cluster_sum(T (&acc)[N], T* part, int tid, u32 rank, u32 ranks) {
+  if (rank > 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) part[j * THREADS_ + tid] = acc[j];
+  }
+  cluster_sync();
+  if (rank == 0) {
+    for (u32 r = 1; r < ranks; ++r) {
+      const u32 peer = cluster_addr(smem_addr(part + tid), r);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T v;
+        ld_cluster_to(v, peer + 4u * (j * THREADS_));
+        acc[j] += v;
+      }
+    }
+  }
+  cluster_sync();
+  return rank == 0;
+}
+
 // One arrival on the mbarrier at `bar` of CTA `rank`. Release at CTA scope, as CUTLASS's
 // cluster barriers arrive: what it orders are this warp's reads of shared memory by wgmma,
 // complete before the arrival (`wgmma_wait`); at cluster scope the release fences this

@@ -316,33 +316,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   }
   if (tid == 0) *counter = 0;  // for the next launch (or graph replay)
 #else
-#if SPLIT == 2
-  {
-    __syncthreads();  // every warp's wgmmas have ended: the stages are free
-    // Accumulator j of thread tid at word j * THREADS + tid (a warp's 32 words consecutive).
-    float* part = reinterpret_cast<float*>(smem_raw + (tiles - smem_addr(smem_raw)));
-    if (blockIdx.z > 0) {
-#pragma unroll
-      for (int j = 0; j < BN / 2; ++j) part[j * THREADS + tid] = acc[j];
-    }
-    cluster_sync();  // the partials written (release) and visible to split 0 (acquire)
-    if (blockIdx.z == 0) {
-      for (int r = 1; r < (int)gridDim.z; ++r) {
-        const u32 peer = cluster_addr(smem_addr(part + tid), r);
-#pragma unroll
-        for (int j = 0; j < BN / 2; ++j) {
-          float v;
-          asm volatile("ld.shared::cluster.f32 %0, [%1];"
-                       : "=f"(v)
-                       : "r"(peer + 4u * (j * THREADS))
-                       : "memory");
-          acc[j] += v;
-        }
-      }
-    }
-    cluster_sync();  // split 0 has read them: the others may exit
-    if (blockIdx.z > 0) return;
-  }
+#if SPLIT == 2  // split 0 adds the others' partial sums (in the stages), then stores y alone
+  __syncthreads();  // every warp's wgmmas have ended: the stages are free
+  float* part = reinterpret_cast<float*>(smem_raw + (tiles - smem_addr(smem_raw)));
+  if (!cluster_sum<THREADS>(acc, part, tid, blockIdx.z, gridDim.z)) return;
 #endif
 #pragma unroll
   for (int c = 0; c < BN / 8; ++c)

@@ -235,40 +235,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 
   // acc[4j + e]: x row 16 wq + g + 8 (e / 2) of the warpgroup's 64, weight row 8j + 2t + e % 2.
   asm volatile("bar.sync 1, %0;" ::"n"(128 * CONSUMERS) : "memory");  // every wgmma has ended
-#if CK > 1
-  {
-    // Partial j of consumer thread tid at word j * 128 * CONSUMERS + tid: a warp's 32 words of
-    // each j are consecutive (no bank conflicts either side).
-    acc_t* part = reinterpret_cast<acc_t*>(smem_raw + (tiles - smem_addr(smem_raw)));
-    if (blockIdx.z > 0) {
-#pragma unroll
-      for (int j = 0; j < BN / 2; ++j) part[j * 128 * CONSUMERS + tid] = acc[j];
-    }
-    cluster_sync();  // the partials written (release) and visible to rank 0 (acquire)
-    if (blockIdx.z == 0) {
-      for (int r = 1; r < CK; ++r) {
-        const u32 peer = cluster_addr(smem_addr(part + tid), r);
-#pragma unroll
-        for (int j = 0; j < BN / 2; ++j) {
-          acc_t v;
-#if INT8
-          asm volatile("ld.shared::cluster.s32 %0, [%1];"
-                       : "=r"(v)
-                       : "r"(peer + 4u * (j * 128 * CONSUMERS))
-                       : "memory");
-#else
-          asm volatile("ld.shared::cluster.f32 %0, [%1];"
-                       : "=f"(v)
-                       : "r"(peer + 4u * (j * 128 * CONSUMERS))
-                       : "memory");
-#endif
-          acc[j] += v;
-        }
-      }
-    }
-    cluster_sync();  // rank 0 has read them: the peers may exit
-    if (blockIdx.z > 0) return;
-  }
+#if CK > 1  // rank 0 adds the other ranks' partial sums (in the pipeline's shared memory), then
+            // runs the epilogue alone
+  acc_t* part = reinterpret_cast<acc_t*>(smem_raw + (tiles - smem_addr(smem_raw)));
+  if (!cluster_sum<128 * CONSUMERS>(acc, part, tid, blockIdx.z, CK)) return;
 #endif
   const int g = lane >> 2, t = lane & 3;
   const int row0 = 16 * wq + g;
