@@ -12,8 +12,8 @@ LIMIT=${LIMIT:-575}
 left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "skipped (time): $2"; false; }; }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt)
 echo "$gpu"
-timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_w4a16_wgmma.py \
-  -k "split or graph or llama8b or rule" -rf 2>&1 | grep -E "FAILED|passed|failed|rror" \
+timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_w4a16_wgmma.py \
+  -k "cluster or split_k_sums or graph" -rf 2>&1 | grep -E "FAILED|passed|failed|rror" \
   | cut -c1-400 | tee $OUT/tests.log
 grep -q FAILED $OUT/tests.log && { echo "tests failed: no timings"; exit; }
 n=0
