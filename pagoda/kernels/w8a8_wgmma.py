@@ -6,7 +6,7 @@ int8 tensor cores' rate: int8 from 65 rows, fp8 from 65 to `FP8_MAX_ROWS` and pa
 `fp8_takes_kernel` says (cuBLASLt's fp8 GEMM elsewhere). At 129-192 rows the rule takes
 thread-block clusters: the CTAs of the two row tiles share the weight tile, each copying half
 of it by a TMA multicast into both (`cm`, `cn`). Where a layer's tiles are too few for the SMs
-(down at 160-256 rows) the two CTAs of a cluster split its K steps instead (`ck`).
+(down at 129-256 rows) the two CTAs of a cluster split its K steps instead (`ck`).
 
 It covers: sm_90 (wgmma and the TMA unit; NVRTC target "90a"), int8 x int8 or e4m3 x e4m3
 (with FP8 fast accumulation, `PAGODA_FP8_FAST_ACCUM`: no float32 promotion here), rows
