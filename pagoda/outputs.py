@@ -40,13 +40,13 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
 
     def append(self, logprobs_one_position: LogprobsOnePosition | None) -> None:
         """Add the next position's logprobs (None: a position without any)."""
-        self.start_indices.append(len(self.logprobs))
-        for token_id, lp in (logprobs_one_position or {}).items():
-            self.token_ids.append(token_id)
-            self.logprobs.append(lp.logprob)
-            self.ranks.append(lp.rank)
-            self.decoded_tokens.append(lp.decoded_token)
-        self.end_indices.append(len(self.logprobs))
+        entries = (logprobs_one_position or {}).values()
+        self.append_fast(
+            logprobs_one_position or (),
+            [lp.logprob for lp in entries],
+            [lp.rank for lp in entries],
+            [lp.decoded_token for lp in entries],
+        )
 
     def append_fast(
         self,

@@ -557,9 +557,8 @@ class SamplingParams:
         for name in self.__dataclass_fields__:
             a, b = getattr(self, name), getattr(other, name)
             if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-                if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-                    return False
-                if a.shape != b.shape or not np.array_equal(a, b):
+                both = isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                if not (both and np.array_equal(a, b)):  # shapes and values
                     return False
             elif a != b:
                 return False

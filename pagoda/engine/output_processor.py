@@ -412,13 +412,17 @@ class OutputProcessor:
                 return out.finish_reason is None  # the core still runs it: abort it there
         return False
 
-    def _to_logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+    def _decoded(self, token_ids: Iterable[int]) -> list[str | None]:
+        """Each token's text (None each without a tokenizer)."""
         if self.tokenizer is None:
-            return {tok: Logprob(lp, rank) for tok, (lp, rank) in entry.items()}
+            return [None for _ in token_ids]
         decode = self.tokenizer.decode
+        return [decode([t], skip_special_tokens=False) for t in token_ids]
+
+    def _to_logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         return {
-            tok: Logprob(lp, rank, decode([tok], skip_special_tokens=False))
-            for tok, (lp, rank) in entry.items()
+            tok: Logprob(lp, rank, text)
+            for (tok, (lp, rank)), text in zip(entry.items(), self._decoded(entry))
         }
 
     def _add_logprobs(
@@ -431,13 +435,11 @@ class OutputProcessor:
         if not isinstance(logprobs, FlatLogprobs):
             logprobs.extend(self._to_logprob_dict(e) for e in entries)
             return
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
         for e in entries:
             values = e.values()
-            texts = (
-                [decode([t], skip_special_tokens=False) for t in e] if decode else [None] * len(e)
+            logprobs.append_fast(
+                e, [v[0] for v in values], [v[1] for v in values], self._decoded(e)
             )
-            logprobs.append_fast(e, [v[0] for v in values], [v[1] for v in values], texts)
 
     def _completion(self, s: SampleState, delta: bool) -> CompletionOutput:
         text = ""
