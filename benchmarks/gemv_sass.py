@@ -75,18 +75,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n", type=int, default=28672)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--config", default=None, help="GemvConfig fields, comma-separated")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="GemvConfig fields, comma-separated: all of them, or FIELD=INT items on the rule's",
+    )
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, after the rest")
     ap.add_argument("--nvcc", default=None)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--sass", default=None, help="write the SASS here")
     args = ap.parse_args(argv)
-    if args.config:
-        cfg = GemvConfig(*(int(v) for v in args.config.split(",")))
-    else:
+    items = args.config.split(",") if args.config else []
+    if items and "=" not in items[0]:
+        cfg = GemvConfig(*(int(v) for v in items))
+    else:  # the rule's config, FIELD=INT items replacing its fields
         cfg = w4a16.gemv_config(args.m, args.n, args.k, args.group)
         if cfg is None:
             raise SystemExit(f"the rule takes no CUDA GEMV at m={args.m}")
+        cfg = cfg._replace(**{f: int(v) for f, v in (item.split("=", 1) for item in items)})
     mt = m_tiles(args.m)
     group_steps = w4a16_gemv.group_steps(args.group, args.k)
     d = w4a16_gemv.defines(True, True, mt, cfg, False, False, group_steps, False)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
     PAGODA_W4A16_CLUSTER_SPLIT: bool
+    PAGODA_W4A16_X_SMEM: bool
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
     PAGODA_L2_PREFETCH_MB: int
@@ -271,6 +272,14 @@ VARIABLES: dict[str, EnvVar] = {
             "thread-block cluster (distributed shared memory) instead of through global memory "
             "(a partial tile a split, the last CTA to arrive adding them); not yet timed on a GPU.",
             _flag("PAGODA_W4A16_CLUSTER_SPLIT", False),
+        ),
+        EnvVar(
+            "PAGODA_W4A16_X_SMEM", "flag", "0",
+            "1: the CUDA W4A16 GEMV (up to 8 rows, sm_90) copies x's rows whole into shared "
+            "memory where they fit in 72 KiB, its consumers reading each K step's x from there "
+            "instead of from global memory a step ahead (5-17% fewer instructions a step); not "
+            "yet timed on a GPU.",
+            _flag("PAGODA_W4A16_X_SMEM", False),
         ),
         EnvVar(
             "PAGODA_PDL", "flag", "1",
