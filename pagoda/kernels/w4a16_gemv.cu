@@ -113,24 +113,21 @@ __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int*
 }
 
 #if X_SMEM
-// The same from x's row in shared memory (`xrow`: its input 0), indices as in global memory.
+// x[row][k, +8) from the row in shared memory (`xrow`: its input 0), as `load_x` gives it.
 __device__ __forceinline__ uint4 load_x_smem(const unsigned char* xrow, const int* __restrict__ perm,
-                                             int k, bool valid) {
-  uint4 r;
-  r.x = r.y = r.z = r.w = 0u;
-  if (valid) {
+                                             int k) {
 #if HAS_PERM
-    const uint4 p0 = ld_nc_v4(perm + k), p1 = ld_nc_v4(perm + k + 4);
-    auto at = [&](int i) { return (u32) * reinterpret_cast<const u16*>(xrow + 2 * i); };
-    r.x = at(p0.x) | (at(p0.y) << 16);
-    r.y = at(p0.z) | (at(p0.w) << 16);
-    r.z = at(p1.x) | (at(p1.y) << 16);
-    r.w = at(p1.z) | (at(p1.w) << 16);
-#else
-    r = *reinterpret_cast<const uint4*>(xrow + 2 * k);
-#endif
-  }
+  const uint4 p0 = ld_nc_v4(perm + k), p1 = ld_nc_v4(perm + k + 4);
+  auto at = [&](int i) { return (u32) * reinterpret_cast<const u16*>(xrow + 2 * i); };
+  uint4 r;
+  r.x = at(p0.x) | (at(p0.y) << 16);
+  r.y = at(p0.z) | (at(p0.w) << 16);
+  r.z = at(p1.x) | (at(p1.y) << 16);
+  r.w = at(p1.z) | (at(p1.w) << 16);
   return r;
+#else
+  return *reinterpret_cast<const uint4*>(xrow + 2 * k);
+#endif
 }
 #endif
 
@@ -643,7 +640,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
 #if X_SMEM
-    const unsigned char* xrow_s = xs + min(g, M - 1) * XPITCH;  // lane row g's (xok: g < M)
+    // Lane row g's x row, rows past M reading row M - 1: a B column only ever reaches its own
+    // output column, and columns past M are never stored, so they need no zeros.
+    const unsigned char* xrow_s = xs + min(g, M - 1) * XPITCH;
     if (warp < steps) mbar_wait(smem_addr(&xfull), 0);
 #endif
     // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
@@ -695,7 +694,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       auto x_first = [&] {
 #pragma unroll
         for (int w = 0; w < 4; ++w)
-          xw[w] = load_x_smem(xrow_s, perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[0]);
+          xw[w] = load_x_smem(xrow_s, perm, (s0 + s) * STEP + 32 * t + 8 * w);
       };
       step_product(acc, wv, sc, zp, x_first, [&](int w, int) { return xw[w]; });
 #elif X_AHEAD
