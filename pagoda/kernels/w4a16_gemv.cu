@@ -4,7 +4,8 @@
 // nibble s + 4 (s = 0..3); scales [K/G, N] bf16 or fp16; zeros [K/G, N] u8.
 //
 // Swap-AB: the weight rows are the mma's 16-row A side, the activation rows its 8-column B
-// side (B columns past M are zero). A CTA owns 16 * ROW_TILES weight rows and all of K; its
+// side (B columns past M repeat row M - 1: a B column reaches only its own output column, and
+// columns past M are never stored). A CTA owns 16 * ROW_TILES weight rows and all of K; its
 // warps take K steps of 128 inputs in turn (warp w: steps w, w + WARPS, ...), DEPTH steps
 // per batch, every load of a batch issued before the first use, straight from global memory
 // into registers (no shared memory: each weight byte is used once, by the lane that loads it).
@@ -93,23 +94,20 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// x[row][k0 + 8w, +8) for lane (g, t)'s B fragment, zero for rows past M.
+// x[row][k0 + 8w, +8) for lane (g, t)'s B fragment.
 __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int* __restrict__ perm,
-                                        int k, bool valid) {
-  uint4 r;
-  r.x = r.y = r.z = r.w = 0u;
-  if (valid) {
+                                        int k) {
 #if HAS_PERM
-    const uint4 p0 = ld_nc_v4(perm + k), p1 = ld_nc_v4(perm + k + 4);
-    r.x = ld_nc_u16(xrow + p0.x) | (ld_nc_u16(xrow + p0.y) << 16);
-    r.y = ld_nc_u16(xrow + p0.z) | (ld_nc_u16(xrow + p0.w) << 16);
-    r.z = ld_nc_u16(xrow + p1.x) | (ld_nc_u16(xrow + p1.y) << 16);
-    r.w = ld_nc_u16(xrow + p1.z) | (ld_nc_u16(xrow + p1.w) << 16);
-#else
-    r = ld_nc_v4(xrow + k);
-#endif
-  }
+  const uint4 p0 = ld_nc_v4(perm + k), p1 = ld_nc_v4(perm + k + 4);
+  uint4 r;
+  r.x = ld_nc_u16(xrow + p0.x) | (ld_nc_u16(xrow + p0.y) << 16);
+  r.y = ld_nc_u16(xrow + p0.z) | (ld_nc_u16(xrow + p0.w) << 16);
+  r.z = ld_nc_u16(xrow + p1.x) | (ld_nc_u16(xrow + p1.y) << 16);
+  r.w = ld_nc_u16(xrow + p1.z) | (ld_nc_u16(xrow + p1.w) << 16);
   return r;
+#else
+  return ld_nc_v4(xrow + k);
+#endif
 }
 
 #if X_SMEM
@@ -131,14 +129,11 @@ __device__ __forceinline__ uint4 load_x_smem(const unsigned char* xrow, const in
 }
 #endif
 
-// Lane row g's x rows: row 8 mt + g for B tile mt (past M: row M - 1, loaded as zeros).
-__device__ __forceinline__ void x_rows(const u16* (&xrow)[M_TILES], bool (&xok)[M_TILES],
-                                       const u16* __restrict__ x, int M, int stride_x, int g) {
+// Lane row g's x rows: row 8 mt + g for B tile mt (past M: row M - 1, see the header).
+__device__ __forceinline__ void x_rows(const u16* (&xrow)[M_TILES], const u16* __restrict__ x,
+                                       int M, int stride_x, int g) {
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) {
-    xok[mt] = 8 * mt + g < M;
-    xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
-  }
+  for (int mt = 0; mt < M_TILES; ++mt) xrow[mt] = x + (long long)min(8 * mt + g, M - 1) * stride_x;
 }
 
 // The kernel's parameters (both variants below).
@@ -355,8 +350,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   }
 #endif
   const u16* xrow[M_TILES];
-  bool xok[M_TILES];
-  x_rows(xrow, xok, x, M, stride_x, g);
+  x_rows(xrow, x, M, stride_x, g);
 
   float acc[ROW_TILES][M_TILES][4];
 #pragma unroll
@@ -392,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
       const int s = s0 + d * WARPS;
       if (s < steps) {
         auto x_load = [&](int w, int mt) {
-          return load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w, xok[mt]);
+          return load_x(xrow[mt], perm, s * STEP + 32 * t + 8 * w);
         };
 #if X_EARLY && M_TILES <= 2  // all of the step's x loads before the first mma
         uint4 xv[4][M_TILES];
@@ -597,8 +591,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   {
 #endif
     const u16* xrow[M_TILES];
-    bool xok[M_TILES];
-    x_rows(xrow, xok, x, M, stride_x, g);
+    x_rows(xrow, x, M, stride_x, g);
     float acc[ROW_TILES][M_TILES][4];
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
@@ -634,14 +627,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       for (int w = 0; w < 4; ++w)
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
-          xv_[w][mt] = load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[mt]);
+          xv_[w][mt] = load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w);
 #endif
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
 #if X_SMEM
-    // Lane row g's x row, rows past M reading row M - 1: a B column only ever reaches its own
-    // output column, and columns past M are never stored, so they need no zeros.
     const unsigned char* xrow_s = xs + min(g, M - 1) * XPITCH;
     if (warp < steps) mbar_wait(smem_addr(&xfull), 0);
 #endif
@@ -701,7 +692,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #else
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) {
-        return load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w, xok[mt]);
+        return load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w);
       });
 #endif
 #if !SC_RING
