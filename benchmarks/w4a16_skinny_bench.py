@@ -95,7 +95,7 @@ def _build_gemv(job: tuple) -> str | None:
     m, cfg = job
     cfg = GemvConfig(*cfg)
     x = torch.empty(m, 2 * GROUP, device="cuda", dtype=torch.bfloat16)  # groups of one K step
-    reason = config_reason(cfg, x.device) or shape_reason(m, 4096, cfg)
+    reason = config_reason(cfg, x.device) or shape_reason(m, 4096, cfg, k=x.shape[1])
     if reason:
         return reason
     scales = torch.empty(1, 1, device="cuda", dtype=torch.float16)

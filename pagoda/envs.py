@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     PAGODA_CUDA_DECODE: bool
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
-    PAGODA_W4A16_CLUSTER_SPLIT: bool
+    PAGODA_W4A16_CLUSTER_SPLIT: int
     PAGODA_W4A16_X_SMEM: bool
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
@@ -267,11 +267,13 @@ VARIABLES: dict[str, EnvVar] = {
             _flag("PAGODA_W4A16_CUDA", True),
         ),
         EnvVar(
-            "PAGODA_W4A16_CLUSTER_SPLIT", "flag", "0",
-            "1: the CUDA W4A16 wgmma kernel sums a layer's K splits among the CTAs of a "
-            "thread-block cluster (distributed shared memory) instead of through global memory "
-            "(a partial tile a split, the last CTA to arrive adding them); not yet timed on a GPU.",
-            _flag("PAGODA_W4A16_CLUSTER_SPLIT", False),
+            "PAGODA_W4A16_CLUSTER_SPLIT", "int", "2",
+            "The largest K split of the CUDA W4A16 wgmma kernel whose partial tiles are summed "
+            "among the CTAs of a thread-block cluster (distributed shared memory; up to 8) "
+            "instead of through global memory (the last CTA to arrive adding them); 0 or 1 for "
+            "none. Two-way splits (down at 129-256 rows) were faster in a cluster, four- and "
+            "eight-way ones slower.",
+            _count("PAGODA_W4A16_CLUSTER_SPLIT", 2),
         ),
         EnvVar(
             "PAGODA_W4A16_X_SMEM", "flag", "0",

@@ -147,12 +147,16 @@ MAX_CLUSTER = 8  # CTAs of a cluster without the non-portable size attribute
 
 
 def split_mode(cfg: WgmmaConfig, split: int) -> int:
-    """How a tile's `split` K ranges are summed: among a cluster where `split` fits one
-    (`MAX_CLUSTER`) and the stages' shared memory holds a CTA's accumulators (warpgroups <=
-    stages), with PAGODA_W4A16_CLUSTER_SPLIT=1; else through global memory."""
+    """How a tile's `split` K ranges are summed: among a cluster where `split` is at most
+    PAGODA_W4A16_CLUSTER_SPLIT (2 by default) and `MAX_CLUSTER`, and the stages' shared memory
+    holds a CTA's accumulators (warpgroups <= stages); else through global memory. On an H100
+    (`benchmarks/results/h200/run102-x-smem/`) the cluster took a decode step of 256 rows
+    (down split in two) from 7.49 to 7.01 ms, and steps of 48-128 rows (splits of 4 and 8, every
+    rank held until the first has read its partials) from 3.61-5.12 to 4.03-6.05 ms."""
     if split <= 1:
         return SPLIT_NONE
-    if envs.PAGODA_W4A16_CLUSTER_SPLIT and split <= MAX_CLUSTER and cfg.warpgroups <= cfg.stages:
+    limit = min(envs.PAGODA_W4A16_CLUSTER_SPLIT, MAX_CLUSTER)
+    if split <= limit and cfg.warpgroups <= cfg.stages:
         return SPLIT_CLUSTER
     return SPLIT_GLOBAL
 

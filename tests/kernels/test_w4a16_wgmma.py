@@ -134,7 +134,7 @@ def test_a_split_summed_in_a_cluster_gives_the_global_sums_bits(
     w4, dense = _weights("awq", n, k, 128)
     x = torch.randn(150, k, device="cuda").to(torch.bfloat16)
     cfg = cfg._replace(split_k=split_k)
-    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "1")
+    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "8")
     assert w4a16_wgmma.split_mode(cfg, split_k) == w4a16_wgmma.SPLIT_CLUSTER
     cluster = _linear(x, w4, config=cfg)
     _assert_close(cluster, F.linear(x.float(), dense))
@@ -179,7 +179,7 @@ def test_wgmma_in_a_cuda_graph_replays_exactly() -> None:
     x = torch.randn(40, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replays_exactly(lambda: _linear(x, w4, config=WgmmaConfig(split_k=4)))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "1")
+        mp.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "8")
         assert_graph_replays_exactly(lambda: _linear(x, w4, config=WgmmaConfig(split_k=4)))
 
 
@@ -247,7 +247,7 @@ def test_configs_and_inputs_that_cannot_run_name_the_reason() -> None:
 
 
 def test_split_mode_takes_a_cluster_where_one_holds_the_split(monkeypatch) -> None:
-    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "1")
+    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "8")
     mode = w4a16_wgmma.split_mode
     assert mode(WgmmaConfig(), 1) == w4a16_wgmma.SPLIT_NONE
     assert mode(WgmmaConfig(), 8) == w4a16_wgmma.SPLIT_CLUSTER
@@ -257,6 +257,11 @@ def test_split_mode_takes_a_cluster_where_one_holds_the_split(monkeypatch) -> No
     assert mode(WgmmaConfig(warpgroups=4, stages=4), 2) == w4a16_wgmma.SPLIT_CLUSTER
     monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "0")
     assert mode(WgmmaConfig(), 2) == w4a16_wgmma.SPLIT_GLOBAL
+    monkeypatch.setenv("PAGODA_W4A16_CLUSTER_SPLIT", "1")
+    assert mode(WgmmaConfig(), 2) == w4a16_wgmma.SPLIT_GLOBAL
+    monkeypatch.delenv("PAGODA_W4A16_CLUSTER_SPLIT")  # the default: two-way splits only
+    assert mode(WgmmaConfig(), 2) == w4a16_wgmma.SPLIT_CLUSTER
+    assert mode(WgmmaConfig(), 4) == w4a16_wgmma.SPLIT_GLOBAL
 
 
 def test_the_rule_takes_the_wgmma_kernel_where_it_won() -> None:
