@@ -436,9 +436,7 @@ def gemv_config(
             sc_ring=sc_ring,
             min_warps=GEMV_MIN_WARPS if m <= 8 else 0,
             sc_prefetch=int(not sc_ring),
-            x_smem=int(
-                envs.PAGODA_W4A16_X_SMEM and m <= 8 and m * (2 * k + 32) <= w4a16_gemv.X_SMEM_LIMIT
-            ),
+            x_smem=_x_smem(m, k),
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(
@@ -450,6 +448,14 @@ def gemv_config(
         x_early=1,
         pdl=1,
     )
+
+
+def _x_smem(m: int, k: int) -> int:
+    """The GEMV's `x_smem` by PAGODA_W4A16_X_SMEM where x's m rows fit (`shape_reason`)."""
+    mode = envs.PAGODA_W4A16_X_SMEM
+    if mode not in (0, 1, 2):
+        raise ValueError(f"PAGODA_W4A16_X_SMEM must be 0, 1 or 2, got {mode}")
+    return mode if m <= 8 and m * (2 * k + 32) <= w4a16_gemv.X_SMEM_LIMIT else 0
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):

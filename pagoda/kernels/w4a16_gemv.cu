@@ -47,10 +47,13 @@
 // gate_up projection, rows [0, N/2) gate and [N/2, N) up; a CTA's row tile 0 is 16 gate rows,
 // its row tile 1 the same 16 up rows, and y [M, N/2] is silu(gate) * up: the activation in
 // the epilogue, no gate_up output and no second kernel), X_SMEM (with BULK and PRODUCER, up to
-// 8 rows: the producer copies x's M rows whole into shared memory after the ring, one bulk copy
-// a row, once the kernel before is done; the consumers read each step's x from there at its
-// start instead of loading it from global memory a step ahead: no x registers carried from one
-// step to the next, no 64-bit addresses in the loop for it).
+// 8 rows: x's M rows whole in shared memory after the ring, copied once the kernel before is
+// done, 1: by the producer, one bulk copy a row after its first STAGES chunks, 2: by the
+// consumers, 16-byte asynchronous copies (cp.async) spread over their threads, then a barrier
+// among them; either way the consumers read each step's x from there at its start instead of
+// loading it from global memory a step ahead: no x registers carried from one step to the
+// next, no 64-bit addresses in the loop for it. The producer's copy queues behind the weight
+// chunks it has asked for before; the consumers' do not).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
@@ -490,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * STAGE_BYTES
   auto ring = reinterpret_cast<unsigned char(*)[STAGE_BYTES]>(ring_bytes);
 #if X_SMEM
-  __shared__ __align__(8) unsigned long long xfull;  // x's rows in shared memory
+  __shared__ __align__(8) unsigned long long xfull;  // X_SMEM 1: x's rows in shared memory
   unsigned char* const xs = ring_bytes + STAGES * STAGE_BYTES;  // then M * XPITCH bytes
 #endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -521,7 +524,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       released[st] = 0;
 #endif
     }
-#if X_SMEM
+#if X_SMEM == 1
     mbar_init(smem_addr(&xfull), 1);
 #endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -569,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       if (c >= STAGES) mbar_wait(smem_addr(&empty[c % STAGES]), ((c / STAGES) - 1) & 1);
       fill(c);
     };
-#if X_SMEM
+#if X_SMEM == 1
     for (int c = 0; c < min(STAGES, chunks); ++c) fill(c);  // while the kernel before ends
     grid_wait();  // x is written by the kernel before
     if (steps > 0) {  // x's rows whole (every K, also with SPLITS: act order reads any of them)
@@ -632,9 +635,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
+#if X_SMEM == 1
+    if (warp < steps) mbar_wait(smem_addr(&xfull), 0);
+#elif X_SMEM == 2
+    {  // x's rows (all of K: act order reads any input), 16 bytes a copy, by every consumer
+      const int pieces = K / 8;
+      for (int i = threadIdx.x; i < M * pieces; i += WARPS * 32) {
+        const int r = i / pieces, p = i - r * pieces;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                         smem_addr(xs + r * XPITCH + 16 * p)),
+                     "l"(x + (long long)r * stride_x + 8 * p)
+                     : "memory");
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      asm volatile("bar.sync 1, %0;" ::"r"(WARPS * 32) : "memory");  // the consumers only
+    }
+#endif
 #if X_SMEM
     const unsigned char* xrow_s = xs + min(g, M - 1) * XPITCH;
-    if (warp < steps) mbar_wait(smem_addr(&xfull), 0);
 #endif
     // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
     // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these

@@ -69,10 +69,11 @@ class GemvConfig(NamedTuple):
     CTA's scale and zero-point rows into L2 at its start; splits (with bulk): the K steps of a
     tile split among a thread-block cluster of that many CTAs (up to 8), whose partial tiles
     one sums through distributed shared memory: more CTAs, each shorter, for layers with fewer
-    tiles than the SMs hold; x_smem (with bulk and the producer warp, up to 8 rows): 1 to have
-    the producer copy x's rows whole into shared memory (M * (2K + 32) bytes after the ring, up
-    to X_SMEM_LIMIT) once the kernel before is done, the consumers reading each K step's x from
-    there at the step's start instead of from global memory a step ahead."""
+    tiles than the SMs hold; x_smem (with bulk and the producer warp, up to 8 rows): x's rows
+    whole in shared memory (M * (2K + 32) bytes after the ring, up to X_SMEM_LIMIT), copied
+    once the kernel before is done, 1: by the producer (bulk copies behind its first chunks),
+    2: by the consumers (cp.async), the consumers reading each K step's x from there at the
+    step's start instead of from global memory a step ahead."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -117,7 +118,7 @@ def ring_bytes(cfg: GemvConfig) -> int:
 def x_smem_bytes(m: int, k: int, cfg: GemvConfig) -> int:
     """Dynamic shared memory of a CTA after the ring: with `x_smem`, x's m rows of k inputs
     (each padded by 32 bytes)."""
-    return cfg.x_smem * m * (2 * k + 32)
+    return m * (2 * k + 32) if cfg.x_smem else 0
 
 
 def threads(cfg: GemvConfig) -> int:
@@ -185,8 +186,8 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "producer=0 needs the bulk ring"
     if cfg.sc_prefetch and (not cfg.bulk or not cfg.producer or cfg.sc_ring):
         return "sc_prefetch needs the bulk ring's producer warp and no sc_ring"
-    if cfg.x_smem and (not cfg.bulk or not cfg.producer):
-        return "x_smem needs the bulk ring's producer warp"
+    if cfg.x_smem and (not cfg.bulk or not cfg.producer or cfg.x_smem not in (1, 2)):
+        return f"x_smem={cfg.x_smem}: 1 or 2, with the bulk ring's producer warp"
     if cfg.splits != 1 and (not cfg.bulk or not 1 <= cfg.splits <= 8):
         return f"splits={cfg.splits}: 2-8 with the bulk ring (a cluster of CTAs)"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
@@ -305,7 +306,7 @@ def _compile(
     build it."""
     d = defines(bf16, scales_bf16, mt, cfg, has_perm, has_bias, group_steps, silu_mul)
     what = "CUDA W4A16 kernel (the Triton kernels run instead)"
-    dynamic = ring_bytes(cfg) + cfg.x_smem * X_SMEM_LIMIT  # the most any call asks for
+    dynamic = ring_bytes(cfg) + (X_SMEM_LIMIT if cfg.x_smem else 0)  # the most a call asks for
     kernel = cuda_launch.build(source(), _KERNEL_NAME, d, what, dynamic)
     if kernel is not None and cfg.bulk:
         device = torch.cuda.current_device()

@@ -73,13 +73,15 @@ NO_PRODUCER = [
     GemvConfig(1, 8, bulk=1, stages=3, chunk=8, producer=0),
     GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, producer=0),
 ]
-# x's rows in shared memory (x_smem): sums by mma or not, one or two row tiles, 4 or 8 warps,
-# 2-3 stages, the scale rows prefetched, K split among a cluster.
+# x's rows in shared memory (x_smem, copied by the producer or by the consumers): sums by mma
+# or not, one or two row tiles, 4 or 8 warps, 2-3 stages, the scale rows prefetched, K split
+# among a cluster.
 X_SMEM = [
     GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_prefetch=1, x_smem=1),
-    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_prefetch=1, x_smem=1),
-    GemvConfig(1, 4, sum_mma=1, bulk=1, stages=3, chunk=4, x_smem=1),
+    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_prefetch=1, x_smem=2),
+    GemvConfig(1, 4, sum_mma=1, bulk=1, stages=3, chunk=4, x_smem=2),
     GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, splits=2, x_smem=1),
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_prefetch=1, x_smem=2),
 ]
 
 
@@ -484,8 +486,10 @@ def test_x_in_shared_memory_takes_up_to_8_rows_that_fit(monkeypatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.setattr(w4a16_gemv, "bulk_capable", lambda device: True)
     assert w4a16_gemv.config_reason(cfg, cpu) is None
+    assert w4a16_gemv.config_reason(cfg._replace(x_smem=2), cpu) is None
     assert "producer warp" in w4a16_gemv.config_reason(cfg._replace(producer=0), cpu)
     assert "producer warp" in w4a16_gemv.config_reason(GemvConfig(x_smem=1), cpu)
+    assert "1 or 2" in w4a16_gemv.config_reason(cfg._replace(x_smem=3), cpu)
     # m rows of 2K bytes and 32 of padding each, after the ring, up to X_SMEM_LIMIT.
     assert w4a16_gemv.x_smem_bytes(3, 4096, cfg) == 3 * (8192 + 32)
     assert w4a16_gemv.x_smem_bytes(3, 4096, cfg._replace(x_smem=0)) == 0
@@ -499,8 +503,13 @@ def test_x_in_shared_memory_takes_up_to_8_rows_that_fit(monkeypatch) -> None:
     # The rule takes it where PAGODA_W4A16_X_SMEM says so and the rows fit.
     monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "0")
     assert not gemv_config(1, 28672, 4096, 128).x_smem
+    monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "2")
+    assert gemv_config(1, 28672, 4096, 128).x_smem == 2
+    monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "3")
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        gemv_config(1, 28672, 4096, 128)
     monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "1")
-    assert gemv_config(1, 28672, 4096, 128).x_smem
+    assert gemv_config(1, 28672, 4096, 128).x_smem == 1
     assert gemv_config(8, 28672, 4096, 128).x_smem and not gemv_config(8, 4096, 8192, 128).x_smem
     assert gemv_config(2, 4096, 14336, 128).x_smem and not gemv_config(3, 4096, 14336, 128).x_smem
     assert not gemv_config(9, 4096, 1024, 128).x_smem
