@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
     PAGODA_W4A16_CLUSTER_SPLIT: int
-    PAGODA_W4A16_X_SMEM: int
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
     PAGODA_L2_PREFETCH_MB: int
@@ -274,15 +273,6 @@ VARIABLES: dict[str, EnvVar] = {
             "none. Two-way splits (down at 129-256 rows) were faster in a cluster, four- and "
             "eight-way ones slower.",
             _count("PAGODA_W4A16_CLUSTER_SPLIT", 2),
-        ),
-        EnvVar(
-            "PAGODA_W4A16_X_SMEM", "int", "0",
-            "1 or 2: the CUDA W4A16 GEMV (up to 8 rows, sm_90) copies x's rows whole into "
-            "shared memory where they fit in 72 KiB (1: by its producer warp's bulk copies, 2: "
-            "by its consumer warps' asynchronous copies), its consumers reading each K step's x "
-            "from there instead of from global memory a step ahead (5-17% fewer instructions a "
-            "step). 1 made single-stream AWQ decode 8% slower on an H100; 0: off.",
-            _count("PAGODA_W4A16_X_SMEM", 0),
         ),
         EnvVar(
             "PAGODA_PDL", "flag", "1",

@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda import envs
 from pagoda.kernels import w4a16_gemv, w4a16_wgmma
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
@@ -406,7 +405,6 @@ def gemv_config(
     scales and zero points sit at fixed offsets. Past 8 rows (two B tiles) a 9-warp CTA's
     registers hold it to one an SM, so a layer of more 32-row tiles than SMs takes 4 warps
     and 3 stages instead, two an SM in one round (qkv at 16 rows: 9.1 vs 11.5 us on the H100).
-    With PAGODA_W4A16_X_SMEM, x's rows in shared memory (`x_smem`) up to 8 rows where they fit.
 
     Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
     2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of
@@ -436,7 +434,6 @@ def gemv_config(
             sc_ring=sc_ring,
             min_warps=GEMV_MIN_WARPS if m <= 8 else 0,
             sc_prefetch=int(not sc_ring),
-            x_smem=_x_smem(m, k),
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(
@@ -448,14 +445,6 @@ def gemv_config(
         x_early=1,
         pdl=1,
     )
-
-
-def _x_smem(m: int, k: int) -> int:
-    """The GEMV's `x_smem` by PAGODA_W4A16_X_SMEM where x's m rows fit (`shape_reason`)."""
-    mode = envs.PAGODA_W4A16_X_SMEM
-    if mode not in (0, 1, 2):
-        raise ValueError(f"PAGODA_W4A16_X_SMEM must be 0, 1 or 2, got {mode}")
-    return mode if m <= 8 and m * (2 * k + 32) <= w4a16_gemv.X_SMEM_LIMIT else 0
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132, elem_bytes=2):
@@ -737,7 +726,7 @@ def _gemv_kernel(
     reason = w4a16_gemv.unsupported_reason(x, qweight, scales, bias, group_size)
     reason = reason or w4a16_gemv.config_reason(cfg, x.device)
     reason = reason or w4a16_gemv.layout_reason(cfg, scales, zeros)
-    reason = reason or w4a16_gemv.shape_reason(m, n, cfg, silu_mul, k=x.shape[1])
+    reason = reason or w4a16_gemv.shape_reason(m, n, cfg, silu_mul)
     if reason:
         return None, reason
     has_perm, has_bias = perm is not None, bias is not None

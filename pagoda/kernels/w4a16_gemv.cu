@@ -46,24 +46,13 @@
 // SILU_MUL (with BULK and ROW_TILES 2, without SC_RING: the layer is a merged
 // gate_up projection, rows [0, N/2) gate and [N/2, N) up; a CTA's row tile 0 is 16 gate rows,
 // its row tile 1 the same 16 up rows, and y [M, N/2] is silu(gate) * up: the activation in
-// the epilogue, no gate_up output and no second kernel), X_SMEM (with BULK and PRODUCER, up to
-// 8 rows: x's M rows whole in shared memory after the ring, copied once the kernel before is
-// done, 1: by the producer, one bulk copy a row after its first STAGES chunks, 2: by the
-// consumers, 16-byte asynchronous copies (cp.async) spread over their threads, then a barrier
-// among them; either way the consumers read each step's x from there at its start instead of
-// loading it from global memory a step ahead: no x registers carried from one step to the
-// next, no 64-bit addresses in the loop for it. The producer's copy queues behind the weight
-// chunks it has asked for before; the consumers' do not).
+// the epilogue, no gate_up output and no second kernel).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
 #if SILU_MUL && (!BULK || ROW_TILES != 2 || SC_RING)
 #error "SILU_MUL needs BULK, ROW_TILES 2 and no SC_RING"
 #endif
-#if X_SMEM && (!BULK || !PRODUCER || M_TILES != 1)
-#error "X_SMEM needs BULK, PRODUCER and at most 8 rows"
-#endif
-#define X_AHEAD (X_EARLY && !X_SMEM)  // a step's x loaded into registers a step ahead
 #define SUB_ZERO (!SUM_MMA)  // the zero point subtracted from every weight
 #define STEP 128  // inputs per K step
 #define GROUP_OF(s) (GROUP_STEPS ? (s) / GROUP_STEPS : 0)  // the group of K step s
@@ -112,25 +101,6 @@ __device__ __forceinline__ uint4 load_x(const u16* __restrict__ xrow, const int*
   return ld_nc_v4(xrow + k);
 #endif
 }
-
-#if X_SMEM
-// x[row][k, +8) from the row in shared memory (`xrow`: its input 0), as `load_x` gives it.
-__device__ __forceinline__ uint4 load_x_smem(const unsigned char* xrow, const int* __restrict__ perm,
-                                             int k) {
-#if HAS_PERM
-  const uint4 p0 = ld_nc_v4(perm + k), p1 = ld_nc_v4(perm + k + 4);
-  auto at = [&](int i) { return (u32) * reinterpret_cast<const u16*>(xrow + 2 * i); };
-  uint4 r;
-  r.x = at(p0.x) | (at(p0.y) << 16);
-  r.y = at(p0.z) | (at(p0.w) << 16);
-  r.z = at(p1.x) | (at(p1.y) << 16);
-  r.w = at(p1.z) | (at(p1.w) << 16);
-  return r;
-#else
-  return *reinterpret_cast<const uint4*>(xrow + 2 * k);
-#endif
-}
-#endif
 
 // Lane row g's x rows: row 8 mt + g for B tile mt (past M: row M - 1, see the header).
 __device__ __forceinline__ void x_rows(const u16* (&xrow)[M_TILES], const u16* __restrict__ x,
@@ -449,9 +419,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #define SC_OFFSET (ROWS * PITCH)                   // a stage's scales: [CHUNK][ROWS] 16-bit
 #define ZP_OFFSET (SC_OFFSET + CHUNK * ROWS * 2)  // its zero points: [CHUNK][ROWS] u8
 #define STAGE_BYTES (SC_RING ? ZP_OFFSET + CHUNK * ROWS : ROWS * PITCH)
-// With X_SMEM x's rows follow the ring, XPITCH bytes apart (32 past a row: rows g and g + 1 of
-// a 16-byte load's phase on different banks).
-#define XPITCH (2 * K + 32)
 
 // The CTA's scale and zero-point rows (one of each a group) asked into L2, so that the
 // consumers' loads of them, a step ahead, wait for L2 rather than for memory: the 128-byte
@@ -492,10 +459,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #endif
   extern __shared__ __align__(128) unsigned char ring_bytes[];  // dynamic: STAGES * STAGE_BYTES
   auto ring = reinterpret_cast<unsigned char(*)[STAGE_BYTES]>(ring_bytes);
-#if X_SMEM
-  __shared__ __align__(8) unsigned long long xfull;  // X_SMEM 1: x's rows in shared memory
-  unsigned char* const xs = ring_bytes + STAGES * STAGE_BYTES;  // then M * XPITCH bytes
-#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   // The last CTA's rows end at N (N >= ROWS): it repeats some of the CTA's before it, with the
@@ -524,9 +487,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       released[st] = 0;
 #endif
     }
-#if X_SMEM == 1
-    mbar_init(smem_addr(&xfull), 1);
-#endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -568,25 +528,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       prefetch_group_rows(scales, zeros, N, n0, SILU_MUL ? RT_OFF : 0, GROUP_OF(s0),
                           GROUP_OF(s0 + steps - 1), lane);
 #endif
-    auto refill = [&](int c) {
-      if (c >= STAGES) mbar_wait(smem_addr(&empty[c % STAGES]), ((c / STAGES) - 1) & 1);
+    for (int c = 0; c < chunks; ++c) {
+      const int st = c % STAGES;
+      if (c >= STAGES) mbar_wait(smem_addr(&empty[st]), ((c / STAGES) - 1) & 1);
       fill(c);
-    };
-#if X_SMEM == 1
-    for (int c = 0; c < min(STAGES, chunks); ++c) fill(c);  // while the kernel before ends
-    grid_wait();  // x is written by the kernel before
-    if (steps > 0) {  // x's rows whole (every K, also with SPLITS: act order reads any of them)
-      if (lane == 0) mbar_expect_tx(smem_addr(&xfull), M * K * 2);
-      __syncwarp();
-      if (lane < M)
-        bulk_load(smem_addr(xs + lane * XPITCH), x + (long long)lane * stride_x, K * 2,
-                  smem_addr(&xfull));
     }
-    for (int c = STAGES; c < chunks; ++c) refill(c);
-#else
-    for (int c = 0; c < chunks; ++c) refill(c);
     grid_wait();  // before its share of the stores of y
-#endif
   } else {
 #else
   if (warp == 0)
@@ -603,11 +550,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.f;
 
-    // Step s's x (with X_AHEAD; else each word's x at its turn in the step: 16 * M_TILES
-    // registers fewer, or with X_SMEM at the step's start from shared memory) and without
-    // SC_RING its scales and zero points, loaded a step ahead.
+    // Step s's x (with X_EARLY; else each word's x at its turn in the step: 16 * M_TILES
+    // registers fewer) and without SC_RING its scales and zero points, loaded a step ahead.
     u32 sc[ROW_TILES][2], zp[ROW_TILES][2];
-#if !X_AHEAD
+#if !X_EARLY
     typedef int XRegs;  // no x registers
     XRegs xv = 0;
 #else
@@ -625,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           zp_[rt][h] = ld_nc_u8(zeros + at + RT_OFF * rt + 8 * h);
         }
 #endif
-#if X_AHEAD
+#if X_EARLY
 #pragma unroll
       for (int w = 0; w < 4; ++w)
 #pragma unroll
@@ -635,25 +581,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     };
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
-#if X_SMEM == 1
-    if (warp < steps) mbar_wait(smem_addr(&xfull), 0);
-#elif X_SMEM == 2
-    {  // x's rows (all of K: act order reads any input), 16 bytes a copy, by every consumer
-      const int pieces = K / 8;
-      for (int i = threadIdx.x; i < M * pieces; i += WARPS * 32) {
-        const int r = i / pieces, p = i - r * pieces;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                         smem_addr(xs + r * XPITCH + 16 * p)),
-                     "l"(x + (long long)r * stride_x + 8 * p)
-                     : "memory");
-      }
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      asm volatile("bar.sync 1, %0;" ::"r"(WARPS * 32) : "memory");  // the consumers only
-    }
-#endif
-#if X_SMEM
-    const unsigned char* xrow_s = xs + min(g, M - 1) * XPITCH;
-#endif
     // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
     // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
     // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
@@ -698,15 +625,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
         }
 #endif
       }
-#if X_SMEM  // the step's x at its start (the weights' loads above issued before)
-      uint4 xw[4];
-      auto x_first = [&] {
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-          xw[w] = load_x_smem(xrow_s, perm, (s0 + s) * STEP + 32 * t + 8 * w);
-      };
-      step_product(acc, wv, sc, zp, x_first, [&](int w, int) { return xw[w]; });
-#elif X_AHEAD
+#if X_EARLY
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) { return xv[w][mt]; });
 #else
       step_product(acc, wv, sc, zp, [] {}, [&](int w, int mt) {
@@ -722,7 +641,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           zp[rt][h] = nzp[rt][h];
         }
 #endif
-#if X_AHEAD
+#if X_EARLY
 #pragma unroll
       for (int w = 0; w < 4; ++w)
 #pragma unroll

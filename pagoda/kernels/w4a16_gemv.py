@@ -42,7 +42,6 @@ MAX_M = 64
 SMEM_LIMIT = 48 * 1024  # static shared memory of a CTA (the warps' tiles, summed at the end)
 RING_LIMIT = 200 * 1024  # dynamic shared memory of a CTA (the bulk ring)
 CTA_SMEM_LIMIT = 227 * 1024  # static + dynamic shared memory of a CTA on sm_90
-X_SMEM_LIMIT = 72 * 1024  # x's rows in shared memory (`GemvConfig.x_smem`)
 STEP = 128  # inputs per K step of the kernel
 
 
@@ -69,11 +68,7 @@ class GemvConfig(NamedTuple):
     CTA's scale and zero-point rows into L2 at its start; splits (with bulk): the K steps of a
     tile split among a thread-block cluster of that many CTAs (up to 8), whose partial tiles
     one sums through distributed shared memory: more CTAs, each shorter, for layers with fewer
-    tiles than the SMs hold; x_smem (with bulk and the producer warp, up to 8 rows): x's rows
-    whole in shared memory (M * (2K + 32) bytes after the ring, up to X_SMEM_LIMIT), copied
-    once the kernel before is done, 1: by the producer (bulk copies behind its first chunks),
-    2: by the consumers (cp.async), the consumers reading each K step's x from there at the
-    step's start instead of from global memory a step ahead."""
+    tiles than the SMs hold."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -90,7 +85,6 @@ class GemvConfig(NamedTuple):
     min_warps: int = 0
     sc_prefetch: int = 0
     splits: int = 1
-    x_smem: int = 0
 
 
 def enabled() -> bool:
@@ -113,12 +107,6 @@ def ring_bytes(cfg: GemvConfig) -> int:
     chunk padded by 64 bytes; with `sc_ring` also a chunk's scales and zero points)."""
     rows = 16 * cfg.row_tiles
     return cfg.bulk * cfg.stages * rows * (cfg.chunk * 64 + 64 + cfg.sc_ring * 3 * cfg.chunk)
-
-
-def x_smem_bytes(m: int, k: int, cfg: GemvConfig) -> int:
-    """Dynamic shared memory of a CTA after the ring: with `x_smem`, x's m rows of k inputs
-    (each padded by 32 bytes)."""
-    return m * (2 * k + 32) if cfg.x_smem else 0
 
 
 def threads(cfg: GemvConfig) -> int:
@@ -186,8 +174,6 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "producer=0 needs the bulk ring"
     if cfg.sc_prefetch and (not cfg.bulk or not cfg.producer or cfg.sc_ring):
         return "sc_prefetch needs the bulk ring's producer warp and no sc_ring"
-    if cfg.x_smem and (not cfg.bulk or not cfg.producer or cfg.x_smem not in (1, 2)):
-        return f"x_smem={cfg.x_smem}: 1 or 2, with the bulk ring's producer warp"
     if cfg.splits != 1 and (not cfg.bulk or not 1 <= cfg.splits <= 8):
         return f"splits={cfg.splits}: 2-8 with the bulk ring (a cluster of CTAs)"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
@@ -218,27 +204,14 @@ def group_steps(group_size: int, k: int) -> int:
     return 0 if group_size >= k else group_size // STEP
 
 
-def shape_reason(
-    m: int, n: int, cfg: GemvConfig, silu_mul: bool = False, k: int | None = None
-) -> str | None:
-    """Why `cfg` cannot take m activation rows and n weight rows (of k inputs: needed with
-    `x_smem`), or None; with `silu_mul`, as a merged gate_up layer whose output is
-    silu(gate) * up (see `w4a16_gemv`)."""
+def shape_reason(m: int, n: int, cfg: GemvConfig, silu_mul: bool = False) -> str | None:
+    """Why `cfg` cannot take m activation rows and n weight rows, or None; with `silu_mul`,
+    as a merged gate_up layer whose output is silu(gate) * up (see `w4a16_gemv`)."""
     smem = smem_bytes(m_tiles(m), cfg)
     if smem > SMEM_LIMIT:
         return f"{m} rows need {smem} bytes of static shared memory > {SMEM_LIMIT}"
-    if cfg.x_smem:
-        if k is None:
-            raise ValueError("shape_reason: x_smem needs k")
-        if m > 8:
-            return f"x_smem takes up to 8 rows, got {m}"
-        if x_smem_bytes(m, k, cfg) > X_SMEM_LIMIT:
-            return (
-                f"x_smem: {m} rows of K={k} need {x_smem_bytes(m, k, cfg)} bytes > {X_SMEM_LIMIT}"
-            )
-    dynamic = ring_bytes(cfg) + (x_smem_bytes(m, k, cfg) if cfg.x_smem else 0)
-    if smem + dynamic > CTA_SMEM_LIMIT:
-        return f"{smem + dynamic} bytes of shared memory a CTA > {CTA_SMEM_LIMIT}"
+    if smem + ring_bytes(cfg) > CTA_SMEM_LIMIT:
+        return f"{smem + ring_bytes(cfg)} bytes of shared memory a CTA > {CTA_SMEM_LIMIT}"
     if cfg.bulk and n < 16 * cfg.row_tiles:
         return f"N={n} < the {16 * cfg.row_tiles} rows of a CTA (bulk)"
     if silu_mul:
@@ -279,7 +252,6 @@ def defines(
         "MIN_WARPS": cfg.min_warps,
         "SC_PREFETCH": cfg.sc_prefetch,
         "SPLITS": cfg.splits,
-        "X_SMEM": cfg.x_smem,
         "GROUP_STEPS": group_steps,
         "SILU_MUL": int(silu_mul),
         "HAS_PERM": int(has_perm),
@@ -306,11 +278,10 @@ def _compile(
     build it."""
     d = defines(bf16, scales_bf16, mt, cfg, has_perm, has_bias, group_steps, silu_mul)
     what = "CUDA W4A16 kernel (the Triton kernels run instead)"
-    dynamic = ring_bytes(cfg) + (X_SMEM_LIMIT if cfg.x_smem else 0)  # the most a call asks for
-    kernel = cuda_launch.build(source(), _KERNEL_NAME, d, what, dynamic)
+    kernel = cuda_launch.build(source(), _KERNEL_NAME, d, what, ring_bytes(cfg))
     if kernel is not None and cfg.bulk:
         device = torch.cuda.current_device()
-        cuda_launch.fit_shared_carveout(kernel.func, threads(cfg), dynamic, device)
+        cuda_launch.fit_shared_carveout(kernel.func, threads(cfg), ring_bytes(cfg), device)
     return kernel
 
 
@@ -371,8 +342,8 @@ def w4a16_gemv(
     tiles = -(-n // 2 // 16) if silu_mul else -(-n // (16 * cfg.row_tiles))
     pdl = bool(cfg.pdl) and pdl_enabled(x)
     cluster = (1, cfg.splits, 1) if cfg.splits > 1 else None
-    smem = ring_bytes(cfg) + x_smem_bytes(m, k, cfg)
     cuda_launch.launch(
-        kernel.func, (tiles, cfg.splits, 1), threads(cfg), smem, args, x.device, pdl, cluster
-    )
+        kernel.func, (tiles, cfg.splits, 1), threads(cfg), ring_bytes(cfg), args, x.device, pdl,
+        cluster,
+    )  # fmt: skip
     return y

@@ -73,16 +73,6 @@ NO_PRODUCER = [
     GemvConfig(1, 8, bulk=1, stages=3, chunk=8, producer=0),
     GemvConfig(2, 4, bulk=1, stages=3, chunk=4, pdl=1, producer=0),
 ]
-# x's rows in shared memory (x_smem, copied by the producer or by the consumers): sums by mma
-# or not, one or two row tiles, 4 or 8 warps, 2-3 stages, the scale rows prefetched, K split
-# among a cluster.
-X_SMEM = [
-    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_prefetch=1, x_smem=1),
-    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_prefetch=1, x_smem=2),
-    GemvConfig(1, 4, sum_mma=1, bulk=1, stages=3, chunk=4, x_smem=2),
-    GemvConfig(2, 8, bulk=1, stages=2, chunk=16, pdl=1, splits=2, x_smem=1),
-    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_prefetch=1, x_smem=2),
-]
 
 
 def _weights(fmt: str, n: int, k: int, group: int, seed: int = 0):
@@ -161,7 +151,6 @@ def test_silu_and_mul_in_the_gemv_matches(fmt: str, m: int, half: int) -> None:
         GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1),
         GemvConfig(2, 8, bulk=1, stages=3, chunk=16, splits=2),
         GemvConfig(2, 4, bulk=1, stages=2, chunk=8, sc_prefetch=1),  # gate and up rows
-        *(X_SMEM[:2] if m <= 8 else ()),
     ):
         _assert_close(w4a16_silu_and_mul(*args, config=cfg), ref)
     with pytest.raises(ValueError, match="2 row tiles"):
@@ -264,27 +253,6 @@ def test_k_split_among_a_cluster_matches(
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", X_SMEM, ids=str)
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize(("k", "group"), [(640, 128), (1920, 256), (1920, 1920)])
-def test_x_in_shared_memory_gives_the_same_bits(
-    cfg: GemvConfig, fmt: str, m: int, k: int, group: int
-) -> None:
-    # The same products summed in the same order as with x read from global memory: equal bit
-    # for bit (act order gathering x from shared memory), and close to the reference.
-    n = 208
-    w4, dense = _weights(fmt, n, k, group, seed=m + k)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if m % 2 else None
-    out = _linear(x, w4, bias, cfg)
-    assert torch.equal(out, _linear(x, w4, bias, cfg._replace(x_smem=0)))
-    ref = F.linear(x.float(), dense, None if bias is None else bias.float())
-    _assert_close(out, ref)
-
-
-@gpu
-@pytest.mark.gpu
 def test_ring_without_producer_fits_four_ctas_an_sm() -> None:
     """Without the producer warp a 4-warp CTA keeps to 128 registers and asks for the shared
     memory of as many CTAs as those allow (`cuda_launch.fit_shared_carveout`): 4 an SM, where
@@ -343,8 +311,8 @@ def test_gemv_at_llama8b_shapes_matches_the_triton_kernel(name: str, m: int) -> 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [None, BULK, SC_RING[1], NO_PRODUCER[0], SPLITS[1], X_SMEM[0]],
-    ids=["default", "bulk", "sc_ring", "no_producer", "splits", "x_smem"],
+    [None, BULK, SC_RING[1], NO_PRODUCER[0], SPLITS[1]],
+    ids=["default", "bulk", "sc_ring", "no_producer", "splits"],
 )
 def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
     w4, _ = _weights("gptq_act_order", 512, 1024, 128)
@@ -356,7 +324,7 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [GemvConfig(pdl=1), *LAUNCHES[-2:], SC_RING[0], NO_PRODUCER[3], SPLITS[0], *X_SMEM[:2]],
+    [GemvConfig(pdl=1), *LAUNCHES[-2:], SC_RING[0], NO_PRODUCER[3], SPLITS[0]],
     ids=str,
 )
 def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
@@ -479,40 +447,6 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     zeros = torch.zeros(2, 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match="CUDA kernel cannot run"):
         w4a16_linear(x, qweight, scales, zeros, 128, config=GemvConfig())
-
-
-def test_x_in_shared_memory_takes_up_to_8_rows_that_fit(monkeypatch) -> None:
-    cfg = X_SMEM[0]
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(w4a16_gemv, "bulk_capable", lambda device: True)
-    assert w4a16_gemv.config_reason(cfg, cpu) is None
-    assert w4a16_gemv.config_reason(cfg._replace(x_smem=2), cpu) is None
-    assert "producer warp" in w4a16_gemv.config_reason(cfg._replace(producer=0), cpu)
-    assert "producer warp" in w4a16_gemv.config_reason(GemvConfig(x_smem=1), cpu)
-    assert "1 or 2" in w4a16_gemv.config_reason(cfg._replace(x_smem=3), cpu)
-    # m rows of 2K bytes and 32 of padding each, after the ring, up to X_SMEM_LIMIT.
-    assert w4a16_gemv.x_smem_bytes(3, 4096, cfg) == 3 * (8192 + 32)
-    assert w4a16_gemv.x_smem_bytes(3, 4096, cfg._replace(x_smem=0)) == 0
-    assert w4a16_gemv.shape_reason(8, 4096, cfg, k=4096) is None
-    assert "131328 bytes > 73728" in w4a16_gemv.shape_reason(8, 4096, cfg, k=8192)
-    assert "up to 8 rows" in w4a16_gemv.shape_reason(9, 4096, cfg, k=1024)
-    assert w4a16_gemv.shape_reason(2, 4096, cfg, k=14336) is None
-    assert "bytes >" in w4a16_gemv.shape_reason(3, 4096, cfg, k=14336)
-    with pytest.raises(ValueError, match="needs k"):
-        w4a16_gemv.shape_reason(1, 4096, cfg)
-    # The rule takes it where PAGODA_W4A16_X_SMEM says so and the rows fit.
-    monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "0")
-    assert not gemv_config(1, 28672, 4096, 128).x_smem
-    monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "2")
-    assert gemv_config(1, 28672, 4096, 128).x_smem == 2
-    monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "3")
-    with pytest.raises(ValueError, match="0, 1 or 2"):
-        gemv_config(1, 28672, 4096, 128)
-    monkeypatch.setenv("PAGODA_W4A16_X_SMEM", "1")
-    assert gemv_config(1, 28672, 4096, 128).x_smem == 1
-    assert gemv_config(8, 28672, 4096, 128).x_smem and not gemv_config(8, 4096, 8192, 128).x_smem
-    assert gemv_config(2, 4096, 14336, 128).x_smem and not gemv_config(3, 4096, 14336, 128).x_smem
-    assert not gemv_config(9, 4096, 1024, 128).x_smem
 
 
 def test_scales_through_the_ring_need_whole_16_byte_rows(monkeypatch) -> None:
