@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     PAGODA_W4A16: bool
     PAGODA_W4A16_CUDA: bool
     PAGODA_W4A16_CLUSTER_SPLIT: int
+    PAGODA_W4A16_SC_EARLY: bool
     PAGODA_PDL: bool
     PAGODA_W4A16_SILU: bool
     PAGODA_L2_PREFETCH_MB: int
@@ -273,6 +274,13 @@ VARIABLES: dict[str, EnvVar] = {
             "none. Two-way splits (down at 129-256 rows) were faster in a cluster, four- and "
             "eight-way ones slower.",
             _count("PAGODA_W4A16_CLUSTER_SPLIT", 2),
+        ),
+        EnvVar(
+            "PAGODA_W4A16_SC_EARLY", "flag", "0",
+            "1: the CUDA W4A16 GEMV's consumers load their first K step's scales and zero "
+            "points before waiting for the kernel before them (programmatic dependent launch), "
+            "so that only x's load follows that wait; not yet timed on a GPU.",
+            _flag("PAGODA_W4A16_SC_EARLY", False),
         ),
         EnvVar(
             "PAGODA_PDL", "flag", "1",

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import envs
 from pagoda.kernels import w4a16_gemv, w4a16_wgmma
 from pagoda.kernels.skinny_gemm import (
     SMEM_BUDGET,
@@ -405,6 +406,7 @@ def gemv_config(
     scales and zero points sit at fixed offsets. Past 8 rows (two B tiles) a 9-warp CTA's
     registers hold it to one an SM, so a layer of more 32-row tiles than SMs takes 4 warps
     and 3 stages instead, two an SM in one round (qkv at 16 rows: 9.1 vs 11.5 us on the H100).
+    With PAGODA_W4A16_SC_EARLY its consumers load their first scales before the PDL wait.
 
     Without (before sm_90), the register kernel, from the H200 sweep (43 configs, M = 1..32):
     2 K steps per batch; 16-row tiles up to 4 rows, 32-row ones above; 4 warps for layers of
@@ -434,6 +436,7 @@ def gemv_config(
             sc_ring=sc_ring,
             min_warps=GEMV_MIN_WARPS if m <= 8 else 0,
             sc_prefetch=int(not sc_ring),
+            sc_early=int(envs.PAGODA_W4A16_SC_EARLY),
         )
     row_tiles = 1 if m <= 4 else 2
     return GemvConfig(

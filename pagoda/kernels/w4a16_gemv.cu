@@ -46,7 +46,9 @@
 // SILU_MUL (with BULK and ROW_TILES 2, without SC_RING: the layer is a merged
 // gate_up projection, rows [0, N/2) gate and [N/2, N) up; a CTA's row tile 0 is 16 gate rows,
 // its row tile 1 the same 16 up rows, and y [M, N/2] is silu(gate) * up: the activation in
-// the epilogue, no gate_up output and no second kernel).
+// the epilogue, no gate_up output and no second kernel), SC_EARLY (with BULK: a consumer loads
+// its first step's scales and zero points before waiting for the kernel before, which they do
+// not depend on, so that only x's load follows that wait).
 // The helpers of `w4a16_device.cuh` are put before this source.
 
 #define ROWS (16 * ROW_TILES)
@@ -560,7 +562,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     typedef uint4 XRegs[4][M_TILES];
     XRegs xv;
 #endif
-    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
+    auto load_sc = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2]) {
 #if !SC_RING
       const int at = GROUP_OF(s0 + s) * N + n0 + g;  // row g's
 #pragma unroll
@@ -571,6 +573,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           zp_[rt][h] = ld_nc_u8(zeros + at + RT_OFF * rt + 8 * h);
         }
 #endif
+    };
+    auto load_xs = [&](int s, XRegs& xv_) {
 #if X_EARLY
 #pragma unroll
       for (int w = 0; w < 4; ++w)
@@ -579,13 +583,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
           xv_[w][mt] = load_x(xrow[mt], perm, (s0 + s) * STEP + 32 * t + 8 * w);
 #endif
     };
+    auto load_step = [&](int s, u32(&sc_)[ROW_TILES][2], u32(&zp_)[ROW_TILES][2], XRegs& xv_) {
+      load_sc(s, sc_, zp_);
+      load_xs(s, xv_);
+    };
+#if SC_EARLY  // the first step's scales and zero points while the kernel before ends
+    if (warp < steps) load_sc(warp, sc, zp);
+#endif
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
     // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
     // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
     // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
     // with a loop body twice as long, on an H100.)
+#if SC_EARLY
+    if (warp < steps) load_xs(warp, xv);
+#else
     if (warp < steps) load_step(warp, sc, zp, xv);
+#endif
     for (int s = warp; s < steps; s += WARPS) {
       const int c = s / CHUNK, st = c % STAGES;
       u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];

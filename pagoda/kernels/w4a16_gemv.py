@@ -68,7 +68,9 @@ class GemvConfig(NamedTuple):
     CTA's scale and zero-point rows into L2 at its start; splits (with bulk): the K steps of a
     tile split among a thread-block cluster of that many CTAs (up to 8), whose partial tiles
     one sums through distributed shared memory: more CTAs, each shorter, for layers with fewer
-    tiles than the SMs hold."""
+    tiles than the SMs hold; sc_early (with bulk): 1 to have each consumer load its first K
+    step's scales and zero points before it waits for the kernel before (PDL), so that only
+    x's load follows that wait."""
 
     row_tiles: int = 1
     warps: int = 8
@@ -85,6 +87,7 @@ class GemvConfig(NamedTuple):
     min_warps: int = 0
     sc_prefetch: int = 0
     splits: int = 1
+    sc_early: int = 0
 
 
 def enabled() -> bool:
@@ -174,6 +177,8 @@ def config_reason(cfg: GemvConfig, device: torch.device) -> str | None:
         return "producer=0 needs the bulk ring"
     if cfg.sc_prefetch and (not cfg.bulk or not cfg.producer or cfg.sc_ring):
         return "sc_prefetch needs the bulk ring's producer warp and no sc_ring"
+    if cfg.sc_early and not cfg.bulk:
+        return "sc_early needs the bulk ring (the register kernel loads its first batch early)"
     if cfg.splits != 1 and (not cfg.bulk or not 1 <= cfg.splits <= 8):
         return f"splits={cfg.splits}: 2-8 with the bulk ring (a cluster of CTAs)"
     if cfg.bulk and (cfg.chunk % cfg.warps or cfg.chunk % 2 or cfg.stages < 1):
@@ -252,6 +257,7 @@ def defines(
         "MIN_WARPS": cfg.min_warps,
         "SC_PREFETCH": cfg.sc_prefetch,
         "SPLITS": cfg.splits,
+        "SC_EARLY": cfg.sc_early,
         "GROUP_STEPS": group_steps,
         "SILU_MUL": int(silu_mul),
         "HAS_PERM": int(has_perm),

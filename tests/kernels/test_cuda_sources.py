@@ -97,12 +97,18 @@ def test_w4a16_gemv_compiles(tmp_path) -> None:
 
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_w4a16_gemv_rule_configs_compile_without_spills(tmp_path, m, silu_mul) -> None:
+@pytest.mark.parametrize("sc_early", ["0", "1"])
+def test_w4a16_gemv_rule_configs_compile_without_spills(
+    tmp_path, monkeypatch, m, silu_mul, sc_early
+) -> None:
     """The rule's config of a 4-bit gate_up layer (sm_90: the ring, the scale rows asked into
-    L2), as a GEMV and with silu(gate) * up in its epilogue."""
+    L2), as a GEMV and with silu(gate) * up in its epilogue, with and without the first scales
+    loaded early (PAGODA_W4A16_SC_EARLY)."""
     from pagoda.kernels.w4a16 import gemv_config
 
+    monkeypatch.setenv("PAGODA_W4A16_SC_EARLY", sc_early)
     cfg = gemv_config(m, 28672, 4096, 128)
+    assert cfg.sc_early == int(sc_early)
     m_tiles = -(-m // 8)
     defines = w4a16_gemv.defines(True, True, m_tiles, cfg, False, False, 1, silu_mul)
     log = _nvcc(tmp_path, w4a16_gemv.source(), defines)

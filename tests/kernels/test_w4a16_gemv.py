@@ -32,7 +32,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 # Launch shapes and code paths: row tiles, warps, depth, L2 prefetch, sums by mma, early x;
 # weights through the shared-memory ring (bulk), its stages and chunk, registers held to 20-36
 # resident warps an SM, the scale rows prefetched into L2, x at each word's turn (x_early=0);
-# programmatic dependent launch (pdl).
+# programmatic dependent launch (pdl), the first scales loaded before its wait (sc_early).
 LAUNCHES = [
     GemvConfig(),
     GemvConfig(2, 4, 2, 0, 0, 0),
@@ -48,6 +48,8 @@ LAUNCHES = [
     GemvConfig(pdl=1),
     GemvConfig(2, 4, 2, 1, 1, 1, pdl=1),
     GemvConfig(1, 8, bulk=1, stages=4, chunk=8, pdl=1),
+    GemvConfig(2, 4, sum_mma=1, bulk=1, stages=2, chunk=8, pdl=1, sc_prefetch=1, sc_early=1),
+    GemvConfig(1, 8, bulk=1, stages=2, chunk=16, pdl=1, sc_early=1),
 ]
 BULK = LAUNCHES[4]
 # The scales and zero points through the ring (sc_ring): sums by mma or not, one or two row
@@ -324,7 +326,7 @@ def test_gemv_in_a_cuda_graph_replays_exactly(cfg: GemvConfig | None) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [GemvConfig(pdl=1), *LAUNCHES[-2:], SC_RING[0], NO_PRODUCER[3], SPLITS[0]],
+    [GemvConfig(pdl=1), *LAUNCHES[-4:], SC_RING[0], NO_PRODUCER[3], SPLITS[0]],
     ids=str,
 )
 def test_pdl_chain_in_a_cuda_graph_waits_for_each_kernel_before(
@@ -415,6 +417,8 @@ def test_unsupported_inputs_name_the_reason_and_fall_back() -> None:
     assert "bulk ring" in w4a16_gemv.config_reason(GemvConfig(producer=0), torch.device("cpu"))
     reason = w4a16_gemv.config_reason(GemvConfig(sc_prefetch=1), torch.device("cpu"))
     assert "sc_prefetch needs the bulk ring" in reason
+    reason = w4a16_gemv.config_reason(GemvConfig(sc_early=1), torch.device("cpu"))
+    assert "sc_early needs the bulk ring" in reason
     assert "2-8 with the bulk ring" in w4a16_gemv.config_reason(
         GemvConfig(splits=2), torch.device("cpu")
     )
@@ -475,6 +479,14 @@ def test_scales_through_the_ring_need_whole_16_byte_rows(monkeypatch) -> None:
     assert gemv_config(1, 4096, 4096, 128).sc_ring
     assert not gemv_config(1, 4096, 4096, 128).sc_prefetch  # they come through the ring
     assert not gemv_config(1, 4104, 4096, 128).sc_ring
+
+
+def test_gemv_rule_loads_the_first_scales_early_where_switched_on(monkeypatch) -> None:
+    monkeypatch.setenv("PAGODA_W4A16_SC_EARLY", "0")
+    assert not gemv_config(1, 28672, 4096, 128).sc_early
+    monkeypatch.setenv("PAGODA_W4A16_SC_EARLY", "1")
+    assert gemv_config(1, 28672, 4096, 128).sc_early and gemv_config(16, 4096, 4096, 128).sc_early
+    assert not gemv_config(1, 4096, 4096, 128, bulk=False).sc_early  # the register kernel
 
 
 def test_gemv_rule_holds_registers_for_more_warps_up_to_8_rows_where_switched_on(
