@@ -271,7 +271,7 @@ VARIABLES: dict[str, EnvVar] = {
             "The largest K split of the CUDA W4A16 wgmma kernel whose partial tiles are summed "
             "among the CTAs of a thread-block cluster (distributed shared memory; up to 8) "
             "instead of through global memory (the last CTA to arrive adding them); 0 or 1 for "
-            "none. Two-way splits (down at 129-256 rows) were faster in a cluster, four- and "
+            "none. Two-way splits (down at 224-256 rows) were faster in a cluster, four- and "
             "eight-way ones slower.",
             _count("PAGODA_W4A16_CLUSTER_SPLIT", 2),
         ),

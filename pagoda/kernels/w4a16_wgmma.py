@@ -150,9 +150,10 @@ def split_mode(cfg: WgmmaConfig, split: int) -> int:
     """How a tile's `split` K ranges are summed: among a cluster where `split` is at most
     PAGODA_W4A16_CLUSTER_SPLIT (2 by default) and `MAX_CLUSTER`, and the stages' shared memory
     holds a CTA's accumulators (warpgroups <= stages); else through global memory. On an H100
-    (`benchmarks/results/h200/run102-x-smem/`) the cluster took a decode step of 256 rows
-    (down split in two) from 7.49 to 7.01 ms, and steps of 48-128 rows (splits of 4 and 8, every
-    rank held until the first has read its partials) from 3.61-5.12 to 4.03-6.05 ms."""
+    the cluster took a decode step of 256 rows (down split in two) from 7.44-7.56 to 7.13-7.15
+    ms (`benchmarks/results/h200/run103-cluster-two/`), and made steps of 48-128 rows (splits of
+    4 and 8, every rank held until the first has read its partials) slower, 4.03-6.05 ms
+    against 3.61-5.12 (`run102-x-smem/`)."""
     if split <= 1:
         return SPLIT_NONE
     limit = min(envs.PAGODA_W4A16_CLUSTER_SPLIT, MAX_CLUSTER)
