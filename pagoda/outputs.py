@@ -40,12 +40,13 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
 
     def append(self, logprobs_one_position: LogprobsOnePosition | None) -> None:
         """Add the next position's logprobs (None: a position without any)."""
-        entries = (logprobs_one_position or {}).values()
+        entries = logprobs_one_position or {}
+        values = entries.values()
         self.append_fast(
-            logprobs_one_position or (),
-            [lp.logprob for lp in entries],
-            [lp.rank for lp in entries],
-            [lp.decoded_token for lp in entries],
+            entries,
+            [lp.logprob for lp in values],
+            [lp.rank for lp in values],
+            [lp.decoded_token for lp in values],
         )
 
     def append_fast(

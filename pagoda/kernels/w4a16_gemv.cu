@@ -592,15 +592,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 #endif
     grid_wait();  // x is written by the kernel before (the producer's weights are not)
     launch_dependents();
-    // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
-    // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
-    // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
-    // with a loop body twice as long, on an H100.)
 #if SC_EARLY
     if (warp < steps) load_xs(warp, xv);
 #else
     if (warp < steps) load_step(warp, sc, zp, xv);
 #endif
+    // Step s (a K step of this warp: s % WARPS == warp) on the registers the step before
+    // loaded, loading step s + WARPS's. (Two steps an iteration, with two sets of these
+    // registers swapped instead of copied, ran 0-5% slower at 1-8 rows and 24% slower at 16,
+    // with a loop body twice as long, on an H100.)
     for (int s = warp; s < steps; s += WARPS) {
       const int c = s / CHUNK, st = c % STAGES;
       u32 nsc[ROW_TILES][2], nzp[ROW_TILES][2];
